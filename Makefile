@@ -1,0 +1,41 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench docs-bench promtool clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU wheel of 2.13.0 lies on local disk; any other version pulls CUDA wheels.
+	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text]'
+	$(BIN)/python -m pip check
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/causalmem demo
+
+# promtool validates deploy/prometheus.yml; Debian's `prometheus` package provides it.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing Debian's prometheus package for promtool"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -qq >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
+	  echo "WARNING: could not install prometheus/promtool; tests that need it will be skipped"; }
+
+test: $(STAMP) promtool
+	$(BIN)/ruff check topics models pipeline tests
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check topics models pipeline tests
+
+bench: $(STAMP)
+	$(BIN)/causalmem bench throughput
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,125 @@
+"""Baselines b for the advantage A = u − b (DESIGN §4, seed 000 §5.1, seed 004 §4.2).
+
+``MovingBaseline`` is the seed's moving average (an exponentially weighted mean from
+river); ``ClusterBaseline`` keeps one such mean per query-intent cluster (seed 004 §4.2:
+"use the topic cluster's mean reward as the expectation"), the clusters found online by
+river's k-means over the query embeddings. Both follow river's style: ``get`` before
+``update``, so the advantage of an experience never includes its own utility.
+
+>>> b = MovingBaseline(fading_factor=0.5)
+>>> [b.advantage(u) for u in (1.0, 3.0, 5.0)]
+[1.0, 2.0, 3.0]
+>>> b.get()
+3.5
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from river import cluster, stats
+
+
+class MovingBaseline:
+    """Exponentially weighted mean of past utilities; b ← f·u + (1−f)·b."""
+
+    def __init__(self, fading_factor: float = 0.01) -> None:
+        self.fading_factor = fading_factor
+        self._mean = stats.EWMean(fading_factor=fading_factor)
+        self.n = 0
+
+    def get(self, embedding: np.ndarray | None = None) -> float:
+        return float(self._mean.get()) if self.n else 0.0
+
+    def update(self, utility: float, embedding: np.ndarray | None = None) -> None:
+        self._mean.update(float(utility))
+        self.n += 1
+
+    def advantage(self, utility: float, embedding: np.ndarray | None = None) -> float:
+        """A = u − b, then update b (DESIGN §4: update b after computing A)."""
+        a = float(utility) - self.get(embedding)
+        self.update(utility, embedding)
+        return a
+
+    def state(self) -> dict[str, Any]:
+        return {"kind": "moving", "value": self.get(), "n": self.n, "fading_factor": self.fading_factor}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> MovingBaseline:
+        b = cls(fading_factor=float(state.get("fading_factor", 0.01)))
+        if int(state.get("n", 0)) > 0:
+            # The first update of a fresh EWMean sets its mean exactly to the value.
+            b._mean.update(float(state["value"]))
+            b.n = int(state["n"])
+        return b
+
+
+class NoBaseline(MovingBaseline):
+    """b = 0 (plain REINFORCE): the benchmark's "without the baseline" row."""
+
+    def get(self, embedding: np.ndarray | None = None) -> float:
+        return 0.0
+
+    def state(self) -> dict[str, Any]:
+        return {"kind": "none", "value": 0.0, "n": self.n}
+
+
+class ClusterBaseline:
+    """One moving mean per intent cluster of the query embedding (seed 004 §4.2)."""
+
+    def __init__(self, n_clusters: int = 8, fading_factor: float = 0.01, seed: int = 0) -> None:
+        self.n_clusters = n_clusters
+        self.fading_factor = fading_factor
+        self._kmeans = cluster.KMeans(n_clusters=n_clusters, halflife=0.5, sigma=1.0, seed=seed)
+        self._means: dict[int, MovingBaseline] = {}
+        self._global = MovingBaseline(fading_factor)
+        self.n = 0
+
+    def _cluster(self, embedding: np.ndarray) -> int:
+        x = {i: float(v) for i, v in enumerate(embedding)}
+        return int(self._kmeans.predict_one(x))
+
+    def get(self, embedding: np.ndarray | None = None) -> float:
+        if embedding is None:
+            return self._global.get()
+        mean = self._means.get(self._cluster(embedding))
+        # A cluster seen too few times falls back to the global mean.
+        return mean.get() if mean is not None and mean.n >= 5 else self._global.get()
+
+    def update(self, utility: float, embedding: np.ndarray | None = None) -> None:
+        self._global.update(utility)
+        self.n += 1
+        if embedding is None:
+            return
+        x = {i: float(v) for i, v in enumerate(embedding)}
+        self._kmeans.learn_one(x)
+        c = int(self._kmeans.predict_one(x))
+        self._means.setdefault(c, MovingBaseline(self.fading_factor)).update(utility)
+
+    def advantage(self, utility: float, embedding: np.ndarray | None = None) -> float:
+        a = float(utility) - self.get(embedding)
+        self.update(utility, embedding)
+        return a
+
+    def state(self) -> dict[str, Any]:
+        # Cluster centres are not part of the checkpoint; after a restore the per-cluster
+        # means are relearnt while the global mean carries on.
+        return {"kind": "cluster", "value": self._global.get(), "n": self.n, "fading_factor": self.fading_factor}
+
+
+def make_baseline(kind: str, fading_factor: float, state: dict[str, Any] | None = None) -> Any:
+    """Baseline by name (``moving``, ``cluster`` or ``none``), restored from ``state`` if given."""
+    if kind == "none":
+        return NoBaseline(fading_factor)
+    if kind == "cluster":
+        b = ClusterBaseline(fading_factor=fading_factor)
+        if state and int(state.get("n", 0)) > 0:
+            b._global = MovingBaseline.from_state({**state, "fading_factor": fading_factor})
+            b.n = b._global.n
+        return b
+    if kind != "moving":
+        raise ValueError(f"unknown baseline {kind!r} (moving, cluster, none)")
+    if state:
+        return MovingBaseline.from_state({**state, "fading_factor": fading_factor})
+    return MovingBaseline(fading_factor)

@@ -1,0 +1,133 @@
+"""Drift detection on the utility–rating correlation (seed 000 §4.3 level 3, DESIGN §4).
+
+``U_query`` (mean utility of a query's steps) and the human ``rating`` of how much the
+query needed memory should agree while the policy identifies memory utility. The
+correlation is kept over the last 7 days of *event time* with river's
+``TimeRolling(PearsonCorr)``. :class:`DriftTrigger` fires when it falls more than
+``drop`` below its reference (its value once the window first held ``min_pairs`` pairs
+after the start or the last reset), outside a cool-down. :class:`AgreementDetector` is a
+second, independent detector: river's Page–Hinkley test in "down" mode on the per-pair
+agreement (the product of the standardised pair, whose mean is the correlation).
+
+>>> w = CorrelationWindow(days=7)
+>>> for i in range(5):
+...     w.update(float(i), float(i % 6), t=86400.0 * i)
+>>> round(w.get(), 6), w.pairs
+(1.0, 5)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass
+
+from river import drift, stats, utils
+
+EPOCH = dt.datetime(1970, 1, 1)
+
+
+def naive_utc(t: float) -> dt.datetime:
+    """Seconds since the epoch → naive UTC datetime (river's TimeRolling needs naive)."""
+    return EPOCH + dt.timedelta(seconds=t)
+
+
+class CorrelationWindow:
+    """Pearson correlation of (U_query, rating) over the last ``days`` of event time."""
+
+    def __init__(self, days: float = 7.0) -> None:
+        self.days = days
+        self._rolling = utils.TimeRolling(stats.PearsonCorr, period=dt.timedelta(days=days))
+        self.latest_t = 0.0
+
+    def update(self, u_query: float, rating: float, t: float) -> None:
+        self._rolling.update(float(u_query), float(rating), t=naive_utc(t))
+        self.latest_t = max(self.latest_t, t)
+
+    def get(self) -> float:
+        value = self._rolling.get()
+        return float(value) if value is not None and math.isfinite(value) else 0.0
+
+    @property
+    def pairs(self) -> int:
+        return int(self._rolling.obj.var_x.n)
+
+
+@dataclass
+class DriftTrigger:
+    """Reference, threshold, minimum pairs and cool-down; ``update`` (once per pair) says when to reset.
+
+    The reference is taken once ``min_pairs`` pairs have entered the window since the
+    start or the last reset (and the window holds at least that many).
+
+    >>> trig = DriftTrigger(drop=0.15, min_pairs=3, cooldown_s=100.0)
+    >>> [trig.update(c, n, t) for c, n, t in [(0.8, 2, 0), (0.8, 3, 1), (0.7, 4, 2), (0.6, 5, 3), (0.5, 6, 4)]]
+    [False, False, False, False, True]
+    """
+
+    drop: float = 0.15
+    min_pairs: int = 50
+    cooldown_s: float = 86400.0
+    reference: float | None = None
+    last_reset_t: float | None = None
+    resets: int = 0
+    since_reset: int = 0
+
+    def update(self, correlation: float, window_pairs: int, t: float) -> bool:
+        self.since_reset += 1
+        if window_pairs < self.min_pairs or self.since_reset < self.min_pairs:
+            return False
+        if self.reference is None:
+            self.reference = correlation
+            return False
+        if self.last_reset_t is not None and t - self.last_reset_t < self.cooldown_s:
+            return False
+        if correlation < self.reference - self.drop:
+            self.fire(t)
+            return True
+        return False
+
+    def fire(self, t: float) -> None:
+        self.last_reset_t = t
+        self.reference = None
+        self.since_reset = 0
+        self.resets += 1
+
+    def state(self) -> dict[str, float | int | None]:
+        return {
+            "reference": self.reference,
+            "last_reset_t": self.last_reset_t,
+            "resets": self.resets,
+            "since_reset": self.since_reset,
+        }
+
+    def load(self, state: dict) -> None:
+        self.reference = state.get("reference")
+        self.last_reset_t = state.get("last_reset_t")
+        self.resets = int(state.get("resets", 0))
+        self.since_reset = int(state.get("since_reset", 0))
+
+
+class AgreementDetector:
+    """Page–Hinkley ("down") on the per-pair agreement z_u · z_r (river)."""
+
+    def __init__(self, threshold: float = 8.0, delta: float = 0.05, min_instances: int = 30) -> None:
+        self._u = stats.Var()
+        self._r = stats.Var()
+        self._ph = drift.PageHinkley(min_instances=min_instances, delta=delta, threshold=threshold, mode="down")
+        self._args = (threshold, delta, min_instances)
+
+    def update(self, u_query: float, rating: float) -> bool:
+        su, sr = math.sqrt(self._u.get()), math.sqrt(self._r.get())
+        mu, mr = self._u.mean.get(), self._r.mean.get()
+        self._u.update(u_query)
+        self._r.update(rating)
+        if su <= 1e-9 or sr <= 1e-9:
+            return False
+        agreement = max(-5.0, min(5.0, ((u_query - mu) / su) * ((rating - mr) / sr)))
+        self._ph.update(agreement)
+        return bool(self._ph.drift_detected)
+
+    def reset(self) -> None:
+        threshold, delta, min_instances = self._args
+        self._ph = drift.PageHinkley(min_instances=min_instances, delta=delta, threshold=threshold, mode="down")

@@ -1,0 +1,128 @@
+"""The policy network of seed 000 §3.1 (DESIGN §4): features → non-negative mask over slots.
+
+``m = softplus(out(gelu(hidden([LayerNorm(q); last_step_loss; last_step_entropy]))))``
+with exact GELU and LayerNorm eps 1e-5. The tensor names are the checkpoint contract
+(DESIGN §5), so any language can rebuild the mask from a checkpoint.
+
+Only the candidate slots of a retrieval ever matter (the hard drop and the Plackett–Luce
+rule look at candidates alone), so :meth:`PolicyNetwork.candidate_masks` computes the
+output layer for those rows only: with S=1024 and ~20 candidates that is ~50× less work
+than the full mask, with the same values and gradients.
+
+>>> import torch
+>>> net = PolicyNetwork(embedding_dim=4, slots=6, hidden=8)
+>>> m = net(torch.zeros(2, 4), torch.zeros(2), torch.zeros(2))
+>>> tuple(m.shape), bool((m >= 0).all())
+((2, 6), True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TENSOR_NAMES = ("norm.weight", "norm.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias", "alpha")
+LAST_LAYER = ("out.weight", "out.bias")
+INITIAL_ALPHA = 0.5
+LAYER_NORM_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The architecture a checkpoint's tensors must match (manifest ``arch``)."""
+
+    embedding_dim: int
+    slots: int
+    hidden: int = 512
+
+    @property
+    def input_dim(self) -> int:
+        return self.embedding_dim + 2
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "input_dim": self.input_dim,
+            "hidden": self.hidden,
+            "slots": self.slots,
+            "embedding_dim": self.embedding_dim,
+        }
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        d, h, s = self.embedding_dim, self.hidden, self.slots
+        return {
+            "norm.weight": (d,),
+            "norm.bias": (d,),
+            "hidden.weight": (h, d + 2),
+            "hidden.bias": (h,),
+            "out.weight": (s, h),
+            "out.bias": (s,),
+            "alpha": (1,),
+        }
+
+
+class PolicyNetwork(nn.Module):
+    """Linear(D+2, H) → GELU → Linear(H, S) → softplus, with LayerNorm on the embedding."""
+
+    def __init__(self, embedding_dim: int, slots: int, hidden: int = 512, alpha: float = INITIAL_ALPHA) -> None:
+        super().__init__()
+        self.arch = Arch(embedding_dim, slots, hidden)
+        self.norm = nn.LayerNorm(embedding_dim, eps=LAYER_NORM_EPS)
+        self.hidden = nn.Linear(embedding_dim + 2, hidden)
+        self.out = nn.Linear(hidden, slots)
+        self.alpha = nn.Parameter(torch.tensor([float(alpha)]))
+
+    def features(self, embedding: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """The hidden representation h = gelu(hidden(x)) of shape [B, H]."""
+        x = torch.cat([self.norm(embedding), loss.unsqueeze(-1), entropy.unsqueeze(-1)], dim=-1)
+        return F.gelu(self.hidden(x))  # exact (erf) GELU, as the contract says
+
+    def forward(self, embedding: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """The full mask m of shape [B, S]."""
+        return F.softplus(self.out(self.features(embedding, loss, entropy)))
+
+    def candidate_masks(self, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """m for the given slots only: ``h`` [B, H], ``slots`` [B, C] (long) → [B, C]."""
+        w = self.out.weight[slots]  # [B, C, H]
+        b = self.out.bias[slots]  # [B, C]
+        return F.softplus(torch.einsum("bh,bch->bc", h, w) + b)
+
+    def reset_last_layer(self, generator: torch.Generator | None = None) -> None:
+        """Re-initialise ``out`` (drift reset, seed 000 §4.3 level 3); keep everything else."""
+        with torch.no_grad():
+            fresh = nn.Linear(self.arch.hidden, self.arch.slots)
+            if generator is not None:
+                bound = 1.0 / self.arch.hidden**0.5
+                fresh.weight.uniform_(-bound, bound, generator=generator)
+                fresh.bias.uniform_(-bound, bound, generator=generator)
+            self.out.weight.copy_(fresh.weight)
+            self.out.bias.copy_(fresh.bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The contract's named float32 tensors (detached, contiguous, on CPU)."""
+        state = self.state_dict()
+        return {name: state[name].detach().to("cpu", torch.float32).contiguous() for name in TENSOR_NAMES}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        expected = self.arch.shapes()
+        for name in TENSOR_NAMES:
+            if tuple(tensors[name].shape) != expected[name]:
+                raise ValueError(f"{name}: shape {tuple(tensors[name].shape)} != {expected[name]}")
+        self.load_state_dict({k: tensors[k] for k in TENSOR_NAMES}, strict=True)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
+        hidden, input_dim = tensors["hidden.weight"].shape
+        slots = tensors["out.weight"].shape[0]
+        net = cls(embedding_dim=input_dim - 2, slots=slots, hidden=hidden)
+        net.load_tensors(tensors)
+        return net
+
+
+def init_policy(embedding_dim: int, slots: int, hidden: int = 512, seed: int = 0) -> PolicyNetwork:
+    """A freshly initialised policy, deterministic for a seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PolicyNetwork(embedding_dim, slots, hidden)

@@ -1,0 +1,115 @@
+"""The serving rule (DESIGN §4), shared by the serving side and the learner.
+
+Candidates C come from a similarity index with base scores. The *hard drop* removes slot
+i when ``m_i < ratio · max_{j∈C} m_j`` (dynamic threshold, ratio 0.01). Over the kept
+candidates ``z_i = score_i · (1 + α·m_i) / T`` and ``selected`` is drawn in order without
+replacement from softmax(z) (Plackett–Luce)::
+
+    log π(selected|s) = Σ_j [ z_{σ_j} − logsumexp_{i ∈ C \\ {σ_1..σ_{j−1}}} z_i ]
+
+NumPy versions serve one query at a time (float64); the torch version is batched and
+differentiable, for the learner. Both are pinned by ``contract/vectors.json``.
+
+>>> import numpy as np
+>>> z = adjusted_logits(np.array([1.0, 0.0]), np.array([0.0, 0.0]), alpha=0.5, temperature=1.0)
+>>> round(plackett_luce_logprob(z, [0]), 6)  # log(e / (e + 1))
+-0.313262
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+DYNAMIC_DROP_RATIO = 0.01
+
+
+def keep_dynamic(masks: np.ndarray, ratio: float = DYNAMIC_DROP_RATIO) -> np.ndarray:
+    """Boolean keep-flags: m_i ≥ ratio · max m over the candidates (all dropped if non-finite)."""
+    masks = np.asarray(masks, dtype=np.float64)
+    if masks.size == 0 or not np.isfinite(masks).all():
+        return np.zeros(masks.shape, dtype=bool)
+    return masks >= ratio * masks.max()
+
+
+def keep_fixed(masks: np.ndarray, threshold: float) -> np.ndarray:
+    """Boolean keep-flags for a fixed threshold m_i ≥ τ (the seed's first, worse design)."""
+    masks = np.asarray(masks, dtype=np.float64)
+    return np.isfinite(masks) & (masks >= threshold)
+
+
+def adjusted_logits(scores: np.ndarray, masks: np.ndarray, alpha: float, temperature: float) -> np.ndarray:
+    """z_i = score_i · (1 + α·m_i) / T."""
+    scores = np.asarray(scores, dtype=np.float64)
+    masks = np.asarray(masks, dtype=np.float64)
+    return scores * (1.0 + alpha * masks) / temperature
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    top = float(x.max())
+    return top + float(np.log(np.exp(x - top).sum()))
+
+
+def plackett_luce_logprob(z: np.ndarray, selected_positions: Sequence[int]) -> float:
+    """log-probability of drawing ``selected_positions`` (indices into z) in that order."""
+    z = np.asarray(z, dtype=np.float64)
+    remaining = np.ones(z.shape[0], dtype=bool)
+    total = 0.0
+    for pos in selected_positions:
+        total += float(z[pos]) - _logsumexp(z[remaining])
+        remaining[pos] = False
+    return total
+
+
+def first_draw_probs(z: np.ndarray) -> np.ndarray:
+    """softmax(z): the probability of each candidate being drawn first."""
+    z = np.asarray(z, dtype=np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def sample_plackett_luce(z: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
+    """Draw k positions in order without replacement from softmax(z) (Gumbel-top-k).
+
+    Adding independent Gumbel noise and sorting gives exactly the Plackett–Luce
+    distribution over ordered prefixes.
+    """
+    z = np.asarray(z, dtype=np.float64)
+    k = min(k, z.shape[0])
+    if k <= 0:
+        return []
+    keys = z + rng.gumbel(size=z.shape[0])
+    return [int(i) for i in np.argsort(-keys, kind="stable")[:k]]
+
+
+def plackett_luce_logprob_torch(
+    z: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor, selected_valid: torch.Tensor
+) -> torch.Tensor:
+    """Batched, differentiable log π(selected|s).
+
+    ``z`` [B, C] adjusted logits (padding anywhere), ``valid`` [B, C] marks real candidates,
+    ``selected`` [B, K] positions into C (padding anywhere), ``selected_valid`` [B, K].
+    Returns [B]; rows with no valid selection give 0.
+    """
+    neg_inf = torch.finfo(z.dtype).min
+    available = valid.clone()
+    total = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+    rows = torch.arange(z.shape[0], device=z.device)
+    for j in range(selected.shape[1]):
+        pos = selected[:, j]
+        use = selected_valid[:, j]
+        lse = torch.logsumexp(z.masked_fill(~available, neg_inf), dim=1)
+        term = z[rows, pos] - lse
+        total = total + torch.where(use, term, torch.zeros_like(term))
+        available = available.clone()
+        available[rows[use], pos[use]] = False
+    return total
+
+
+def adjusted_logits_torch(
+    scores: torch.Tensor, masks: torch.Tensor, alpha: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
+    """Batched z = score · (1 + α·m) / T; ``temperature`` is [B]."""
+    return scores * (1.0 + alpha * masks) / temperature.unsqueeze(-1)

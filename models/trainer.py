@@ -1,0 +1,279 @@
+"""The policy's learning step, free of Kafka: REINFORCE micro-batches, label fine-tuning,
+last-layer reset and warm-up (DESIGN §4; seed 000 §4.3 levels 1–3).
+
+:class:`PolicyTrainer` owns the network, the optimizer and the baseline. The learner
+process feeds it decoded experiences; the benchmarks and tests drive it directly.
+
+>>> import numpy as np
+>>> from topics.codec import Experience, Features, RetrievalEvent
+>>> t = PolicyTrainer(embedding_dim=4, slots=6, hidden=8, lr=1e-2)
+>>> ev = RetrievalEvent("e1", "q1", 0, 1.0, Features(np.ones(4, np.float32), 0.0, 0.0),
+...                     [0, 1, 2], np.array([0.9, 0.8, 0.7]), [0], 1.0, -1.0, False)
+>>> stats = t.update([Experience("e1", "feedback", ev, utility=1.0)])
+>>> stats.applied, stats.skipped_non_finite
+(1, 0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.baseline import make_baseline
+from models.policy import PolicyNetwork, init_policy
+from models.reinforce import importance_weights, label_loss, reinforce_loss
+from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
+from topics.codec import Experience
+
+
+@dataclass
+class Batch:
+    """Experiences as padded tensors (C = most candidates, K = most selections)."""
+
+    embedding: torch.Tensor  # [B, D]
+    loss: torch.Tensor  # [B]
+    entropy: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B, C] long (padding: 0)
+    valid: torch.Tensor  # [B, C] bool
+    scores: torch.Tensor  # [B, C]
+    selected: torch.Tensor  # [B, K] positions into C
+    selected_valid: torch.Tensor  # [B, K] bool
+    temperature: torch.Tensor  # [B]
+    logged_logprob: torch.Tensor  # [B]
+    utility: np.ndarray  # [B] float64
+    target: torch.Tensor | None = None  # [B, C] bool: labelled slots (label batches)
+
+
+def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_target: bool = False) -> Batch:
+    b = len(experiences)
+    c = max(len(e.event.candidates) for e in experiences)
+    k = max(max(len(e.event.selected) for e in experiences), 1)
+    slots = np.zeros((b, c), np.int64)
+    valid = np.zeros((b, c), bool)
+    scores = np.zeros((b, c), np.float32)
+    selected = np.zeros((b, k), np.int64)
+    selected_valid = np.zeros((b, k), bool)
+    target = np.zeros((b, c), bool) if with_target else None
+    for i, e in enumerate(experiences):
+        ev = e.event
+        n = len(ev.candidates)
+        slots[i, :n] = ev.candidates
+        valid[i, :n] = True
+        scores[i, :n] = ev.scores
+        pos = {s: j for j, s in enumerate(ev.candidates)}
+        sel = [pos[s] for s in ev.selected]
+        selected[i, : len(sel)] = sel
+        selected_valid[i, : len(sel)] = True
+        if target is not None and e.correct_memories:
+            for s in e.correct_memories:
+                if s in pos:
+                    target[i, pos[s]] = True
+    emb = np.stack([e.event.features.query_embedding for e in experiences]).astype(np.float32, copy=False)
+    feats = np.array(
+        [(e.event.features.last_step_loss, e.event.features.last_step_entropy) for e in experiences], np.float32
+    )
+
+    def t(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x).to(device)
+
+    return Batch(
+        embedding=t(emb),
+        loss=t(np.ascontiguousarray(feats[:, 0])),
+        entropy=t(np.ascontiguousarray(feats[:, 1])),
+        slots=t(slots),
+        valid=t(valid),
+        scores=t(scores),
+        selected=t(selected),
+        selected_valid=t(selected_valid),
+        temperature=t(np.array([e.event.temperature for e in experiences], np.float32)),
+        logged_logprob=t(np.array([e.event.logprob for e in experiences], np.float32)),
+        utility=np.array([e.utility for e in experiences], np.float64),
+        target=t(target) if target is not None else None,
+    )
+
+
+@dataclass
+class UpdateStats:
+    applied: int = 0
+    skipped_non_finite: int = 0
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    weights: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+
+
+class PolicyTrainer:
+    """Network + Adam + baseline; one call per micro-batch."""
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        slots: int,
+        hidden: int = 512,
+        lr: float = 1e-3,
+        grad_clip: float = 1.0,
+        importance_clip: float = 5.0,
+        baseline: str = "moving",
+        baseline_fading: float = 0.01,
+        label_lr: float = 1e-2,
+        device: str = "cpu",
+        seed: int = 0,
+        net: PolicyNetwork | None = None,
+    ) -> None:
+        self.device = device
+        self.net = (net or init_policy(embedding_dim, slots, hidden, seed=seed)).to(device)
+        self.lr = lr
+        self.grad_clip = grad_clip
+        self.importance_clip = importance_clip
+        self.baseline_kind = baseline
+        self.baseline_fading = baseline_fading
+        self.baseline = make_baseline(baseline, baseline_fading)
+        self.label_lr = label_lr
+        self.seed = seed
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=lr)
+        self.label_optimizer = torch.optim.Adam([self.net.out.weight, self.net.out.bias], lr=label_lr)
+        self.updates = 0
+        self.experiences = 0
+        self.labels_applied = 0
+
+    # ------------------------------------------------------------------ REINFORCE
+    def update(self, experiences: Sequence[Experience]) -> UpdateStats:
+        """One REINFORCE step on a micro-batch of joined experiences."""
+        stats = UpdateStats()
+        if not experiences:
+            return stats
+        batch = make_batch(experiences, self.device)
+        # A = u − b for each experience in order, b updated after each (DESIGN §4).
+        pairs = zip(batch.utility, experiences, strict=True)
+        adv = np.array([self.baseline.advantage(u, e.event.features.query_embedding) for u, e in pairs], np.float32)
+        net = self.net
+        h = net.features(batch.embedding, batch.loss, batch.entropy)
+        m = net.candidate_masks(h, batch.slots)
+        z = adjusted_logits_torch(batch.scores, m, net.alpha, batch.temperature)
+        logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
+        w = importance_weights(logp, batch.logged_logprob, self.importance_clip)
+        loss = reinforce_loss(logp, torch.from_numpy(adv).to(self.device), w)
+        stats.weights = w.tolist()
+        stats.advantages = adv.tolist()
+        self.experiences += len(experiences)
+        if not self._step(loss, self.optimizer, list(net.parameters()), stats):
+            return stats
+        stats.applied = len(experiences)
+        self.updates += 1
+        return stats
+
+    def _step(
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[Any], stats: UpdateStats
+    ) -> bool:
+        stats.loss = float(loss.detach())
+        if not math.isfinite(stats.loss):
+            stats.skipped_non_finite = 1
+            return False
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        stats.grad_norm = norm
+        if not math.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            stats.skipped_non_finite = 1
+            return False
+        optimizer.step()
+        return True
+
+    # ------------------------------------------------------------------ labels
+    def fine_tune(self, labelled: Sequence[Experience], steps: int = 1) -> UpdateStats:
+        """Move probability mass toward the labelled slots, updating the last layer only."""
+        stats = UpdateStats()
+        usable = [e for e in labelled if e.correct_memories and set(e.correct_memories) & set(e.event.candidates)]
+        if not usable:
+            return stats
+        batch = make_batch(usable, self.device, with_target=True)
+        assert batch.target is not None
+        params = [self.net.out.weight, self.net.out.bias]
+        for _ in range(steps):
+            with torch.no_grad():  # backbone frozen: no gradient reaches it
+                h = self.net.features(batch.embedding, batch.loss, batch.entropy)
+                alpha = self.net.alpha.detach()
+            m = self.net.candidate_masks(h, batch.slots)
+            z = adjusted_logits_torch(batch.scores, m, alpha, batch.temperature)
+            loss = label_loss(z, batch.valid, batch.target)
+            if not self._step(loss, self.label_optimizer, params, stats):
+                return stats
+        stats.applied = len(usable)
+        self.labels_applied += len(usable)
+        return stats
+
+    # ------------------------------------------------------------------ drift reset
+    def reset_last_layer(self, replay: Sequence[Experience], epochs: int = 2, batch_size: int = 32) -> UpdateStats:
+        """Re-initialise ``out``, clear its optimizer state, re-estimate b, warm up on replay.
+
+        The baseline is re-estimated from the replayed utilities: after a drift the old
+        average describes a world that no longer exists, and a stale b would bias every
+        advantage of the warm-up.
+        """
+        gen = torch.Generator().manual_seed(self.seed + 1000 + self.updates)
+        self.net.reset_last_layer(gen)
+        for p in (self.net.out.weight, self.net.out.bias):
+            self.optimizer.state.pop(p, None)
+            self.label_optimizer.state.pop(p, None)
+        feedback = [e for e in replay if e.kind == "feedback"]
+        self.baseline = make_baseline(self.baseline_kind, self.baseline_fading)
+        if feedback:
+            recent = feedback[-max(1, int(1 / max(self.baseline_fading, 1e-6))) :]
+            self.baseline = make_baseline(
+                self.baseline_kind,
+                self.baseline_fading,
+                {"value": float(np.mean([e.utility for e in recent])), "n": len(recent)},
+            )
+        total = UpdateStats()
+        for _ in range(epochs):
+            for i in range(0, len(feedback), batch_size):
+                s = self.update(feedback[i : i + batch_size])
+                total.applied += s.applied
+                total.skipped_non_finite += s.skipped_non_finite
+        labels = [e for e in replay if e.kind == "label"]
+        if labels:
+            self.fine_tune(labels)
+        return total
+
+    # ------------------------------------------------------------------ state
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.net.tensors()
+
+    def load(self, tensors: dict[str, torch.Tensor], baseline_state: dict[str, Any] | None = None) -> None:
+        self.net.load_tensors({k: v.to(self.device) for k, v in tensors.items()})
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
+        self.label_optimizer = torch.optim.Adam([self.net.out.weight, self.net.out.bias], lr=self.label_lr)
+        self.baseline = make_baseline(self.baseline_kind, self.baseline_fading, baseline_state)
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """Adam moments by parameter name (kept in the learner's local state directory)."""
+        out: dict[str, torch.Tensor] = {}
+        names = dict(self.net.named_parameters())
+        for prefix, opt in (("main", self.optimizer), ("label", self.label_optimizer)):
+            for name, p in names.items():
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                out[f"{prefix}.{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
+                out[f"{prefix}.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
+                out[f"{prefix}.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+        return out
+
+    def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        names = dict(self.net.named_parameters())
+        for prefix, opt in (("main", self.optimizer), ("label", self.label_optimizer)):
+            for name, p in names.items():
+                key = f"{prefix}.{name}"
+                if f"{key}.exp_avg" not in tensors:
+                    continue
+                opt.state[p] = {
+                    "step": torch.tensor(float(tensors[f"{key}.step"][0])),
+                    "exp_avg": tensors[f"{key}.exp_avg"].to(self.device).clone(),
+                    "exp_avg_sq": tensors[f"{key}.exp_avg_sq"].to(self.device).clone(),
+                }

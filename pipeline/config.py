@@ -1,0 +1,158 @@
+"""Configuration: one dataclass, filled from defaults, ``CAUSALMEM_*`` variables and flags.
+
+Configuration is passed into every component; nothing reads the environment deep inside.
+
+>>> s = Settings.from_env({"CAUSALMEM_SLOTS": "64", "CAUSALMEM_EMBEDDING_DIM": "16"})
+>>> (s.slots, s.embedding_dim, s.partitions)
+(64, 16, 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from topics.codec import Limits
+from topics.names import Topics
+
+
+@dataclass
+class KafkaSecurity:
+    """SASL/TLS settings passed through to every Kafka client (aiokafka and faust).
+
+    Secrets are never logged: :meth:`redacted` is what the processes print.
+    """
+
+    security_protocol: str = "PLAINTEXT"  # PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL
+    sasl_mechanism: str | None = None  # PLAIN, SCRAM-SHA-256, SCRAM-SHA-512
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    def redacted(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if out.get("sasl_password"):
+            out["sasl_password"] = "***"
+        return out
+
+
+@dataclass
+class Settings:
+    # where
+    bootstrap: str | None = None  # None: start or reuse the embedded broker
+    topic_prefix: str = ""
+    partitions: int = 8
+    policy: str = "default"
+    state_dir: str = "~/.causalmem"
+    metrics_port: int | None = None  # None: do not serve; 0: any free port
+    metrics_host: str = "127.0.0.1"
+    # model
+    embedding_dim: int = 384
+    slots: int = 1024
+    hidden: int = 512
+    device: str = "auto"  # auto: cuda when present, else cpu
+    seed: int = 0
+    # learning (defaults tuned by `causalmem bench learning`, see docs/tuning.md)
+    lr: float = 1e-3
+    batch_size: int = 32
+    grad_clip: float = 1.0
+    importance_clip: float = 5.0
+    baseline: str = "moving"  # moving | cluster | none
+    baseline_fading: float = 0.01
+    label_lr: float = 1e-2
+    # checkpoints
+    checkpoint_interval_s: float = 10.0
+    keep_versions: int = 3
+    gate: bool = True
+    gate_window: int = 2000
+    gate_epsilon: float = 0.02
+    gate_min_ess: float = 50.0
+    # join and stream stages
+    join_window_s: float = 600.0  # event time
+    join_batch: int = 2000
+    label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
+    al_threshold: float = -0.3
+    al_uncertainty_budget: float = 0.0  # fraction of experiences; 0 disables the trigger
+    al_uncertainty_margin: float = 0.05  # top-2 first-draw probability margin below which a step is uncertain
+    # drift
+    drift_window_days: float = 7.0
+    drift_drop: float = 0.15
+    drift_min_pairs: int = 50
+    drift_cooldown_s: float = 86400.0
+    drift_page_hinkley: bool = False
+    warmup_epochs: int = 2
+    replay_max: int = 50_000
+    # limits
+    max_message_bytes: int = 256 * 1024
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
+
+    # -- derived -------------------------------------------------------------------------
+    def topics(self) -> Topics:
+        return Topics.build(prefix=self.topic_prefix, partitions=self.partitions)
+
+    def limits(self) -> Limits:
+        return Limits(embedding_dim=self.embedding_dim, slots=self.slots, max_bytes=self.max_message_bytes)
+
+    def state_path(self) -> Path:
+        path = Path(os.path.expanduser(self.state_dir))
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def torch_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    # -- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, then ``CAUSALMEM_<FIELD>`` variables, then explicit overrides (not None)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "security":
+                continue
+            raw = env.get("CAUSALMEM_" + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse(raw, f.type, f.name)
+        security = KafkaSecurity()
+        for f in fields(KafkaSecurity):
+            raw = env.get("CAUSALMEM_KAFKA_" + f.name.upper())
+            if raw:
+                setattr(security, f.name, raw)
+        values["security"] = security
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            if key.startswith("kafka_") and hasattr(security, key[len("kafka_") :]):
+                setattr(security, key[len("kafka_") :], value)
+            elif key in {f.name for f in fields(cls)}:
+                values[key] = value
+            else:
+                raise TypeError(f"unknown setting {key!r}")
+        return cls(**values)
+
+
+def _parse(raw: str, typ: Any, name: str) -> Any:
+    t = str(typ)
+    try:
+        if t.startswith("bool"):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if t.startswith("int"):
+            return int(raw)
+        if t.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"CAUSALMEM_{name.upper()}={raw!r} is not a valid {t}") from None
+    return raw

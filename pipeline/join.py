@@ -1,0 +1,402 @@
+"""The join stage: RetrievalEvent ⋈ LLMFeedback on (query_id, step), batched.
+
+This is the hot path (Decision Service's "join"). It reads both input topics with one
+aiokafka consumer group in batches (``getmany``): a per-event faust agent reaches only
+~5% of raw consume speed on one core (DESIGN §8), so the volume stage is batched and the
+faust stages downstream get one message per batch.
+
+Per input partition it keeps the events still waiting for their other half, in either
+arrival order, for ``join_window_s`` of event time; unmatched events are then evicted and
+counted. State is not checkpointed anywhere: the committed offset of each input
+partition is the offset of its oldest still-pending event, so a worker that takes a
+partition over (after a crash or a rebalance) rebuilds the pending state by re-reading
+from there. Joins re-emitted by that re-read carry the retrieval event's id, and every
+consumer downstream applies an id once (at-least-once delivery, idempotent processing).
+
+Outputs, produced before the input offsets are committed:
+
+- ``experiences`` (1 partition): each joined, non-fallback step with its utility, for
+  the learner;
+- ``outcomes`` (co-partitioned by query_id): one message per batch and partition with a
+  compact record per joined step (utility, and the whole event when it is a candidate for
+  active learning), for the faust stages;
+- ``dead-letter``: every rejected message with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.partitioner import murmur2
+from river import stats, utils
+
+from pipeline import kafka
+from pipeline.config import Settings
+from pipeline.deadletter import DeadLetterWriter
+from pipeline.metrics import Metrics
+from topics.codec import (
+    SCHEMA_OUTCOMES,
+    Experience,
+    LLMFeedback,
+    Rejected,
+    RetrievalEvent,
+    decode_llm_feedback,
+    decode_retrieval_event,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+COMMIT_INTERVAL_S = 1.0
+# Bounds on join state per partition, whatever the event times say.
+MAX_PENDING_PER_PARTITION = 500_000
+MAX_IDS_PER_PARTITION = 1_000_000
+
+
+def key_partition(key: str, partitions: int) -> int:
+    """The partition Kafka's default (murmur2) partitioner gives a string key."""
+    return (murmur2(key.encode("utf-8")) & 0x7FFFFFFF) % partitions
+
+
+def uncertainty_margin(event: RetrievalEvent) -> float | None:
+    """Top-2 margin of the serving policy's first-draw probabilities, when logged."""
+    probs = event.candidate_probs
+    if probs is None or len(probs) < 2:
+        return None
+    top = sorted(probs, reverse=True)
+    return float(top[0] - top[1])
+
+
+@dataclass
+class _Pending:
+    value: Any
+    offset: int
+    ts: float
+
+
+@dataclass
+class PartitionState:
+    """Join state of one input partition number (shared by both co-partitioned topics)."""
+
+    retrieval: OrderedDict[tuple[str, int], _Pending] = field(default_factory=OrderedDict)
+    feedback: OrderedDict[tuple[str, int], _Pending] = field(default_factory=OrderedDict)
+    seen_ids: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    joined: OrderedDict[tuple[str, int], float] = field(default_factory=OrderedDict)
+    position: dict[str, int] = field(default_factory=dict)  # topic -> next offset to read
+
+    def pending(self) -> int:
+        return len(self.retrieval) + len(self.feedback)
+
+    def commit_offset(self, topic_kind: str) -> int | None:
+        side = self.retrieval if topic_kind == "retrieval" else self.feedback
+        pos = self.position.get(topic_kind)
+        if side:
+            oldest = min(p.offset for p in side.values())
+            return oldest if pos is None else min(oldest, pos)
+        return pos
+
+
+class JoinStats:
+    """Rolling retrieval statistics for the health score (river rolling means)."""
+
+    def __init__(self, window: int = 2000) -> None:
+        self.intervention = utils.Rolling(stats.Mean(), window_size=window)
+        self.fallback = utils.Rolling(stats.Mean(), window_size=window)
+        self.utility = utils.Rolling(stats.Mean(), window_size=window)
+        self.utility_nonneg = utils.Rolling(stats.Mean(), window_size=window)
+
+
+class JoinStage:
+    """Batched join with an explicit lifecycle (``start`` / ``run`` / ``stop``)."""
+
+    def __init__(self, settings: Settings, bootstrap: str, metrics: Metrics, group_id: str | None = None) -> None:
+        self.settings = settings
+        self.bootstrap = bootstrap
+        self.metrics = metrics
+        self.topics = settings.topics()
+        self.limits = settings.limits()
+        self.group_id = group_id or f"{settings.topic_prefix}causalmem-join"
+        self._kind = {self.topics.retrieval_events.name: "retrieval", self.topics.llm_feedback.name: "feedback"}
+        self.state: dict[int, PartitionState] = {}
+        self.watermark = 0.0  # max event time seen (seconds)
+        self.stats = JoinStats()
+        self.joined_total = 0
+        self.uncertain_sent = 0
+        self._consumer: Any = None
+        self._producer: Any = None
+        self._dead: DeadLetterWriter | None = None
+        self._stopping = asyncio.Event()
+        self._last_commit = 0.0
+        self.ready = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._producer = kafka.producer(self.bootstrap, self.settings, linger_ms=10)
+        await self._producer.start()
+        self._dead = DeadLetterWriter(self._producer, self.topics.dead_letter.name, self.metrics)
+        self._consumer = kafka.consumer(
+            self.bootstrap, self.settings, group_id=self.group_id, max_poll_records=self.settings.join_batch
+        )
+        self._consumer.subscribe(
+            [self.topics.retrieval_events.name, self.topics.llm_feedback.name], listener=_Rebalance(self)
+        )
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._flush_and_commit(force=True)
+            await self._consumer.stop()
+            self._consumer = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def __aenter__(self) -> JoinStage:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def run(self) -> None:
+        """Consume until :meth:`stop`. Never raises on bad input."""
+        assert self._consumer is not None
+        while not self._stopping.is_set():
+            try:
+                batch = await self._consumer.getmany(timeout_ms=200, max_records=self.settings.join_batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker hiccups: keep going, report once per failure
+                log.warning("join: fetch failed: %r", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if self._consumer.assignment():
+                self.ready.set()
+            if batch:
+                t0 = time.perf_counter()
+                await self.process(batch)
+                self.metrics.join_batch_seconds.observe(time.perf_counter() - t0)
+            await self._flush_and_commit()
+            self._export_lag()
+
+    # ------------------------------------------------------------------ processing
+    async def process(self, batch: dict[TopicPartition, list[Any]]) -> None:
+        """Validate, join and emit one fetched batch (public for tests and benchmarks)."""
+        experiences: list[bytes] = []
+        outcomes: dict[int, list[dict[str, Any]]] = {}
+        window = self.settings.join_window_s
+        for tp, messages in batch.items():
+            kind = self._kind.get(tp.topic)
+            if kind is None:
+                continue
+            st = self.state.setdefault(tp.partition, PartitionState())
+            self.metrics.events_in.labels(topic=tp.topic).inc(len(messages))
+            for msg in messages:
+                st.position[kind] = msg.offset + 1
+                try:
+                    value = (
+                        decode_retrieval_event(msg.value, self.limits, msg.key)
+                        if kind == "retrieval"
+                        else decode_llm_feedback(msg.value, self.limits, msg.key)
+                    )
+                except Rejected as rej:
+                    assert self._dead is not None
+                    self._dead.send(msg, rej.reason, rej.detail)
+                    continue
+                if value.event_id in st.seen_ids:
+                    self.metrics.duplicates.labels(topic=tp.topic).inc()
+                    continue
+                key = (value.query_id, value.step)
+                if key in st.joined:
+                    self.metrics.duplicates.labels(topic=tp.topic).inc()
+                    continue
+                st.seen_ids[value.event_id] = value.ts
+                self.watermark = max(self.watermark, value.ts)
+                if kind == "retrieval":
+                    self._observe_retrieval(value)
+                    other = st.feedback.pop(key, None)
+                    if other is None:
+                        if key in st.retrieval:  # a second event for the same step
+                            self.metrics.duplicates.labels(topic=tp.topic).inc()
+                        else:
+                            st.retrieval[key] = _Pending(value, msg.offset, value.ts)
+                        continue
+                    event, feedback = value, other.value
+                else:
+                    other = st.retrieval.pop(key, None)
+                    if other is None:
+                        if key in st.feedback:
+                            self.metrics.duplicates.labels(topic=tp.topic).inc()
+                        else:
+                            st.feedback[key] = _Pending(value, msg.offset, value.ts)
+                        continue
+                    event, feedback = other.value, value
+                st.joined[key] = max(event.ts, feedback.ts)
+                self._emit(event, feedback, experiences, outcomes)
+        self._evict(self.watermark - window)
+        await self._send(experiences, outcomes)
+
+    def _observe_retrieval(self, e: RetrievalEvent) -> None:
+        m = self.metrics
+        m.retrievals.inc()
+        m.candidates_kept.inc(len(e.candidates))
+        dropped = len(e.dropped or ())
+        m.candidates_dropped.inc(dropped)
+        total = dropped + len(e.candidates)
+        if total:
+            self.stats.intervention.update(dropped / total)
+        self.stats.fallback.update(1.0 if e.fallback else 0.0)
+        if e.fallback:
+            m.fallbacks.inc()
+        if e.mask_max is not None:
+            m.mask_max.observe(e.mask_max)
+        m.intervention_rate.set(self.stats.intervention.get())
+        m.fallback_rate.set(self.stats.fallback.get())
+
+    def _emit(
+        self,
+        event: RetrievalEvent,
+        feedback: LLMFeedback,
+        experiences: list[bytes],
+        outcomes: dict[int, list[dict[str, Any]]],
+    ) -> None:
+        u = feedback.utility
+        self.joined_total += 1
+        self.metrics.joins.inc()
+        self.metrics.utility.observe(u)
+        self.stats.utility.update(u)
+        self.stats.utility_nonneg.update(1.0 if u >= 0 else 0.0)
+        self.metrics.utility_mean.set(self.stats.utility.get())
+        if not event.fallback:  # fallback steps feed metrics and U_query, not the gradient
+            experiences.append(encode(Experience(event.event_id, "feedback", event, u).to_dict()))
+        record: dict[str, Any] = {
+            "query_id": event.query_id,
+            "step": event.step,
+            "ts": max(event.ts, feedback.ts),
+            "utility": u,
+            "fallback": event.fallback,
+            "policy": event.policy,
+        }
+        reason = None
+        if u < self.settings.al_threshold and not event.fallback:
+            reason = "error"  # becomes a sample once its query gets a negative verdict
+        elif self.settings.al_uncertainty_budget > 0 and not event.fallback:
+            margin = uncertainty_margin(event)
+            if (
+                margin is not None
+                and margin < self.settings.al_uncertainty_margin
+                and self.uncertain_sent < self.settings.al_uncertainty_budget * self.joined_total
+            ):
+                reason = "uncertain"
+                self.uncertain_sent += 1
+        if reason is not None:
+            record["al"] = reason
+            record["event"] = event.to_dict()
+        outcomes.setdefault(key_partition(event.query_id, self.settings.partitions), []).append(record)
+
+    def _evict(self, horizon: float) -> None:
+        # Queues are in arrival order, which is close to event-time order: evict from the
+        # front. An event that arrived out of order leaves when it reaches the front.
+        pending = 0
+        for st in self.state.values():
+            for side, queue in (("retrieval", st.retrieval), ("feedback", st.feedback)):
+                n = _prune_front(queue, horizon, MAX_PENDING_PER_PARTITION, ts_of=lambda p: p.ts)
+                if n:
+                    self.metrics.join_expired.labels(side=side).inc(n)
+            _prune_front(st.seen_ids, horizon, MAX_IDS_PER_PARTITION)
+            _prune_front(st.joined, horizon, MAX_IDS_PER_PARTITION)
+            pending += st.pending()
+        self.metrics.join_pending.set(pending)
+
+    async def _send(self, experiences: list[bytes], outcomes: dict[int, list[dict[str, Any]]]) -> None:
+        p = self._producer
+        futures = [await p.send(self.topics.experiences.name, value, partition=0) for value in experiences]
+        for partition, records in outcomes.items():
+            body = encode({"schema": SCHEMA_OUTCOMES, "records": records})
+            futures.append(await p.send(self.topics.outcomes.name, body, partition=partition))
+        if futures:
+            await asyncio.gather(*futures)
+
+    # ------------------------------------------------------------------ offsets
+    async def _flush_and_commit(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_commit < COMMIT_INTERVAL_S:
+            return
+        self._last_commit = now
+        if self._dead is not None:
+            await self._dead.flush()
+        offsets = self.commit_offsets()
+        if offsets:
+            try:
+                await self._consumer.commit(offsets)
+            except Exception as exc:  # rebalance in progress: the next commit catches up
+                log.info("join: commit skipped: %r", exc)
+
+    def commit_offsets(self) -> dict[TopicPartition, int]:
+        out: dict[TopicPartition, int] = {}
+        assigned = self._consumer.assignment() if self._consumer else set()
+        for tp in assigned:
+            st = self.state.get(tp.partition)
+            kind = self._kind[tp.topic]
+            offset = st.commit_offset(kind) if st else None
+            if offset is not None:
+                out[tp] = offset
+        return out
+
+    def _export_lag(self) -> None:
+        c = self._consumer
+        lags: dict[str, int] = {}
+        for tp in c.assignment():
+            hw = c.highwater(tp)
+            pos = self.state.get(tp.partition, PartitionState()).position.get(self._kind[tp.topic])
+            if hw is not None and pos is not None:
+                lags[tp.topic] = lags.get(tp.topic, 0) + max(0, hw - pos)
+        for topic, lag in lags.items():
+            self.metrics.consumer_lag.labels(topic=topic).set(lag)
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        try:
+            await self._flush_and_commit(force=True)
+        except Exception as exc:
+            log.info("join: commit on revoke failed: %r", exc)
+        for tp in revoked:
+            # Its new owner rebuilds this state by re-reading from the committed offset.
+            self.state.pop(tp.partition, None)
+
+    def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        parts = {tp.partition for tp in assigned}
+        self.metrics.partitions_owned.labels(stage="join").set(len(parts))
+        log.info("join: assigned partitions %s", sorted(parts))
+
+
+def _prune_front(d: OrderedDict[Any, Any], horizon: float, cap: int, ts_of: Any = None) -> int:
+    """Drop entries older than ``horizon`` from the front, and any beyond ``cap``."""
+    removed = 0
+    while d:
+        k, v = next(iter(d.items()))
+        ts = ts_of(v) if ts_of else v
+        if ts >= horizon and len(d) <= cap:
+            break
+        del d[k]
+        removed += 1
+    return removed
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, stage: JoinStage) -> None:
+        self.stage = stage
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.stage.on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.stage.on_assigned(set(assigned))

@@ -1,0 +1,106 @@
+"""Topic names and configurations (DESIGN §3).
+
+Every topic name may carry a configurable prefix. Input topics that are joined are
+co-partitioned by ``query_id``: they share one partition count so that a key lands on the
+same partition number in each of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic: name, partition count and creation-time configs."""
+
+    name: str
+    partitions: int
+    configs: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The product's topics for one deployment (one prefix, one partition count).
+
+    >>> t = Topics.build(prefix="dev.", partitions=4)
+    >>> t.retrieval_events.name, t.retrieval_events.partitions
+    ('dev.retrieval-events', 4)
+    >>> t.policy_checkpoints.partitions
+    1
+    """
+
+    retrieval_events: TopicSpec
+    llm_feedback: TopicSpec
+    human_labels: TopicSpec
+    active_learning: TopicSpec
+    policy_checkpoints: TopicSpec
+    dead_letter: TopicSpec
+    experiences: TopicSpec
+    outcomes: TopicSpec
+    rating_pairs: TopicSpec
+    control: TopicSpec
+    prefix: str = ""
+
+    @classmethod
+    def build(cls, prefix: str = "", partitions: int = 8, retention_ms: int = SEVEN_DAYS_MS) -> Topics:
+        if partitions < 1:
+            raise ValueError("partitions must be >= 1")
+        keep = {"cleanup.policy": "delete", "retention.ms": str(retention_ms)}
+        # The learner warms up on 7 days of experiences and restores from offsets in the
+        # manifest, so its input must be kept at least that long.
+        keep_longer = {"cleanup.policy": "delete", "retention.ms": str(2 * SEVEN_DAYS_MS)}
+
+        def spec(name: str, n: int, configs: dict[str, str], doc: str) -> TopicSpec:
+            return TopicSpec(prefix + name, n, dict(configs), doc)
+
+        return cls(
+            retrieval_events=spec("retrieval-events", partitions, keep, "serving side: RetrievalEvent"),
+            llm_feedback=spec("llm-feedback", partitions, keep, "LLM evaluator: LLMFeedback"),
+            human_labels=spec("human-labels", partitions, keep, "labelers: HumanLabel"),
+            active_learning=spec("active-learning", partitions, keep, "pipeline: ActiveLearningSample"),
+            policy_checkpoints=spec(
+                "policy-checkpoints",
+                1,
+                {"cleanup.policy": "compact", "max.message.bytes": str(1024 * 1024)},
+                "learner: checkpoint chunks + manifests",
+            ),
+            dead_letter=spec("dead-letter", 1, keep, "pipeline: rejected message + reason"),
+            # Internal. One partition: the learner is the single writer of the policy and
+            # reads its input in one order, so a restart replays exactly the same batches.
+            experiences=spec("experiences", 1, keep_longer, "internal: joined experiences and labels"),
+            # Internal, co-partitioned with the inputs: per-batch outcome records for the
+            # faust stages (active learning, U_query), one message per join batch.
+            outcomes=spec("outcomes", partitions, keep, "internal: batched join outcomes"),
+            rating_pairs=spec("rating-pairs", 1, keep_longer, "internal: (U_query, rating) pairs"),
+            control=spec("control", 1, keep_longer, "internal: commands to the learner (reset)"),
+            prefix=prefix,
+        )
+
+    def all(self) -> list[TopicSpec]:
+        return [
+            self.retrieval_events,
+            self.llm_feedback,
+            self.human_labels,
+            self.active_learning,
+            self.policy_checkpoints,
+            self.dead_letter,
+            self.experiences,
+            self.outcomes,
+            self.rating_pairs,
+            self.control,
+        ]
+
+    def inputs(self) -> list[TopicSpec]:
+        """The topics users write to."""
+        return [self.retrieval_events, self.llm_feedback, self.human_labels]
+
+    def by_short_name(self, short: str) -> TopicSpec:
+        """Look a topic up by its unprefixed name, e.g. ``"llm-feedback"``."""
+        for spec in self.all():
+            if spec.name == self.prefix + short:
+                return spec
+        raise KeyError(short)
