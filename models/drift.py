@@ -72,11 +72,16 @@ class DriftTrigger:
     last_reset_t: float | None = None
     resets: int = 0
     since_reset: int = 0
+    peak: float | None = None  # highest correlation since the reference was taken
+    peak_t: float | None = None  # ... and when
+    change_t: float | None = None  # estimated start of the last drift that fired
 
     def update(self, correlation: float, window_pairs: int, t: float) -> bool:
         self.since_reset += 1
         if window_pairs < self.min_pairs or self.since_reset < self.min_pairs:
             return False
+        if self.peak is None or correlation > self.peak:
+            self.peak, self.peak_t = correlation, t
         if self.reference is None:
             self.reference = correlation
             return False
@@ -88,9 +93,12 @@ class DriftTrigger:
         return False
 
     def fire(self, t: float) -> None:
+        # Where the drift probably began: the correlation's peak before it fell.
+        self.change_t = self.peak_t if self.peak_t is not None else t
         self.last_reset_t = t
         self.reference = None
         self.since_reset = 0
+        self.peak = self.peak_t = None
         self.resets += 1
 
     def state(self) -> dict[str, float | int | None]:
@@ -99,6 +107,8 @@ class DriftTrigger:
             "last_reset_t": self.last_reset_t,
             "resets": self.resets,
             "since_reset": self.since_reset,
+            "peak": self.peak,
+            "peak_t": self.peak_t,
         }
 
     def load(self, state: dict) -> None:
@@ -106,12 +116,14 @@ class DriftTrigger:
         self.last_reset_t = state.get("last_reset_t")
         self.resets = int(state.get("resets", 0))
         self.since_reset = int(state.get("since_reset", 0))
+        self.peak = state.get("peak")
+        self.peak_t = state.get("peak_t")
 
 
 class AgreementDetector:
     """Page–Hinkley ("down") on the per-pair agreement z_u · z_r (river)."""
 
-    def __init__(self, threshold: float = 8.0, delta: float = 0.05, min_instances: int = 30) -> None:
+    def __init__(self, threshold: float = 15.0, delta: float = 0.2, min_instances: int = 100) -> None:
         self._u = stats.Var()
         self._r = stats.Var()
         self._ph = drift.PageHinkley(min_instances=min_instances, delta=delta, threshold=threshold, mode="down")

@@ -142,8 +142,11 @@ class PolicyTrainer:
         self.labels_applied = 0
 
     # ------------------------------------------------------------------ REINFORCE
-    def update(self, experiences: Sequence[Experience]) -> UpdateStats:
-        """One REINFORCE step on a micro-batch of joined experiences."""
+    def update(self, experiences: Sequence[Experience], sample_weights: np.ndarray | None = None) -> UpdateStats:
+        """One REINFORCE step on a micro-batch of joined experiences.
+
+        ``sample_weights`` (optional, e.g. recency during a warm-up) scale each term.
+        """
         stats = UpdateStats()
         if not experiences:
             return stats
@@ -157,6 +160,8 @@ class PolicyTrainer:
         z = adjusted_logits_torch(batch.scores, m, net.alpha, batch.temperature)
         logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
         w = importance_weights(logp, batch.logged_logprob, self.importance_clip)
+        if sample_weights is not None:
+            w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         loss = reinforce_loss(logp, torch.from_numpy(adv).to(self.device), w)
         stats.weights = w.tolist()
         stats.advantages = adv.tolist()
@@ -209,31 +214,42 @@ class PolicyTrainer:
         return stats
 
     # ------------------------------------------------------------------ drift reset
-    def reset_last_layer(self, replay: Sequence[Experience], epochs: int = 2, batch_size: int = 32) -> UpdateStats:
+    def reset_last_layer(
+        self,
+        replay: Sequence[Experience],
+        epochs: int = 2,
+        batch_size: int = 32,
+        half_life_s: float | None = 86400.0,
+    ) -> UpdateStats:
         """Re-initialise ``out``, clear its optimizer state, re-estimate b, warm up on replay.
 
-        The baseline is re-estimated from the replayed utilities: after a drift the old
-        average describes a world that no longer exists, and a stale b would bias every
-        advantage of the warm-up.
+        The baseline restarts: the warm-up replays the kept experiences in event-time
+        order with a fresh moving baseline, which ends at the level of the most recent
+        utilities (the old average describes a world that no longer exists). Each
+        experience is weighed by its age (``0.5 ** (age / half_life_s)``, newest = 1): the
+        7 days kept mostly predate the change, and weighing them equally re-teaches the
+        old world.
         """
         gen = torch.Generator().manual_seed(self.seed + 1000 + self.updates)
         self.net.reset_last_layer(gen)
         for p in (self.net.out.weight, self.net.out.bias):
             self.optimizer.state.pop(p, None)
             self.label_optimizer.state.pop(p, None)
-        feedback = [e for e in replay if e.kind == "feedback"]
-        self.baseline = make_baseline(self.baseline_kind, self.baseline_fading)
-        if feedback:
-            recent = feedback[-max(1, int(1 / max(self.baseline_fading, 1e-6))) :]
-            self.baseline = make_baseline(
-                self.baseline_kind,
-                self.baseline_fading,
-                {"value": float(np.mean([e.utility for e in recent])), "n": len(recent)},
-            )
+        feedback = sorted((e for e in replay if e.kind == "feedback"), key=lambda e: e.event.ts)
         total = UpdateStats()
+        weights = np.ones(len(feedback))
+        if feedback and half_life_s:
+            newest = feedback[-1].event.ts
+            ages = np.array([newest - e.event.ts for e in feedback])
+            weights = 0.5 ** (ages / half_life_s)
+        self.baseline = make_baseline(self.baseline_kind, self.baseline_fading)
         for _ in range(epochs):
+            # Each pass replays in event-time order with a fresh moving baseline, so every
+            # advantage is measured against the utilities of its own time: a baseline from
+            # after the change would make every old success look like a great one.
+            self.baseline = make_baseline(self.baseline_kind, self.baseline_fading)
             for i in range(0, len(feedback), batch_size):
-                s = self.update(feedback[i : i + batch_size])
+                s = self.update(feedback[i : i + batch_size], weights[i : i + batch_size])
                 total.applied += s.applied
                 total.skipped_non_finite += s.skipped_non_finite
         labels = [e for e in replay if e.kind == "label"]

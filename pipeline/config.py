@@ -69,7 +69,7 @@ class Settings:
     # checkpoints
     checkpoint_interval_s: float = 10.0
     keep_versions: int = 3
-    gate: bool = True
+    gate: bool = False
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
@@ -86,7 +86,9 @@ class Settings:
     drift_min_pairs: int = 50
     drift_cooldown_s: float = 86400.0
     drift_page_hinkley: bool = False
+    drift_reset: bool = True  # False: measure and report, never reset
     warmup_epochs: int = 2
+    warmup_half_life_s: float = 86400.0  # event-time age at which a warm-up experience counts half
     replay_max: int = 50_000
     # limits
     max_message_bytes: int = 256 * 1024

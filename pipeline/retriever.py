@@ -88,6 +88,8 @@ class CausalRetriever:
         fallback: FallbackFn | None = None,
         policy: str = "default",
         seed: int | None = None,
+        explore_rate: float = 0.0,
+        explore_temperature: float | None = None,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.index = faiss.IndexFlatIP(self.embeddings.shape[1])
@@ -105,6 +107,11 @@ class CausalRetriever:
         self.policy_name = policy
         self.policy: LoadedPolicy | None = None
         self.rng = np.random.default_rng(seed)
+        # Exploration: a share of requests is served at a higher temperature (logged on the
+        # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
+        # what it picks and learns nothing more; these requests keep the gradient alive.
+        self.explore_rate = explore_rate
+        self.explore_temperature = explore_temperature if explore_temperature is not None else 5 * temperature
 
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """Swap the policy in (use as PolicySubscriber's ``on_update``)."""
@@ -151,12 +158,14 @@ class CausalRetriever:
         kept, kept_scores, kept_masks = slots[keep], scores[keep], masks[keep]
         alpha = self.policy.alpha if self.policy is not None else 0.0
         version = self.policy.version if self.policy is not None else 0
+        explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
+        temperature = self.explore_temperature if explore else self.temperature
         if len(kept) == 0:
             fb = self.fallback(query_text, q, self.k) if self.fallback is not None else []
             selected, logprob, probs = [int(s) for s in fb][: self.k], 0.0, None
             candidates, cand_scores, cand_masks, fallback = [], np.zeros(0), None, True
         else:
-            z = adjusted_logits(kept_scores, kept_masks, alpha, self.temperature)
+            z = adjusted_logits(kept_scores, kept_masks, alpha, temperature)
             pos = sample_plackett_luce(z, self.k, self.rng)
             selected = [int(kept[p]) for p in pos]
             logprob = plackett_luce_logprob(z, pos)
@@ -175,7 +184,7 @@ class CausalRetriever:
             candidates=candidates,
             scores=cand_scores,
             selected=selected,
-            temperature=self.temperature,
+            temperature=temperature,
             logprob=float(logprob),
             fallback=fallback,
             policy=self.policy_name,

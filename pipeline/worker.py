@@ -398,13 +398,22 @@ class Worker:
             self.metrics.correlation_pairs.set(n)
             if self.drift.trigger.reference is not None:
                 self.metrics.correlation_reference.set(self.drift.trigger.reference)
-            if fired:
+            if fired and not self.settings.drift_reset:
+                log.warning(
+                    "drift: %s detector fired at event time %.0f (correlation %.3f); resets are off", fired, t, corr
+                )
+            elif fired:
                 ctl = Control(
                     command="reset",
                     ts=t,
                     reason=f"drift:{fired}",
                     id=f"reset-{pid}-{t}",
-                    details={"correlation": corr, "pairs": n, "detector": fired},
+                    details={
+                        "correlation": corr,
+                        "pairs": n,
+                        "detector": fired,
+                        "since_ts": self.drift.trigger.change_t,
+                    },
                 )
                 await self.control_topic.send(value=encode(ctl.to_dict()), partition=0)
                 self.metrics.drift_triggers.labels(detector=fired).inc()
