@@ -87,14 +87,14 @@ class DriftTrigger:
             return False
         if self.last_reset_t is not None and t - self.last_reset_t < self.cooldown_s:
             return False
-        if correlation < self.reference - self.drop:
-            self.fire(t)
-            return True
-        return False
+        return correlation < self.reference - self.drop
 
-    def fire(self, t: float) -> None:
-        # Where the drift probably began: the correlation's peak before it fell.
-        self.change_t = self.peak_t if self.peak_t is not None else t
+    def in_cooldown(self, t: float) -> bool:
+        return self.last_reset_t is not None and t - self.last_reset_t < self.cooldown_s
+
+    def fire(self, t: float, change_t: float | None = None) -> None:
+        # Where the drift probably began: the given estimate, else the correlation's peak.
+        self.change_t = change_t if change_t is not None else self.peak_t if self.peak_t is not None else t
         self.last_reset_t = t
         self.reference = None
         self.since_reset = 0
@@ -121,15 +121,20 @@ class DriftTrigger:
 
 
 class AgreementDetector:
-    """Page–Hinkley ("down") on the per-pair agreement z_u · z_r (river)."""
+    """Page–Hinkley ("down", river) on the per-pair agreement z_u · z_r, with a change-point estimate.
+
+    ``change_t`` estimates when the agreement began to fall: the time at which the
+    Page–Hinkley sum ``U_t = Σ (x_i − x̄_i + δ)`` was highest (it climbs by δ per pair
+    while nothing changes and falls once the agreement drops).
+    """
 
     def __init__(self, threshold: float = 15.0, delta: float = 0.2, min_instances: int = 100) -> None:
+        self._args = (threshold, delta, min_instances)
         self._u = stats.Var()
         self._r = stats.Var()
-        self._ph = drift.PageHinkley(min_instances=min_instances, delta=delta, threshold=threshold, mode="down")
-        self._args = (threshold, delta, min_instances)
+        self.reset()
 
-    def update(self, u_query: float, rating: float) -> bool:
+    def update(self, u_query: float, rating: float, t: float = 0.0) -> bool:
         su, sr = math.sqrt(self._u.get()), math.sqrt(self._r.get())
         mu, mr = self._u.mean.get(), self._r.mean.get()
         self._u.update(u_query)
@@ -137,9 +142,71 @@ class AgreementDetector:
         if su <= 1e-9 or sr <= 1e-9:
             return False
         agreement = max(-5.0, min(5.0, ((u_query - mu) / su) * ((rating - mr) / sr)))
+        self._mean.update(agreement)
+        self._sum += agreement - self._mean.get() + self._args[1]
+        if self._sum >= self._max_sum:
+            self._max_sum, self.change_t = self._sum, t
         self._ph.update(agreement)
         return bool(self._ph.drift_detected)
 
     def reset(self) -> None:
+        """Forget the agreement history (after a reset); keep the standardisation."""
         threshold, delta, min_instances = self._args
         self._ph = drift.PageHinkley(min_instances=min_instances, delta=delta, threshold=threshold, mode="down")
+        self._mean = stats.Mean()
+        self._sum = 0.0
+        self._max_sum = 0.0
+        self.change_t: float | None = None
+
+
+class DriftMonitor:
+    """The worker's drift stage without Kafka: window + trigger (+ Page–Hinkley).
+
+    Rebuildable from stored pairs (never from pickled river objects). ``update`` returns
+    the detector that fired (``"correlation"`` or ``"page_hinkley"``) or None; after a
+    firing, ``trigger.change_t`` estimates when the drift began.
+
+    >>> m = DriftMonitor(min_pairs=3, cooldown_s=10.0)
+    >>> [m.update(float(i), float(i), float(i % 6)) for i in range(3)]
+    [None, None, None]
+    """
+
+    def __init__(
+        self,
+        days: float = 7.0,
+        drop: float = 0.15,
+        min_pairs: int = 50,
+        cooldown_s: float = 86400.0,
+        page_hinkley: bool = False,
+    ) -> None:
+        self.days = days
+        self.window = CorrelationWindow(days=days)
+        self.trigger = DriftTrigger(drop=drop, min_pairs=min_pairs, cooldown_s=cooldown_s)
+        self.agreement = AgreementDetector()  # always on: it estimates the change point
+        self.page_hinkley = page_hinkley
+        self.last_fired_by: str | None = None
+
+    def rebuild(self, pairs: list[tuple[float, float, float]], trigger_state: dict | None) -> None:
+        """Replay stored (t, u, rating) pairs in event-time order; restore the trigger."""
+        self.window = CorrelationWindow(days=self.days)
+        self.agreement = AgreementDetector()
+        for t, u, r in sorted(pairs):
+            self.window.update(u, r, t)
+            self.agreement.update(u, r, t)
+        if trigger_state:
+            self.trigger.load(trigger_state)
+
+    def update(self, t: float, u: float, rating: float) -> str | None:
+        self.window.update(u, rating, t)
+        ph = self.agreement.update(u, rating, t)
+        corr, pairs = self.window.get(), self.window.pairs
+        fired = None
+        if self.trigger.update(corr, pairs, t):
+            fired = "correlation"
+        elif self.page_hinkley and ph and not self.trigger.in_cooldown(t) and pairs >= self.trigger.min_pairs:
+            fired = "page_hinkley"
+        if fired:
+            self.trigger.fire(t, self.agreement.change_t)
+            self.agreement.reset()
+            self.last_fired_by = fired
+        return fired

@@ -85,8 +85,10 @@ class PolicyNetwork(nn.Module):
 
     def candidate_masks(self, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """m for the given slots only: ``h`` [B, H], ``slots`` [B, C] (long) → [B, C]."""
-        w = self.out.weight[slots]  # [B, C, H]
-        b = self.out.bias[slots]  # [B, C]
+        # embedding() is a gather whose backward is a dense scatter-add, ~3× faster than
+        # the index_put behind plain fancy indexing.
+        w = F.embedding(slots, self.out.weight)  # [B, C, H]
+        b = self.out.bias.gather(0, slots.reshape(-1)).reshape(slots.shape)  # [B, C]
         return F.softplus(torch.einsum("bh,bch->bc", h, w) + b)
 
     def reset_last_layer(self, generator: torch.Generator | None = None) -> None:

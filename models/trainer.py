@@ -31,6 +31,15 @@ from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_tor
 from topics.codec import Experience
 
 
+def adam(params: Any, lr: float) -> torch.optim.Adam:
+    """Adam with the fused kernel (CPU and CUDA): ~10× faster steps for this network."""
+    params = list(params)
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, TypeError):  # a device without the fused kernel
+        return torch.optim.Adam(params, lr=lr)
+
+
 @dataclass
 class Batch:
     """Experiences as padded tensors (C = most candidates, K = most selections)."""
@@ -135,8 +144,8 @@ class PolicyTrainer:
         self.baseline = make_baseline(baseline, baseline_fading)
         self.label_lr = label_lr
         self.seed = seed
-        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=lr)
-        self.label_optimizer = torch.optim.Adam([self.net.out.weight, self.net.out.bias], lr=label_lr)
+        self.optimizer = adam(self.net.parameters(), lr)
+        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], label_lr)
         self.updates = 0
         self.experiences = 0
         self.labels_applied = 0
@@ -263,8 +272,8 @@ class PolicyTrainer:
 
     def load(self, tensors: dict[str, torch.Tensor], baseline_state: dict[str, Any] | None = None) -> None:
         self.net.load_tensors({k: v.to(self.device) for k, v in tensors.items()})
-        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
-        self.label_optimizer = torch.optim.Adam([self.net.out.weight, self.net.out.bias], lr=self.label_lr)
+        self.optimizer = adam(self.net.parameters(), self.lr)
+        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], self.label_lr)
         self.baseline = make_baseline(self.baseline_kind, self.baseline_fading, baseline_state)
 
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:

@@ -111,7 +111,7 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("aiokafka", "faust", "mode", "kafka"):
+    for noisy in ("aiokafka", "faust", "mode", "kafka", "faiss", "faiss.loader", "bm25s", "matplotlib"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 

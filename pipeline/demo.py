@@ -93,6 +93,7 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> DemoResult:
     from topics.codec import HumanLabel, LLMFeedback, decode_control
 
     console = Console(stderr=True)
+    logging.getLogger("pipeline.checkpoints").setLevel(logging.WARNING)  # one line per hot-load is noise here
     t_start = time.monotonic()
     logdir = Path(args.keep_logs or tempfile.mkdtemp(prefix="causalmem-demo-"))
     logdir.mkdir(parents=True, exist_ok=True)

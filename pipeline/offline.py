@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from models.drift import AgreementDetector, CorrelationWindow, DriftTrigger
+from models.drift import DriftMonitor
 from models.trainer import PolicyTrainer
 from pipeline.checkpoints import LoadedPolicy
 from pipeline.retriever import CausalRetriever
@@ -88,9 +88,9 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
     )
     version = 1
     retriever.set_policy(_snapshot(trainer, version))
-    window = CorrelationWindow()
-    trigger = DriftTrigger(min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s)
-    ph = AgreementDetector() if cfg.page_hinkley else None
+    monitor = DriftMonitor(
+        min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
+    )
     replay: list[Experience] = []
     pending: list[Experience] = []
     result = OfflineResult(Tally())
@@ -132,20 +132,12 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
         if rating is not None:
             t = q.ts
             result.pairs.append((t, float(np.mean(q.utilities)), rating))
-            window.update(float(np.mean(q.utilities)), rating, t)
-            fired = trigger.update(window.get(), window.pairs, t)
-            if ph is not None and ph.update(float(np.mean(q.utilities)), rating) and not fired:
-                cooling = trigger.last_reset_t is not None and t - trigger.last_reset_t < trigger.cooldown_s
-                if not cooling and window.pairs >= trigger.min_pairs:
-                    trigger.fire(t)
-                    fired = True
-            if fired and ph is not None:
-                ph.reset()
-            result.corr.append((t, window.get(), window.pairs))
+            fired = monitor.update(t, float(np.mean(q.utilities)), rating)
+            result.corr.append((t, monitor.window.get(), monitor.window.pairs))
             if fired and cfg.reset:
                 horizon = t - 7 * 86400
                 replay = [e for e in replay if e.event.ts >= horizon]
-                since = trigger.change_t
+                since = monitor.trigger.change_t
                 warm = [e for e in replay if since is None or e.event.ts >= since]
                 trainer.reset_last_layer(
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s

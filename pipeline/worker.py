@@ -29,7 +29,7 @@ import faust
 import mode
 import orjson
 
-from models.drift import AgreementDetector, CorrelationWindow, DriftTrigger
+from models.drift import DriftMonitor
 from models.health import health_score
 from models.serving_rule import first_draw_probs
 from pipeline.config import Settings
@@ -121,45 +121,6 @@ def label_experience(label: HumanLabel, sample: dict[str, Any], limits: Any) -> 
     )
 
 
-class DriftMonitor:
-    """Correlation window + trigger (+ optional Page–Hinkley), rebuildable from stored pairs."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.window = CorrelationWindow(days=settings.drift_window_days)
-        self.trigger = DriftTrigger(
-            drop=settings.drift_drop, min_pairs=settings.drift_min_pairs, cooldown_s=settings.drift_cooldown_s
-        )
-        self.page_hinkley = AgreementDetector() if settings.drift_page_hinkley else None
-        self.last_fired_by: str | None = None
-
-    def rebuild(self, pairs: list[tuple[float, float, float]], trigger_state: dict[str, Any] | None) -> None:
-        """Replay stored (t, u, rating) pairs in event-time order; restore the trigger."""
-        self.window = CorrelationWindow(days=self.settings.drift_window_days)
-        for t, u, r in sorted(pairs):
-            self.window.update(u, r, t)
-        if trigger_state:
-            self.trigger.load(trigger_state)
-
-    def update(self, t: float, u: float, rating: float) -> str | None:
-        """Add a pair; return the detector that fired, if one did."""
-        self.window.update(u, rating, t)
-        fired = None
-        if self.trigger.update(self.window.get(), self.window.pairs, t):
-            fired = "correlation"
-        if self.page_hinkley is not None and self.page_hinkley.update(u, rating) and fired is None:
-            in_cooldown = (
-                self.trigger.last_reset_t is not None and t - self.trigger.last_reset_t < self.trigger.cooldown_s
-            )
-            if not in_cooldown and self.window.pairs >= self.trigger.min_pairs:
-                self.trigger.fire(t)
-                fired = "page_hinkley"
-        if fired and self.page_hinkley is not None:
-            self.page_hinkley.reset()
-        self.last_fired_by = fired or self.last_fired_by
-        return fired
-
-
 class JoinService(mode.Service):
     """Runs the join stage inside the faust worker's lifecycle."""
 
@@ -188,7 +149,13 @@ class Worker:
         self.topics = settings.topics()
         self.limits = settings.limits()
         self.join = JoinStage(settings, bootstrap, metrics)
-        self.drift = DriftMonitor(settings)
+        self.drift = DriftMonitor(
+            days=settings.drift_window_days,
+            drop=settings.drift_drop,
+            min_pairs=settings.drift_min_pairs,
+            cooldown_s=settings.drift_cooldown_s,
+            page_hinkley=settings.drift_page_hinkley,
+        )
         self._drift_built = False
         self._pairs_since_prune = 0
         self.app = self._build_app(web_port)

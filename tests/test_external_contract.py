@@ -1,0 +1,164 @@
+"""The wire contract as an outside team meets it (DESIGN §3, §5).
+
+``examples/contract_publisher.py`` and ``examples/contract_consumer.py`` import nothing
+from this project. Here they run as separate processes against a real worker and
+learner, the way a new user would run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TEST_CONTRACT, settings_env
+
+from models.policy import PolicyNetwork
+from pipeline import kafka
+from pipeline.checkpoints import fetch_checkpoint, scan_model_topic
+from pipeline.procs import Child, metric, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHER = ROOT / "examples" / "contract_publisher.py"
+CONSUMER = ROOT / "examples" / "contract_consumer.py"
+EVENTS = 40
+
+
+def run_example(script: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=str(ROOT)
+    )
+
+
+def last_json_line(proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("contract", [TEST_CONTRACT, TEST_CONTRACT / "vectors.json"], ids=["dir", "json"])
+def test_consumer_numpy_math_matches_contract_vectors(contract: Path) -> None:
+    report = last_json_line(run_example(CONSUMER, "--vectors", str(contract)))
+    assert report["ok"] is True
+    assert report["kept_ok"] is True
+    assert report["max_rel_err"] <= 1e-5
+    assert report["cases"] >= 3
+
+
+def test_consumer_rejects_wrong_math(tmp_path: Path) -> None:
+    """The vector check is sharp: a changed expected mask fails it (exit 1)."""
+    spec = json.loads((TEST_CONTRACT / "vectors.json").read_text())
+    spec["cases"][0]["expected_mask"][0] *= 1.0001
+    (tmp_path / "vectors.json").write_text(json.dumps(spec))
+    (tmp_path / "vectors.safetensors").write_bytes((TEST_CONTRACT / "vectors.safetensors").read_bytes())
+    proc = run_example(CONSUMER, "--vectors", str(tmp_path))
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False
+
+
+def _wait_metric(child: Child, name: str, at_least: float, timeout: float, **labels: str) -> float:
+    seen = [0.0]
+
+    def reached() -> bool:
+        if not child.alive():
+            raise AssertionError(f"{child.verb} exited with {child.proc.returncode}:\n{child.log_tail()}")
+        seen[0] = metric(child.metrics(), name, **labels)
+        return seen[0] >= at_least
+
+    try:
+        wait_until(reached, timeout, interval=0.25, what=f"{name}{labels} >= {at_least}")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc} (last {seen[0]})\n{child.verb} log:\n{child.log_tail()}") from None
+    return seen[0]
+
+
+@pytest.mark.broker
+def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_path: Path) -> None:
+    bootstrap = broker.bootstrap
+    created = asyncio.run(kafka.create_topics(bootstrap, settings))
+    assert all(v in ("created", "exists") for v in created.values()), created
+    env = settings_env(settings)
+    worker = learner = None
+    try:
+        worker = Child("worker", bootstrap, env, log_path=tmp_path / "worker.log")
+        learner = Child("learner", bootstrap, env, log_path=tmp_path / "learner.log")
+        _wait_metric(worker, "causalmem_partitions_owned", 1, 45, stage="join")
+        # The learner's metrics answer, and it has published its initial policy.
+        _wait_metric(learner, "causalmem_checkpoint_version", 1, 30, role="serving")
+
+        pub = run_example(
+            PUBLISHER,
+            "--bootstrap", bootstrap,
+            "--prefix", settings.topic_prefix,
+            "--dim", str(settings.embedding_dim),
+            "--slots", str(settings.slots),
+            "--events", str(EVENTS),
+            "--seed", "7",
+        )  # fmt: skip
+        summary = last_json_line(pub)
+        assert summary["events"] == EVENTS and summary["sent"] == 2 * EVENTS
+        assert summary["bad"] >= 3
+
+        _wait_metric(learner, "causalmem_learner_experiences_total", EVENTS, 60, kind="feedback")
+        _wait_metric(learner, "causalmem_checkpoint_version", 2, 30, role="serving")
+        # A checkpoint published after every experience was applied is on the topic.
+        newest: dict = {}
+
+        def trained_checkpoint_published() -> bool:
+            index = asyncio.run(scan_model_topic(bootstrap, settings))
+            m = index.serving.get(settings.policy)
+            newest["m"] = m
+            return m is not None and m.version >= 2 and m.metrics.get("experiences", 0) >= EVENTS
+
+        wait_until(trained_checkpoint_published, 30, interval=0.5, what="a checkpoint with every experience")
+        trained_version = newest["m"].version
+
+        rng = np.random.default_rng(3)
+        query = [float(v) for v in rng.normal(size=settings.embedding_dim)]
+        loss, entropy = 0.7, 1.9
+        out = last_json_line(
+            run_example(
+                CONSUMER,
+                "--bootstrap",
+                bootstrap,
+                "--prefix",
+                settings.topic_prefix,
+                "--query-json",
+                json.dumps(query),
+                "--loss",
+                str(loss),
+                "--entropy",
+                str(entropy),
+            )  # fmt: skip
+        )
+        assert out["sha256_ok"] is True
+        assert out["policy"] == settings.policy
+        assert out["version"] >= max(2, trained_version)
+        assert len(out["mask"]) == settings.slots
+
+        # The project's own reader, for the same manifest and query.
+        index = asyncio.run(scan_model_topic(bootstrap, settings))
+        manifest = index.manifests[(settings.policy, out["version"])]
+        assert out["sha256"] == manifest.sha256 and out["reason"] == manifest.reason
+        tensors = asyncio.run(fetch_checkpoint(bootstrap, settings, index, manifest))
+        net = PolicyNetwork.from_tensors(tensors).eval()
+        with torch.no_grad():
+            expected = net(torch.tensor([query]), torch.tensor([loss]), torch.tensor([entropy]))[0]
+        np.testing.assert_allclose(np.asarray(out["mask"]), expected.double().numpy(), rtol=1e-5, atol=0)
+
+        # Every deliberately bad message went to dead-letter, and nothing else did.
+        rejected = _wait_metric(worker, "causalmem_events_rejected_total", summary["bad"], 20)
+        assert rejected == summary["bad"], worker.metrics()
+        reasons = {
+            r: metric(worker.metrics(), "causalmem_events_rejected_total", reason=r)
+            for r in set(summary["bad_reasons"])
+        }
+        assert reasons == {r: float(summary["bad_reasons"].count(r)) for r in reasons}
+    finally:
+        for child in (learner, worker):
+            if child is not None:
+                child.stop()
