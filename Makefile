@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/causalmem demo
 
-# promtool validates deploy/prometheus.yml; Debian's `prometheus` package provides it.
+# promtool validates deploy/prometheus/prometheus.yml; Debian's `prometheus` package provides it.
 promtool:
 	@command -v promtool >/dev/null 2>&1 || { \
 	  echo "installing Debian's prometheus package for promtool"; \

@@ -201,7 +201,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if wrong:
         print(f"topic problems: {wrong}", file=sys.stderr)
         return 2
-    metrics = Metrics()
+    metrics = Metrics(role="worker")
     port = serve(metrics, settings.metrics_port, settings.metrics_host)
     if port is not None:
         print(f"metrics: http://{settings.metrics_host}:{port}/metrics", flush=True)
@@ -241,7 +241,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
     async def main(stop: asyncio.Event) -> int:
         await kafka.wait_for_broker(bootstrap, settings)
         await kafka.create_topics(bootstrap, settings)
-        metrics = Metrics()
+        metrics = Metrics(role="learner")
         port = serve(metrics, settings.metrics_port, settings.metrics_host)
         if port is not None:
             print(f"metrics: http://{settings.metrics_host}:{port}/metrics", flush=True)

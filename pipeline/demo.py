@@ -134,8 +134,11 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> DemoResult:
         n_candidates=scenario.n_candidates,
         temperature=scenario.temperature,
         seed=scenario.seed,
+        explore_rate=scenario.explore_rate,
+        explore_temperature=scenario.explore_temperature,
     )
     tally = Tally()
+
     published = {"retrieval-events": 0, "llm-feedback": 0, "human-labels": 0}
     corr_series: list[tuple[float, float, int]] = []
     versions = {"n": 0}

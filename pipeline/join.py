@@ -87,7 +87,9 @@ class PartitionState:
 
     retrieval: OrderedDict[tuple[str, int], _Pending] = field(default_factory=OrderedDict)
     feedback: OrderedDict[tuple[str, int], _Pending] = field(default_factory=OrderedDict)
-    seen_ids: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    # One dedupe set per topic: a feedback may legitimately reuse its event's event_id.
+    seen_retrieval: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    seen_feedback: OrderedDict[str, float] = field(default_factory=OrderedDict)
     joined: OrderedDict[tuple[str, int], float] = field(default_factory=OrderedDict)
     position: dict[str, int] = field(default_factory=dict)  # topic -> next offset to read
 
@@ -212,14 +214,15 @@ class JoinStage:
                     assert self._dead is not None
                     self._dead.send(msg, rej.reason, rej.detail)
                     continue
-                if value.event_id in st.seen_ids:
+                seen = st.seen_retrieval if kind == "retrieval" else st.seen_feedback
+                if value.event_id in seen:
                     self.metrics.duplicates.labels(topic=tp.topic).inc()
                     continue
                 key = (value.query_id, value.step)
                 if key in st.joined:
                     self.metrics.duplicates.labels(topic=tp.topic).inc()
                     continue
-                st.seen_ids[value.event_id] = value.ts
+                seen[value.event_id] = value.ts
                 self.watermark = max(self.watermark, value.ts)
                 if kind == "retrieval":
                     self._observe_retrieval(value)
@@ -312,7 +315,9 @@ class JoinStage:
                 n = _prune_front(queue, horizon, MAX_PENDING_PER_PARTITION, ts_of=lambda p: p.ts)
                 if n:
                     self.metrics.join_expired.labels(side=side).inc(n)
-            _prune_front(st.seen_ids, horizon, MAX_IDS_PER_PARTITION)
+            _prune_front(st.seen_retrieval, horizon, MAX_IDS_PER_PARTITION)
+            _prune_front(st.seen_feedback, horizon, MAX_IDS_PER_PARTITION)
+
             _prune_front(st.joined, horizon, MAX_IDS_PER_PARTITION)
             pending += st.pending()
         self.metrics.join_pending.set(pending)

@@ -420,12 +420,21 @@ class Learner:
             await self.reset(ctl.reason, ctl.details)
 
     async def reset(self, reason: str = "", details: dict[str, Any] | None = None) -> None:
-        """Drift reset: new last layer, warm-up on the kept 7 days, publish ``reset``."""
-        replay = list(self.replay)
+        """Drift reset: new last layer, warm-up on the kept 7 days, publish ``reset``.
+
+        The warm-up uses the kept experiences from the detector's estimate of when the
+        drift began (``since_ts``) on: what came before teaches the world that changed.
+        """
+        since = (details or {}).get("since_ts")
+        replay = [e for e in self.replay if since is None or e.event.ts >= float(since)]
         t0 = time.perf_counter()
         stats = self.trainer.reset_last_layer(
-            replay, epochs=self.settings.warmup_epochs, batch_size=self.settings.batch_size
+            replay,
+            epochs=self.settings.warmup_epochs,
+            batch_size=self.settings.batch_size,
+            half_life_s=self.settings.warmup_half_life_s,
         )
+
         self.resets += 1
         self.metrics.resets.inc()
         log.warning(

@@ -27,160 +27,232 @@ log = logging.getLogger(__name__)
 HEALTH_BANDS = ("efficient", "healthy", "warning", "critical")
 
 
-class Metrics:
-    """Every metric the product exports. Unused ones stay at zero in a process."""
+ROLES = {
+    "worker": {"input", "worker", "broker"},
+    "learner": {"input", "learner", "broker"},
+    "all": {"input", "worker", "learner", "broker"},
+}
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+
+class Metrics:
+    """Every metric of the product; a process exports those of its role.
+
+    All attributes exist in every process (code paths may touch any of them), but only the
+    role's groups are registered on :attr:`registry`, the one served on ``/metrics``: a
+    learner does not export a worker's health score as a misleading 0.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, role: str = "all") -> None:
+        self.registry = registry or CollectorRegistry()
+        self.role = role
+        self._groups = ROLES[role]
+        self._unexported = CollectorRegistry()
         # ---- input and validation
-        self.events_in = Counter("causalmem_events_in_total", "Messages read from input topics", ["topic"], registry=r)
+        self.events_in = Counter(
+            "causalmem_events_in_total", "Messages read from input topics", ["topic"], registry=self._reg("input")
+        )
         self.rejected = Counter(
             "causalmem_events_rejected_total",
             "Messages sent to dead-letter, by reason",
             ["topic", "reason"],
-            registry=r,
+            registry=self._reg("input"),
         )
         self.duplicates = Counter(
-            "causalmem_duplicates_total", "Repeated event_ids applied once", ["topic"], registry=r
+            "causalmem_duplicates_total", "Repeated event_ids applied once", ["topic"], registry=self._reg("input")
         )
-        self.dead_letters = Counter("causalmem_dead_letter_total", "Messages written to dead-letter", registry=r)
+        self.dead_letters = Counter(
+            "causalmem_dead_letter_total", "Messages written to dead-letter", registry=self._reg("input")
+        )
         self.consumer_lag = Gauge(
             "causalmem_consumer_lag_messages",
             "High watermark minus position, summed over partitions",
             ["topic"],
-            registry=r,
+            registry=self._reg("input"),
         )
         # ---- join
-        self.joins = Counter("causalmem_joins_total", "Retrieval events joined with their feedback", registry=r)
-        self.join_expired = Counter(
-            "causalmem_join_expired_total", "Unmatched events evicted after the join window", ["side"], registry=r
+        self.joins = Counter(
+            "causalmem_joins_total", "Retrieval events joined with their feedback", registry=self._reg("worker")
         )
-        self.join_pending = Gauge("causalmem_join_pending", "Events waiting for their other half", registry=r)
+        self.join_expired = Counter(
+            "causalmem_join_expired_total",
+            "Unmatched events evicted after the join window",
+            ["side"],
+            registry=self._reg("worker"),
+        )
+        self.join_pending = Gauge(
+            "causalmem_join_pending", "Events waiting for their other half", registry=self._reg("worker")
+        )
         self.join_batch_seconds = Histogram(
             "causalmem_join_batch_seconds",
             "Time to process one fetched batch in the join stage",
-            registry=r,
+            registry=self._reg("worker"),
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
         )
         self.partitions_owned = Gauge(
-            "causalmem_partitions_owned", "Input partitions this worker owns", ["stage"], registry=r
+            "causalmem_partitions_owned", "Input partitions this worker owns", ["stage"], registry=self._reg("worker")
         )
         # ---- retrieval behaviour (from retrieval events)
-        self.retrievals = Counter("causalmem_retrievals_total", "Retrieval events seen", registry=r)
-        self.fallbacks = Counter("causalmem_fallbacks_total", "Retrievals whose hard drop left nothing", registry=r)
+        self.retrievals = Counter("causalmem_retrievals_total", "Retrieval events seen", registry=self._reg("worker"))
+        self.fallbacks = Counter(
+            "causalmem_fallbacks_total", "Retrievals whose hard drop left nothing", registry=self._reg("worker")
+        )
         self.candidates_kept = Counter(
-            "causalmem_candidates_kept_total", "Candidates kept by the hard drop", registry=r
+            "causalmem_candidates_kept_total", "Candidates kept by the hard drop", registry=self._reg("worker")
         )
         self.candidates_dropped = Counter(
-            "causalmem_candidates_dropped_total", "Candidates removed by the hard drop", registry=r
+            "causalmem_candidates_dropped_total", "Candidates removed by the hard drop", registry=self._reg("worker")
         )
         self.intervention_rate = Gauge(
-            "causalmem_intervention_rate", "Share of candidates the mask dropped (recent events)", registry=r
+            "causalmem_intervention_rate",
+            "Share of candidates the mask dropped (recent events)",
+            registry=self._reg("worker"),
         )
         self.fallback_rate = Gauge(
-            "causalmem_fallback_rate", "Share of retrievals that fell back (recent events)", registry=r
+            "causalmem_fallback_rate",
+            "Share of retrievals that fell back (recent events)",
+            registry=self._reg("worker"),
         )
         self.mask_max = Histogram(
             "causalmem_mask_max",
             "Largest mask value over a retrieval's candidates",
-            registry=r,
+            registry=self._reg("worker"),
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
         )
         self.utility = Histogram(
             "causalmem_utility",
             "Utility u = nll_without - nll_with of joined steps",
-            registry=r,
+            registry=self._reg("worker"),
             buckets=(-2, -1, -0.5, -0.3, -0.1, 0, 0.1, 0.3, 0.5, 1, 2),
         )
-        self.utility_mean = Gauge("causalmem_utility_mean", "Mean utility over recent joined steps", registry=r)
-        self.health_score = Gauge(
-            "causalmem_memory_health_score", "Memory health score 0-100 (seed 000 §6.1)", registry=r
+        self.utility_mean = Gauge(
+            "causalmem_utility_mean", "Mean utility over recent joined steps", registry=self._reg("worker")
         )
-        self.health_band = Gauge("causalmem_memory_health_band", "1 for the current health band", ["band"], registry=r)
+        self.health_score = Gauge(
+            "causalmem_memory_health_score", "Memory health score 0-100 (seed 000 §6.1)", registry=self._reg("worker")
+        )
+        self.health_band = Gauge(
+            "causalmem_memory_health_band", "1 for the current health band", ["band"], registry=self._reg("worker")
+        )
         # ---- active learning and labels
-        self.al_samples = Counter("causalmem_al_samples_total", "Samples queued for labelers", ["reason"], registry=r)
-        self.labels = Counter("causalmem_labels_total", "Human labels received", ["kind"], registry=r)
+        self.al_samples = Counter(
+            "causalmem_al_samples_total", "Samples queued for labelers", ["reason"], registry=self._reg("worker")
+        )
+        self.labels = Counter("causalmem_labels_total", "Human labels received", ["kind"], registry=self._reg("worker"))
         self.labels_expired = Counter(
             "causalmem_labels_expired_total",
             "Labels whose query was not seen within the label window",
             ["kind"],
-            registry=r,
+            registry=self._reg("worker"),
         )
         # ---- drift
         self.correlation = Gauge(
-            "causalmem_utility_rating_correlation", "Pearson correlation of U_query and rating, last 7 days", registry=r
+            "causalmem_utility_rating_correlation",
+            "Pearson correlation of U_query and rating, last 7 days",
+            registry=self._reg("worker"),
         )
         self.correlation_reference = Gauge(
-            "causalmem_utility_rating_correlation_reference", "Reference correlation for the drift trigger", registry=r
+            "causalmem_utility_rating_correlation_reference",
+            "Reference correlation for the drift trigger",
+            registry=self._reg("worker"),
         )
         self.correlation_pairs = Gauge(
-            "causalmem_utility_rating_pairs", "(U_query, rating) pairs in the 7-day window", registry=r
+            "causalmem_utility_rating_pairs",
+            "(U_query, rating) pairs in the 7-day window",
+            registry=self._reg("worker"),
         )
         self.drift_triggers = Counter(
-            "causalmem_drift_triggers_total", "Reset commands sent to the learner", ["detector"], registry=r
+            "causalmem_drift_triggers_total",
+            "Reset commands sent to the learner",
+            ["detector"],
+            registry=self._reg("worker"),
         )
         # ---- learner
         self.experiences_applied = Counter(
-            "causalmem_learner_experiences_total", "Experiences applied to the policy", ["kind"], registry=r
+            "causalmem_learner_experiences_total",
+            "Experiences applied to the policy",
+            ["kind"],
+            registry=self._reg("learner"),
         )
         self.learner_skipped = Counter(
-            "causalmem_learner_skipped_total", "Experiences or updates skipped, by reason", ["reason"], registry=r
+            "causalmem_learner_skipped_total",
+            "Experiences or updates skipped, by reason",
+            ["reason"],
+            registry=self._reg("learner"),
         )
-        self.updates = Counter("causalmem_learner_updates_total", "Optimizer steps applied", ["kind"], registry=r)
+        self.updates = Counter(
+            "causalmem_learner_updates_total", "Optimizer steps applied", ["kind"], registry=self._reg("learner")
+        )
         self.batch_size = Histogram(
             "causalmem_learner_batch_size",
             "Experiences per micro-batch",
-            registry=r,
+            registry=self._reg("learner"),
             buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512),
         )
-        self.loss = Gauge("causalmem_learner_loss", "Loss of the last micro-batch", registry=r)
+        self.loss = Gauge("causalmem_learner_loss", "Loss of the last micro-batch", registry=self._reg("learner"))
         self.grad_norm = Histogram(
             "causalmem_learner_grad_norm",
             "Gradient norm before clipping",
-            registry=r,
+            registry=self._reg("learner"),
             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 100),
         )
         self.importance_weight = Histogram(
             "causalmem_learner_importance_weight",
             "Clipped importance weights w",
-            registry=r,
+            registry=self._reg("learner"),
             buckets=(0.01, 0.1, 0.5, 0.8, 1, 1.25, 2, 5, 10),
         )
-        self.baseline = Gauge("causalmem_learner_baseline", "Moving baseline b", registry=r)
+        self.baseline = Gauge("causalmem_learner_baseline", "Moving baseline b", registry=self._reg("learner"))
         self.advantage = Histogram(
             "causalmem_learner_advantage",
             "Advantages A = u - b",
-            registry=r,
+            registry=self._reg("learner"),
             buckets=(-2, -1, -0.5, -0.1, 0, 0.1, 0.5, 1, 2),
         )
         self.update_seconds = Histogram(
             "causalmem_learner_update_seconds",
             "Wall time of one micro-batch update",
-            registry=r,
+            registry=self._reg("learner"),
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
         )
-        self.resets = Counter("causalmem_learner_resets_total", "Last-layer resets applied", registry=r)
+        self.resets = Counter(
+            "causalmem_learner_resets_total", "Last-layer resets applied", registry=self._reg("learner")
+        )
         self.labels_applied = Counter(
-            "causalmem_learner_labels_applied_total", "Labels applied by fine-tuning", registry=r
+            "causalmem_learner_labels_applied_total", "Labels applied by fine-tuning", registry=self._reg("learner")
         )
         # ---- checkpoints
         self.checkpoint_version = Gauge(
-            "causalmem_checkpoint_version", "Version of the newest checkpoint", ["role"], registry=r
+            "causalmem_checkpoint_version", "Version of the newest checkpoint", ["role"], registry=self._reg("learner")
         )
         self.checkpoint_timestamp = Gauge(
-            "causalmem_checkpoint_timestamp_seconds", "Creation time of the newest checkpoint", ["role"], registry=r
+            "causalmem_checkpoint_timestamp_seconds",
+            "Creation time of the newest checkpoint",
+            ["role"],
+            registry=self._reg("learner"),
         )
         self.checkpoint_publishes = Counter(
-            "causalmem_checkpoint_publishes_total", "Checkpoints published, by reason", ["reason"], registry=r
+            "causalmem_checkpoint_publishes_total",
+            "Checkpoints published, by reason",
+            ["reason"],
+            registry=self._reg("learner"),
         )
-        self.checkpoint_bytes = Gauge("causalmem_checkpoint_bytes", "Size of the newest checkpoint blob", registry=r)
+        self.checkpoint_bytes = Gauge(
+            "causalmem_checkpoint_bytes", "Size of the newest checkpoint blob", registry=self._reg("learner")
+        )
         self.gate_decisions = Counter(
-            "causalmem_gate_decisions_total", "Promotion gate decisions", ["decision"], registry=r
+            "causalmem_gate_decisions_total", "Promotion gate decisions", ["decision"], registry=self._reg("learner")
         )
-        self.gate_estimate = Gauge("causalmem_gate_estimate", "Gate's estimated mean utility", ["policy"], registry=r)
+        self.gate_estimate = Gauge(
+            "causalmem_gate_estimate", "Gate's estimated mean utility", ["policy"], registry=self._reg("learner")
+        )
         self.cluster_resets = Counter(
-            "causalmem_broker_resets_detected_total", "Broker resets (lost topics) detected", registry=r
+            "causalmem_broker_resets_detected_total",
+            "Broker resets (lost topics) detected",
+            registry=self._reg("broker"),
         )
+
+    def _reg(self, group: str) -> CollectorRegistry:
+        return self.registry if group in self._groups else self._unexported
 
     def set_health(self, score: float, band: str) -> None:
         self.health_score.set(score)

@@ -180,7 +180,10 @@ class Worker:
             autodiscover=False,
             table_cleanup_interval=30.0,
             worker_redirect_stdouts=False,
+            # Table files (if any) live in the state directory, not in the current one.
+            datadir=str(s.state_path() / "faust"),
         )
+
         raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
         outcomes = app.topic(t.outcomes.name, partitions=t.outcomes.partitions, **raw)
         labels = app.topic(t.human_labels.name, partitions=t.human_labels.partitions, **raw)

@@ -1,8 +1,10 @@
 """The wire contract as an outside team meets it (DESIGN §3, §5).
 
 ``examples/contract_publisher.py`` and ``examples/contract_consumer.py`` import nothing
-from this project. Here they run as separate processes against a real worker and
-learner, the way a new user would run them.
+from this project. Here they run as separate processes, the way a new user would run
+them: the consumer's numpy math against the contract vectors (no broker), the consumer
+against crafted model-topic contents (tampered chunk, candidate, tombstone), and both
+programs end to end against a real worker and learner.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TEST_CONTRACT, settings_env
 
-from models.policy import PolicyNetwork
+from models.policy import PolicyNetwork, init_policy
 from pipeline import kafka
-from pipeline.checkpoints import fetch_checkpoint, scan_model_topic
+from pipeline.checkpoints import CheckpointPublisher, fetch_checkpoint, scan_model_topic
 from pipeline.procs import Child, metric, wait_until
+from topics.checkpoint import chunk_key
+
+from .conftest import TEST_CONTRACT, settings_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHER = ROOT / "examples" / "contract_publisher.py"
@@ -60,6 +64,52 @@ def test_consumer_rejects_wrong_math(tmp_path: Path) -> None:
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False
 
 
+@pytest.mark.broker
+def test_consumer_follows_only_verified_serving_manifests(topics_ready) -> None:
+    """A tampered newest serving checkpoint is refused; a candidate is never followed."""
+    s = topics_ready
+    nets = [init_policy(s.embedding_dim, s.slots, s.hidden, seed=i) for i in range(3)]
+    arch = nets[0].arch
+
+    async def publish() -> None:
+        producer = kafka.producer(s.bootstrap or "", s)
+        await producer.start()
+        try:
+            pub = CheckpointPublisher(producer, s.topics().policy_checkpoints.name, s.policy)
+            await pub.publish(nets[0].tensors(), reason="init", arch=arch, baseline=0.0)  # v1, serving
+            await pub.publish(nets[1].tensors(), reason="periodic", arch=arch, baseline=0.0)  # v2, serving
+            # v2's only chunk is overwritten by other bytes (as a bad compaction or a rogue writer would).
+            key = chunk_key(s.policy, 2, 0).encode()
+            await (await producer.send(s.topics().policy_checkpoints.name, b"garbage", key=key, partition=0))
+            await pub.publish(nets[2].tensors(), reason="periodic", arch=arch, baseline=0.0, candidate=True)  # v3
+        finally:
+            await producer.stop()
+
+    asyncio.run(publish())
+    proc = run_example(CONSUMER, "--bootstrap", s.bootstrap or "", "--prefix", s.topic_prefix, "--timeout", "20")
+    out = last_json_line(proc)
+    assert out["version"] == 1 and out["reason"] == "init"
+    assert "version 2" in proc.stderr
+    q = [np.sin(i + 1.0) for i in range(s.embedding_dim)]  # the consumer's default query
+    with torch.no_grad():
+        expected = nets[0](torch.tensor([q], dtype=torch.float32), torch.zeros(1), torch.zeros(1))[0]
+    np.testing.assert_allclose(np.asarray(out["mask"]), expected.double().numpy(), rtol=1e-5, atol=0)
+
+    async def tombstone_v1() -> None:
+        producer = kafka.producer(s.bootstrap or "", s)
+        await producer.start()
+        try:
+            key = chunk_key(s.policy, 1, 0).encode()
+            await (await producer.send(s.topics().policy_checkpoints.name, None, key=key, partition=0))
+        finally:
+            await producer.stop()
+
+    asyncio.run(tombstone_v1())
+    proc = run_example(CONSUMER, "--bootstrap", s.bootstrap or "", "--prefix", s.topic_prefix, "--timeout", "20")
+    assert proc.returncode == 1, proc.stdout
+    assert "no verifiable serving checkpoint" in proc.stderr and proc.stdout == ""
+
+
 def _wait_metric(child: Child, name: str, at_least: float, timeout: float, **labels: str) -> float:
     seen = [0.0]
 
@@ -92,13 +142,19 @@ def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_pa
 
         pub = run_example(
             PUBLISHER,
-            "--bootstrap", bootstrap,
-            "--prefix", settings.topic_prefix,
-            "--dim", str(settings.embedding_dim),
-            "--slots", str(settings.slots),
-            "--events", str(EVENTS),
-            "--seed", "7",
-        )  # fmt: skip
+            "--bootstrap",
+            bootstrap,
+            "--prefix",
+            settings.topic_prefix,
+            "--dim",
+            str(settings.embedding_dim),
+            "--slots",
+            str(settings.slots),
+            "--events",
+            str(EVENTS),
+            "--seed",
+            "7",
+        )
         summary = last_json_line(pub)
         assert summary["events"] == EVENTS and summary["sent"] == 2 * EVENTS
         assert summary["bad"] >= 3
@@ -133,7 +189,7 @@ def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_pa
                 str(loss),
                 "--entropy",
                 str(entropy),
-            )  # fmt: skip
+            )
         )
         assert out["sha256_ok"] is True
         assert out["policy"] == settings.policy
@@ -158,6 +214,13 @@ def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_pa
             for r in set(summary["bad_reasons"])
         }
         assert reasons == {r: float(summary["bad_reasons"].count(r)) for r in reasons}
+        records = asyncio.run(kafka.read_all(bootstrap, settings, settings.topics().dead_letter.name, partitions=[0]))
+        values = [json.loads(r.value) for r in records]
+        assert sorted(v["reason"] for v in values) == sorted(summary["bad_reasons"])
+        assert all(
+            v["schema"] == "dead_letter/v1" and v["source"]["topic"].startswith(settings.topic_prefix) for v in values
+        )
+        assert all(r.key is not None and r.key.decode().startswith(summary["run_id"]) for r in records)
     finally:
         for child in (learner, worker):
             if child is not None:

@@ -266,9 +266,22 @@ def _float_array(items: list[Any], where: str, max_abs: float, lo: float | None 
     return arr
 
 
+class _NoKeyCheck:
+    """Decoding a value on its own (a file line, a value about to be sent): no key to check."""
+
+    def __repr__(self) -> str:
+        return "NO_KEY_CHECK"
+
+
+NO_KEY_CHECK: Any = _NoKeyCheck()
+
+
 def _check_key(key: bytes | str | None, query_id: str) -> None:
-    if key is None:
+    """A message read from a keyed topic must be keyed by its query_id (co-partitioning)."""
+    if key is NO_KEY_CHECK:
         return
+    if key is None:
+        raise Rejected("key_mismatch", "the message has no key; it must be the query_id")
     k = key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else key
     if k != query_id:
         raise Rejected("key_mismatch", f"key {k[:64]!r} != query_id {query_id[:64]!r}")
@@ -355,12 +368,12 @@ class RetrievalEvent:
         return out
 
 
-def decode_retrieval_event(raw: bytes, limits: Limits, key: bytes | str | None = None) -> RetrievalEvent:
+def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
     return retrieval_event_from_obj(loads_object(raw, limits), limits, key)
 
 
 def retrieval_event_from_obj(
-    obj: dict[str, Any], limits: Limits, key: bytes | str | None = None, schema: str = SCHEMA_RETRIEVAL
+    obj: dict[str, Any], limits: Limits, key: Any = NO_KEY_CHECK, schema: str = SCHEMA_RETRIEVAL
 ) -> RetrievalEvent:
     f = _Fields(obj, limits)
     f.schema(schema)
@@ -435,7 +448,7 @@ class LLMFeedback:
         return out
 
 
-def decode_llm_feedback(raw: bytes, limits: Limits, key: bytes | str | None = None) -> LLMFeedback:
+def decode_llm_feedback(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> LLMFeedback:
     obj = loads_object(raw, limits)
     f = _Fields(obj, limits)
     f.schema(SCHEMA_FEEDBACK)
@@ -493,7 +506,7 @@ class HumanLabel:
         return out
 
 
-def decode_human_label(raw: bytes, limits: Limits, key: bytes | str | None = None) -> HumanLabel:
+def decode_human_label(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> HumanLabel:
     obj = loads_object(raw, limits)
     f = _Fields(obj, limits)
     f.schema(SCHEMA_LABEL)
@@ -570,7 +583,7 @@ class ActiveLearningSample:
         return out
 
 
-def decode_active_learning_sample(raw: bytes, limits: Limits, key: bytes | str | None = None) -> ActiveLearningSample:
+def decode_active_learning_sample(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> ActiveLearningSample:
     obj = loads_object(raw, limits)
     f = _Fields(obj, limits)
     f.schema(SCHEMA_AL_SAMPLE)

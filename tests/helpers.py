@@ -1,0 +1,66 @@
+"""Small builders and waits shared by the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import Settings
+from topics.codec import Experience, Features, HumanLabel, LLMFeedback, RetrievalEvent
+
+
+def retrieval_event(
+    s: Settings,
+    query_id: str,
+    step: int = 0,
+    ts: float = 1_800_000_000.0,
+    rng: np.random.Generator | None = None,
+    selected: list[int] | None = None,
+    event_id: str | None = None,
+) -> RetrievalEvent:
+    rng = rng or np.random.default_rng(abs(hash((query_id, step))) % 2**32)
+    candidates = [int(c) for c in rng.choice(s.slots, size=min(6, s.slots), replace=False)]
+    return RetrievalEvent(
+        event_id=event_id or uuid.uuid4().hex,
+        query_id=query_id,
+        step=step,
+        ts=ts,
+        features=Features(rng.normal(size=s.embedding_dim).astype(np.float32), 0.0, 0.0),
+        candidates=candidates,
+        scores=rng.uniform(0.1, 0.9, size=len(candidates)),
+        selected=selected if selected is not None else candidates[:2],
+        temperature=0.5,
+        logprob=-2.5,
+        fallback=False,
+        policy=s.policy,
+    )
+
+
+def feedback(query_id: str, step: int = 0, ts: float = 1_800_000_001.0, utility: float = 0.5) -> LLMFeedback:
+    return LLMFeedback(uuid.uuid4().hex, query_id, step, ts, utility, nll_with=2.0 - utility, nll_without=2.0)
+
+
+def label(query_id: str, kind: str, ts: float = 1_800_000_002.0, **fields: Any) -> HumanLabel:
+    return HumanLabel(uuid.uuid4().hex, query_id, ts, "tester", kind, **fields)
+
+
+def experience(s: Settings, i: int, utility: float | None = None, ts: float | None = None) -> Experience:
+    rng = np.random.default_rng(i)
+    ev = retrieval_event(s, f"q{i}", 0, ts=ts if ts is not None else 1_800_000_000.0 + i, rng=rng, event_id=f"e{i}")
+    return Experience(ev.event_id, "feedback", ev, float(rng.normal()) if utility is None else utility)
+
+
+async def until(
+    pred: Callable[[], bool], timeout: float = 30.0, what: str = "condition", interval: float = 0.05
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

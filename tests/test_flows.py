@@ -1,0 +1,167 @@
+"""Integration tests through a real broker: join, learner, checkpoints, subscriber."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import orjson
+import pytest
+import torch
+
+from pipeline import kafka
+from pipeline.checkpoints import PolicySubscriber, fetch_checkpoint, scan_model_topic
+from pipeline.join import JoinStage
+from pipeline.learner import Learner
+from pipeline.metrics import Metrics
+from pipeline.publisher import EventPublisher
+from topics.codec import Rejected, decode_experience, encode
+from topics.names import Topics
+
+from .helpers import experience, feedback, retrieval_event, until
+
+pytestmark = pytest.mark.broker
+
+
+async def _read(s, topic: str) -> list:
+    return await kafka.read_all(s.bootstrap, s, topic)
+
+
+@contextlib.asynccontextmanager
+async def running(component):
+    await component.start()
+    task = asyncio.create_task(component.run())
+    try:
+        yield component
+    finally:
+        await component.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_join_either_order_duplicates_and_dead_letter(topics_ready) -> None:
+    s = topics_ready
+    metrics = Metrics()
+    async with running(JoinStage(s, s.bootstrap, metrics)) as stage, EventPublisher(s.bootstrap, s) as pub:
+        events = [retrieval_event(s, f"q{i}", step=i % 3) for i in range(20)]
+        for i, ev in enumerate(events):
+            fb = feedback(ev.query_id, ev.step)
+            first, second = (ev, fb) if i % 2 == 0 else (fb, ev)  # both arrival orders
+            await pub.publish(first)
+            await pub.publish(second)
+        for ev in events[:5]:
+            await pub.publish(ev)  # the same event_id again: applied once
+        await pub.send_raw("retrieval-events", b"{truncated", "qbad")
+        await pub.send_raw(
+            "llm-feedback", encode({**feedback("qbad").to_dict(), "utility": None, "nll_with": None}), "qbad"
+        )
+        bad_emb = retrieval_event(s, "qbad2").to_dict()
+        bad_emb["features"]["query_embedding"] = [0.1] * (s.embedding_dim + 1)
+        await pub.send_raw("retrieval-events", encode(bad_emb), "qbad2")
+        await pub.flush()
+        await until(lambda: metrics.joins._value.get() >= 20 and metrics.dead_letters._value.get() >= 3, 30, "joins")
+        await asyncio.sleep(1.5)  # anything extra would arrive now
+        assert stage.joined_total == 20
+    exps = [decode_experience(m.value, s.limits()) for m in await _read(s, s.topics().experiences.name)]
+    assert sorted(e.id for e in exps) == sorted(e.event_id for e in events)
+    assert all(abs(e.utility - 0.5) < 1e-9 for e in exps)
+    dead = [orjson.loads(m.value) for m in await _read(s, s.topics().dead_letter.name)]
+    assert sorted(d["reason"] for d in dead) == ["bad_json", "embedding_length", "missing_field"]
+    assert all(d["source"]["topic"].startswith(s.topic_prefix) for d in dead)
+    outcomes = [orjson.loads(m.value) for m in await _read(s, s.topics().outcomes.name)]
+    assert sum(len(o["records"]) for o in outcomes) == 20
+
+
+async def test_unmatched_events_expire_after_the_window(topics_ready) -> None:
+    s = topics_ready.replace(join_window_s=100.0)
+    metrics = Metrics()
+    async with running(JoinStage(s, s.bootstrap, metrics)) as stage, EventPublisher(s.bootstrap, s) as pub:
+        await pub.publish(retrieval_event(s, "lonely", ts=1_000.0))
+        await pub.publish(feedback("orphan", ts=1_001.0))
+        await pub.flush()
+        await until(lambda: sum(st.pending() for st in stage.state.values()) == 2, 20, "pending")
+        # Event time moves on (another pair far later): both halves are now too old.
+        ev = retrieval_event(s, "later", ts=5_000.0)
+        await pub.publish(ev)
+        await pub.publish(feedback("later", ts=5_000.0))
+        await pub.flush()
+        await until(lambda: metrics.join_expired.labels(side="retrieval")._value.get() == 1, 20, "expiry")
+        assert metrics.join_expired.labels(side="feedback")._value.get() == 1
+        assert metrics.joins._value.get() == 1
+
+
+async def test_learner_checkpoints_reach_a_subscriber(topics_ready) -> None:
+    s = topics_ready
+    versions: list[int] = []
+    sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=lambda p: versions.append(p.version))
+    async with running(Learner(s, s.bootstrap, Metrics())) as learner, sub:
+        init = await sub.wait_for_policy(1, timeout=30)
+        assert init.manifest.reason == "init"
+        producer = kafka.producer(s.bootstrap, s)
+        await producer.start()
+        for i in range(40):
+            await producer.send(s.topics().experiences.name, encode(experience(s, i).to_dict()), partition=0)
+        await producer.flush()
+        await producer.stop()
+        await until(lambda: learner.trainer.experiences == 40, 30, "experiences applied")
+        loaded = await sub.wait_for_policy(2, timeout=30)
+        await until(lambda: not learner.dirty, 10, "a checkpoint after the last update")
+        loaded = await sub.wait_for_policy(learner.version, timeout=30)
+        # What the client runs is exactly what the learner has.
+        for name, tensor in learner.trainer.tensors().items():
+            assert torch.equal(loaded.net.tensors()[name], tensor), name
+        assert loaded.manifest.input_offsets[f"{s.topics().experiences.name}:0"] == 40
+        assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    index = await scan_model_topic(s.bootstrap, s)
+    serving = index.serving[s.policy]
+    # The learner published a shutdown checkpoint only if something changed since.
+    assert serving.version >= loaded.version
+    tensors = await fetch_checkpoint(s.bootstrap, s, index, serving)
+    assert set(tensors) >= {"norm.weight", "hidden.weight", "out.weight", "alpha"}
+
+
+async def test_learner_restart_resumes_after_recorded_offsets(topics_ready) -> None:
+    s = topics_ready
+    topic = s.topics().experiences.name
+    producer = kafka.producer(s.bootstrap, s)
+    await producer.start()
+    try:
+        for i in range(24):
+            await producer.send(topic, encode(experience(s, i).to_dict()), partition=0)
+        await producer.flush()
+        first = Learner(s, s.bootstrap, Metrics())
+        await first.start()
+        task = asyncio.create_task(first.run())
+        await until(lambda: first.trainer.experiences == 24 and not first.dirty, 30, "first learner checkpoint")
+        # Crash: no shutdown checkpoint, no goodbye.
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await first.stop(publish=False)
+        for i in range(24, 40):
+            await producer.send(topic, encode(experience(s, i).to_dict()), partition=0)
+        # A repeated experience (e.g. a join re-emitted after a worker takeover) is applied once.
+        await producer.send(topic, encode(experience(s, 3).to_dict()), partition=0)
+        await producer.flush()
+    finally:
+        await producer.stop()
+    async with running(Learner(s, s.bootstrap, Metrics())) as second:
+        await until(lambda: second.active.is_set(), 30, "second learner active")
+        assert second.restored_from.startswith("topic")
+        await until(lambda: second.trainer.experiences == 40 and not second.dirty, 30, "second learner applied all")
+        assert second.metrics.learner_skipped.labels(reason="duplicate")._value.get() == 1
+        assert second.input_offsets()[f"{topic}:0"] == 41
+
+
+def test_topic_layout_is_co_partitioned() -> None:
+    t = Topics.build(prefix="x.", partitions=6)
+    joined = [t.retrieval_events, t.llm_feedback, t.human_labels, t.outcomes]
+    assert {spec.partitions for spec in joined} == {6}
+    assert t.policy_checkpoints.partitions == 1 and t.experiences.partitions == 1
+    assert t.policy_checkpoints.configs["cleanup.policy"] == "compact"
+
+
+def test_rejected_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        raise Rejected("bad_json")
