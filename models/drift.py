@@ -22,6 +22,7 @@ import datetime as dt
 import math
 from dataclasses import dataclass
 
+import numpy as np
 from river import drift, stats, utils
 
 EPOCH = dt.datetime(1970, 1, 1)
@@ -40,9 +41,13 @@ class CorrelationWindow:
         self._rolling = utils.TimeRolling(stats.PearsonCorr, period=dt.timedelta(days=days))
         self.latest_t = 0.0
 
-    def update(self, u_query: float, rating: float, t: float) -> None:
+    def update(self, u_query: float, rating: float, t: float) -> bool:
+        """Add a pair; a pair already older than the window (a late backfill) is ignored."""
+        if self.latest_t and t < self.latest_t - self.days * 86400:
+            return False
         self._rolling.update(float(u_query), float(rating), t=naive_utc(t))
         self.latest_t = max(self.latest_t, t)
+        return True
 
     def get(self) -> float:
         value = self._rolling.get()
@@ -121,14 +126,19 @@ class DriftTrigger:
 
 
 class AgreementDetector:
-    """Page–Hinkley ("down", river) on the per-pair agreement z_u · z_r, with a change-point estimate.
+    """Page–Hinkley ("down", river) on the per-pair agreement, with a change-point estimate.
+
+    The agreement of a pair is the sign of ``(u − ū)·(r − r̄)``: +1 when U_query and the
+    rating sit on the same side of their running means, −1 otherwise. Its mean is the
+    quadrant correlation; it is bounded, so a few extreme pairs cannot raise a false
+    alarm the way the raw product z_u·z_r (heavy-tailed) does.
 
     ``change_t`` estimates when the agreement began to fall: the time at which the
     Page–Hinkley sum ``U_t = Σ (x_i − x̄_i + δ)`` was highest (it climbs by δ per pair
     while nothing changes and falls once the agreement drops).
     """
 
-    def __init__(self, threshold: float = 15.0, delta: float = 0.2, min_instances: int = 100) -> None:
+    def __init__(self, threshold: float = 25.0, delta: float = 0.2, min_instances: int = 100) -> None:
         self._args = (threshold, delta, min_instances)
         self._u = stats.Var()
         self._r = stats.Var()
@@ -141,7 +151,8 @@ class AgreementDetector:
         self._r.update(rating)
         if su <= 1e-9 or sr <= 1e-9:
             return False
-        agreement = max(-5.0, min(5.0, ((u_query - mu) / su) * ((rating - mr) / sr)))
+        agreement = float(np.sign((u_query - mu) * (rating - mr)))
+
         self._mean.update(agreement)
         self._sum += agreement - self._mean.get() + self._args[1]
         if self._sum >= self._max_sum:
@@ -203,10 +214,17 @@ class DriftMonitor:
         fired = None
         if self.trigger.update(corr, pairs, t):
             fired = "correlation"
-        elif self.page_hinkley and ph and not self.trigger.in_cooldown(t) and pairs >= self.trigger.min_pairs:
+        elif self.page_hinkley and ph and self._armed(t, pairs):
             fired = "page_hinkley"
         if fired:
             self.trigger.fire(t, self.agreement.change_t)
             self.agreement.reset()
             self.last_fired_by = fired
         return fired
+
+    def _armed(self, t: float, pairs: int) -> bool:
+        """Page–Hinkley may act under the same conditions as the correlation trigger: enough
+        pairs in the window and since the last reset, and outside the cool-down (a policy
+        that was just reset needs time to recover before it is judged again)."""
+        trig = self.trigger
+        return pairs >= trig.min_pairs and trig.since_reset >= trig.min_pairs and not trig.in_cooldown(t)

@@ -160,6 +160,7 @@ class PolicyTrainer:
         if not experiences:
             return stats
         batch = make_batch(experiences, self.device)
+        before = self.baseline.state()
         # A = u − b for each experience in order, b updated after each (DESIGN §4).
         pairs = zip(batch.utility, experiences, strict=True)
         adv = np.array([self.baseline.advantage(u, e.event.features.query_embedding) for u, e in pairs], np.float32)
@@ -176,7 +177,11 @@ class PolicyTrainer:
         stats.advantages = adv.tolist()
         self.experiences += len(experiences)
         if not self._step(loss, self.optimizer, list(net.parameters()), stats):
+            # A skipped batch leaves no trace, the baseline included: one non-finite value
+            # must not poison every later advantage.
+            self.baseline = make_baseline(self.baseline_kind, self.baseline_fading, before)
             return stats
+
         stats.applied = len(experiences)
         self.updates += 1
         return stats

@@ -315,9 +315,23 @@ def _register_late_verbs() -> None:
     """Verbs defined in their own modules register themselves on import."""
     import importlib
 
-    for module in ("pipeline.demo",):
-        with contextlib.suppress(ModuleNotFoundError):
+    for module in VERB_MODULES:
+        try:
             importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # a missing dependency inside the module is a real error
+                raise
+
+
+# Modules that define verbs with @verb (imported lazily: torch and faust are slow to import).
+VERB_MODULES = (
+    "pipeline.demo",
+    "pipeline.label_cli",
+    "pipeline.status",
+    "pipeline.evaluate",
+    "pipeline.rollback",
+    "pipeline.bench",
+)
 
 
 if __name__ == "__main__":

@@ -50,11 +50,13 @@ def _demo_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="default", help="scenario name or YAML file (pipeline/scenarios/)")
     p.add_argument("--days", type=float, help="simulated days (default 14)")
     p.add_argument("--queries-per-day", type=int, help="simulated queries per day (default 500)")
-    p.add_argument("--rate", type=float, default=160.0, help="retrieval steps per wall-clock second (default 160)")
+    p.add_argument("--rate", type=float, default=120.0, help="retrieval steps per wall-clock second (default 120)")
     p.add_argument("--no-reset", action="store_true", help="measure the drift without resetting the policy")
     p.add_argument("--no-drift", action="store_true", help="no environment change")
+    p.add_argument("--no-labels", action="store_true", help="no automatic labeler (to see what labels add)")
     p.add_argument("--plot", help="write a PNG of correlation and utility over event time")
-    p.add_argument("--checkpoint-interval", type=float, default=3.0, help="learner checkpoint cadence (s)")
+    p.add_argument("--checkpoint-interval", type=float, default=2.0, help="learner checkpoint cadence (s)")
+
     p.add_argument("--keep-logs", help="directory for the worker/learner/broker logs (default: a temp dir)")
     p.add_argument("--seed", type=int, help="scenario seed")
 
@@ -180,7 +182,10 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> DemoResult:
         ):
             await sub.wait_for_policy(timeout=60)
             stop_labeler = asyncio.Event()
-            labeler_task = asyncio.create_task(run_queue_until(queue, stop_labeler, answer))
+            labeler_task = asyncio.create_task(
+                asyncio.sleep(0) if args.no_labels else run_queue_until(queue, stop_labeler, answer)
+            )
+
             sampler_stop = asyncio.Event()
 
             async def sample_correlation() -> None:

@@ -19,7 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
 from pipeline import kafka
@@ -29,6 +30,22 @@ from topics.codec import ActiveLearningSample, HumanLabel, Rejected, decode_acti
 log = logging.getLogger(__name__)
 
 LABELER_GROUP = "causalmem-labelers"
+# A person may look at one sample for a long time. aiokafka leaves the group when the
+# consumer has not fetched for max_poll_interval (default 5 min), which would hand the
+# sample being looked at to another labeler; heartbeats keep the membership alive meanwhile.
+THINK_TIME_S = 3600.0
+
+
+class SampleMoved(RuntimeError):
+    """The sample's partition went to another labeler (a group rebalance) while it was shown.
+
+    ``published`` tells whether this labeler's label reached the topic anyway (the move came
+    between the broker's ack and the commit): then the sample is labelled twice.
+    """
+
+    def __init__(self, message: str, published: bool = False) -> None:
+        super().__init__(message)
+        self.published = published
 
 
 @dataclass
@@ -36,6 +53,21 @@ class QueuedSample:
     sample: ActiveLearningSample
     tp: TopicPartition
     offset: int
+    epoch: int = 0  # the queue's assignment epoch when the sample was received
+
+
+class _Revocations(ConsumerRebalanceListener):
+    def __init__(self, queue: LabelQueue) -> None:
+        self.queue = queue
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        # Whatever was received before a revocation comes again from the committed offset,
+        # to whichever labeler owns the partition next: it must not be answered here.
+        self.queue._epoch += 1
+        self.queue._buffer.clear()
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        return None
 
 
 class LabelQueue:
@@ -52,7 +84,9 @@ class LabelQueue:
         self.group = group or f"{settings.topic_prefix}{LABELER_GROUP}"
         self.done = 0
         self.skipped = 0
+        self.left = 0
         self.bad = 0
+        self._epoch = 0
         self._consumer: Any = None
         self._producer: Any = None
         self._buffer: list[QueuedSample] = []
@@ -62,9 +96,14 @@ class LabelQueue:
         await self._producer.start()
         # One sample at a time: a labeler holds only what it shows.
         self._consumer = kafka.consumer(
-            self.bootstrap, self.settings, self.topics.active_learning.name, group_id=self.group, max_poll_records=1
+            self.bootstrap,
+            self.settings,
+            group_id=self.group,
+            max_poll_records=1,
+            max_poll_interval_ms=int(THINK_TIME_S * 1000),
         )
-        await self._consumer.start()
+        self._consumer.subscribe([self.topics.active_learning.name], listener=_Revocations(self))
+        await self._consumer.start()  # returns once the group has assigned partitions
 
     async def stop(self) -> None:
         for client in (self._consumer, self._producer):
@@ -97,7 +136,7 @@ class LabelQueue:
                         self.bad += 1
                         await self._commit(tp, msg.offset)
                         continue
-                    self._buffer.append(QueuedSample(sample, tp, msg.offset))
+                    self._buffer.append(QueuedSample(sample, tp, msg.offset, self._epoch))
         return self._buffer.pop(0)
 
     async def answer(
@@ -115,8 +154,9 @@ class LabelQueue:
             rating=rating,
             step=item.sample.step,
         )
+        self._check_held(item)
         await self._publish(label)
-        await self._commit(item.tp, item.offset)
+        await self._commit_answered(item)
         self.done += 1
         return label
 
@@ -133,10 +173,35 @@ class LabelQueue:
             skip_reason=reason or "skipped",
             step=item.sample.step,
         )
+        self._check_held(item)
         await self._publish(label)
-        await self._commit(item.tp, item.offset)
+        await self._commit_answered(item)
         self.skipped += 1
         return label
+
+    def leave(self, item: QueuedSample) -> None:
+        """Leave a sample unanswered and uncommitted, for another labeler or a later run.
+
+        Its partition is paused: committing a later offset there would commit this sample
+        too (offsets are per partition), so nothing behind it is taken by this labeler. The
+        group gets it again once this labeler stops (or the partition moves).
+        """
+        self._consumer.pause(item.tp)
+        self.left += 1
+
+    def _check_held(self, item: QueuedSample) -> None:
+        if item.epoch != self._epoch or item.tp not in self._consumer.assignment():
+            raise SampleMoved(f"sample {item.sample.sample_id} moved to another labeler (group rebalance)")
+
+    async def _commit_answered(self, item: QueuedSample) -> None:
+        try:
+            await self._commit(item.tp, item.offset)
+        except (CommitFailedError, IllegalStateError) as exc:
+            raise SampleMoved(
+                f"sample {item.sample.sample_id}: label published but not committed ({type(exc).__name__}); "
+                "the sample moved to another labeler and may be labelled twice",
+                published=True,
+            ) from exc
 
     async def _publish(self, label: HumanLabel) -> None:
         fut = await self._producer.send(
@@ -169,7 +234,10 @@ async def run_queue_until(queue: LabelQueue, stop: asyncio.Event, answer: Any) -
         if item is None:
             continue
         correct, rating = answer(item.sample)
-        if correct is None:
-            await queue.skip(item, "no helpful memory among the candidates")
-        else:
-            await queue.answer(item, correct, rating)
+        try:
+            if correct is None:
+                await queue.skip(item, "no helpful memory among the candidates")
+            else:
+                await queue.answer(item, correct, rating)
+        except SampleMoved as exc:  # a rebalance: the partition's new owner answers it
+            log.info("label queue: %s", exc)

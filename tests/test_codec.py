@@ -30,6 +30,7 @@ from topics.checkpoint import (
     validate_policy_name,
 )
 from topics.codec import (
+    NO_KEY_CHECK,
     REASONS,
     ActiveLearningSample,
     Control,
@@ -189,31 +190,31 @@ def manifest_dict(**changes: Any) -> dict[str, Any]:
     return d
 
 
-def dec_retrieval(raw: Any, key: Any = None) -> Any:
+def dec_retrieval(raw: Any, key: Any = NO_KEY_CHECK) -> Any:
     return decode_retrieval_event(raw, LIMITS, key=key)
 
 
-def dec_feedback(raw: Any, key: Any = None) -> Any:
+def dec_feedback(raw: Any, key: Any = NO_KEY_CHECK) -> Any:
     return decode_llm_feedback(raw, LIMITS, key=key)
 
 
-def dec_label(raw: Any, key: Any = None) -> Any:
+def dec_label(raw: Any, key: Any = NO_KEY_CHECK) -> Any:
     return decode_human_label(raw, LIMITS, key=key)
 
 
-def dec_al(raw: Any, key: Any = None) -> Any:
+def dec_al(raw: Any, key: Any = NO_KEY_CHECK) -> Any:
     return decode_active_learning_sample(raw, LIMITS, key=key)
 
 
-def dec_experience(raw: Any, key: Any = None) -> Any:
+def dec_experience(raw: Any, key: Any = NO_KEY_CHECK) -> Any:
     return decode_experience(raw, LIMITS)
 
 
-def dec_control(raw: Any, key: Any = None) -> Any:
+def dec_control(raw: Any, key: Any = NO_KEY_CHECK) -> Any:
     return decode_control(raw, LIMITS)
 
 
-def dec_manifest(raw: Any, key: Any = None) -> Any:
+def dec_manifest(raw: Any, key: Any = NO_KEY_CHECK) -> Any:
     return decode_manifest(raw, Limits(embedding_dim=D, slots=S, max_bytes=1024 * 1024))
 
 
@@ -407,7 +408,9 @@ def test_decoders_accept_str_and_bytes_keys() -> None:
     raw = raw_of(retrieval_dict())
     assert dec_retrieval(raw, key="q1").query_id == "q1"
     assert dec_retrieval(raw, key=b"q1").query_id == "q1"
-    assert dec_retrieval(raw, key=None).query_id == "q1"
+    assert dec_retrieval(raw).query_id == "q1"  # no key given: no key check (e.g. replay)
+    # a message read from a keyed topic without a key breaks co-partitioning
+    assert expect_reason("key_mismatch", dec_retrieval, raw, key=None).reason == "key_mismatch"
 
 
 # --------------------------------------------------------------------------- rejections
@@ -432,6 +435,7 @@ def _set(d: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]
 
 
 VALID_RAW = raw_of(retrieval_dict())
+MISSING_KEY = object()  # table marker: the message arrived without a key (key=None)
 _fb_no_utility = _drop(_drop(feedback_dict(), "nll_with"), "nll_without")
 
 # (reason, id, decoder, raw bytes, key)
@@ -456,7 +460,7 @@ REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
     (
         "oversize",
         "bytes",
-        lambda raw, key=None: decode_retrieval_event(raw, Limits(D, S, max_bytes=64)),
+        lambda raw, key=NO_KEY_CHECK: decode_retrieval_event(raw, Limits(D, S, max_bytes=64)),
         VALID_RAW,
         None,
     ),
@@ -464,7 +468,7 @@ REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
     (
         "oversize",
         "candidates",
-        lambda raw, key=None: decode_retrieval_event(raw, Limits(D, S, max_candidates=3)),
+        lambda raw, key=NO_KEY_CHECK: decode_retrieval_event(raw, Limits(D, S, max_candidates=3)),
         VALID_RAW,
         None,
     ),
@@ -644,6 +648,7 @@ REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
     ("key_mismatch", "feedback-str", dec_feedback, raw_of(feedback_dict()), "other"),
     ("key_mismatch", "label", dec_label, raw_of(label_dict()), b"Q1"),
     ("key_mismatch", "al", dec_al, raw_of(al_dict()), b"q1 "),
+    ("key_mismatch", "no-key", dec_feedback, raw_of(feedback_dict()), MISSING_KEY),
 ]
 
 
@@ -653,9 +658,16 @@ REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
     ids=[f"{r}-{i}" for r, i, _, _, _ in REJECTIONS],
 )
 def test_rejection_reason(reason: str, dec: Any, raw: Any, key: Any) -> None:
+    # None in the table: no key check; MISSING_KEY: read from a keyed topic without a key
+    key = NO_KEY_CHECK if key is None else None if key is MISSING_KEY else key
     exc = expect_reason(reason, dec, raw, key=key)
     assert isinstance(exc, ValueError)
     assert exc.reason in REASONS
+
+
+def test_truncated_message_mentioning_infinity_in_text_is_bad_json() -> None:
+    raw = raw_of(retrieval_dict(query_text="Avengers: Infinity War"))
+    expect_reason("bad_json", dec_retrieval, raw[:-5])
 
 
 def test_every_reason_is_exercised() -> None:

@@ -99,7 +99,7 @@ def loads_object(raw: bytes | bytearray | memoryview | str | None, limits: Limit
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         text = str(exc)
-        if "infinity" in text or "NaN" in text or _mentions_non_finite(raw):
+        if "infinity" in text or _non_finite_at(raw, exc.pos):
             raise Rejected("non_finite", "NaN/Infinity is not JSON") from None
         raise Rejected("bad_json", text[:200]) from None
     if not isinstance(obj, dict):
@@ -107,9 +107,10 @@ def loads_object(raw: bytes | bytearray | memoryview | str | None, limits: Limit
     return obj
 
 
-def _mentions_non_finite(raw: bytes | bytearray | memoryview | str) -> bool:
+def _non_finite_at(raw: bytes | bytearray | memoryview | str, pos: int) -> bool:
+    """Did parsing stop on a NaN/Infinity literal (as Python's json.dumps writes them)?"""
     data = raw.encode() if isinstance(raw, str) else bytes(raw)
-    return b"NaN" in data or b"Infinity" in data
+    return data[pos : pos + 3] == b"NaN" or data[pos : pos + 8] == b"Infinity"
 
 
 class _Fields:
