@@ -57,6 +57,8 @@ class Settings:
     slots: int = 1024
     hidden: int = 512
     device: str = "auto"  # auto: cuda when present, else cpu
+    torch_threads: int = 1  # intra-op threads of the learner; more only help big batches on idle cores
+
     seed: int = 0
     # learning (defaults tuned by `causalmem bench learning`, see docs/tuning.md)
     lr: float = 1e-3

@@ -43,13 +43,13 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
 from topics.codec import (
     SCHEMA_OUTCOMES,
-    Experience,
     LLMFeedback,
     Rejected,
     RetrievalEvent,
     decode_llm_feedback,
     decode_retrieval_event,
     encode,
+    experience_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class _Pending:
     value: Any
     offset: int
     ts: float
+    raw: bytes | None = None  # a retrieval event's original bytes, reused in the experience
 
 
 @dataclass
@@ -231,9 +232,9 @@ class JoinStage:
                         if key in st.retrieval:  # a second event for the same step
                             self.metrics.duplicates.labels(topic=tp.topic).inc()
                         else:
-                            st.retrieval[key] = _Pending(value, msg.offset, value.ts)
+                            st.retrieval[key] = _Pending(value, msg.offset, value.ts, msg.value)
                         continue
-                    event, feedback = value, other.value
+                    event, feedback, raw_event = value, other.value, msg.value
                 else:
                     other = st.retrieval.pop(key, None)
                     if other is None:
@@ -242,9 +243,9 @@ class JoinStage:
                         else:
                             st.feedback[key] = _Pending(value, msg.offset, value.ts)
                         continue
-                    event, feedback = other.value, value
+                    event, feedback, raw_event = other.value, value, other.raw
                 st.joined[key] = max(event.ts, feedback.ts)
-                self._emit(event, feedback, experiences, outcomes)
+                self._emit(event, raw_event, feedback, experiences, outcomes)
         self._evict(self.watermark - window)
         await self._send(experiences, outcomes)
 
@@ -268,6 +269,7 @@ class JoinStage:
     def _emit(
         self,
         event: RetrievalEvent,
+        raw_event: bytes | None,
         feedback: LLMFeedback,
         experiences: list[bytes],
         outcomes: dict[int, list[dict[str, Any]]],
@@ -280,7 +282,8 @@ class JoinStage:
         self.stats.utility_nonneg.update(1.0 if u >= 0 else 0.0)
         self.metrics.utility_mean.set(self.stats.utility.get())
         if not event.fallback:  # fallback steps feed metrics and U_query, not the gradient
-            experiences.append(encode(Experience(event.event_id, "feedback", event, u).to_dict()))
+            experiences.append(experience_bytes(event, raw_event, u))
+
         record: dict[str, Any] = {
             "query_id": event.query_id,
             "step": event.step,

@@ -422,7 +422,7 @@ def render_sample(item: Any) -> Any:
     read.add_column("slot", justify="right")
     read.add_column("memory")
     for slot in s.selected:
-        read.add_row(str(slot), _clip(texts.get(slot)))
+        read.add_row(str(slot), Text(_clip(texts.get(slot))))
     if not s.selected:
         read.add_row("—", "(nothing was read)")
     parts.append(read)
@@ -434,7 +434,7 @@ def render_sample(item: Any) -> Any:
     for slot in offered_slots(s):
         p = probs.get(slot)
         choices.add_row(
-            str(slot), "" if p is None else f"{p:.3f}", "✓" if slot in s.selected else "", _clip(texts.get(slot))
+            str(slot), "" if p is None else f"{p:.3f}", "✓" if slot in s.selected else "", Text(_clip(texts.get(slot)))
         )
     parts.append(choices)
     return Group(*parts)
@@ -460,6 +460,8 @@ async def _status_line(queue: Any) -> str:
 
 
 async def interactive(queue: Any, console: Any, timeout: float | None, max_samples: int | None) -> int:
+    from rich.text import Text
+
     from pipeline.labeler import SampleMoved
 
     handled = 0
@@ -485,7 +487,7 @@ async def interactive(queue: Any, console: Any, timeout: float | None, max_sampl
         try:
             if outcome.action == "skip":
                 await queue.skip(item, outcome.reason)
-                console.print(f"skipped ({outcome.reason or 'no reason'}); acknowledged and committed")
+                console.print(f"skipped ({outcome.reason or 'no reason'}); acknowledged and committed", markup=False)
             else:
                 assert outcome.slots is not None
                 await queue.answer(item, list(outcome.slots), outcome.rating)
@@ -493,7 +495,7 @@ async def interactive(queue: Any, console: Any, timeout: float | None, max_sampl
                 rating = "no rating" if outcome.rating is None else f"rating {outcome.rating}"
                 console.print(f"labelled: memories {shown}, {rating}; acknowledged and committed")
         except SampleMoved as exc:
-            console.print(f"[yellow]{exc}[/yellow]")
+            console.print(Text(str(exc), style="yellow"))
             if not exc.published:
                 console.print("your answer was not recorded; the labeler that now holds the sample will answer it")
         handled += 1
@@ -503,9 +505,11 @@ async def interactive(queue: Any, console: Any, timeout: float | None, max_sampl
 
 async def ask(item: Any, console: Any) -> Command | None:
     """Prompt until a complete answer (``answer`` with slots, or ``skip``); None to quit."""
+    from rich.text import Text
+
     offered = offered_slots(item.sample)
     rating: int | None = None
-    console.print(HELP)
+    console.print(HELP, markup=False)
     while True:
         line = await ainput("label> ")
         if line is None:
@@ -513,12 +517,12 @@ async def ask(item: Any, console: Any) -> Command | None:
         try:
             cmd = parse_line(line, offered)
         except ValueError as exc:
-            console.print(f"[red]{exc}[/red]")
+            console.print(Text(str(exc), style="red"))
             continue
         if cmd.action == "quit":
             return None
         if cmd.action == "help":
-            console.print(HELP)
+            console.print(HELP, markup=False)
             continue
         if cmd.action == "skip":
             return cmd
@@ -538,13 +542,15 @@ async def ask(item: Any, console: Any) -> Command | None:
                     rating = parse_rating(line)
                     break
                 except ValueError as exc:
-                    console.print(f"[red]{exc}[/red]")
+                    console.print(Text(str(exc), style="red"))
         return Command("answer", slots=cmd.slots, rating=rating)
 
 
 async def from_file(
     queue: Any, console: Any, answers: dict[str, FileAnswer], timeout: float, max_samples: int | None
 ) -> int:
+    from rich.text import Text
+
     from pipeline.labeler import SampleMoved
 
     pending = dict(answers)
@@ -584,19 +590,21 @@ async def from_file(
                 del pending[sid]
     console.print(
         f"labelled {answered}, skipped {skipped} (labeler {queue.labeler}); "
-        f"left {len(left)} sample(s) not in the file in the queue"
+        f"left {len(left)} sample(s) not in the file in the queue",
+        markup=False,
     )
     for line in rejected:
-        console.print(f"[red]rejected[/red] {line}")
+        console.print(Text(f"rejected: {line}", style="red"))
     for line in moved:
-        console.print(f"[yellow]{line}[/yellow]")
+        console.print(Text(line, style="yellow"))
     if pending:
         ids = sorted(pending, key=lambda k: pending[k].line)
         more = f" … (+{len(ids) - 10})" if len(ids) > 10 else ""
         console.print(
             f"{len(ids)} answer(s) unused: their samples did not reach this labeler "
             f"(answered already, held by another labeler, behind a sample not in the file, or not queued): "
-            f"{' '.join(ids[:10])}{more}"
+            f"{' '.join(ids[:10])}{more}",
+            markup=False,
         )
     console.print(await _status_line(queue))
     return 1 if rejected else 0
@@ -644,9 +652,9 @@ def render_stats(result: dict[str, Any]) -> Any:
     for col in ("labeler", "reason", "count"):
         reasons.add_column(col, justify="right" if col == "count" else "left")
     for name, s in result["labelers"].items():
-        who.add_row(name, str(s["answered"]), str(s["skipped"]), str(s["rated"]))
+        who.add_row(Text(name), str(s["answered"]), str(s["skipped"]), str(s["rated"]))
         for reason, count in s["skip_reasons"].items():
-            reasons.add_row(name, reason, str(count))
+            reasons.add_row(Text(name), Text(reason), str(count))
     parts.append(who)
     if reasons.row_count:
         parts.append(reasons)
@@ -659,7 +667,7 @@ def render_stats(result: dict[str, Any]) -> Any:
             if p["unknown_samples"]:
                 decisions += f" ({p['unknown_samples']} sample(s) unknown)"
             pairs.add_row(
-                " / ".join(p["labelers"]),
+                Text(" / ".join(p["labelers"])),
                 str(p["overlap"]),
                 decisions,
                 num(p["kappa_memories"]),
@@ -738,7 +746,7 @@ def cmd_label(args: argparse.Namespace) -> int:
             return 0
         group = f"{settings.topic_prefix}{args.group}" if args.group else None
         queue = LabelQueue(bootstrap, settings, labeler, group=group)
-        console.print(f"labeler {labeler}: joining the queue {queue.group} …")
+        console.print(f"labeler {labeler}: joining the queue {queue.group} …", markup=False)
         await queue.start()
         try:
             if args.answers:

@@ -125,6 +125,10 @@ class Learner:
 
     def _new_trainer(self) -> PolicyTrainer:
         s = self.settings
+        # Micro-batches are small: one intra-op thread is as fast, and spinning OpenMP
+        # threads on cores shared with the worker and the broker slow everything ~30×.
+        torch.set_num_threads(max(1, s.torch_threads))
+
         return PolicyTrainer(
             s.embedding_dim,
             s.slots,

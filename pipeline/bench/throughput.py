@@ -268,7 +268,8 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         "| measure | rate | ratio | target |",
         "|---|---|---|---|",
-        f"| raw aiokafka consume (getmany + orjson), {r['message_bytes']:,} B | {r['raw_consume_per_s']:,.0f} msg/s | 1.00 | |",
+        f"| raw aiokafka consume (getmany + orjson), {r['message_bytes']:,} B "
+        f"| {r['raw_consume_per_s']:,.0f} msg/s | 1.00 | |",
         f"| pipeline end to end (worker + learner), input messages | {r['pipeline_input_per_s']:,.0f} msg/s "
         f"| {r['pipeline_ratio']:.2f} | ≥ {TARGET_PIPELINE:.2f} ({ok(r['pipeline_ratio'], TARGET_PIPELINE)}) |",
         f"| bare torch REINFORCE step, batch {r['batch_size']} | {r['bare_per_s']:,.0f} exp/s | 1.00 | |",
