@@ -88,6 +88,7 @@ SETTING_KEYS = (
     "al_uncertainty_budget",
     "drift_page_hinkley",
     "drift_min_pairs",
+    "gate",
 )
 
 
@@ -226,6 +227,13 @@ def _learner_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", help="cpu, cuda, or auto (default)")
     p.add_argument("--seed", type=int, help="seed of the initial policy")
+    p.add_argument(
+        "--no-gate",
+        dest="gate",
+        action="store_const",
+        const=False,
+        help="publish every checkpoint as serving (no promotion gate; for experiments)",
+    )
 
 
 @verb("learner", "run the learner: the single writer of the policy")

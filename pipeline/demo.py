@@ -121,7 +121,6 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> DemoResult:
         "CAUSALMEM_DRIFT_COOLDOWN_S": str(2 * DAY),
         "CAUSALMEM_DRIFT_RESET": "0" if args.no_reset else "1",
         "CAUSALMEM_LABEL_WINDOW_S": str(2 * DAY),
-        "CAUSALMEM_GATE": "0",
     }
     settings = Settings.from_env({**os.environ, **env_vars}, bootstrap=bootstrap)
     await kafka.wait_for_broker(bootstrap, settings)

@@ -164,6 +164,24 @@ async def wait_for_broker(bootstrap: str, settings: Settings, timeout: float = 3
     raise TimeoutError(f"no Kafka broker answered at {bootstrap} within {timeout:.0f} s ({last!r})")
 
 
+async def high_watermark(bootstrap: str, settings: Settings, topic: str, partition: int = 0) -> int:
+    """The log-end offset of a partition, from a fetch response (DESIGN §8: not end_offsets)."""
+    c = consumer(bootstrap, settings, group_id=None)
+    await c.start()
+    try:
+        tp = TopicPartition(topic, partition)
+        c.assign([tp])
+        await c.seek_to_beginning(tp)
+        for _ in range(20):
+            await c.getmany(tp, timeout_ms=250, max_records=1)
+            hw = c.highwater(tp)
+            if hw is not None:
+                return int(hw)
+        return 0
+    finally:
+        await c.stop()
+
+
 async def read_all(
     bootstrap: str,
     settings: Settings,

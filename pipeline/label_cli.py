@@ -39,7 +39,6 @@ import itertools
 import math
 import os
 import sys
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -378,27 +377,45 @@ def parse_rating(line: str) -> int | None:
 # --------------------------------------------------------------------------- terminal
 
 
-async def ainput(prompt: str) -> str | None:
-    """``input()`` off the event loop (heartbeats go on while a person thinks); None at EOF.
+class StdinLines:
+    """Lines from standard input, read without blocking the event loop; None at EOF.
 
-    A daemon thread per prompt: a prompt still waiting when the program quits does not
-    hold the exit.
+    Heartbeats go on while a person thinks (a blocked loop would drop the labeler from the
+    group after the session timeout). No thread is involved, so Ctrl-C at a prompt exits
+    cleanly (a thread blocked in ``input()`` makes the interpreter abort at shutdown). Like
+    ``input()``, it reads a terminal or a pipe, so scripts and tests can drive it.
     """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[str | None] = loop.create_future()
 
-    def read() -> None:
+    def __init__(self, fd: int = 0) -> None:
+        self.fd = fd
+        self.buffer = b""
+        self.eof = False
+
+    async def readline(self, prompt: str) -> str | None:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        while b"\n" not in self.buffer and not self.eof:
+            await self._readable()
+            chunk = os.read(self.fd, 65536)
+            self.buffer += chunk
+            self.eof = not chunk
+        if not self.buffer:
+            return None
+        line, _, rest = self.buffer.partition(b"\n")
+        self.buffer = rest
+        return line.decode("utf-8", errors="replace").rstrip("\r")
+
+    async def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         try:
-            value: str | None = input(prompt)
-        except EOFError:
-            value = None
-        except BaseException as exc:  # handed to the waiting coroutine
-            loop.call_soon_threadsafe(lambda err=exc: fut.done() or fut.set_exception(err))
-            return
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(value))
-
-    threading.Thread(target=read, name="label-input", daemon=True).start()
-    return await fut
+            loop.add_reader(self.fd, lambda: fut.done() or fut.set_result(None))
+        except (OSError, ValueError, NotImplementedError):
+            return  # a regular file (never blocks) or a loop without add_reader: just read
+        try:
+            await fut
+        finally:
+            loop.remove_reader(self.fd)
 
 
 def render_sample(item: Any) -> Any:
@@ -464,6 +481,7 @@ async def interactive(queue: Any, console: Any, timeout: float | None, max_sampl
 
     from pipeline.labeler import SampleMoved
 
+    stdin = StdinLines()
     handled = 0
     said_waiting = False
     while max_samples is None or handled < max_samples:
@@ -480,7 +498,7 @@ async def interactive(queue: Any, console: Any, timeout: float | None, max_sampl
         console.rule()
         console.print(await _status_line(queue))
         console.print(render_sample(item))
-        outcome = await ask(item, console)
+        outcome = await ask(item, console, stdin)
         if outcome is None:  # quit: the sample stays in the queue, uncommitted
             console.print("quit: this sample stays in the queue for the next labeler")
             break
@@ -503,9 +521,11 @@ async def interactive(queue: Any, console: Any, timeout: float | None, max_sampl
     return 0
 
 
-async def ask(item: Any, console: Any) -> Command | None:
+async def ask(item: Any, console: Any, stdin: StdinLines) -> Command | None:
     """Prompt until a complete answer (``answer`` with slots, or ``skip``); None to quit."""
     from rich.text import Text
+
+    ainput = stdin.readline
 
     offered = offered_slots(item.sample)
     rating: int | None = None

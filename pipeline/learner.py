@@ -34,13 +34,14 @@ import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CheckpointError
+from models.checkpoint import CheckpointError, sha256_hex, verify_and_load
 from models.policy import Arch
 from models.trainer import PolicyTrainer
 from pipeline import kafka
-from pipeline.checkpoints import CheckpointPublisher, fetch_checkpoint, scan_model_topic
+from pipeline.checkpoints import CheckpointPublisher, ModelTopicIndex, fetch_checkpoint, scan_model_topic
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
+from pipeline.gate import PromotionGate
 from pipeline.metrics import Metrics
 from topics.checkpoint import Manifest
 from topics.codec import Experience, Rejected, decode_control, decode_experience
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 LINGER_S = 0.5  # apply a partial micro-batch after this long without new input
 DEDUPE_IDS = 200_000
+LOCAL_VERSIONS = 20  # checkpoint versions kept in the local directory (rollback)
 
 
 class LocalStore:
@@ -74,6 +76,23 @@ class LocalStore:
         for name in ("policy.safetensors", "optimizer.safetensors", "manifest.json"):
             if (tmp / name).exists():
                 (tmp / name).replace(self.root / name)
+        # Earlier versions, for rollbacks after the model topic has tombstoned them.
+        versions = self.root / "versions"
+        versions.mkdir(exist_ok=True)
+        save_file(tensors, str(versions / f"{manifest.version}.safetensors"))
+        for old in sorted(versions.glob("*.safetensors"), key=lambda p: int(p.stem))[:-LOCAL_VERSIONS]:
+            old.unlink()
+
+    def load_version(self, version: int, arch: Arch) -> dict[str, torch.Tensor] | None:
+        path = self.root / "versions" / f"{version}.safetensors"
+        if not path.exists():
+            return None
+        blob = path.read_bytes()
+        try:
+            return verify_and_load(blob, sha256_hex(blob), len(blob), arch)
+        except CheckpointError as exc:
+            log.error("learner: local copy of v%d is unusable (%s)", version, exc)
+            return None
 
     def load(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
         try:
@@ -121,7 +140,7 @@ class Learner:
         self._dead: DeadLetterWriter | None = None
         self._stopping = asyncio.Event()
         self._last_input = time.monotonic()
-        self.gate: Any = None  # set by the promotion gate (pipeline.gate) when enabled
+        self.gate: PromotionGate | None = None  # set in start() when the gate is on
 
     def _new_trainer(self) -> PolicyTrainer:
         s = self.settings
@@ -160,6 +179,8 @@ class Learner:
             self.settings,
             group_id=f"{self.settings.topic_prefix}causalmem-learner-{self.settings.policy}",
         )
+        if self.settings.gate:
+            self.gate = PromotionGate(self.settings, self._publisher, self.metrics, window=lambda: self.replay)
         self._group.subscribe([self.topics.control.name], listener=_Election(self))
         await self._group.start()
         self._input = kafka.consumer(self.bootstrap, self.settings, group_id=None)
@@ -246,6 +267,8 @@ class Learner:
         elif not loaded:
             self.restored_from = "fresh"
             await self.publish("init")
+        if self.gate is not None and self.gate.serving_net is None:
+            await self._restore_serving(index)
         await self._seek(offsets)
         await self._rebuild_history(offsets)
         log.info(
@@ -254,6 +277,18 @@ class Learner:
             self.version,
             {tp.topic: off for tp, off in self.positions.items()},
         )
+
+    async def _restore_serving(self, index: ModelTopicIndex) -> None:
+        """The gate compares candidates with what clients serve: load that policy too."""
+        serving = index.serving.get(self.settings.policy)
+        if serving is None:
+            return
+        try:
+            tensors = await fetch_checkpoint(self.bootstrap, self.settings, index, serving)
+        except CheckpointError as exc:
+            log.error("learner: the serving checkpoint v%d is unusable (%s)", serving.version, exc)
+            return
+        self.gate.set_serving(serving, tensors)
 
     def _load(self, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], local: Any) -> None:
         metrics = manifest.get("metrics") or {}
@@ -304,7 +339,8 @@ class Learner:
     async def step(self) -> None:
         """One poll of the inputs, then whatever updates and publishing are due."""
         try:
-            batch = await self._input.getmany(timeout_ms=100, max_records=4 * self.settings.batch_size)
+            batch = await self._input.getmany(timeout_ms=100, max_records=16 * self.settings.batch_size)
+
         except Exception as exc:
             log.warning("learner: fetch failed: %r", exc)
             await asyncio.sleep(0.5)
@@ -422,6 +458,38 @@ class Learner:
             self._mark_seen(ctl.id)
         if ctl.command == "reset":
             await self.reset(ctl.reason, ctl.details)
+        elif ctl.command == "rollback":
+            await self.rollback(int(ctl.details.get("to_version", -1)), ctl.reason)
+
+    async def rollback(self, version: int, reason: str = "") -> bool:
+        """Serve (and continue from) an earlier checkpoint, republished under a new version.
+
+        The weights come from the model topic when its chunks are still there, else from
+        the local directory (which keeps more versions than the topic). Training goes on
+        from them with a fresh optimizer: the policy that was rolled back is abandoned.
+        """
+        tensors = await self._find_version(version)
+        if tensors is None:
+            log.error(
+                "learner: rollback to v%d impossible: neither the model topic nor %s has it", version, self.store.root
+            )
+            return False
+        await self._apply_pending(force=True)
+        self.trainer.load(tensors, self.trainer.baseline.state())
+        self.dirty = True
+        await self.publish("rollback", extra={"rolled_back_to": version, "rollback_reason": reason})
+        log.warning("learner: rolled back to the weights of v%d, now serving as v%d", version, self.version)
+        return True
+
+    async def _find_version(self, version: int) -> dict[str, torch.Tensor] | None:
+        index = await scan_model_topic(self.bootstrap, self.settings)
+        manifest = index.manifests.get((self.settings.policy, version))
+        if manifest is not None:
+            try:
+                return await fetch_checkpoint(self.bootstrap, self.settings, index, manifest)
+            except CheckpointError as exc:
+                log.info("learner: v%d is not complete on the model topic (%s); trying the local copy", version, exc)
+        return self.store.load_version(version, self.arch)
 
     async def reset(self, reason: str = "", details: dict[str, Any] | None = None) -> None:
         """Drift reset: new last layer, warm-up on the kept 7 days, publish ``reset``.
@@ -461,9 +529,12 @@ class Learner:
         return out
 
     async def maybe_publish(self) -> None:
-        if not self.dirty:
-            return
         if time.monotonic() - self.last_publish < self.settings.checkpoint_interval_s:
+            return
+        if not self.dirty:
+            if self.gate is not None and self.gate.pending is not None:
+                self.last_publish = time.monotonic()
+                await self.gate.reconsider()
             return
         await self.publish("label" if self.labels_since_checkpoint else "periodic")
 
@@ -484,7 +555,7 @@ class Learner:
         }
         tensors = trainer.tensors()
         offsets = self.input_offsets()
-        candidate = self.gate is not None and reason not in ("init",)
+        candidate = self.gate is not None and reason not in ("init", "rollback")
         manifest = await self._publisher.publish(
             tensors,
             reason=reason,
@@ -511,8 +582,11 @@ class Learner:
             ", candidate" if candidate else "",
             trainer.updates,
         )
-        if candidate and self.gate is not None:
-            await self.gate.consider(manifest, tensors)
+        if self.gate is not None:
+            if candidate:
+                await self.gate.consider(manifest, tensors)
+            else:
+                self.gate.set_serving(manifest, tensors)
         return manifest
 
     def _export_lag(self) -> None:

@@ -280,11 +280,13 @@ def worker_view(url: str, values: dict[str, float], rates: dict[str, float | Non
         return {"url": url, "up": False}
     bands = labelled(values, "causalmem_memory_health_band", "band")
     band = next((b for b in HEALTH_BANDS if bands.get(b) == 1.0), None)
+    # The score gauge reads 0 until the worker's first health computation sets a band.
+    score = metric(values, "causalmem_memory_health_score") if band is not None else None
     reference = metric(values, "causalmem_utility_rating_correlation_reference")
     return {
         "url": url,
         "up": True,
-        "health_score": metric(values, "causalmem_memory_health_score"),
+        "health_score": score,
         "health_band": band,
         "correlation": _finite(metric(values, "causalmem_utility_rating_correlation")),
         "correlation_pairs": int(metric(values, "causalmem_utility_rating_pairs")),
@@ -325,7 +327,7 @@ def learner_view(url: str, values: dict[str, float], rates: dict[str, float | No
 
 def health_summary(workers: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The worst health score among reachable workers (each computes its own)."""
-    up = [w for w in workers if w.get("up")]
+    up = [w for w in workers if w.get("up") and w.get("health_score") is not None]
     if not up:
         return None
     worst = min(up, key=lambda w: w["health_score"])
@@ -528,6 +530,8 @@ def render(s: dict[str, Any]) -> Any:
     live.add_column(style="dim")
     live.add_column()
     h = s.get("health")
+    if h is None and any(w["up"] for w in s.get("workers", [])):
+        live.add_row("health", Text("not computed yet (first computation ~5 s after a worker is ready)", style="dim"))
     if h:
         band = h["band"] or "?"
         live.add_row("health", Text(f"{h['score']:.1f}  {band}", style=BAND_STYLE.get(band, "")))

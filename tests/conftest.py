@@ -83,7 +83,9 @@ def settings(broker: BrokerInfo, tmp_path: Path) -> Settings:
         state_dir=str(tmp_path / "state"),
         checkpoint_interval_s=0.5,
         batch_size=8,
+        gate=False,  # tests of the gate turn it on
     )
+
 
 
 @pytest.fixture

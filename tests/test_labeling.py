@@ -27,7 +27,7 @@ from aiokafka import TopicPartition
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.label_cli import agreement, cohens_kappa, load_answers, parse_line, parse_rating
-from pipeline.labeler import LABELER_GROUP, LabelQueue
+from pipeline.labeler import LABELER_GROUP, LabelQueue, SampleMoved
 from tests.conftest import settings_env
 from tests.helpers import until
 from topics.codec import ActiveLearningSample, Features, HumanLabel, decode_human_label, encode
@@ -118,6 +118,12 @@ async def run_cli(s: Settings, args: list[str], stdin: bytes = b"", timeout: flo
     )
     out, _ = await asyncio.wait_for(proc.communicate(stdin), timeout)
     return proc.returncode or 0, out.decode()
+
+
+def stable_split(s: Settings, a: LabelQueue, b: LabelQueue) -> bool:
+    """Each labeler holds a disjoint, non-empty share of the partitions."""
+    pa, pb = a._consumer.assignment(), b._consumer.assignment()
+    return bool(pa) and bool(pb) and not (pa & pb) and len(pa | pb) == s.partitions
 
 
 def cli_env(s: Settings) -> dict[str, str]:
@@ -262,12 +268,7 @@ async def test_two_labelers_never_get_the_same_sample(topics_ready: Settings) ->
     alice, bob = LabelQueue(s.bootstrap or "", s, "alice"), LabelQueue(s.bootstrap or "", s, "bob")
     await asyncio.gather(alice.start(), bob.start())
     try:
-        # A stable group: each holds a disjoint share of the partitions.
-        def split() -> bool:
-            a, b = alice._consumer.assignment(), bob._consumer.assignment()
-            return bool(a) and bool(b) and not (a & b) and len(a | b) == s.partitions
-
-        await until(split, 30, "a stable two-labeler assignment")
+        await until(lambda: stable_split(s, alice, bob), 30, "a stable two-labeler assignment")
         samples = [al_sample(s, f"two-{i}", f"q{i}", candidates=[i, i + 1, i + 2]) for i in range(16)]
         placed = await queue_samples(s, samples)
         assert len({p for p, _ in placed.values()}) > 1  # spread over partitions by query id
@@ -403,6 +404,34 @@ async def test_crash_after_publishing_before_commit_gives_the_sample_again(topic
     # on event_id keeps both, and the learner applies each (see the module docstring).
     assert [(x.sample_id, x.labeler) for x in labels] == [("twice-1", "alice"), ("twice-1", "bob")]
     assert len({x.event_id for x in labels}) == 2
+    assert await uncommitted(s, placed) == set()
+
+
+@pytest.mark.broker
+async def test_sample_shown_during_a_rebalance_is_answered_once(topics_ready: Settings) -> None:
+    """A labeler joins while another looks at a sample: the sample's partition is revoked
+    (and maybe moved), so the old answer is refused before publishing and the partition's
+    owner gets the sample again."""
+    s = topics_ready
+    placed = await queue_samples(s, [al_sample(s, "moved-1", "qm1")])
+    alice, bob = LabelQueue(s.bootstrap or "", s, "alice"), LabelQueue(s.bootstrap or "", s, "bob")
+    await alice.start()
+    try:
+        item = await alice.next(timeout=15)
+        assert item is not None
+        await bob.start()  # the group rebalances under alice's feet
+        await until(lambda: stable_split(s, alice, bob), 20, "a stable two-labeler assignment")
+        with pytest.raises(SampleMoved) as moved:
+            await alice.answer(item, [1])
+        assert not moved.value.published
+        assert await labels_on_topic(s) == []
+        owner = alice if item.tp in alice._consumer.assignment() else bob
+        again = await owner.next(timeout=15)
+        assert again is not None and again.sample.sample_id == "moved-1"
+        await owner.answer(again, [1])
+    finally:
+        await asyncio.gather(alice.stop(), bob.stop())
+    assert [(x.sample_id, x.labeler) for x in await labels_on_topic(s)] == [("moved-1", owner.labeler)]
     assert await uncommitted(s, placed) == set()
 
 

@@ -69,7 +69,7 @@ def _joined_ids(s) -> set[str]:
 
 
 def _start_workers(s, tmp_path: Path) -> list[Child]:
-    env = {**settings_env(s), "PYTHONPATH": "/tmp/sc"}
+    env = settings_env(s)
     return [
         Child("worker", s.bootstrap, env, ["--log-level", "info"], log_path=tmp_path / f"worker{i}.log")
         for i in range(2)
@@ -116,13 +116,11 @@ def _takeover(topics_ready, tmp_path: Path, sig: int, takeover_s: float) -> None
 
         victim, survivor = workers
         t_stop = time.monotonic()
-        print("signal at", time.strftime("%H:%M:%S"), time.time() % 60)
         if sig == signal.SIGKILL:
             victim.kill()
         else:
             victim.stop(timeout=20, sig=sig)
-        stopped_in = time.monotonic() - t_stop
-        print("victim rc", victim.proc.returncode)
+        stopped_in = time.monotonic() - t_stop  # until the process is gone
         # The rest of batch 2: the pending events' feedback, and fresh pairs.
         asyncio.run(_publish(s, half_open, events=False))
         fresh = asyncio.run(_publish(s, _query_ids("c")))
@@ -147,7 +145,8 @@ def _takeover(topics_ready, tmp_path: Path, sig: int, takeover_s: float) -> None
         assert joined <= expected  # nothing else was joined
         emitted = len(asyncio.run(kafka.read_all(s.bootstrap, s, s.topics().experiences.name, idle_s=0.5)))
         print(
-            f"stopped in {stopped_in:.1f} s; split {split}; takeover after {signal.Signals(sig).name} in {took:.1f} s; {len(expected)} joins, {emitted - len(expected)} re-emitted"
+            f"split {split}; {signal.Signals(sig).name}: victim gone in {stopped_in:.1f} s, survivor owned all "
+            f"partitions after {took:.1f} s; {len(expected)} joins, {emitted - len(expected)} re-emitted"
         )
         assert _owned(survivor) == PARTITIONS
     finally:

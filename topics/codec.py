@@ -191,7 +191,10 @@ class _Fields:
         items = self.list_(name, required)
         if items is None:
             return None
-        slots = [_as_int(v, 0, self.limits.slots - 1, f"{self.path}{name}[]") for v in items]
+        if items and set(map(type, items)) == _INT_TYPE and min(items) >= 0 and max(items) < self.limits.slots:
+            slots = items  # the common case, checked in C
+        else:
+            slots = [_as_int(v, 0, self.limits.slots - 1, f"{self.path}{name}[]") for v in items]
         if unique and len(set(slots)) != len(slots):
             raise Rejected("inconsistent", f"{self.path}{name} repeats a slot")
         return slots
@@ -251,6 +254,7 @@ def _as_float(value: Any, lo: float | None, hi: float | None, where: str, max_ab
 
 
 _NUMBER_TYPES = {float, int}
+_INT_TYPE = {int}
 
 
 def _float_array(items: list[Any], where: str, max_abs: float, lo: float | None = None) -> np.ndarray:
@@ -716,7 +720,7 @@ class Control:
         }
 
 
-CONTROL_COMMANDS = ("reset",)
+CONTROL_COMMANDS = ("reset", "rollback")
 
 
 def decode_control(raw: bytes, limits: Limits) -> Control:
