@@ -291,6 +291,7 @@ class PolicySubscriber:
         self._consumer: Any = None
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Condition()
+        self._after_reset = False
 
     async def start(self) -> None:
         self._consumer = kafka.consumer(self.bootstrap, self.settings, group_id=None)
@@ -341,6 +342,25 @@ class PolicySubscriber:
             for msgs in batch.values():
                 for msg in msgs:
                     await self.handle(msg.offset, msg.key, msg.value)
+            await self._check_reset()
+
+    async def _check_reset(self) -> None:
+        """A log end below our position means the cluster lost the topic (DESIGN §8)."""
+        tp = TopicPartition(self.topic, 0)
+        hw = self._consumer.highwater(tp)
+        if hw is None or hw >= await self._consumer.position(tp):
+            return
+        log.error(
+            "subscriber: the model topic restarted (log end %d < position %d): the Kafka cluster was reset; "
+            "keeping v%s and reading the topic again from the beginning",
+            hw,
+            await self._consumer.position(tp),
+            self.current.version if self.current else "-",
+        )
+        self.index = ModelTopicIndex()
+        self._recent.clear()
+        self._after_reset = True
+        await self._consumer.seek_to_beginning(tp)
 
     async def handle(self, offset: int, key: bytes | None, value: bytes | None) -> None:
         """Process one model-topic message (public so tests can feed crafted messages)."""
@@ -355,7 +375,7 @@ class PolicySubscriber:
             if value is None:
                 self._recent.get(version, {}).pop(i, None)
                 return
-            if self.current is not None and version <= self.current.version:
+            if self.current is not None and version <= self.current.version and not self._after_reset:
                 return
             self._recent.setdefault(version, {})[i] = value
             for old in sorted(self._recent)[: -self.keep_recent]:
@@ -363,7 +383,7 @@ class PolicySubscriber:
             return
         if kind != "serving" or manifest is None or manifest.policy != self.policy:
             return
-        if self.current is not None and manifest.version <= self.current.version:
+        if self.current is not None and manifest.version <= self.current.version and not self._after_reset:
             if manifest.version < self.current.version:
                 self._reject(offset, f"older version {manifest.version} after {self.current.version}")
             return
@@ -373,6 +393,7 @@ class PolicySubscriber:
             self._reject(offset, f"version {manifest.version}: {exc}")
             return
         self.current = loaded
+        self._after_reset = False  # after a cluster reset, the first verified policy is the new base
         for old in [v for v in self._recent if v <= manifest.version]:
             del self._recent[old]
         log.info("subscriber: loaded %s v%d (%s)", self.policy, manifest.version, manifest.reason)

@@ -164,7 +164,7 @@ def cmd_init_topics(args: argparse.Namespace) -> int:
         bad = 0
         for spec in settings.topics().all():
             state = result.get(spec.name, "?")
-            bad += state not in ("created", "exists")
+            bad += state not in ("created", "exists", "repaired")
             print(f"{spec.name:<40} {spec.partitions:>3} partitions  {state}")
         return 1 if bad else 0
 
@@ -198,7 +198,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     bootstrap = resolve_bootstrap(settings)
     asyncio.run(kafka.wait_for_broker(bootstrap, settings))
     created = asyncio.run(kafka.create_topics(bootstrap, settings))
-    wrong = {k: v for k, v in created.items() if v not in ("created", "exists")}
+    wrong = {k: v for k, v in created.items() if v not in ("created", "exists", "repaired")}
     if wrong:
         print(f"topic problems: {wrong}", file=sys.stderr)
         return 2
@@ -242,6 +242,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
     from pipeline import kafka
     from pipeline.learner import Learner
     from pipeline.metrics import Metrics, serve
+    from pipeline.procs import restart_process
 
     settings = settings_from(args)
     bootstrap = resolve_bootstrap(settings)
@@ -261,7 +262,20 @@ def cmd_learner(args: argparse.Namespace) -> int:
         learner = Learner(settings, bootstrap, metrics)
         await learner.start()
         task = asyncio.create_task(learner.run())
+        # After a cluster reset (an embedded broker restart) a fresh start restores from the
+        # local checkpoint, republishes it and reads every input from the beginning.
+        watch = kafka.ClusterWatch(
+            bootstrap,
+            settings,
+            [t.name for t in settings.topics().all()],
+            on_reset=lambda missing: restart_process("learner: the Kafka cluster lost its topics"),
+            metrics=metrics,
+            marker_seen=True,  # create_topics above made sure of it
+        )
+        await watch.start()
         await stop.wait()
+        await watch.stop()
+
         print("learner: stopping (publishing a shutdown checkpoint if the policy changed)", flush=True)
         await learner.stop()
         task.cancel()
@@ -343,4 +357,8 @@ VERB_MODULES = (
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module, not __main__: the verb modules register on
+    # ``pipeline.cli.VERBS``, which under ``python -m pipeline.cli`` is another module object.
+    from pipeline import cli as _cli
+
+    sys.exit(_cli.main())

@@ -105,10 +105,12 @@ def admin(bootstrap: str, settings: Settings) -> AIOKafkaAdminClient:
 
 
 async def create_topics(bootstrap: str, settings: Settings, specs: list[TopicSpec] | None = None) -> dict[str, str]:
-    """Create the product's topics (idempotent). Returns ``{name: "created"|"exists"|error}``.
+    """Create the product's topics (idempotent). Returns ``{name: "created"|"exists"|"repaired"|error}``.
 
     Topics must exist before any client asks for metadata: the embedded broker would
-    auto-create them with 4 partitions, breaking co-partitioning.
+    auto-create them with 4 partitions, breaking co-partitioning. An *empty* topic with
+    the wrong partition count (auto-created after an embedded broker restart) is deleted
+    and created again; a non-empty one is reported, never touched.
     """
     specs = specs if specs is not None else settings.topics().all()
     client = admin(bootstrap, settings)
@@ -116,6 +118,17 @@ async def create_topics(bootstrap: str, settings: Settings, specs: list[TopicSpe
     result: dict[str, str] = {}
     try:
         existing = set(await client.list_topics())
+        if existing:
+            described = await client.describe_topics([s.name for s in specs if s.name in existing])
+            counts = {d["topic"]: len(d["partitions"]) for d in described}
+            wrong = [s for s in specs if counts.get(s.name, s.partitions) != s.partitions]
+            repairable = [s for s in wrong if await _is_empty(bootstrap, settings, s.name, counts[s.name])]
+            if repairable:
+                await client.delete_topics([s.name for s in repairable])
+                existing -= {s.name for s in repairable}
+                await asyncio.sleep(0.5)
+            for s in repairable:
+                result[s.name] = "repaired"
         todo = [s for s in specs if s.name not in existing]
         for s in specs:
             if s.name in existing:
@@ -130,8 +143,8 @@ async def create_topics(bootstrap: str, settings: Settings, specs: list[TopicSpe
                 errors = {}
             for s in todo:
                 code = errors.get(s.name, 0)
-                result[s.name] = "created" if code in (0, 36) else f"error {code}"
-        # Verify partition counts: a topic auto-created earlier may have the wrong number.
+                ok = code in (0, 36)
+                result[s.name] = result.get(s.name, "created") if ok else f"error {code}"
         described = await client.describe_topics([s.name for s in specs])
         counts = {d["topic"]: len(d["partitions"]) for d in described}
         for s in specs:
@@ -139,7 +152,33 @@ async def create_topics(bootstrap: str, settings: Settings, specs: list[TopicSpe
                 result[s.name] = f"wrong partition count {counts[s.name]} (want {s.partitions})"
     finally:
         await client.close()
+    epoch = settings.topics().epoch
+    if any(s.name == epoch.name for s in specs) and result.get(epoch.name) in ("created", "exists", "repaired"):
+        await _mark_epoch(bootstrap, settings, epoch.name)
     return result
+
+
+async def _is_empty(bootstrap: str, settings: Settings, topic: str, partitions: int) -> bool:
+    for p in range(partitions):
+        if await high_watermark(bootstrap, settings, topic, p) > 0:
+            return False
+    return True
+
+
+async def _mark_epoch(bootstrap: str, settings: Settings, topic: str) -> None:
+    if await high_watermark(bootstrap, settings, topic) > 0:
+        return
+    import time
+
+    import orjson
+
+    p = producer(bootstrap, settings)
+    await p.start()
+    try:
+        value = orjson.dumps({"schema": "epoch/v1", "created_ts": time.time()})
+        await (await p.send(topic, value, key=b"epoch", partition=0))
+    finally:
+        await p.stop()
 
 
 async def wait_for_broker(bootstrap: str, settings: Settings, timeout: float = 30.0) -> None:
@@ -167,8 +206,8 @@ async def wait_for_broker(bootstrap: str, settings: Settings, timeout: float = 3
 async def high_watermark(bootstrap: str, settings: Settings, topic: str, partition: int = 0) -> int:
     """The log-end offset of a partition, from a fetch response (DESIGN §8: not end_offsets)."""
     c = consumer(bootstrap, settings, group_id=None)
-    await c.start()
     try:
+        await c.start()
         tp = TopicPartition(topic, partition)
         c.assign([tp])
         await c.seek_to_beginning(tp)
@@ -234,3 +273,93 @@ async def read_all(
         return out
     finally:
         await c.stop()
+
+
+class ClusterWatch:
+    """Notices a Kafka cluster that lost the product's topics (DESIGN §8).
+
+    An embedded broker keeps everything in memory: after a restart every topic, group and
+    offset is gone, and clients reconnect without an error while keeping positions that no
+    longer exist, so they may silently skip new messages. The watch lists the topics every
+    ``interval`` seconds; once they had all existed, any of them missing means the cluster
+    was reset, and ``on_reset(missing)`` is called (once per reset).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        settings: Settings,
+        topics: list[str],
+        on_reset: Any,
+        metrics: Any = None,
+        interval: float = 3.0,
+        marker_seen: bool = False,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.settings = settings
+        self.topics = topics
+        self.on_reset = on_reset
+        self.metrics = metrics
+        self.interval = interval
+        self.resets = 0
+        # True when the caller has just made sure the topics (and the marker) exist.
+        self._seen_all = marker_seen
+
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="cluster-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def check(self) -> list[str] | None:
+        """One look: the lost topics if the cluster was reset, else None.
+
+        Topics cannot be trusted to vanish: the embedded broker re-creates any topic a
+        client asks about. The epoch topic's marker message can: an empty epoch topic,
+        after it held the marker, means the cluster lost everything.
+        """
+        epoch = self.settings.topics().epoch.name
+        try:
+            hw = await asyncio.wait_for(high_watermark(self.bootstrap, self.settings, epoch), timeout=10)
+        except (TimeoutError, KafkaError, OSError):
+            return None  # unreachable (perhaps restarting): look again later
+        log.debug("cluster watch: %s holds %d message(s)", epoch, hw)
+        if hw > 0:
+            self._seen_all = True
+            return None
+
+        if self._seen_all:
+            self._seen_all = False
+            return list(self.topics)
+        return None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                missing = await self.check()
+            except Exception as exc:  # the watch must outlive any broker weirdness
+                log.debug("cluster watch: check failed: %r", exc)
+                continue
+
+            if missing is None:
+                continue
+            self.resets += 1
+            if self.metrics is not None:
+                self.metrics.cluster_resets.inc()
+            log.error(
+                "Kafka cluster reset detected: topics %s are gone (an embedded broker restart loses "
+                "every topic, group and offset)",
+                ", ".join(sorted(missing)[:5]),
+            )
+            result = self.on_reset(missing)
+            if asyncio.iscoroutine(result):
+                await result

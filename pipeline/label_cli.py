@@ -5,8 +5,8 @@ Three modes:
 - **interactive** (default): takes the next sample from the shared queue (the consumer
   group ``causalmem-labelers``: several labelers share the queue and never get the same
   sample), shows the query, the memories read and the candidate slots with the serving
-  policy's first-draw probabilities, and reads short answers with ``input()`` (so a pipe
-  can drive it)::
+  policy's first-draw probabilities, and reads short answers line by line from standard
+  input (a terminal or a pipe, so scripts and tests can drive it; see :class:`StdinLines`)::
 
       label> 3 17          the correct memories (candidate slots), then a rating prompt
       rating> r4           0–5: how much the query needed memory (Enter: no rating)
@@ -25,10 +25,19 @@ Three modes:
 - **stats** (``--stats``): agreement between labelers where one sample got answers from
   several of them (see :func:`agreement` for the definitions).
 
+Before each sample it shows ``waiting: N · done by you: M``: N is the samples not yet
+committed on the partitions this labeler holds (the whole queue when it labels alone), M
+what it answered or skipped in this session (``--stats`` counts everyone's, all time).
+
 A sample's offset is committed only after its label is acknowledged by the broker (see
-:mod:`pipeline.labeler`): a crash never loses a label or a sample. Every label carries the
-labeler's identity: ``--labeler NAME``, else the ``USER`` environment variable; an empty
-identity is refused.
+:mod:`pipeline.labeler`): a crash never loses a label or a sample. A crash after the ack
+and before the commit gives the sample again (at least once), and its second answer is a
+second label with its own event id. If the group rebalances while a sample is on screen
+(a labeler joins or leaves), the answer is refused before publishing and the sample goes
+to its partition's new owner. Every label carries the labeler's identity: ``--labeler
+NAME``, else the ``USER`` environment variable; an empty identity is refused.
+``--group NAME`` labels in another consumer group, which gets every sample again: a way to
+collect a second opinion for ``--stats`` (the worker applies both answers).
 """
 
 from __future__ import annotations
@@ -525,13 +534,11 @@ async def ask(item: Any, console: Any, stdin: StdinLines) -> Command | None:
     """Prompt until a complete answer (``answer`` with slots, or ``skip``); None to quit."""
     from rich.text import Text
 
-    ainput = stdin.readline
-
     offered = offered_slots(item.sample)
     rating: int | None = None
     console.print(HELP, markup=False)
     while True:
-        line = await ainput("label> ")
+        line = await stdin.readline("label> ")
         if line is None:
             return None
         try:
@@ -553,7 +560,9 @@ async def ask(item: Any, console: Any, stdin: StdinLines) -> Command | None:
             continue
         if rating is None:
             while True:
-                line = await ainput(f"rating> how much did the query need memory, r0–r{RATING_MAX} (Enter: none) ")
+                line = await stdin.readline(
+                    f"rating> how much did the query need memory, r0–r{RATING_MAX} (Enter: none) "
+                )
                 if line is None:
                     return None
                 if line.strip().lower() in ("q", "quit"):

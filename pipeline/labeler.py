@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,17 @@ from topics.codec import ActiveLearningSample, HumanLabel, Rejected, decode_acti
 log = logging.getLogger(__name__)
 
 LABELER_GROUP = "causalmem-labelers"
+
+
+def label_event_id(sample_id: str, labeler: str) -> str:
+    """One id per (sample, labeler): a re-answer after a crash is the same label, applied once.
+
+    Answers from different labelers keep different ids (both count, and agreement can be
+    measured).
+    """
+    return hashlib.sha256(f"{sample_id}\x00{labeler}".encode()).hexdigest()[:32]
+
+
 # A person may look at one sample for a long time. aiokafka leaves the group when the
 # consumer has not fetched for max_poll_interval (default 5 min), which would hand the
 # sample being looked at to another labeler; heartbeats keep the membership alive meanwhile.
@@ -144,7 +155,7 @@ class LabelQueue:
     ) -> HumanLabel:
         """Publish the answer, wait for the broker's acknowledgement, then commit the sample."""
         label = HumanLabel(
-            event_id=uuid.uuid4().hex,
+            event_id=label_event_id(item.sample.sample_id, self.labeler),
             query_id=item.sample.query_id,
             ts=item.sample.ts if ts is None else ts,
             labeler=self.labeler,
@@ -163,7 +174,7 @@ class LabelQueue:
     async def skip(self, item: QueuedSample, reason: str = "", ts: float | None = None) -> HumanLabel:
         """Skip a sample (recorded as an answer without memories, with the reason)."""
         label = HumanLabel(
-            event_id=uuid.uuid4().hex,
+            event_id=label_event_id(item.sample.sample_id, self.labeler),
             query_id=item.sample.query_id,
             ts=item.sample.ts if ts is None else ts,
             labeler=self.labeler,

@@ -262,8 +262,11 @@ class Learner:
             self._load(meta["manifest"], tensors, local)
             self.restored_from = f"local v{meta['manifest']['version']}"
             log.warning("learner: model topic is empty; republishing the local checkpoint %s", self.restored_from)
-            self.version = 0
+            # Clients may still run that version: continue above it, so they take the republished one.
+            self._publisher.last_version = max(self._publisher.last_version, int(meta["manifest"]["version"]))
+            self.version = self._publisher.last_version
             await self.publish("init", extra={"restored_from": "local"})
+
         elif not loaded:
             self.restored_from = "fresh"
             await self.publish("init")

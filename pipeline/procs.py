@@ -118,3 +118,17 @@ def wait_until(pred: Any, timeout: float, interval: float = 0.2, what: str = "co
             return
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def restart_process(reason: str) -> None:
+    """Replace this process with a fresh copy of itself (same command line).
+
+    After a cluster reset, a fresh start is the one way to rebuild every consumer, group
+    membership and in-memory table from the new cluster's (empty) topics.
+    """
+    import logging
+
+    logging.getLogger("causalmem").error("%s: restarting this process from the beginning", reason)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "pipeline.cli", *sys.argv[1:]])

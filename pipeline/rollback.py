@@ -15,10 +15,7 @@ import asyncio
 import time
 import uuid
 
-from pipeline import kafka
-from pipeline.checkpoints import scan_model_topic
 from pipeline.cli import options, resolve_bootstrap, settings_from, verb
-from topics.codec import Control, encode
 
 
 def _opts(p: argparse.ArgumentParser) -> None:
@@ -36,7 +33,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 async def rollback(bootstrap: str, settings: object, version: int, reason: str, timeout: float) -> int:
+    from pipeline import kafka
+    from pipeline.checkpoints import scan_model_topic  # imports torch: only when the verb runs
     from pipeline.config import Settings
+    from topics.codec import Control, encode
 
     assert isinstance(settings, Settings)
     await kafka.wait_for_broker(bootstrap, settings)

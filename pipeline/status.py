@@ -2,10 +2,10 @@
 
 What it shows, and where each number comes from:
 
-- **checkpoints** — the model topic (read from the beginning, DESIGN §8): the serving and
-  candidate manifests of the policy (version, reason, age, baseline, the learner's
-  counters recorded in the manifest), and the learner's update rate between the two
-  newest manifests: ``Δupdates / Δcreated_ts``;
+- **checkpoints** — the model topic (read from the beginning, DESIGN §8, then only what is
+  new at each ``--watch`` refresh): the serving and candidate manifests of the policy
+  (version, reason, age, baseline, the learner's counters recorded in the manifest), and
+  the learner's update rate between the two newest manifests: ``Δupdates / Δcreated_ts``;
 - **active-learning queue depth** — per partition, the fetch high watermark minus the
   labeler group's committed offset (``{prefix}causalmem-labelers``); high watermarks
   come from fetch responses, never from ``end_offsets`` (wrong on the embedded broker);
@@ -142,11 +142,28 @@ def manifest_rate(manifests: list[Any]) -> dict[str, Any] | None:
     return out
 
 
-async def checkpoint_status(bootstrap: str, settings: Settings, now: float) -> dict[str, Any]:
-    from pipeline.checkpoints import scan_model_topic  # imports torch: only when needed
+class ModelTopicFollower:
+    """The model topic's manifests, read from the beginning once and then incrementally."""
 
-    index = await scan_model_topic(bootstrap, settings)
-    policy = settings.policy
+    def __init__(self) -> None:
+        self.index: Any = None
+        self.next_offset = 0
+
+    async def update(self, bootstrap: str, settings: Settings, now: float) -> dict[str, Any]:
+        from pipeline.checkpoints import ModelTopicIndex  # imports torch: only when needed
+
+        if self.index is None:
+            self.index = ModelTopicIndex()
+        topic = settings.topics().policy_checkpoints.name
+        start = {0: self.next_offset} if self.next_offset else None
+        for msg in await kafka.read_all(bootstrap, settings, topic, partitions=[0], start=start, idle_s=0.5):
+            if msg.offset >= self.next_offset:
+                self.index.observe(msg.offset, msg.key, msg.value)
+                self.next_offset = msg.offset + 1
+        return checkpoint_view(self.index, settings.policy, now)
+
+
+def checkpoint_view(index: Any, policy: str, now: float) -> dict[str, Any]:
     serving, candidate = index.serving.get(policy), index.candidate.get(policy)
     mine = [m for (p, _), m in index.manifests.items() if p == policy]
     return {
@@ -362,6 +379,7 @@ class StatusCollector:
         self.learner_urls = list(learner_urls or [])
         self.rate_interval = rate_interval
         self.dead = DeadLetterTally(prefix=settings.topic_prefix)
+        self.model = ModelTopicFollower()
         self._prev: dict[str, tuple[float, dict[str, float]]] = {}
 
     async def _scrape_all(self) -> dict[str, tuple[float, dict[str, float]]]:
@@ -400,7 +418,7 @@ class StatusCollector:
             return {"topic": topic, "missing": True}
 
         ckpt, depth, dead = await asyncio.gather(
-            guarded("checkpoints", checkpoint_status(self.bootstrap, self.settings, now))
+            guarded("checkpoints", self.model.update(self.bootstrap, self.settings, now))
             if t.policy_checkpoints.name in existing
             else absent(t.policy_checkpoints.name),
             guarded(

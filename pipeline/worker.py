@@ -34,8 +34,9 @@ from models.health import health_score
 from models.serving_rule import first_draw_probs
 from pipeline.config import Settings
 from pipeline.join import JoinStage
-from pipeline.kafka import faust_credentials
+from pipeline.kafka import ClusterWatch, faust_credentials
 from pipeline.metrics import Metrics
+from pipeline.procs import restart_process
 from topics.codec import (
     SCHEMA_RATING_PAIR,
     ActiveLearningSample,
@@ -124,14 +125,19 @@ def label_experience(label: HumanLabel, sample: dict[str, Any], limits: Any) -> 
 class JoinService(mode.Service):
     """Runs the join stage inside the faust worker's lifecycle."""
 
-    def __init__(self, stage: JoinStage, **kwargs: Any) -> None:
+    def __init__(self, stage: JoinStage, watch: ClusterWatch | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.stage = stage
+        self.watch = watch
 
     async def on_start(self) -> None:
         await self.stage.start()
+        if self.watch is not None:
+            await self.watch.start()
 
     async def on_stop(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
         await self.stage.stop()
 
     @mode.Service.task
@@ -452,10 +458,21 @@ class Worker:
         if removed:
             log.info("pruned %d table entries older than the label window", removed)
 
-    def faust_worker(self, loglevel: str = "warning") -> faust.Worker:
+    def faust_worker(self, loglevel: str = "warning", restart_on_reset: bool = True) -> faust.Worker:
+        """The faust worker running every stage; on a cluster reset it restarts this process."""
+        watch = None
+        if restart_on_reset:
+            watch = ClusterWatch(
+                self.bootstrap,
+                self.settings,
+                [t.name for t in self.topics.all()],
+                on_reset=lambda missing: restart_process("worker: the Kafka cluster lost its topics"),
+                metrics=self.metrics,
+                marker_seen=True,  # the worker verb created the topics (and the marker) first
+            )
         return faust.Worker(
             self.app,
-            JoinService(self.join),
+            JoinService(self.join, watch),
             loglevel=loglevel,
             quiet=True,
             redirect_stdouts=False,

@@ -87,7 +87,6 @@ def settings(broker: BrokerInfo, tmp_path: Path) -> Settings:
     )
 
 
-
 @pytest.fixture
 def topics_ready(settings: Settings) -> Settings:
     from pipeline import kafka

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -14,7 +17,7 @@ from pipeline import cli, kafka
 from pipeline.checkpoints import CheckpointPublisher
 from pipeline.labeler import LabelQueue
 from pipeline.metrics import Metrics, serve
-from pipeline.status import fmt_age, manifest_rate, render
+from pipeline.status import StatusCollector, fmt_age, manifest_rate, render
 from topics.codec import dead_letter_value, encode
 
 from .helpers import retrieval_event
@@ -194,3 +197,68 @@ def test_manifest_rate_and_age_format() -> None:
     assert manifest_rate([M(1, 100.0, 0)]) is None
     assert manifest_rate([M(4, 100.0, 90), M(5, 110.0, 10)])["updates_per_s"] is None  # rollback
     assert [fmt_age(x) for x in (5, 75, 7300, 90000)] == ["5s", "1m 15s", "2h 01m", "1d 01h"]
+
+
+def test_status_as_a_subprocess(topics_ready) -> None:
+    """``python -m pipeline.cli status`` (how procs.Child runs verbs) knows the late-registered verb."""
+    s = topics_ready
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "status",
+            "--bootstrap",
+            s.bootstrap,
+            "--prefix",
+            s.topic_prefix,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    snap = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    assert snap["prefix"] == s.topic_prefix
+    assert snap["checkpoints"]["serving"] is None and snap["dead_letter"]["total"] == 0
+    assert snap["active_learning"]["depth"] == 0
+
+
+async def test_watch_refresh_reads_only_what_is_new(topics_ready) -> None:
+    """A collector reused across refreshes (``--watch``) counts new records once, and rates come
+    from the counters' change between refreshes."""
+    s = topics_ready
+    t = s.topics()
+    wm = Metrics(role="worker")
+    wm.set_health(95.0, "efficient")
+    wport = serve(wm, 0)
+    collector = StatusCollector(s.bootstrap, s, worker_urls=[f"http://127.0.0.1:{wport}/metrics"], rate_interval=0.2)
+    producer = kafka.producer(s.bootstrap, s)
+    await producer.start()
+    try:
+        pub = CheckpointPublisher(producer, t.policy_checkpoints.name, s.policy)
+        net = init_policy(8, 32, 16)
+        await pub.publish(net.tensors(), reason="init", arch=net.arch, baseline=0.0, metrics={"updates": 0})
+        value = dead_letter_value(b"x", "bad_json", "", t.llm_feedback.name, 0, 0, time.time())
+        await (await producer.send(t.dead_letter.name, encode(value), partition=0))
+        first = await collector.snapshot()
+        assert first["checkpoints"]["serving"]["version"] == 1
+        assert first["dead_letter"]["by_reason"] == {"bad_json": 1}
+
+        wm.joins.inc(50)
+        await pub.publish(net.tensors(), reason="periodic", arch=net.arch, baseline=0.1, metrics={"updates": 10})
+        value = dead_letter_value(b"y", "nan_or_inf", "", t.retrieval_events.name, 0, 1, time.time())
+        await (await producer.send(t.dead_letter.name, encode(value), partition=0))
+        second = await collector.snapshot()
+    finally:
+        await producer.stop()
+    assert second["checkpoints"]["serving"]["version"] == 2
+    assert second["checkpoints"]["manifests_seen"] == 2
+    assert second["dead_letter"]["total"] == 2
+    assert second["dead_letter"]["by_reason"] == {"bad_json": 1, "nan_or_inf": 1}
+    assert second["dead_letter"]["by_topic"] == {"llm-feedback": 1, "retrieval-events": 1}
+    (worker,) = second["workers"]
+    assert worker["joins_per_s"] is not None and worker["joins_per_s"] > 0
+    assert second["health"]["band"] == "efficient"

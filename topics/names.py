@@ -43,6 +43,7 @@ class Topics:
     outcomes: TopicSpec
     rating_pairs: TopicSpec
     control: TopicSpec
+    epoch: TopicSpec
     prefix: str = ""
 
     @classmethod
@@ -77,6 +78,9 @@ class Topics:
             outcomes=spec("outcomes", partitions, keep, "internal: batched join outcomes"),
             rating_pairs=spec("rating-pairs", 1, keep_longer, "internal: (U_query, rating) pairs"),
             control=spec("control", 1, keep_longer, "internal: commands to the learner (reset)"),
+            # One marker message, written when the topics are created: an empty epoch topic
+            # means the cluster lost everything (an embedded broker restarted).
+            epoch=spec("epoch", 1, {"cleanup.policy": "compact"}, "internal: cluster epoch marker"),
             prefix=prefix,
         )
 
@@ -92,6 +96,7 @@ class Topics:
             self.outcomes,
             self.rating_pairs,
             self.control,
+            self.epoch,
         ]
 
     def inputs(self) -> list[TopicSpec]:
