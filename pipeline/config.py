@@ -30,7 +30,8 @@ class KafkaSecurity:
     security_protocol: str = "PLAINTEXT"  # PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL
     sasl_mechanism: str | None = None  # PLAIN, SCRAM-SHA-256, SCRAM-SHA-512
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)  # never printed
+
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -75,6 +76,7 @@ class Settings:
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
+    gate_method: str = "dr"  # dr | snips | ips
     # join and stream stages
     join_window_s: float = 600.0  # event time
     join_batch: int = 2000

@@ -5,7 +5,7 @@ mean utility from logged decisions and their probabilities — made an automatic
 the learner. A new checkpoint is published as a *candidate* (manifest keyed
 ``"{policy}/candidate"``); the gate estimates, on the last ``gate_window`` logged
 experiences, the candidate's gain over the serving policy (self-normalised IPS, paired
-bootstrap interval, see :mod:`models.estimators`) and promotes it — republishes its
+bootstrap interval, see :mod:`models.estimators`) — doubly robust by default — and promotes it — republishes its
 manifest under ``"{policy}"``, the key clients follow — only when
 
 * the effective sample size is at least ``gate_min_ess``,
@@ -70,28 +70,39 @@ def judge(
     serving: PolicyNetwork,
     epsilon: float,
     min_ess: float,
+    method: str = "dr",
     n_boot: int = 200,
     seed: int = 0,
 ) -> tuple[str, str, dict[str, Estimate]]:
-    """The gate's rule on a log, without Kafka: ``(decision, reason, estimates)``."""
+    """The gate's rule on a log, without Kafka: ``(decision, reason, estimates)``.
+
+    With ``method="dr"`` (the default) the sample-size rule counts logged decisions: the
+    direct model learns from every one of them, whatever the importance weights. With
+    ``"snips"``/``"ips"`` it counts the importance weights' effective sample size, which a
+    near-greedy serving policy keeps tiny (a candidate that reorders a top-3 even slightly
+    gives the logged order almost no probability), so such a gate rarely decides.
+    """
     if len(decisions) == 0:
         return "insufficient", "no logged decisions yet", {}
-    g = gain(decisions, candidate, serving, method="snips", n_boot=n_boot, seed=seed)
+    g = gain(decisions, candidate, serving, method=method, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
     values = evaluate(
         decisions,
         {"candidate": candidate, "serving": serving, "similarity": "similarity"},
-        method="snips",
+        method=method,  # type: ignore[arg-type]
         n_boot=n_boot,
         seed=seed,
     )
     estimates = {"gain": g, **values}
-    if g.ess < min_ess:
-        return "insufficient", f"effective sample size {g.ess:.0f} < {min_ess:.0f}", estimates
+    support = float(len(decisions)) if method == "dr" else g.ess
+    if support < min_ess:
+        what = "logged decisions" if method == "dr" else "effective sample size"
+        return "insufficient", f"{what} {support:.0f} < {min_ess:.0f}", estimates
     if not g.low > -epsilon:
         why = f"gain over serving {g.value:+.4f}, lower bound {g.low:+.4f} ≤ −ε ({-epsilon:+.4f})"
         return "refused", why, estimates
     sim, cand = values["similarity"], values["candidate"]
-    if sim.ess >= min_ess and cand.value < sim.value:
+    sim_support = float(len(decisions)) if method == "dr" else sim.ess
+    if sim_support >= min_ess and cand.value < sim.value:
         return "refused", f"estimate {cand.value:+.4f} below similarity-only {sim.value:+.4f}", estimates
     return "promoted", f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {cand.value:+.4f}", estimates
 
@@ -137,7 +148,9 @@ class PromotionGate:
         else:
             experiences = list(self.window())[-s.gate_window :]
             decisions = LoggedDecisions.from_experiences(experiences)
-            decision, reason, est = judge(decisions, candidate, self.serving_net, s.gate_epsilon, s.gate_min_ess)
+            decision, reason, est = judge(
+                decisions, candidate, self.serving_net, s.gate_epsilon, s.gate_min_ess, method=s.gate_method
+            )
         serving_version = self.serving_manifest.version if self.serving_manifest else 0
         result = GateDecision(
             decision,

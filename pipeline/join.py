@@ -362,6 +362,9 @@ class JoinStage:
 
     def _export_lag(self) -> None:
         c = self._consumer
+        if c is None:  # stopped meanwhile
+            return
+
         lags: dict[str, int] = {}
         for tp in c.assignment():
             hw = c.highwater(tp)

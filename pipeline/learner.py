@@ -194,8 +194,10 @@ class Learner:
                 await self.publish("shutdown")
         for c in (self._input, self._group):
             if c is not None:
-                with contextlib.suppress(Exception):
+                # A consumer stopped while still starting raises CancelledError: stop anyway.
+                with contextlib.suppress(Exception, asyncio.CancelledError):
                     await c.stop()
+
         if self._dead is not None:
             with contextlib.suppress(Exception):
                 await self._dead.flush()

@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from models.drift import DriftMonitor
+from models.estimators import LoggedDecisions
 from models.trainer import PolicyTrainer
 from pipeline.checkpoints import LoadedPolicy
+from pipeline.gate import judge
 from pipeline.retriever import CausalRetriever
 from pipeline.simulator import Environment, Scenario, Tally
 from topics.checkpoint import Manifest
@@ -43,6 +45,11 @@ class OfflineConfig:
     warmup_epochs: int = 2
     warmup_half_life_s: float = 86400.0
     learn: bool = True
+    gate: bool = False
+    gate_method: str = "dr"
+    gate_window: int = 2000
+    gate_epsilon: float = 0.02
+    gate_min_ess: float = 50.0
     seed: int = 0
 
 
@@ -53,6 +60,7 @@ class OfflineResult:
     corr: list[tuple[float, float, int]] = field(default_factory=list)
     alpha: list[tuple[float, float]] = field(default_factory=list)  # (event time, α) at each refresh
     pairs: list[tuple[float, float, int]] = field(default_factory=list)  # (t, U_query, rating)
+    gate: list[str] = field(default_factory=list)  # the gate's decision at each refresh
 
 
 def _snapshot(trainer: PolicyTrainer, version: int) -> LoadedPolicy:
@@ -127,7 +135,23 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
             if steps % cfg.refresh_every == 0:
                 result.alpha.append((st.ts, float(trainer.net.alpha.detach()[0])))
                 version += 1
-                retriever.set_policy(_snapshot(trainer, version))
+                candidate = _snapshot(trainer, version)
+                if cfg.gate and retriever.policy is not None:
+                    window = LoggedDecisions.from_experiences(replay[-cfg.gate_window :])
+                    decision, _, _ = judge(
+                        window,
+                        candidate.net,
+                        retriever.policy.net,
+                        cfg.gate_epsilon,
+                        cfg.gate_min_ess,
+                        method=cfg.gate_method,
+                        n_boot=100,
+                    )
+                    result.gate.append(decision)
+                    if decision != "promoted":
+                        continue
+                retriever.set_policy(candidate)
+
         rating = env.rating(q.intent)
         if rating is not None:
             t = q.ts

@@ -328,15 +328,6 @@ def test_redacted_security_hides_the_password() -> None:
     assert SECRET not in repr(creds) and SECRET not in str(creds)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: pipeline/config.py:23-33 KafkaSecurity is a plain @dataclass whose generated __repr__ includes "
-        "sasl_password, and Settings (config.py:45-46, field `security` at :97) embeds it: "
-        "repr(settings)/str(settings) print the SASL password (in a traceback, a debug log of the settings, "
-        "an f-string). Expected: the password excluded from repr (field(repr=False)) or masked."
-    ),
-)
 @pytest.mark.parametrize("render", [repr, str], ids=["repr", "str"])
 @pytest.mark.parametrize("what", ["settings", "security"])
 def test_settings_repr_and_str_do_not_contain_the_password(render: Any, what: str) -> None:

@@ -109,8 +109,9 @@ def loads_object(raw: bytes | bytearray | memoryview | str | None, limits: Limit
 
 def _non_finite_at(raw: bytes | bytearray | memoryview | str, pos: int) -> bool:
     """Did parsing stop on a NaN/Infinity literal (as Python's json.dumps writes them)?"""
-    data = raw.encode() if isinstance(raw, str) else bytes(raw)
-    return data[pos : pos + 3] == b"NaN" or data[pos : pos + 8] == b"Infinity"
+    # orjson reports a character position, not a byte offset.
+    text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8", "replace")
+    return text[pos : pos + 3] == "NaN" or text[pos : pos + 8] == "Infinity"
 
 
 class _Fields:
