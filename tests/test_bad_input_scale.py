@@ -740,7 +740,7 @@ def dl_signature(key: bytes | None, record: dict) -> tuple:
     return signature(record["source"]["topic"], key, head, record["original_size"])
 
 
-# --------------------------------------------------------------------------- found by the generator: character vs byte positions
+# ------------------------------------------------- found by the generator: character vs byte positions
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
