@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
 import tempfile
-import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +26,6 @@ from pipeline.cli import options, verb
 log = logging.getLogger(__name__)
 
 DAY = 86400.0
-
-
-@dataclass
-class DemoResult:
-    tally: Any
-    env: Any
-    published: dict[str, int]
-    worker_metrics: dict[str, float]
-    learner_metrics: dict[str, float]
-    corr_series: list[tuple[float, float, int]]  # (event time, correlation, pairs)
-    resets: list[dict[str, Any]]  # control messages (event time, details)
-    versions_loaded: int
-    labels_answered: int
-    wall_s: float = 0.0
 
 
 def _demo_opts(p: argparse.ArgumentParser) -> None:
@@ -79,273 +61,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-async def run_demo(scenario: Any, args: argparse.Namespace) -> DemoResult:
+async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from pipeline import kafka
     from pipeline.broker import EmbeddedBroker
-    from pipeline.checkpoints import PolicySubscriber
-    from pipeline.config import Settings
-    from pipeline.labeler import LabelQueue, run_queue_until
-    from pipeline.procs import Child, metric, scrape
-    from pipeline.publisher import EventPublisher
-    from pipeline.retriever import CausalRetriever
-    from pipeline.simulator import Environment, Tally
-    from topics.codec import HumanLabel, LLMFeedback, decode_control
+    from pipeline.simrun import RunSpec, run_scenario
 
     console = Console(stderr=True)
     logging.getLogger("pipeline.checkpoints").setLevel(logging.WARNING)  # one line per hot-load is noise here
-    t_start = time.monotonic()
     logdir = Path(args.keep_logs or tempfile.mkdtemp(prefix="causalmem-demo-"))
     logdir.mkdir(parents=True, exist_ok=True)
-    state_dir = Path(tempfile.mkdtemp(prefix="causalmem-demo-state-"))
     broker = None
     bootstrap = args.bootstrap
     if not bootstrap:
         broker = EmbeddedBroker(log_path=logdir / "broker.log")
         bootstrap = broker.start()
         console.print(f"[bold]demo[/]: embedded broker on {bootstrap} (memory only); logs in {logdir}")
-    prefix = args.topic_prefix or ("" if broker else f"demo-{uuid.uuid4().hex[:6]}.")
-    env_vars = {
-        "CAUSALMEM_TOPIC_PREFIX": prefix,
-        "CAUSALMEM_EMBEDDING_DIM": str(scenario.embedding_dim),
-        "CAUSALMEM_SLOTS": str(scenario.slots),
-        "CAUSALMEM_STATE_DIR": str(state_dir),
-        "CAUSALMEM_CHECKPOINT_INTERVAL_S": str(args.checkpoint_interval),
-        # Event time runs ~10,000× faster than wall time here: a 10-minute join window
-        # would be 60 ms of wall time. One simulated day is ~6 s.
-        "CAUSALMEM_JOIN_WINDOW_S": str(DAY),
-        "CAUSALMEM_DRIFT_MIN_PAIRS": "1000",
-        "CAUSALMEM_DRIFT_PAGE_HINKLEY": "1",
-        "CAUSALMEM_DRIFT_COOLDOWN_S": str(2 * DAY),
-        "CAUSALMEM_DRIFT_RESET": "0" if args.no_reset else "1",
-        "CAUSALMEM_LABEL_WINDOW_S": str(2 * DAY),
-    }
-    settings = Settings.from_env({**os.environ, **env_vars}, bootstrap=bootstrap)
-    await kafka.wait_for_broker(bootstrap, settings)
-    await kafka.create_topics(bootstrap, settings)
-    worker = Child("worker", bootstrap, env_vars, log_path=logdir / "worker.log")
-    learner = Child("learner", bootstrap, env_vars, log_path=logdir / "learner.log")
-    env = Environment(scenario)
-    retriever = CausalRetriever(
-        env.memory,
-        texts=env.texts,
-        k=scenario.k,
-        n_candidates=scenario.n_candidates,
-        temperature=scenario.temperature,
-        seed=scenario.seed,
-        explore_rate=scenario.explore_rate,
-        explore_temperature=scenario.explore_temperature,
+    spec = RunSpec(
+        name="demo",
+        labels=not args.no_labels,
+        reset=not args.no_reset,
+        rate=args.rate,
+        checkpoint_interval=args.checkpoint_interval,
     )
-    tally = Tally()
-
-    published = {"retrieval-events": 0, "llm-feedback": 0, "human-labels": 0}
-    corr_series: list[tuple[float, float, int]] = []
-    versions = {"n": 0}
-    intents: dict[str, int] = {}
-    now_ts = {"t": scenario.start_ts}
-
-    def on_update(loaded: Any) -> None:
-        retriever.set_policy(loaded)
-        versions["n"] += 1
-
-    answered = {"n": 0}
-
-    def answer(sample: Any) -> tuple[list[int] | None, int | None]:
-        intent = intents.get(sample.query_id)
-        if intent is None:
-            return None, None
-        good = [s for s in sample.candidates if s in set(env.helpful(intent))]
-        answered["n"] += 1
-        rating = round(
-            5 * (env.need[intent] - scenario.need_range[0]) / (scenario.need_range[1] - scenario.need_range[0])
-        )
-        return (good or None), rating
-
     try:
-        with console.status("starting worker and learner…"):
-            for child in (worker, learner):
-                await _wait(lambda c=child: bool(c.metrics()) or not c.alive(), 60, f"{child.verb} metrics")
-                if not child.alive():
-                    raise RuntimeError(f"{child.verb} exited:\n{child.log_tail()}")
-            await _wait(
-                lambda: metric(worker.metrics(), "causalmem_partitions_owned", stage="join") > 0,
-                60,
-                "the worker's join stage to own partitions",
-            )
-        async with (
-            PolicySubscriber(bootstrap, settings.policy, settings, on_update=on_update) as sub,
-            EventPublisher(bootstrap, settings) as pub,
-            LabelQueue(bootstrap, settings, "auto-labeler") as queue,
-        ):
-            await sub.wait_for_policy(timeout=60)
-            stop_labeler = asyncio.Event()
-            labeler_task = asyncio.create_task(
-                asyncio.sleep(0) if args.no_labels else run_queue_until(queue, stop_labeler, answer)
-            )
-
-            sampler_stop = asyncio.Event()
-
-            async def sample_correlation() -> None:
-                while not sampler_stop.is_set():
-                    values = await asyncio.to_thread(scrape, worker.url)
-                    if values:
-                        corr_series.append(
-                            (
-                                now_ts["t"],
-                                metric(values, "causalmem_utility_rating_correlation"),
-                                int(metric(values, "causalmem_utility_rating_pairs")),
-                            )
-                        )
-                    await asyncio.sleep(0.5)
-
-            sampler = asyncio.create_task(sample_correlation())
-            total = scenario.total_queries
-            progress = Progress(
-                TextColumn("[bold]simulated agent[/]"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn(
-                    "day {task.fields[day]:>4.1f}  policy v{task.fields[v]}  "
-                    "leak {task.fields[leak]:.0%}  recall {task.fields[recall]:.0%}"
-                ),
-                TimeRemainingColumn(),
-                console=console,
-                transient=False,
-            )
-            wall0 = time.monotonic()
-            steps_done = 0
-            with progress:
-                task = progress.add_task("agent", total=total, day=0.0, v=0, leak=0.0, recall=0.0)
-                for qi in range(total):
-                    q = env.next_query()
-                    intents[q.query_id] = q.intent
-                    now_ts["t"] = q.ts
-                    for step in range(q.steps):
-                        st = env.step_features(q, step)
-                        res = retriever.retrieve(
-                            st.embedding,
-                            q.query_id,
-                            step,
-                            st.last_step_loss,
-                            st.last_step_entropy,
-                            query_text=q.text,
-                            ts=st.ts,
-                        )
-                        true_u, nll_with, nll_without = env.feedback(q.intent, res.slots)
-                        q.utilities.append(nll_without - nll_with)
-                        tally.add(
-                            env.leak(q.intent, res.slots),
-                            env.recall(q.intent, res.slots),
-                            not res.slots,
-                            true_u,
-                            st.ts,
-                            res.event.policy_version,
-                        )
-                        fb = LLMFeedback(
-                            uuid.uuid4().hex,
-                            q.query_id,
-                            step,
-                            st.ts + 1.0,
-                            nll_without - nll_with,
-                            nll_with=nll_with,
-                            nll_without=nll_without,
-                        )
-                        await pub.publish(res.event)
-                        await pub.publish(fb)
-                        published["retrieval-events"] += 1
-                        published["llm-feedback"] += 1
-                        steps_done += 1
-                    u_query = float(np.mean(q.utilities))
-                    end_ts = q.ts + 5.0 * q.steps + 30.0
-                    rating = env.rating(q.intent)
-                    if rating is not None:
-                        await pub.publish(
-                            HumanLabel(uuid.uuid4().hex, q.query_id, end_ts, "rater", "rating", rating=rating)
-                        )
-                        published["human-labels"] += 1
-                    verdict = env.verdict(u_query)
-                    if verdict is not None:
-                        await pub.publish(
-                            HumanLabel(uuid.uuid4().hex, q.query_id, end_ts, "rater", "verdict", answer_correct=verdict)
-                        )
-                        published["human-labels"] += 1
-                    if qi % 25 == 0:
-                        recent = tally.window(max(0.0, 1 - 300 / max(1, len(tally.leak))), 1.0)
-                        progress.update(
-                            task,
-                            completed=qi + 1,
-                            day=env.day_of(q.ts),
-                            v=sub.current.version if sub.current else 0,
-                            leak=recent["leak"],
-                            recall=recent["recall"],
-                        )
-                        ahead = steps_done / args.rate - (time.monotonic() - wall0)
-                        await asyncio.sleep(max(0.0, ahead))
-                progress.update(task, completed=total)
-            await pub.flush()
-            with console.status("draining: waiting for the pipeline to apply the last events…"):
-                await _drain(worker, learner, published["retrieval-events"], timeout=90)
-                await asyncio.sleep(args.checkpoint_interval + 1.0)
-            stop_labeler.set()
-            sampler_stop.set()
-            await asyncio.gather(labeler_task, sampler, return_exceptions=True)
-        worker_metrics, learner_metrics = worker.metrics(), learner.metrics()
-        resets = []
-        for msg in await kafka.read_all(bootstrap, settings, settings.topics().control.name, partitions=[0]):
-            with contextlib.suppress(Exception):
-                ctl = decode_control(msg.value, settings.limits())
-                resets.append({"ts": ctl.ts, **ctl.details, "reason": ctl.reason})
-        return DemoResult(
-            tally,
-            env,
-            published,
-            worker_metrics,
-            learner_metrics,
-            corr_series,
-            resets,
-            versions["n"],
-            queue.done,
-            time.monotonic() - t_start,
-        )
+        prefix = args.topic_prefix or ("" if broker else f"demo-{uuid.uuid4().hex[:6]}.")
+        return await run_scenario(scenario, spec, bootstrap, logdir, console, prefix=prefix)
     finally:
-        for child in (worker, learner):
-            child.stop()
         if broker is not None:
             broker.stop()
 
 
-async def _wait(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(pred):
-            return
-        await asyncio.sleep(0.3)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-async def _drain(worker: Any, learner: Any, steps: int, timeout: float) -> None:
-    from pipeline.procs import metric
-
-    deadline = time.monotonic() + timeout
-    last = -1.0
-    stable = 0
-    while time.monotonic() < deadline:
-        w, lm = await asyncio.to_thread(worker.metrics), await asyncio.to_thread(learner.metrics)
-        joins = metric(w, "causalmem_joins_total")
-        applied = metric(lm, "causalmem_learner_experiences_total", kind="feedback")
-        fallbacks = metric(w, "causalmem_fallbacks_total")
-        if joins >= steps and applied >= joins - fallbacks:
-            return
-        stable = stable + 1 if applied == last else 0
-        last = applied
-        if stable > 40:  # nothing moved for ~12 s
-            return
-        await asyncio.sleep(0.3)
-
-
-def print_summary(r: DemoResult, scenario: Any, reset_enabled: bool) -> None:
+def print_summary(r: Any, scenario: Any, reset_enabled: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -383,15 +130,27 @@ def print_summary(r: DemoResult, scenario: Any, reset_enabled: bool) -> None:
         "checkpoints",
         f"{sum(reasons.values()):,.0f} published ("
         + ", ".join(f"{n:.0f} {k}" for k, n in sorted(reasons.items()))
-        + f"); the agent hot-loaded "
-        f"{r.versions_loaded}",
+        + f"); the agent hot-loaded {r.versions_loaded}",
     )
+    gate = {
+        k.split("decision=")[1].rstrip("}"): v for k, v in lm.items() if k.startswith("causalmem_gate_decisions_total{")
+    }
+    if gate:
+        runs.add_row("promotion gate", ", ".join(f"{n:.0f} {k}" for k, n in sorted(gate.items())))
     runs.add_row(
         "active learning",
         f"{metric(w, 'causalmem_al_samples_total'):,.0f} samples queued, "
         f"{r.labels_answered:,} answered by the auto-labeler, "
         f"{metric(lm, 'causalmem_learner_labels_applied_total'):,.0f} labels applied (last layer)",
     )
+    effect = r.label_effect
+    if effect:
+        runs.add_row(
+            "effect of labels",
+            f"on the {effect['labelled_samples']:.0f} answered samples the policy put "
+            f"{effect['mass_when_answered']:.0%} of its first-draw probability on the labelled memories "
+            f"when they were answered, {effect['mass_final']:.0%} at the end",
+        )
     c.print(runs)
 
     table = Table(title="what the agent got (ground truth)", title_justify="left")
@@ -441,15 +200,24 @@ def print_summary(r: DemoResult, scenario: Any, reset_enabled: bool) -> None:
         d.add_row("correlation at the end", corr_at(start + scenario.days * DAY))
         d.add_row("resets applied by the learner", f"{metric(lm, 'causalmem_learner_resets_total'):.0f}")
         c.print(d)
-    first, last = t.window(0.0, 0.1), t.window(0.9, 1.0)
-    verdict = "learnt" if last["leak"] < first["leak"] and last["recall"] > first["recall"] else "did NOT learn"
+    first = t.window(0.0, 0.1)
+    learnt = t.between(drift_ts - DAY, drift_ts) if drift_ts is not None else t.window(0.9, 1.0)
+    when = "the last day before the drift" if drift_ts is not None else "the last tenth"
+    verdict = "learnt" if learnt["leak"] < first["leak"] and learnt["recall"] > first["recall"] else "did NOT learn"
     c.print(
-        f"[bold]the policy {verdict}[/]: harmful leak {first['leak']:.1%} → {last['leak']:.1%}, "
-        f"helpful recall {first['recall']:.1%} → {last['recall']:.1%}"
+        f"[bold]the policy {verdict}[/]: harmful leak {first['leak']:.1%} → {learnt['leak']:.1%}, "
+        f"helpful recall {first['recall']:.1%} → {learnt['recall']:.1%} (first tenth → {when})"
     )
+    if drift_ts is not None:
+        after, end = t.between(drift_ts, drift_ts + DAY), t.window(0.9, 1.0)
+        c.print(
+            f"[bold]after the drift[/]: mean true utility {after['utility']:+.3f} on its first day → "
+            f"{end['utility']:+.3f} in the last tenth (leak {after['leak']:.1%} → {end['leak']:.1%}, "
+            f"recall {after['recall']:.1%} → {end['recall']:.1%})"
+        )
 
 
-def plot_demo(r: DemoResult, scenario: Any, path: str) -> None:
+def plot_demo(r: Any, scenario: Any, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

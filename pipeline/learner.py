@@ -132,6 +132,8 @@ class Learner:
         self.last_publish = 0.0
         self.active = asyncio.Event()
         self.elected = False  # owns the control partition of the learner group
+        self.gate_since = 0.0  # event time from which the gate's window counts (moved by resets)
+
         self.restored_from = "none"
         self._producer: Any = None
         self._group: Any = None  # consumer group on control: leader election
@@ -180,7 +182,7 @@ class Learner:
             group_id=f"{self.settings.topic_prefix}causalmem-learner-{self.settings.policy}",
         )
         if self.settings.gate:
-            self.gate = PromotionGate(self.settings, self._publisher, self.metrics, window=lambda: self.replay)
+            self.gate = PromotionGate(self.settings, self._publisher, self.metrics, window=self._gate_window)
         self._group.subscribe([self.topics.control.name], listener=_Election(self))
         await self._group.start()
         self._input = kafka.consumer(self.bootstrap, self.settings, group_id=None)
@@ -438,7 +440,11 @@ class Learner:
         self.dirty = True
         m.update_seconds.observe(time.perf_counter() - t0)
 
+    def _gate_window(self) -> list[Experience]:
+        return [e for e in self.replay if e.event.ts >= self.gate_since]
+
     def _mark_seen(self, ident: str) -> None:
+
         self.seen[ident] = None
         if len(self.seen) > DEDUPE_IDS:
             self.seen.popitem(last=False)
@@ -504,6 +510,9 @@ class Learner:
         """
         since = (details or {}).get("since_ts")
         replay = [e for e in self.replay if since is None or e.event.ts >= float(since)]
+        # From now on the gate judges candidates on what happened after the change only.
+        self.gate_since = float(since) if since is not None else max((e.event.ts for e in self.replay), default=0.0)
+
         t0 = time.perf_counter()
         stats = self.trainer.reset_last_layer(
             replay,
@@ -560,7 +569,10 @@ class Learner:
         }
         tensors = trainer.tensors()
         offsets = self.input_offsets()
-        candidate = self.gate is not None and reason not in ("init", "rollback")
+        # A drift reset is served at once: the detector has just shown that the serving policy
+        # no longer agrees with human judgement, and the gate's window still describes the
+        # world before the change. (Rollbacks and the first policy skip the gate too.)
+        candidate = self.gate is not None and reason not in ("init", "rollback", "reset")
         manifest = await self._publisher.publish(
             tensors,
             reason=reason,

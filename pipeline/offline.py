@@ -100,6 +100,8 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
     )
     replay: list[Experience] = []
+    gate_since = 0.0
+
     pending: list[Experience] = []
     result = OfflineResult(Tally())
     steps = 0
@@ -137,7 +139,9 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
                 version += 1
                 candidate = _snapshot(trainer, version)
                 if cfg.gate and retriever.policy is not None:
-                    window = LoggedDecisions.from_experiences(replay[-cfg.gate_window :])
+                    window = LoggedDecisions.from_experiences(
+                        [e for e in replay[-cfg.gate_window :] if e.event.ts >= gate_since]
+                    )
                     decision, _, _ = judge(
                         window,
                         candidate.net,
@@ -167,6 +171,7 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
                 )
                 result.resets.append(t)
+                gate_since = since if since is not None else t
                 version += 1
                 retriever.set_policy(_snapshot(trainer, version))
         if progress is not None:

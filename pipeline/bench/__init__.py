@@ -31,6 +31,8 @@ def _bench_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="learning: the small size (used by the tests)")
     p.add_argument("--scenario", help="learning: scenario name or YAML file")
     p.add_argument("--text", action="store_true", help="learning: the text flavour (MiniLM embeddings)")
+    p.add_argument("--rows", help="learning: comma-separated rows to run (default: all; --quick: similarity,dynamic)")
+
     p.add_argument("--out", help="write the results as JSON here (and plots next to it)")
     p.add_argument("--seed", type=int, default=0)
 
