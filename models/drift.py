@@ -11,7 +11,8 @@ agreement (the product of the standardised pair, whose mean is the correlation).
 
 >>> w = CorrelationWindow(days=7)
 >>> for i in range(5):
-...     w.update(float(i), float(i % 6), t=86400.0 * i)
+...     _ = w.update(float(i), float(i % 6), t=86400.0 * i)
+
 >>> round(w.get(), 6), w.pairs
 (1.0, 5)
 """
@@ -129,30 +130,35 @@ class AgreementDetector:
     """Page–Hinkley ("down", river) on the per-pair agreement, with a change-point estimate.
 
     The agreement of a pair is the sign of ``(u − ū)·(r − r̄)``: +1 when U_query and the
-    rating sit on the same side of their running means, −1 otherwise. Its mean is the
+    rating sit on the same side of their recent means, −1 otherwise. Its mean is the
     quadrant correlation; it is bounded, so a few extreme pairs cannot raise a false
-    alarm the way the raw product z_u·z_r (heavy-tailed) does.
+    alarm the way the raw product z_u·z_r (heavy-tailed) does. The means are exponentially
+    weighted (``mean_fading``, ~100 pairs): after a change every U_query may move to a new
+    level, and against an all-time mean all of them would sit on one side, hiding whether
+    U_query still ranks queries the way people do.
 
     ``change_t`` estimates when the agreement began to fall: the time at which the
     Page–Hinkley sum ``U_t = Σ (x_i − x̄_i + δ)`` was highest (it climbs by δ per pair
     while nothing changes and falls once the agreement drops).
     """
 
-    def __init__(self, threshold: float = 25.0, delta: float = 0.2, min_instances: int = 100) -> None:
+    def __init__(
+        self, threshold: float = 25.0, delta: float = 0.2, min_instances: int = 100, mean_fading: float = 0.01
+    ) -> None:
         self._args = (threshold, delta, min_instances)
-        self._u = stats.Var()
-        self._r = stats.Var()
+        self._u = stats.EWMean(fading_factor=mean_fading)
+        self._r = stats.EWMean(fading_factor=mean_fading)
+        self._seen = 0
         self.reset()
 
     def update(self, u_query: float, rating: float, t: float = 0.0) -> bool:
-        su, sr = math.sqrt(self._u.get()), math.sqrt(self._r.get())
-        mu, mr = self._u.mean.get(), self._r.mean.get()
-        self._u.update(u_query)
-        self._r.update(rating)
-        if su <= 1e-9 or sr <= 1e-9:
+        mu, mr = self._u.get(), self._r.get()
+        self._u.update(float(u_query))
+        self._r.update(float(rating))
+        self._seen += 1
+        if self._seen < 10:  # the means need a few pairs first
             return False
         agreement = float(np.sign((u_query - mu) * (rating - mr)))
-
         self._mean.update(agreement)
         self._sum += agreement - self._mean.get() + self._args[1]
         if self._sum >= self._max_sum:

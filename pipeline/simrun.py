@@ -45,6 +45,8 @@ class RunSpec:
     reset: bool = True  # drift resets reach the learner
     rate: float = 120.0  # retrieval steps per wall-clock second
     checkpoint_interval: float = 2.0
+    max_learner_lag: int = 256  # experiences; the agent waits while the learner is further behind
+
     pipeline_env: dict[str, str] = field(default_factory=dict)  # extra CAUSALMEM_* for worker and learner
 
 
@@ -108,7 +110,21 @@ async def _wait(pred: Any, timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-async def _drain(worker: Any, learner: Any, steps: int, timeout: float) -> None:
+async def _wait_for_learner(learner: Any, max_lag: int, timeout: float = 30.0) -> float:
+    """Sleep while the learner's input lag exceeds ``max_lag``; return the seconds waited."""
+    from pipeline.procs import metric
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        values = await asyncio.to_thread(learner.metrics)
+        if metric(values, "causalmem_consumer_lag_messages") <= max_lag:
+            break
+        await asyncio.sleep(0.1)
+    return time.monotonic() - t0
+
+
+async def _drain(
+worker: Any, learner: Any, steps: int, timeout: float) -> None:
     """Wait until the worker joined every step and the learner applied every join (or it stalls)."""
     from pipeline.procs import metric
 
@@ -331,6 +347,12 @@ async def run_scenario(
                             recall=recent["recall"],
                         )
                         await asyncio.sleep(max(0.0, steps / spec.rate - (time.monotonic() - wall0)))
+                        # Backpressure: a learner that falls behind would serve an ever older
+                        # policy, and what is measured would be the machine's load, not the
+                        # learning rule. Wait (bounded) until it has caught up.
+                        waited = await _wait_for_learner(learner, spec.max_learner_lag)
+                        wall0 += waited
+
                 progress.update(task, completed=total)
             await pub.flush()
             await _drain(worker, learner, published["retrieval-events"], timeout=90)
