@@ -81,6 +81,9 @@ class Settings:
     join_window_s: float = 600.0  # event time
     join_batch: int = 2000
     label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
+    query_state_max: int = 500_000  # per-query table entries a worker keeps at most
+    al_pending_max: int = 20_000  # error candidates (whole events) waiting for a verdict, at most
+
     al_threshold: float = -0.3
     al_uncertainty_budget: float = 0.0  # fraction of experiences; 0 disables the trigger
     al_uncertainty_margin: float = 0.05  # top-2 first-draw probability margin below which a step is uncertain

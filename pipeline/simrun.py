@@ -123,8 +123,7 @@ async def _wait_for_learner(learner: Any, max_lag: int, timeout: float = 30.0) -
     return time.monotonic() - t0
 
 
-async def _drain(
-worker: Any, learner: Any, steps: int, timeout: float) -> None:
+async def _drain(worker: Any, learner: Any, steps: int, timeout: float) -> None:
     """Wait until the worker joined every step and the learner applied every join (or it stalls)."""
     from pipeline.procs import metric
 

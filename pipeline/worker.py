@@ -438,25 +438,34 @@ class Worker:
         self.metrics.set_health(score, band)
 
     async def _prune_timer(self) -> None:
-        horizon = self.join.watermark - self.settings.label_window_s
-        if horizon <= 0:
-            return
+        """Bound the tables: by event time (``label_window_s``) and by count.
+
+        The count caps matter at high rates: per-query state for a day of traffic, and a
+        whole retrieval event per error candidate waiting for a verdict, would otherwise
+        grow with rate × window. The oldest entries go first.
+        """
+        s = self.settings
+        horizon = self.join.watermark - s.label_window_s
         removed = 0
-        for table, ts_of in (
-            (self.query_util, lambda v: v["ts"]),
-            (self.verdicts, lambda v: v["ts"]),
-            (self.ratings, lambda v: v["ts"]),
-            (self.al_pending, lambda v: max(i["ts"] for i in v.values()) if v else 0.0),
-            (self.al_sent, lambda v: max(v.values()) if v else 0.0),
-            (self.al_samples, lambda v: max(i["ts"] for i in v.values()) if v else 0.0),
-            (self.labels_seen, lambda v: max(v.values()) if v else 0.0),
+        for table, ts_of, cap in (
+            (self.query_util, lambda v: v["ts"], s.query_state_max),
+            (self.verdicts, lambda v: v["ts"], s.query_state_max),
+            (self.ratings, lambda v: v["ts"], s.query_state_max),
+            (self.al_pending, lambda v: max(i["ts"] for i in v.values()) if v else 0.0, s.al_pending_max),
+            (self.al_sent, lambda v: max(v.values()) if v else 0.0, s.query_state_max),
+            (self.al_samples, lambda v: max(i["ts"] for i in v.values()) if v else 0.0, s.al_pending_max),
+            (self.labels_seen, lambda v: max(v.values()) if v else 0.0, s.query_state_max),
         ):
-            for key in [k for k, v in list(table.items()) if v is None or ts_of(v) < horizon]:
+            aged = sorted(((ts_of(v) if v else 0.0, k) for k, v in list(table.items())), key=lambda x: x[0])
+            excess = max(0, len(aged) - cap)
+            for i, (ts, key) in enumerate(aged):
+                if i >= excess and ts >= horizon:
+                    break
                 del table[key]
                 removed += 1
             await asyncio.sleep(0)
         if removed:
-            log.info("pruned %d table entries older than the label window", removed)
+            log.info("pruned %d table entries (older than the label window, or beyond the caps)", removed)
 
     def faust_worker(self, loglevel: str = "warning", restart_on_reset: bool = True) -> faust.Worker:
         """The faust worker running every stage; on a cluster reset it restarts this process."""

@@ -16,7 +16,7 @@ def test_defaults_without_environment() -> None:
     s = Settings.from_env({})
     assert s == Settings()
     assert (s.partitions, s.embedding_dim, s.slots, s.hidden) == (8, 384, 1024, 512)
-    assert s.bootstrap is None and s.gate is False and s.metrics_port is None
+    assert s.bootstrap is None and s.gate is True and s.metrics_port is None
     assert s.security == KafkaSecurity()
 
 

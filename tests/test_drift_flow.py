@@ -43,8 +43,12 @@ def _pairs(n: int, t0: float, sign: float, seed: int) -> list[tuple[float, float
 
 async def test_worker_drift_stage_correlation_reset_and_restart(settings: Settings, tmp_path: Path) -> None:
     s = settings.replace(topic_prefix=f"d{uuid.uuid4().hex[:6]}.", join_window_s=10 * DAY)
-    env = {**settings_env(s), "CAUSALMEM_DRIFT_MIN_PAIRS": "40", "CAUSALMEM_DRIFT_COOLDOWN_S": str(30 * DAY),
-           "CAUSALMEM_LABEL_WINDOW_S": str(30 * DAY)}
+    env = {
+        **settings_env(s),
+        "CAUSALMEM_DRIFT_MIN_PAIRS": "40",
+        "CAUSALMEM_DRIFT_COOLDOWN_S": str(30 * DAY),
+        "CAUSALMEM_LABEL_WINDOW_S": str(30 * DAY),
+    }
     await kafka.create_topics(s.bootstrap, s)
     worker = Child("worker", s.bootstrap, env, log_path=tmp_path / "worker-1.log")
     try:
@@ -71,8 +75,10 @@ async def test_worker_drift_stage_correlation_reset_and_restart(settings: Settin
         assert corr == pytest.approx(np.corrcoef(u, r)[0, 1], abs=1e-9)
     finally:
         worker.stop()
-    controls = [decode_control(m.value, s.limits())
-                for m in await kafka.read_all(s.bootstrap, s, s.topics().control.name, partitions=[0])]
+    controls = [
+        decode_control(m.value, s.limits())
+        for m in await kafka.read_all(s.bootstrap, s, s.topics().control.name, partitions=[0])
+    ]
     resets = [c for c in controls if c.command == "reset"]
     assert len(resets) == 1, resets
     assert resets[0].details["detector"] == "correlation"

@@ -25,9 +25,20 @@ BENCHES = {
 
 def _bench_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
-    p.add_argument("--events", type=int, help="events (throughput, soak: per second is --rate)")
-    p.add_argument("--rate", type=float, help="soak: input events per second")
-    p.add_argument("--duration", type=float, help="soak: seconds")
+    p.add_argument("--events", type=int, help="throughput: events (default 20,000)")
+    p.add_argument(
+        "--rate", type=float, help="soak: input pairs (RetrievalEvent + LLMFeedback) per second (default 300)"
+    )
+    p.add_argument("--duration", type=float, help="soak: seconds of the steady phase (default 120)")
+    p.add_argument(
+        "--find-max",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="soak: then search the maximum sustainable rate (default on; --no-find-max skips it)",
+    )
+    p.add_argument("--step-seconds", type=float, help="soak: seconds per max-rate search phase (default 20)")
+    p.add_argument("--max-phases", type=int, help="soak: at most this many search phases (default 10)")
+
     p.add_argument("--quick", action="store_true", help="learning: the small size (used by the tests)")
     p.add_argument("--scenario", help="learning: scenario name or YAML file")
     p.add_argument("--text", action="store_true", help="learning: the text flavour (MiniLM embeddings)")

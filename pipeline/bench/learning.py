@@ -233,7 +233,6 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         "| policy | harmful leak | helpful recall@k | empty results | mean true utility "
         "| events to 90% of final recall |",
-
         "|---|---|---|---|---|---|",
     ]
     for row in report.get("rows", {}).values():
