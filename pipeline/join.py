@@ -79,7 +79,6 @@ class _Pending:
     value: Any
     offset: int
     ts: float
-    raw: bytes | None = None  # a retrieval event's original bytes, reused in the experience
 
 
 @dataclass
@@ -232,9 +231,9 @@ class JoinStage:
                         if key in st.retrieval:  # a second event for the same step
                             self.metrics.duplicates.labels(topic=tp.topic).inc()
                         else:
-                            st.retrieval[key] = _Pending(value, msg.offset, value.ts, msg.value)
+                            st.retrieval[key] = _Pending(value, msg.offset, value.ts)
                         continue
-                    event, feedback, raw_event = value, other.value, msg.value
+                    event, feedback = value, other.value
                 else:
                     other = st.retrieval.pop(key, None)
                     if other is None:
@@ -243,9 +242,9 @@ class JoinStage:
                         else:
                             st.feedback[key] = _Pending(value, msg.offset, value.ts)
                         continue
-                    event, feedback, raw_event = other.value, value, other.raw
+                    event, feedback = other.value, value
                 st.joined[key] = max(event.ts, feedback.ts)
-                self._emit(event, raw_event, feedback, experiences, outcomes)
+                self._emit(event, feedback, experiences, outcomes)
         self._evict(self.watermark - window)
         await self._send(experiences, outcomes)
 
@@ -269,7 +268,6 @@ class JoinStage:
     def _emit(
         self,
         event: RetrievalEvent,
-        raw_event: bytes | None,
         feedback: LLMFeedback,
         experiences: list[bytes],
         outcomes: dict[int, list[dict[str, Any]]],
@@ -282,7 +280,7 @@ class JoinStage:
         self.stats.utility_nonneg.update(1.0 if u >= 0 else 0.0)
         self.metrics.utility_mean.set(self.stats.utility.get())
         if not event.fallback:  # fallback steps feed metrics and U_query, not the gradient
-            experiences.append(experience_bytes(event, raw_event, u))
+            experiences.append(experience_bytes(event, u))
 
         record: dict[str, Any] = {
             "query_id": event.query_id,

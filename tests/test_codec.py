@@ -7,6 +7,7 @@ that valid values round-trip, and fuzz the decoders with Hypothesis.
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import json
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from topics import codec
 from topics.checkpoint import (
     MAX_CHUNK_BYTES,
     Manifest,
@@ -145,14 +147,17 @@ def al_dict(**changes: Any) -> dict[str, Any]:
 def experience_dict(**changes: Any) -> dict[str, Any]:
     event = retrieval_dict()
     del event["memory_texts"], event["query_text"]
+    embedding = np.asarray(event["features"].pop("query_embedding"), dtype="<f4")
     d: dict[str, Any] = {
-        "schema": "experience/v1",
+        "schema": "experience/v2",
         "id": "e1",
         "kind": "label",
         "utility": 0.75,
+        "embedding_f32": base64.b64encode(embedding.tobytes()).decode("ascii"),
         "event": event,
         "correct_memories": [5],
     }
+
     d.update(changes)
     return d
 
@@ -902,3 +907,91 @@ def test_non_finite_helper_values() -> None:
     assert math.isnan(float("nan"))
     assert orjson.dumps(float("nan")) == b"null"
     expect_reason("missing_field", dec_retrieval, orjson.dumps(retrieval_dict(temperature=float("nan"))))
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def _events_equal(a: Any, b: Any) -> bool:
+    for name in a.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if name == "features":
+            if not (
+                np.array_equal(x.query_embedding, y.query_embedding)
+                and x.last_step_loss == y.last_step_loss
+                and x.last_step_entropy == y.last_step_entropy
+            ):
+                return False
+        elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if x is None or y is None or not np.array_equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+_JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=5),
+    st.lists(st.integers(-3, 40), max_size=5),
+    st.lists(st.floats(-2, 2), max_size=5),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+_PATHS = [
+    "schema",
+    "event_id",
+    "query_id",
+    "step",
+    "ts",
+    "policy",
+    "policy_version",
+    "candidates",
+    "scores",
+    "selected",
+    "temperature",
+    "logprob",
+    "fallback",
+    "mask_max",
+    "query_text",
+    "memory_texts",
+    "dropped",
+    "candidate_masks",
+    "candidate_probs",
+    "features",
+    "features.query_embedding",
+    "features.last_step_loss",
+    "features.last_step_entropy",
+]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.sampled_from(_PATHS), value=_JSON_VALUES, drop=st.booleans())
+def test_fast_path_never_accepts_what_the_full_validator_rejects(path: str, value: Any, drop: bool) -> None:
+    obj = retrieval_dict()
+    obj.pop("memory_texts", None)  # texts always take the full path
+    target, _, leaf = path.rpartition(".")
+    holder = obj[target] if target else obj
+    if drop:
+        holder.pop(leaf, None)
+    else:
+        holder[leaf] = value
+    lim = LIMITS
+    fast = codec._fast_retrieval_event(copy.deepcopy(obj), lim, codec.NO_KEY_CHECK, codec.SCHEMA_RETRIEVAL, None)
+    try:
+        full = codec._validated_retrieval_event(
+            copy.deepcopy(obj), lim, codec.NO_KEY_CHECK, codec.SCHEMA_RETRIEVAL, None
+        )
+    except codec.Rejected:
+        full = None
+    if fast is not None:
+        assert full is not None, f"the fast path accepted what the validator rejects ({path}={value!r})"
+        assert _events_equal(fast, full)
+
+
+def test_fast_path_takes_the_common_case() -> None:
+    obj = retrieval_dict()
+    obj.pop("memory_texts")
+    assert codec._fast_retrieval_event(obj, LIMITS, codec.NO_KEY_CHECK, codec.SCHEMA_RETRIEVAL, None) is not None

@@ -20,6 +20,8 @@ bad_json
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +51,7 @@ SCHEMA_LABEL = "human_label/v1"
 SCHEMA_AL_SAMPLE = "active_learning_sample/v1"
 SCHEMA_MANIFEST = "policy_checkpoint/v1"
 SCHEMA_DEAD_LETTER = "dead_letter/v1"
-SCHEMA_EXPERIENCE = "experience/v1"
+SCHEMA_EXPERIENCE = "experience/v2"
 SCHEMA_OUTCOMES = "outcomes/v1"
 SCHEMA_RATING_PAIR = "rating_pair/v1"
 SCHEMA_CONTROL = "control/v1"
@@ -317,17 +319,35 @@ class Features:
         }
 
 
-def _features(f: _Fields, limits: Limits) -> Features:
-    emb_items = f.list_("query_embedding", max_len=max(limits.embedding_dim, 1) * 4)
-    assert emb_items is not None
-    if len(emb_items) != limits.embedding_dim:
-        raise Rejected("embedding_length", f"{len(emb_items)} values, expected {limits.embedding_dim}")
-    emb = _float_array(emb_items, "features.query_embedding", limits.max_abs_value)
+def _features(f: _Fields, limits: Limits, embedding: np.ndarray | None = None) -> Features:
+    if embedding is None:
+        emb_items = f.list_("query_embedding", max_len=max(limits.embedding_dim, 1) * 4)
+        assert emb_items is not None
+        if len(emb_items) != limits.embedding_dim:
+            raise Rejected("embedding_length", f"{len(emb_items)} values, expected {limits.embedding_dim}")
+        embedding = _float_array(emb_items, "features.query_embedding", limits.max_abs_value).astype(np.float32)
     return Features(
-        query_embedding=emb.astype(np.float32),
+        query_embedding=embedding,
         last_step_loss=f.float_("last_step_loss"),
         last_step_entropy=f.float_("last_step_entropy"),
     )
+
+
+def _embedding_from_b64(text: Any, limits: Limits) -> np.ndarray:
+    """The internal binary form of an embedding: little-endian float32, base64."""
+    if not isinstance(text, str):
+        raise Rejected("wrong_type", "embedding_f32 must be a base64 string")
+    try:
+        arr = np.frombuffer(base64.b64decode(text, validate=True), dtype="<f4")
+    except (ValueError, binascii.Error):
+        raise Rejected("wrong_type", "embedding_f32 is not base64 of float32 values") from None
+    if arr.shape[0] != limits.embedding_dim:
+        raise Rejected("embedding_length", f"{arr.shape[0]} values, expected {limits.embedding_dim}")
+    if not np.isfinite(arr).all():
+        raise Rejected("non_finite", "embedding_f32")
+    if arr.size and np.abs(arr).max() > limits.max_abs_value:
+        raise Rejected("out_of_range", "embedding_f32")
+    return arr.astype(np.float32)  # a writable copy
 
 
 @dataclass(slots=True)
@@ -383,10 +403,137 @@ def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) 
     return retrieval_event_from_obj(loads_object(raw, limits), limits, key)
 
 
+def _num(x: Any, lo: float, hi: float) -> bool:
+    return type(x) in _NUMBER_TYPES and lo <= x <= hi
+
+
+def _slot_list(x: Any, limits: Limits) -> bool:
+    return (
+        type(x) is list
+        and len(x) <= limits.max_candidates
+        and (not x or (set(map(type, x)) == _INT_TYPE and min(x) >= 0 and max(x) < limits.slots))
+        and len(set(x)) == len(x)
+    )
+
+
+def _number_array(x: Any, n: int, lo: float, hi: float) -> np.ndarray | None:
+    if type(x) is not list or len(x) != n or (x and not set(map(type, x)) <= _NUMBER_TYPES):
+        return None
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.size and not (np.isfinite(arr).all() and arr.min() >= lo and arr.max() <= hi):
+        return None
+    return arr
+
+
+def _fast_retrieval_event(
+    obj: dict[str, Any], limits: Limits, key: Any, schema: str, embedding: np.ndarray | None
+) -> RetrievalEvent | None:
+    """The common, well-formed case checked with few calls (the join's hot path).
+
+    Returns None for anything unusual — a missing or null field, an integral float where an
+    int is expected, texts, any doubt — and the caller then runs the full validator, which
+    either accepts the value or says precisely why not. It never accepts what the full
+    validator would reject (tests/test_codec.py checks the two agree).
+    """
+    big, n_max = limits.max_abs_value, limits.max_id_len
+    try:
+        if obj.get("schema") != schema or obj.get("memory_texts") is not None:
+            return None
+        qid, eid = obj["query_id"], obj["event_id"]
+        if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
+            return None
+        if key is not NO_KEY_CHECK:
+            k = key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else key
+            if k != qid:
+                return None
+        step, ts, temp, logprob = obj["step"], obj["ts"], obj["temperature"], obj["logprob"]
+        if type(step) is not int or not 0 <= step <= 2**31 or not _num(ts, 0.0, 1e11):
+            return None
+        if not _num(temp, 1e-6, 1e6) or not _num(logprob, -big, 1e-6):
+            return None
+        fallback = obj["fallback"]
+        feats = obj["features"]
+        if type(fallback) is not bool or type(feats) is not dict:
+            return None
+        loss, entropy = feats["last_step_loss"], feats["last_step_entropy"]
+        if not _num(loss, -big, big) or not _num(entropy, -big, big):
+            return None
+        if embedding is None:
+            emb = _number_array(feats["query_embedding"], limits.embedding_dim, -big, big)
+            if emb is None:
+                return None
+            embedding = emb.astype(np.float32)
+        candidates, selected = obj["candidates"], obj["selected"]
+        if not _slot_list(candidates, limits) or not _slot_list(selected, limits):
+            return None
+        n = len(candidates)
+        scores = _number_array(obj["scores"], n, -big, big)
+        if scores is None or (not fallback and (not n or not set(selected) <= set(candidates))):
+            return None
+        policy = obj.get("policy")
+        version = obj.get("policy_version")
+        mask_max = obj.get("mask_max")
+        text = obj.get("query_text")
+        dropped = obj.get("dropped")
+        if policy is not None and (type(policy) is not str or not 0 < len(policy) <= n_max):
+            return None
+        if version is not None and (type(version) is not int or not 0 <= version <= 2**62):
+            return None
+        if mask_max is not None and not _num(mask_max, 0.0, big):
+            return None
+        if text is not None and (type(text) is not str or len(text) > limits.max_text_len):
+            return None
+        if dropped is not None and not _slot_list(dropped, limits):
+            return None
+        extras = {}
+        for name in ("candidate_masks", "candidate_probs"):
+            if obj.get(name) is not None:
+                arr = _number_array(obj[name], n, 0.0, big)
+                if arr is None:
+                    return None
+                extras[name] = arr
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return RetrievalEvent(
+        event_id=eid,
+        query_id=qid,
+        step=step,
+        ts=float(ts),
+        features=Features(embedding, float(loss), float(entropy)),
+        candidates=candidates,
+        scores=scores,
+        selected=selected,
+        temperature=float(temp),
+        logprob=float(logprob),
+        fallback=fallback,
+        policy=policy or "default",
+        policy_version=version or 0,
+        mask_max=float(mask_max) if mask_max is not None else None,
+        query_text=text,
+        memory_texts=None,
+        dropped=dropped,
+        **extras,
+    )
+
+
 def retrieval_event_from_obj(
-    obj: dict[str, Any], limits: Limits, key: Any = NO_KEY_CHECK, schema: str = SCHEMA_RETRIEVAL
+    obj: dict[str, Any],
+    limits: Limits,
+    key: Any = NO_KEY_CHECK,
+    schema: str = SCHEMA_RETRIEVAL,
+    embedding: np.ndarray | None = None,
 ) -> RetrievalEvent:
+    fast = _fast_retrieval_event(obj, limits, key, schema, embedding)
+    return fast if fast is not None else _validated_retrieval_event(obj, limits, key, schema, embedding)
+
+
+def _validated_retrieval_event(
+    obj: dict[str, Any], limits: Limits, key: Any, schema: str, embedding: np.ndarray | None
+) -> RetrievalEvent:
+    """Every rule, field by field, with the precise rejection reason."""
     f = _Fields(obj, limits)
+
+
     f.schema(schema)
     query_id = f.str_("query_id")
     _check_key(key, query_id)
@@ -409,7 +556,7 @@ def retrieval_event_from_obj(
         query_id=query_id,
         step=f.int_("step", 0, 2**31),
         ts=f.float_("ts", 0.0, 1e11),
-        features=_features(features, limits),
+        features=_features(features, limits, embedding),
         candidates=candidates,
         scores=scores,
         selected=selected,
@@ -657,11 +804,16 @@ class Experience:
         body = self.event.to_dict()
         body.pop("memory_texts", None)  # the learner never needs texts
         body.pop("query_text", None)
+        # The embedding travels as base64 float32: ~10× cheaper to decode than 384 JSON floats.
+        features = dict(body["features"])
+        emb = np.ascontiguousarray(features.pop("query_embedding"), dtype="<f4")
+        body["features"] = features
         out: dict[str, Any] = {
             "schema": SCHEMA_EXPERIENCE,
             "id": self.id,
             "kind": self.kind,
             "utility": self.utility,
+            "embedding_f32": base64.b64encode(emb.tobytes()).decode("ascii"),
             "event": body,
         }
         if self.correct_memories is not None:
@@ -669,17 +821,9 @@ class Experience:
         return out
 
 
-def experience_bytes(event: RetrievalEvent, raw_event: bytes | None, utility: float) -> bytes:
-    """Encode a feedback experience, reusing the retrieval event's own bytes when it can.
-
-    Splicing the validated original JSON into the envelope saves re-encoding a 384-float
-    embedding on the join's hot path. Events carrying texts are re-encoded without them
-    (the learner never needs texts).
-    """
-    if raw_event is None or event.query_text is not None or event.memory_texts is not None:
-        return encode(Experience(event.event_id, "feedback", event, utility).to_dict())
-    head = orjson.dumps({"schema": SCHEMA_EXPERIENCE, "id": event.event_id, "kind": "feedback", "utility": utility})
-    return head[:-1] + b',"event":' + bytes(raw_event) + b"}"
+def experience_bytes(event: RetrievalEvent, utility: float) -> bytes:
+    """Encode a joined feedback experience for the learner (internal ``experiences`` topic)."""
+    return encode(Experience(event.event_id, "feedback", event, utility).to_dict())
 
 
 def decode_experience(raw: bytes, limits: Limits) -> Experience:
@@ -693,10 +837,11 @@ def decode_experience(raw: bytes, limits: Limits) -> Experience:
     event_obj = f._get("event", True)
     if not isinstance(event_obj, dict):
         raise Rejected("wrong_type", "event must be an object")
+    embedding = _embedding_from_b64(f._get("embedding_f32", True), limits)
     return Experience(
         id=f.str_("id"),
         kind=kind,
-        event=retrieval_event_from_obj(event_obj, limits),
+        event=retrieval_event_from_obj(event_obj, limits, embedding=embedding),
         utility=f.float_("utility"),
         correct_memories=f.slots_("correct_memories", required=False),
     )
