@@ -218,7 +218,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _learner_opts(p: argparse.ArgumentParser) -> None:
     model_options(p)
     p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3)")
-    p.add_argument("--batch-size", type=int, help="micro-batch size (default 32)")
+    p.add_argument("--batch-size", type=int, help="micro-batch size (default 64)")
     p.add_argument(
         "--checkpoint-interval",
         dest="checkpoint_interval_s",

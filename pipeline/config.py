@@ -63,7 +63,7 @@ class Settings:
     seed: int = 0
     # learning (defaults tuned by `causalmem bench learning`, see docs/tuning.md)
     lr: float = 1e-3
-    batch_size: int = 32
+    batch_size: int = 64
     grad_clip: float = 1.0
     importance_clip: float = 5.0
     baseline: str = "moving"  # moving | cluster | none

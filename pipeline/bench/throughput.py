@@ -204,7 +204,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         exps = make_events(n, d, s, seed=args.seed)
-        exp_bytes = [encode(e.to_dict()) for e in exps]
+        # "Joined-experience-sized": a RetrievalEvent in its contract JSON joined with its
+        # utility, i.e. what a pipeline reads per joined step. (Our own internal experience
+        # messages are smaller — the embedding travels as base64 float32 — which is part of
+        # what the pipeline measure credits, not the baseline.)
+        exp_bytes = [encode({**e.event.to_dict(), "utility": e.utility}) for e in exps]
+
         size = int(np.mean([len(b) for b in exp_bytes]))
         raw_topic = settings.topics().experiences.name.replace("experiences", "bench-raw")
         from topics.names import TopicSpec
