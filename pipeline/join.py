@@ -263,7 +263,7 @@ class JoinStage:
                         continue
                     event, feedback = other.value, value
                 st.joined[key] = max(event.ts, feedback.ts)
-                self._emit(event, feedback, experiences, outcomes, tally)
+                self._emit(event, feedback, experiences, outcomes, tally, tp.partition)
         self._record(tally)
         self._evict(self.watermark - window)
         await self._send(experiences, outcomes)
@@ -309,6 +309,7 @@ class JoinStage:
         experiences: list[bytes],
         outcomes: dict[int, list[dict[str, Any]]],
         tally: _BatchTally,
+        partition: int,
     ) -> None:
         u = feedback.utility
         self.joined_total += 1
@@ -339,7 +340,9 @@ class JoinStage:
         if reason is not None:
             record["al"] = reason
             record["event"] = event.to_dict()
-        outcomes.setdefault(key_partition(event.query_id, self.settings.partitions), []).append(record)
+        # Producers key by query_id with Kafka's murmur2 partitioner (the contract), so the input
+        # partition is the key's partition, where the query's table state lives.
+        outcomes.setdefault(partition, []).append(record)
 
     def _evict(self, horizon: float) -> None:
         # Queues are in arrival order, which is close to event-time order: evict from the
@@ -371,7 +374,6 @@ class JoinStage:
         if batch.record_count():
             futures.append(await p.send_batch(batch, self.topics.experiences.name, partition=0))
         for partition, records in outcomes.items():
-
             body = encode({"schema": SCHEMA_OUTCOMES, "records": records})
             futures.append(await p.send(self.topics.outcomes.name, body, partition=partition))
         if futures:

@@ -439,6 +439,7 @@ class Learner:
         self._trim_replay()
         self.dirty = True
         m.update_seconds.observe(time.perf_counter() - t0)
+        m.last_update.set(time.time())
 
     def _gate_window(self) -> list[Experience]:
         return [e for e in self.replay if e.event.ts >= self.gate_since]

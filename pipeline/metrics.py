@@ -217,6 +217,12 @@ class Metrics:
         self.resets = Counter(
             "causalmem_learner_resets_total", "Last-layer resets applied", registry=self._reg("learner")
         )
+        self.last_update = Gauge(
+            "causalmem_learner_last_update_timestamp_seconds",
+            "Wall time of the last applied micro-batch (staleness alerts)",
+            registry=self._reg("learner"),
+        )
+
         self.labels_applied = Counter(
             "causalmem_learner_labels_applied_total", "Labels applied by fine-tuning", registry=self._reg("learner")
         )

@@ -420,8 +420,13 @@ def _number_array(x: Any, n: int, lo: float, hi: float) -> np.ndarray | None:
     if type(x) is not list or len(x) != n or (x and not set(map(type, x)) <= _NUMBER_TYPES):
         return None
     arr = np.asarray(x, dtype=np.float64)
-    if arr.size and not (np.isfinite(arr).all() and arr.min() >= lo and arr.max() <= hi):
-        return None
+    if arr.size:
+        # NaN fails every comparison, so these also reject non-finite values.
+        if lo == -hi:
+            if not np.abs(arr).max() <= hi:
+                return None
+        elif not (arr.min() >= lo and arr.max() <= hi):
+            return None
     return arr
 
 
@@ -532,7 +537,6 @@ def _validated_retrieval_event(
 ) -> RetrievalEvent:
     """Every rule, field by field, with the precise rejection reason."""
     f = _Fields(obj, limits)
-
 
     f.schema(schema)
     query_id = f.str_("query_id")

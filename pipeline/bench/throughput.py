@@ -109,17 +109,22 @@ def pipeline_run(bootstrap: str, env: dict[str, str], n: int, logdir: Path) -> d
         t_first = None
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            w = worker.metrics() if t_first is None else {}
-            if t_first is None and metric(w, "causalmem_events_in_total") > 0:
-                t_first = time.perf_counter()
-            lm = learner.metrics()
-            applied = metric(lm, "causalmem_learner_experiences_total", kind="feedback")
-            if t_first is not None and applied >= n:
-                elapsed = time.perf_counter() - t_first
-                return {"seconds": elapsed, "input_per_s": 2 * n / elapsed, "experiences_per_s": n / elapsed}
+            # Until the first read: poll the worker often (it is idle). Afterwards poll the
+            # learner rarely (a scrape costs it CPU) and take the end time from its own
+            # last-update timestamp.
+            if t_first is None:
+                if metric(worker.metrics(), "causalmem_events_in_total") > 0:
+                    t_first = time.time()
+                time.sleep(0.02)
+            else:
+                lm = learner.metrics()
+                if metric(lm, "causalmem_learner_experiences_total", kind="feedback") >= n:
+                    elapsed = metric(lm, "causalmem_learner_last_update_timestamp_seconds") - t_first
+                    return {"seconds": elapsed, "input_per_s": 2 * n / elapsed, "experiences_per_s": n / elapsed}
+                time.sleep(0.5)
             if not worker.alive() or not learner.alive():
                 raise RuntimeError(f"a process died:\n{worker.log_tail()}\n{learner.log_tail()}")
-            time.sleep(0.02)
+
         raise TimeoutError("the pipeline did not apply every experience within 600 s")
     finally:
         worker.stop()
