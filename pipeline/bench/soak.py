@@ -48,8 +48,10 @@ carry each retrieval event again, plus outcomes and the worker's table changelog
 worker's join state is bounded by the join window, but its faust tables keep per-query state
 for ``label_window_s`` of event time (default one day): ``query-utility`` for every query and,
 for each error candidate (utility below ``al_threshold``; about 20 % of the synthetic pairs),
-its whole retrieval event in ``al-pending`` until a verdict arrives, so the worker grows for
-that long. The learner's replay buffer (``replay_max`` experiences) and dedupe set grow until
+its whole retrieval event in ``al-pending`` until a verdict arrives, so the worker grows until
+those tables reach their caps (``query_state_max``, ``al_pending_max``) or the window, whichever
+comes first. The learner's replay buffer (``replay_max`` experiences) and dedupe set grow until
+
 their caps, then stay flat. The RSS of every process after the whole run is reported too.
 """
 

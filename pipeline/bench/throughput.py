@@ -153,7 +153,8 @@ class BareStep:
         self.opt.step()
 
 
-def learner_vs_bare(settings: Settings, exps: list[Experience], rounds: int = 3) -> dict[str, float]:
+def learner_vs_bare(settings: Settings, exps: list[Experience], rounds: int = 7) -> dict[str, float]:
+
     b = settings.batch_size
     chunks = [exps[i : i + b] for i in range(0, len(exps) - b + 1, b)]
     raw_chunks = [[encode(e.to_dict()) for e in c] for c in chunks]
