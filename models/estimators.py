@@ -521,8 +521,9 @@ class SlotRewardModel:
 
     Every (decision, selected slot) pair is one observation of the decision's utility (the
     utility is attributed equally to the selected slots). A slot's value is its mean
-    utility shrunk toward the global mean ū with weight n_s/(n_s + λ),
-    v_s = (Σ u + λ·ū)/(n_s + λ); unseen slots get ū. A selection's predicted utility is
+    utility shrunk toward a prior p with weight n_s/(n_s + λ), v_s = (Σ u + λ·p)/(n_s + λ);
+    unseen slots get p. The prior is the global mean ū, or — ``prior_quantile`` set — a low
+    quantile of the logged utilities (pessimism about what the log has not shown). A selection's predicted utility is
     the *mean* of its slots' values (ū for an empty selection).
 
     >>> d = LoggedDecisions.from_lists([[1, 2], [1, 3]], [[0.5, 0.5]] * 2, [[1], [3]], [1.0] * 2, [-0.7] * 2,
@@ -533,29 +534,35 @@ class SlotRewardModel:
     """
 
     shrinkage: float = DEFAULT_SHRINKAGE
+    prior_quantile: float | None = None  # None: shrink toward ū; else toward that quantile of u
     global_mean: float = 0.0
+    prior: float = 0.0
     slot_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slot_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
 
     def fit(self, decisions: LoggedDecisions) -> SlotRewardModel:
         u = decisions.utility
         self.global_mean = float(u.mean()) if u.size else 0.0
+        # A pessimistic prior (a low quantile) makes slots the log has rarely or never shown
+        # look bad rather than average: what a safety gate should assume about them.
+        q = self.prior_quantile
+        self.prior = float(np.quantile(u, q)) if q is not None and u.size else self.global_mean
         mask = decisions.selected_valid
         slots = decisions.selected_slots()[mask]
         obs = np.broadcast_to(u[:, None], mask.shape)[mask]
         ids, inverse, counts = np.unique(slots, return_inverse=True, return_counts=True)
         sums = np.bincount(inverse.reshape(-1), weights=obs, minlength=ids.size)
         self.slot_ids = ids.astype(np.int64)
-        self.slot_values = (sums + self.shrinkage * self.global_mean) / (counts + self.shrinkage)
+        self.slot_values = (sums + self.shrinkage * self.prior) / (counts + self.shrinkage)
         return self
 
     def values(self, slots: np.ndarray) -> np.ndarray:
         """v_s for an array of slot ids (ū for slots never selected in the fit)."""
         slots = np.asarray(slots, np.int64)
         if self.slot_ids.size == 0:
-            return np.full(slots.shape, self.global_mean)
+            return np.full(slots.shape, self.prior)
         pos = np.clip(np.searchsorted(self.slot_ids, slots), 0, self.slot_ids.size - 1)
-        return np.where(self.slot_ids[pos] == slots, self.slot_values[pos], self.global_mean)
+        return np.where(self.slot_ids[pos] == slots, self.slot_values[pos], self.prior)
 
     def predict(self, decisions: LoggedDecisions) -> np.ndarray:
         """r̂(logged selection): mean slot value over each decision's selected slots, [N]."""

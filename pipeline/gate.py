@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from models.estimators import Estimate, LoggedDecisions, evaluate, gain
+from models.estimators import Estimate, LoggedDecisions, SlotRewardModel, evaluate, gain
 from models.policy import PolicyNetwork
 from pipeline.checkpoints import CheckpointPublisher
 from pipeline.config import Settings
@@ -35,6 +35,8 @@ from topics.checkpoint import Manifest
 from topics.codec import Experience
 
 log = logging.getLogger(__name__)
+
+PESSIMISM = 0.1  # the DR reward model's prior for rarely seen slots: this quantile of logged utility
 
 
 @dataclass
@@ -84,13 +86,25 @@ def judge(
     """
     if len(decisions) == 0:
         return "insufficient", "no logged decisions yet", {}
-    g = gain(decisions, candidate, serving, method=method, n_boot=n_boot, seed=seed)  # type: ignore[arg-type]
+    # Pessimistic about slots the log rarely shows: a candidate that moves its reads there
+    # must earn the trust that the serving policy's logged reads already have.
+    model = SlotRewardModel(prior_quantile=PESSIMISM).fit(decisions) if method == "dr" else None
+    g = gain(
+        decisions,
+        candidate,
+        serving,
+        method=method,
+        n_boot=n_boot,
+        seed=seed,  # type: ignore[arg-type]
+        reward_model=model,
+    )
     values = evaluate(
         decisions,
         {"candidate": candidate, "serving": serving, "similarity": "similarity"},
         method=method,  # type: ignore[arg-type]
         n_boot=n_boot,
         seed=seed,
+        reward_model=model,
     )
     estimates = {"gain": g, **values}
     support = float(len(decisions)) if method == "dr" else g.ess

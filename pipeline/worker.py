@@ -436,6 +436,23 @@ class Worker:
             fallback_rate=st.fallback.get(),
         )
         self.metrics.set_health(score, band)
+        await self._export_stage_lag()
+
+    async def _export_stage_lag(self) -> None:
+        """Lag of the faust stages' inputs (human-labels, outcomes, rating pairs) per topic."""
+        consumer = self.app.consumer
+        lags: dict[str, int] = {}
+        try:
+            for tp in consumer.assignment():
+                hw = consumer.highwater(tp)
+                pos = await consumer.position(tp)
+                if hw is not None and pos is not None:
+                    lags[tp.topic] = lags.get(tp.topic, 0) + max(0, hw - pos)
+        except Exception as exc:  # during a rebalance: next time
+            log.debug("stage lag: %r", exc)
+            return
+        for topic, lag in lags.items():
+            self.metrics.consumer_lag.labels(topic=topic).set(lag)
 
     async def _prune_timer(self) -> None:
         """Bound the tables: by event time (``label_window_s``) and by count.

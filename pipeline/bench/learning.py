@@ -54,8 +54,8 @@ SEED_CLAIMS = {
 }
 
 
-def learning_scenario(quick: bool, text: bool, seed: int) -> Scenario:
-    base = Scenario.load("default")
+def learning_scenario(quick: bool, text: bool, seed: int, name: str | None = None) -> Scenario:
+    base = Scenario.load(name or "default")
     size = {"days": 2.0, "queries_per_day": 400} if quick else {"days": 6.0, "queries_per_day": 500}
     return dataclasses.replace(base, drift_day=None, seed=seed, text=text, **size)
 
@@ -150,7 +150,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     report: dict[str, Any] = {"quick": args.quick, "text": args.text, "seed": args.seed}
     try:
-        scenario = learning_scenario(args.quick, args.text, args.seed)
+        scenario = learning_scenario(args.quick, args.text, args.seed, args.scenario)
         keys = wanted or (list(QUICK_ROWS) if args.quick else list(ROWS))
         unknown = [k for k in keys if k not in ROWS and k not in DRIFT_ROWS]
         if unknown:
