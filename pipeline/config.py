@@ -69,6 +69,7 @@ class Settings:
     baseline: str = "moving"  # moving | cluster | none
     baseline_fading: float = 0.01
     label_lr: float = 1e-2
+    reorder_s: float = 0.0  # >0: apply experiences in event-time order, after this much reordering slack
     # checkpoints
     checkpoint_interval_s: float = 10.0
     keep_versions: int = 3

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import logging
 import time
 from collections import OrderedDict, deque
@@ -121,6 +122,13 @@ class Learner:
         self.store = LocalStore(self._local_dir())
         self.pending: deque[tuple[int, Experience | None]] = deque()
         self.pending_n = 0  # experiences (not placeholders) in pending
+        # Reorder mode (reorder_s > 0): experiences wait here, a heap by (event time, id),
+        # until the event-time watermark passes them by reorder_s; they are then applied in
+        # that canonical order, whatever order (and how often) they were delivered in.
+        self.held: list[tuple[float, str, int, Experience]] = []
+        self.watermark = 0.0
+        self.released_key: tuple[float, str] | None = None  # newer keys only may still come in
+        self.applied_key: tuple[float, str] | None = None  # the last key applied (in the manifest)
         self.positions: dict[TopicPartition, int] = {}
         self.seen: OrderedDict[str, None] = OrderedDict()
         self.replay: deque[Experience] = deque(maxlen=settings.replay_max)
@@ -305,6 +313,8 @@ class Learner:
         self.trainer.experiences = int(metrics.get("experiences", 0))
         self.labels_total = int(metrics.get("labels_applied_total", 0))
         self.resets = int(metrics.get("resets", 0))
+        through = metrics.get("applied_through")
+        self.applied_key = self.released_key = (float(through[0]), str(through[1])) if through else None
         if local is not None:
             meta, _, optimizer = local
             if meta["manifest"]["version"] == manifest["version"] and meta["manifest"]["sha256"] == manifest["sha256"]:
@@ -323,6 +333,7 @@ class Learner:
                 self.positions[tp] = off
         self.pending.clear()
         self.pending_n = 0
+        self.held.clear()
 
     async def _rebuild_history(self, offsets: dict[str, int]) -> None:
         """Re-read what came before the resume point: ids for dedupe, experiences for warm-up."""
@@ -357,12 +368,15 @@ class Learner:
         for tp, msgs in batch.items():
             for msg in msgs:
                 if tp == self.ctl_tp:
+                    self._release(force=True)
                     await self._apply_pending(force=True)
                     await self._handle_control(msg)
                     self.positions[tp] = msg.offset + 1
                 else:
                     self._accept(msg)
-        await self._apply_pending(force=time.monotonic() - self._last_input > LINGER_S)
+        idle = time.monotonic() - self._last_input > LINGER_S
+        self._release(force=idle)
+        await self._apply_pending(force=idle)
         self._export_lag()
         await self.maybe_publish()
 
@@ -380,12 +394,39 @@ class Learner:
         elif exp is not None and exp.id in self.seen:
             self.metrics.learner_skipped.labels(reason="duplicate").inc()
             exp = None
+        if self.settings.reorder_s > 0:
+            self._hold(msg.offset, exp)
+            return
         if exp is not None:
             self._mark_seen(exp.id)
             self.pending_n += 1
         # Skipped messages stay in line so that the resume offset never jumps over an
         # experience that is not applied yet.
         self.pending.append((msg.offset, exp))
+
+    def _hold(self, offset: int, exp: Experience | None) -> None:
+        """Reorder mode: hold an experience until the watermark has passed it by reorder_s."""
+        self.positions[self.exp_tp] = offset + 1
+        if exp is None:
+            return
+        key = (exp.event.ts, exp.id)
+        if self.applied_key is not None and key <= self.applied_key:
+            return  # applied before a restart (re-read from the resume offset)
+        if self.released_key is not None and key <= self.released_key:
+            # Later than the reorder window: applying it now would break the canonical order.
+            self.metrics.learner_skipped.labels(reason="late").inc()
+            return
+        self._mark_seen(exp.id)
+        self.watermark = max(self.watermark, exp.event.ts)
+        heapq.heappush(self.held, (key[0], key[1], offset, exp))
+
+    def _release(self, force: bool = False) -> None:
+        horizon = self.watermark - self.settings.reorder_s
+        while self.held and (force or self.held[0][0] <= horizon):
+            ts, ident, offset, exp = heapq.heappop(self.held)
+            self.released_key = (ts, ident)
+            self.pending.append((offset, exp))
+            self.pending_n += 1
 
     async def _apply_pending(self, force: bool = False) -> None:
         b = self.settings.batch_size
@@ -401,6 +442,9 @@ class Learner:
                 last = self.pending.popleft()[0]
             if chunk:
                 self.apply(chunk)
+                if self.settings.reorder_s > 0:
+                    self.applied_key = (chunk[-1].event.ts, chunk[-1].id)
+                    continue  # positions follow reads, not batches, in reorder mode
             self.positions[self.exp_tp] = last + 1
 
     def apply(self, chunk: list[Experience]) -> None:
@@ -539,7 +583,11 @@ class Learner:
         for tp in (self.exp_tp, self.ctl_tp):
             out[f"{tp.topic}:{tp.partition}"] = self.positions.get(tp, 0)
         # Anything consumed but not yet applied comes again after a restore.
-        if self.pending:
+        unapplied = [o for o, e in self.pending if e is not None] + [h[2] for h in self.held]
+        if self.settings.reorder_s > 0:
+            if unapplied:
+                out[f"{self.exp_tp.topic}:0"] = min(unapplied)
+        elif self.pending:
             out[f"{self.exp_tp.topic}:0"] = self.pending[0][0]
         return out
 
@@ -566,6 +614,7 @@ class Learner:
             "baseline_state": baseline_state,
             "lr": self.settings.lr,
             "batch_size": self.settings.batch_size,
+            "applied_through": list(self.applied_key) if self.applied_key else None,
             **(extra or {}),
         }
         tensors = trainer.tensors()

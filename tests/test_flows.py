@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 
+import numpy as np
 import orjson
 import pytest
 import torch
@@ -165,3 +167,43 @@ def test_topic_layout_is_co_partitioned() -> None:
 def test_rejected_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         raise Rejected("bad_json")
+
+
+async def _learn_from(s, messages: list[tuple[str, object]], n_pairs: int) -> dict:
+    """Publish input messages, run a join stage and a learner in this process; final tensors."""
+    async with EventPublisher(s.bootstrap, s) as pub:
+        for _, value in messages:
+            await pub.publish(value)
+    metrics = Metrics()
+    async with running(JoinStage(s, s.bootstrap, metrics)), running(Learner(s, s.bootstrap, Metrics())) as learner:
+        await until(
+            lambda: learner.trainer.experiences == n_pairs and not learner.dirty and not learner.held,
+            60,
+            "all experiences applied",
+        )
+        return learner.trainer.tensors()
+
+
+async def test_duplicated_and_shuffled_delivery_learns_the_same_policy(topics_ready) -> None:
+    base = topics_ready.replace(reorder_s=3600.0, batch_size=16, join_window_s=3600.0)
+    rng = np.random.default_rng(5)
+    pairs = []
+    for i in range(240):
+        ev = retrieval_event(base, f"r{i}", ts=1_800_000_000.0 + i, rng=np.random.default_rng(i), event_id=f"ev{i}")
+        fb = feedback(ev.query_id, ts=ev.ts + 1, utility=float(rng.uniform(-1, 1)))
+        fb.event_id = f"fb{i}"
+        pairs.append((ev, fb))
+    in_order = [m for ev, fb in pairs for m in (("r", ev), ("f", fb))]
+    twice = in_order + in_order
+    shuffled = []
+    for start in range(0, len(twice), 60):  # shuffled within windows of 60 messages
+        block = twice[start : start + 60]
+        shuffled += [block[j] for j in rng.permutation(len(block))]
+    results = []
+    for name, messages in (("once", in_order), ("twice", shuffled)):
+        s = base.replace(topic_prefix=f"{name}{uuid.uuid4().hex[:6]}.")
+        await kafka.create_topics(s.bootstrap, s)
+        results.append(await _learn_from(s, messages, len(pairs)))
+    a, b = results
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
