@@ -306,6 +306,7 @@ async def run_scenario(
                             true_u,
                             st.ts,
                             event.policy_version,
+                            explore=event.temperature != retriever.temperature,
                         )
                         await pub.publish(event)
                         await pub.publish(

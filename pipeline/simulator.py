@@ -290,14 +290,18 @@ class Tally:
     utility: list[float] = field(default_factory=list)
     ts: list[float] = field(default_factory=list)
     version: list[int] = field(default_factory=list)
+    explore: list[bool] = field(default_factory=list)  # served at the exploration temperature
 
-    def add(self, leak: bool, recall: float, empty: bool, utility: float, ts: float, version: int) -> None:
+    def add(
+        self, leak: bool, recall: float, empty: bool, utility: float, ts: float, version: int, explore: bool = False
+    ) -> None:
         self.leak.append(leak)
         self.recall.append(recall)
         self.empty.append(empty)
         self.utility.append(utility)
         self.ts.append(ts)
         self.version.append(version)
+        self.explore.append(explore)
 
     def window(self, start: float, end: float) -> dict[str, float]:
         """Means over a fraction [start, end) of the run."""

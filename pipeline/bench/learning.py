@@ -93,10 +93,18 @@ def summarise(r: RunResult, final_share: float = 0.3) -> dict[str, Any]:
         "recall": final_recall,
         "empty": float(np.mean(np.asarray(t.empty)[tail])),
         "utility": float(np.mean(np.asarray(t.utility)[tail])),
+        # The served policy itself: the requests not served at the exploration temperature.
+        "utility_served": served_utility(t, tail),
         "events_to_90pct_recall": int(reach[0] + 300) if len(reach) else None,
         "checkpoints_loaded": r.versions_loaded,
         "wall_s": r.wall_s,
     }
+
+
+def served_utility(t: Any, tail: slice) -> float:
+    exploit = ~np.asarray(t.explore, bool)[tail]
+    u = np.asarray(t.utility)[tail][exploit]
+    return float(u.mean()) if u.size else float("nan")
 
 
 def drift_drop(r: RunResult, scenario: Scenario) -> dict[str, float]:
@@ -232,14 +240,15 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| policy | harmful leak | helpful recall@k | empty results | mean true utility "
-        "| events to 90% of final recall |",
-        "|---|---|---|---|---|---|",
+        "| utility of the served policy (no exploration) | events to 90% of final recall |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in report.get("rows", {}).values():
         reach = f"{row['events_to_90pct_recall']:,}" if row["events_to_90pct_recall"] else "–"
         lines.append(
             f"| {row['name']} | {row['leak']:.1%} | {row['recall']:.1%} | {row['empty']:.1%} "
-            f"| {row['utility']:+.3f} | {reach} |"
+            f"| {row['utility']:+.3f} | {row.get('utility_served', float('nan')):+.3f} | {reach} |"
+
         )
     drift = report.get("drift", {})
     if drift:
