@@ -126,9 +126,13 @@ def text_bank(scenario: Any, rng: np.random.Generator) -> TextBank:
         t = BACKGROUND[i % len(BACKGROUND)]
         texts.append(t.format(n=rng.choice(WORDS_N), c=rng.choice(WORDS_C), d=rng.choice(WORDS_D)) + f" (#{i})")
     model = load_encoder()
-    memory = model.encode(texts, batch_size=64, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+    memory = model.encode(
+        texts, batch_size=64, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+    ).astype(np.float32)
     flat = [q for qs in query_texts for q in qs]
-    qv = model.encode(flat, batch_size=64, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+    qv = model.encode(
+        flat, batch_size=64, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+    ).astype(np.float32)
     n = len(QUESTIONS)
     query_vectors = [qv[k * n : (k + 1) * n] for k in range(scenario.intents)]
     centroids = np.stack([v.mean(axis=0) for v in query_vectors]).astype(np.float32)

@@ -248,7 +248,6 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {row['name']} | {row['leak']:.1%} | {row['recall']:.1%} | {row['empty']:.1%} "
             f"| {row['utility']:+.3f} | {row.get('utility_served', float('nan')):+.3f} | {reach} |"
-
         )
     drift = report.get("drift", {})
     if drift:
