@@ -198,6 +198,9 @@ class Worker:
         self.exp_topic = app.topic(t.experiences.name, partitions=1, **raw)
         self.dead_topic = app.topic(t.dead_letter.name, partitions=1, **raw)
         self.pairs_topic = pairs
+        # The stage inputs whose backlog is lag; the tables' changelog partitions are also
+        # assigned to this consumer but are only read during recovery (their position stays put).
+        self.stage_topics = frozenset({t.outcomes.name, t.human_labels.name, t.rating_pairs.name})
         self.control_topic = app.topic(t.control.name, partitions=1, **raw)
 
         # Tables keyed by query id and partitioned like the inputs (murmur2 of the raw key).
@@ -444,6 +447,8 @@ class Worker:
         lags: dict[str, int] = {}
         try:
             for tp in consumer.assignment():
+                if tp.topic not in self.stage_topics:
+                    continue
                 hw = consumer.highwater(tp)
                 pos = await consumer.position(tp)
                 if hw is not None and pos is not None:

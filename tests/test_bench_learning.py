@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 def test_quick_learning_benchmark_causal_beats_similarity(broker, tmp_path: Path) -> None:
     out = tmp_path / "learning.json"
-    args = argparse.Namespace(bootstrap=broker.bootstrap, quick=True, text=False, seed=0, rows=None, out=str(out))
+    args = argparse.Namespace(
+        bootstrap=broker.bootstrap, quick=True, text=False, seed=0, rows=None, scenario=None, out=str(out)
+    )
     assert learning.main(args) == 0
     report = json.loads(out.read_text())
     rows = report["rows"]

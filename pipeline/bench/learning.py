@@ -158,7 +158,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     report: dict[str, Any] = {"quick": args.quick, "text": args.text, "seed": args.seed}
     try:
-        scenario = learning_scenario(args.quick, args.text, args.seed, args.scenario)
+        scenario = learning_scenario(args.quick, args.text, args.seed, getattr(args, "scenario", None))
         keys = wanted or (list(QUICK_ROWS) if args.quick else list(ROWS))
         unknown = [k for k in keys if k not in ROWS and k not in DRIFT_ROWS]
         if unknown:

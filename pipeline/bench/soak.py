@@ -77,6 +77,7 @@ from pipeline import kafka
 from pipeline.bench.throughput import make_events
 from pipeline.config import Settings
 from pipeline.procs import Child, metric
+from pipeline.status import labelled
 from topics.codec import LLMFeedback, RetrievalEvent, encode
 
 DEFAULT_RATE = 300.0  # pairs/s (2 input messages each)
@@ -474,6 +475,7 @@ class Rig:
         vals = dict(self.last)
         if w:
             vals["worker_lag"] = metric(w, "causalmem_consumer_lag_messages")
+            vals["worker_lag_by_topic"] = labelled(w, "causalmem_consumer_lag_messages", "topic")
             vals["events_in"] = metric(w, "causalmem_events_in_total")
             vals["joined"] = metric(w, "causalmem_joins_total")
             vals["join_expired"] = metric(w, "causalmem_join_expired_total")
@@ -513,6 +515,7 @@ class Rig:
                 "backlog": produced - applied,
                 "worker_lag": now_abs["worker_lag"],
                 "learner_lag": now_abs["learner_lag"],
+                "worker_lag_by_topic": now_abs.get("worker_lag_by_topic", {}),
                 "rss_mb": now_abs["rss_mb"],
             }
 
