@@ -51,7 +51,6 @@ for each error candidate (utility below ``al_threshold``; about 20 % of the synt
 its whole retrieval event in ``al-pending`` until a verdict arrives, so the worker grows until
 those tables reach their caps (``query_state_max``, ``al_pending_max``) or the window, whichever
 comes first. The learner's replay buffer (``replay_max`` experiences) and dedupe set grow until
-
 their caps, then stay flat. The RSS of every process after the whole run is reported too.
 """
 
@@ -666,6 +665,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "replay_max": settings.replay_max,
             "label_window_s": settings.label_window_s,
             "al_threshold": settings.al_threshold,
+            "query_state_max": settings.query_state_max,
+            "al_pending_max": settings.al_pending_max,
             "broker": "external " + settings.bootstrap if settings.bootstrap else "embedded (Tansu)",
         },
         "machine": {"cpus": os.cpu_count(), "loadavg_start": _loadavg(), "platform": platform.platform()},
@@ -832,8 +833,10 @@ def report(r: dict[str, Any]) -> str:
         f"per-query state for label_window_s = {c.get('label_window_s', 86400.0):,.0f} s of event time: the "
         f"utility sum of every query and, for each error candidate (utility < {c.get('al_threshold', -0.3):g}: "
         f"{c.get('error_candidate_share', 0.0):.0%} of these pairs), its whole retrieval event until a verdict "
-        f"arrives; its RSS grows for that long. The learner's replay buffer ({c['replay_max']:,} experiences) and "
-        "dedupe set grow until their caps, then stay flat.",
+        f"arrives; its RSS grows until those tables reach their caps (query_state_max = "
+        f"{c.get('query_state_max', 500_000):,} queries, al_pending_max = {c.get('al_pending_max', 20_000):,} "
+        f"events) or the window, whichever comes first. The learner's replay buffer ({c['replay_max']:,} "
+        "experiences) and dedupe set grow until their caps, then stay flat.",
     ]
     end = r.get("processes_rss_end_mb")
     if end:
