@@ -4,7 +4,7 @@ It wires the same pieces as the running system (Environment, CausalRetriever,
 PolicyTrainer, DriftMonitor) with the pipeline's delays emulated: the serving policy is
 refreshed from the learner every ``refresh_every`` steps (the checkpoint cadence), and
 the learner applies micro-batches in arrival order. ``causalmem bench learning`` runs the
-real pipeline; this is where its settings were explored first (docs/tuning.md).
+real pipeline; this is where its settings were explored first (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -123,7 +123,13 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
             u = nll_without - nll_with
             q.utilities.append(u)
             result.tally.add(
-                env.leak(q.intent, res.slots), env.recall(q.intent, res.slots), not res.slots, true_u, st.ts, version
+                env.leak(q.intent, res.slots),
+                env.recall(q.intent, res.slots),
+                not res.slots,
+                true_u,
+                st.ts,
+                version,
+                explore=res.event.temperature != retriever.temperature,
             )
             if not res.event.fallback:
                 exp = Experience(res.event.event_id, "feedback", res.event, u)

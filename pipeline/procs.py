@@ -37,6 +37,7 @@ class Child:
         self.log_path = log_path
         cmd = [
             sys.executable,
+            "-P",  # the installed package, never a ``pipeline/`` that happens to be in the cwd
             "-m",
             "pipeline.cli",
             verb,
@@ -131,4 +132,4 @@ def restart_process(reason: str) -> None:
     logging.getLogger("causalmem").error("%s: restarting this process from the beginning", reason)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "pipeline.cli", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "pipeline.cli", *sys.argv[1:]])

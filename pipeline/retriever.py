@@ -89,7 +89,7 @@ class CausalRetriever:
         policy: str = "default",
         seed: int | None = None,
         explore_rate: float = 0.0,
-        explore_temperature: float | None = None,
+        explore_temperature: float = 0.25,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.index = faiss.IndexFlatIP(self.embeddings.shape[1])
@@ -111,7 +111,7 @@ class CausalRetriever:
         # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
         # what it picks and learns nothing more; these requests keep the gradient alive.
         self.explore_rate = explore_rate
-        self.explore_temperature = explore_temperature if explore_temperature is not None else 5 * temperature
+        self.explore_temperature = explore_temperature
 
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """Swap the policy in (use as PolicySubscriber's ``on_update``)."""

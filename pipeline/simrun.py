@@ -40,6 +40,7 @@ class RunSpec:
     use_policy: bool = True  # False: similarity-only (no checkpoint is ever loaded)
     drop: str | float = "dynamic"  # "dynamic", "none" (soft intervention) or a fixed threshold
     dmem: bool = False  # D-MEM re-ranking (similarity + β·δ) instead of a policy
+    greedy: bool = True  # similarity-only: plain top-k (False: drawn at the serving temperature, m = 0)
     explore: bool = True
     labels: bool = True  # the automatic labeler answers queued samples
     reset: bool = True  # drift resets reach the learner
@@ -180,7 +181,7 @@ async def run_scenario(
         k=scenario.k,
         n_candidates=scenario.n_candidates,
         # Similarity-only is plain top-k: a temperature so small that the draw is the ranking.
-        temperature=1e-4 if similarity_only else scenario.temperature,
+        temperature=1e-4 if similarity_only and spec.greedy else scenario.temperature,
         drop=spec.drop,
         seed=scenario.seed,
         explore_rate=scenario.explore_rate if spec.explore and spec.use_policy else 0.0,

@@ -27,6 +27,9 @@ from pipeline.simulator import DAY, Scenario
 NO_GATE = {"CAUSALMEM_GATE": "0"}
 ROWS: dict[str, RunSpec] = {
     "similarity": RunSpec("similarity-only (faiss top-k)", use_policy=False, labels=False),
+    "similarity_t": RunSpec(
+        "similarity-only at the serving temperature (m = 0)", use_policy=False, greedy=False, labels=False
+    ),
     "dmem": RunSpec("D-MEM re-ranking (similarity + β·δ)", use_policy=False, dmem=True, labels=False),
     "soft": RunSpec("causal, soft intervention (no drop)", drop="none", labels=False, pipeline_env=NO_GATE),
     "fixed": RunSpec("causal, hard drop, fixed threshold 0.5", drop=0.5, labels=False, pipeline_env=NO_GATE),
