@@ -140,6 +140,18 @@ class EmbeddedBroker:
         self.stop()
 
 
+def own_broker(bootstrap: str | None, log_path: Path) -> tuple[str, EmbeddedBroker | None]:
+    """``bootstrap`` when given; else a fresh embedded broker for this run alone, started.
+
+    For runs that must not share state with other processes (the demo, the benchmarks):
+    the caller stops the returned broker when done (``None``: nothing to stop).
+    """
+    if bootstrap:
+        return bootstrap, None
+    broker = EmbeddedBroker(log_path=log_path)
+    return broker.start(), broker
+
+
 # --------------------------------------------------------------------------- shared broker
 
 

@@ -64,18 +64,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
     from rich.console import Console
 
-    from pipeline.broker import EmbeddedBroker
+    from pipeline.broker import own_broker
     from pipeline.simrun import RunSpec, run_scenario
 
     console = Console(stderr=True)
     logging.getLogger("pipeline.checkpoints").setLevel(logging.WARNING)  # one line per hot-load is noise here
     logdir = Path(args.keep_logs or tempfile.mkdtemp(prefix="causalmem-demo-"))
     logdir.mkdir(parents=True, exist_ok=True)
-    broker = None
-    bootstrap = args.bootstrap
-    if not bootstrap:
-        broker = EmbeddedBroker(log_path=logdir / "broker.log")
-        bootstrap = broker.start()
+    bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")
+    if broker is not None:
         console.print(f"[bold]demo[/]: embedded broker on {bootstrap} (memory only); logs in {logdir}")
     spec = RunSpec(
         name="demo",

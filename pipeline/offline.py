@@ -21,7 +21,7 @@ from models.trainer import PolicyTrainer
 from pipeline.checkpoints import LoadedPolicy
 from pipeline.gate import judge
 from pipeline.retriever import CausalRetriever
-from pipeline.simulator import Environment, Scenario, Tally
+from pipeline.simulator import Environment, Scenario, Tally, serve
 from topics.checkpoint import Manifest
 from topics.codec import Experience
 
@@ -109,28 +109,12 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
         q = env.next_query()
         for step in range(q.steps):
             st = env.step_features(q, step)
-            res = retriever.retrieve(
-                st.embedding,
-                q.query_id,
-                step,
-                st.last_step_loss,
-                st.last_step_entropy,
-                query_text=q.text,
-                ts=st.ts,
-                with_texts=False,
-            )
+            res = serve(retriever, st, with_texts=False)
             true_u, nll_with, nll_without = env.feedback(q.intent, res.slots)
             u = nll_without - nll_with
             q.utilities.append(u)
-            result.tally.add(
-                env.leak(q.intent, res.slots),
-                env.recall(q.intent, res.slots),
-                not res.slots,
-                true_u,
-                st.ts,
-                version,
-                explore=res.event.temperature != retriever.temperature,
-            )
+            explore = res.event.temperature != retriever.temperature
+            result.tally.record(env, q.intent, res.slots, true_u, st.ts, version, explore)
             if not res.event.fallback:
                 exp = Experience(res.event.event_id, "feedback", res.event, u)
                 pending.append(exp)

@@ -25,7 +25,7 @@ import torch
 
 from models.dmem import DMem
 from models.serving_rule import adjusted_logits, first_draw_probs
-from pipeline.simulator import Environment, Scenario, Tally
+from pipeline.simulator import Environment, Scenario, Tally, serve
 
 log = logging.getLogger(__name__)
 
@@ -285,30 +285,15 @@ async def run_scenario(
                         if dmem is not None:
                             selected, event = dmem_retrieve(st, q)
                         else:
-                            res = retriever.retrieve(
-                                st.embedding,
-                                q.query_id,
-                                step,
-                                st.last_step_loss,
-                                st.last_step_entropy,
-                                query_text=q.text,
-                                ts=st.ts,
-                            )
+                            res = serve(retriever, st)
                             selected, event = res.slots, res.event
                         true_u, nll_with, nll_without = env.feedback(q.intent, selected)
                         u = nll_without - nll_with
                         q.utilities.append(u)
                         if dmem is not None:
                             dmem.update(selected, u)
-                        tally.add(
-                            env.leak(q.intent, selected),
-                            env.recall(q.intent, selected),
-                            not selected,
-                            true_u,
-                            st.ts,
-                            event.policy_version,
-                            explore=event.temperature != retriever.temperature,
-                        )
+                        explore = event.temperature != retriever.temperature
+                        tally.record(env, q.intent, selected, true_u, st.ts, event.policy_version, explore)
                         await pub.publish(event)
                         await pub.publish(
                             LLMFeedback(

@@ -280,6 +280,20 @@ class Environment:
         return len(helpful & set(selected)) / min(self.s.k, len(helpful))
 
 
+def serve(retriever: Any, st: Step, **kwargs: Any) -> Any:
+    """``CausalRetriever.retrieve`` for a simulated step: its features, text and event time."""
+    return retriever.retrieve(
+        st.embedding,
+        st.query_id,
+        st.step,
+        st.last_step_loss,
+        st.last_step_entropy,
+        query_text=st.text,
+        ts=st.ts,
+        **kwargs,
+    )
+
+
 @dataclass
 class Tally:
     """Per-retrieval outcomes, for summaries and learning curves."""
@@ -291,6 +305,12 @@ class Tally:
     ts: list[float] = field(default_factory=list)
     version: list[int] = field(default_factory=list)
     explore: list[bool] = field(default_factory=list)  # served at the exploration temperature
+
+    def record(
+        self, env: Environment, intent: int, selected: list[int], utility: float, ts: float, version: int, explore: bool
+    ) -> None:
+        """One retrieval's outcome, measured against the environment's ground truth."""
+        self.add(env.leak(intent, selected), env.recall(intent, selected), not selected, utility, ts, version, explore)
 
     def add(
         self, leak: bool, recall: float, empty: bool, utility: float, ts: float, version: int, explore: bool = False

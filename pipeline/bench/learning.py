@@ -147,15 +147,11 @@ async def run_rows(
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
 
-    from pipeline.broker import EmbeddedBroker
+    from pipeline.broker import own_broker
 
     console = Console(stderr=True)
     logdir = Path(tempfile.mkdtemp(prefix="causalmem-bench-learning-"))
-    broker = None
-    bootstrap = args.bootstrap
-    if not bootstrap:
-        broker = EmbeddedBroker(log_path=logdir / "broker.log")
-        bootstrap = broker.start()
+    bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")
     wanted = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
     rate = 120.0
     t0 = time.monotonic()

@@ -386,12 +386,9 @@ class Rig:
         self.last: dict[str, float] = {}  # last good scrape values, carried over failed scrapes
 
     async def start(self) -> None:
-        from pipeline.broker import EmbeddedBroker
+        from pipeline.broker import own_broker
 
-        bootstrap = self.base.bootstrap
-        if not bootstrap:
-            self.broker = EmbeddedBroker(log_path=self.logdir / "broker.log")
-            bootstrap = self.broker.start()
+        bootstrap, self.broker = own_broker(self.base.bootstrap, self.logdir / "broker.log")
         prefix = f"{self.base.topic_prefix}soak-{uuid.uuid4().hex[:6]}."
         self.settings = s = self.base.replace(
             bootstrap=bootstrap, topic_prefix=prefix, state_dir=str(self.logdir / "state")

@@ -189,17 +189,13 @@ def learner_vs_bare(settings: Settings, exps: list[Experience], rounds: int = 7)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipeline.broker import EmbeddedBroker
+    from pipeline.broker import own_broker
 
     n = args.events or 20_000
     base = Settings.from_env(bootstrap=args.bootstrap)
     d, s = base.embedding_dim, base.slots
     logdir = Path(tempfile.mkdtemp(prefix="causalmem-bench-"))
-    broker = None
-    bootstrap = args.bootstrap
-    if not bootstrap:
-        broker = EmbeddedBroker(log_path=logdir / "broker.log")
-        bootstrap = broker.start()
+    bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")
     try:
         prefix = f"bench-{uuid.uuid4().hex[:6]}."
         settings = base.replace(bootstrap=bootstrap, topic_prefix=prefix, state_dir=str(logdir / "state"))
