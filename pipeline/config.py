@@ -73,7 +73,7 @@ class Settings:
     # checkpoints
     checkpoint_interval_s: float = 10.0
     keep_versions: int = 3
-    gate: bool = True  # publish candidates; promote only what the gate accepts (pipeline/gate.py)
+    gate: bool = True  # publish candidates; promote only what the gate accepts (pipeline/learner/gate.py)
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0

@@ -11,11 +11,11 @@ import orjson
 import pytest
 
 from pipeline import kafka
+from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
-from pipeline.join import JoinStage
+from pipeline.lab.procs import Child, metric
 from pipeline.metrics import Metrics
-from pipeline.procs import Child, metric
-from pipeline.publisher import EventPublisher
+from pipeline.worker.join import JoinStage
 from topics.codec import decode_active_learning_sample, decode_experience
 
 from .conftest import settings_env

@@ -38,13 +38,13 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from pipeline import kafka
-from pipeline.checkpoints import fetch_checkpoint, scan_model_topic
+from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
-from pipeline.join import JoinStage
+from pipeline.lab.procs import Child, metric
 from pipeline.metrics import Metrics
-from pipeline.procs import Child, metric
-from pipeline.publisher import EventPublisher
+from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
+from pipeline.worker.join import JoinStage
 from topics.codec import (
     DECODERS,
     REASONS,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench import learning
+from pipeline.lab.bench import learning
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

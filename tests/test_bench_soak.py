@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench import soak
+from pipeline.lab.bench import soak
 
 
 def series(

@@ -32,10 +32,10 @@ from safetensors.torch import save as st_save
 from models.checkpoint import sha256_hex, split_chunks, to_safetensors
 from models.policy import TENSOR_NAMES, Arch, init_policy
 from pipeline import kafka
-from pipeline.checkpoints import CheckpointPublisher, LoadedPolicy, PolicySubscriber
 from pipeline.config import Settings
-from pipeline.learner import Learner
+from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
+from pipeline.modeltopic import CheckpointPublisher, LoadedPolicy, PolicySubscriber
 from topics.checkpoint import Manifest, candidate_key, chunk_key, serving_key
 from topics.codec import encode
 

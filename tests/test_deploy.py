@@ -50,7 +50,6 @@ def _compose() -> dict[str, Any]:
 def _verbs() -> set[str]:
     import pipeline.cli as c
 
-    c._register_late_verbs()
     return set(c.VERBS)
 
 
@@ -73,7 +72,7 @@ def _check_cli(argv: list[str], where: str) -> None:
     # k8s $(VAR) references are expanded by the kubelet: any value will do for parsing.
     concrete = [re.sub(r"\$\(([A-Z0-9_]+)\)", "x", a) for a in argv]
     try:
-        c.build_parser().parse_args(concrete)
+        c.build_parser(concrete).parse_args(concrete)
     except SystemExit as exc:  # argparse reports unknown flags by exiting 2
         pytest.fail(f"{where}: `causalmem {' '.join(argv)}` is rejected by the CLI parser ({exc})")
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from pipeline import kafka
+from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
-from pipeline.procs import Child, metric
-from pipeline.publisher import EventPublisher
+from pipeline.lab.procs import Child, metric
 from topics.codec import decode_control
 
 from .conftest import settings_env

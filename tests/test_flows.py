@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pipeline import kafka
-from pipeline.checkpoints import PolicySubscriber, fetch_checkpoint, scan_model_topic
-from pipeline.join import JoinStage
-from pipeline.learner import Learner
+from pipeline.client.publisher import EventPublisher
+from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.publisher import EventPublisher
+from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
+from pipeline.worker.join import JoinStage
 from topics.codec import Rejected, decode_experience, encode
 from topics.names import Topics
 

@@ -13,12 +13,12 @@ from models.estimators import LoggedDecisions
 from models.policy import PolicyNetwork, init_policy
 from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob, sample_plackett_luce
 from pipeline import kafka
-from pipeline.checkpoints import PolicySubscriber, fetch_checkpoint, scan_model_topic
-from pipeline.evaluate import evaluate_window
-from pipeline.gate import judge
-from pipeline.learner import Learner
+from pipeline.evaluation.evaluate import evaluate_window
+from pipeline.evaluation.rollback import rollback
+from pipeline.learner.gate import judge
+from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.rollback import rollback
+from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
 from topics.codec import Experience, Features, RetrievalEvent, encode
 
 from .helpers import until

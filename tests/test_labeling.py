@@ -26,8 +26,8 @@ from aiokafka import TopicPartition
 
 from pipeline import kafka
 from pipeline.config import Settings
-from pipeline.label_cli import agreement, cohens_kappa, load_answers, parse_line, parse_rating
-from pipeline.labeler import LABELER_GROUP, LabelQueue, SampleMoved
+from pipeline.labeling.queue import LABELER_GROUP, LabelQueue, SampleMoved
+from pipeline.labeling.terminal import agreement, cohens_kappa, load_answers, parse_line, parse_rating
 from tests.conftest import settings_env
 from tests.helpers import until
 from topics.codec import ActiveLearningSample, Features, HumanLabel, decode_human_label, encode

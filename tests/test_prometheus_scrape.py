@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.broker import free_port
+from pipeline.client.publisher import EventPublisher
+from pipeline.lab.procs import Child, metric, wait_until
 from pipeline.metrics import HEALTH_BANDS
-from pipeline.procs import Child, metric, wait_until
-from pipeline.publisher import EventPublisher
-from pipeline.status import collect
+from pipeline.status.collect import collect
 
 from .conftest import settings_env
 from .helpers import feedback, retrieval_event

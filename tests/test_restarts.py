@@ -12,10 +12,10 @@ import torch
 
 from pipeline import kafka
 from pipeline.broker import EmbeddedBroker
-from pipeline.checkpoints import PolicySubscriber, fetch_checkpoint, scan_model_topic
+from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
-from pipeline.procs import Child, metric
-from pipeline.publisher import EventPublisher
+from pipeline.lab.procs import Child, metric
+from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
 from topics.codec import encode
 
 from .conftest import settings_env

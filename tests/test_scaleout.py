@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from pipeline import kafka
-from pipeline.join import key_partition
-from pipeline.procs import Child, metric, wait_until
-from pipeline.publisher import EventPublisher
+from pipeline.client.publisher import EventPublisher
+from pipeline.lab.procs import Child, metric, wait_until
+from pipeline.worker.join import key_partition
 from topics.codec import decode_experience
 
 from .conftest import settings_env

@@ -34,15 +34,15 @@ import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from pipeline import kafka
-from pipeline.checkpoints import PolicySubscriber, scan_model_topic
+from pipeline.client.publisher import EventPublisher
 from pipeline.config import KafkaSecurity, Settings
-from pipeline.join import JoinStage
-from pipeline.labeler import LabelQueue
-from pipeline.learner import Learner
+from pipeline.lab.procs import Child, metric
+from pipeline.labeling.queue import LabelQueue
+from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.procs import Child, metric
-from pipeline.publisher import EventPublisher
-from pipeline.worker import Worker, make_sample
+from pipeline.modeltopic import PolicySubscriber, scan_model_topic
+from pipeline.worker.app import Worker, make_sample
+from pipeline.worker.join import JoinStage
 from topics.codec import Limits, Rejected, decode_human_label, encode
 
 from .conftest import settings_env

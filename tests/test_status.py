@@ -14,10 +14,10 @@ import pytest
 
 from models.policy import init_policy
 from pipeline import cli, kafka
-from pipeline.checkpoints import CheckpointPublisher
-from pipeline.labeler import LabelQueue
+from pipeline.labeling.queue import LabelQueue
 from pipeline.metrics import Metrics, serve
-from pipeline.status import StatusCollector, fmt_age, manifest_rate, render
+from pipeline.modeltopic import CheckpointPublisher
+from pipeline.status.collect import StatusCollector, fmt_age, manifest_rate, render
 from topics.codec import dead_letter_value, encode
 
 from .helpers import retrieval_event
@@ -62,7 +62,7 @@ async def _populate(s) -> list:
             value = dead_letter_value(b"{oops", reason, "test", t.retrieval_events.name, 0, i, time.time())
             futures.append(await producer.send(t.dead_letter.name, encode(value), key=b"q", partition=0))
         futures.append(await producer.send(t.dead_letter.name, b"not json at all", partition=0))
-        from pipeline.worker import make_sample
+        from pipeline.worker.app import make_sample
 
         for i in range(AL_SAMPLES):
             ev = retrieval_event(s, f"al{i}", step=0)
@@ -200,7 +200,7 @@ def test_manifest_rate_and_age_format() -> None:
 
 
 def test_status_as_a_subprocess(topics_ready) -> None:
-    """``python -m pipeline.cli status`` (how procs.Child runs verbs) knows the late-registered verb."""
+    """``python -m pipeline.cli status`` (how procs.Child runs verbs) runs the verb."""
     s = topics_ready
     proc = subprocess.run(
         [

@@ -1,0 +1,83 @@
+"""``causalmem``: the command line.
+
+Every verb takes ``--bootstrap HOST:PORT``; without it the verb starts or reuses the
+embedded broker. Configuration comes from flags, then ``CAUSALMEM_*`` environment
+variables, then defaults (see ``docs/configuration.md``).
+
+Each verb is a module of this package with ``add_options(parser)`` and ``run(args)``.
+The table below names them; only the chosen verb's module is imported (torch and faust
+are slow to import), and nothing outside this package imports the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.cli.common import common_parser, setup_logging
+
+# verb -> (module under pipeline.cli, one-line help)
+VERBS: dict[str, tuple[str, str]] = {
+    "broker": ("broker", "run the embedded (memory-only) Tansu broker in the foreground"),
+    "init-topics": ("init_topics", "create the product's topics (co-partitioned inputs, 1-partition model topic)"),
+    "worker": ("worker", "run a worker: join, active learning, drift (faust)"),
+    "learner": ("learner", "run the learner: the single writer of the policy"),
+    "publish": ("publish", "publish events from a JSONL file, reporting what was rejected and why"),
+    "demo": ("demo", "the main job: embedded broker + worker + learner + simulated agent, 14 days with a drift"),
+    "label": ("label", "label queued samples, interactively or from a JSONL file; --stats for agreement"),
+    "status": ("status", "operator view: checkpoint version and age, rates, health, queue depth, dead letters"),
+    "evaluate": (
+        "evaluate",
+        "off-policy estimates (IPS, SNIPS, DR) of the serving, candidate, similarity and uniform policies",
+    ),
+    "rollback": ("rollback", "serve an earlier checkpoint again (republished under a new version, reason rollback)"),
+    "bench": ("bench", "benchmarks: throughput, learning, soak"),
+}
+
+
+def _chosen_verb(argv: Sequence[str]) -> str | None:
+    """The first argument that names a verb (flags before it are only -h/--help)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in VERBS else None
+    return None
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """Every verb is listed; only the chosen one's options are loaded."""
+    parser = argparse.ArgumentParser(
+        prog="causalmem",
+        description="Causal Memory Policy: online learning of a retrieval intervention policy from Kafka traffic.",
+    )
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    common = common_parser()
+    chosen = _chosen_verb(argv)
+    for name, (_module, help_text) in VERBS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
+        if name == chosen:
+            verb_module(name).add_options(p)
+    return parser
+
+
+def verb_module(name: str) -> Any:
+    return importlib.import_module(f"pipeline.cli.{VERBS[name][0]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not args.verb:
+        parser.print_help()
+        return 2
+    setup_logging(args.log_level)
+    try:
+        return int(verb_module(args.verb).run(args))
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as exc:
+        print(f"causalmem {args.verb}: {exc}", file=sys.stderr)
+        return 1

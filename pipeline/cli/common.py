@@ -1,0 +1,128 @@
+"""What every verb shares: the common flags, settings from flags and environment, the broker, logging, signals."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.config import Settings
+
+
+def common_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("common")
+    g.add_argument("--bootstrap", help="Kafka bootstrap HOST:PORT (default: start or reuse the embedded broker)")
+    g.add_argument("--prefix", dest="topic_prefix", help="prefix for every topic name")
+    g.add_argument("--partitions", type=int, help="partitions of the co-partitioned input topics (default 8)")
+    g.add_argument("--policy", help="policy name (default 'default')")
+    g.add_argument("--state-dir", help="local state directory (default ~/.causalmem)")
+    g.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    g.add_argument(
+        "--security-protocol",
+        dest="kafka_security_protocol",
+        help="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL (password: CAUSALMEM_KAFKA_SASL_PASSWORD)",
+    )
+    g.add_argument("--sasl-mechanism", dest="kafka_sasl_mechanism")
+    g.add_argument("--sasl-username", dest="kafka_sasl_username")
+    g.add_argument("--ssl-cafile", dest="kafka_ssl_cafile")
+    return p
+
+
+def model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--embedding-dim", type=int, help="D, the query embedding length (default 384)")
+    p.add_argument("--slots", type=int, help="S, memory slots of the policy (default 1024)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this loopback port (0: any)")
+
+
+SETTING_KEYS = (
+    "bootstrap",
+    "topic_prefix",
+    "partitions",
+    "policy",
+    "state_dir",
+    "embedding_dim",
+    "slots",
+    "metrics_port",
+    "kafka_security_protocol",
+    "kafka_sasl_mechanism",
+    "kafka_sasl_username",
+    "kafka_ssl_cafile",
+    "lr",
+    "batch_size",
+    "checkpoint_interval_s",
+    "device",
+    "seed",
+    "join_window_s",
+    "al_threshold",
+    "al_uncertainty_budget",
+    "drift_page_hinkley",
+    "drift_min_pairs",
+    "gate",
+)
+
+
+def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
+    overrides = {k: getattr(args, k) for k in SETTING_KEYS if getattr(args, k, None) is not None}
+    overrides.update({k: v for k, v in extra.items() if v is not None})
+    return Settings.from_env(**overrides)
+
+
+def resolve_bootstrap(settings: Settings) -> str:
+    if settings.bootstrap:
+        return settings.bootstrap
+    from pipeline.broker import ensure_broker
+
+    return ensure_broker(settings.state_path())
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("aiokafka", "faust", "mode", "kafka", "faiss", "faiss.loader", "bm25s", "matplotlib"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Any]) -> int:
+    """Run ``main(stop_event)`` with SIGINT/SIGTERM setting the event (graceful stop)."""
+
+    async def runner() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        result = await main(stop)
+        return int(result or 0)
+
+    return asyncio.run(runner())
+
+
+async def prepare_cluster(bootstrap: str, settings: Settings) -> None:
+    """Wait for the broker and create (or repair) the product's topics; raises on a topic problem."""
+    from pipeline import kafka
+
+    await kafka.wait_for_broker(bootstrap, settings)
+    created = await kafka.create_topics(bootstrap, settings)
+    wrong = {k: v for k, v in created.items() if v not in ("created", "exists", "repaired")}
+    if wrong:
+        raise RuntimeError(f"topic problems: {wrong}")
+
+
+def start_metrics(role: str, settings: Settings) -> Any:
+    """The process's Prometheus metrics, served on ``metrics_port`` when one is set."""
+    from pipeline.metrics import Metrics, serve
+
+    metrics = Metrics(role=role)
+    port = serve(metrics, settings.metrics_port, settings.metrics_host)
+    if port is not None:
+        print(f"metrics: http://{settings.metrics_host}:{port}/metrics", flush=True)
+    return metrics

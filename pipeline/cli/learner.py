@@ -1,0 +1,79 @@
+"""``causalmem learner``: the single writer of the policy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+
+from pipeline import kafka
+from pipeline.cli.common import (
+    model_options,
+    prepare_cluster,
+    resolve_bootstrap,
+    run_until_signal,
+    settings_from,
+    start_metrics,
+)
+from pipeline.learner.loop import Learner
+from pipeline.service import restart_process
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    model_options(p)
+    p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--batch-size", type=int, help="micro-batch size (default 64)")
+    p.add_argument(
+        "--checkpoint-interval",
+        dest="checkpoint_interval_s",
+        type=float,
+        help="seconds between checkpoints at most (default 10)",
+    )
+    p.add_argument("--device", help="cpu, cuda, or auto (default)")
+    p.add_argument("--seed", type=int, help="seed of the initial policy")
+    p.add_argument(
+        "--no-gate",
+        dest="gate",
+        action="store_const",
+        const=False,
+        help="publish every checkpoint as serving (no promotion gate; for experiments)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    bootstrap = resolve_bootstrap(settings)
+
+    async def main(stop: asyncio.Event) -> int:
+        await prepare_cluster(bootstrap, settings)
+        metrics = start_metrics("learner", settings)
+        print(
+            f"learner: broker {bootstrap}, policy {settings.policy!r}, D={settings.embedding_dim}, "
+            f"S={settings.slots}, lr={settings.lr}, batch={settings.batch_size}, device={settings.torch_device()}",
+            flush=True,
+        )
+        learner = Learner(settings, bootstrap, metrics)
+        await learner.start()
+        task = asyncio.create_task(learner.run())
+        # After a cluster reset (an embedded broker restart) a fresh start restores from the
+        # local checkpoint, republishes it and reads every input from the beginning.
+        watch = kafka.ClusterWatch(
+            bootstrap,
+            settings,
+            [t.name for t in settings.topics().all()],
+            on_reset=lambda missing: restart_process("learner: the Kafka cluster lost its topics"),
+            metrics=metrics,
+            marker_seen=True,  # prepare_cluster made sure of it
+        )
+        await watch.start()
+        await stop.wait()
+        await watch.stop()
+
+        print("learner: stopping (publishing a shutdown checkpoint if the policy changed)", flush=True)
+        await learner.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return 0
+
+    return run_until_signal(main)

@@ -1,0 +1,1 @@
+"""Evaluation and rollback: off-policy estimates from the logs, and serving an earlier version."""

@@ -1,0 +1,18 @@
+"""``causalmem bench``: benchmarks of the real code paths.
+
+- ``throughput``: raw aiokafka consumption vs the pipeline end to end (worker + learner
+  processes on the same broker), and the learner's update vs a bare torch step;
+- ``learning``: what each policy learns on a scenario with known ground truth;
+- ``soak``: a steady input rate for a set time, with lag and memory sampled.
+
+Figures are ratios measured side by side in one run, since absolute times on shared
+machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
+"""
+
+from __future__ import annotations
+
+BENCHES = {
+    "throughput": "pipeline.lab.bench.throughput",
+    "learning": "pipeline.lab.bench.learning",
+    "soak": "pipeline.lab.bench.soak",
+}

@@ -1,0 +1,297 @@
+"""``causalmem bench throughput``: the pipeline against raw aiokafka, the learner against bare torch.
+
+Measured side by side in one run, on one broker:
+
+1. **raw consume**: an aiokafka consumer group reading N joined-experience-sized messages
+   with ``getmany`` and decoding each with orjson (the most a consumer can do here);
+2. **pipeline**: N RetrievalEvents and N LLMFeedback pre-loaded on the input topics, then
+   a real ``causalmem worker`` and ``causalmem learner``: time from the worker's first
+   read to the learner having applied all N experiences; its rate counts input messages
+   (2N), as the issue asks;
+3. **learner step**: the learner's code path for one micro-batch (``Learner.apply``:
+   tensorising experiences, baseline, importance weights, metrics, the update) against a
+   bare torch REINFORCE step on the same batches already in tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+from models.policy import init_policy
+from models.reinforce import importance_weights, reinforce_loss
+from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
+from models.trainer import adam, make_batch
+from pipeline import kafka
+from pipeline.config import Settings
+from pipeline.lab.procs import Child, metric
+from pipeline.learner.loop import Learner
+from pipeline.metrics import Metrics
+from topics.codec import Experience, Features, LLMFeedback, RetrievalEvent, decode_experience, encode
+
+TARGET_PIPELINE = 0.25
+TARGET_LEARNER = 0.80
+
+
+def make_events(n: int, d: int, s: int, seed: int = 0, candidates: int = 20, k: int = 3) -> list[Experience]:
+    rng = np.random.default_rng(seed)
+    base = 1_800_000_000.0
+    out = []
+    for i in range(n):
+        cand = [int(c) for c in rng.choice(s, size=candidates, replace=False)]
+        ev = RetrievalEvent(
+            event_id=f"b{seed}-{i}",
+            query_id=f"bq{seed}-{i}",
+            step=0,
+            ts=base + i * 0.01,
+            features=Features(
+                rng.normal(size=d).astype(np.float32), float(rng.uniform(0, 3)), float(rng.uniform(0, 2))
+            ),
+            candidates=cand,
+            scores=rng.uniform(0.2, 0.9, size=candidates),
+            selected=cand[:k],
+            temperature=0.05,
+            logprob=float(-rng.uniform(0.1, 3.0)),
+            fallback=False,
+        )
+        out.append(Experience(ev.event_id, "feedback", ev, float(rng.normal(0.2, 0.6))))
+    return out
+
+
+async def produce(bootstrap: str, settings: Settings, items: list[tuple[str, bytes, bytes]]) -> None:
+    p = kafka.producer(bootstrap, settings, linger_ms=20)
+    await p.start()
+    try:
+        futures = [await p.send(topic, value, key=key) for topic, key, value in items]
+        await asyncio.gather(*futures)
+    finally:
+        await p.stop()
+
+
+async def raw_consume(bootstrap: str, settings: Settings, topic: str, n: int) -> float:
+    """Messages per second for a consumer group reading and decoding n messages."""
+    c = kafka.consumer(bootstrap, settings, topic, group_id=f"bench-raw-{uuid.uuid4().hex[:6]}", max_poll_records=5000)
+    await c.start()
+    try:
+        seen = 0
+        first = None
+        while seen < n:
+            batch = await c.getmany(timeout_ms=500, max_records=5000)
+            for msgs in batch.values():
+                if msgs and first is None:
+                    first = time.perf_counter()
+                for m in msgs:
+                    orjson.loads(m.value)
+                seen += len(msgs)
+        assert first is not None
+        return n / (time.perf_counter() - first)
+    finally:
+        await c.stop()
+
+
+def pipeline_run(bootstrap: str, env: dict[str, str], n: int, logdir: Path) -> dict[str, float]:
+    """Start a worker and a learner on pre-loaded input; time until all n are applied."""
+    worker = Child("worker", bootstrap, env, log_path=logdir / "worker.log")
+    learner = Child("learner", bootstrap, env, log_path=logdir / "learner.log")
+    try:
+        t_first = None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            # Until the first read: poll the worker often (it is idle). Afterwards poll the
+            # learner rarely (a scrape costs it CPU) and take the end time from its own
+            # last-update timestamp.
+            if t_first is None:
+                if metric(worker.metrics(), "causalmem_events_in_total") > 0:
+                    t_first = time.time()
+                time.sleep(0.02)
+            else:
+                lm = learner.metrics()
+                if metric(lm, "causalmem_learner_experiences_total", kind="feedback") >= n:
+                    elapsed = metric(lm, "causalmem_learner_last_update_timestamp_seconds") - t_first
+                    return {"seconds": elapsed, "input_per_s": 2 * n / elapsed, "experiences_per_s": n / elapsed}
+                time.sleep(0.5)
+            if not worker.alive() or not learner.alive():
+                raise RuntimeError(f"a process died:\n{worker.log_tail()}\n{learner.log_tail()}")
+
+        raise TimeoutError("the pipeline did not apply every experience within 600 s")
+    finally:
+        worker.stop()
+        learner.stop()
+
+
+class BareStep:
+    """The REINFORCE step with nothing around it: tensors in, Adam step out."""
+
+    def __init__(self, d: int, s: int, lr: float, seed: int = 0) -> None:
+        self.net = init_policy(d, s, seed=seed)
+        self.opt = adam(self.net.parameters(), lr)
+        self.b = 0.0
+
+    def __call__(self, batch: Any) -> None:
+        adv = torch.as_tensor(batch.utility - self.b, dtype=torch.float32)
+        self.b = float(0.99 * self.b + 0.01 * batch.utility.mean())
+        h = self.net.features(batch.embedding, batch.loss, batch.entropy)
+        m = self.net.candidate_masks(h, batch.slots)
+        z = adjusted_logits_torch(batch.scores, m, self.net.alpha, batch.temperature)
+        logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
+        loss = reinforce_loss(logp, adv, importance_weights(logp, batch.logged_logprob, 5.0))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
+        self.opt.step()
+
+
+def learner_vs_bare(settings: Settings, exps: list[Experience], rounds: int = 7) -> dict[str, float]:
+
+    b = settings.batch_size
+    chunks = [exps[i : i + b] for i in range(0, len(exps) - b + 1, b)]
+    raw_chunks = [[encode(e.to_dict()) for e in c] for c in chunks]
+    limits = settings.limits()
+    learner = Learner(settings, "127.0.0.1:1", Metrics(role="learner"))  # apply() never touches Kafka
+    bare = BareStep(settings.embedding_dim, settings.slots, settings.lr)
+    tensors = [make_batch(c) for c in chunks]
+    for c, t in zip(chunks[:5], tensors[:5], strict=True):  # warm-up (allocator, kernels)
+        learner.apply(list(c))
+        bare(t)
+    learner_t, decode_t, bare_t = [], [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for c in chunks:
+            learner.apply(list(c))
+        learner_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for raw in raw_chunks:
+            learner.apply([decode_experience(r, limits) for r in raw])
+        decode_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for t in tensors:
+            bare(t)
+        bare_t.append(time.perf_counter() - t0)
+    n = len(chunks) * b
+    return {
+        "batch_size": b,
+        "learner_per_s": n / statistics.median(learner_t),
+        "learner_with_decode_per_s": n / statistics.median(decode_t),
+        "bare_per_s": n / statistics.median(bare_t),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pipeline.broker import own_broker
+
+    n = args.events or 20_000
+    base = Settings.from_env(bootstrap=args.bootstrap)
+    d, s = base.embedding_dim, base.slots
+    logdir = Path(tempfile.mkdtemp(prefix="causalmem-bench-"))
+    bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")
+    try:
+        prefix = f"bench-{uuid.uuid4().hex[:6]}."
+        settings = base.replace(bootstrap=bootstrap, topic_prefix=prefix, state_dir=str(logdir / "state"))
+        await kafka.wait_for_broker(bootstrap, settings)
+        await kafka.create_topics(bootstrap, settings)
+        print(
+            f"bench throughput: N={n:,} events, D={d}, S={s}, batch {settings.batch_size}, broker {bootstrap}",
+            flush=True,
+        )
+        exps = make_events(n, d, s, seed=args.seed)
+        # "Joined-experience-sized": a RetrievalEvent in its contract JSON joined with its
+        # utility, i.e. what a pipeline reads per joined step. (Our own internal experience
+        # messages are smaller — the embedding travels as base64 float32 — which is part of
+        # what the pipeline measure credits, not the baseline.)
+        exp_bytes = [encode({**e.event.to_dict(), "utility": e.utility}) for e in exps]
+
+        size = int(np.mean([len(b) for b in exp_bytes]))
+        raw_topic = settings.topics().experiences.name.replace("experiences", "bench-raw")
+        from topics.names import TopicSpec
+
+        await kafka.create_topics(bootstrap, settings, [TopicSpec(raw_topic, settings.partitions)])
+        await produce(
+            bootstrap,
+            settings,
+            [(raw_topic, e.event.query_id.encode(), b) for e, b in zip(exps, exp_bytes, strict=True)],
+        )
+        raw = [await raw_consume(bootstrap, settings, raw_topic, n) for _ in range(3)]
+        raw_rate = statistics.median(raw)
+        print(f"  raw consume: {raw_rate:,.0f} msg/s ({size:,} B messages; median of {raw})", flush=True)
+
+        items: list[tuple[str, bytes, bytes]] = []
+        t = settings.topics()
+        for e in exps:
+            key = e.event.query_id.encode()
+            items.append((t.retrieval_events.name, key, encode(e.event.to_dict())))
+            fb = LLMFeedback(f"f-{e.id}", e.event.query_id, 0, e.event.ts + 0.5, e.utility)
+            items.append((t.llm_feedback.name, key, encode(fb.to_dict())))
+        await produce(bootstrap, settings, items)
+        env = {
+            "CAUSALMEM_TOPIC_PREFIX": prefix,
+            "CAUSALMEM_STATE_DIR": str(logdir / "state"),
+            "CAUSALMEM_EMBEDDING_DIM": str(d),
+            "CAUSALMEM_SLOTS": str(s),
+            "CAUSALMEM_JOIN_WINDOW_S": "86400",
+        }
+        pipe = await asyncio.to_thread(pipeline_run, bootstrap, env, n, logdir)
+        print(
+            f"  pipeline: {pipe['input_per_s']:,.0f} input msg/s ({pipe['experiences_per_s']:,.0f} experiences/s)",
+            flush=True,
+        )
+    finally:
+        if broker is not None:
+            broker.stop()
+    step = learner_vs_bare(settings, exps[: min(n, 4096)])
+    result = {
+        "events": n,
+        "embedding_dim": d,
+        "slots": s,
+        "message_bytes": size,
+        "raw_consume_per_s": raw_rate,
+        "pipeline_input_per_s": pipe["input_per_s"],
+        "pipeline_experiences_per_s": pipe["experiences_per_s"],
+        "pipeline_ratio": pipe["input_per_s"] / raw_rate,
+        **step,
+        "learner_ratio": step["learner_per_s"] / step["bare_per_s"],
+        "learner_with_decode_ratio": step["learner_with_decode_per_s"] / step["bare_per_s"],
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+    }
+    return result
+
+
+def report(r: dict[str, Any]) -> str:
+    def ok(ratio: float, target: float) -> str:
+        return "meets" if ratio >= target else "BELOW"
+
+    lines = [
+        "| measure | rate | ratio | target |",
+        "|---|---|---|---|",
+        f"| raw aiokafka consume (getmany + orjson), {r['message_bytes']:,} B "
+        f"| {r['raw_consume_per_s']:,.0f} msg/s | 1.00 | |",
+        f"| pipeline end to end (worker + learner), input messages | {r['pipeline_input_per_s']:,.0f} msg/s "
+        f"| {r['pipeline_ratio']:.2f} | ≥ {TARGET_PIPELINE:.2f} ({ok(r['pipeline_ratio'], TARGET_PIPELINE)}) |",
+        f"| bare torch REINFORCE step, batch {r['batch_size']} | {r['bare_per_s']:,.0f} exp/s | 1.00 | |",
+        f"| learner update (`Learner.apply`) | {r['learner_per_s']:,.0f} exp/s | {r['learner_ratio']:.2f} "
+        f"| ≥ {TARGET_LEARNER:.2f} ({ok(r['learner_ratio'], TARGET_LEARNER)}) |",
+        f"| learner update incl. JSON decoding | {r['learner_with_decode_per_s']:,.0f} exp/s "
+        f"| {r['learner_with_decode_ratio']:.2f} | |",
+    ]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    r = asyncio.run(run(args))
+    print()
+    print(report(r))
+    if args.out:
+        Path(args.out).write_text(json.dumps(r, indent=2))
+    return 0

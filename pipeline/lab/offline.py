@@ -1,0 +1,169 @@
+"""The learning loop in one process, without Kafka: for tuning and quick experiments.
+
+It wires the same pieces as the running system (Environment, CausalRetriever,
+PolicyTrainer, DriftMonitor) with the pipeline's delays emulated: the serving policy is
+refreshed from the learner every ``refresh_every`` steps (the checkpoint cadence), and
+the learner applies micro-batches in arrival order. ``causalmem bench learning`` runs the
+real pipeline; this is where its settings were explored first (docs/learning.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from models.drift import DriftMonitor
+from models.estimators import LoggedDecisions
+from models.trainer import PolicyTrainer
+from pipeline.client.retriever import CausalRetriever
+from pipeline.lab.simulator import Environment, Scenario, Tally, serve
+from pipeline.learner.gate import judge
+from pipeline.modeltopic import LoadedPolicy
+from topics.checkpoint import Manifest
+from topics.codec import Experience
+
+
+@dataclass
+class OfflineConfig:
+    lr: float = 1e-3
+    batch_size: int = 32
+    baseline: str = "moving"
+    baseline_fading: float = 0.01
+    importance_clip: float = 5.0
+    grad_clip: float = 1.0
+    refresh_every: int = 300
+    drop: str | float = "dynamic"
+    explore_rate: float | None = None  # None: the scenario's
+    explore_temperature: float | None = None
+    reset: bool = True
+    page_hinkley: bool = True
+    drift_min_pairs: int = 1000
+    drift_cooldown_s: float = 2 * 86400.0
+    warmup_epochs: int = 2
+    warmup_half_life_s: float = 86400.0
+    learn: bool = True
+    gate: bool = False
+    gate_method: str = "dr"
+    gate_window: int = 2000
+    gate_epsilon: float = 0.02
+    gate_min_ess: float = 50.0
+    seed: int = 0
+
+
+@dataclass
+class OfflineResult:
+    tally: Tally
+    resets: list[float] = field(default_factory=list)
+    corr: list[tuple[float, float, int]] = field(default_factory=list)
+    alpha: list[tuple[float, float]] = field(default_factory=list)  # (event time, α) at each refresh
+    pairs: list[tuple[float, float, int]] = field(default_factory=list)  # (t, U_query, rating)
+    gate: list[str] = field(default_factory=list)  # the gate's decision at each refresh
+
+
+def _snapshot(trainer: PolicyTrainer, version: int) -> LoadedPolicy:
+    net = copy.deepcopy(trainer.net).cpu().eval()
+    manifest = Manifest("default", version, 0.0, "periodic", net.arch.to_dict(), 0.0, 0.0, "0" * 64, 1, 1)
+    return LoadedPolicy(manifest=manifest, net=net)
+
+
+def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) -> OfflineResult:
+    env = Environment(scenario)
+    retriever = CausalRetriever(
+        env.memory,
+        texts=env.texts,
+        k=scenario.k,
+        n_candidates=scenario.n_candidates,
+        temperature=scenario.temperature,
+        drop=cfg.drop,
+        seed=scenario.seed,
+        explore_rate=scenario.explore_rate if cfg.explore_rate is None else cfg.explore_rate,
+        explore_temperature=scenario.explore_temperature
+        if cfg.explore_temperature is None
+        else cfg.explore_temperature,
+    )
+    trainer = PolicyTrainer(
+        scenario.embedding_dim,
+        scenario.slots,
+        lr=cfg.lr,
+        grad_clip=cfg.grad_clip,
+        importance_clip=cfg.importance_clip,
+        baseline=cfg.baseline,
+        baseline_fading=cfg.baseline_fading,
+        seed=cfg.seed,
+    )
+    version = 1
+    retriever.set_policy(_snapshot(trainer, version))
+    monitor = DriftMonitor(
+        min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
+    )
+    replay: list[Experience] = []
+    gate_since = 0.0
+
+    pending: list[Experience] = []
+    result = OfflineResult(Tally())
+    steps = 0
+    for _ in range(scenario.total_queries):
+        q = env.next_query()
+        for step in range(q.steps):
+            st = env.step_features(q, step)
+            res = serve(retriever, st, with_texts=False)
+            true_u, nll_with, nll_without = env.feedback(q.intent, res.slots)
+            u = nll_without - nll_with
+            q.utilities.append(u)
+            explore = res.event.temperature != retriever.temperature
+            result.tally.record(env, q.intent, res.slots, true_u, st.ts, version, explore)
+            if not res.event.fallback:
+                exp = Experience(res.event.event_id, "feedback", res.event, u)
+                pending.append(exp)
+                replay.append(exp)
+            if len(pending) >= cfg.batch_size:
+                if cfg.learn:
+                    trainer.update(pending)
+                pending = []
+            steps += 1
+            if steps % cfg.refresh_every == 0:
+                result.alpha.append((st.ts, float(trainer.net.alpha.detach()[0])))
+                version += 1
+                candidate = _snapshot(trainer, version)
+                if cfg.gate and retriever.policy is not None:
+                    window = LoggedDecisions.from_experiences(
+                        [e for e in replay[-cfg.gate_window :] if e.event.ts >= gate_since]
+                    )
+                    decision, _, _ = judge(
+                        window,
+                        candidate.net,
+                        retriever.policy.net,
+                        cfg.gate_epsilon,
+                        cfg.gate_min_ess,
+                        method=cfg.gate_method,
+                        n_boot=100,
+                    )
+                    result.gate.append(decision)
+                    if decision != "promoted":
+                        continue
+                retriever.set_policy(candidate)
+
+        rating = env.rating(q.intent)
+        if rating is not None:
+            t = q.ts
+            result.pairs.append((t, float(np.mean(q.utilities)), rating))
+            fired = monitor.update(t, float(np.mean(q.utilities)), rating)
+            result.corr.append((t, monitor.window.get(), monitor.window.pairs))
+            if fired and cfg.reset:
+                horizon = t - 7 * 86400
+                replay = [e for e in replay if e.event.ts >= horizon]
+                since = monitor.trigger.change_t
+                warm = [e for e in replay if since is None or e.event.ts >= since]
+                trainer.reset_last_layer(
+                    warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
+                )
+                result.resets.append(t)
+                gate_since = since if since is not None else t
+                version += 1
+                retriever.set_policy(_snapshot(trainer, version))
+        if progress is not None:
+            progress()
+    return result

@@ -1,0 +1,1 @@
+"""The learner: the single writer of the policy (see docs/architecture.md)."""

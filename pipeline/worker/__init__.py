@@ -1,0 +1,1 @@
+"""The worker: the join and the stream stages (outcomes, labels, drift) in one faust app."""
