@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench docs-bench promtool clean-venv
+.PHONY: demo test check lint types bench docs-bench promtool clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,12 +27,20 @@ promtool:
 	  { $$SUDO apt-get update -qq >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
 	  echo "WARNING: could not install prometheus/promtool; tests that need it will be skipped"; }
 
-test: $(STAMP) promtool
-	$(BIN)/ruff check topics models pipeline tests
-	$(BIN)/python -m pytest -q
+# The whole suite (what CI runs): lint, types, doctests, unit and broker tests.
+test: $(STAMP) promtool lint types
+	$(BIN)/python -m pytest -q --doctest-modules topics models pipeline/service.py pipeline/config.py tests
+
+# The inner loop (< 2 min): lint, types, doctests and the unit tests that need no broker.
+check: $(STAMP) lint types
+	$(BIN)/python -m pytest -q -m "not broker and not slow" --doctest-modules topics models pipeline/service.py pipeline/config.py tests
+
+types: $(STAMP)
+	$(BIN)/mypy
 
 lint: $(STAMP)
 	$(BIN)/ruff check topics models pipeline tests
+	$(BIN)/ruff format --check topics models pipeline tests
 
 bench: $(STAMP)
 	$(BIN)/causalmem bench throughput

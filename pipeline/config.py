@@ -43,6 +43,18 @@ class KafkaSecurity:
         return out
 
 
+# -- component configurations ----------------------------------------------------------
+# Each component takes its own small configuration; Settings builds them (see below).
+
+# (client)
+
+
+# (learner)
+
+
+# (worker)
+
+
 @dataclass
 class Settings:
     # where
