@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import Settings
 from pipeline.lab.bench import soak
 
 
@@ -227,6 +228,7 @@ def _namespace(out: Path) -> argparse.Namespace:
         policy=None,
         state_dir=None,
         log_level="info",
+        settings=Settings.from_env(),
     )
 
 

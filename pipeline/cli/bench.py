@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from pipeline.cli.common import settings_from
 from pipeline.lab.bench import BENCHES
 
 
@@ -34,5 +35,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.settings = settings_from(args)
     module = importlib.import_module(BENCHES[args.which])
     return int(module.main(args) or 0)

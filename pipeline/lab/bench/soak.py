@@ -623,9 +623,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_settings(args: argparse.Namespace) -> Settings:
-    from pipeline.cli import settings_from
-
-    s = settings_from(args)
+    """The settings the CLI resolved (``args.settings``), with the soak's own defaults."""
+    s: Settings = args.settings
     changes: dict[str, Any] = {}
     if "CAUSALMEM_JOIN_WINDOW_S" not in os.environ:
         changes["join_window_s"] = JOIN_WINDOW_S
