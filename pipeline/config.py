@@ -46,6 +46,20 @@ class KafkaSecurity:
 # -- component configurations ----------------------------------------------------------
 # Each component takes its own small configuration; Settings builds them (see below).
 
+
+@dataclass(frozen=True)
+class Connection:
+    """What every Kafka client of the product needs: topic names, message limits, SASL/TLS, the policy.
+
+    The client library (publisher, subscriber, retriever) takes only this.
+    """
+
+    topics: Topics
+    limits: Limits
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    policy: str = "default"
+
+
 # (client)
 
 
@@ -120,6 +134,9 @@ class Settings:
 
     def limits(self) -> Limits:
         return Limits(embedding_dim=self.embedding_dim, slots=self.slots, max_bytes=self.max_message_bytes)
+
+    def connection(self) -> Connection:
+        return Connection(topics=self.topics(), limits=self.limits(), security=self.security, policy=self.policy)
 
     def state_path(self) -> Path:
         path = Path(os.path.expanduser(self.state_dir))

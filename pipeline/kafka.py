@@ -22,14 +22,18 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from pipeline.config import KafkaSecurity, Settings
-from topics.names import TopicSpec
+from pipeline.config import Connection, KafkaSecurity, Settings
+from topics.names import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
 
 SESSION_TIMEOUT_MS = 6000
 HEARTBEAT_INTERVAL_MS = 1000
 MAX_REQUEST_BYTES = 2 * 1024 * 1024
+
+
+def _topics(conn: Connection | Settings) -> Topics:
+    return conn.topics if isinstance(conn, Connection) else conn.topics()
 
 
 def security_kwargs(sec: KafkaSecurity) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def faust_credentials(sec: KafkaSecurity) -> Any:
     return None
 
 
-def producer(bootstrap: str, settings: Settings, **overrides: Any) -> AIOKafkaProducer:
+def producer(bootstrap: str, settings: Connection | Settings, **overrides: Any) -> AIOKafkaProducer:
     kwargs: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
         "acks": "all",
@@ -82,7 +86,7 @@ def producer(bootstrap: str, settings: Settings, **overrides: Any) -> AIOKafkaPr
     return AIOKafkaProducer(**kwargs)
 
 
-def consumer(bootstrap: str, settings: Settings, *topics: str, **overrides: Any) -> AIOKafkaConsumer:
+def consumer(bootstrap: str, settings: Connection | Settings, *topics: str, **overrides: Any) -> AIOKafkaConsumer:
     kwargs: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
         "enable_auto_commit": False,
@@ -98,13 +102,15 @@ def consumer(bootstrap: str, settings: Settings, *topics: str, **overrides: Any)
     return AIOKafkaConsumer(*topics, **kwargs)
 
 
-def admin(bootstrap: str, settings: Settings) -> AIOKafkaAdminClient:
+def admin(bootstrap: str, settings: Connection | Settings) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(
         bootstrap_servers=bootstrap, client_id="causalmem-admin", **security_kwargs(settings.security)
     )
 
 
-async def create_topics(bootstrap: str, settings: Settings, specs: list[TopicSpec] | None = None) -> dict[str, str]:
+async def create_topics(
+    bootstrap: str, settings: Connection | Settings, specs: list[TopicSpec] | None = None
+) -> dict[str, str]:
     """Create the product's topics (idempotent). Returns ``{name: "created"|"exists"|"repaired"|error}``.
 
     Topics must exist before any client asks for metadata: the embedded broker would
@@ -112,7 +118,7 @@ async def create_topics(bootstrap: str, settings: Settings, specs: list[TopicSpe
     the wrong partition count (auto-created after an embedded broker restart) is deleted
     and created again; a non-empty one is reported, never touched.
     """
-    specs = specs if specs is not None else settings.topics().all()
+    specs = specs if specs is not None else _topics(settings).all()
     client = admin(bootstrap, settings)
     await client.start()
     result: dict[str, str] = {}
@@ -152,20 +158,20 @@ async def create_topics(bootstrap: str, settings: Settings, specs: list[TopicSpe
                 result[s.name] = f"wrong partition count {counts[s.name]} (want {s.partitions})"
     finally:
         await client.close()
-    epoch = settings.topics().epoch
+    epoch = _topics(settings).epoch
     if any(s.name == epoch.name for s in specs) and result.get(epoch.name) in ("created", "exists", "repaired"):
         await _mark_epoch(bootstrap, settings, epoch.name)
     return result
 
 
-async def _is_empty(bootstrap: str, settings: Settings, topic: str, partitions: int) -> bool:
+async def _is_empty(bootstrap: str, settings: Connection | Settings, topic: str, partitions: int) -> bool:
     for p in range(partitions):
         if await high_watermark(bootstrap, settings, topic, p) > 0:
             return False
     return True
 
 
-async def _mark_epoch(bootstrap: str, settings: Settings, topic: str) -> None:
+async def _mark_epoch(bootstrap: str, settings: Connection | Settings, topic: str) -> None:
     if await high_watermark(bootstrap, settings, topic) > 0:
         return
     import time
@@ -181,7 +187,7 @@ async def _mark_epoch(bootstrap: str, settings: Settings, topic: str) -> None:
         await p.stop()
 
 
-async def wait_for_broker(bootstrap: str, settings: Settings, timeout: float = 30.0) -> None:
+async def wait_for_broker(bootstrap: str, settings: Connection | Settings, timeout: float = 30.0) -> None:
     """Return once the broker answers a metadata request; raise TimeoutError otherwise."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -203,7 +209,7 @@ async def wait_for_broker(bootstrap: str, settings: Settings, timeout: float = 3
     raise TimeoutError(f"no Kafka broker answered at {bootstrap} within {timeout:.0f} s ({last!r})")
 
 
-async def high_watermark(bootstrap: str, settings: Settings, topic: str, partition: int = 0) -> int:
+async def high_watermark(bootstrap: str, settings: Connection | Settings, topic: str, partition: int = 0) -> int:
     """The log-end offset of a partition, from a fetch response (DESIGN §8: not end_offsets)."""
     c = consumer(bootstrap, settings, group_id=None)
     try:
@@ -223,7 +229,7 @@ async def high_watermark(bootstrap: str, settings: Settings, topic: str, partiti
 
 async def read_all(
     bootstrap: str,
-    settings: Settings,
+    settings: Connection | Settings,
     topic: str,
     partitions: list[int] | None = None,
     start: dict[int, int] | None = None,
@@ -288,7 +294,7 @@ class ClusterWatch:
     def __init__(
         self,
         bootstrap: str,
-        settings: Settings,
+        settings: Connection | Settings,
         topics: list[str],
         on_reset: Any,
         metrics: Any = None,
@@ -326,7 +332,7 @@ class ClusterWatch:
         client asks about. The epoch topic's marker message can: an empty epoch topic,
         after it held the marker, means the cluster lost everything.
         """
-        epoch = self.settings.topics().epoch.name
+        epoch = _topics(self.settings).epoch.name
         try:
             hw = await asyncio.wait_for(high_watermark(self.bootstrap, self.settings, epoch), timeout=10)
         except (TimeoutError, KafkaError, OSError):
