@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel of 2.13.0 lies on local disk; any other version pulls CUDA wheels.
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text,lab,cli]'
 	$(BIN)/python -m pip check
 	@touch $(STAMP)
 
@@ -29,11 +29,11 @@ promtool:
 
 # The whole suite (what CI runs): lint, types, doctests, unit and broker tests.
 test: $(STAMP) promtool lint types
-	$(BIN)/python -m pytest -q --doctest-modules topics models pipeline/service.py pipeline/config.py tests
+	$(BIN)/python -m pytest -q --doctest-modules topics models pipeline/service.py pipeline/config.py pipeline/extras.py tests
 
 # The inner loop (< 2 min): lint, types, doctests and the unit tests that need no broker.
 check: $(STAMP) lint types
-	$(BIN)/python -m pytest -q -m "not broker and not slow" --doctest-modules topics models pipeline/service.py pipeline/config.py tests
+	$(BIN)/python -m pytest -q -m "not broker and not slow" --doctest-modules topics models pipeline/service.py pipeline/config.py pipeline/extras.py tests
 
 types: $(STAMP)
 	$(BIN)/mypy

@@ -241,7 +241,12 @@ def test_dockerfile() -> None:
     assert lines[0] == "FROM python:3.11-slim"
     torch_at = next(i for i, ln in enumerate(lines) if "torch==2.13.0" in ln)
     assert "--index-url https://download.pytorch.org/whl/cpu" in lines[torch_at]
-    project_at = next(i for i, ln in enumerate(lines) if re.search(r"pip install\b.* \.(\s|$)", ln))
+    project = [
+        (i, m) for i, ln in enumerate(lines) if (m := re.search(r"pip install\b.* '?\.(\[[a-z,]+\])?'?(\s|$)", ln))
+    ]
+    assert project, "the image installs the project"
+    project_at, m = project[0]
+    assert "cli" in (m.group(1) or ""), "the image runs the operator verbs (status, label): the cli extra"
     assert torch_at < project_at, "install CPU torch before the project"
     user = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert user and user[-1].split(":")[0] not in ("root", "0"), "run as a non-root user"

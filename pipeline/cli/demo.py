@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 
+from pipeline.extras import require
 from pipeline.lab.demo import plot_demo, print_summary, run_demo
 
 
@@ -27,6 +28,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipeline.lab.simulator import Scenario
 
+    # before any process starts: the lab extra, for the summary tables and the plot
+    for module in ("yaml", "rich", *(["matplotlib"] if args.plot else [])):
+        require(module, "lab")
     scenario = Scenario.load(args.scenario).replace(
         days=args.days, queries_per_day=args.queries_per_day, seed=args.seed
     )

@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from pipeline.extras import require
+from pipeline.lab.simulator import DAY
 
-DAY = 86400.0
+log = logging.getLogger(__name__)
 
 
 async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
-    from rich.console import Console
-
+    Console = require("rich.console", "lab").Console
     from pipeline.broker import own_broker
     from pipeline.lab.simrun import RunSpec, run_scenario
 
@@ -53,10 +53,10 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
 
 
 def print_summary(r: Any, scenario: Any, reset_enabled: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     from pipeline.lab.procs import metric
+
+    Console = require("rich.console", "lab").Console
+    Table = require("rich.table", "lab").Table
 
     c = Console()
     w, lm, t = r.worker_metrics, r.learner_metrics, r.tally
@@ -178,8 +178,7 @@ def print_summary(r: Any, scenario: Any, reset_enabled: bool) -> None:
 
 
 def plot_demo(r: Any, scenario: Any, path: str) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "lab")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

