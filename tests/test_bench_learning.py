@@ -10,9 +10,9 @@ import pytest
 
 from pipeline.lab.bench import learning
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
-
+@pytest.mark.broker
+@pytest.mark.slow
 def test_quick_learning_benchmark_causal_beats_similarity(broker, tmp_path: Path) -> None:
     out = tmp_path / "learning.json"
     args = argparse.Namespace(

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import Settings
+import pipeline.cli as cli
 from pipeline.lab.bench import soak
+from pipeline.lab.bench.soak import judge, summary
 
 
 def series(
@@ -58,7 +59,7 @@ def series(
 
 
 def test_steady_lag_is_bounded_and_drains() -> None:
-    v = soak.judge_phase(series(), 30.0, 100.0)
+    v = judge.judge_phase(series(), 30.0, 100.0)
     assert v["sustainable"], v["reasons"]
     assert v["lag_bounded"] and v["drained"] and v["rate_ok"]
     assert v["caught_up_s"] == pytest.approx(1.0)
@@ -70,7 +71,7 @@ def test_steady_lag_is_bounded_and_drains() -> None:
 
 def test_growing_lag_is_not_bounded() -> None:
     # the pipeline keeps up with 80 % of the input: the backlog grows by 20 pairs/s
-    v = soak.judge_phase(series(backlog=lambda t: 20.0 * t, worker_lag=lambda t: 40.0 * t), 30.0, 100.0)
+    v = judge.judge_phase(series(backlog=lambda t: 20.0 * t, worker_lag=lambda t: 40.0 * t), 30.0, 100.0)
     assert not v["lag"]["backlog"]["bounded"]
     assert not v["lag"]["worker_lag"]["bounded"]
     assert v["lag"]["learner_lag"]["bounded"]
@@ -81,49 +82,49 @@ def test_growing_lag_is_not_bounded() -> None:
 
 def test_small_noisy_lag_stays_within_the_floor() -> None:
     # 0 in the first third, then noise below two seconds of input: still bounded
-    v = soak.judge_phase(series(backlog=lambda t: 0.0 if t < 10 else 150.0 * (t % 2)), 30.0, 100.0)
+    v = judge.judge_phase(series(backlog=lambda t: 0.0 if t < 10 else 150.0 * (t % 2)), 30.0, 100.0)
     assert v["lag"]["backlog"]["limit"] == pytest.approx(200.0)
     assert v["lag"]["backlog"]["bounded"]
 
 
 def test_a_transient_spike_is_bounded_but_a_sustained_rise_is_not() -> None:
     # a checkpoint holds the learner for a few seconds once: a one-sample spike that recovers
-    spike = soak.judge_phase(series(backlog=lambda t: 1100.0 if t == 27 else 300.0), 30.0, 100.0)
+    spike = judge.judge_phase(series(backlog=lambda t: 1100.0 if t == 27 else 300.0), 30.0, 100.0)
     b = spike["lag"]["backlog"]
     assert b["max"] == 1100.0 and b["last_third_max"] == 1100.0
     assert b["first_third_mean"] == pytest.approx(240.0)  # the ramp: 0, 100, 200, then 300
     assert b["limit"] == pytest.approx(480.0)
     assert b["bounded"] and spike["sustainable"]
     # the whole last third at 700: the stage fell behind and stayed there
-    rise = soak.judge_phase(series(backlog=lambda t: 300.0 if t < 20 else 700.0), 30.0, 100.0)
+    rise = judge.judge_phase(series(backlog=lambda t: 300.0 if t < 20 else 700.0), 30.0, 100.0)
     assert rise["lag"]["backlog"]["last_third_mean"] == pytest.approx(700.0)
     assert not rise["lag"]["backlog"]["bounded"] and not rise["sustainable"]
 
 
 def test_drain_too_slow_or_never() -> None:
     slow = series(drain=[(10.0, 0.5, 100.0, 50.0), (40.0, 1.0, 0.0, 0.0)])
-    v = soak.judge_phase(slow, 30.0, 100.0, drain_limit_s=30.0)
+    v = judge.judge_phase(slow, 30.0, 100.0, drain_limit_s=30.0)
     assert v["caught_up_s"] == pytest.approx(40.0)
     assert not v["drained"] and not v["sustainable"]
     never = series(drain=[(5.0, 0.9, 100.0, 50.0)])
-    v = soak.judge_phase(never, 30.0, 100.0)
+    v = judge.judge_phase(never, 30.0, 100.0)
     assert v["caught_up_s"] is None and not v["drained"]
     assert v["applied_fraction"] == pytest.approx(0.9)
 
 
 def test_full_drain_needs_the_lags_at_zero_but_keep_up_does_not() -> None:
     s = series(drain=[(2.0, 1.0, 5.0, 0.0), (4.0, 1.0, 0.0, 0.0)])
-    assert soak.judge_phase(s, 30.0, 100.0)["caught_up_s"] == pytest.approx(4.0)
+    assert judge.judge_phase(s, 30.0, 100.0)["caught_up_s"] == pytest.approx(4.0)
     s = series(drain=[(3.0, 0.995, 50.0, 10.0)])
-    v = soak.judge_phase(s, 30.0, 100.0, drain_limit_s=5.0, keep_up=0.99)
+    v = judge.judge_phase(s, 30.0, 100.0, drain_limit_s=5.0, keep_up=0.99)
     assert v["drained"] and v["caught_up_s"] == pytest.approx(3.0)
 
 
 def test_rate_not_reached() -> None:
-    v = soak.judge_phase(series(rate=80.0), 30.0, 100.0)
+    v = judge.judge_phase(series(rate=80.0), 30.0, 100.0)
     assert not v["rate_ok"] and not v["sustainable"]
     assert v["achieved_pairs_per_s"] == pytest.approx(80.0)
-    assert soak.judge_phase(series(rate=96.0), 30.0, 100.0)["rate_ok"]
+    assert judge.judge_phase(series(rate=96.0), 30.0, 100.0)["rate_ok"]
 
 
 def test_rss_slopes() -> None:
@@ -131,7 +132,7 @@ def test_rss_slopes() -> None:
         # broker grows 2 MB/s; worker warms up then flat; learner shrinks 0.5 MB/s
         return {"broker": 100 + 2.0 * t, "worker": 200.0 + min(t, 10.0) * 3, "learner": 300.0 - 0.5 * t}
 
-    v = soak.judge_phase(series(rss=rss), 30.0, 100.0)
+    v = judge.judge_phase(series(rss=rss), 30.0, 100.0)
     r = v["rss"]
     assert list(r) == ["broker", "worker", "learner"]
     assert r["broker"]["slope_mb_per_min"] == pytest.approx(120.0)
@@ -143,36 +144,36 @@ def test_rss_slopes() -> None:
 
 
 def test_slope_helper() -> None:
-    assert soak.slope_per_min([0, 1], [0, 1]) is None
-    assert soak.slope_per_min([0, 30, 60], [5, 6, 7]) == pytest.approx(2.0)
+    assert judge.slope_per_min([0, 1], [0, 1]) is None
+    assert judge.slope_per_min([0, 30, 60], [5, 6, 7]) == pytest.approx(2.0)
 
 
 def test_search_doubles_then_bisects() -> None:
     h: list[tuple[float, bool]] = []
-    assert soak.next_search_rate(h, 300) == 300
+    assert judge.next_search_rate(h, 300) == 300
     h.append((300, True))
-    assert soak.next_search_rate(h, 300) == 600
+    assert judge.next_search_rate(h, 300) == 600
     h.append((600, True))
-    assert soak.next_search_rate(h, 300) == 1200
+    assert judge.next_search_rate(h, 300) == 1200
     h.append((1200, False))
-    assert soak.next_search_rate(h, 300) == 900
+    assert judge.next_search_rate(h, 300) == 900
     h.append((900, True))
-    assert soak.next_search_rate(h, 300) == 1050
+    assert judge.next_search_rate(h, 300) == 1050
     h.append((1050, False))
-    assert soak.next_search_rate(h, 300) == 975
+    assert judge.next_search_rate(h, 300) == 975
     h.append((975, True))
-    assert soak.next_search_rate(h, 300) is None  # 975..1050 is within 10 %
-    assert soak.search_bounds(h) == (975, 1050)
+    assert judge.next_search_rate(h, 300) is None  # 975..1050 is within 10 %
+    assert judge.search_bounds(h) == (975, 1050)
 
 
 def test_search_halves_when_the_start_fails_and_stops_at_the_cap() -> None:
     h = [(300.0, False)]
-    assert soak.next_search_rate(h, 300) == 150
+    assert judge.next_search_rate(h, 300) == 150
     h.append((150.0, True))
-    assert soak.next_search_rate(h, 300) == 225
-    assert soak.next_search_rate([(4.0, False)], 4.0) is None
-    assert soak.next_search_rate([(800.0, True)], 800.0, max_rate=1000.0) == 1000.0
-    assert soak.next_search_rate([(800.0, True), (1000.0, True)], 800.0, max_rate=1000.0) is None
+    assert judge.next_search_rate(h, 300) == 225
+    assert judge.next_search_rate([(4.0, False)], 4.0) is None
+    assert judge.next_search_rate([(800.0, True)], 800.0, max_rate=1000.0) == 1000.0
+    assert judge.next_search_rate([(800.0, True), (1000.0, True)], 800.0, max_rate=1000.0) is None
 
 
 def test_options_fall_back_to_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,7 +188,7 @@ def test_options_fall_back_to_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_report_renders_a_table() -> None:
-    v = soak.judge_phase(series(), 30.0, 100.0)
+    v = judge.judge_phase(series(), 30.0, 100.0)
     v.update(label="steady", input_mb_per_min=30.0, join_expired=0.0, samples=series())
     r = {
         "config": {
@@ -205,31 +206,10 @@ def test_report_renders_a_table() -> None:
         "machine": {"cpus": 2, "loadavg_start": [1.0, 1.0, 1.0]},
         "steady": v,
     }
-    text = soak.report(r)
+    text = summary.report(r)
     assert "| broker | 100 |" in text
     assert "**sustainable**" in text
     assert "+120.0" in text
-
-
-def _namespace(out: Path) -> argparse.Namespace:
-    """What ``causalmem bench soak --rate 50 --duration 15 --no-find-max --out …`` parses to."""
-    return argparse.Namespace(
-        which="soak",
-        events=None,
-        rate=50.0,
-        duration=15.0,
-        find_max=False,
-        step_seconds=None,
-        out=str(out),
-        seed=0,
-        bootstrap=None,
-        topic_prefix=None,
-        partitions=None,
-        policy=None,
-        state_dir=None,
-        log_level="info",
-        settings=Settings.from_env(),
-    )
 
 
 @pytest.mark.slow
@@ -240,7 +220,7 @@ def test_soak_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # logs and state under tmp_path
     out = tmp_path / "soak.json"
     t0 = time.monotonic()
-    rc = soak.main(_namespace(out))
+    rc = cli.main(["bench", "soak", "--rate", "50", "--duration", "15", "--no-find-max", "--out", str(out)])
     elapsed = time.monotonic() - t0
     r = json.loads(out.read_text())
     st = r["steady"]

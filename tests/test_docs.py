@@ -34,3 +34,31 @@ def test_every_doc_link_points_to_a_file() -> None:
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """Every ``causalmem …`` command line in the README and docs: code-block lines, and inline
+    code with arguments (a bare ``causalmem rollback`` names a verb; it is not a command line)."""
+    out = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        lines = re.findall(r"^causalmem (.+)$", text, flags=re.M)
+        lines += [c for c in re.findall(r"`causalmem ([^`]+)`", text) if " " in c.strip()]
+        for line in lines:
+            line = line.split("#")[0].strip()
+            words = line.split()
+            # a table cell's `a\|b\|c` lists alternatives; FILE, V, N are placeholders
+            for alt in words[1].split("\\|") if len(words) > 1 else [None]:
+                argv = [words[0], *([alt] if alt else []), *words[2:]]
+                out.append((page.name, [re.sub(r"^[A-Z]+$", "1", w) for w in argv]))
+    return out
+
+
+def test_every_documented_command_line_parses() -> None:
+    commands = _documented_commands()
+    assert any(argv[:2] == ["bench", "soak"] for _, argv in commands)
+    for page, argv in commands:
+        try:
+            cli.build_parser(argv).parse_args(argv)
+        except SystemExit as exc:
+            raise AssertionError(f"{page}: `causalmem {' '.join(argv)}` is rejected by the CLI parser") from exc

@@ -1,37 +1,60 @@
-"""``causalmem bench``: benchmarks: throughput, learning, soak."""
+"""``causalmem bench throughput|learning|soak``: the benchmarks, one subcommand each with its own flags.
+
+Each benchmark is a module of :mod:`pipeline.lab.bench` with ``add_options(parser)`` and
+``main(args)``; only the chosen one is imported (they pull in torch), and only when its
+subcommand is parsed or its help shown.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Sequence
+from typing import Any
 
-from pipeline.cli.common import settings_from
+from pipeline.cli.common import common_parser, settings_from
 from pipeline.lab.bench import BENCHES
+
+HELP = {
+    "throughput": "raw aiokafka vs the pipeline end to end; the learner's update vs a bare torch step",
+    "learning": "what each policy learns on a scenario with known ground truth",
+    "soak": "a steady input rate with lag and memory sampled; then the maximum sustainable rate",
+}
+
+
+class _BenchParser(argparse.ArgumentParser):
+    """A bench's parser whose options come from its module, loaded on first use."""
+
+    def __init__(self, *args: Any, module: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._module = module
+
+    def _load(self) -> None:
+        if self._module:
+            module, self._module = self._module, ""
+            importlib.import_module(module).add_options(self)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._load()
+        return super().format_help()
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
-    p.add_argument("--events", type=int, help="throughput: events (default 20,000)")
-    p.add_argument(
-        "--rate", type=float, help="soak: input pairs (RetrievalEvent + LLMFeedback) per second (default 300)"
-    )
-    p.add_argument("--duration", type=float, help="soak: seconds of the steady phase (default 120)")
-    p.add_argument(
-        "--find-max",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="soak: then search the maximum sustainable rate (default on; --no-find-max skips it)",
-    )
-    p.add_argument("--step-seconds", type=float, help="soak: seconds per max-rate search phase (default 20)")
-    p.add_argument("--max-phases", type=int, help="soak: at most this many search phases (default 10)")
-
-    p.add_argument("--quick", action="store_true", help="learning: the small size (used by the tests)")
-    p.add_argument("--scenario", help="learning: scenario name or YAML file")
-    p.add_argument("--text", action="store_true", help="learning: the text flavour (MiniLM embeddings)")
-    p.add_argument("--rows", help="learning: comma-separated rows to run (default: all; --quick: similarity,dynamic)")
-
-    p.add_argument("--out", help="write the results as JSON here (and plots next to it)")
-    p.add_argument("--seed", type=int, default=0)
+    # Any: typeshed ties the parents' type to parser_class
+    sub: Any = p.add_subparsers(dest="which", metavar="BENCH", required=True, parser_class=_BenchParser)
+    # The common flags are accepted before or after the bench's name. After it they have no
+    # defaults, so that a flag given only before it is not reset by the bench's own parser.
+    common = common_parser()
+    for action in common._actions:
+        action.default = argparse.SUPPRESS
+    for name in BENCHES:
+        sub.add_parser(name, help=HELP[name], description=HELP[name], parents=[common], module=BENCHES[name])
 
 
 def run(args: argparse.Namespace) -> int:

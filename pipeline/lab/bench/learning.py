@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.extras import require
 from pipeline.lab.simrun import RunResult, RunSpec, run_scenario
 from pipeline.lab.simulator import DAY, Scenario
 
@@ -59,18 +60,14 @@ SEED_CLAIMS = {
 
 def learning_scenario(quick: bool, text: bool, seed: int, name: str | None = None) -> Scenario:
     base = Scenario.load(name or "default")
-    size = {"days": 2.0, "queries_per_day": 400} if quick else {"days": 6.0, "queries_per_day": 500}
-    return dataclasses.replace(base, drift_day=None, seed=seed, text=text, **size)
+    days, per_day = (2.0, 400) if quick else (6.0, 500)
+    return dataclasses.replace(base, drift_day=None, seed=seed, text=text, days=days, queries_per_day=per_day)
 
 
 def drift_scenario(quick: bool, seed: int) -> Scenario:
     base = Scenario.load("default")
-    size = (
-        {"days": 6.0, "queries_per_day": 300, "drift_day": 3.0}
-        if quick
-        else {"days": 12.0, "queries_per_day": 500, "drift_day": 6.0}
-    )
-    return dataclasses.replace(base, seed=seed, **size)
+    days, per_day, drift_day = (6.0, 300, 3.0) if quick else (12.0, 500, 6.0)
+    return dataclasses.replace(base, seed=seed, days=days, queries_per_day=per_day, drift_day=drift_day)
 
 
 # --------------------------------------------------------------------------- measures
@@ -110,7 +107,7 @@ def served_utility(t: Any, tail: slice) -> float:
     return float(u.mean()) if u.size else float("nan")
 
 
-def drift_drop(r: RunResult, scenario: Scenario) -> dict[str, float]:
+def drift_drop(r: RunResult, scenario: Scenario) -> dict[str, float | int | None]:
     """Correct-retrieval rate on the last day before the drift vs the days after it."""
     ts = np.asarray(r.tally.ts)
     ok = correct(r)
@@ -145,11 +142,9 @@ async def run_rows(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rich.console import Console
-
     from pipeline.broker import own_broker
 
-    console = Console(stderr=True)
+    console = require("rich.console", "lab").Console(stderr=True)
     logdir = Path(tempfile.mkdtemp(prefix="causalmem-bench-learning-"))
     bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")
     wanted = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
@@ -184,7 +179,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def curves(r: RunResult, points: int = 60) -> dict[str, list[float]]:
+def curves(r: RunResult, points: int = 60) -> dict[str, list[Any]]:
     """Rolling leak and recall along the run (for the plots)."""
     n = len(r.tally.leak)
     w = max(50, n // points)
@@ -270,8 +265,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out_prefix: str) -> list[str]:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "lab")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -318,7 +312,18 @@ def plot(report: dict[str, Any], out_prefix: str) -> list[str]:
     return paths
 
 
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="the small size (used by the tests)")
+    p.add_argument("--scenario", help="scenario name or YAML file (default: default)")
+    p.add_argument("--text", action="store_true", help="the text flavour (MiniLM embeddings; the 'text' extra)")
+    p.add_argument("--rows", help="comma-separated rows to run (default: all; --quick: similarity,dynamic)")
+    p.add_argument("--out", help="write the results as JSON here, and plots next to it")
+    p.add_argument("--seed", type=int, default=0, help="scenario seed")
+
+
 def main(args: argparse.Namespace) -> int:
+    for module in ("yaml", "rich", *(["matplotlib"] if args.out else [])):  # before any process starts
+        require(module, "lab")
     report = asyncio.run(run(args))
     print(table(report))
     if args.out:

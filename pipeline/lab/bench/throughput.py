@@ -148,7 +148,7 @@ class BareStep:
         logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
         loss = reinforce_loss(logp, adv, importance_weights(logp, batch.logged_logprob, 5.0))
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
         self.opt.step()
 
@@ -286,6 +286,12 @@ def report(r: dict[str, Any]) -> str:
         f"| {r['learner_with_decode_ratio']:.2f} | |",
     ]
     return "\n".join(lines)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--events", type=int, help="events (default 20,000)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic events")
 
 
 def main(args: argparse.Namespace) -> int:
