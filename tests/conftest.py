@@ -115,3 +115,15 @@ def settings_env(s: Settings) -> dict[str, str]:
 def contract_dir() -> Path:
     """DESIGN §5 test vectors (the shared copy when present, else the one in tests/data)."""
     return SHARED_CONTRACT if (SHARED_CONTRACT / "vectors.json").exists() else TEST_CONTRACT
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that gets the broker (directly or through ``settings``/``topics_ready``) carries
+    the ``broker`` mark, so that ``-m "not broker"`` (``make check``) never starts one."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "broker" in getattr(item, "fixturenames", ()) and item.get_closest_marker("broker") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("tests that use the broker fixture need @pytest.mark.broker: " + ", ".join(unmarked))

@@ -121,6 +121,7 @@ def same_weights(loaded: LoadedPolicy, ck: Ckpt) -> bool:
 # --------------------------------------------------------------------------- the subscriber
 
 
+@pytest.mark.broker
 async def test_subscriber_keeps_serving_v1_through_bad_checkpoints_then_loads_v6(topics_ready: Settings) -> None:
     s = topics_ready
     updates: list[int] = []
@@ -261,6 +262,7 @@ async def test_subscriber_keeps_serving_v1_through_bad_checkpoints_then_loads_v6
     assert m.shape == (2, s.slots) and bool(torch.isfinite(m).all()) and bool((m >= 0).all())
 
 
+@pytest.mark.broker
 async def test_subscriber_refetches_evicted_chunks_from_the_broker(topics_ready: Settings) -> None:
     """Chunks no longer held in memory are read back from the model topic by offset and verified."""
     s = topics_ready
@@ -428,6 +430,7 @@ async def running(learner: Learner):
             await task
 
 
+@pytest.mark.broker
 async def test_dynamic_learner_restore_and_subscriber_load_without_pickle(
     topics_ready: Settings, pickle_forbidden: list[str]
 ) -> None:

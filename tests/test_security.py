@@ -220,6 +220,7 @@ def test_static_every_kafka_client_is_made_in_pipeline_kafka() -> None:
     assert source.count("**security_kwargs(settings.security)") == 3
 
 
+@pytest.mark.broker
 async def test_every_component_builds_its_clients_through_pipeline_kafka(
     topics_ready: Settings, ca_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -267,6 +268,7 @@ async def test_every_component_builds_its_clients_through_pipeline_kafka(
 # --------------------------------------------------------------------------- (b) no secrets in logs
 
 
+@pytest.mark.broker
 def test_no_secret_in_cli_output_process_logs_or_metrics(topics_ready: Settings, tmp_path: Path) -> None:
     s = topics_ready
     env = {
@@ -354,6 +356,7 @@ def test_a_label_without_a_labeler_is_rejected_on_the_wire() -> None:
         assert exc.value.reason == reason
 
 
+@pytest.mark.broker
 async def test_published_labels_carry_the_labeler_identity(topics_ready: Settings) -> None:
     s = topics_ready
     labeler = "alice \u202e(reviewer 7)"
