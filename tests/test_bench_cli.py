@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 import pipeline.cli as cli
@@ -53,11 +50,16 @@ def test_common_flags_before_or_after_the_bench_name() -> None:
     assert (a.bootstrap, a.partitions, a.log_level) == (None, None, "info")
 
 
-def test_only_the_chosen_bench_is_imported() -> None:
-    code = (
-        "import sys, pipeline.cli as c; argv = ['bench', 'throughput', '--events', '1'];"
-        "c.build_parser(argv).parse_args(argv);"
-        "print(sorted(m for m in sys.modules if m.startswith('pipeline.lab.bench.')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['pipeline.lab.bench.throughput']"
+def test_only_the_chosen_bench_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline.cli.bench as bench
+
+    imported: list[str] = []
+    real = bench.importlib.import_module
+
+    def spy(name: str, package: str | None = None) -> object:
+        imported.append(name)
+        return real(name, package)
+
+    monkeypatch.setattr(bench.importlib, "import_module", spy)
+    parse("bench throughput --events 1")
+    assert [m for m in imported if m.startswith("pipeline.lab.")] == ["pipeline.lab.bench.throughput"]
