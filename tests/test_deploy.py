@@ -1,4 +1,4 @@
-"""Deployment files (DESIGN §2, §6, §7), checked without a Docker engine or a cluster.
+"""Deployment files (README.md, docs/operations.md), checked without a Docker engine or a cluster.
 
 - ``docker-compose.yml`` validates against the Compose Specification JSON schema
   (``tests/data/compose-spec.json``, copied verbatim from compose-spec/compose-spec
@@ -331,7 +331,7 @@ def test_dashboard_uses_only_exported_metrics() -> None:
     exported = _exported_metric_names()
     missing = sorted(used - exported)
     assert not missing, f"dashboard queries metrics that pipeline.metrics.Metrics does not export: {missing}"
-    # The panels the operators rely on (DESIGN §7).
+    # The panels the operators rely on (docs/operations.md, Metrics).
     for needed in (
         "causalmem_memory_health_score",
         "causalmem_memory_health_band",
