@@ -56,7 +56,7 @@ def print_summary(r: Any, scenario: Any, reset_enabled: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline.lab.procs import metric
+    from pipeline.promtext import metric
 
     c = Console()
     w, lm, t = r.worker_metrics, r.learner_metrics, r.tally

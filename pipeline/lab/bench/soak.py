@@ -75,8 +75,8 @@ import numpy as np
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.lab.bench.throughput import make_events
-from pipeline.lab.procs import Child, metric
-from pipeline.status.collect import labelled
+from pipeline.lab.procs import Child
+from pipeline.promtext import labelled, metric
 from topics.codec import LLMFeedback, RetrievalEvent, encode
 
 DEFAULT_RATE = 300.0  # pairs/s (2 input messages each)
