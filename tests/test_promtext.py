@@ -54,3 +54,28 @@ def test_finite_and_urls() -> None:
     assert finite(2.5) == 2.5 and finite(1 / 3, 6) == 0.333333
     assert metrics_url("localhost:9100") == "http://localhost:9100/metrics"
     assert metrics_url("https://h:9/m") == "https://h:9/m"
+
+
+def test_status_live_views_from_scraped_values() -> None:
+    """``causalmem status`` turns two scrapes into rates, and a scrape into a worker's view."""
+    from pipeline.status.live import WORKER_RATES, counter_rates, health_summary, worker_view
+
+    before = {"causalmem_joins_total": 100.0, "causalmem_events_in_total": 40.0}
+    after = {
+        "causalmem_joins_total": 130.0,
+        "causalmem_events_in_total": 10.0,  # a restarted process: its counters start again
+        "causalmem_memory_health_score": 81.0,
+        "causalmem_memory_health_band{band=healthy}": 1.0,
+        "causalmem_memory_health_band{band=warning}": 0.0,
+        "causalmem_utility_rating_correlation": math.nan,
+        "causalmem_consumer_lag_messages{partition=0,topic=dev.outcomes}": 3.0,
+        "causalmem_consumer_lag_messages{partition=1,topic=dev.outcomes}": 4.0,
+    }
+    rates = counter_rates(after, (10.0, before), 12.0, WORKER_RATES)
+    assert rates == {"joins_per_s": 15.0, "events_in_per_s": 0.0}
+    assert counter_rates(after, None, 12.0, WORKER_RATES) == {"joins_per_s": None, "events_in_per_s": None}
+    view = worker_view("u", after, rates, "dev.")
+    assert (view["health_score"], view["health_band"], view["correlation"]) == (81.0, "healthy", None)
+    assert view["consumer_lag"] == {"outcomes": 7}
+    assert worker_view("u", {}, rates, "dev.") == {"url": "u", "up": False}
+    assert health_summary([view])["band"] == "healthy"

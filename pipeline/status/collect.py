@@ -14,7 +14,8 @@ What it shows, and where each number comes from:
 - **live metrics** (optional) — the ``/metrics`` endpoints given with ``--worker URL`` and
   ``--learner URL`` (repeatable): health score and band, the 7-day correlation and its
   pairs, join and update rates (two scrapes ``--rate-interval`` seconds apart, or the
-  counters' change between ``--watch`` refreshes), the live baseline and consumer lag.
+  counters' change between ``--watch`` refreshes), the live baseline and consumer lag
+  (the views: :mod:`pipeline.status.live`).
 
 ``--watch [SECONDS]`` refreshes the view until Ctrl-C; ``--json`` prints one JSON object
 (one per refresh, one per line, with ``--watch``) instead of tables (drawn by
@@ -38,18 +39,18 @@ from aiokafka import TopicPartition
 from pipeline import kafka
 from pipeline.config import Connection, Settings
 from pipeline.labeling.queue import labeler_group
-from pipeline.metrics import HEALTH_BANDS
 from pipeline.modeltopic import ModelTopicIndex
-from pipeline.promtext import finite, labelled, metric, scrape
-from topics.checkpoint import Manifest
-
-# Counters whose rates the live view reports: (label in the output, metric name).
-WORKER_RATES = (("joins_per_s", "causalmem_joins_total"), ("events_in_per_s", "causalmem_events_in_total"))
-LEARNER_RATES = (
-    ("updates_per_s", "causalmem_learner_updates_total"),
-    ("experiences_per_s", "causalmem_learner_experiences_total"),
+from pipeline.promtext import scrape
+from pipeline.status.live import (
+    LEARNER_RATES,
+    WORKER_RATES,
+    counter_rates,
+    health_summary,
+    learner_view,
+    strip_prefix,
+    worker_view,
 )
-
+from topics.checkpoint import Manifest
 
 # --------------------------------------------------------------------------- helpers
 
@@ -61,10 +62,6 @@ def _scalars(d: dict[str, Any]) -> dict[str, Any]:
         for k, v in d.items()
         if isinstance(v, bool | int | float | str) and not (isinstance(v, float) and not math.isfinite(v))
     }
-
-
-def _strip(topic: str, prefix: str) -> str:
-    return topic[len(prefix) :] if prefix and topic.startswith(prefix) else topic
 
 
 # --------------------------------------------------------------------------- sources
@@ -220,7 +217,7 @@ class DeadLetterTally:
                 reason = str(body.get("reason") or "unknown")
                 src = body.get("source")
                 if isinstance(src, dict) and src.get("topic"):
-                    source = _strip(str(src["topic"]), self.prefix)
+                    source = strip_prefix(str(src["topic"]), self.prefix)
                 if isinstance(body.get("ts"), int | float):
                     self.last_ts = max(self.last_ts or 0.0, float(body["ts"]))
             self.total += 1
@@ -232,90 +229,6 @@ class DeadLetterTally:
             "by_topic": dict(sorted(self.by_topic.items())),
             "last_ts": self.last_ts,
         }
-
-
-# --------------------------------------------------------------------------- live metrics
-
-
-def _rates(
-    now_values: dict[str, float],
-    prev: tuple[float, dict[str, float]] | None,
-    t: float,
-    names: tuple[tuple[str, str], ...],
-) -> dict[str, float | None]:
-    out: dict[str, float | None] = {key: None for key, _ in names}
-    if prev is None or not prev[1] or not now_values or t <= prev[0]:
-        return out
-    for key, name in names:
-        delta = metric(now_values, name) - metric(prev[1], name)
-        out[key] = max(0.0, delta) / (t - prev[0])  # a restarted process resets its counters
-    return out
-
-
-def worker_view(url: str, values: dict[str, float], rates: dict[str, float | None], prefix: str) -> dict[str, Any]:
-    if not values:
-        return {"url": url, "up": False}
-    bands = labelled(values, "causalmem_memory_health_band", "band")
-    band = next((b for b in HEALTH_BANDS if bands.get(b) == 1.0), None)
-    # The score gauge reads 0 until the worker's first health computation sets a band.
-    score = metric(values, "causalmem_memory_health_score") if band is not None else None
-    reference = metric(values, "causalmem_utility_rating_correlation_reference")
-    return {
-        "url": url,
-        "up": True,
-        "health_score": score,
-        "health_band": band,
-        "correlation": finite(metric(values, "causalmem_utility_rating_correlation")),
-        "correlation_pairs": int(metric(values, "causalmem_utility_rating_pairs")),
-        # The gauge reads 0 until the drift trigger has a reference: 0 is shown as "none yet".
-        "correlation_reference": reference if reference != 0.0 else None,
-        "joins_total": metric(values, "causalmem_joins_total"),
-        "join_pending": metric(values, "causalmem_join_pending"),
-        "partitions_owned": int(metric(values, "causalmem_partitions_owned", stage="join")),
-        "dead_letters_total": metric(values, "causalmem_dead_letter_total"),
-        "al_samples_total": metric(values, "causalmem_al_samples_total"),
-        "consumer_lag": {
-            _strip(t, prefix): int(v) for t, v in labelled(values, "causalmem_consumer_lag_messages", "topic").items()
-        },
-        **rates,
-    }
-
-
-def learner_view(url: str, values: dict[str, float], rates: dict[str, float | None], prefix: str) -> dict[str, Any]:
-    if not values:
-        return {"url": url, "up": False}
-    return {
-        "url": url,
-        "up": True,
-        "baseline": metric(values, "causalmem_learner_baseline"),
-        "loss": finite(metric(values, "causalmem_learner_loss")),
-        "updates_total": metric(values, "causalmem_learner_updates_total"),
-        "experiences_total": metric(values, "causalmem_learner_experiences_total"),
-        "resets_total": metric(values, "causalmem_learner_resets_total"),
-        "checkpoint_version": {
-            role: int(v) for role, v in labelled(values, "causalmem_checkpoint_version", "role").items()
-        },
-        "consumer_lag": {
-            _strip(t, prefix): int(v) for t, v in labelled(values, "causalmem_consumer_lag_messages", "topic").items()
-        },
-        **rates,
-    }
-
-
-def health_summary(workers: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The worst health score among reachable workers (each computes its own)."""
-    up = [w for w in workers if w.get("up") and w.get("health_score") is not None]
-    if not up:
-        return None
-    worst = min(up, key=lambda w: w["health_score"])
-    return {
-        "score": worst["health_score"],
-        "band": worst["health_band"],
-        "correlation": worst["correlation"],
-        "correlation_pairs": worst["correlation_pairs"],
-        "correlation_reference": worst["correlation_reference"],
-        "from": worst["url"],
-    }
 
 
 # --------------------------------------------------------------------------- collector
@@ -430,10 +343,12 @@ class StatusCollector:
         prefix = self.topics.prefix
         for u in self.worker_urls:
             tc, values = current[u]
-            workers.append(worker_view(u, values, _rates(values, self._prev.get(u), tc, WORKER_RATES), prefix))
+            workers.append(worker_view(u, values, counter_rates(values, self._prev.get(u), tc, WORKER_RATES), prefix))
         for u in self.learner_urls:
             tc, values = current[u]
-            learners.append(learner_view(u, values, _rates(values, self._prev.get(u), tc, LEARNER_RATES), prefix))
+            learners.append(
+                learner_view(u, values, counter_rates(values, self._prev.get(u), tc, LEARNER_RATES), prefix)
+            )
         self._prev = {u: v for u, v in current.items() if v[1]} or self._prev
         errors.extend(f"{w['url']}: no metrics (unreachable)" for w in [*workers, *learners] if not w["up"])
         return workers, learners
