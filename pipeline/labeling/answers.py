@@ -12,6 +12,8 @@ from typing import Any
 
 import orjson
 
+from topics.codec import ActiveLearningSample
+
 RATING_MAX = 5  # a rating: how much the query needed memory, 0–5
 
 HELP = (
@@ -87,7 +89,7 @@ def load_answers(path: str | Path) -> dict[str, FileAnswer]:
     return out
 
 
-def offered_slots(sample: Any) -> list[int]:
+def offered_slots(sample: ActiveLearningSample) -> list[int]:
     """The slots a labeler may choose: the top slots (most likely first), then the other candidates."""
     out = [int(t["slot"]) for t in sorted(sample.top_slots, key=lambda t: -float(t["prob"]))]
     out += [s for s in sample.candidates if s not in out]
