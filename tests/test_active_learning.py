@@ -13,8 +13,9 @@ import pytest
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
-from pipeline.lab.procs import Child, metric
+from pipeline.lab.procs import Child
 from pipeline.metrics import Metrics
+from pipeline.promtext import metric
 from pipeline.worker.join import JoinStage
 from topics.codec import decode_active_learning_sample, decode_experience
 

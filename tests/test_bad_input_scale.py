@@ -41,9 +41,10 @@ from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
-from pipeline.lab.procs import Child, metric
+from pipeline.lab.procs import Child
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
+from pipeline.promtext import metric
 from pipeline.worker.join import JoinStage
 from topics.codec import (
     DECODERS,

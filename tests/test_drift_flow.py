@@ -11,7 +11,8 @@ import pytest
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
-from pipeline.lab.procs import Child, metric
+from pipeline.lab.procs import Child
+from pipeline.promtext import metric
 from topics.codec import decode_control
 
 from .conftest import settings_env

@@ -1,4 +1,4 @@
-"""``causalmem label`` and the labeling queue, through a real broker (DESIGN §3, §6).
+"""``causalmem label`` and the labeling queue, through a real broker (docs/operations.md).
 
 The queue is one consumer group on ``active-learning``: two labelers never get the same
 sample, and a sample's offset is committed only after its label is acknowledged, so a
@@ -26,8 +26,9 @@ from aiokafka import TopicPartition
 
 from pipeline import kafka
 from pipeline.config import Settings
+from pipeline.labeling.agreement import agreement, cohens_kappa
+from pipeline.labeling.answers import load_answers, parse_line, parse_rating
 from pipeline.labeling.queue import LABELER_GROUP, LabelQueue, SampleMoved
-from pipeline.labeling.terminal import agreement, cohens_kappa, load_answers, parse_line, parse_rating
 from tests.conftest import settings_env
 from tests.helpers import until
 from topics.codec import ActiveLearningSample, Features, HumanLabel, decode_human_label, encode

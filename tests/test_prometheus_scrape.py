@@ -21,8 +21,9 @@ import pytest
 
 from pipeline.broker import free_port
 from pipeline.client.publisher import EventPublisher
-from pipeline.lab.procs import Child, metric, wait_until
+from pipeline.lab.procs import Child, wait_until
 from pipeline.metrics import HEALTH_BANDS
+from pipeline.promtext import metric
 from pipeline.status.collect import collect
 
 from .conftest import settings_env

@@ -14,8 +14,9 @@ from pipeline import kafka
 from pipeline.broker import EmbeddedBroker
 from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
-from pipeline.lab.procs import Child, metric
+from pipeline.lab.procs import Child
 from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
+from pipeline.promtext import metric
 from topics.codec import encode
 
 from .conftest import settings_env

@@ -18,7 +18,8 @@ import pytest
 
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
-from pipeline.lab.procs import Child, metric, wait_until
+from pipeline.lab.procs import Child, wait_until
+from pipeline.promtext import metric
 from pipeline.worker.join import key_partition
 from topics.codec import decode_experience
 

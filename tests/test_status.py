@@ -17,7 +17,8 @@ from pipeline import cli, kafka
 from pipeline.labeling.queue import LabelQueue
 from pipeline.metrics import Metrics, serve
 from pipeline.modeltopic import CheckpointPublisher
-from pipeline.status.collect import StatusCollector, fmt_age, manifest_rate, render
+from pipeline.status.collect import StatusCollector, manifest_rate
+from pipeline.status.render import fmt_age, render
 from topics.codec import dead_letter_value, encode
 
 from .helpers import retrieval_event

@@ -15,6 +15,7 @@ from pipeline.config import Settings
 
 
 def common_parser() -> argparse.ArgumentParser:
+    """The flags every verb takes (a parent parser): broker, topics, policy, state, logging, security."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("common")
     g.add_argument("--bootstrap", help="Kafka bootstrap HOST:PORT (default: start or reuse the embedded broker)")
@@ -35,6 +36,7 @@ def common_parser() -> argparse.ArgumentParser:
 
 
 def model_options(p: argparse.ArgumentParser) -> None:
+    """The model's shape and the metrics port, for the verbs that run a policy (worker, learner)."""
     p.add_argument("--embedding-dim", type=int, help="D, the query embedding length (default 384)")
     p.add_argument("--slots", type=int, help="S, memory slots of the policy (default 1024)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this loopback port (0: any)")
@@ -68,12 +70,14 @@ SETTING_KEYS = (
 
 
 def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
+    """Settings from defaults, then ``CAUSALMEM_*`` variables, then the flags given (and ``extra``)."""
     overrides = {k: getattr(args, k) for k in SETTING_KEYS if getattr(args, k, None) is not None}
     overrides.update({k: v for k, v in extra.items() if v is not None})
     return Settings.from_env(**overrides)
 
 
 def resolve_bootstrap(settings: Settings) -> str:
+    """``--bootstrap`` when given, else the embedded broker (started, or reused when running)."""
     if settings.bootstrap:
         return settings.bootstrap
     from pipeline.broker import ensure_broker
@@ -82,6 +86,7 @@ def resolve_bootstrap(settings: Settings) -> str:
 
 
 def setup_logging(level: str) -> None:
+    """Log to stderr at ``level``; the Kafka and stream libraries only from warnings up."""
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -22,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     bootstrap = resolve_bootstrap(settings)
     report = asyncio.run(
-        evaluate_window(bootstrap, settings, args.window, METHODS if args.method == "all" else (args.method,))
+        evaluate_window(
+            bootstrap, settings.connection(), args.window, METHODS if args.method == "all" else (args.method,)
+        )
     )
     if args.json:
         print(json.dumps(report, indent=2))

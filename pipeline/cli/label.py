@@ -7,10 +7,9 @@ import asyncio
 import os
 import sys
 
-import orjson
-
 from pipeline.cli.common import resolve_bootstrap, settings_from
-from pipeline.labeling.terminal import FileAnswer, from_file, interactive, load_answers, render_stats, stats
+from pipeline.labeling import terminal
+from pipeline.labeling.answers import load_answers
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -32,15 +31,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from pipeline import kafka
-    from pipeline.labeling.queue import LabelQueue
-
     settings = settings_from(args)
-    console = Console(highlight=False)
+    conn = settings.connection()
     labeler = ""
-    answers: dict[str, FileAnswer] = {}
+    answers = None
     if not args.stats:
         labeler = (args.labeler if args.labeler is not None else os.environ.get("USER", "")).strip()
         if not labeler:
@@ -51,28 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError("--max must be at least 1")
     bootstrap = resolve_bootstrap(settings)
-
-    async def main() -> int:
-        await kafka.wait_for_broker(bootstrap, settings)
-        # Subscribing to a missing topic would auto-create it with the wrong partition count.
-        await kafka.create_topics(bootstrap, settings)
-        if args.stats:
-            result = await stats(bootstrap, settings)
-            if args.json:
-                sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
-            else:
-                console.print(render_stats(result))
-            return 0
-        group = f"{settings.topic_prefix}{args.group}" if args.group else None
-        queue = LabelQueue(bootstrap, settings, labeler, group=group)
-        console.print(f"labeler {labeler}: joining the queue {queue.group} …", markup=False)
-        await queue.start()
-        try:
-            if args.answers:
-                timeout = args.timeout if args.timeout is not None else 10.0
-                return await from_file(queue, console, answers, timeout, args.max_samples)
-            return await interactive(queue, console, args.timeout, args.max_samples)
-        finally:
-            await queue.stop()
-
-    return asyncio.run(main())
+    if args.stats:
+        return asyncio.run(terminal.show_stats(bootstrap, conn, as_json=args.json))
+    group = f"{conn.topics.prefix}{args.group}" if args.group else None
+    return asyncio.run(
+        terminal.label(
+            bootstrap, conn, labeler, answers, group=group, timeout=args.timeout, max_samples=args.max_samples
+        )
+    )

@@ -18,4 +18,4 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     bootstrap = resolve_bootstrap(settings)
-    return asyncio.run(rollback(bootstrap, settings, args.to_version, args.reason, args.timeout))
+    return asyncio.run(rollback(bootstrap, settings.connection(), args.to_version, args.reason, args.timeout))

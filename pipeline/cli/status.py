@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
-from typing import Any
 
-import orjson
-
-from pipeline import kafka
 from pipeline.cli.common import resolve_bootstrap, settings_from
-from pipeline.status.collect import StatusCollector, _url, render
+from pipeline.promtext import metrics_url
+from pipeline.status.collect import StatusCollector
+from pipeline.status.render import show
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -52,49 +49,15 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    bootstrap = resolve_bootstrap(settings)
     collector = StatusCollector(
-        bootstrap,
-        settings,
-        [_url(u) for u in args.worker_urls],
-        [_url(u) for u in args.learner_urls],
+        resolve_bootstrap(settings),
+        settings.connection(),
+        [metrics_url(u) for u in args.worker_urls],
+        [metrics_url(u) for u in args.learner_urls],
         rate_interval=max(0.0, args.rate_interval),
     )
-
-    def emit_json(snap: dict[str, Any]) -> None:
-        sys.stdout.write(orjson.dumps(snap, option=orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
-        sys.stdout.flush()
-
-    async def once() -> int:
-        await kafka.wait_for_broker(bootstrap, settings, timeout=args.timeout)
-        snap = await collector.snapshot()
-        if args.json:
-            emit_json(snap)
-        else:
-            from rich.console import Console
-
-            Console().print(render(snap))
-        return 0
-
-    async def watch(interval: float) -> int:
-        await kafka.wait_for_broker(bootstrap, settings, timeout=args.timeout)
-        if args.json:
-            while True:
-                emit_json(await collector.snapshot())
-                await asyncio.sleep(interval)
-        from rich.console import Console
-        from rich.live import Live
-        from rich.text import Text
-
-        console = Console()
-        with Live(Text("collecting…"), console=console, refresh_per_second=4, transient=False) as live:
-            while True:
-                live.update(render(await collector.snapshot()))
-                await asyncio.sleep(interval)
-
+    watch = None if args.watch is None else max(0.5, args.watch)
     try:
-        if args.watch is None:
-            return asyncio.run(once())
-        return asyncio.run(watch(max(0.5, args.watch)))
+        return asyncio.run(show(collector, as_json=args.json, watch=watch, broker_timeout=args.timeout))
     except KeyboardInterrupt:
         return 0

@@ -14,57 +14,65 @@ import sys
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-METHODS = ("ips", "snips", "dr")
+from models.estimators import LoggedDecisions, Method, evaluate
+from models.policy import PolicyNetwork
+from pipeline import kafka
+from pipeline.config import Connection, Settings
+from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
+from topics.codec import Experience, Rejected, decode_experience
+
+METHODS: tuple[Method, ...] = ("ips", "snips", "dr")
 
 
-async def experiences_tail(bootstrap: str, settings: Any, window: int) -> list[Any]:
-    from pipeline import kafka
-    from topics.codec import Rejected, decode_experience
-
-    topic = settings.topics().experiences.name
-    end = await kafka.high_watermark(bootstrap, settings, topic)
-    msgs = await kafka.read_all(bootstrap, settings, topic, partitions=[0], start={0: max(0, end - 2 * window)})
+async def experiences_tail(bootstrap: str, conn: Connection, window: int) -> list[Experience]:
+    """The policy's last ``window`` feedback experiences (fallbacks left out) on the experiences topic."""
+    topic = conn.topics.experiences.name
+    end = await kafka.high_watermark(bootstrap, conn, topic)
+    msgs = await kafka.read_all(bootstrap, conn, topic, partitions=[0], start={0: max(0, end - 2 * window)})
     out = []
     for msg in msgs:
         try:
-            exp = decode_experience(msg.value, settings.limits())
+            exp = decode_experience(msg.value, conn.limits)
         except Rejected:
             continue
-        if exp.kind == "feedback" and not exp.event.fallback and exp.event.policy == settings.policy:
+        if exp.kind == "feedback" and not exp.event.fallback and exp.event.policy == conn.policy:
             out.append(exp)
     return out[-window:]
 
 
-async def evaluate_window(bootstrap: str, settings: Any, window: int, methods: tuple[str, ...]) -> dict[str, Any]:
-    from models.estimators import LoggedDecisions, evaluate
-    from models.policy import PolicyNetwork
-    from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
-
-    exps = await experiences_tail(bootstrap, settings, window)
-    index = await scan_model_topic(bootstrap, settings)
+async def evaluate_window(
+    bootstrap: str, conn: Connection | Settings, window: int, methods: tuple[Method, ...]
+) -> dict[str, Any]:
+    """The report of ``causalmem evaluate``: estimates per policy and method over the last ``window`` steps."""
+    conn = conn if isinstance(conn, Connection) else conn.connection()
+    topic = conn.topics.policy_checkpoints.name
+    exps = await experiences_tail(bootstrap, conn, window)
+    index = await scan_model_topic(bootstrap, conn, topic)
     policies: dict[str, Any] = {}
     versions: dict[str, int | None] = {}
     for role, manifest in (
-        ("serving", index.serving.get(settings.policy)),
-        ("candidate", index.candidate.get(settings.policy)),
+        ("serving", index.serving.get(conn.policy)),
+        ("candidate", index.candidate.get(conn.policy)),
     ):
         if manifest is None or (
             role == "candidate" and "serving" in versions and manifest.version <= (versions["serving"] or 0)
         ):
             continue
-        tensors = await fetch_checkpoint(bootstrap, settings, index, manifest)
+        tensors = await fetch_checkpoint(bootstrap, conn, index, manifest, topic)
         policies[role] = PolicyNetwork.from_tensors(tensors).eval()
         versions[role] = manifest.version
     policies["similarity-only"] = "similarity"
     policies["uniform"] = "uniform"
-    report: dict[str, Any] = {"policy": settings.policy, "decisions": len(exps), "versions": versions, "estimates": {}}
+    report: dict[str, Any] = {"policy": conn.policy, "decisions": len(exps), "versions": versions, "estimates": {}}
     if not exps:
         return report
     decisions = LoggedDecisions.from_experiences(exps)
     report["logged_mean_utility"] = float(np.mean([e.utility for e in exps]))
     for method in methods:
-        results = evaluate(decisions, policies, method=method)  # type: ignore[arg-type]
+        results = evaluate(decisions, policies, method=method)
         for name, est in results.items():
             report["estimates"].setdefault(name, {})[method] = {
                 "value": est.value,
@@ -77,9 +85,7 @@ async def evaluate_window(bootstrap: str, settings: Any, window: int, methods: t
 
 
 def print_report(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    """The report as a table: one row per policy, a value with its 95% interval and the ESS per method."""
     c = Console()
     if not report["decisions"]:
         c.print(f"no logged experiences of policy {report['policy']!r} yet")

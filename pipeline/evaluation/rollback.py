@@ -14,17 +14,19 @@ import asyncio
 import time
 import uuid
 
+from pipeline import kafka
+from pipeline.config import Connection, Settings
+from pipeline.modeltopic import scan_model_topic
+from topics.codec import Control, encode
 
-async def rollback(bootstrap: str, settings: object, version: int, reason: str, timeout: float) -> int:
-    from pipeline import kafka
-    from pipeline.config import Settings
-    from pipeline.modeltopic import scan_model_topic  # imports torch: only when the verb runs
-    from topics.codec import Control, encode
 
-    assert isinstance(settings, Settings)
-    await kafka.wait_for_broker(bootstrap, settings)
-    index = await scan_model_topic(bootstrap, settings)
-    policy = settings.policy
+async def rollback(bootstrap: str, conn: Connection | Settings, version: int, reason: str, timeout: float) -> int:
+    """Ask the learner to serve ``version`` again and wait for it; prints what happens, returns the exit status."""
+    conn = conn if isinstance(conn, Connection) else conn.connection()
+    topic = conn.topics.policy_checkpoints.name
+    await kafka.wait_for_broker(bootstrap, conn)
+    index = await scan_model_topic(bootstrap, conn, topic)
+    policy = conn.policy
     newest = index.newest(policy)
     if newest is None:
         print(f"no checkpoint of policy {policy!r} on the model topic: nothing to roll back")
@@ -43,16 +45,16 @@ async def rollback(bootstrap: str, settings: object, version: int, reason: str, 
         id=f"rollback-{uuid.uuid4().hex}",
         details={"to_version": version},
     )
-    producer = kafka.producer(bootstrap, settings)
+    producer = kafka.producer(bootstrap, conn)
     await producer.start()
     try:
-        await (await producer.send(settings.topics().control.name, encode(ctl.to_dict()), partition=0))
+        await (await producer.send(conn.topics.control.name, encode(ctl.to_dict()), partition=0))
     finally:
         await producer.stop()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         await asyncio.sleep(1.0)
-        index = await scan_model_topic(bootstrap, settings)
+        index = await scan_model_topic(bootstrap, conn, topic)
         serving = index.serving.get(policy)
         if (
             serving is not None

@@ -53,7 +53,7 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
 
 
 def print_summary(r: Any, scenario: Any, reset_enabled: bool) -> None:
-    from pipeline.lab.procs import metric
+    from pipeline.promtext import metric
 
     Console = require("rich.console", "lab").Console
     Table = require("rich.table", "lab").Table

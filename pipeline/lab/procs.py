@@ -11,13 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from pipeline.broker import free_port
+from pipeline.promtext import scrape
 
 
 class Child:
@@ -83,33 +81,6 @@ class Child:
         if self.log_path and self.log_path.exists():
             return self.log_path.read_text(errors="replace")[-n:]
         return ""
-
-
-def scrape(url: str, timeout: float = 2.0) -> dict[str, float]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
-
-
-def metric(values: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of a metric's samples matching the given labels."""
-    total = 0.0
-    for key, value in values.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        have = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
 
 
 def wait_until(pred: Any, timeout: float, interval: float = 0.2, what: str = "condition") -> None:

@@ -112,7 +112,7 @@ async def _wait(pred: Any, timeout: float, what: str) -> None:
 
 async def _wait_for_learner(learner: Any, max_lag: int, timeout: float = 30.0) -> float:
     """Sleep while the learner's input lag exceeds ``max_lag``; return the seconds waited."""
-    from pipeline.lab.procs import metric
+    from pipeline.promtext import metric
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -125,7 +125,7 @@ async def _wait_for_learner(learner: Any, max_lag: int, timeout: float = 30.0) -
 
 async def _drain(worker: Any, learner: Any, steps: int, timeout: float) -> None:
     """Wait until the worker joined every step and the learner applied every join (or it stalls)."""
-    from pipeline.lab.procs import metric
+    from pipeline.promtext import metric
 
     deadline = time.monotonic() + timeout
     last, stable = -1.0, 0
@@ -157,9 +157,10 @@ async def run_scenario(
     from pipeline.client.publisher import EventPublisher
     from pipeline.client.retriever import CausalRetriever
     from pipeline.config import Settings
-    from pipeline.lab.procs import Child, metric, scrape
+    from pipeline.lab.procs import Child
     from pipeline.labeling.queue import LabelQueue, run_queue_until
     from pipeline.modeltopic import PolicySubscriber
+    from pipeline.promtext import metric, scrape
     from topics.codec import Features, HumanLabel, LLMFeedback, RetrievalEvent, decode_control
 
     t_start = time.monotonic()

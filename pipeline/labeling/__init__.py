@@ -1,1 +1,1 @@
-"""Labeling: the queue of active-learning samples, answers, agreement and the terminal labeler."""
+"""Labeling: the queue of active-learning samples (queue), answers, agreement and the terminal labeler."""

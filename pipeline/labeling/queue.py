@@ -1,4 +1,4 @@
-"""Client side: the labeling queue behind ``causalmem label`` (seed 000 §4.3 level 2).
+"""The labeling queue behind ``causalmem label``: active-learning samples shared by the labelers.
 
 Samples the pipeline queues on ``active-learning`` are shared by every labeler through
 one consumer group: each sample goes to one labeler. A sample's offset is committed only
@@ -6,7 +6,7 @@ after its label has been acknowledged by the broker, so a labeler that crashes b
 receiving a sample and publishing its answer loses nothing: the sample comes again (to
 it or to another labeler). Answers are HumanLabel messages of kind ``memory_choice``
 (optionally with a 0–5 rating) on ``human-labels``, keyed by query id, and always carry
-the labeler's identity.
+the labeler's identity (the label's wire format: docs/contract.md).
 """
 
 from __future__ import annotations
@@ -24,12 +24,17 @@ from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
 from pipeline import kafka
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.codec import ActiveLearningSample, HumanLabel, Rejected, decode_active_learning_sample, encode
 
 log = logging.getLogger(__name__)
 
 LABELER_GROUP = "causalmem-labelers"
+
+
+def labeler_group(conn: Connection) -> str:
+    """The consumer group every labeler shares (under the deployment's topic prefix)."""
+    return f"{conn.topics.prefix}{LABELER_GROUP}"
 
 
 def label_event_id(sample_id: str, labeler: str) -> str:
@@ -67,7 +72,7 @@ class QueuedSample:
     epoch: int = 0  # the queue's assignment epoch when the sample was received
 
 
-class _Revocations(ConsumerRebalanceListener):
+class _Revocations(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka ships no types
     def __init__(self, queue: LabelQueue) -> None:
         self.queue = queue
 
@@ -82,17 +87,21 @@ class _Revocations(ConsumerRebalanceListener):
 
 
 class LabelQueue:
-    """One labeler's view of the shared queue (async; ``start``/``stop`` or ``async with``)."""
+    """One labeler's view of the shared queue (async; ``start``/``stop`` or ``async with``).
 
-    def __init__(self, bootstrap: str, settings: Settings, labeler: str, group: str | None = None) -> None:
+    ``conn``: the deployment's :class:`~pipeline.config.Connection` (a whole ``Settings``
+    is accepted too). ``group`` defaults to the shared labelers' group, under the topic prefix.
+    """
+
+    def __init__(self, bootstrap: str, conn: Connection | Settings, labeler: str, group: str | None = None) -> None:
         if not labeler:
             raise ValueError("a labeler identity is required (it is carried on every label)")
+        self.conn = conn if isinstance(conn, Connection) else conn.connection()
         self.bootstrap = bootstrap
-        self.settings = settings
         self.labeler = labeler
-        self.topics = settings.topics()
-        self.limits = settings.limits()
-        self.group = group or f"{settings.topic_prefix}{LABELER_GROUP}"
+        self.topics = self.conn.topics
+        self.limits = self.conn.limits
+        self.group = group or labeler_group(self.conn)
         self.done = 0
         self.skipped = 0
         self.left = 0
@@ -103,12 +112,12 @@ class LabelQueue:
         self._buffer: list[QueuedSample] = []
 
     async def start(self) -> None:
-        self._producer = kafka.producer(self.bootstrap, self.settings)
+        self._producer = kafka.producer(self.bootstrap, self.conn)
         await self._producer.start()
         # One sample at a time: a labeler holds only what it shows.
         self._consumer = kafka.consumer(
             self.bootstrap,
-            self.settings,
+            self.conn,
             group_id=self.group,
             max_poll_records=1,
             max_poll_interval_ms=int(THINK_TIME_S * 1000),
@@ -154,41 +163,44 @@ class LabelQueue:
         self, item: QueuedSample, correct_memories: list[int], rating: int | None = None, ts: float | None = None
     ) -> HumanLabel:
         """Publish the answer, wait for the broker's acknowledgement, then commit the sample."""
-        label = HumanLabel(
-            event_id=label_event_id(item.sample.sample_id, self.labeler),
-            query_id=item.sample.query_id,
-            ts=item.sample.ts if ts is None else ts,
-            labeler=self.labeler,
-            kind="memory_choice",
-            sample_id=item.sample.sample_id,
-            correct_memories=list(correct_memories),
-            rating=rating,
-            step=item.sample.step,
-        )
-        self._check_held(item)
-        await self._publish(label)
-        await self._commit_answered(item)
+        label = self._label(item, ts, correct_memories=list(correct_memories), rating=rating)
+        await self._deliver(item, label)
         self.done += 1
         return label
 
     async def skip(self, item: QueuedSample, reason: str = "", ts: float | None = None) -> HumanLabel:
         """Skip a sample (recorded as an answer without memories, with the reason)."""
-        label = HumanLabel(
+        label = self._label(item, ts, correct_memories=[], skip_reason=reason or "skipped")
+        await self._deliver(item, label)
+        self.skipped += 1
+        return label
+
+    def _label(
+        self,
+        item: QueuedSample,
+        ts: float | None,
+        correct_memories: list[int],
+        rating: int | None = None,
+        skip_reason: str | None = None,
+    ) -> HumanLabel:
+        """This labeler's ``memory_choice`` label of a sample: an answer, or a skip with its reason."""
+        return HumanLabel(
             event_id=label_event_id(item.sample.sample_id, self.labeler),
             query_id=item.sample.query_id,
             ts=item.sample.ts if ts is None else ts,
             labeler=self.labeler,
             kind="memory_choice",
             sample_id=item.sample.sample_id,
-            correct_memories=[],
-            skip_reason=reason or "skipped",
+            correct_memories=correct_memories,
+            rating=rating,
             step=item.sample.step,
+            skip_reason=skip_reason,
         )
+
+    async def _deliver(self, item: QueuedSample, label: HumanLabel) -> None:
         self._check_held(item)
         await self._publish(label)
         await self._commit_answered(item)
-        self.skipped += 1
-        return label
 
     def leave(self, item: QueuedSample) -> None:
         """Leave a sample unanswered and uncommitted, for another labeler or a later run.

@@ -1,6 +1,4 @@
-"""``causalmem label``: people label the samples the pipeline queues (DESIGN §3, §6).
-
-Three modes:
+"""The terminal labeler behind ``causalmem label``: its three modes, the prompt and the screens.
 
 - **interactive** (default): takes the next sample from the shared queue (the consumer
   group ``causalmem-labelers``: several labelers share the queue and never get the same
@@ -15,15 +13,14 @@ Three modes:
       label> s not sure    skip, with an optional reason
       label> q             quit (the sample on screen stays in the queue)
 
-- **file** (``--answers FILE.jsonl``, for scripts): one answer per line,
-  ``{"sample_id": ..., "correct_memories": [...], "rating": 0-5 (optional)}`` or
-  ``{"sample_id": ..., "skip": "reason"}``. Samples that come from the queue and are in the
-  file are answered; the others are left uncommitted for other labelers (and nothing
-  behind them on their partition is taken, see :meth:`LabelQueue.leave`). Stops when the
-  file's answers are used up, after ``--max`` samples, or when ``--timeout`` passes with no
-  new sample.
+- **file** (``--answers FILE.jsonl``, for scripts): one answer per line (the format:
+  :func:`~pipeline.labeling.answers.load_answers`). Samples that come from the queue and
+  are in the file are answered; the others are left uncommitted for other labelers (and
+  nothing behind them on their partition is taken, see :meth:`LabelQueue.leave`). Stops
+  when the file's answers are used up, after ``--max`` samples, or when ``--timeout``
+  passes with no new sample.
 - **stats** (``--stats``): agreement between labelers where one sample got answers from
-  several of them (see :func:`agreement` for the definitions).
+  several of them (the definitions: :func:`~pipeline.labeling.agreement.agreement`).
 
 Before each sample it shows ``waiting: N · done by you: M``: N is the samples not yet
 committed on the partitions this labeler holds (the whole queue when it labels alone), M
@@ -34,353 +31,90 @@ A sample's offset is committed only after its label is acknowledged by the broke
 and before the commit gives the sample again (at least once), and its second answer is a
 second label with its own event id. If the group rebalances while a sample is on screen
 (a labeler joins or leaves), the answer is refused before publishing and the sample goes
-to its partition's new owner. Every label carries the labeler's identity: ``--labeler
-NAME``, else the ``USER`` environment variable; an empty identity is refused.
-``--group NAME`` labels in another consumer group, which gets every sample again: a way to
-collect a second opinion for ``--stats`` (the worker applies both answers).
+to its partition's new owner. Every label carries the labeler's identity; an empty one is
+refused. Another consumer group (``--group``) gets every sample again: a way to collect a
+second opinion for ``--stats`` (the worker applies both answers).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import math
 import os
 import sys
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
-from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import orjson
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
 
-RATING_MAX = 5
+from pipeline import kafka
+from pipeline.config import Connection
+from pipeline.labeling.agreement import agreement
+from pipeline.labeling.answers import HELP, RATING_MAX, Command, FileAnswer, offered_slots, parse_line, parse_rating
+from pipeline.labeling.queue import LabelQueue, QueuedSample, SampleMoved
+from topics.codec import Rejected, decode_active_learning_sample, decode_human_label
+
 TEXT_WIDTH = 160  # characters of a memory text shown in the choices table
 
-HELP = (
-    "slots (space separated, e.g. '3 17'), optionally with r<0-5> · 'none' (no candidate is correct) · "
-    "r<0-5> rating · s [reason] skip · q quit · ? help"
-)
+
+# --------------------------------------------------------------------------- sessions
 
 
-# --------------------------------------------------------------------------- agreement (pure)
+async def prepare(bootstrap: str, conn: Connection) -> None:
+    """Wait for the broker and make sure the topics exist.
 
-
-def cohens_kappa(a: Sequence[Any], b: Sequence[Any], weights: str | None = None) -> float:
-    """Cohen's κ of two raters who labelled the same items (``a[i]`` and ``b[i]``: item i).
-
-    ``κ = 1 − D_o / D_e``: D_o is the mean disagreement weight over the items, D_e the one
-    expected if the two raters chose independently with their own marginal frequencies.
-    ``weights=None``: unweighted (nominal labels; weight 1 for any disagreement), which is
-    the familiar ``(p_o − p_e) / (1 − p_e)``. ``"linear"``: weighted κ for numeric ordinal
-    labels, weight ``|x − y|`` (a rating 4 against 3 counts less than 5 against 0);
-    ``"quadratic"``: ``(x − y)²``. The scale of the weights cancels, so categories that
-    neither rater used do not matter. Computed exactly (fractions). Returns NaN when κ is
-    undefined: no items, or no disagreement expected by chance (both raters gave one and
-    the same label to every item).
-
-    >>> cohens_kappa([1, 1, 0, 0, 1], [1, 0, 0, 0, 1])  # p_o = 0.8, p_e = 0.6·0.4 + 0.4·0.6 = 0.48
-    0.6153846153846154
-    >>> cohens_kappa([0, 1, 2], [0, 2, 2], weights="linear")  # D_o = 1/3, D_e = 1
-    0.6666666666666666
-    >>> cohens_kappa([1, 0], [0, 1])
-    -1.0
-    >>> math.isnan(cohens_kappa([3, 3], [3, 3]))
-    True
+    Subscribing to a missing topic would auto-create it with the wrong partition count.
     """
-    if len(a) != len(b):
-        raise ValueError(f"the raters labelled different numbers of items ({len(a)} and {len(b)})")
-    n = len(a)
-    if n == 0:
-        return math.nan
-    if weights is None:
+    await kafka.wait_for_broker(bootstrap, conn)
+    await kafka.create_topics(bootstrap, conn)
 
-        def w(x: Any, y: Any) -> Fraction:
-            return Fraction(0 if x == y else 1)
 
-    elif weights in ("linear", "quadratic"):
-        power = 1 if weights == "linear" else 2
+async def label(
+    bootstrap: str,
+    conn: Connection,
+    labeler: str,
+    answers: dict[str, FileAnswer] | None = None,
+    group: str | None = None,
+    timeout: float | None = None,
+    max_samples: int | None = None,
+) -> int:
+    """Join the queue as ``labeler`` and label: from ``answers`` when given, else interactively.
 
-        def w(x: Any, y: Any) -> Fraction:
-            return abs(Fraction(x) - Fraction(y)) ** power
+    ``timeout``: seconds to wait for a sample before stopping (None: wait on, interactive;
+    10 s with answers). Returns the exit status (1 when the file named a slot no sample offered).
+    """
+    console = Console(highlight=False)
+    await prepare(bootstrap, conn)
+    queue = LabelQueue(bootstrap, conn, labeler, group=group)
+    console.print(f"labeler {labeler}: joining the queue {queue.group} …", markup=False)
+    await queue.start()
+    try:
+        if answers is not None:
+            return await from_file(queue, console, answers, 10.0 if timeout is None else timeout, max_samples)
+        return await interactive(queue, console, timeout, max_samples)
+    finally:
+        await queue.stop()
 
+
+async def show_stats(bootstrap: str, conn: Connection, as_json: bool = False) -> int:
+    """Print the agreement between labelers: tables, or one JSON object."""
+    await prepare(bootstrap, conn)
+    result = await stats(bootstrap, conn)
+    if as_json:
+        sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        raise ValueError(f"weights must be None, 'linear' or 'quadratic', not {weights!r}")
-    observed = sum((w(x, y) for x, y in zip(a, b, strict=True)), Fraction(0)) / n
-    count_a, count_b = Counter(a), Counter(b)
-    expected = sum((ca * cb * w(x, y) for x, ca in count_a.items() for y, cb in count_b.items()), Fraction(0)) / (n * n)
-    if expected == 0:
-        return math.nan
-    return float(1 - observed / expected)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One labeler's latest answer to one sample (from a ``memory_choice`` label)."""
-
-    labeler: str
-    sample_id: str
-    correct: frozenset[int]
-    rating: int | None
-    skip_reason: str | None  # not None: a skip (the labeler did not judge the memories)
-
-
-def latest_answers(labels: Sequence[Any]) -> dict[tuple[str, str], Answer]:
-    """``{(sample_id, labeler): Answer}`` from HumanLabels in topic order; the last answer wins.
-
-    A sample's labels all share one partition (they are keyed by query id), so topic order
-    is publish order: a labeler who answered a sample twice (a crash after the broker's ack
-    and before the commit) counts once, with the later answer.
-    """
-    out: dict[tuple[str, str], Answer] = {}
-    for label in labels:
-        if label.kind != "memory_choice" or not label.sample_id:
-            continue
-        out[(label.sample_id, label.labeler)] = Answer(
-            label.labeler,
-            label.sample_id,
-            frozenset(label.correct_memories or ()),
-            label.rating,
-            label.skip_reason,
-        )
-    return out
-
-
-def agreement(labels: Sequence[Any], offered: dict[str, set[int]] | None = None) -> dict[str, Any]:
-    """Per-labeler counts and pairwise agreement over samples answered by several labelers.
-
-    Only ``memory_choice`` labels count, the latest per (sample, labeler). For a pair of
-    labelers, the *overlap* is the samples both answered without skipping (a skip means
-    "could not judge", not "no memory is correct", so it is no decision to agree with).
-
-    - **κ memories** (unweighted): one binary decision per (overlapping sample, slot),
-      "is this slot a correct memory?", for every slot the labelers were offered: the
-      sample's candidates and top slots, as queued on ``active-learning`` (``offered``),
-      plus any slot either of them chose. Samples whose candidates are no longer known (the
-      sample has left the topic) are left out of this κ and counted as ``unknown``: without
-      the offered slots there are no "no" decisions, and κ would be meaningless.
-    - **same set**: the share of overlapping samples where the two chose identical sets.
-    - **κ rating** (linear-weighted, see :func:`cohens_kappa`): over the overlapping
-      samples that both rated 0–5 (how much the query needed memory).
-    """
-    offered = offered or {}
-    answers = latest_answers(labels)
-    per: dict[str, dict[str, Any]] = {}
-    by_sample: dict[str, dict[str, Answer]] = {}
-    for (sid, who), ans in answers.items():
-        stats = per.setdefault(who, {"answered": 0, "skipped": 0, "rated": 0, "skip_reasons": Counter()})
-        if ans.skip_reason is not None:
-            stats["skipped"] += 1
-            stats["skip_reasons"][ans.skip_reason or "skipped"] += 1
-        else:
-            stats["answered"] += 1
-        if ans.rating is not None:
-            stats["rated"] += 1
-        by_sample.setdefault(sid, {})[who] = ans
-    pairs = []
-    for x, y in itertools.combinations(sorted(per), 2):
-        overlap = [
-            (s[x], s[y])
-            for sid, s in sorted(by_sample.items())
-            if x in s and y in s and s[x].skip_reason is None and s[y].skip_reason is None
-        ]
-        dec_x: list[int] = []
-        dec_y: list[int] = []
-        unknown = 0
-        for ax, ay in overlap:
-            slots = offered.get(ax.sample_id)
-            if slots is None:
-                unknown += 1
-                continue
-            for slot in sorted(set(slots) | ax.correct | ay.correct):
-                dec_x.append(int(slot in ax.correct))
-                dec_y.append(int(slot in ay.correct))
-        rated = [(ax.rating, ay.rating) for ax, ay in overlap if ax.rating is not None and ay.rating is not None]
-        if not overlap:
-            continue
-        pairs.append(
-            {
-                "labelers": [x, y],
-                "overlap": len(overlap),
-                "slot_decisions": len(dec_x),
-                "unknown_samples": unknown,
-                "kappa_memories": _finite(cohens_kappa(dec_x, dec_y)),
-                "same_set": sum(ax.correct == ay.correct for ax, ay in overlap) / len(overlap),
-                "rated_by_both": len(rated),
-                "kappa_rating": _finite(cohens_kappa([r[0] for r in rated], [r[1] for r in rated], weights="linear")),
-            }
-        )
-    labelers = {
-        who: {**s, "skip_reasons": dict(sorted(s["skip_reasons"].items(), key=lambda kv: (-kv[1], kv[0])))}
-        for who, s in sorted(per.items())
-    }
-    return {
-        "samples": len(by_sample),
-        "samples_with_several_labelers": sum(len(v) > 1 for v in by_sample.values()),
-        "labelers": labelers,
-        "pairs": pairs,
-    }
-
-
-def _finite(x: float) -> float | None:
-    return None if math.isnan(x) else round(x, 6)
-
-
-# --------------------------------------------------------------------------- answers (pure)
-
-
-@dataclass(frozen=True)
-class FileAnswer:
-    line: int
-    sample_id: str
-    correct: list[int] | None = None
-    rating: int | None = None
-    skip: str | None = None
-
-
-def _rating(value: Any, where: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= RATING_MAX:
-        raise ValueError(f"{where}: rating must be an integer 0–{RATING_MAX}, not {value!r}")
-    return value
-
-
-def load_answers(path: str | Path) -> dict[str, FileAnswer]:
-    """Read the answers file (JSONL); any bad line is an error naming the line.
-
-    >>> import tempfile, pathlib
-    >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.jsonl"
-    >>> _ = p.write_text('{"sample_id": "s1", "correct_memories": [3, 17], "rating": 4}\\n\\n'
-    ...                  '{"sample_id": "s2", "skip": "not sure"}\\n')
-    >>> sorted((a.sample_id, a.correct, a.rating, a.skip) for a in load_answers(p).values())
-    [('s1', [3, 17], 4, None), ('s2', None, None, 'not sure')]
-    """
-    out: dict[str, FileAnswer] = {}
-    for n, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{where}: each line must be a JSON object")
-        sid = obj.get("sample_id")
-        if not isinstance(sid, str) or not sid:
-            raise ValueError(f"{where}: sample_id (a non-empty string) is required")
-        if sid in out:
-            raise ValueError(f"{where}: sample {sid} is already answered on line {out[sid].line}")
-        has_skip, has_correct = "skip" in obj, "correct_memories" in obj
-        if has_skip == has_correct:
-            raise ValueError(f"{where}: give either correct_memories or skip")
-        if has_skip:
-            reason = obj["skip"]
-            if reason is not None and not isinstance(reason, str):
-                raise ValueError(f"{where}: skip must be a string (the reason)")
-            if obj.get("rating") is not None:
-                raise ValueError(f"{where}: a skip carries no rating")
-            out[sid] = FileAnswer(n, sid, skip=reason or "skipped")
-            continue
-        correct = obj["correct_memories"]
-        if not isinstance(correct, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in correct
-        ):
-            raise ValueError(f"{where}: correct_memories must be a list of slot numbers")
-        if len(set(correct)) != len(correct):
-            raise ValueError(f"{where}: correct_memories repeats a slot")
-        out[sid] = FileAnswer(n, sid, correct=list(correct), rating=_rating(obj.get("rating"), where))
-    return out
-
-
-def offered_slots(sample: Any) -> list[int]:
-    """The slots a labeler may choose: the top slots (most likely first), then the other candidates."""
-    out = [int(t["slot"]) for t in sorted(sample.top_slots, key=lambda t: -float(t["prob"]))]
-    out += [s for s in sample.candidates if s not in out]
-    return out
-
-
-@dataclass(frozen=True)
-class Command:
-    """A parsed line of the interactive prompt."""
-
-    action: str  # "answer", "rating" (a rating alone), "skip", "quit", "help"
-    slots: tuple[int, ...] | None = None  # "answer": () is "none of them"
-    rating: int | None = None
-    reason: str = ""
-
-
-def parse_line(line: str, offered: Sequence[int]) -> Command:
-    """Parse one answer line; raises ValueError with a message for the person.
-
-    >>> parse_line("3 17", [3, 5, 17])
-    Command(action='answer', slots=(3, 17), rating=None, reason='')
-    >>> parse_line("17,3 r4", [3, 5, 17])
-    Command(action='answer', slots=(17, 3), rating=4, reason='')
-    >>> parse_line("s not sure", [3]).reason
-    'not sure'
-    >>> parse_line("9", [3, 5])
-    Traceback (most recent call last):
-    ...
-    ValueError: slot 9 is not among this sample's candidates (3 5)
-    """
-    text = line.strip()
-    low = text.lower()
-    if not text:
-        raise ValueError("type the correct slots, 'none', 's [reason]' to skip, 'q' to quit ('?' for help)")
-    if low in ("q", "quit", "exit"):
-        return Command("quit")
-    if low in ("?", "h", "help"):
-        return Command("help")
-    if low in ("s", "skip") or low.startswith(("s ", "skip ")):
-        return Command("skip", reason=text.split(None, 1)[1].strip() if " " in text else "")
-    slots: list[int] = []
-    rating: int | None = None
-    none = False
-    for token in text.replace(",", " ").split():
-        tok = token.lower()
-        if tok in ("none", "-"):
-            none = True
-        elif tok.startswith("r") and tok[1:].isdigit():
-            value = int(tok[1:])
-            if value > RATING_MAX:
-                raise ValueError(f"a rating is 0–{RATING_MAX} (r0 … r{RATING_MAX}), not {value}")
-            rating = value
-        elif tok.isdigit():
-            slot = int(tok)
-            if slot not in offered:
-                raise ValueError(f"slot {slot} is not among this sample's candidates ({' '.join(map(str, offered))})")
-            if slot not in slots:
-                slots.append(slot)
-        else:
-            raise ValueError(f"cannot read {token!r}: {HELP}")
-    if none and slots:
-        raise ValueError("'none' and slot numbers contradict each other")
-    if not slots and not none:
-        return Command("rating", rating=rating)
-    return Command("answer", slots=tuple(slots), rating=rating)
-
-
-def parse_rating(line: str) -> int | None:
-    """The rating prompt: ``r4`` or ``4``; empty for no rating.
-
-    >>> parse_rating("r4"), parse_rating(" 2 "), parse_rating("")
-    (4, 2, None)
-    """
-    text = line.strip().lower()
-    if not text:
-        return None
-    if text.startswith("r"):
-        text = text[1:]
-    if not text.isdigit() or int(text) > RATING_MAX:
-        raise ValueError(f"a rating is 0–{RATING_MAX} (r4 or 4); Enter for no rating")
-    return int(text)
+        Console(highlight=False).print(render_stats(result))
+    return 0
 
 
 # --------------------------------------------------------------------------- terminal
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class StdinLines:
@@ -415,7 +149,7 @@ class StdinLines:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         try:
-            loop.add_reader(self.fd, lambda: fut.done() or fut.set_result(None))
+            loop.add_reader(self.fd, _wake, fut)
         except (OSError, ValueError, NotImplementedError):
             return  # a regular file (never blocks) or a loop without add_reader: just read
         try:
@@ -424,12 +158,8 @@ class StdinLines:
             loop.remove_reader(self.fd)
 
 
-def render_sample(item: Any) -> Any:
+def render_sample(item: QueuedSample) -> Group:
     """A rich renderable of one queued sample."""
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
 
     s = item.sample
     texts = s.memory_texts or {}
@@ -470,7 +200,7 @@ def _clip(text: str | None) -> str:
     return text if len(text) <= TEXT_WIDTH else text[: TEXT_WIDTH - 1] + "…"
 
 
-async def _status_line(queue: Any) -> str:
+async def _status_line(queue: LabelQueue) -> str:
     try:
         waiting = await queue.waiting()
     except Exception:  # a display hint, never fatal
@@ -482,10 +212,7 @@ async def _status_line(queue: Any) -> str:
 # --------------------------------------------------------------------------- modes
 
 
-async def interactive(queue: Any, console: Any, timeout: float | None, max_samples: int | None) -> int:
-    from rich.text import Text
-
-    from pipeline.labeling.queue import SampleMoved
+async def interactive(queue: LabelQueue, console: Console, timeout: float | None, max_samples: int | None) -> int:
 
     stdin = StdinLines()
     handled = 0
@@ -527,9 +254,8 @@ async def interactive(queue: Any, console: Any, timeout: float | None, max_sampl
     return 0
 
 
-async def ask(item: Any, console: Any, stdin: StdinLines) -> Command | None:
+async def ask(item: QueuedSample, console: Console, stdin: StdinLines) -> Command | None:
     """Prompt until a complete answer (``answer`` with slots, or ``skip``); None to quit."""
-    from rich.text import Text
 
     offered = offered_slots(item.sample)
     rating: int | None = None
@@ -573,11 +299,8 @@ async def ask(item: Any, console: Any, stdin: StdinLines) -> Command | None:
 
 
 async def from_file(
-    queue: Any, console: Any, answers: dict[str, FileAnswer], timeout: float, max_samples: int | None
+    queue: LabelQueue, console: Console, answers: dict[str, FileAnswer], timeout: float, max_samples: int | None
 ) -> int:
-    from rich.text import Text
-
-    from pipeline.labeling.queue import SampleMoved
 
     pending = dict(answers)
     answered = skipped = 0
@@ -636,19 +359,17 @@ async def from_file(
     return 1 if rejected else 0
 
 
-async def stats(bootstrap: str, settings: Any) -> dict[str, Any]:
-    from pipeline import kafka
-    from topics.codec import Rejected, decode_active_learning_sample, decode_human_label
-
-    topics, limits = settings.topics(), settings.limits()
+async def stats(bootstrap: str, conn: Connection) -> dict[str, Any]:
+    """Agreement over every label on ``human-labels`` (see :func:`~pipeline.labeling.agreement.agreement`)."""
+    topics, limits = conn.topics, conn.limits
     labels = []
-    for msg in await kafka.read_all(bootstrap, settings, topics.human_labels.name):
+    for msg in await kafka.read_all(bootstrap, conn, topics.human_labels.name):
         try:
             labels.append(decode_human_label(msg.value, limits, msg.key))
         except Rejected:
             continue
     offered: dict[str, set[int]] = {}
-    for msg in await kafka.read_all(bootstrap, settings, topics.active_learning.name):
+    for msg in await kafka.read_all(bootstrap, conn, topics.active_learning.name):
         try:
             sample = decode_active_learning_sample(msg.value, limits, msg.key)
         except Rejected:
@@ -657,11 +378,7 @@ async def stats(bootstrap: str, settings: Any) -> dict[str, Any]:
     return agreement(labels, offered)
 
 
-def render_stats(result: dict[str, Any]) -> Any:
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
+def render_stats(result: dict[str, Any]) -> Group:
     def num(x: float | None, fmt: str = "{:.3f}") -> str:
         return "n/a" if x is None else fmt.format(x)
 
@@ -713,6 +430,3 @@ def render_stats(result: dict[str, Any]) -> Any:
     else:
         parts.append(Text("no sample was answered by two labelers: no agreement to report"))
     return Group(*parts)
-
-
-# --------------------------------------------------------------------------- the verb

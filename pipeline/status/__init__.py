@@ -1,1 +1,1 @@
-"""Status: collect what the topics and the processes' metrics say, and render it."""
+"""Status: collect what the topics (collect) and the processes' metrics (live) say, and render it."""

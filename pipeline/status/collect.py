@@ -1,11 +1,12 @@
-"""``causalmem status``: the operator's view of a running pipeline (DESIGN §6, §7).
+"""What ``causalmem status`` collects: the operator's view of a running pipeline (docs/operations.md).
 
 What it shows, and where each number comes from:
 
-- **checkpoints** — the model topic (read from the beginning, DESIGN §8, then only what is
-  new at each ``--watch`` refresh): the serving and candidate manifests of the policy
-  (version, reason, age, baseline, the learner's counters recorded in the manifest), and
-  the learner's update rate between the two newest manifests: ``Δupdates / Δcreated_ts``;
+- **checkpoints** — the model topic (read from the beginning, as every reader of it does,
+  docs/architecture.md; then only what is new at each ``--watch`` refresh): the serving
+  and candidate manifests of the policy (version, reason, age, baseline, the learner's
+  counters recorded in the manifest), and the learner's update rate between the two
+  newest manifests: ``Δupdates / Δcreated_ts``;
 - **active-learning queue depth** — per partition, the fetch high watermark minus the
   labeler group's committed offset (``{prefix}causalmem-labelers``); high watermarks
   come from fetch responses, never from ``end_offsets`` (wrong on the embedded broker);
@@ -13,11 +14,13 @@ What it shows, and where each number comes from:
 - **live metrics** (optional) — the ``/metrics`` endpoints given with ``--worker URL`` and
   ``--learner URL`` (repeatable): health score and band, the 7-day correlation and its
   pairs, join and update rates (two scrapes ``--rate-interval`` seconds apart, or the
-  counters' change between ``--watch`` refreshes), the live baseline and consumer lag.
+  counters' change between ``--watch`` refreshes), the live baseline and consumer lag
+  (the views: :mod:`pipeline.status.live`).
 
 ``--watch [SECONDS]`` refreshes the view until Ctrl-C; ``--json`` prints one JSON object
-(one per refresh, one per line, with ``--watch``) instead of tables. The verb only reads:
-it creates no topic, commits no offset and joins no consumer group.
+(one per refresh, one per line, with ``--watch``) instead of tables (drawn by
+:mod:`pipeline.status.render`). The verb only reads: it creates no topic, commits no
+offset and joins no consumer group.
 """
 
 from __future__ import annotations
@@ -25,45 +28,31 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
 from aiokafka import TopicPartition
 
 from pipeline import kafka
-from pipeline.config import Settings
-from pipeline.lab.procs import metric, scrape
-from pipeline.labeling.queue import LABELER_GROUP
-from pipeline.metrics import HEALTH_BANDS
-
-# Counters whose rates the live view reports: (label in the output, metric name).
-WORKER_RATES = (("joins_per_s", "causalmem_joins_total"), ("events_in_per_s", "causalmem_events_in_total"))
-LEARNER_RATES = (
-    ("updates_per_s", "causalmem_learner_updates_total"),
-    ("experiences_per_s", "causalmem_learner_experiences_total"),
+from pipeline.config import Connection, Settings
+from pipeline.labeling.queue import labeler_group
+from pipeline.modeltopic import ModelTopicIndex
+from pipeline.promtext import scrape
+from pipeline.status.live import (
+    LEARNER_RATES,
+    WORKER_RATES,
+    counter_rates,
+    health_summary,
+    learner_view,
+    strip_prefix,
+    worker_view,
 )
-BAND_STYLE = {"efficient": "bold green", "healthy": "green", "warning": "yellow", "critical": "bold red"}
-
+from topics.checkpoint import Manifest
 
 # --------------------------------------------------------------------------- helpers
-
-
-def labelled(values: dict[str, float], name: str, label: str) -> dict[str, float]:
-    """``{label value: sum}`` of a metric's samples, grouped by one label."""
-    out: dict[str, float] = {}
-    for key, value in values.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        labels = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
-        if label in labels:
-            out[labels[label]] = out.get(labels[label], 0.0) + value
-    return out
-
-
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
 
 
 def _scalars(d: dict[str, Any]) -> dict[str, Any]:
@@ -75,37 +64,10 @@ def _scalars(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _strip(topic: str, prefix: str) -> str:
-    return topic[len(prefix) :] if prefix and topic.startswith(prefix) else topic
-
-
-def fmt_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = max(0.0, seconds)
-    if s < 60:
-        return f"{s:.0f}s"
-    if s < 3600:
-        return f"{int(s // 60)}m {int(s % 60):02d}s"
-    if s < 86400:
-        return f"{int(s // 3600)}h {int(s % 3600 // 60):02d}m"
-    return f"{int(s // 86400)}d {int(s % 86400 // 3600):02d}h"
-
-
-def _num(x: Any, fmt: str = "{:,.3f}") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, int) and not isinstance(x, bool):
-        return f"{x:,}"
-    if isinstance(x, float):
-        return fmt.format(x)
-    return str(x)
-
-
 # --------------------------------------------------------------------------- sources
 
 
-def manifest_view(m: Any, now: float) -> dict[str, Any]:
+def manifest_view(m: Manifest, now: float) -> dict[str, Any]:
     return {
         "version": m.version,
         "reason": m.reason,
@@ -120,7 +82,7 @@ def manifest_view(m: Any, now: float) -> dict[str, Any]:
     }
 
 
-def manifest_rate(manifests: list[Any]) -> dict[str, Any] | None:
+def manifest_rate(manifests: list[Manifest]) -> dict[str, Any] | None:
     """Learner rates between the two newest manifests (by version) with distinct times."""
     ordered = sorted(manifests, key=lambda m: m.version)
     if len(ordered) < 2:
@@ -133,9 +95,10 @@ def manifest_rate(manifests: list[Any]) -> dict[str, Any] | None:
     out: dict[str, Any] = {"from_version": old.version, "to_version": new.version, "seconds": round(dt, 3)}
     for key, name in (("updates", "updates_per_s"), ("experiences", "experiences_per_s")):
         a, b = old.metrics.get(key), new.metrics.get(key)
-        ok = isinstance(a, int | float) and isinstance(b, int | float) and b >= a
+        out[name] = None
         # A rollback republishes older weights (and their counters): no rate across it.
-        out[name] = (b - a) / dt if ok else None
+        if isinstance(a, int | float) and isinstance(b, int | float) and b >= a:
+            out[name] = (b - a) / dt
     return out
 
 
@@ -143,24 +106,20 @@ class ModelTopicFollower:
     """The model topic's manifests, read from the beginning once and then incrementally."""
 
     def __init__(self) -> None:
-        self.index: Any = None
+        self.index = ModelTopicIndex()
         self.next_offset = 0
 
-    async def update(self, bootstrap: str, settings: Settings, now: float) -> dict[str, Any]:
-        from pipeline.modeltopic import ModelTopicIndex  # imports torch: only when needed
-
-        if self.index is None:
-            self.index = ModelTopicIndex()
-        topic = settings.topics().policy_checkpoints.name
+    async def update(self, bootstrap: str, conn: Connection, now: float) -> dict[str, Any]:
+        topic = conn.topics.policy_checkpoints.name
         start = {0: self.next_offset} if self.next_offset else None
-        for msg in await kafka.read_all(bootstrap, settings, topic, partitions=[0], start=start, idle_s=0.5):
+        for msg in await kafka.read_all(bootstrap, conn, topic, partitions=[0], start=start, idle_s=0.5):
             if msg.offset >= self.next_offset:
                 self.index.observe(msg.offset, msg.key, msg.value)
                 self.next_offset = msg.offset + 1
-        return checkpoint_view(self.index, settings.policy, now)
+        return checkpoint_view(self.index, conn.policy, now)
 
 
-def checkpoint_view(index: Any, policy: str, now: float) -> dict[str, Any]:
+def checkpoint_view(index: ModelTopicIndex, policy: str, now: float) -> dict[str, Any]:
     serving, candidate = index.serving.get(policy), index.candidate.get(policy)
     mine = [m for (p, _), m in index.manifests.items() if p == policy]
     return {
@@ -182,15 +141,13 @@ async def _partitions(c: Any, topic: str) -> list[int]:
     return sorted(parts)
 
 
-async def queue_depth(
-    bootstrap: str, settings: Settings, topic: str, group: str, timeout: float = 5.0
-) -> dict[str, Any]:
+async def queue_depth(bootstrap: str, conn: Connection, topic: str, group: str, timeout: float = 5.0) -> dict[str, Any]:
     """Samples the labeler group has not committed: Σ (fetch high watermark − committed).
 
     The consumer carries the group id only to read the group's committed offsets: it is
     manually assigned, never joins the group and never commits.
     """
-    c = kafka.consumer(bootstrap, settings, group_id=group, enable_auto_commit=False)
+    c = kafka.consumer(bootstrap, conn, group_id=group, enable_auto_commit=False)
     await c.start()
     try:
         tps = [TopicPartition(topic, p) for p in await _partitions(c, topic)]
@@ -245,9 +202,9 @@ class DeadLetterTally:
     by_topic: dict[str, int] = field(default_factory=dict)
     last_ts: float | None = None
 
-    async def update(self, bootstrap: str, settings: Settings, topic: str) -> dict[str, Any]:
+    async def update(self, bootstrap: str, conn: Connection, topic: str) -> dict[str, Any]:
         start = {0: self.next_offset} if self.next_offset else None
-        for msg in await kafka.read_all(bootstrap, settings, topic, partitions=[0], start=start, idle_s=0.5):
+        for msg in await kafka.read_all(bootstrap, conn, topic, partitions=[0], start=start, idle_s=0.5):
             if msg.offset < self.next_offset:
                 continue
             self.next_offset = msg.offset + 1
@@ -260,7 +217,7 @@ class DeadLetterTally:
                 reason = str(body.get("reason") or "unknown")
                 src = body.get("source")
                 if isinstance(src, dict) and src.get("topic"):
-                    source = _strip(str(src["topic"]), self.prefix)
+                    source = strip_prefix(str(src["topic"]), self.prefix)
                 if isinstance(body.get("ts"), int | float):
                     self.last_ts = max(self.last_ts or 0.0, float(body["ts"]))
             self.total += 1
@@ -274,87 +231,6 @@ class DeadLetterTally:
         }
 
 
-# --------------------------------------------------------------------------- live metrics
-
-
-def _rates(
-    now_values: dict[str, float], prev: tuple[float, dict[str, float]] | None, t: float, names: tuple
-) -> dict[str, float | None]:
-    out: dict[str, float | None] = {key: None for key, _ in names}
-    if prev is None or not prev[1] or not now_values or t <= prev[0]:
-        return out
-    for key, name in names:
-        delta = metric(now_values, name) - metric(prev[1], name)
-        out[key] = max(0.0, delta) / (t - prev[0])  # a restarted process resets its counters
-    return out
-
-
-def worker_view(url: str, values: dict[str, float], rates: dict[str, float | None], prefix: str) -> dict[str, Any]:
-    if not values:
-        return {"url": url, "up": False}
-    bands = labelled(values, "causalmem_memory_health_band", "band")
-    band = next((b for b in HEALTH_BANDS if bands.get(b) == 1.0), None)
-    # The score gauge reads 0 until the worker's first health computation sets a band.
-    score = metric(values, "causalmem_memory_health_score") if band is not None else None
-    reference = metric(values, "causalmem_utility_rating_correlation_reference")
-    return {
-        "url": url,
-        "up": True,
-        "health_score": score,
-        "health_band": band,
-        "correlation": _finite(metric(values, "causalmem_utility_rating_correlation")),
-        "correlation_pairs": int(metric(values, "causalmem_utility_rating_pairs")),
-        # The gauge reads 0 until the drift trigger has a reference: 0 is shown as "none yet".
-        "correlation_reference": reference if reference != 0.0 else None,
-        "joins_total": metric(values, "causalmem_joins_total"),
-        "join_pending": metric(values, "causalmem_join_pending"),
-        "partitions_owned": int(metric(values, "causalmem_partitions_owned", stage="join")),
-        "dead_letters_total": metric(values, "causalmem_dead_letter_total"),
-        "al_samples_total": metric(values, "causalmem_al_samples_total"),
-        "consumer_lag": {
-            _strip(t, prefix): int(v) for t, v in labelled(values, "causalmem_consumer_lag_messages", "topic").items()
-        },
-        **rates,
-    }
-
-
-def learner_view(url: str, values: dict[str, float], rates: dict[str, float | None], prefix: str) -> dict[str, Any]:
-    if not values:
-        return {"url": url, "up": False}
-    return {
-        "url": url,
-        "up": True,
-        "baseline": metric(values, "causalmem_learner_baseline"),
-        "loss": _finite(metric(values, "causalmem_learner_loss")),
-        "updates_total": metric(values, "causalmem_learner_updates_total"),
-        "experiences_total": metric(values, "causalmem_learner_experiences_total"),
-        "resets_total": metric(values, "causalmem_learner_resets_total"),
-        "checkpoint_version": {
-            role: int(v) for role, v in labelled(values, "causalmem_checkpoint_version", "role").items()
-        },
-        "consumer_lag": {
-            _strip(t, prefix): int(v) for t, v in labelled(values, "causalmem_consumer_lag_messages", "topic").items()
-        },
-        **rates,
-    }
-
-
-def health_summary(workers: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The worst health score among reachable workers (each computes its own)."""
-    up = [w for w in workers if w.get("up") and w.get("health_score") is not None]
-    if not up:
-        return None
-    worst = min(up, key=lambda w: w["health_score"])
-    return {
-        "score": worst["health_score"],
-        "band": worst["health_band"],
-        "correlation": worst["correlation"],
-        "correlation_pairs": worst["correlation_pairs"],
-        "correlation_reference": worst["correlation_reference"],
-        "from": worst["url"],
-    }
-
-
 # --------------------------------------------------------------------------- collector
 
 
@@ -364,18 +240,18 @@ class StatusCollector:
     def __init__(
         self,
         bootstrap: str,
-        settings: Settings,
+        conn: Connection | Settings,
         worker_urls: list[str] | None = None,
         learner_urls: list[str] | None = None,
         rate_interval: float = 1.0,
     ) -> None:
         self.bootstrap = bootstrap
-        self.settings = settings
-        self.topics = settings.topics()
+        self.conn = conn if isinstance(conn, Connection) else conn.connection()
+        self.topics = self.conn.topics
         self.worker_urls = list(worker_urls or [])
         self.learner_urls = list(learner_urls or [])
         self.rate_interval = rate_interval
-        self.dead = DeadLetterTally(prefix=settings.topic_prefix)
+        self.dead = DeadLetterTally(prefix=self.topics.prefix)
         self.model = ModelTopicFollower()
         self._prev: dict[str, tuple[float, dict[str, float]]] = {}
 
@@ -386,7 +262,7 @@ class StatusCollector:
         return {u: (t, v) for u, v in zip(urls, results, strict=True)}
 
     async def _existing_topics(self) -> set[str]:
-        client = kafka.admin(self.bootstrap, self.settings)
+        client = kafka.admin(self.bootstrap, self.conn)
         await client.start()
         try:
             return set(await client.list_topics())
@@ -394,73 +270,21 @@ class StatusCollector:
             await client.close()
 
     async def snapshot(self) -> dict[str, Any]:
-        urls = [*self.worker_urls, *self.learner_urls]
+        """One view of the deployment (the JSON ``causalmem status --json`` prints)."""
         first: dict[str, tuple[float, dict[str, float]]] = {}
-        if urls and not self._prev:
+        if (self.worker_urls or self.learner_urls) and not self._prev:
             first = await self._scrape_all()  # the rates' first point; Kafka reads overlap the wait
         t_start = time.monotonic()
         now = time.time()
-        t = self.topics
         errors: list[str] = []
-        existing = await self._existing_topics()
-
-        async def guarded(name: str, coro: Any) -> Any:
-            try:
-                return await coro
-            except Exception as exc:  # one failing source must not hide the others
-                errors.append(f"{name}: {exc!r}")
-                return None
-
-        async def absent(topic: str) -> dict[str, Any]:
-            return {"topic": topic, "missing": True}
-
-        ckpt, depth, dead = await asyncio.gather(
-            guarded("checkpoints", self.model.update(self.bootstrap, self.settings, now))
-            if t.policy_checkpoints.name in existing
-            else absent(t.policy_checkpoints.name),
-            guarded(
-                "active-learning",
-                queue_depth(
-                    self.bootstrap,
-                    self.settings,
-                    t.active_learning.name,
-                    f"{self.settings.topic_prefix}{LABELER_GROUP}",
-                ),
-            )
-            if t.active_learning.name in existing
-            else absent(t.active_learning.name),
-            guarded("dead-letter", self.dead.update(self.bootstrap, self.settings, t.dead_letter.name))
-            if t.dead_letter.name in existing
-            else absent(t.dead_letter.name),
-        )
-
-        workers: list[dict[str, Any]] = []
-        learners: list[dict[str, Any]] = []
-        if urls:
-            if first:
-                self._prev = first
-                wait = self.rate_interval - (time.monotonic() - t_start)
-                if wait > 0:
-                    await asyncio.sleep(wait)
-            current = await self._scrape_all()
-            prefix = self.settings.topic_prefix
-            for u in self.worker_urls:
-                tc, values = current[u]
-                workers.append(worker_view(u, values, _rates(values, self._prev.get(u), tc, WORKER_RATES), prefix))
-            for u in self.learner_urls:
-                tc, values = current[u]
-                learners.append(learner_view(u, values, _rates(values, self._prev.get(u), tc, LEARNER_RATES), prefix))
-            self._prev = {u: v for u, v in current.items() if v[1]} or self._prev
-            for w in [*workers, *learners]:
-                if not w["up"]:
-                    errors.append(f"{w['url']}: no metrics (unreachable)")
-
+        ckpt, depth, dead = await self._topics_view(now, errors)
+        workers, learners = await self._live_view(first, t_start, errors)
         return {
             "schema": "causalmem_status/v1",
             "ts": now,
             "bootstrap": self.bootstrap,
-            "prefix": self.settings.topic_prefix,
-            "policy": self.settings.policy,
+            "prefix": self.topics.prefix,
+            "policy": self.conn.policy,
             "checkpoints": ckpt,
             "active_learning": depth,
             "dead_letter": dead,
@@ -470,150 +294,72 @@ class StatusCollector:
             "errors": errors,
         }
 
+    async def _topics_view(self, now: float, errors: list[str]) -> list[dict[str, Any] | None]:
+        """Checkpoints, queue depth and dead letters, read concurrently; a failing source is an error line."""
+        t = self.topics
+        existing = await self._existing_topics()
+
+        async def read(name: str, topic: str, fetch: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
+            if topic not in existing:
+                return {"topic": topic, "missing": True}
+            try:
+                return await fetch()
+            except Exception as exc:  # one failing source must not hide the others
+                errors.append(f"{name}: {exc!r}")
+                return None
+
+        return list(
+            await asyncio.gather(
+                read(
+                    "checkpoints", t.policy_checkpoints.name, partial(self.model.update, self.bootstrap, self.conn, now)
+                ),
+                read(
+                    "active-learning",
+                    t.active_learning.name,
+                    partial(queue_depth, self.bootstrap, self.conn, t.active_learning.name, labeler_group(self.conn)),
+                ),
+                read(
+                    "dead-letter",
+                    t.dead_letter.name,
+                    partial(self.dead.update, self.bootstrap, self.conn, t.dead_letter.name),
+                ),
+            )
+        )
+
+    async def _live_view(
+        self, first: dict[str, tuple[float, dict[str, float]]], t_start: float, errors: list[str]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The workers' and learners' metrics, with rates against the previous scrape."""
+        workers: list[dict[str, Any]] = []
+        learners: list[dict[str, Any]] = []
+        if not (self.worker_urls or self.learner_urls):
+            return workers, learners
+        if first:
+            self._prev = first
+            wait = self.rate_interval - (time.monotonic() - t_start)
+            if wait > 0:
+                await asyncio.sleep(wait)
+        current = await self._scrape_all()
+        prefix = self.topics.prefix
+        for u in self.worker_urls:
+            tc, values = current[u]
+            workers.append(worker_view(u, values, counter_rates(values, self._prev.get(u), tc, WORKER_RATES), prefix))
+        for u in self.learner_urls:
+            tc, values = current[u]
+            learners.append(
+                learner_view(u, values, counter_rates(values, self._prev.get(u), tc, LEARNER_RATES), prefix)
+            )
+        self._prev = {u: v for u, v in current.items() if v[1]} or self._prev
+        errors.extend(f"{w['url']}: no metrics (unreachable)" for w in [*workers, *learners] if not w["up"])
+        return workers, learners
+
 
 async def collect(
     bootstrap: str,
-    settings: Settings,
+    conn: Connection | Settings,
     worker_urls: list[str] | None = None,
     learner_urls: list[str] | None = None,
     rate_interval: float = 1.0,
 ) -> dict[str, Any]:
     """One status snapshot (what ``causalmem status --json`` prints)."""
-    return await StatusCollector(bootstrap, settings, worker_urls, learner_urls, rate_interval).snapshot()
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def render(s: dict[str, Any]) -> Any:
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    header = Text.assemble(
-        ("causalmem status", "bold"),
-        f"  broker {s['bootstrap']}",
-        f"  prefix {s['prefix']!r}" if s["prefix"] else "",
-        f"  policy {s['policy']!r}",
-        ("  " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["ts"])), "dim"),
-    )
-    parts: list[Any] = [header]
-
-    # ---- checkpoints
-    ck = s.get("checkpoints") or {}
-    tbl = Table(title="checkpoints", title_justify="left", expand=False, pad_edge=False)
-    for col, just in (
-        ("", "left"),
-        ("version", "right"),
-        ("reason", "left"),
-        ("age", "right"),
-        ("baseline", "right"),
-        ("alpha", "right"),
-        ("updates", "right"),
-        ("experiences", "right"),
-    ):
-        tbl.add_column(col, justify=just)  # type: ignore[arg-type]
-    if ck.get("missing"):
-        tbl.add_row("-", "", "topic missing", "", "", "", "", "")
-    for role in ("serving", "candidate"):
-        m = ck.get(role)
-        if m:
-            tbl.add_row(
-                role,
-                str(m["version"]),
-                m["reason"],
-                fmt_age(m["age_s"]),
-                _num(m["baseline"], "{:+.4f}"),
-                _num(m["alpha"], "{:.3f}"),
-                _num(m["metrics"].get("updates")),
-                _num(m["metrics"].get("experiences")),
-            )
-    if not ck.get("missing") and not ck.get("serving") and not ck.get("candidate"):
-        tbl.add_row("-", "", "no checkpoint yet", "", "", "", "", "")
-    rate = ck.get("update_rate")
-    if rate:
-        tbl.caption = (
-            f"v{rate['from_version']}→v{rate['to_version']} over {rate['seconds']:.1f}s: "
-            f"{_num(rate['updates_per_s'], '{:.2f}')} updates/s, "
-            f"{_num(rate['experiences_per_s'], '{:.1f}')} experiences/s"
-        )
-        tbl.caption_justify = "left"
-    parts.append(tbl)
-
-    # ---- health and learning (live)
-    live = Table(title="live", title_justify="left", show_header=False, pad_edge=False, box=None)
-    live.add_column(style="dim")
-    live.add_column()
-    h = s.get("health")
-    if h is None and any(w["up"] for w in s.get("workers", [])):
-        live.add_row("health", Text("not computed yet (first computation ~5 s after a worker is ready)", style="dim"))
-    if h:
-        band = h["band"] or "?"
-        live.add_row("health", Text(f"{h['score']:.1f}  {band}", style=BAND_STYLE.get(band, "")))
-        corr = "-" if h["correlation"] is None else f"{h['correlation']:+.3f}"
-        ref = "" if h["correlation_reference"] is None else f", reference {h['correlation_reference']:+.3f}"
-        live.add_row("correlation (7 d)", f"{corr} over {h['correlation_pairs']} pairs{ref}")
-    for w in s.get("workers", []):
-        if not w["up"]:
-            live.add_row("worker", Text(f"{w['url']} unreachable", style="red"))
-            continue
-        lag = sum(w["consumer_lag"].values())
-        live.add_row(
-            "worker",
-            f"{w['partitions_owned']} partitions, joins {w['joins_total']:,.0f}"
-            f" ({_num(w['joins_per_s'], '{:.1f}')}/s), pending {w['join_pending']:,.0f}, lag {lag:,}",
-        )
-    for lr in s.get("learners", []):
-        if not lr["up"]:
-            live.add_row("learner", Text(f"{lr['url']} unreachable", style="red"))
-            continue
-        versions = ", ".join(f"{k} v{v}" for k, v in sorted(lr["checkpoint_version"].items())) or "-"
-        live.add_row(
-            "learner",
-            f"updates {lr['updates_total']:,.0f} ({_num(lr['updates_per_s'], '{:.2f}')}/s), "
-            f"experiences {lr['experiences_total']:,.0f} ({_num(lr['experiences_per_s'], '{:.1f}')}/s), "
-            f"baseline {lr['baseline']:+.4f}, lag {sum(lr['consumer_lag'].values()):,}, {versions}",
-        )
-    if live.row_count:
-        parts.append(live)
-
-    # ---- queues
-    q = Table(title="queues", title_justify="left", show_header=False, pad_edge=False, box=None)
-    q.add_column(style="dim")
-    q.add_column(justify="right")
-    q.add_column()
-    al = s.get("active_learning") or {}
-    if al.get("missing"):
-        q.add_row("active-learning", "-", "topic missing")
-    else:
-        q.add_row(
-            "active-learning",
-            _num(al.get("depth")),
-            f"waiting for labelers ({al.get('queued_total', 0):,} queued in all, "
-            f"{al.get('committed_partitions', 0)}/{len(al.get('partitions', {}))} partitions committed)",
-        )
-    dl = s.get("dead_letter") or {}
-    if dl.get("missing"):
-        q.add_row("dead-letter", "-", "topic missing")
-    else:
-        q.add_row("dead-letter", _num(dl.get("total", 0)), "rejected messages")
-        for reason, n in (dl.get("by_reason") or {}).items():
-            q.add_row("", _num(n), Text(reason, style="yellow"))
-    parts.append(q)
-
-    for err in s.get("errors", []):
-        parts.append(Text(f"! {err}", style="red"))
-    return Group(*parts)
-
-
-# --------------------------------------------------------------------------- the verb
-
-
-def _url(u: str) -> str:
-    """Accept HOST:PORT or a full URL; default path /metrics."""
-    if "://" not in u:
-        u = "http://" + u
-    scheme, _, rest = u.partition("://")
-    if "/" not in rest:
-        u = f"{scheme}://{rest}/metrics"
-    return u
+    return await StatusCollector(bootstrap, conn, worker_urls, learner_urls, rate_interval).snapshot()

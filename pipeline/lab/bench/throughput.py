@@ -36,9 +36,10 @@ from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_tor
 from models.trainer import adam, make_batch
 from pipeline import kafka
 from pipeline.config import Settings
-from pipeline.lab.procs import Child, metric
+from pipeline.lab.procs import Child
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
+from pipeline.promtext import metric
 from topics.codec import Experience, Features, LLMFeedback, RetrievalEvent, decode_experience, encode
 
 TARGET_PIPELINE = 0.25

@@ -23,8 +23,8 @@ from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.lab.bench.soak.judge import RATE_TOLERANCE, caught_up, judge_phase
 from pipeline.lab.bench.throughput import make_events
-from pipeline.lab.procs import Child, metric
-from pipeline.status.collect import labelled
+from pipeline.lab.procs import Child
+from pipeline.promtext import labelled, metric
 from topics.codec import LLMFeedback, RetrievalEvent, encode
 
 SAMPLE_S = 1.0

@@ -1,0 +1,110 @@
+"""The live part of ``causalmem status``: what the workers' and learners' ``/metrics`` say.
+
+Each view is built from one scrape (:func:`pipeline.promtext.scrape`); rates come from the
+change of counters between two scrapes of the same process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.metrics import HEALTH_BANDS
+from pipeline.promtext import finite, labelled, metric
+
+# Counters whose rates the live view reports: (label in the output, metric name).
+WORKER_RATES = (("joins_per_s", "causalmem_joins_total"), ("events_in_per_s", "causalmem_events_in_total"))
+LEARNER_RATES = (
+    ("updates_per_s", "causalmem_learner_updates_total"),
+    ("experiences_per_s", "causalmem_learner_experiences_total"),
+)
+
+
+def strip_prefix(topic: str, prefix: str) -> str:
+    """A topic's name without the deployment's prefix (how the views name topics)."""
+    return topic[len(prefix) :] if prefix and topic.startswith(prefix) else topic
+
+
+def counter_rates(
+    now_values: dict[str, float],
+    prev: tuple[float, dict[str, float]] | None,
+    t: float,
+    names: tuple[tuple[str, str], ...],
+) -> dict[str, float | None]:
+    """Per-second rates of counters since the previous scrape ``prev`` (time, values); None without one."""
+    out: dict[str, float | None] = {key: None for key, _ in names}
+    if prev is None or not prev[1] or not now_values or t <= prev[0]:
+        return out
+    for key, name in names:
+        delta = metric(now_values, name) - metric(prev[1], name)
+        out[key] = max(0.0, delta) / (t - prev[0])  # a restarted process resets its counters
+    return out
+
+
+def consumer_lag(values: dict[str, float], prefix: str) -> dict[str, int]:
+    """A process's consumer lag in messages, per topic."""
+    lag = labelled(values, "causalmem_consumer_lag_messages", "topic")
+    return {strip_prefix(t, prefix): int(v) for t, v in lag.items()}
+
+
+def worker_view(url: str, values: dict[str, float], rates: dict[str, float | None], prefix: str) -> dict[str, Any]:
+    """A worker's health, correlation, joins, queue and lag (``up: False`` when the scrape got nothing)."""
+    if not values:
+        return {"url": url, "up": False}
+    bands = labelled(values, "causalmem_memory_health_band", "band")
+    band = next((b for b in HEALTH_BANDS if bands.get(b) == 1.0), None)
+    # The score gauge reads 0 until the worker's first health computation sets a band.
+    score = metric(values, "causalmem_memory_health_score") if band is not None else None
+    reference = metric(values, "causalmem_utility_rating_correlation_reference")
+    return {
+        "url": url,
+        "up": True,
+        "health_score": score,
+        "health_band": band,
+        "correlation": finite(metric(values, "causalmem_utility_rating_correlation")),
+        "correlation_pairs": int(metric(values, "causalmem_utility_rating_pairs")),
+        # The gauge reads 0 until the drift trigger has a reference: 0 is shown as "none yet".
+        "correlation_reference": reference if reference != 0.0 else None,
+        "joins_total": metric(values, "causalmem_joins_total"),
+        "join_pending": metric(values, "causalmem_join_pending"),
+        "partitions_owned": int(metric(values, "causalmem_partitions_owned", stage="join")),
+        "dead_letters_total": metric(values, "causalmem_dead_letter_total"),
+        "al_samples_total": metric(values, "causalmem_al_samples_total"),
+        "consumer_lag": consumer_lag(values, prefix),
+        **rates,
+    }
+
+
+def learner_view(url: str, values: dict[str, float], rates: dict[str, float | None], prefix: str) -> dict[str, Any]:
+    """A learner's baseline, loss, counters, checkpoint versions and lag (``up: False`` when unreachable)."""
+    if not values:
+        return {"url": url, "up": False}
+    return {
+        "url": url,
+        "up": True,
+        "baseline": metric(values, "causalmem_learner_baseline"),
+        "loss": finite(metric(values, "causalmem_learner_loss")),
+        "updates_total": metric(values, "causalmem_learner_updates_total"),
+        "experiences_total": metric(values, "causalmem_learner_experiences_total"),
+        "resets_total": metric(values, "causalmem_learner_resets_total"),
+        "checkpoint_version": {
+            role: int(v) for role, v in labelled(values, "causalmem_checkpoint_version", "role").items()
+        },
+        "consumer_lag": consumer_lag(values, prefix),
+        **rates,
+    }
+
+
+def health_summary(workers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The worst health score among reachable workers (each computes its own)."""
+    up = [w for w in workers if w.get("up") and w.get("health_score") is not None]
+    if not up:
+        return None
+    worst = min(up, key=lambda w: w["health_score"])
+    return {
+        "score": worst["health_score"],
+        "band": worst["health_band"],
+        "correlation": worst["correlation"],
+        "correlation_pairs": worst["correlation_pairs"],
+        "correlation_reference": worst["correlation_reference"],
+        "from": worst["url"],
+    }
