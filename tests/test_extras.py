@@ -66,3 +66,13 @@ def test_require() -> None:
     with pytest.raises(MissingExtra, match=r"needs surely_absent_module, from the 'cli' extra"):
         require("surely_absent_module.sub", "cli")
     assert issubclass(MissingExtra, RuntimeError)  # the CLI prints it as one line and exits 1
+
+
+@pytest.mark.parametrize("verb", ["status", "label", "evaluate"])
+def test_an_operator_verb_without_rich_names_the_cli_extra(verb: str) -> None:
+    code = f"import sys; from pipeline.cli import main; sys.exit(main([{verb!r}, '--help']))"
+    done = _run_without({"rich"}, code)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == (
+        f"causalmem {verb}: this needs rich, from the 'cli' extra: pip install 'causal-memory-pipeline[cli]'"
+    )

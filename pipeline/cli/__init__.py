@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.cli.common import common_parser, setup_logging
+from pipeline.extras import MissingExtra, require
 
 # verb -> (module under pipeline.cli, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -35,6 +36,16 @@ VERBS: dict[str, tuple[str, str]] = {
     ),
     "rollback": ("rollback", "serve an earlier checkpoint again (republished under a new version, reason rollback)"),
     "bench": ("bench", "benchmarks: throughput, learning, soak"),
+}
+
+
+# Optional packages a verb needs, checked before its module is imported: (module, extra).
+NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "label": (("rich", "cli"),),
+    "status": (("rich", "cli"),),
+    "evaluate": (("rich", "cli"),),
+    "demo": (("rich", "lab"), ("yaml", "lab")),
+    "bench": (("rich", "lab"), ("yaml", "lab")),
 }
 
 
@@ -63,12 +74,19 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
 
 def verb_module(name: str) -> Any:
+    """Import a verb's module; a missing optional package raises :class:`MissingExtra` naming its extra."""
+    for module, extra in NEEDS.get(name, ()):
+        require(module, extra)
     return importlib.import_module(f"pipeline.cli.{VERBS[name][0]}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)
+    except MissingExtra as exc:
+        print(f"causalmem {_chosen_verb(argv)}: {exc}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     if not args.verb:
         parser.print_help()
