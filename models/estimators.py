@@ -64,7 +64,7 @@ import torch
 
 from models.policy import PolicyNetwork
 from models.serving_rule import DYNAMIC_DROP_RATIO, plackett_luce_logprob_torch
-from topics.codec import Experience
+from topics.internal import Experience
 
 DEFAULT_CLIP = 50.0
 DEFAULT_LEVEL = 0.95

@@ -16,7 +16,8 @@ from pipeline.config import Settings
 from pipeline.lab.procs import Child, metric
 from pipeline.metrics import Metrics
 from pipeline.worker.join import JoinStage
-from topics.codec import decode_active_learning_sample, decode_experience
+from topics.internal import decode_experience
+from topics.labels import decode_active_learning_sample
 
 from .conftest import settings_env
 from .helpers import feedback, label, retrieval_event, until

@@ -1,6 +1,7 @@
-"""Wire-contract codec (DESIGN §3, §5): topics/codec.py and topics/checkpoint.py.
+"""Wire-contract codec (docs/contract.md): the decoders of topics/ (events, feedback, labels,
+internal, manifest).
 
-Every decoder either returns a typed value or raises :class:`topics.codec.Rejected` with one
+Every decoder either returns a typed value or raises :class:`topics.fields.Rejected` with one
 of the machine-readable ``REASONS``; these tests pin each reason to a crafted input, check
 that valid values round-trip, and fuzz the decoders with Hypothesis.
 """
@@ -20,8 +21,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from topics import codec
-from topics.checkpoint import (
+from topics import events
+from topics.events import RetrievalEvent, decode_retrieval_event
+from topics.feedback import LLMFeedback, decode_llm_feedback
+from topics.fields import NO_KEY_CHECK, REASONS, SCHEMA_RETRIEVAL, Limits, Rejected, encode
+from topics.internal import Control, Experience, decode_control, decode_experience
+from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
+from topics.manifest import (
     MAX_CHUNK_BYTES,
     Manifest,
     candidate_key,
@@ -30,25 +36,6 @@ from topics.checkpoint import (
     parse_key,
     serving_key,
     validate_policy_name,
-)
-from topics.codec import (
-    NO_KEY_CHECK,
-    REASONS,
-    ActiveLearningSample,
-    Control,
-    Experience,
-    HumanLabel,
-    Limits,
-    LLMFeedback,
-    Rejected,
-    RetrievalEvent,
-    decode_active_learning_sample,
-    decode_control,
-    decode_experience,
-    decode_human_label,
-    decode_llm_feedback,
-    decode_retrieval_event,
-    encode,
 )
 
 D = 4
@@ -979,12 +966,12 @@ def test_fast_path_never_accepts_what_the_full_validator_rejects(path: str, valu
     else:
         holder[leaf] = value
     lim = LIMITS
-    fast = codec._fast_retrieval_event(copy.deepcopy(obj), lim, codec.NO_KEY_CHECK, codec.SCHEMA_RETRIEVAL, None)
+    fast = events._fast_retrieval_event(copy.deepcopy(obj), lim, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
     try:
-        full = codec._validated_retrieval_event(
-            copy.deepcopy(obj), lim, codec.NO_KEY_CHECK, codec.SCHEMA_RETRIEVAL, None
+        full = events._validated_retrieval_event(
+            copy.deepcopy(obj), lim, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None
         )
-    except codec.Rejected:
+    except Rejected:
         full = None
     if fast is not None:
         assert full is not None, f"the fast path accepted what the validator rejects ({path}={value!r})"
@@ -994,4 +981,4 @@ def test_fast_path_never_accepts_what_the_full_validator_rejects(path: str, valu
 def test_fast_path_takes_the_common_case() -> None:
     obj = retrieval_dict()
     obj.pop("memory_texts")
-    assert codec._fast_retrieval_event(obj, LIMITS, codec.NO_KEY_CHECK, codec.SCHEMA_RETRIEVAL, None) is not None
+    assert events._fast_retrieval_event(obj, LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None) is not None

@@ -12,7 +12,7 @@ from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.lab.procs import Child, metric
-from topics.codec import decode_control
+from topics.internal import decode_control
 
 from .conftest import settings_env
 from .helpers import feedback, label, retrieval_event, until

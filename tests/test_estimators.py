@@ -28,7 +28,8 @@ from models.estimators import (
 )
 from models.policy import PolicyNetwork
 from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob, sample_plackett_luce
-from topics.codec import Experience, Features, RetrievalEvent
+from topics.events import Features, RetrievalEvent
+from topics.internal import Experience
 
 # ---------------------------------------------------------------- hand-computed cases
 

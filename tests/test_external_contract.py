@@ -23,7 +23,7 @@ from models.policy import PolicyNetwork, init_policy
 from pipeline import kafka
 from pipeline.lab.procs import Child, metric, wait_until
 from pipeline.modeltopic import CheckpointPublisher, fetch_checkpoint, scan_model_topic
-from topics.checkpoint import chunk_key
+from topics.manifest import chunk_key
 
 from .conftest import TEST_CONTRACT, settings_env
 

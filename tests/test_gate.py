@@ -19,7 +19,9 @@ from pipeline.learner.gate import judge
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
-from topics.codec import Experience, Features, RetrievalEvent, encode
+from topics.events import Features, RetrievalEvent
+from topics.fields import encode
+from topics.internal import Experience
 
 from .helpers import until
 

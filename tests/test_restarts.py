@@ -16,7 +16,7 @@ from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.lab.procs import Child, metric
 from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
-from topics.codec import encode
+from topics.fields import encode
 
 from .conftest import settings_env
 from .helpers import experience, feedback, retrieval_event, until

@@ -43,7 +43,8 @@ from pipeline.metrics import Metrics
 from pipeline.modeltopic import PolicySubscriber, scan_model_topic
 from pipeline.worker.app import Worker, make_sample
 from pipeline.worker.join import JoinStage
-from topics.codec import Limits, Rejected, decode_human_label, encode
+from topics.fields import Limits, Rejected, encode
+from topics.labels import decode_human_label
 
 from .conftest import settings_env
 from .helpers import retrieval_event

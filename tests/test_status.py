@@ -18,7 +18,8 @@ from pipeline.labeling.queue import LabelQueue
 from pipeline.metrics import Metrics, serve
 from pipeline.modeltopic import CheckpointPublisher
 from pipeline.status.collect import StatusCollector, fmt_age, manifest_rate, render
-from topics.codec import dead_letter_value, encode
+from topics.fields import encode
+from topics.internal import dead_letter_value
 
 from .helpers import retrieval_event
 

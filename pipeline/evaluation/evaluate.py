@@ -20,7 +20,8 @@ METHODS = ("ips", "snips", "dr")
 
 async def experiences_tail(bootstrap: str, settings: Any, window: int) -> list[Any]:
     from pipeline import kafka
-    from topics.codec import Rejected, decode_experience
+    from topics.fields import Rejected
+    from topics.internal import decode_experience
 
     topic = settings.topics().experiences.name
     end = await kafka.high_watermark(bootstrap, settings, topic)

@@ -19,7 +19,8 @@ async def rollback(bootstrap: str, settings: object, version: int, reason: str, 
     from pipeline import kafka
     from pipeline.config import Settings
     from pipeline.modeltopic import scan_model_topic  # imports torch: only when the verb runs
-    from topics.codec import Control, encode
+    from topics.fields import encode
+    from topics.internal import Control
 
     assert isinstance(settings, Settings)
     await kafka.wait_for_broker(bootstrap, settings)

@@ -22,8 +22,8 @@ from pipeline.client.retriever import CausalRetriever
 from pipeline.lab.simulator import Environment, Scenario, Tally, serve
 from pipeline.learner.gate import judge
 from pipeline.modeltopic import LoadedPolicy
-from topics.checkpoint import Manifest
-from topics.codec import Experience
+from topics.internal import Experience
+from topics.manifest import Manifest
 
 
 @dataclass

@@ -638,7 +638,8 @@ async def from_file(
 
 async def stats(bootstrap: str, settings: Any) -> dict[str, Any]:
     from pipeline import kafka
-    from topics.codec import Rejected, decode_active_learning_sample, decode_human_label
+    from topics.fields import Rejected
+    from topics.labels import decode_active_learning_sample, decode_human_label
 
     topics, limits = settings.topics(), settings.limits()
     labels = []

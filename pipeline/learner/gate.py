@@ -31,8 +31,8 @@ from models.policy import PolicyNetwork
 from pipeline.config import Settings
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
-from topics.checkpoint import Manifest
-from topics.codec import Experience
+from topics.internal import Experience
+from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

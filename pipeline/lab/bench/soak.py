@@ -77,7 +77,9 @@ from pipeline.config import Settings
 from pipeline.lab.bench.throughput import make_events
 from pipeline.lab.procs import Child, metric
 from pipeline.status.collect import labelled
-from topics.codec import LLMFeedback, RetrievalEvent, encode
+from topics.events import RetrievalEvent
+from topics.feedback import LLMFeedback
+from topics.fields import encode
 
 DEFAULT_RATE = 300.0  # pairs/s (2 input messages each)
 DEFAULT_DURATION_S = 120.0
