@@ -1,8 +1,8 @@
-"""Off-policy estimates of a policy's mean utility from logged retrievals (DESIGN §4).
+"""Off-policy estimates of a policy's mean utility from logged retrievals (docs/learning.md).
 
 Every retrieval event records the serving policy's kept candidates, their similarity
 scores, the ordered ``selected`` slots, the temperature T and ``logprob`` = log π_serving
-(selected | s) under the §4 rule; the join adds the step's utility u. From such a log this
+(selected | s) under the serving rule; the join adds the step's utility u. From such a log this
 module estimates V(π) = E_s E_{a∼π(·|s)}[u] for another policy π:
 
 * :func:`ips` — inverse propensity scoring, mean(w·u);
@@ -18,7 +18,7 @@ finite-sample interval for clipped IPS instead. :func:`gain` estimates the *diff
 V(candidate) − V(baseline) with a paired bootstrap (the same resampled decisions for both
 policies), which is what a promotion gate compares with −ε.
 
-The evaluated policy's probability of the logged selection is computed by the §4 rule over
+The evaluated policy's probability of the logged selection is computed by the serving rule over
 the *logged* candidates: z_i = score_i·(1 + α·m_i)/T with the logged T (or the T of a
 :class:`Tempered` policy), then Plackett–Luce. A :class:`~models.policy.PolicyNetwork`
 target also applies its own hard drop (m_i < 0.01·max m over the logged candidates):
@@ -108,12 +108,14 @@ class LoggedDecisions:
     @property
     def n_candidates(self) -> np.ndarray:
         """Number of logged candidates per decision."""
-        return self.valid.sum(axis=1)
+        counts: np.ndarray = self.valid.sum(axis=1)
+        return counts
 
     @property
     def n_selected(self) -> np.ndarray:
         """Number of selected slots k per decision."""
-        return self.selected_valid.sum(axis=1)
+        counts: np.ndarray = self.selected_valid.sum(axis=1)
+        return counts
 
     def selected_slots(self) -> np.ndarray:
         """Selected slot ids [N, K] (padding where ``selected_valid`` is False)."""
@@ -123,7 +125,7 @@ class LoggedDecisions:
     def from_lists(
         cls,
         candidates: Sequence[Sequence[int]],
-        scores: Sequence[Sequence[float]],
+        scores: Sequence[Sequence[float] | np.ndarray],
         selected: Sequence[Sequence[int]],
         temperature: Sequence[float],
         logprob: Sequence[float],
@@ -257,7 +259,7 @@ def candidate_masks(net: PolicyNetwork, decisions: LoggedDecisions, batch_size: 
 
 
 def keep_dynamic_rows(masks: np.ndarray, valid: np.ndarray, ratio: float = DYNAMIC_DROP_RATIO) -> np.ndarray:
-    """Row-wise §4 hard drop over the valid candidates: keep m_i ≥ ratio·max m (none if non-finite).
+    """Row-wise serving-rule hard drop over the valid candidates: keep m_i ≥ ratio·max m (none if non-finite).
 
     >>> keep_dynamic_rows(np.array([[1.0, 0.001, 0.5]]), np.array([[True, True, True]])).tolist()
     [[True, False, True]]
@@ -265,7 +267,8 @@ def keep_dynamic_rows(masks: np.ndarray, valid: np.ndarray, ratio: float = DYNAM
     with np.errstate(invalid="ignore"):
         finite = np.where(valid, np.isfinite(masks), True).all(axis=1)
         top = np.where(valid, masks, -np.inf).max(axis=1, initial=-np.inf)
-        return valid & finite[:, None] & (masks >= ratio * top[:, None])
+        keep: np.ndarray = valid & np.asarray(finite)[:, None] & (masks >= ratio * top[:, None])
+        return keep
 
 
 def target_logits(
@@ -304,7 +307,8 @@ def uniform_logprob(n: np.ndarray, k: np.ndarray) -> np.ndarray:
     j = np.arange(int(k.max(initial=0)))
     with np.errstate(divide="ignore", invalid="ignore"):
         terms = np.where(j[None, :] < k[:, None], np.log(np.maximum(n[:, None] - j[None, :], 0)), 0.0)
-    return -terms.sum(axis=1)
+    logprob: np.ndarray = -terms.sum(axis=1)
+    return logprob
 
 
 def _logprob_from_logits(
@@ -330,7 +334,7 @@ def _logprob_from_logits(
 
 
 def target_logprobs(decisions: LoggedDecisions, policy: TargetPolicy, batch_size: int = 1024) -> np.ndarray:
-    """log π_target(logged selection | s) by the §4 rule over the logged candidates, [N].
+    """log π_target(logged selection | s) by the serving rule over the logged candidates, [N].
 
     −inf where the target's own hard drop removes a selected slot (probability 0).
 
@@ -348,7 +352,8 @@ def target_logprobs(decisions: LoggedDecisions, policy: TargetPolicy, batch_size
 
 def log_weights(decisions: LoggedDecisions, policy: TargetPolicy, batch_size: int = 1024) -> np.ndarray:
     """log w = log π_target(selected|s) − logged logprob, [N]."""
-    return target_logprobs(decisions, policy, batch_size) - decisions.logprob
+    log_w: np.ndarray = target_logprobs(decisions, policy, batch_size) - decisions.logprob
+    return log_w
 
 
 # --------------------------------------------------------------------------- weights and intervals

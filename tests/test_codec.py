@@ -968,9 +968,7 @@ def test_fast_path_never_accepts_what_the_full_validator_rejects(path: str, valu
     lim = LIMITS
     fast = events._fast_retrieval_event(copy.deepcopy(obj), lim, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
     try:
-        full = events._validated_retrieval_event(
-            copy.deepcopy(obj), lim, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None
-        )
+        full = events._validated_retrieval_event(copy.deepcopy(obj), lim, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
     except Rejected:
         full = None
     if fast is not None:

@@ -359,7 +359,7 @@ def as_int(value: Any, lo: int, hi: int | None, where: str) -> int:
             raise Rejected("wrong_type", f"{where} must be an integer")
     if value < lo or (hi is not None and value > hi):
         raise Rejected("out_of_range", f"{where}={value} outside [{lo}, {hi if hi is not None else '∞'}]")
-    return value
+    return int(value)
 
 
 def as_float(value: Any, lo: float | None, hi: float | None, where: str, max_abs: float) -> float:

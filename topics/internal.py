@@ -218,7 +218,9 @@ def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> R
     f = open_value(raw, limits, SCHEMA_RATING_PAIR)
     pair_id = f.str_("id")
     check_key(key, pair_id)
-    return RatingPair(id=pair_id, t=f.float_("t", 0.0, 1e11), u_query=f.float_("u_query"), rating=f.int_("rating", 0, 5))
+    return RatingPair(
+        id=pair_id, t=f.float_("t", 0.0, 1e11), u_query=f.float_("u_query"), rating=f.int_("rating", 0, 5)
+    )
 
 
 # --------------------------------------------------------------------------- control and upkeep
