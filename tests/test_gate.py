@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.estimators import LoggedDecisions
+from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork, init_policy
 from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob, sample_plackett_luce
 from pipeline import kafka

@@ -38,7 +38,8 @@ async def experiences_tail(bootstrap: str, settings: Any, window: int) -> list[A
 
 
 async def evaluate_window(bootstrap: str, settings: Any, window: int, methods: tuple[str, ...]) -> dict[str, Any]:
-    from models.estimators import LoggedDecisions, evaluate
+    from models.estimators import evaluate
+    from models.logged import LoggedDecisions
     from models.policy import PolicyNetwork
     from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from models.drift import DriftMonitor
-from models.estimators import LoggedDecisions
+from models.logged import LoggedDecisions
 from models.trainer import PolicyTrainer
 from pipeline.client.retriever import CausalRetriever
 from pipeline.lab.simulator import Environment, Scenario, Tally, serve
