@@ -79,6 +79,7 @@ class RetrievalEvent(WireValue):
         "fallback",
     )
     OPTIONAL = ("mask_max", "query_text", "dropped", "candidate_masks", "candidate_probs", "memory_texts")
+    NESTED = ("features", "memory_texts")
 
     event_id: str
     query_id: str

@@ -100,54 +100,57 @@ def encode(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def wire_dict(value: Any, schema: str, names: Iterable[str], optional: Iterable[str] = ()) -> dict[str, Any]:
+def wire_dict(
+    value: Any, schema: str, names: Iterable[str], optional: Iterable[str] = (), nested: Iterable[str] = ()
+) -> dict[str, Any]:
     """The JSON object of a wire value: ``schema`` (when not empty), then ``names`` in order,
-    then each of ``optional`` that is not None. Nested wire values become their own dicts,
-    and dict keys become strings (JSON object keys are strings: ``memory_texts`` has slot keys).
+    then each of ``optional`` that is not None. Each of ``nested`` that is set becomes a
+    dict: a wire value its own ``to_dict()``, a dict one with string keys (JSON object keys
+    are strings: ``memory_texts`` is keyed by slot).
     """
+    # Plain attribute reads, checks only where declared: this runs for every joined event.
     out: dict[str, Any] = {"schema": schema} if schema else {}
     for name in names:
-        out[name] = _wire(getattr(value, name))
+        out[name] = getattr(value, name)
     for name in optional:
         item = getattr(value, name)
         if item is not None:
-            out[name] = _wire(item)
+            out[name] = item
+    for name in nested:
+        item = out.get(name)
+        if item is not None:
+            out[name] = item.to_dict() if isinstance(item, WireValue) else {str(k): v for k, v in item.items()}
     return out
-
-
-def _wire(item: Any) -> Any:
-    if isinstance(item, WireValue):
-        return item.to_dict()
-    if isinstance(item, dict):
-        return {str(k): v for k, v in item.items()}
-    return item
 
 
 class WireValue:
     """Base of the typed wire values: one :meth:`to_dict` built from class attributes.
 
     A subclass (a dataclass) names its wire ``SCHEMA``, its always-written ``FIELDS`` and
-    its ``OPTIONAL`` fields, written only when set, in the order the contract lists them.
+    its ``OPTIONAL`` fields, written only when set, in the order the contract lists them;
+    ``NESTED`` names the fields that hold a wire value or a dict with non-string keys.
 
     >>> from dataclasses import dataclass
     >>> @dataclass
     ... class Ping(WireValue):
     ...     SCHEMA = "ping/v1"
     ...     FIELDS = ("id",)
-    ...     OPTIONAL = ("note",)
+    ...     OPTIONAL = ("seen",)
+    ...     NESTED = ("seen",)
     ...     id: str
-    ...     note: str | None = None
-    >>> Ping("p1").to_dict(), Ping("p2", "hi").to_dict()
-    ({'schema': 'ping/v1', 'id': 'p1'}, {'schema': 'ping/v1', 'id': 'p2', 'note': 'hi'})
+    ...     seen: dict[int, str] | None = None
+    >>> Ping("p1").to_dict(), Ping("p2", {3: "x"}).to_dict()
+    ({'schema': 'ping/v1', 'id': 'p1'}, {'schema': 'ping/v1', 'id': 'p2', 'seen': {'3': 'x'}})
     """
 
     __slots__ = ()
     SCHEMA: ClassVar[str] = ""
     FIELDS: ClassVar[tuple[str, ...]] = ()
     OPTIONAL: ClassVar[tuple[str, ...]] = ()
+    NESTED: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return wire_dict(self, self.SCHEMA, self.FIELDS, self.OPTIONAL)
+        return wire_dict(self, self.SCHEMA, self.FIELDS, self.OPTIONAL, self.NESTED)
 
 
 # --------------------------------------------------------------------------- parsing

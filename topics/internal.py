@@ -137,6 +137,7 @@ class Outcome(WireValue):
 
     FIELDS = ("query_id", "step", "ts", "utility", "fallback", "policy")
     OPTIONAL = ("al", "event")
+    NESTED = ("event",)
 
     query_id: str
     step: int

@@ -96,6 +96,7 @@ class ActiveLearningSample(WireValue):
         "top_slots",
     )
     OPTIONAL = ("query_text", "memory_texts", "scores", "temperature")
+    NESTED = ("features", "memory_texts")
 
     sample_id: str
     query_id: str
