@@ -62,6 +62,9 @@ def read_features(f: Fields, limits: Limits, embedding: np.ndarray | None = None
 
 @dataclass(slots=True)
 class RetrievalEvent(WireValue):
+    """One retrieval: the kept candidates, their scores, the drawn ``selected`` slots (in
+    draw order) and the log-probability of that draw under the serving policy."""
+
     SCHEMA = SCHEMA_RETRIEVAL
     FIELDS = (
         "event_id",
@@ -104,6 +107,23 @@ class RetrievalEvent(WireValue):
 
 
 def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
+    """A ``retrieval-events`` value, validated.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
     return retrieval_event_from_obj(loads_object(raw, limits), limits, key)
 
 
@@ -232,6 +252,12 @@ def retrieval_event_from_obj(
     schema: str = SCHEMA_RETRIEVAL,
     embedding: np.ndarray | None = None,
 ) -> RetrievalEvent:
+    """A retrieval event from an already parsed object (an event nested in another value).
+
+    ``schema`` is the schema the object must name; ``embedding``, when given, replaces
+    ``features.query_embedding`` (an experience carries it separately, in binary). Raises
+    :class:`~topics.fields.Rejected` as :func:`decode_retrieval_event` does.
+    """
     fast = _fast_retrieval_event(obj, limits, key, schema, embedding)
     return fast if fast is not None else _validated_retrieval_event(obj, limits, key, schema, embedding)
 

@@ -26,6 +26,8 @@ from topics.fields import NO_KEY_CHECK, SCHEMA_FEEDBACK, Limits, Rejected, WireV
 
 @dataclass(slots=True)
 class LLMFeedback(WireValue):
+    """The utility of the retrieval ``event_id``: written as the NLL pair when it came as one."""
+
     SCHEMA = SCHEMA_FEEDBACK
     FIELDS = ("event_id", "query_id", "step", "ts")
 
@@ -48,6 +50,23 @@ class LLMFeedback(WireValue):
 
 
 def decode_llm_feedback(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> LLMFeedback:
+    """An ``llm-feedback`` value, validated; ``utility`` derived from the NLL pair if given.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
     f = open_value(raw, limits, SCHEMA_FEEDBACK)
     query_id = f.query_id(key)
     nll_with = f.float_("nll_with", 0.0, None, required=False)

@@ -88,6 +88,20 @@ def experience_bytes(event: RetrievalEvent, utility: float) -> bytes:
 
 
 def decode_experience(raw: bytes, limits: Limits) -> Experience:
+    """An ``experiences`` value, validated like input (its event included).
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not be used.
+    """
     f = open_value(raw, limits, SCHEMA_EXPERIENCE)
     kind = f.str_("kind")
     if kind not in ("feedback", "label"):
@@ -166,6 +180,20 @@ class Outcomes:
 
 
 def decode_outcomes(raw: bytes, limits: Limits) -> Outcomes:
+    """An ``outcomes`` value, validated; a candidate's event is validated too.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not be used.
+    """
     f = open_value(raw, limits, SCHEMA_OUTCOMES)
     items = f.list_("records", max_len=1 << 20)
     assert items is not None
@@ -216,6 +244,23 @@ class RatingPair(WireValue):
 
 
 def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RatingPair:
+    """A ``rating-pairs`` value, validated; its key is its ``id`` (the query_id).
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
     f = open_value(raw, limits, SCHEMA_RATING_PAIR)
     pair_id = f.str_("id")
     check_key(key, pair_id)
@@ -231,6 +276,8 @@ CONTROL_COMMANDS = ("reset", "rollback")
 
 @dataclass(slots=True)
 class Control(WireValue):
+    """A command for the learner (one of :data:`CONTROL_COMMANDS`), with why and its details."""
+
     SCHEMA = SCHEMA_CONTROL
     FIELDS = ("id", "command", "ts", "reason", "details")
 
@@ -242,6 +289,20 @@ class Control(WireValue):
 
 
 def decode_control(raw: bytes, limits: Limits) -> Control:
+    """A ``control`` value, validated: a command the learner must carry out.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not be used.
+    """
     f = open_value(raw, limits, SCHEMA_CONTROL)
     command = f.str_("command")
     if command not in CONTROL_COMMANDS:

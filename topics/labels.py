@@ -34,6 +34,8 @@ from topics.fields import (
 
 @dataclass(slots=True)
 class HumanLabel(WireValue):
+    """A person's answer about one query: a rating, a verdict, or a choice of memories."""
+
     SCHEMA = SCHEMA_LABEL
     FIELDS = ("event_id", "query_id", "ts", "labeler", "kind")
     OPTIONAL = ("rating", "answer_correct", "sample_id", "correct_memories", "step", "skip_reason")
@@ -52,6 +54,23 @@ class HumanLabel(WireValue):
 
 
 def decode_human_label(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> HumanLabel:
+    """A ``human-labels`` value, validated; the fields its ``kind`` needs are required.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
     f = open_value(raw, limits, SCHEMA_LABEL)
     query_id = f.query_id(key)
     kind = f.str_("kind")
@@ -80,6 +99,8 @@ def decode_human_label(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> H
 
 @dataclass(slots=True)
 class ActiveLearningSample(WireValue):
+    """A retrieval worth a labeler's look (``reason``), with what the labeler needs to see."""
+
     SCHEMA = SCHEMA_AL_SAMPLE
     FIELDS = (
         "sample_id",
@@ -118,6 +139,23 @@ class ActiveLearningSample(WireValue):
 
 
 def decode_active_learning_sample(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> ActiveLearningSample:
+    """An ``active-learning`` value, validated.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
     f = open_value(raw, limits, SCHEMA_AL_SAMPLE)
     query_id = f.query_id(key)
     features = f.obj_("features")

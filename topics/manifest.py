@@ -79,6 +79,10 @@ def split_chunks(blob: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
 
 @dataclass
 class Manifest(WireValue):
+    """A published checkpoint: what it is (policy, version, architecture, serving-rule
+    alpha, baseline), how to check it (sha256, size, chunks) and what it has learnt from
+    (``input_offsets``: the experiences applied)."""
+
     SCHEMA = SCHEMA_MANIFEST
     FIELDS = (
         "policy",
@@ -110,6 +114,13 @@ class Manifest(WireValue):
 
 
 def decode_manifest(raw: bytes, limits: Limits | None = None) -> Manifest:
+    """A manifest from the model topic, validated (``limits`` default: 1 MiB values).
+
+    Raises
+    ------
+    Rejected
+        With the reason the manifest must not be followed.
+    """
     limits = limits or Limits(max_bytes=1024 * 1024)
     f = open_value(raw, limits, SCHEMA_MANIFEST)
     reason = f.str_("reason")
