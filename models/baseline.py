@@ -1,4 +1,4 @@
-"""Baselines b for the advantage A = u − b (DESIGN §4, seed 000 §5.1, seed 004 §4.2).
+"""Baselines b for the advantage A = u − b (docs/learning.md; seed 000 §5.1, seed 004 §4.2).
 
 ``MovingBaseline`` is the seed's moving average (an exponentially weighted mean from
 river); ``ClusterBaseline`` keeps one such mean per query-intent cluster (seed 004 §4.2:
@@ -37,7 +37,7 @@ class MovingBaseline:
         self.n += 1
 
     def advantage(self, utility: float, embedding: np.ndarray | None = None) -> float:
-        """A = u − b, then update b (DESIGN §4: update b after computing A)."""
+        """A = u − b, then update b (docs/learning.md: update b after computing A)."""
         a = float(utility) - self.get(embedding)
         self.update(utility, embedding)
         return a
@@ -71,7 +71,7 @@ class ClusterBaseline:
     def __init__(self, n_clusters: int = 8, fading_factor: float = 0.01, seed: int = 0) -> None:
         self.n_clusters = n_clusters
         self.fading_factor = fading_factor
-        self._kmeans = cluster.KMeans(n_clusters=n_clusters, halflife=0.5, sigma=1.0, seed=seed)
+        self._kmeans: Any = cluster.KMeans(n_clusters=n_clusters, halflife=0.5, sigma=1.0, seed=seed)
         self._means: dict[int, MovingBaseline] = {}
         self._global = MovingBaseline(fading_factor)
         self.n = 0

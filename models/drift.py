@@ -1,4 +1,4 @@
-"""Drift detection on the utility–rating correlation (seed 000 §4.3 level 3, DESIGN §4).
+"""Drift detection on the utility–rating correlation (seed 000 §4.3 level 3; docs/learning.md, "Drift reset").
 
 ``U_query`` (mean utility of a query's steps) and the human ``rating`` of how much the
 query needed memory should agree while the policy identifies memory utility. The
@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from river import drift, stats, utils
@@ -39,7 +40,7 @@ class CorrelationWindow:
 
     def __init__(self, days: float = 7.0) -> None:
         self.days = days
-        self._rolling = utils.TimeRolling(stats.PearsonCorr, period=dt.timedelta(days=days))
+        self._rolling: Any = utils.TimeRolling(stats.PearsonCorr, period=dt.timedelta(days=days))
         self.latest_t = 0.0
 
     def update(self, u_query: float, rating: float, t: float) -> bool:
@@ -117,7 +118,7 @@ class DriftTrigger:
             "peak_t": self.peak_t,
         }
 
-    def load(self, state: dict) -> None:
+    def load(self, state: dict[str, Any]) -> None:
         self.reference = state.get("reference")
         self.last_reset_t = state.get("last_reset_t")
         self.resets = int(state.get("resets", 0))
@@ -141,6 +142,13 @@ class AgreementDetector:
     Page–Hinkley sum ``U_t = Σ (x_i − x̄_i + δ)`` was highest (it climbs by δ per pair
     while nothing changes and falls once the agreement drops).
     """
+
+    # Set by reset(); river's detectors are untyped.
+    change_t: float | None
+    _ph: Any
+    _mean: Any
+    _sum: float
+    _max_sum: float
 
     def __init__(
         self, threshold: float = 25.0, delta: float = 0.2, min_instances: int = 100, mean_fading: float = 0.01
@@ -173,7 +181,7 @@ class AgreementDetector:
         self._mean = stats.Mean()
         self._sum = 0.0
         self._max_sum = 0.0
-        self.change_t: float | None = None
+        self.change_t = None
 
 
 class DriftMonitor:
@@ -203,7 +211,7 @@ class DriftMonitor:
         self.page_hinkley = page_hinkley
         self.last_fired_by: str | None = None
 
-    def rebuild(self, pairs: list[tuple[float, float, float]], trigger_state: dict | None) -> None:
+    def rebuild(self, pairs: list[tuple[float, float, float]], trigger_state: dict[str, Any] | None) -> None:
         """Replay stored (t, u, rating) pairs in event-time order; restore the trigger."""
         self.window = CorrelationWindow(days=self.days)
         self.agreement = AgreementDetector()

@@ -1,8 +1,8 @@
-"""The policy network of seed 000 §3.1 (DESIGN §4): features → non-negative mask over slots.
+"""The policy network of seed 000 §3.1 (docs/learning.md): features → non-negative mask over slots.
 
 ``m = softplus(out(gelu(hidden([LayerNorm(q); last_step_loss; last_step_entropy]))))``
 with exact GELU and LayerNorm eps 1e-5. The tensor names are the checkpoint contract
-(DESIGN §5), so any language can rebuild the mask from a checkpoint.
+(docs/contract.md §7), so any language can rebuild the mask from a checkpoint.
 
 Only the candidate slots of a retrieval ever matter (the hard drop and the Plackett–Luce
 rule look at candidates alone), so :meth:`PolicyNetwork.candidate_masks` computes the

@@ -1,4 +1,4 @@
-"""REINFORCE with a moving baseline and clipped importance weights (DESIGN §4).
+"""REINFORCE with a moving baseline and clipped importance weights (docs/learning.md).
 
 For a joined experience with utility u and baseline b the advantage is ``A = u − b``. The
 loss is ``−w · A · log π_θ(selected|s)`` with ``log π_θ`` recomputed under the current

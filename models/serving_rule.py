@@ -1,4 +1,4 @@
-"""The serving rule (DESIGN §4), shared by the serving side and the learner.
+"""The serving rule (docs/contract.md §6, docs/learning.md), shared by the serving side and the learner.
 
 Candidates C come from a similarity index with base scores. The *hard drop* removes slot
 i when ``m_i < ratio · max_{j∈C} m_j`` (dynamic threshold, ratio 0.01). Over the kept
@@ -31,13 +31,15 @@ def keep_dynamic(masks: np.ndarray, ratio: float = DYNAMIC_DROP_RATIO) -> np.nda
     masks = np.asarray(masks, dtype=np.float64)
     if masks.size == 0 or not np.isfinite(masks).all():
         return np.zeros(masks.shape, dtype=bool)
-    return masks >= ratio * masks.max()
+    keep: np.ndarray = masks >= ratio * masks.max()
+    return keep
 
 
 def keep_fixed(masks: np.ndarray, threshold: float) -> np.ndarray:
     """Boolean keep-flags for a fixed threshold m_i ≥ τ (the seed's first, worse design)."""
     masks = np.asarray(masks, dtype=np.float64)
-    return np.isfinite(masks) & (masks >= threshold)
+    keep: np.ndarray = np.isfinite(masks) & (masks >= threshold)
+    return keep
 
 
 def adjusted_logits(scores: np.ndarray, masks: np.ndarray, alpha: float, temperature: float) -> np.ndarray:
@@ -67,7 +69,8 @@ def first_draw_probs(z: np.ndarray) -> np.ndarray:
     """softmax(z): the probability of each candidate being drawn first."""
     z = np.asarray(z, dtype=np.float64)
     e = np.exp(z - z.max())
-    return e / e.sum()
+    probs: np.ndarray = e / e.sum()
+    return probs
 
 
 def sample_plackett_luce(z: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:

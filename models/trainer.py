@@ -5,7 +5,8 @@ last-layer reset and warm-up (DESIGN §4; seed 000 §4.3 levels 1–3).
 process feeds it decoded experiences; the benchmarks and tests drive it directly.
 
 >>> import numpy as np
->>> from topics.codec import Experience, Features, RetrievalEvent
+>>> from topics.events import Features, RetrievalEvent
+>>> from topics.internal import Experience
 >>> t = PolicyTrainer(embedding_dim=4, slots=6, hidden=8, lr=1e-2)
 >>> ev = RetrievalEvent("e1", "q1", 0, 1.0, Features(np.ones(4, np.float32), 0.0, 0.0),
 ...                     [0, 1, 2], np.array([0.9, 0.8, 0.7]), [0], 1.0, -1.0, False)
@@ -28,7 +29,7 @@ from models.baseline import make_baseline
 from models.policy import PolicyNetwork, init_policy
 from models.reinforce import importance_weights, label_loss, reinforce_loss
 from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
-from topics.codec import Experience
+from topics.internal import Experience
 
 
 def adam(params: Any, lr: float) -> torch.optim.Adam:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from topics.codec import Limits
+from topics.fields import Limits
 from topics.names import Topics
 
 

@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 from pipeline.metrics import Metrics
-from topics.codec import dead_letter_value, encode
+from topics.fields import encode
+from topics.internal import dead_letter_value
 
 log = logging.getLogger(__name__)
 

@@ -25,20 +25,23 @@ from typing import Any
 import torch
 from aiokafka import TopicPartition
 
-from models.checkpoint import CheckpointError, sha256_hex, split_chunks, to_safetensors, verify_and_load
 from models.policy import Arch, PolicyNetwork
+from models.weights import to_safetensors, verify_and_load
 from pipeline import kafka
 from pipeline.config import Settings
-from topics.checkpoint import (
+from topics.fields import Rejected, encode
+from topics.manifest import (
+    CheckpointError,
     Manifest,
     candidate_key,
     chunk_key,
     decode_manifest,
     parse_key,
     serving_key,
+    sha256_hex,
+    split_chunks,
     validate_policy_name,
 )
-from topics.codec import Rejected, encode
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import Settings
-from topics.codec import Experience, Features, HumanLabel, LLMFeedback, RetrievalEvent
+from topics.events import Features, RetrievalEvent
+from topics.feedback import LLMFeedback
+from topics.internal import Experience
+from topics.labels import HumanLabel
 
 
 def retrieval_event(

@@ -17,7 +17,8 @@ from pipeline.lab.procs import Child
 from pipeline.metrics import Metrics
 from pipeline.promtext import metric
 from pipeline.worker.join import JoinStage
-from topics.codec import decode_active_learning_sample, decode_experience
+from topics.internal import decode_experience
+from topics.labels import decode_active_learning_sample
 
 from .conftest import settings_env
 from .helpers import feedback, label, retrieval_event, until

@@ -3,7 +3,7 @@
 A seeded generator writes >10,000 messages to ``retrieval-events``, ``llm-feedback`` and
 ``human-labels``: good retrieval/feedback pairs (distinct query ids, some with RTL,
 zero-width and other valid unicode in their ids, unknown extra fields, edge-of-range
-values) and bad messages of every category: every reason in ``topics.codec.REASONS``,
+values) and bad messages of every category: every reason in ``topics.fields.REASONS``,
 truncated bytes, huge arrays, deep nesting, wrong types, NaN/inf (as non-JSON literals and
 as ``1e400``), lone surrogates, invalid UTF-8, a BOM, missing keys and keys that differ
 from the query id. Each bad message's intended reason is checked against the codec when
@@ -46,16 +46,9 @@ from pipeline.metrics import Metrics
 from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
 from pipeline.promtext import metric
 from pipeline.worker.join import JoinStage
-from topics.codec import (
-    DECODERS,
-    REASONS,
-    SCHEMA_FEEDBACK,
-    SCHEMA_LABEL,
-    SCHEMA_RETRIEVAL,
-    Limits,
-    Rejected,
-    decode_experience,
-)
+from topics.fields import REASONS, SCHEMA_FEEDBACK, SCHEMA_LABEL, SCHEMA_RETRIEVAL, Limits, Rejected
+from topics.internal import decode_experience
+from topics.names import DECODERS
 
 from .conftest import settings_env
 

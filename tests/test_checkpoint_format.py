@@ -1,4 +1,4 @@
-"""Checkpoint blobs (DESIGN §5): safetensors bytes, chunking, and verification before loading."""
+"""Checkpoint blobs (docs/contract.md §7): safetensors bytes, chunking, and verification before loading."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ import json
 import pickle
 import struct
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from safetensors.torch import save as st_save
 
-import models.checkpoint as ckpt
-from models.checkpoint import CheckpointError, sha256_hex, split_chunks, to_safetensors, verify_and_load
+import models.weights
+import topics.manifest
 from models.policy import TENSOR_NAMES, Arch, init_policy
-from topics.checkpoint import MAX_CHUNK_BYTES
+from models.weights import to_safetensors, verify_and_load
+from topics.manifest import MAX_CHUNK_BYTES, CheckpointError, sha256_hex, split_chunks
 
 ARCH = Arch(embedding_dim=4, slots=6, hidden=8)
 
@@ -153,8 +155,9 @@ def test_wrong_dtype(tensors: dict[str, torch.Tensor]) -> None:
     assert _reason(st_save({k: v.half() for k, v in tensors.items()})) == "wrong_dtype"
 
 
-def test_checkpoint_module_never_imports_pickle() -> None:
-    source = Path(ckpt.__file__).read_text()
+@pytest.mark.parametrize("module", [models.weights, topics.manifest], ids=lambda m: m.__name__)
+def test_checkpoint_module_never_imports_pickle(module: ModuleType) -> None:
+    source = Path(str(module.__file__)).read_text()
     tree = ast.parse(source)
     imported: set[str] = set()
     for node in ast.walk(tree):

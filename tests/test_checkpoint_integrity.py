@@ -29,15 +29,15 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from models.checkpoint import sha256_hex, split_chunks, to_safetensors
 from models.policy import TENSOR_NAMES, Arch, init_policy
+from models.weights import to_safetensors
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher, LoadedPolicy, PolicySubscriber
-from topics.checkpoint import Manifest, candidate_key, chunk_key, serving_key
-from topics.codec import encode
+from topics.fields import encode
+from topics.manifest import Manifest, candidate_key, chunk_key, serving_key, sha256_hex, split_chunks
 
 from .helpers import experience, until
 

@@ -13,7 +13,7 @@ from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.lab.procs import Child
 from pipeline.promtext import metric
-from topics.codec import decode_control
+from topics.internal import decode_control
 
 from .conftest import settings_env
 from .helpers import feedback, label, retrieval_event, until

@@ -10,25 +10,21 @@ import torch
 
 from models.estimators import (
     Estimate,
-    LoggedDecisions,
-    SlotRewardModel,
-    Tempered,
     clipped_weights,
     doubly_robust,
     effective_sample_size,
     empirical_bernstein_bound,
     evaluate,
-    from_experiences,
     gain,
     ips,
-    log_weights,
     snips,
-    target_logprobs,
-    uniform_logprob,
 )
+from models.logged import LoggedDecisions, Tempered, from_experiences, log_weights, target_logprobs, uniform_logprob
 from models.policy import PolicyNetwork
+from models.reward_model import SlotRewardModel
 from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob, sample_plackett_luce
-from topics.codec import Experience, Features, RetrievalEvent
+from topics.events import Features, RetrievalEvent
+from topics.internal import Experience
 
 # ---------------------------------------------------------------- hand-computed cases
 

@@ -24,7 +24,7 @@ from pipeline import kafka
 from pipeline.lab.procs import Child, wait_until
 from pipeline.modeltopic import CheckpointPublisher, fetch_checkpoint, scan_model_topic
 from pipeline.promtext import metric
-from topics.checkpoint import chunk_key
+from topics.manifest import chunk_key
 
 from .conftest import TEST_CONTRACT, settings_env
 

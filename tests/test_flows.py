@@ -17,7 +17,8 @@ from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
 from pipeline.worker.join import JoinStage
-from topics.codec import Rejected, decode_experience, encode
+from topics.fields import Rejected, encode
+from topics.internal import decode_experience
 from topics.names import Topics
 
 from .helpers import experience, feedback, retrieval_event, until

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.estimators import LoggedDecisions
+from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork, init_policy
 from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob, sample_plackett_luce
 from pipeline import kafka
@@ -19,7 +19,9 @@ from pipeline.learner.gate import judge
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
-from topics.codec import Experience, Features, RetrievalEvent, encode
+from topics.events import Features, RetrievalEvent
+from topics.fields import encode
+from topics.internal import Experience
 
 from .helpers import until
 

@@ -31,7 +31,9 @@ from pipeline.labeling.answers import load_answers, parse_line, parse_rating
 from pipeline.labeling.queue import LABELER_GROUP, LabelQueue, SampleMoved
 from tests.conftest import settings_env
 from tests.helpers import until
-from topics.codec import ActiveLearningSample, Features, HumanLabel, decode_human_label, encode
+from topics.events import Features
+from topics.fields import encode
+from topics.labels import ActiveLearningSample, HumanLabel, decode_human_label
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "pipeline.cli"]

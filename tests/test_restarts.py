@@ -17,7 +17,7 @@ from pipeline.config import Settings
 from pipeline.lab.procs import Child
 from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
 from pipeline.promtext import metric
-from topics.codec import encode
+from topics.fields import encode
 
 from .conftest import settings_env
 from .helpers import experience, feedback, retrieval_event, until

@@ -21,7 +21,7 @@ from pipeline.client.publisher import EventPublisher
 from pipeline.lab.procs import Child, wait_until
 from pipeline.promtext import metric
 from pipeline.worker.join import key_partition
-from topics.codec import decode_experience
+from topics.internal import decode_experience
 
 from .conftest import settings_env
 from .helpers import feedback, retrieval_event

@@ -44,7 +44,8 @@ from pipeline.modeltopic import PolicySubscriber, scan_model_topic
 from pipeline.promtext import metric
 from pipeline.worker.app import Worker, make_sample
 from pipeline.worker.join import JoinStage
-from topics.codec import Limits, Rejected, decode_human_label, encode
+from topics.fields import Limits, Rejected, encode
+from topics.labels import decode_human_label
 
 from .conftest import settings_env
 from .helpers import retrieval_event

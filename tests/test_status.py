@@ -19,7 +19,8 @@ from pipeline.metrics import Metrics, serve
 from pipeline.modeltopic import CheckpointPublisher
 from pipeline.status.collect import StatusCollector, manifest_rate
 from pipeline.status.render import fmt_age, render
-from topics.codec import dead_letter_value, encode
+from topics.fields import encode
+from topics.internal import dead_letter_value
 
 from .helpers import retrieval_event
 

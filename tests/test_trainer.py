@@ -16,7 +16,8 @@ from models.serving_rule import (
     plackett_luce_logprob_torch,
 )
 from models.trainer import PolicyTrainer, make_batch
-from topics.codec import Experience, Features, RetrievalEvent
+from topics.events import Features, RetrievalEvent
+from topics.internal import Experience
 
 D, S, H = 8, 32, 16
 

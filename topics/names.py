@@ -1,4 +1,4 @@
-"""Topic names and configurations (DESIGN §3).
+"""Topic names and configurations (docs/contract.md §2), and the decoder of each input topic.
 
 Every topic name may carry a configurable prefix. Input topics that are joined are
 co-partitioned by ``query_id``: they share one partition count so that a key lands on the
@@ -7,7 +7,13 @@ same partition number in each of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from topics.events import decode_retrieval_event
+from topics.feedback import decode_llm_feedback
+from topics.labels import decode_active_learning_sample, decode_human_label
 
 SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
 
@@ -109,3 +115,13 @@ class Topics:
             if spec.name == self.prefix + short:
                 return spec
         raise KeyError(short)
+
+
+# The decoder of each topic that users write to or read, by unprefixed name; each takes
+# ``(raw, limits, key)``.
+DECODERS: dict[str, Callable[..., Any]] = {
+    "retrieval-events": decode_retrieval_event,
+    "llm-feedback": decode_llm_feedback,
+    "human-labels": decode_human_label,
+    "active-learning": decode_active_learning_sample,
+}

@@ -15,7 +15,7 @@ import orjson
 
 from pipeline.client.publisher import DECODE, SCHEMA_TOPIC, EventPublisher
 from pipeline.config import Settings
-from topics.codec import Rejected, loads_object
+from topics.fields import Rejected, loads_object
 
 MAX_REPORTED = 50
 

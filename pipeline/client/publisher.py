@@ -19,19 +19,10 @@ from typing import Any
 
 from pipeline import kafka
 from pipeline.config import Settings
-from topics.codec import (
-    SCHEMA_FEEDBACK,
-    SCHEMA_LABEL,
-    SCHEMA_RETRIEVAL,
-    HumanLabel,
-    LLMFeedback,
-    Rejected,
-    RetrievalEvent,
-    decode_human_label,
-    decode_llm_feedback,
-    decode_retrieval_event,
-    encode,
-)
+from topics.events import RetrievalEvent, decode_retrieval_event
+from topics.feedback import LLMFeedback, decode_llm_feedback
+from topics.fields import SCHEMA_FEEDBACK, SCHEMA_LABEL, SCHEMA_RETRIEVAL, Rejected, encode
+from topics.labels import HumanLabel, decode_human_label
 
 SCHEMA_TOPIC = {SCHEMA_RETRIEVAL: "retrieval-events", SCHEMA_FEEDBACK: "llm-feedback", SCHEMA_LABEL: "human-labels"}
 DECODE = {

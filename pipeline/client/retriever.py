@@ -33,7 +33,7 @@ from models.serving_rule import (
     sample_plackett_luce,
 )
 from pipeline.modeltopic import LoadedPolicy
-from topics.codec import Features, RetrievalEvent
+from topics.events import Features, RetrievalEvent
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,14 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from models.estimators import LoggedDecisions, Method, evaluate
+from models.estimators import Method, evaluate
+from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
 from pipeline import kafka
 from pipeline.config import Connection, Settings
 from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
-from topics.codec import Experience, Rejected, decode_experience
+from topics.fields import Rejected
+from topics.internal import Experience, decode_experience
 
 METHODS: tuple[Method, ...] = ("ips", "snips", "dr")
 

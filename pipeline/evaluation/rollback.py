@@ -17,7 +17,8 @@ import uuid
 from pipeline import kafka
 from pipeline.config import Connection, Settings
 from pipeline.modeltopic import scan_model_topic
-from topics.codec import Control, encode
+from topics.fields import encode
+from topics.internal import Control
 
 
 async def rollback(bootstrap: str, conn: Connection | Settings, version: int, reason: str, timeout: float) -> int:

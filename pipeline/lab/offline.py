@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 from models.drift import DriftMonitor
-from models.estimators import LoggedDecisions
+from models.logged import LoggedDecisions
 from models.trainer import PolicyTrainer
 from pipeline.client.retriever import CausalRetriever
 from pipeline.lab.simulator import Environment, Scenario, Tally, serve
 from pipeline.learner.gate import judge
 from pipeline.modeltopic import LoadedPolicy
-from topics.checkpoint import Manifest
-from topics.codec import Experience
+from topics.internal import Experience
+from topics.manifest import Manifest
 
 
 @dataclass

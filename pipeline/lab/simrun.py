@@ -161,7 +161,10 @@ async def run_scenario(
     from pipeline.labeling.queue import LabelQueue, run_queue_until
     from pipeline.modeltopic import PolicySubscriber
     from pipeline.promtext import metric, scrape
-    from topics.codec import Features, HumanLabel, LLMFeedback, RetrievalEvent, decode_control
+    from topics.events import Features, RetrievalEvent
+    from topics.feedback import LLMFeedback
+    from topics.internal import decode_control
+    from topics.labels import HumanLabel
 
     t_start = time.monotonic()
     logdir.mkdir(parents=True, exist_ok=True)

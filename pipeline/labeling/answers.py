@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from topics.codec import ActiveLearningSample
+from topics.labels import ActiveLearningSample
 
 RATING_MAX = 5  # a rating: how much the query needed memory, 0–5
 

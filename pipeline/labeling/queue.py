@@ -25,7 +25,8 @@ from aiokafka.structs import OffsetAndMetadata
 
 from pipeline import kafka
 from pipeline.config import Connection, Settings
-from topics.codec import ActiveLearningSample, HumanLabel, Rejected, decode_active_learning_sample, encode
+from topics.fields import Rejected, encode
+from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,8 @@ from pipeline.config import Connection
 from pipeline.labeling.agreement import agreement
 from pipeline.labeling.answers import HELP, RATING_MAX, Command, FileAnswer, offered_slots, parse_line, parse_rating
 from pipeline.labeling.queue import LabelQueue, QueuedSample, SampleMoved
-from topics.codec import Rejected, decode_active_learning_sample, decode_human_label
+from topics.fields import Rejected
+from topics.labels import decode_active_learning_sample, decode_human_label
 
 TEXT_WIDTH = 160  # characters of a memory text shown in the choices table
 

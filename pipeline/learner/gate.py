@@ -26,13 +26,15 @@ from typing import Any
 
 import torch
 
-from models.estimators import Estimate, LoggedDecisions, SlotRewardModel, evaluate, gain
+from models.estimators import Estimate, evaluate, gain
+from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
+from models.reward_model import SlotRewardModel
 from pipeline.config import Settings
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
-from topics.checkpoint import Manifest
-from topics.codec import Experience
+from topics.internal import Experience
+from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

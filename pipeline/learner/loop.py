@@ -35,17 +35,18 @@ import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CheckpointError, sha256_hex, verify_and_load
 from models.policy import Arch
 from models.trainer import PolicyTrainer
+from models.weights import verify_and_load
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.gate import PromotionGate
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher, ModelTopicIndex, fetch_checkpoint, scan_model_topic
-from topics.checkpoint import Manifest
-from topics.codec import Experience, Rejected, decode_control, decode_experience
+from topics.fields import Rejected
+from topics.internal import Experience, decode_control, decode_experience
+from topics.manifest import CheckpointError, Manifest, sha256_hex
 
 log = logging.getLogger(__name__)
 

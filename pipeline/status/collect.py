@@ -50,7 +50,7 @@ from pipeline.status.live import (
     strip_prefix,
     worker_view,
 )
-from topics.checkpoint import Manifest
+from topics.manifest import Manifest
 
 # --------------------------------------------------------------------------- helpers
 

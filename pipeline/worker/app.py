@@ -37,20 +37,10 @@ from pipeline.kafka import ClusterWatch, faust_credentials
 from pipeline.metrics import Metrics
 from pipeline.service import restart_process
 from pipeline.worker.join import JoinStage
-from topics.codec import (
-    SCHEMA_RATING_PAIR,
-    ActiveLearningSample,
-    Control,
-    Experience,
-    HumanLabel,
-    Rejected,
-    RetrievalEvent,
-    dead_letter_value,
-    decode_human_label,
-    encode,
-    loads_object,
-    retrieval_event_from_obj,
-)
+from topics.events import RetrievalEvent, retrieval_event_from_obj
+from topics.fields import SCHEMA_RATING_PAIR, Rejected, encode, loads_object
+from topics.internal import Control, Experience, dead_letter_value
+from topics.labels import ActiveLearningSample, HumanLabel, decode_human_label
 
 log = logging.getLogger(__name__)
 

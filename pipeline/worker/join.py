@@ -42,16 +42,10 @@ from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
-from topics.codec import (
-    SCHEMA_OUTCOMES,
-    LLMFeedback,
-    Rejected,
-    RetrievalEvent,
-    decode_llm_feedback,
-    decode_retrieval_event,
-    encode,
-    experience_bytes,
-)
+from topics.events import RetrievalEvent, decode_retrieval_event
+from topics.feedback import LLMFeedback, decode_llm_feedback
+from topics.fields import SCHEMA_OUTCOMES, Rejected, encode
+from topics.internal import experience_bytes
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,10 @@ from pipeline.lab.procs import Child
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.promtext import metric
-from topics.codec import Experience, Features, LLMFeedback, RetrievalEvent, decode_experience, encode
+from topics.events import Features, RetrievalEvent
+from topics.feedback import LLMFeedback
+from topics.fields import encode
+from topics.internal import Experience, decode_experience
 
 TARGET_PIPELINE = 0.25
 TARGET_LEARNER = 0.80

@@ -25,7 +25,9 @@ from pipeline.lab.bench.soak.judge import RATE_TOLERANCE, caught_up, judge_phase
 from pipeline.lab.bench.throughput import make_events
 from pipeline.lab.procs import Child
 from pipeline.promtext import labelled, metric
-from topics.codec import LLMFeedback, RetrievalEvent, encode
+from topics.events import RetrievalEvent
+from topics.feedback import LLMFeedback
+from topics.fields import encode
 
 SAMPLE_S = 1.0
 TICK_S = 0.01

@@ -1,4 +1,4 @@
-"""Checkpoint blobs (DESIGN §5): the policy's float32 tensors as safetensors bytes.
+"""Weights ↔ tensors: the policy's float32 tensors as safetensors bytes (docs/contract.md §7).
 
 safetensors is a JSON header plus raw little-endian tensor data: no pickle, so a blob
 read from the network is safe to parse. :func:`verify_and_load` is the only way the
@@ -6,6 +6,7 @@ pipeline turns bytes from the model topic into parameters: it checks size, sha25
 tensor names, shapes, dtype and finiteness before anything is swapped in.
 
 >>> from models.policy import init_policy, Arch
+>>> from topics.manifest import sha256_hex, split_chunks
 >>> net = init_policy(4, 6, hidden=8)
 >>> blob = to_safetensors(net.tensors())
 >>> chunks = split_chunks(blob, 100)
@@ -16,23 +17,13 @@ True
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from models.policy import TENSOR_NAMES, Arch
-from topics.checkpoint import MAX_CHUNK_BYTES
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that must not be loaded; ``reason`` is machine-readable."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+from topics.manifest import CheckpointError, sha256_hex
 
 
 def to_safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -40,16 +31,6 @@ def to_safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
     if missing:
         raise ValueError(f"missing tensors {missing}")
     return st_save({n: tensors[n].detach().to("cpu", torch.float32).contiguous() for n in TENSOR_NAMES})
-
-
-def sha256_hex(blob: bytes) -> str:
-    return hashlib.sha256(blob).hexdigest()
-
-
-def split_chunks(blob: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
-    if not 0 < chunk_size <= MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")
-    return [blob[i : i + chunk_size] for i in range(0, len(blob), chunk_size)] or [b""]
 
 
 def verify_and_load(blob: bytes, sha256: str, size: int, arch: Arch) -> dict[str, torch.Tensor]:

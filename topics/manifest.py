@@ -1,25 +1,39 @@
-"""The model topic's wire format (DESIGN §5): chunk keys and the manifest.
+"""The model topic's wire format (docs/contract.md §7): chunk keys, chunks and the manifest.
 
 A checkpoint is safetensors bytes split into chunks of at most 512 KiB, published as
 messages keyed ``"{policy}/{version}/{i}"`` (raw bytes) and followed by one manifest keyed
 ``"{policy}"`` (the serving checkpoint) or ``"{policy}/candidate"`` (awaiting the
-promotion gate).
+promotion gate). The manifest carries the blob's size and sha256, so a reader checks the
+reassembled chunks before it parses them (see ``models.weights.verify_and_load``).
 
 >>> chunk_key("default", 7, 2)
 'default/7/2'
 >>> parse_key("default/7/2"), parse_key("default"), parse_key("default/candidate")
 (('chunk', 'default', 7, 2), ('serving', 'default', None, None), ('candidate', 'default', None, None))
+>>> [len(c) for c in split_chunks(b"x" * 250, 100)]
+[100, 100, 50]
+>>> sha256_hex(b"")[:12]
+'e3b0c44298fc'
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from topics.codec import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Limits, Rejected, _Fields, loads_object
+from topics.fields import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Limits, Rejected, WireValue, open_value
 
 MAX_CHUNK_BYTES = 512 * 1024
 CANDIDATE_SUFFIX = "/candidate"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded; ``reason`` is machine-readable."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
 
 
 def chunk_key(policy: str, version: int, index: int) -> str:
@@ -52,8 +66,39 @@ def validate_policy_name(name: str) -> str:
     return name
 
 
+def sha256_hex(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
+
+
+def split_chunks(blob: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
+    """The chunk messages' values, in order; an empty blob is one empty chunk."""
+    if not 0 < chunk_size <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")
+    return [blob[i : i + chunk_size] for i in range(0, len(blob), chunk_size)] or [b""]
+
+
 @dataclass
-class Manifest:
+class Manifest(WireValue):
+    """A published checkpoint: what it is (policy, version, architecture, serving-rule
+    alpha, baseline), how to check it (sha256, size, chunks) and what it has learnt from
+    (``input_offsets``: the experiences applied)."""
+
+    SCHEMA = SCHEMA_MANIFEST
+    FIELDS = (
+        "policy",
+        "version",
+        "created_ts",
+        "reason",
+        "arch",
+        "alpha",
+        "baseline",
+        "sha256",
+        "size",
+        "chunks",
+        "metrics",
+        "input_offsets",
+    )
+
     policy: str
     version: int
     created_ts: float
@@ -67,29 +112,17 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     input_offsets: dict[str, int] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA_MANIFEST,
-            "policy": self.policy,
-            "version": self.version,
-            "created_ts": self.created_ts,
-            "reason": self.reason,
-            "arch": self.arch,
-            "alpha": self.alpha,
-            "baseline": self.baseline,
-            "sha256": self.sha256,
-            "size": self.size,
-            "chunks": self.chunks,
-            "metrics": self.metrics,
-            "input_offsets": self.input_offsets,
-        }
-
 
 def decode_manifest(raw: bytes, limits: Limits | None = None) -> Manifest:
+    """A manifest from the model topic, validated (``limits`` default: 1 MiB values).
+
+    Raises
+    ------
+    Rejected
+        With the reason the manifest must not be followed.
+    """
     limits = limits or Limits(max_bytes=1024 * 1024)
-    obj = loads_object(raw, limits)
-    f = _Fields(obj, limits)
-    f.schema(SCHEMA_MANIFEST)
+    f = open_value(raw, limits, SCHEMA_MANIFEST)
     reason = f.str_("reason")
     if reason not in CHECKPOINT_REASONS:
         raise Rejected("out_of_range", f"reason {reason!r}")
@@ -106,8 +139,8 @@ def decode_manifest(raw: bytes, limits: Limits | None = None) -> Manifest:
     sha = f.str_("sha256")
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise Rejected("wrong_type", "sha256 must be 64 lowercase hex digits")
-    metrics = obj.get("metrics") or {}
-    offsets = obj.get("input_offsets") or {}
+    metrics = f.obj.get("metrics") or {}
+    offsets = f.obj.get("input_offsets") or {}
     if not isinstance(metrics, dict) or not isinstance(offsets, dict):
         raise Rejected("wrong_type", "metrics and input_offsets must be objects")
     clean_offsets: dict[str, int] = {}

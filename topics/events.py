@@ -1,0 +1,313 @@
+"""Retrieval events: what the serving side logs for every retrieval (docs/contract.md §3).
+
+The join decodes every event it reads, so decoding has a fast path for the common,
+well-formed case; anything unusual falls through to the full validator, which either
+accepts the value or says precisely why not.
+
+>>> from topics.fields import Limits, encode
+>>> event = RetrievalEvent("e1", "q1", 0, 1.0, Features(np.zeros(2, np.float32), 0.5, 0.1),
+...                        candidates=[3, 5], scores=np.array([0.2, 0.1]), selected=[5],
+...                        temperature=1.0, logprob=-0.7, fallback=False)
+>>> back = decode_retrieval_event(encode(event.to_dict()), Limits(embedding_dim=2, slots=8), key=b"q1")
+>>> back.selected, back.features.last_step_loss, back.policy
+([5], 0.5, 'default')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from topics.fields import (
+    INT_TYPE,
+    NO_KEY_CHECK,
+    NUMBER_TYPES,
+    SCHEMA_RETRIEVAL,
+    Fields,
+    Limits,
+    Rejected,
+    WireValue,
+    float_array,
+    loads_object,
+)
+
+
+@dataclass(slots=True)
+class Features(WireValue):
+    """What the policy sees: never memory content (seed 000 §2.2)."""
+
+    FIELDS = ("query_embedding", "last_step_loss", "last_step_entropy")
+
+    query_embedding: np.ndarray
+    last_step_loss: float
+    last_step_entropy: float
+
+
+def read_features(f: Fields, limits: Limits, embedding: np.ndarray | None = None) -> Features:
+    """The ``features`` object of an event or sample; ``embedding`` when it came separately."""
+    if embedding is None:
+        emb_items = f.list_("query_embedding", max_len=max(limits.embedding_dim, 1) * 4)
+        assert emb_items is not None
+        if len(emb_items) != limits.embedding_dim:
+            raise Rejected("embedding_length", f"{len(emb_items)} values, expected {limits.embedding_dim}")
+        embedding = float_array(emb_items, "features.query_embedding", limits.max_abs_value).astype(np.float32)
+    return Features(
+        query_embedding=embedding,
+        last_step_loss=f.float_("last_step_loss"),
+        last_step_entropy=f.float_("last_step_entropy"),
+    )
+
+
+@dataclass(slots=True)
+class RetrievalEvent(WireValue):
+    """One retrieval: the kept candidates, their scores, the drawn ``selected`` slots (in
+    draw order) and the log-probability of that draw under the serving policy."""
+
+    SCHEMA = SCHEMA_RETRIEVAL
+    FIELDS = (
+        "event_id",
+        "query_id",
+        "step",
+        "ts",
+        "policy",
+        "policy_version",
+        "features",
+        "candidates",
+        "scores",
+        "selected",
+        "temperature",
+        "logprob",
+        "fallback",
+    )
+    OPTIONAL = ("mask_max", "query_text", "dropped", "candidate_masks", "candidate_probs", "memory_texts")
+    NESTED = ("features", "memory_texts")
+
+    event_id: str
+    query_id: str
+    step: int
+    ts: float
+    features: Features
+    candidates: list[int]
+    scores: np.ndarray
+    selected: list[int]
+    temperature: float
+    logprob: float
+    fallback: bool
+    policy: str = "default"
+    policy_version: int = 0
+    mask_max: float | None = None
+    query_text: str | None = None
+    memory_texts: dict[int, str] | None = None
+    # Optional additions (docs/contract.md §1: added optional fields are allowed); written by CausalRetriever.
+    dropped: list[int] | None = None  # slots the hard drop removed (intervention rate)
+    candidate_masks: np.ndarray | None = None  # m_i of each kept candidate
+    candidate_probs: np.ndarray | None = None  # first-draw probabilities over kept candidates
+
+
+def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
+    """A ``retrieval-events`` value, validated.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
+    return retrieval_event_from_obj(loads_object(raw, limits), limits, key)
+
+
+def _num(x: Any, lo: float, hi: float) -> bool:
+    return type(x) in NUMBER_TYPES and lo <= x <= hi
+
+
+def _slot_list(x: Any, limits: Limits) -> bool:
+    return (
+        type(x) is list
+        and len(x) <= limits.max_candidates
+        and (not x or (set(map(type, x)) == INT_TYPE and min(x) >= 0 and max(x) < limits.slots))
+        and len(set(x)) == len(x)
+    )
+
+
+def _number_array(x: Any, n: int, lo: float, hi: float) -> np.ndarray | None:
+    if type(x) is not list or len(x) != n or (x and not set(map(type, x)) <= NUMBER_TYPES):
+        return None
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.size:
+        # NaN fails every comparison, so these also reject non-finite values.
+        if lo == -hi:
+            if not np.abs(arr).max() <= hi:
+                return None
+        elif not (arr.min() >= lo and arr.max() <= hi):
+            return None
+    return arr
+
+
+def _fast_retrieval_event(
+    obj: dict[str, Any], limits: Limits, key: Any, schema: str, embedding: np.ndarray | None
+) -> RetrievalEvent | None:
+    """The common, well-formed case checked with few calls (the join's hot path).
+
+    Returns None for anything unusual — a missing or null field, an integral float where an
+    int is expected, texts, any doubt — and the caller then runs the full validator, which
+    either accepts the value or says precisely why not. It never accepts what the full
+    validator would reject (tests/test_codec.py checks the two agree).
+    """
+    big, n_max = limits.max_abs_value, limits.max_id_len
+    try:
+        if obj.get("schema") != schema or obj.get("memory_texts") is not None:
+            return None
+        qid, eid = obj["query_id"], obj["event_id"]
+        if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
+            return None
+        if key is not NO_KEY_CHECK:
+            k = key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else key
+            if k != qid:
+                return None
+        step, ts, temp, logprob = obj["step"], obj["ts"], obj["temperature"], obj["logprob"]
+        if type(step) is not int or not 0 <= step <= 2**31 or not _num(ts, 0.0, 1e11):
+            return None
+        if not _num(temp, 1e-6, 1e6) or not _num(logprob, -big, 1e-6):
+            return None
+        fallback = obj["fallback"]
+        feats = obj["features"]
+        if type(fallback) is not bool or type(feats) is not dict:
+            return None
+        loss, entropy = feats["last_step_loss"], feats["last_step_entropy"]
+        if not _num(loss, -big, big) or not _num(entropy, -big, big):
+            return None
+        if embedding is None:
+            emb = _number_array(feats["query_embedding"], limits.embedding_dim, -big, big)
+            if emb is None:
+                return None
+            embedding = emb.astype(np.float32)
+        candidates, selected = obj["candidates"], obj["selected"]
+        if not _slot_list(candidates, limits) or not _slot_list(selected, limits):
+            return None
+        n = len(candidates)
+        scores = _number_array(obj["scores"], n, -big, big)
+        if scores is None or (not fallback and (not n or not set(selected) <= set(candidates))):
+            return None
+        policy = obj.get("policy")
+        version = obj.get("policy_version")
+        mask_max = obj.get("mask_max")
+        text = obj.get("query_text")
+        dropped = obj.get("dropped")
+        if policy is not None and (type(policy) is not str or not 0 < len(policy) <= n_max):
+            return None
+        if version is not None and (type(version) is not int or not 0 <= version <= 2**62):
+            return None
+        if mask_max is not None and not _num(mask_max, 0.0, big):
+            return None
+        if text is not None and (type(text) is not str or len(text) > limits.max_text_len):
+            return None
+        if dropped is not None and not _slot_list(dropped, limits):
+            return None
+        extras = {}
+        for name in ("candidate_masks", "candidate_probs"):
+            if obj.get(name) is not None:
+                arr = _number_array(obj[name], n, 0.0, big)
+                if arr is None:
+                    return None
+                extras[name] = arr
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return RetrievalEvent(
+        event_id=eid,
+        query_id=qid,
+        step=step,
+        ts=float(ts),
+        features=Features(embedding, float(loss), float(entropy)),
+        candidates=candidates,
+        scores=scores,
+        selected=selected,
+        temperature=float(temp),
+        logprob=float(logprob),
+        fallback=fallback,
+        policy=policy or "default",
+        policy_version=version or 0,
+        mask_max=float(mask_max) if mask_max is not None else None,
+        query_text=text,
+        memory_texts=None,
+        dropped=dropped,
+        **extras,
+    )
+
+
+def retrieval_event_from_obj(
+    obj: dict[str, Any],
+    limits: Limits,
+    key: Any = NO_KEY_CHECK,
+    schema: str = SCHEMA_RETRIEVAL,
+    embedding: np.ndarray | None = None,
+) -> RetrievalEvent:
+    """A retrieval event from an already parsed object (an event nested in another value).
+
+    ``schema`` is the schema the object must name; ``embedding``, when given, replaces
+    ``features.query_embedding`` (an experience carries it separately, in binary). Raises
+    :class:`~topics.fields.Rejected` as :func:`decode_retrieval_event` does.
+    """
+    fast = _fast_retrieval_event(obj, limits, key, schema, embedding)
+    return fast if fast is not None else _validated_retrieval_event(obj, limits, key, schema, embedding)
+
+
+def _validated_retrieval_event(
+    obj: dict[str, Any], limits: Limits, key: Any, schema: str, embedding: np.ndarray | None
+) -> RetrievalEvent:
+    """Every rule, field by field, with the precise rejection reason."""
+    f = Fields(obj, limits)
+
+    f.schema(schema)
+    query_id = f.query_id(key)
+    features = f.obj_("features")
+    assert features is not None
+    fallback = f.bool_("fallback")
+    candidates = f.slots_("candidates")
+    scores = f.floats_("scores")
+    selected = f.slots_("selected")
+    assert candidates is not None and scores is not None and selected is not None
+    if len(scores) != len(candidates):
+        raise Rejected("inconsistent", "scores and candidates differ in length")
+    if not fallback:
+        if not candidates:
+            raise Rejected("inconsistent", "no candidates on a non-fallback event")
+        if not set(selected) <= set(candidates):
+            raise Rejected("inconsistent", "selected is not a subset of candidates")
+    event = RetrievalEvent(
+        event_id=f.str_("event_id"),
+        query_id=query_id,
+        step=f.int_("step", 0, 2**31),
+        ts=f.float_("ts", 0.0, 1e11),
+        features=read_features(features, limits, embedding),
+        candidates=candidates,
+        scores=scores,
+        selected=selected,
+        temperature=f.float_("temperature", 1e-6, 1e6),
+        logprob=f.float_("logprob", None, 1e-6),
+        fallback=fallback,
+        policy=f.str_("policy", required=False) or "default",
+        policy_version=f.int_("policy_version", 0, 2**62, required=False) or 0,
+        mask_max=f.float_("mask_max", 0.0, None, required=False),
+        query_text=f.str_("query_text", required=False, max_len=limits.max_text_len, empty_ok=True),
+        memory_texts=f.texts_("memory_texts"),
+        dropped=f.slots_("dropped", required=False),
+    )
+    n = len(candidates)
+    for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
+        arr = f.floats_(name, required=False, lo=lo)
+        if arr is not None:
+            if len(arr) != n:
+                raise Rejected("inconsistent", f"{name} and candidates differ in length")
+            setattr(event, name, arr)
+    return event

@@ -1,0 +1,362 @@
+"""Values on the pipeline's internal topics (docs/architecture.md): experiences for the
+learner, join outcomes and rating pairs for the worker's stages, control commands,
+dead letters and the cluster epoch marker.
+
+These are written and read by the pipeline only, but they are validated like input: a
+value from an older or broken writer is rejected, never trusted.
+
+>>> import numpy as np
+>>> from topics.events import Features, RetrievalEvent
+>>> from topics.fields import Limits
+>>> event = RetrievalEvent("e1", "q1", 0, 1.0, Features(np.ones(2, np.float32), 0.5, 0.1),
+...                        candidates=[1, 2], scores=np.array([0.3, 0.2]), selected=[2],
+...                        temperature=1.0, logprob=-0.4, fallback=False)
+>>> exp = decode_experience(experience_bytes(event, 0.25), Limits(embedding_dim=2, slots=4))
+>>> exp.kind, exp.utility, exp.event.features.query_embedding.tolist()
+('feedback', 0.25, [1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from topics.events import RetrievalEvent, retrieval_event_from_obj
+from topics.fields import (
+    NO_KEY_CHECK,
+    SCHEMA_CONTROL,
+    SCHEMA_DEAD_LETTER,
+    SCHEMA_EPOCH,
+    SCHEMA_EXPERIENCE,
+    SCHEMA_OUTCOMES,
+    SCHEMA_RATING_PAIR,
+    Fields,
+    Limits,
+    Rejected,
+    WireValue,
+    check_key,
+    encode,
+    open_value,
+)
+
+# --------------------------------------------------------------------------- experiences
+
+
+@dataclass(slots=True)
+class Experience:
+    """A joined (retrieval event, feedback) pair, or a labelled sample, for the learner.
+
+    ``kind`` is ``"feedback"`` (REINFORCE) or ``"label"`` (last-layer fine-tune toward
+    ``correct_memories``). ``id`` is the retrieval event's id (or the label's), so that a
+    repeated delivery is applied once.
+    """
+
+    id: str
+    kind: str
+    event: RetrievalEvent
+    utility: float
+    correct_memories: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        body = self.event.to_dict()
+        body.pop("memory_texts", None)  # the learner never needs texts
+        body.pop("query_text", None)
+        # The embedding travels as base64 float32: ~10× cheaper to decode than 384 JSON floats.
+        features = dict(body["features"])
+        emb = np.ascontiguousarray(features.pop("query_embedding"), dtype="<f4")
+        body["features"] = features
+        out: dict[str, Any] = {
+            "schema": SCHEMA_EXPERIENCE,
+            "id": self.id,
+            "kind": self.kind,
+            "utility": self.utility,
+            "embedding_f32": base64.b64encode(emb.tobytes()).decode("ascii"),
+            "event": body,
+        }
+        if self.correct_memories is not None:
+            out["correct_memories"] = self.correct_memories
+        return out
+
+
+def experience_bytes(event: RetrievalEvent, utility: float) -> bytes:
+    """Encode a joined feedback experience for the learner (internal ``experiences`` topic)."""
+    return encode(Experience(event.event_id, "feedback", event, utility).to_dict())
+
+
+def decode_experience(raw: bytes, limits: Limits) -> Experience:
+    """An ``experiences`` value, validated like input (its event included).
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not be used.
+    """
+    f = open_value(raw, limits, SCHEMA_EXPERIENCE)
+    kind = f.str_("kind")
+    if kind not in ("feedback", "label"):
+        raise Rejected("out_of_range", f"kind {kind!r}")
+    event_obj = f.get("event")
+    if not isinstance(event_obj, dict):
+        raise Rejected("wrong_type", "event must be an object")
+    embedding = _embedding_from_b64(f.get("embedding_f32"), limits)
+    return Experience(
+        id=f.str_("id"),
+        kind=kind,
+        event=retrieval_event_from_obj(event_obj, limits, embedding=embedding),
+        utility=f.float_("utility"),
+        correct_memories=f.slots_("correct_memories", required=False),
+    )
+
+
+def _embedding_from_b64(text: Any, limits: Limits) -> np.ndarray:
+    """The internal binary form of an embedding: little-endian float32, base64."""
+    if not isinstance(text, str):
+        raise Rejected("wrong_type", "embedding_f32 must be a base64 string")
+    try:
+        arr = np.frombuffer(base64.b64decode(text, validate=True), dtype="<f4")
+    except (ValueError, binascii.Error):
+        raise Rejected("wrong_type", "embedding_f32 is not base64 of float32 values") from None
+    if arr.shape[0] != limits.embedding_dim:
+        raise Rejected("embedding_length", f"{arr.shape[0]} values, expected {limits.embedding_dim}")
+    if not np.isfinite(arr).all():
+        raise Rejected("non_finite", "embedding_f32")
+    if arr.size and np.abs(arr).max() > limits.max_abs_value:
+        raise Rejected("out_of_range", "embedding_f32")
+    return arr.astype(np.float32)  # a writable copy
+
+
+# --------------------------------------------------------------------------- worker stages
+
+AL_REASONS = ("error", "uncertain")
+
+
+@dataclass(slots=True)
+class Outcome(WireValue):
+    """One joined step, as the join hands it to the worker's per-query stages.
+
+    ``al`` marks an active-learning candidate (one of :data:`AL_REASONS`); such a record
+    carries its retrieval ``event`` so that a sample can be built from it later.
+    """
+
+    FIELDS = ("query_id", "step", "ts", "utility", "fallback", "policy")
+    OPTIONAL = ("al", "event")
+    NESTED = ("event",)
+
+    query_id: str
+    step: int
+    ts: float
+    utility: float
+    fallback: bool
+    policy: str = "default"
+    al: str | None = None
+    event: RetrievalEvent | None = None
+
+
+@dataclass(slots=True)
+class Outcomes:
+    """One message of the ``outcomes`` topic: a join batch's records for one partition.
+
+    >>> from topics.fields import Limits
+    >>> raw = encode(Outcomes([Outcome("q1", 2, 5.0, 0.3, False)]).to_dict())
+    >>> decode_outcomes(raw, Limits()).records[0].utility
+    0.3
+    """
+
+    records: list[Outcome]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_OUTCOMES, "records": [r.to_dict() for r in self.records]}
+
+
+def decode_outcomes(raw: bytes, limits: Limits) -> Outcomes:
+    """An ``outcomes`` value, validated; a candidate's event is validated too.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not be used.
+    """
+    f = open_value(raw, limits, SCHEMA_OUTCOMES)
+    items = f.list_("records", max_len=1 << 20)
+    assert items is not None
+    records = []
+    for item in items:
+        if not isinstance(item, dict):
+            raise Rejected("wrong_type", "records[] must be objects")
+        g = Fields(item, limits, "records[].")
+        al = g.str_("al", required=False)
+        if al is not None and al not in AL_REASONS:
+            raise Rejected("out_of_range", f"records[].al {al!r}")
+        event_obj = g.get("event", required=al is not None)
+        if event_obj is not None and not isinstance(event_obj, dict):
+            raise Rejected("wrong_type", "records[].event must be an object")
+        records.append(
+            Outcome(
+                query_id=g.str_("query_id"),
+                step=g.int_("step", 0, 2**31),
+                ts=g.float_("ts", 0.0, 1e11),
+                utility=g.float_("utility"),
+                fallback=g.bool_("fallback"),
+                policy=g.str_("policy", required=False) or "default",
+                al=al,
+                event=None if event_obj is None else retrieval_event_from_obj(event_obj, limits),
+            )
+        )
+    return Outcomes(records)
+
+
+@dataclass(slots=True)
+class RatingPair(WireValue):
+    """A query's mean utility next to its human rating, for the drift detector.
+
+    ``id`` is the query_id, ``t`` the query's latest event time.
+
+    >>> from topics.fields import Limits
+    >>> decode_rating_pair(encode(RatingPair("q1", 9.0, 0.4, 4).to_dict()), Limits(), key=b"q1").rating
+    4
+    """
+
+    SCHEMA = SCHEMA_RATING_PAIR
+    FIELDS = ("id", "t", "u_query", "rating")
+
+    id: str
+    t: float
+    u_query: float
+    rating: int
+
+
+def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RatingPair:
+    """A ``rating-pairs`` value, validated; its key is its ``id`` (the query_id).
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
+    f = open_value(raw, limits, SCHEMA_RATING_PAIR)
+    pair_id = f.str_("id")
+    check_key(key, pair_id)
+    return RatingPair(
+        id=pair_id, t=f.float_("t", 0.0, 1e11), u_query=f.float_("u_query"), rating=f.int_("rating", 0, 5)
+    )
+
+
+# --------------------------------------------------------------------------- control and upkeep
+
+CONTROL_COMMANDS = ("reset", "rollback")
+
+
+@dataclass(slots=True)
+class Control(WireValue):
+    """A command for the learner (one of :data:`CONTROL_COMMANDS`), with why and its details."""
+
+    SCHEMA = SCHEMA_CONTROL
+    FIELDS = ("id", "command", "ts", "reason", "details")
+
+    command: str
+    ts: float
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+
+def decode_control(raw: bytes, limits: Limits) -> Control:
+    """A ``control`` value, validated: a command the learner must carry out.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not be used.
+    """
+    f = open_value(raw, limits, SCHEMA_CONTROL)
+    command = f.str_("command")
+    if command not in CONTROL_COMMANDS:
+        raise Rejected("out_of_range", f"command {command!r}")
+    details = f.obj.get("details") or {}
+    if not isinstance(details, dict):
+        raise Rejected("wrong_type", "details must be an object")
+    return Control(
+        command=command,
+        ts=f.float_("ts", 0.0, 1e11),
+        reason=f.str_("reason", required=False, empty_ok=True) or "",
+        details=details,
+        id=f.str_("id", required=False, empty_ok=True) or "",
+    )
+
+
+@dataclass(slots=True)
+class EpochMarker(WireValue):
+    """The one message of the ``epoch`` topic, written when the topics are created."""
+
+    SCHEMA = SCHEMA_EPOCH
+    FIELDS = ("created_ts",)
+
+    created_ts: float
+
+
+def dead_letter_value(
+    raw: bytes | None,
+    reason: str,
+    detail: str,
+    topic: str,
+    partition: int,
+    offset: int,
+    ts: float,
+    keep_bytes: int = 64 * 1024,
+) -> dict[str, Any]:
+    """The dead-letter record: the original value (as text if it is UTF-8) and why.
+
+    >>> dead_letter_value(b"{", "bad_json", "eof", "llm-feedback", 0, 7, 1.0)["original"]
+    '{'
+    """
+    out: dict[str, Any] = {
+        "schema": SCHEMA_DEAD_LETTER,
+        "reason": reason,
+        "detail": detail[:500],
+        "source": {"topic": topic, "partition": partition, "offset": offset},
+        "ts": ts,
+        "original_size": 0 if raw is None else len(raw),
+    }
+    if raw is not None:
+        head = bytes(raw[:keep_bytes])
+        out["truncated"] = len(raw) > keep_bytes
+        try:
+            out["original"] = head.decode("utf-8")
+        except UnicodeDecodeError:
+            out["original_b64"] = base64.b64encode(head).decode("ascii")
+    return out

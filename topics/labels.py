@@ -1,0 +1,193 @@
+"""Human labels and the active-learning samples they answer (docs/contract.md §3, §4).
+
+The pipeline publishes an :class:`ActiveLearningSample` for a retrieval worth a human's
+look; a labeler answers with a :class:`HumanLabel`: a ``rating`` (0–5), a ``verdict`` on
+the answer, or a ``memory_choice`` that names the memories that should have been used.
+
+>>> from topics.fields import Limits, encode
+>>> label = HumanLabel("e1", "q1", 1.0, "ann", "memory_choice", sample_id="s1", correct_memories=[4])
+>>> back = decode_human_label(encode(label.to_dict()), Limits(), key=b"q1")
+>>> back.correct_memories, back.rating
+([4], None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from topics.events import Features, read_features
+from topics.fields import (
+    LABEL_KINDS,
+    NO_KEY_CHECK,
+    SCHEMA_AL_SAMPLE,
+    SCHEMA_LABEL,
+    Fields,
+    Limits,
+    Rejected,
+    WireValue,
+    open_value,
+)
+
+
+@dataclass(slots=True)
+class HumanLabel(WireValue):
+    """A person's answer about one query: a rating, a verdict, or a choice of memories."""
+
+    SCHEMA = SCHEMA_LABEL
+    FIELDS = ("event_id", "query_id", "ts", "labeler", "kind")
+    OPTIONAL = ("rating", "answer_correct", "sample_id", "correct_memories", "step", "skip_reason")
+
+    event_id: str
+    query_id: str
+    ts: float
+    labeler: str
+    kind: str
+    rating: int | None = None
+    answer_correct: bool | None = None
+    sample_id: str | None = None
+    correct_memories: list[int] | None = None
+    step: int | None = None
+    skip_reason: str | None = None  # optional addition: why a labeler skipped (kind memory_choice)
+
+
+def decode_human_label(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> HumanLabel:
+    """A ``human-labels`` value, validated; the fields its ``kind`` needs are required.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
+    f = open_value(raw, limits, SCHEMA_LABEL)
+    query_id = f.query_id(key)
+    kind = f.str_("kind")
+    if kind not in LABEL_KINDS:
+        raise Rejected("out_of_range", f"kind {kind!r} not in {LABEL_KINDS}")
+    label = HumanLabel(
+        event_id=f.str_("event_id"),
+        query_id=query_id,
+        ts=f.float_("ts", 0.0, 1e11),
+        labeler=f.str_("labeler"),
+        kind=kind,
+        step=f.int_("step", 0, 2**31, required=False),
+    )
+    if kind == "rating":
+        label.rating = f.int_("rating", 0, 5)
+    elif kind == "verdict":
+        label.answer_correct = f.bool_("answer_correct")
+    else:
+        label.sample_id = f.str_("sample_id")
+        label.correct_memories = f.slots_("correct_memories")
+        label.skip_reason = f.str_("skip_reason", required=False, max_len=1024, empty_ok=True)
+        # A rating may ride along with an answer (the labeling tool asks for both).
+        label.rating = f.int_("rating", 0, 5, required=False)
+    return label
+
+
+@dataclass(slots=True)
+class ActiveLearningSample(WireValue):
+    """A retrieval worth a labeler's look (``reason``), with what the labeler needs to see."""
+
+    SCHEMA = SCHEMA_AL_SAMPLE
+    FIELDS = (
+        "sample_id",
+        "query_id",
+        "step",
+        "ts",
+        "reason",
+        "utility",
+        "policy_version",
+        "policy",
+        "features",
+        "candidates",
+        "selected",
+        "top_slots",
+    )
+    OPTIONAL = ("query_text", "memory_texts", "scores", "temperature")
+    NESTED = ("features", "memory_texts")
+
+    sample_id: str
+    query_id: str
+    step: int
+    ts: float
+    reason: str
+    utility: float
+    policy_version: int
+    features: Features
+    candidates: list[int]
+    selected: list[int]
+    top_slots: list[dict[str, float]]
+    query_text: str | None = None
+    memory_texts: dict[int, str] | None = None
+    # Optional additions needed to train on the answer with the serving rule (docs/learning.md).
+    scores: np.ndarray | None = None
+    temperature: float | None = None
+    policy: str = "default"
+
+
+def decode_active_learning_sample(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> ActiveLearningSample:
+    """An ``active-learning`` value, validated.
+
+    Parameters
+    ----------
+    raw
+        The message value (UTF-8 JSON).
+    limits
+        What validation accepts (embedding dimension, slots, sizes).
+    key
+        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
+        value read on its own (a file line, a value about to be sent).
+
+    Raises
+    ------
+    Rejected
+        With the reason the value must not reach the model.
+    """
+    f = open_value(raw, limits, SCHEMA_AL_SAMPLE)
+    query_id = f.query_id(key)
+    features = f.obj_("features")
+    assert features is not None
+    candidates = f.slots_("candidates")
+    assert candidates is not None
+    top_items = f.list_("top_slots")
+    assert top_items is not None
+    top_slots = []
+    for item in top_items:
+        if not isinstance(item, dict):
+            raise Rejected("wrong_type", "top_slots[] must be objects")
+        g = Fields(item, limits, "top_slots[].")
+        top_slots.append({"slot": g.int_("slot", 0, limits.slots - 1), "prob": g.float_("prob", 0.0, 1.0 + 1e-6)})
+    scores = f.floats_("scores", required=False)
+    if scores is not None and len(scores) != len(candidates):
+        raise Rejected("inconsistent", "scores and candidates differ in length")
+    return ActiveLearningSample(
+        sample_id=f.str_("sample_id"),
+        query_id=query_id,
+        step=f.int_("step", 0, 2**31),
+        ts=f.float_("ts", 0.0, 1e11),
+        reason=f.str_("reason"),
+        utility=f.float_("utility"),
+        policy_version=f.int_("policy_version", 0, 2**62),
+        features=read_features(features, limits),
+        candidates=candidates,
+        selected=f.slots_("selected") or [],
+        top_slots=top_slots,
+        query_text=f.str_("query_text", required=False, max_len=limits.max_text_len, empty_ok=True),
+        memory_texts=f.texts_("memory_texts"),
+        scores=scores,
+        temperature=f.float_("temperature", 1e-6, 1e6, required=False),
+        policy=f.str_("policy", required=False) or "default",
+    )
