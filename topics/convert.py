@@ -23,6 +23,7 @@ validates JSON (the decoders in :mod:`topics.codec` do that once, at the topic b
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 
@@ -40,12 +41,15 @@ def sample_id_for(query_id: str, step: int) -> str:
     return hashlib.sha256(f"{query_id}\x00{step}".encode()).hexdigest()[:24]
 
 
-def _first_draw_probs(z: np.ndarray) -> np.ndarray:
-    """softmax(z): each candidate's probability of being drawn first (the serving rule's first draw)."""
-    z = np.asarray(z, dtype=np.float64)
-    e = np.exp(z - z.max())
-    out: np.ndarray = e / e.sum()
-    return out
+def _first_draw_probs(z: list[float]) -> list[float]:
+    """softmax(z): each candidate's probability of being drawn first (the serving rule's first draw).
+
+    Plain floats: for a handful of candidates this is several times faster than numpy.
+    """
+    top = max(z)
+    e = [math.exp(v - top) for v in z]
+    total = sum(e)
+    return [v / total for v in e]
 
 
 def top_slots(event: RetrievalEvent, n: int = TOP_SLOTS) -> list[dict[str, float]]:
@@ -54,13 +58,13 @@ def top_slots(event: RetrievalEvent, n: int = TOP_SLOTS) -> list[dict[str, float
     The logged ``candidate_probs`` when present, else softmax(scores / temperature).
     """
     if event.candidate_probs is not None and len(event.candidate_probs) == len(event.candidates):
-        probs = np.asarray(event.candidate_probs, dtype=np.float64)
+        probs = [float(p) for p in event.candidate_probs]
     elif event.candidates:
-        probs = _first_draw_probs(np.asarray(event.scores, dtype=np.float64) / event.temperature)
+        probs = _first_draw_probs([float(v) / event.temperature for v in event.scores])
     else:
         return []
-    order = sorted(range(len(event.candidates)), key=lambda i: -float(probs[i]))[:n]
-    return [{"slot": int(event.candidates[i]), "prob": round(float(probs[i]), 6)} for i in order]
+    order = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)[:n]  # stable: ties keep their order
+    return [{"slot": int(event.candidates[i]), "prob": round(probs[i], 6)} for i in order]
 
 
 def make_sample(event: RetrievalEvent, utility: float, reason: str, ts: float) -> ActiveLearningSample:

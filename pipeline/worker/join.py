@@ -153,10 +153,6 @@ class JoinStage(Service):
         self._last_commit = 0.0
         self.ready = asyncio.Event()
 
-    @property
-    def uncertain_sent(self) -> int:
-        return self.rule.uncertain
-
     # ------------------------------------------------------------------ lifecycle
     async def _start(self) -> None:
         conn = self.config.connection
