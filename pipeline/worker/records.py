@@ -15,6 +15,8 @@ decoded until a labeler's answer needs its fields.
 True
 >>> decode_outcomes(encode_outcomes([o])) == [o]
 True
+>>> Outcome.from_obj({**o.to_dict(), "sample": None}).al is None
+True
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ class Outcome:
         if not isinstance(obj, dict):
             raise TypeError("an outcome record must be an object")
         al, sample = obj.get("al"), obj.get("sample")
-        if al is not None and (al not in ("error", "uncertain") or not isinstance(sample, str)):
-            raise ValueError(f"candidate record without a sample (al={al!r})")
+        if al is not None and al not in ("error", "uncertain"):
+            raise ValueError(f"unknown candidate reason {al!r}")
+        if not isinstance(sample, str):  # an older join sent the event, not the sample: count the utility only
+            al = None
         return cls(
             query_id=str(obj["query_id"]),
             step=int(obj["step"]),

@@ -5,6 +5,10 @@ partitioner over the co-partitioned topics' partition count, so each query's sta
 on the partition its events, labels and outcomes arrive on. The drift tables have one
 partition (one owner); ``drift-status`` is global, so every worker reports it.
 Values are the typed records of :mod:`pipeline.worker.records`.
+
+The tables whose value changed shape when they became records carry a ``-v2`` suffix:
+a worker upgraded on a live cluster starts them empty instead of failing to read the old
+changelog (the others read their old values as records).
 """
 
 from __future__ import annotations
@@ -60,11 +64,11 @@ class Tables:
             query_util=per_query("query-utility", QueryUtility),
             verdicts=per_query("verdicts", Verdict),
             ratings=per_query("ratings", Rating),
-            al_pending=per_query("al-pending", PendingSamples),
-            al_sent=per_query("al-sent", SentSteps),
-            al_samples=per_query("al-samples", StoredSamples),
-            labels_seen=per_query("labels-seen", SeenLabels),
-            drift_pairs=app.Table("drift-pairs", default=None, key_type=bytes, value_type=DriftPair, partitions=1),
+            al_pending=per_query("al-pending-v2", PendingSamples),
+            al_sent=per_query("al-sent-v2", SentSteps),
+            al_samples=per_query("al-samples-v2", StoredSamples),
+            labels_seen=per_query("labels-seen-v2", SeenLabels),
+            drift_pairs=app.Table("drift-pairs-v2", default=None, key_type=bytes, value_type=DriftPair, partitions=1),
             drift_state=app.Table("drift-state", default=None, key_type=bytes, value_type=TriggerState, partitions=1),
             drift_status=app.GlobalTable(
                 "drift-status", default=None, key_type=bytes, value_type=DriftStatus, partitions=1
