@@ -271,3 +271,23 @@ def test_table_records_survive_the_changelog_round_trip() -> None:
     restored = DriftTrigger()
     restored.load(TriggerState.of(trig).state())
     assert restored.state() == trig.state()
+
+
+def test_settings_compose_the_worker_configuration() -> None:
+    s = Settings.from_env(
+        {
+            "CAUSALMEM_TOPIC_PREFIX": "dev.",
+            "CAUSALMEM_PARTITIONS": "6",
+            "CAUSALMEM_AL_THRESHOLD": "-0.5",
+            "CAUSALMEM_AL_UNCERTAINTY_BUDGET": "0.1",
+            "CAUSALMEM_JOIN_WINDOW_S": "120",
+            "CAUSALMEM_DRIFT_RESET": "false",
+            "CAUSALMEM_LABEL_WINDOW_S": "3600",
+        }
+    )
+    w = s.worker()
+    assert (w.app_id, w.join.group_id, w.partitions) == ("dev.causalmem-worker", "dev.causalmem-join", 6)
+    assert w.connection.topics.outcomes.name == "dev.outcomes" and w.connection.security is s.security
+    assert w.join.connection == w.connection and w.join.window_s == 120.0
+    assert (w.join.active_learning.threshold, w.join.active_learning.uncertainty_budget) == (-0.5, 0.1)
+    assert w.drift.reset is False and w.label_window_s == 3600.0
