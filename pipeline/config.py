@@ -69,6 +69,57 @@ class Connection:
 # (worker)
 
 
+@dataclass(frozen=True)
+class ActiveLearningConfig:
+    """When a joined step becomes an active-learning sample (docs/architecture.md, "Stream stages")."""
+
+    threshold: float = -0.3  # utility below which a step is an error candidate
+    uncertainty_budget: float = 0.0  # at most this fraction of joined steps as uncertain; 0: off
+    uncertainty_margin: float = 0.05  # top-2 first-draw probability margin below which a step is uncertain
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """The batched join: its clients, its window of event time and its batch size."""
+
+    connection: Connection
+    group_id: str = "causalmem-join"
+    window_s: float = 600.0
+    batch: int = 2000
+    active_learning: ActiveLearningConfig = field(default_factory=ActiveLearningConfig)
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """The drift stage: the correlation window and the reset trigger."""
+
+    window_days: float = 7.0
+    drop: float = 0.15
+    min_pairs: int = 50
+    cooldown_s: float = 86400.0
+    page_hinkley: bool = False
+    reset: bool = True  # False: measure and report, never reset
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process: the faust app, its tables' bounds, the join and the drift stage."""
+
+    connection: Connection
+    join: JoinConfig
+    drift: DriftConfig = field(default_factory=DriftConfig)
+    app_id: str = "causalmem-worker"
+    state_dir: Path = Path("~/.causalmem/faust")  # faust's data directory
+    label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
+    query_state_max: int = 500_000  # per-query table entries a worker keeps at most
+    al_pending_max: int = 20_000  # error candidates waiting for a verdict, at most
+
+    @property
+    def partitions(self) -> int:
+        """The co-partitioned topics' partition count (the tables use it too)."""
+        return self.connection.topics.outcomes.partitions
+
+
 @dataclass
 class Settings:
     # where
@@ -137,6 +188,42 @@ class Settings:
 
     def connection(self) -> Connection:
         return Connection(topics=self.topics(), limits=self.limits(), security=self.security, policy=self.policy)
+
+    def join(self) -> JoinConfig:
+        return JoinConfig(
+            connection=self.connection(),
+            group_id=f"{self.topic_prefix}causalmem-join",
+            window_s=self.join_window_s,
+            batch=self.join_batch,
+            active_learning=ActiveLearningConfig(
+                threshold=self.al_threshold,
+                uncertainty_budget=self.al_uncertainty_budget,
+                uncertainty_margin=self.al_uncertainty_margin,
+            ),
+        )
+
+    def drift(self) -> DriftConfig:
+        return DriftConfig(
+            window_days=self.drift_window_days,
+            drop=self.drift_drop,
+            min_pairs=self.drift_min_pairs,
+            cooldown_s=self.drift_cooldown_s,
+            page_hinkley=self.drift_page_hinkley,
+            reset=self.drift_reset,
+        )
+
+    def worker(self) -> WorkerConfig:
+        join = self.join()
+        return WorkerConfig(
+            connection=join.connection,
+            join=join,
+            drift=self.drift(),
+            app_id=f"{self.topic_prefix}causalmem-worker",
+            state_dir=self.state_path() / "faust",
+            label_window_s=self.label_window_s,
+            query_state_max=self.query_state_max,
+            al_pending_max=self.al_pending_max,
+        )
 
     def state_path(self) -> Path:
         path = Path(os.path.expanduser(self.state_dir))

@@ -1013,7 +1013,7 @@ def test_join_stage_routes_any_batch_like_the_codec(topics_ready: Settings, batc
 
     async def run() -> None:
         metrics = Metrics()
-        stage = JoinStage(s, s.bootstrap, metrics)
+        stage = JoinStage(s.join(), s.bootstrap, metrics)
         # Only the stage's output side is started: the batch is handed to process() directly
         # (a consumer group join would cost seconds per example on the embedded broker).
         producer = kafka.producer(s.bootstrap, s)

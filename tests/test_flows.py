@@ -46,7 +46,7 @@ async def running(component):
 async def test_join_either_order_duplicates_and_dead_letter(topics_ready) -> None:
     s = topics_ready
     metrics = Metrics()
-    async with running(JoinStage(s, s.bootstrap, metrics)) as stage, EventPublisher(s.bootstrap, s) as pub:
+    async with running(JoinStage(s.join(), s.bootstrap, metrics)) as stage, EventPublisher(s.bootstrap, s) as pub:
         events = [retrieval_event(s, f"q{i}", step=i % 3) for i in range(20)]
         for i, ev in enumerate(events):
             fb = feedback(ev.query_id, ev.step)
@@ -79,7 +79,7 @@ async def test_join_either_order_duplicates_and_dead_letter(topics_ready) -> Non
 async def test_unmatched_events_expire_after_the_window(topics_ready) -> None:
     s = topics_ready.replace(join_window_s=100.0)
     metrics = Metrics()
-    async with running(JoinStage(s, s.bootstrap, metrics)) as stage, EventPublisher(s.bootstrap, s) as pub:
+    async with running(JoinStage(s.join(), s.bootstrap, metrics)) as stage, EventPublisher(s.bootstrap, s) as pub:
         await pub.publish(retrieval_event(s, "lonely", ts=1_000.0))
         await pub.publish(feedback("orphan", ts=1_001.0))
         await pub.flush()
@@ -176,7 +176,10 @@ async def _learn_from(s, messages: list[tuple[str, object]], n_pairs: int) -> di
         for _, value in messages:
             await pub.publish(value)
     metrics = Metrics()
-    async with running(JoinStage(s, s.bootstrap, metrics)), running(Learner(s, s.bootstrap, Metrics())) as learner:
+    async with (
+        running(JoinStage(s.join(), s.bootstrap, metrics)),
+        running(Learner(s, s.bootstrap, Metrics())) as learner,
+    ):
         await until(
             lambda: learner.trainer.experiences == n_pairs and not learner.dirty and not learner.held,
             60,

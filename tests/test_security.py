@@ -42,8 +42,9 @@ from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import PolicySubscriber, scan_model_topic
 from pipeline.promtext import metric
-from pipeline.worker.app import Worker, make_sample
+from pipeline.worker.app import Worker
 from pipeline.worker.join import JoinStage
+from topics.convert import make_sample
 from topics.fields import Limits, Rejected, encode
 from topics.labels import decode_human_label
 
@@ -153,7 +154,7 @@ async def test_pipeline_kafka_clients_carry_sasl_ssl_settings(ca_file: Path) -> 
 
 def test_worker_faust_app_gets_matching_broker_credentials(ca_file: Path) -> None:
     s = sasl_ssl(ca_file, partitions=4, embedding_dim=8, slots=32, hidden=16)
-    worker = Worker(s, "127.0.0.1:9", Metrics())
+    worker = Worker(s.worker(), "127.0.0.1:9", Metrics())
     creds = worker.app.conf.broker_credentials
     assert isinstance(creds, faust.SASLCredentials), type(creds)
     assert (creds.username, creds.password) == ("u", "s3cret")
@@ -165,7 +166,7 @@ def test_worker_faust_app_gets_matching_broker_credentials(ca_file: Path) -> Non
     assert auth["security_protocol"] == "SASL_SSL" and auth["sasl_mechanism"] == "SCRAM-SHA-256"
     assert (auth["sasl_plain_username"], auth["sasl_plain_password"]) == ("u", "s3cret")
     # The worker's join stage makes its clients from the same settings.
-    assert worker.join.settings.security is s.security
+    assert worker.join.config.connection.security is s.security
 
 
 KAFKA_CLIENT_CLASSES = {
@@ -255,7 +256,7 @@ async def test_every_component_builds_its_clients_through_pipeline_kafka(
     await started("publisher", pub.start, pub.stop, 1)
     sub = PolicySubscriber(s.bootstrap, s.policy, s)
     await started("subscriber", sub.start, sub.stop, 1)
-    join = JoinStage(s, s.bootstrap, Metrics())
+    join = JoinStage(s.join(), s.bootstrap, Metrics())
     await started("join", join.start, join.stop, 2)
     learner = Learner(s, s.bootstrap, Metrics())
     await started("learner", learner.start, lambda: learner.stop(publish=False), 3)

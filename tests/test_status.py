@@ -64,7 +64,7 @@ async def _populate(s) -> list:
             value = dead_letter_value(b"{oops", reason, "test", t.retrieval_events.name, 0, i, time.time())
             futures.append(await producer.send(t.dead_letter.name, encode(value), key=b"q", partition=0))
         futures.append(await producer.send(t.dead_letter.name, b"not json at all", partition=0))
-        from pipeline.worker.app import make_sample
+        from topics.convert import make_sample
 
         for i in range(AL_SAMPLES):
             ev = retrieval_event(s, f"al{i}", step=0)

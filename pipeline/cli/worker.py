@@ -34,6 +34,6 @@ def run(args: argparse.Namespace) -> int:
         f"worker: broker {bootstrap}, D={settings.embedding_dim}, S={settings.slots}, {settings.partitions} partitions",
         flush=True,
     )
-    worker = Worker(settings, bootstrap, metrics, web_port=args.web_port)
+    worker = Worker(settings.worker(), bootstrap, metrics, web_port=args.web_port)
     worker.faust_worker(loglevel=args.log_level).execute_from_commandline()
     return 0

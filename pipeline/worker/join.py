@@ -2,8 +2,8 @@
 
 This is the hot path (Decision Service's "join"). It reads both input topics with one
 aiokafka consumer group in batches (``getmany``): a per-event faust agent reaches only
-~5% of raw consume speed on one core (DESIGN §8), so the volume stage is batched and the
-faust stages downstream get one message per batch.
+~5% of raw consume speed on one core (docs/architecture.md, "Why not a faust agent?"),
+so the volume stage is batched and the faust stages downstream get one message per batch.
 
 Per input partition it keeps the events still waiting for their other half, in either
 arrival order, for ``join_window_s`` of event time; unmatched events are then evicted and
@@ -18,8 +18,9 @@ Outputs, produced before the input offsets are committed:
 - ``experiences`` (1 partition): each joined, non-fallback step with its utility, for
   the learner;
 - ``outcomes`` (co-partitioned by query_id): one message per batch and partition with a
-  compact record per joined step (utility, and the whole event when it is a candidate for
-  active learning), for the faust stages;
+  compact record per joined step (:class:`~pipeline.worker.records.Outcome`: utility, and
+  the encoded ActiveLearningSample when the step is a candidate under
+  :mod:`pipeline.worker.active_learning`), for the faust stages;
 - ``dead-letter``: every rejected message with its reason.
 """
 
@@ -39,12 +40,16 @@ from aiokafka.partitioner import murmur2
 from river import stats, utils
 
 from pipeline import kafka
-from pipeline.config import Settings
+from pipeline.config import JoinConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
+from pipeline.service import Service
+from pipeline.worker.active_learning import CandidateRule
+from pipeline.worker.records import Outcome, encode_outcomes
+from topics.convert import make_sample
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
-from topics.fields import SCHEMA_OUTCOMES, Rejected, encode
+from topics.fields import Rejected, encode
 from topics.internal import experience_bytes
 
 log = logging.getLogger(__name__)
@@ -57,16 +62,7 @@ MAX_IDS_PER_PARTITION = 1_000_000
 
 def key_partition(key: str, partitions: int) -> int:
     """The partition Kafka's default (murmur2) partitioner gives a string key."""
-    return (murmur2(key.encode("utf-8")) & 0x7FFFFFFF) % partitions
-
-
-def uncertainty_margin(event: RetrievalEvent) -> float | None:
-    """Top-2 margin of the serving policy's first-draw probabilities, when logged."""
-    probs = event.candidate_probs
-    if probs is None or len(probs) < 2:
-        return None
-    top = sorted(probs, reverse=True)
-    return float(top[0] - top[1])
+    return (int(murmur2(key.encode("utf-8"))) & 0x7FFFFFFF) % partitions
 
 
 @dataclass
@@ -121,28 +117,30 @@ class JoinStats:
     """
 
     def __init__(self, window: int = 50) -> None:
-        self.intervention = utils.Rolling(stats.Mean, window_size=window)
-        self.fallback = utils.Rolling(stats.Mean, window_size=window)
-        self.utility = utils.Rolling(stats.Mean, window_size=window)
-        self.utility_nonneg = utils.Rolling(stats.Mean, window_size=window)
+        # river's Rolling forwards to its wrapped statistic, which mypy cannot see.
+        self.intervention: Any = utils.Rolling(stats.Mean, window_size=window)
+        self.fallback: Any = utils.Rolling(stats.Mean, window_size=window)
+        self.utility: Any = utils.Rolling(stats.Mean, window_size=window)
+        self.utility_nonneg: Any = utils.Rolling(stats.Mean, window_size=window)
 
 
-class JoinStage:
-    """Batched join with an explicit lifecycle (``start`` / ``run`` / ``stop``)."""
+class JoinStage(Service):
+    """Batched join with an explicit lifecycle (``start`` / ``run`` / ``stop``, or ``async with``)."""
 
-    def __init__(self, settings: Settings, bootstrap: str, metrics: Metrics, group_id: str | None = None) -> None:
-        self.settings = settings
+    def __init__(self, config: JoinConfig, bootstrap: str, metrics: Metrics, group_id: str | None = None) -> None:
+        super().__init__()
+        self.config = config
         self.bootstrap = bootstrap
         self.metrics = metrics
-        self.topics = settings.topics()
-        self.limits = settings.limits()
-        self.group_id = group_id or f"{settings.topic_prefix}causalmem-join"
+        self.topics = config.connection.topics
+        self.limits = config.connection.limits
+        self.group_id = group_id or config.group_id
         self._kind = {self.topics.retrieval_events.name: "retrieval", self.topics.llm_feedback.name: "feedback"}
         self.state: dict[int, PartitionState] = {}
         self.watermark = 0.0  # max event time seen (seconds)
         self.stats = JoinStats()
+        self.rule = CandidateRule(config.active_learning)
         self.joined_total = 0
-        self.uncertain_sent = 0
         self._consumer: Any = None
         self._producer: Any = None
         self._dead: DeadLetterWriter | None = None
@@ -151,19 +149,21 @@ class JoinStage:
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        self._producer = kafka.producer(self.bootstrap, self.settings, linger_ms=10)
+    async def _start(self) -> None:
+        conn = self.config.connection
+        self._stopping.clear()
+        self._producer = kafka.producer(self.bootstrap, conn, linger_ms=10)
         await self._producer.start()
         self._dead = DeadLetterWriter(self._producer, self.topics.dead_letter.name, self.metrics)
         self._consumer = kafka.consumer(
-            self.bootstrap, self.settings, group_id=self.group_id, max_poll_records=self.settings.join_batch
+            self.bootstrap, conn, group_id=self.group_id, max_poll_records=self.config.batch
         )
         self._consumer.subscribe(
             [self.topics.retrieval_events.name, self.topics.llm_feedback.name], listener=_Rebalance(self)
         )
         await self._consumer.start()
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         self._stopping.set()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
@@ -174,19 +174,12 @@ class JoinStage:
             await self._producer.stop()
             self._producer = None
 
-    async def __aenter__(self) -> JoinStage:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
     async def run(self) -> None:
         """Consume until :meth:`stop`. Never raises on bad input."""
         assert self._consumer is not None
         while not self._stopping.is_set():
             try:
-                batch = await self._consumer.getmany(timeout_ms=200, max_records=self.settings.join_batch)
+                batch = await self._consumer.getmany(timeout_ms=200, max_records=self.config.batch)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # broker hiccups: keep going, report once per failure
@@ -206,9 +199,9 @@ class JoinStage:
     async def process(self, batch: dict[TopicPartition, list[Any]]) -> None:
         """Validate, join and emit one fetched batch (public for tests and benchmarks)."""
         experiences: list[bytes] = []
-        outcomes: dict[int, list[dict[str, Any]]] = {}
+        outcomes: dict[int, list[Outcome]] = {}
         tally = _BatchTally()
-        window = self.settings.join_window_s
+        window = self.config.window_s
         for tp, messages in batch.items():
             kind = self._kind.get(tp.topic)
             if kind is None:
@@ -237,7 +230,7 @@ class JoinStage:
                     continue
                 seen[value.event_id] = value.ts
                 self.watermark = max(self.watermark, value.ts)
-                if kind == "retrieval":
+                if isinstance(value, RetrievalEvent):
                     self._observe_retrieval(value, tally)
                     other = st.feedback.pop(key, None)
                     if other is None:
@@ -301,42 +294,25 @@ class JoinStage:
         event: RetrievalEvent,
         feedback: LLMFeedback,
         experiences: list[bytes],
-        outcomes: dict[int, list[dict[str, Any]]],
+        outcomes: dict[int, list[Outcome]],
         tally: _BatchTally,
         partition: int,
     ) -> None:
         u = feedback.utility
+        ts = max(event.ts, feedback.ts)
         self.joined_total += 1
         tally.utilities.append(u)
         if not event.fallback:  # fallback steps feed metrics and U_query, not the gradient
             experiences.append(experience_bytes(event, u))
-
-        record: dict[str, Any] = {
-            "query_id": event.query_id,
-            "step": event.step,
-            "ts": max(event.ts, feedback.ts),
-            "utility": u,
-            "fallback": event.fallback,
-            "policy": event.policy,
-        }
-        reason = None
-        if u < self.settings.al_threshold and not event.fallback:
-            reason = "error"  # becomes a sample once its query gets a negative verdict
-        elif self.settings.al_uncertainty_budget > 0 and not event.fallback:
-            margin = uncertainty_margin(event)
-            if (
-                margin is not None
-                and margin < self.settings.al_uncertainty_margin
-                and self.uncertain_sent < self.settings.al_uncertainty_budget * self.joined_total
-            ):
-                reason = "uncertain"
-                self.uncertain_sent += 1
-        if reason is not None:
-            record["al"] = reason
-            record["event"] = event.to_dict()
+        reason = self.rule.classify(event, u)
+        # A candidate's sample is built and encoded here, once: the outcomes stage forwards
+        # these bytes to active-learning as they are.
+        sample = encode(make_sample(event, u, reason, ts).to_dict()).decode() if reason else None
         # Producers key by query_id with Kafka's murmur2 partitioner (the contract), so the input
         # partition is the key's partition, where the query's table state lives.
-        outcomes.setdefault(partition, []).append(record)
+        outcomes.setdefault(partition, []).append(
+            Outcome(event.query_id, event.step, ts, u, event.fallback, event.policy, al=reason, sample=sample)
+        )
 
     def _evict(self, horizon: float) -> None:
         # Queues are in arrival order, which is close to event-time order: evict from the
@@ -354,7 +330,7 @@ class JoinStage:
             pending += st.pending()
         self.metrics.join_pending.set(pending)
 
-    async def _send(self, experiences: list[bytes], outcomes: dict[int, list[dict[str, Any]]]) -> None:
+    async def _send(self, experiences: list[bytes], outcomes: dict[int, list[Outcome]]) -> None:
         p = self._producer
         futures = []
         # Experiences go in explicit record batches: one produce call per ~256 KiB instead
@@ -368,7 +344,7 @@ class JoinStage:
         if batch.record_count():
             futures.append(await p.send_batch(batch, self.topics.experiences.name, partition=0))
         for partition, records in outcomes.items():
-            body = encode({"schema": SCHEMA_OUTCOMES, "records": records})
+            body = encode_outcomes(records)
             futures.append(await p.send(self.topics.outcomes.name, body, partition=partition))
         if futures:
             await asyncio.gather(*futures)
@@ -441,7 +417,7 @@ def _prune_front(d: OrderedDict[Any, Any], horizon: float, cap: int, ts_of: Any 
     return removed
 
 
-class _Rebalance(ConsumerRebalanceListener):
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
     def __init__(self, stage: JoinStage) -> None:
         self.stage = stage
 
