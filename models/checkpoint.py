@@ -16,23 +16,15 @@ True
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from models.policy import TENSOR_NAMES, Arch
-from topics.checkpoint import MAX_CHUNK_BYTES
+from topics.checkpoint import MAX_CHUNK_BYTES, CheckpointError, sha256_hex, split_chunks
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that must not be loaded; ``reason`` is machine-readable."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+__all__ = ["MAX_CHUNK_BYTES", "CheckpointError", "sha256_hex", "split_chunks", "to_safetensors", "verify_and_load"]
 
 
 def to_safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -40,16 +32,6 @@ def to_safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
     if missing:
         raise ValueError(f"missing tensors {missing}")
     return st_save({n: tensors[n].detach().to("cpu", torch.float32).contiguous() for n in TENSOR_NAMES})
-
-
-def sha256_hex(blob: bytes) -> str:
-    return hashlib.sha256(blob).hexdigest()
-
-
-def split_chunks(blob: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
-    if not 0 < chunk_size <= MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")
-    return [blob[i : i + chunk_size] for i in range(0, len(blob), chunk_size)] or [b""]
 
 
 def verify_and_load(blob: bytes, sha256: str, size: int, arch: Arch) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ promotion gate).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,29 @@ from topics.codec import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Limits, Rejected, 
 
 MAX_CHUNK_BYTES = 512 * 1024
 CANDIDATE_SUFFIX = "/candidate"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded; ``reason`` is machine-readable."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def sha256_hex(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
+
+
+def split_chunks(blob: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
+    """Cut a blob into the model topic's chunks (an empty blob is one empty chunk).
+
+    >>> [len(c) for c in split_chunks(b"x" * 250, 100)]
+    [100, 100, 50]
+    """
+    if not 0 < chunk_size <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")
+    return [blob[i : i + chunk_size] for i in range(0, len(blob), chunk_size)] or [b""]
 
 
 def chunk_key(policy: str, version: int, index: int) -> str:
