@@ -39,7 +39,8 @@ async def experiences_tail(bootstrap: str, settings: Any, window: int) -> list[A
 async def evaluate_window(bootstrap: str, settings: Any, window: int, methods: tuple[str, ...]) -> dict[str, Any]:
     from models.estimators import LoggedDecisions, evaluate
     from models.policy import PolicyNetwork
-    from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
+    from pipeline.client.subscriber import fetch_checkpoint
+    from pipeline.modeltopic import scan_model_topic
 
     exps = await experiences_tail(bootstrap, settings, window)
     index = await scan_model_topic(bootstrap, settings)

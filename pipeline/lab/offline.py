@@ -19,9 +19,9 @@ from models.drift import DriftMonitor
 from models.estimators import LoggedDecisions
 from models.trainer import PolicyTrainer
 from pipeline.client.retriever import CausalRetriever
+from pipeline.client.subscriber import LoadedPolicy
 from pipeline.lab.simulator import Environment, Scenario, Tally, serve
 from pipeline.learner.gate import judge
-from pipeline.modeltopic import LoadedPolicy
 from topics.checkpoint import Manifest
 from topics.codec import Experience
 

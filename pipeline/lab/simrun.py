@@ -158,10 +158,10 @@ async def run_scenario(
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
     from pipeline.client.retriever import CausalRetriever
+    from pipeline.client.subscriber import PolicySubscriber
     from pipeline.config import Settings
     from pipeline.lab.procs import Child, metric, scrape
     from pipeline.labeling.queue import LabelQueue, run_queue_until
-    from pipeline.modeltopic import PolicySubscriber
     from topics.codec import Features, HumanLabel, LLMFeedback, RetrievalEvent, decode_control
 
     t_start = time.monotonic()

@@ -35,15 +35,16 @@ import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CheckpointError, sha256_hex, verify_and_load
+from models.checkpoint import CheckpointError, sha256_hex, to_safetensors, verify_and_load
 from models.policy import Arch
 from models.trainer import PolicyTrainer
 from pipeline import kafka
+from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.gate import PromotionGate
 from pipeline.metrics import Metrics
-from pipeline.modeltopic import CheckpointPublisher, ModelTopicIndex, fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import CheckpointPublisher, ModelTopicIndex, scan_model_topic
 from topics.checkpoint import Manifest
 from topics.codec import Experience, Rejected, decode_control, decode_experience
 
