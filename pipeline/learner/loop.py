@@ -625,9 +625,10 @@ class Learner:
         # world before the change. (Rollbacks and the first policy skip the gate too.)
         candidate = self.gate is not None and reason not in ("init", "rollback", "reset")
         manifest = await self._publisher.publish(
-            tensors,
+            to_safetensors(tensors),
+            alpha=float(tensors["alpha"].reshape(-1)[0]),
             reason=reason,
-            arch=self.arch,
+            arch=self.arch.to_dict(),
             baseline=trainer.baseline.get(),
             metrics=metrics,
             input_offsets=offsets,
