@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -65,5 +66,5 @@ async def publish_file(path: str, bootstrap: str, settings: Settings, validate: 
     return 1 if rejected else 0
 
 
-def dumps_line(obj: dict) -> bytes:
+def dumps_line(obj: dict[str, Any]) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
