@@ -204,3 +204,44 @@ def test_check_blob_rejects_other_bytes() -> None:
     with pytest.raises(CheckpointError) as other:
         check_blob(b"y" * 10, manifest)
     assert other.value.reason == "sha256_mismatch"
+
+
+# --------------------------------------------------------------------------- with a broker
+
+
+@pytest.mark.broker
+async def test_publish_file_and_fetch_with_a_connection(settings: Settings, tmp_path: Path, capsys: Any) -> None:
+    from pipeline import kafka
+    from pipeline.client.publish_file import dumps_line, publish_file
+    from pipeline.client.subscriber import fetch_checkpoint
+    from pipeline.modeltopic import fetch_blob, scan_model_topic
+
+    from .helpers import feedback, retrieval_event
+
+    conn = settings.connection()
+    ev = retrieval_event(settings, "q1")
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(dumps_line(ev.to_dict()) + dumps_line(feedback("q1").to_dict()) + b'{"schema": "nope"}\n')
+    assert await publish_file(str(path), settings.bootstrap or "", conn) == 1
+    assert "published 2 line(s): 1 to llm-feedback, 1 to retrieval-events; rejected 1" in capsys.readouterr().out
+    got = await kafka.read_all(settings.bootstrap or "", conn, conn.topics.retrieval_events.name)
+    assert [m.key for m in got] == [b"q1"]
+
+    net = init_policy(8, 32, 16)
+    blob = to_safetensors(net.tensors())
+    producer = kafka.producer(settings.bootstrap or "", conn)
+    await producer.start()
+    try:
+        pub = CheckpointPublisher(producer, conn.topics.policy_checkpoints.name, conn.policy)
+        manifest = await pub.publish(blob, alpha=0.0, reason="init", arch=net.arch.to_dict(), baseline=0.0)
+    finally:
+        await producer.stop()
+    index = await scan_model_topic(settings.bootstrap or "", conn)
+    assert index.serving[conn.policy] == manifest
+    assert await fetch_blob(settings.bootstrap or "", conn, index, manifest) == blob
+    tensors = await fetch_checkpoint(settings.bootstrap or "", conn, index, manifest)
+    assert all(bool((tensors[n] == t).all()) for n, t in net.tensors().items())
+    index.chunk_offsets.clear()
+    with pytest.raises(CheckpointError) as missing:
+        await fetch_blob(settings.bootstrap or "", conn, index, manifest)
+    assert missing.value.reason == "missing_chunk"
