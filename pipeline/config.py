@@ -72,6 +72,7 @@ class Connection:
 
 
 # (client)
+# The client library (publisher, subscriber, retriever) needs only the Connection above.
 
 
 # (learner)
