@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An outside team's policy consumer, written from the checkpoint contract alone (DESIGN §5).
+"""An outside team's policy consumer, written from the checkpoint contract alone (docs/contract.md §7).
 
 It imports nothing from causal-memory-pipeline: only aiokafka, orjson, safetensors.numpy,
 numpy and the standard library. It reads ``<prefix>policy-checkpoints`` (partition 0) from
@@ -45,7 +45,7 @@ class NotVerifiable(Exception):
     pass
 
 
-# --------------------------------------------------------------------------- the math (§4, §5)
+# --------------------------------------------------------------------------- the math (contract §6, §7)
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -159,7 +159,7 @@ def load_tensors(blob: bytes, arch: dict[str, int] | None = None) -> dict[str, n
 async def read_model_topic(bootstrap: str, topic: str, timeout: float) -> list[tuple[int, bytes | None, bytes | None]]:
     """(offset, key, value) of partition 0, from the beginning to the fetches' high watermark.
 
-    Not ``end_offsets``: on the embedded broker it is wrong (DESIGN §8).
+    Not ``end_offsets``: on the embedded broker it is wrong (docs/contract.md §7).
     """
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()

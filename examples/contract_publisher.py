@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An outside team's producer, written from the wire contract alone (DESIGN §3, §4).
+"""An outside team's producer, written from the wire contract alone (docs/contract.md §3, §6).
 
 It imports nothing from causal-memory-pipeline: only aiokafka, orjson, numpy and the
 standard library. It publishes N RetrievalEvents with their LLMFeedback, keyed by
@@ -7,7 +7,7 @@ query_id, plus a few deliberately bad messages that the pipeline must dead-lette
 prints one JSON summary line.
 
 The events come from a serving side that has no policy yet (mask m = 0 for every slot),
-so the §4 rule reduces to: nothing is hard-dropped and z_i = score_i / T. ``selected`` is
+so the serving rule (contract §6) reduces to: nothing is hard-dropped and z_i = score_i / T. ``selected`` is
 drawn in order without replacement from softmax(z) (Plackett–Luce) and ``logprob`` is the
 log-probability of that ordered draw.
 
@@ -36,7 +36,7 @@ RETRIEVAL_TOPIC = "retrieval-events"
 FEEDBACK_TOPIC = "llm-feedback"
 
 
-# --------------------------------------------------------------------------- §4 rule, m = 0
+# --------------------------------------------------------------------------- serving rule, m = 0
 
 
 def logsumexp(x: np.ndarray) -> float:
@@ -154,8 +154,8 @@ async def main(args: argparse.Namespace) -> int:
         return 2
 
     # Default partitioner (murmur2 of the key), as Kafka's Java client: the pipeline joins
-    # both topics partition by partition. No idempotence: DESIGN §8 (at-least-once; the
-    # pipeline dedupes on event_id).
+    # both topics partition by partition. No idempotence (docs/contract.md §2): at-least-once; the
+    # pipeline dedupes on event_id.
     producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, acks="all", enable_idempotence=False, linger_ms=10)
     await producer.start()
     futures = []

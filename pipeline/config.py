@@ -59,8 +59,20 @@ class Connection:
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
     policy: str = "default"
 
+    @staticmethod
+    def of(source: Connection | Settings | None) -> Connection:
+        """A Connection from a Connection, a whole Settings (its part), or None (the defaults).
+
+        >>> Connection.of(Settings(topic_prefix="t-", policy="p")).topics.control.name, Connection.of(None).policy
+        ('t-control', 'default')
+        """
+        if isinstance(source, Connection):
+            return source
+        return (source or Settings()).connection()
+
 
 # (client)
+# The client library (publisher, subscriber, retriever) needs only the Connection above.
 
 
 # (learner)

@@ -1,6 +1,6 @@
 """The dead-letter writer: every rejected message goes to ``dead-letter`` with its reason.
 
-Bad input never stops a worker and never reaches the model (DESIGN §3). The record keeps
+Bad input never stops a worker and never reaches the model (docs/contract.md §5). The record keeps
 the original key and (up to 64 KiB of) the original value, and the reason is counted in
 ``causalmem_events_rejected_total{topic,reason}``.
 """
@@ -26,8 +26,8 @@ class DeadLetterWriter:
         self.producer = producer
         self.topic = topic
         self.metrics = metrics
-        self._pending: list[asyncio.Future] = []
-        self._tasks: list[asyncio.Task] = []
+        self._pending: list[asyncio.Future[Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._log_every_s = log_every_s
         self._last_log = 0.0
         self._suppressed = 0

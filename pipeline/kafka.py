@@ -1,7 +1,7 @@
 """Kafka clients configured for this product, on Apache Kafka and on the embedded broker.
 
-Every client is made here so that DESIGN §8's settings and the SASL/TLS configuration
-reach all of them:
+Every client is made here so that the settings below (docs/operations.md has the
+embedded broker's limits) and the SASL/TLS configuration reach all of them:
 
 - group timeouts: the embedded broker holds a JoinGroup reply for session_timeout/2, so
   a 6 s session (1 s heartbeat) makes a consumer start within ~3 s;
@@ -23,6 +23,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from pipeline.config import Connection, KafkaSecurity, Settings
+from pipeline.service import Service
 from topics.names import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def producer(bootstrap: str, settings: Connection | Settings, **overrides: Any) 
     kwargs: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
         "acks": "all",
-        "enable_idempotence": False,  # the embedded broker rejects InitProducerId (DESIGN §8)
+        "enable_idempotence": False,  # the embedded broker rejects InitProducerId
         "linger_ms": 5,
         "max_batch_size": 262144,
         "max_request_size": MAX_REQUEST_BYTES,
@@ -210,7 +211,7 @@ async def wait_for_broker(bootstrap: str, settings: Connection | Settings, timeo
 
 
 async def high_watermark(bootstrap: str, settings: Connection | Settings, topic: str, partition: int = 0) -> int:
-    """The log-end offset of a partition, from a fetch response (DESIGN §8: not end_offsets)."""
+    """The log-end offset of a partition, from a fetch response (not ``end_offsets``: wrong on the embedded broker)."""
     c = consumer(bootstrap, settings, group_id=None)
     try:
         await c.start()
@@ -237,8 +238,8 @@ async def read_all(
 ) -> list[Any]:
     """Read a topic from the beginning (or ``start``) to its current high watermark.
 
-    Uses fetch high watermarks (DESIGN §8: ``end_offsets`` is wrong on the embedded
-    broker). Returns the records in offset order per partition.
+    Uses fetch high watermarks (``end_offsets`` is wrong on the embedded broker).
+    Returns the records in offset order per partition.
     """
     c = consumer(bootstrap, settings, group_id=None, auto_offset_reset="earliest")
     await c.start()
@@ -281,8 +282,8 @@ async def read_all(
         await c.stop()
 
 
-class ClusterWatch:
-    """Notices a Kafka cluster that lost the product's topics (DESIGN §8).
+class ClusterWatch(Service):
+    """Notices a Kafka cluster that lost the product's topics (docs/operations.md).
 
     An embedded broker keeps everything in memory: after a restart every topic, group and
     offset is gone, and clients reconnect without an error while keeping positions that no
@@ -301,6 +302,7 @@ class ClusterWatch:
         interval: float = 3.0,
         marker_seen: bool = False,
     ) -> None:
+        super().__init__()
         self.bootstrap = bootstrap
         self.settings = settings
         self.topics = topics
@@ -311,12 +313,12 @@ class ClusterWatch:
         # True when the caller has just made sure the topics (and the marker) exist.
         self._seen_all = marker_seen
 
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="cluster-watch")
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             try:

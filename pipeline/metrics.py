@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN §7), one registry per process, served on ``/metrics``.
+"""Prometheus metrics (listed in docs/operations.md), one registry per process, served on ``/metrics``.
 
 Names follow Prometheus conventions (``_total`` counters, units in names); labels are of
 low cardinality only (topic, reason, kind; never a query id). The metrics are created on
@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 
 # The *_created series double the exposition for no use here.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
 
 log = logging.getLogger(__name__)
 

@@ -1,34 +1,34 @@
-"""Checkpoints through the model topic (DESIGN §5): publish, scan, fetch, follow.
+"""The model topic, without torch: publish checkpoints, index the topic, fetch a checkpoint's bytes.
+
+The wire format (chunk keys, the manifest) is in docs/contract.md and ``topics/manifest.py``.
 
 - :class:`CheckpointPublisher` (learner side): chunks, then the manifest; tombstones for
-  versions beyond the last few.
+  versions beyond the last few. It takes the safetensors bytes; the caller serializes.
 - :class:`ModelTopicIndex`: what the topic holds (manifests, and the *offsets* of chunks,
   not their bytes, so that scanning a long topic needs little memory).
-- :func:`fetch_checkpoint`: seek to a version's chunks, assemble, verify, load.
-- :class:`PolicySubscriber` (client side): follows the topic and hot-swaps a verified
-  serving policy; anything that fails verification is rejected and logged, and the
-  previous policy stays.
+- :func:`scan_model_topic` reads the topic once into an index; :func:`fetch_blob` seeks to
+  a version's chunks and assembles them, checked against the manifest's size and sha256.
 
-No pickle anywhere: bytes from the network are parsed by safetensors and orjson only.
+Turning bytes into tensors (and checking names, shapes, dtypes) is
+``pipeline.client.subscriber``'s job: this module imports no torch, so the status and
+rollback commands can read the topic cheaply.
+
+>>> index = ModelTopicIndex()
+>>> index.observe(0, b"default/1/0", b"chunk bytes")
+('chunk', None)
+>>> index.chunk_offsets, index.max_version("default"), index.end_offset
+({('default', 1): {0: 0}}, 1, 1)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from aiokafka import TopicPartition
-
-from models.policy import Arch, PolicyNetwork
-from models.weights import to_safetensors, verify_and_load
 from pipeline import kafka
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.fields import Rejected, encode
 from topics.manifest import (
     CheckpointError,
@@ -43,14 +43,15 @@ from topics.manifest import (
     validate_policy_name,
 )
 
-log = logging.getLogger(__name__)
-
-
 # --------------------------------------------------------------------------- publishing
 
 
 class CheckpointPublisher:
-    """Publishes checkpoints of one policy; versions strictly increase."""
+    """Publishes checkpoints of one policy; versions strictly increase.
+
+    ``producer`` is a started aiokafka producer (``kafka.producer``); the publisher never
+    starts or stops it.
+    """
 
     def __init__(self, producer: Any, topic: str, policy: str, keep_versions: int = 3) -> None:
         self.producer = producer
@@ -76,18 +77,36 @@ class CheckpointPublisher:
 
     async def publish(
         self,
-        tensors: dict[str, torch.Tensor],
+        blob: bytes,
         *,
+        alpha: float,
         reason: str,
-        arch: Arch,
+        arch: dict[str, int],
         baseline: float,
         metrics: dict[str, Any] | None = None,
         input_offsets: dict[str, int] | None = None,
         candidate: bool = False,
         version: int | None = None,
     ) -> Manifest:
-        """Publish chunks then the manifest; wait until the broker has acknowledged all."""
-        blob = to_safetensors(tensors)
+        """Publish a checkpoint's chunks then its manifest; wait until the broker acknowledged all.
+
+        Parameters
+        ----------
+        blob
+            The policy's safetensors bytes (``models.weights.to_safetensors``).
+        alpha, baseline
+            The policy's α and the learner's baseline, copied into the manifest.
+        reason
+            Why this checkpoint exists (one of the contract's checkpoint reasons).
+        arch
+            ``{"input_dim", "hidden", "slots", "embedding_dim"}`` (``Arch.to_dict()``).
+        metrics, input_offsets
+            Free-form learner metrics; the input positions this checkpoint has consumed.
+        candidate
+            Publish under the candidate key (awaiting the promotion gate) instead of serving.
+        version
+            An explicit version (above every earlier one); default: the next.
+        """
         version = version if version is not None else self.next_version()
         if version <= self.last_version:
             raise ValueError(f"version {version} is not above {self.last_version}")
@@ -101,8 +120,8 @@ class CheckpointPublisher:
             version=version,
             created_ts=time.time(),
             reason=reason,
-            arch=arch.to_dict(),
-            alpha=float(tensors["alpha"].reshape(-1)[0]),
+            arch={k: int(v) for k, v in arch.items()},
+            alpha=float(alpha),
             baseline=float(baseline),
             sha256=sha256_hex(blob),
             size=len(blob),
@@ -198,28 +217,64 @@ class ModelTopicIndex:
         return max(options, key=lambda m: m.version, default=None)
 
 
-async def scan_model_topic(bootstrap: str, settings: Settings, topic: str | None = None) -> ModelTopicIndex:
-    """Read the whole model topic once (from the beginning, DESIGN §8) into an index."""
-    topic = topic or settings.topics().policy_checkpoints.name
+def model_topic(conn: Connection | Settings | None) -> str:
+    """The model topic's name for a connection (or settings)."""
+    return Connection.of(conn).topics.policy_checkpoints.name
+
+
+async def scan_model_topic(bootstrap: str, conn: Connection | Settings, topic: str | None = None) -> ModelTopicIndex:
+    """Read the whole model topic once, from the beginning, into an index.
+
+    The model topic has no retention limit and is read from offset 0 (docs/contract.md).
+    """
+    conn = Connection.of(conn)
     index = ModelTopicIndex()
-    for msg in await kafka.read_all(bootstrap, settings, topic, partitions=[0]):
+    for msg in await kafka.read_all(bootstrap, conn, topic or model_topic(conn), partitions=[0]):
         index.observe(msg.offset, msg.key, msg.value)
     return index
 
 
-async def fetch_checkpoint(
-    bootstrap: str, settings: Settings, index: ModelTopicIndex, manifest: Manifest, topic: str | None = None
-) -> dict[str, torch.Tensor]:
-    """Fetch a manifest's chunks by offset, then verify and load; raises CheckpointError."""
-    topic = topic or settings.topics().policy_checkpoints.name
+def check_blob(blob: bytes, manifest: Manifest) -> bytes:
+    """``blob`` when its size and sha256 are the manifest's; raises :class:`CheckpointError`.
+
+    >>> m = Manifest("p", 1, 0.0, "init", {}, 0.0, 0.0, sha256_hex(b"abc"), 3, 1)
+    >>> check_blob(b"abc", m)
+    b'abc'
+    >>> try:
+    ...     check_blob(b"abd", m)
+    ... except CheckpointError as exc:
+    ...     print(exc.reason)
+    sha256_mismatch
+    """
+    if len(blob) != manifest.size:
+        raise CheckpointError("size_mismatch", f"{len(blob)} bytes, manifest says {manifest.size}")
+    if sha256_hex(blob) != manifest.sha256:
+        raise CheckpointError("sha256_mismatch")
+    return blob
+
+
+async def fetch_blob(
+    bootstrap: str,
+    conn: Connection | Settings,
+    index: ModelTopicIndex,
+    manifest: Manifest,
+    topic: str | None = None,
+) -> bytes:
+    """Fetch a manifest's chunks by their offsets in ``index`` and assemble them.
+
+    The bytes are checked against the manifest's size and sha256 (:func:`check_blob`);
+    raises :class:`CheckpointError` (``missing_chunk``, ``size_mismatch``,
+    ``sha256_mismatch``). Turning them into tensors is ``verify_and_load``'s job.
+    """
+    conn = Connection.of(conn)
+    topic = topic or model_topic(conn)
     offsets = index.chunk_offsets.get((manifest.policy, manifest.version), {})
     missing = [i for i in range(manifest.chunks) if i not in offsets]
     if missing:
         raise CheckpointError("missing_chunk", f"version {manifest.version} lacks chunks {missing[:5]}")
     wanted = {offsets[i]: i for i in range(manifest.chunks)}
     parts: dict[int, bytes] = {}
-    start = min(wanted)
-    msgs = await kafka.read_all(bootstrap, settings, topic, partitions=[0], start={0: start})
+    msgs = await kafka.read_all(bootstrap, conn, topic, partitions=[0], start={0: min(wanted)})
     for msg in msgs:
         if msg.offset in wanted and msg.value is not None:
             parts[wanted[msg.offset]] = msg.value
@@ -227,202 +282,4 @@ async def fetch_checkpoint(
             break
     if len(parts) != manifest.chunks:
         raise CheckpointError("missing_chunk", f"version {manifest.version}: read {len(parts)}/{manifest.chunks}")
-    blob = b"".join(parts[i] for i in range(manifest.chunks))
-    return verify_and_load(blob, manifest.sha256, manifest.size, arch_of(manifest))
-
-
-def arch_of(manifest: Manifest) -> Arch:
-    a = manifest.arch
-    return Arch(embedding_dim=int(a["embedding_dim"]), slots=int(a["slots"]), hidden=int(a["hidden"]))
-
-
-# --------------------------------------------------------------------------- following
-
-
-@dataclass
-class LoadedPolicy:
-    """A verified policy, ready for serving."""
-
-    manifest: Manifest
-    net: PolicyNetwork
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-    @property
-    def alpha(self) -> float:
-        return float(self.net.alpha.detach()[0])
-
-
-UpdateCallback = Callable[[LoadedPolicy], Awaitable[None] | None]
-
-
-class PolicySubscriber:
-    """Follows the model topic and hot-swaps verified serving checkpoints of one policy.
-
-    Usage (async)::
-
-        async with PolicySubscriber("127.0.0.1:19092", policy="default") as sub:
-            await sub.wait_for_policy()
-            mask = sub.current.net(...)
-
-    ``expected_arch`` (optional) rejects a manifest for another architecture; otherwise the
-    first loaded checkpoint fixes it. Rejections are logged and kept in :attr:`rejections`.
-    """
-
-    def __init__(
-        self,
-        bootstrap: str,
-        policy: str = "default",
-        settings: Settings | None = None,
-        on_update: UpdateCallback | None = None,
-        expected_arch: Arch | None = None,
-        keep_recent: int = 2,
-    ) -> None:
-        self.settings = settings or Settings()
-        self.bootstrap = bootstrap
-        self.policy = validate_policy_name(policy)
-        self.topic = self.settings.topics().policy_checkpoints.name
-        self.on_update = on_update
-        self.expected_arch = expected_arch
-        self.keep_recent = keep_recent
-        self.current: LoadedPolicy | None = None
-        self.rejections: list[tuple[int, str]] = []
-        self.index = ModelTopicIndex()
-        self._recent: dict[int, dict[int, bytes]] = {}  # version -> {chunk index: bytes}
-        self._consumer: Any = None
-        self._task: asyncio.Task | None = None
-        self._changed = asyncio.Condition()
-        self._after_reset = False
-
-    async def start(self) -> None:
-        self._consumer = kafka.consumer(self.bootstrap, self.settings, group_id=None)
-        await self._consumer.start()
-        tp = TopicPartition(self.topic, 0)
-        self._consumer.assign([tp])
-        await self._consumer.seek_to_beginning(tp)
-        self._task = asyncio.create_task(self._run(), name="policy-subscriber")
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._consumer:
-            await self._consumer.stop()
-            self._consumer = None
-
-    async def __aenter__(self) -> PolicySubscriber:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def wait_for_policy(self, min_version: int = 1, timeout: float = 60.0) -> LoadedPolicy:
-        """Wait until a serving policy of at least ``min_version`` is loaded."""
-
-        async def ready() -> LoadedPolicy:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self.current is not None and self.current.version >= min_version)
-                assert self.current is not None
-                return self.current
-
-        return await asyncio.wait_for(ready(), timeout)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                batch = await self._consumer.getmany(timeout_ms=500)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("subscriber: fetch failed: %r", exc)
-                await asyncio.sleep(1.0)
-                continue
-            for msgs in batch.values():
-                for msg in msgs:
-                    await self.handle(msg.offset, msg.key, msg.value)
-            await self._check_reset()
-
-    async def _check_reset(self) -> None:
-        """A log end below our position means the cluster lost the topic (DESIGN §8)."""
-        tp = TopicPartition(self.topic, 0)
-        hw = self._consumer.highwater(tp)
-        if hw is None or hw >= await self._consumer.position(tp):
-            return
-        log.error(
-            "subscriber: the model topic restarted (log end %d < position %d): the Kafka cluster was reset; "
-            "keeping v%s and reading the topic again from the beginning",
-            hw,
-            await self._consumer.position(tp),
-            self.current.version if self.current else "-",
-        )
-        self.index = ModelTopicIndex()
-        self._recent.clear()
-        self._after_reset = True
-        await self._consumer.seek_to_beginning(tp)
-
-    async def handle(self, offset: int, key: bytes | None, value: bytes | None) -> None:
-        """Process one model-topic message (public so tests can feed crafted messages)."""
-        kind, manifest = self.index.observe(offset, key, value)
-        if kind == "rejected":
-            self._reject(offset, self.index.rejected[-1][1])
-            return
-        if kind == "chunk" and key is not None:
-            _, policy, version, i = parse_key(key.decode("utf-8", "replace"))
-            if policy != self.policy or version is None or i is None:
-                return
-            if value is None:
-                self._recent.get(version, {}).pop(i, None)
-                return
-            if self.current is not None and version <= self.current.version and not self._after_reset:
-                return
-            self._recent.setdefault(version, {})[i] = value
-            for old in sorted(self._recent)[: -self.keep_recent]:
-                del self._recent[old]  # bytes dropped; offsets stay in the index for a re-fetch
-            return
-        if kind != "serving" or manifest is None or manifest.policy != self.policy:
-            return
-        if self.current is not None and manifest.version <= self.current.version and not self._after_reset:
-            if manifest.version < self.current.version:
-                self._reject(offset, f"older version {manifest.version} after {self.current.version}")
-            return
-        try:
-            loaded = await self._load(manifest)
-        except CheckpointError as exc:
-            self._reject(offset, f"version {manifest.version}: {exc}")
-            return
-        self.current = loaded
-        self._after_reset = False  # after a cluster reset, the first verified policy is the new base
-        for old in [v for v in self._recent if v <= manifest.version]:
-            del self._recent[old]
-        log.info("subscriber: loaded %s v%d (%s)", self.policy, manifest.version, manifest.reason)
-        if self.on_update is not None:
-            result = self.on_update(loaded)
-            if asyncio.iscoroutine(result):
-                await result
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def _load(self, manifest: Manifest) -> LoadedPolicy:
-        arch = arch_of(manifest)
-        expected = self.expected_arch or (arch_of(self.current.manifest) if self.current else None)
-        if expected is not None and arch != expected:
-            raise CheckpointError("arch_mismatch", f"{arch} != {expected}")
-        parts = self._recent.get(manifest.version, {})
-        if len(parts) >= manifest.chunks and all(i in parts for i in range(manifest.chunks)):
-            blob = b"".join(parts[i] for i in range(manifest.chunks))
-            tensors = verify_and_load(blob, manifest.sha256, manifest.size, arch)
-        else:
-            tensors = await fetch_checkpoint(self.bootstrap, self.settings, self.index, manifest, self.topic)
-        net = PolicyNetwork.from_tensors(tensors)
-        net.eval()
-        return LoadedPolicy(manifest=manifest, net=net)
-
-    def _reject(self, offset: int, why: str) -> None:
-        self.rejections.append((offset, why))
-        current = f"v{self.current.version}" if self.current else "none"
-        log.warning("subscriber: rejected checkpoint at offset %d (%s); keeping %s", offset, why, current)
+    return check_blob(b"".join(parts[i] for i in range(manifest.chunks)), manifest)

@@ -39,11 +39,12 @@ from hypothesis import strategies as st
 
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
+from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.lab.procs import Child
 from pipeline.metrics import Metrics
-from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import scan_model_topic
 from pipeline.promtext import metric
 from pipeline.worker.join import JoinStage
 from topics.fields import REASONS, SCHEMA_FEEDBACK, SCHEMA_LABEL, SCHEMA_RETRIEVAL, Limits, Rejected

@@ -32,14 +32,15 @@ from safetensors.torch import save as st_save
 from models.policy import TENSOR_NAMES, Arch, init_policy
 from models.weights import to_safetensors
 from pipeline import kafka
+from pipeline.client.subscriber import LoadedPolicy, PolicySubscriber
 from pipeline.config import Settings
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.modeltopic import CheckpointPublisher, LoadedPolicy, PolicySubscriber
+from pipeline.modeltopic import CheckpointPublisher
 from topics.fields import encode
 from topics.manifest import Manifest, candidate_key, chunk_key, serving_key, sha256_hex, split_chunks
 
-from .helpers import experience, until
+from .helpers import experience, publish_tensors, until
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 1024  # small chunks: a D=8, S=32, H=16 policy is ~3 KiB, so 3-4 chunks
@@ -276,7 +277,7 @@ async def test_subscriber_refetches_evicted_chunks_from_the_broker(topics_ready:
         for v in (1, 2, 3):
             with torch.no_grad():
                 net.alpha.fill_(0.1 * v)
-            await pub.publish(net.tensors(), reason="periodic", arch=arch, baseline=0.0)
+            await publish_tensors(pub, net.tensors(), reason="periodic", arch=arch, baseline=0.0)
         # A corrupted copy of v4's chunk 0 on the broker, then v4's real manifest.
         blob = to_safetensors(net.tensors())
         bad = bytearray(blob)

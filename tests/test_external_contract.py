@@ -21,12 +21,14 @@ import torch
 
 from models.policy import PolicyNetwork, init_policy
 from pipeline import kafka
+from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.lab.procs import Child, wait_until
-from pipeline.modeltopic import CheckpointPublisher, fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import CheckpointPublisher, scan_model_topic
 from pipeline.promtext import metric
 from topics.manifest import chunk_key
 
 from .conftest import TEST_CONTRACT, settings_env
+from .helpers import publish_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHER = ROOT / "examples" / "contract_publisher.py"
@@ -77,12 +79,14 @@ def test_consumer_follows_only_verified_serving_manifests(topics_ready) -> None:
         await producer.start()
         try:
             pub = CheckpointPublisher(producer, s.topics().policy_checkpoints.name, s.policy)
-            await pub.publish(nets[0].tensors(), reason="init", arch=arch, baseline=0.0)  # v1, serving
-            await pub.publish(nets[1].tensors(), reason="periodic", arch=arch, baseline=0.0)  # v2, serving
+            await publish_tensors(pub, nets[0].tensors(), reason="init", arch=arch, baseline=0.0)  # v1, serving
+            await publish_tensors(pub, nets[1].tensors(), reason="periodic", arch=arch, baseline=0.0)  # v2, serving
             # v2's only chunk is overwritten by other bytes (as a bad compaction or a rogue writer would).
             key = chunk_key(s.policy, 2, 0).encode()
             await (await producer.send(s.topics().policy_checkpoints.name, b"garbage", key=key, partition=0))
-            await pub.publish(nets[2].tensors(), reason="periodic", arch=arch, baseline=0.0, candidate=True)  # v3
+            await publish_tensors(
+                pub, nets[2].tensors(), reason="periodic", arch=arch, baseline=0.0, candidate=True
+            )  # v3
         finally:
             await producer.stop()
 

@@ -13,9 +13,10 @@ import torch
 
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
+from pipeline.client.subscriber import PolicySubscriber, fetch_checkpoint
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import scan_model_topic
 from pipeline.worker.join import JoinStage
 from topics.fields import Rejected, encode
 from topics.internal import decode_experience

@@ -13,12 +13,13 @@ from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork, init_policy
 from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob, sample_plackett_luce
 from pipeline import kafka
+from pipeline.client.subscriber import PolicySubscriber, fetch_checkpoint
 from pipeline.evaluation.evaluate import evaluate_window
 from pipeline.evaluation.rollback import rollback
 from pipeline.learner.gate import judge
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import scan_model_topic
 from topics.events import Features, RetrievalEvent
 from topics.fields import encode
 from topics.internal import Experience

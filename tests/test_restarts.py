@@ -13,9 +13,10 @@ import torch
 from pipeline import kafka
 from pipeline.broker import EmbeddedBroker
 from pipeline.client.publisher import EventPublisher
+from pipeline.client.subscriber import PolicySubscriber, fetch_checkpoint
 from pipeline.config import Settings
 from pipeline.lab.procs import Child
-from pipeline.modeltopic import PolicySubscriber, fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import scan_model_topic
 from pipeline.promtext import metric
 from topics.fields import encode
 

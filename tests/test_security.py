@@ -35,12 +35,13 @@ from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
+from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import KafkaSecurity, Settings
 from pipeline.lab.procs import Child
 from pipeline.labeling.queue import LabelQueue
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.modeltopic import PolicySubscriber, scan_model_topic
+from pipeline.modeltopic import scan_model_topic
 from pipeline.promtext import metric
 from pipeline.worker.app import Worker
 from pipeline.worker.join import JoinStage

@@ -22,7 +22,7 @@ from pipeline.status.render import fmt_age, render
 from topics.fields import encode
 from topics.internal import dead_letter_value
 
-from .helpers import retrieval_event
+from .helpers import publish_tensors, retrieval_event
 
 pytestmark = pytest.mark.broker
 
@@ -39,11 +39,12 @@ async def _populate(s) -> list:
     try:
         pub = CheckpointPublisher(producer, t.policy_checkpoints.name, s.policy)
         net = init_policy(8, 32, 16)
-        m1 = await pub.publish(
-            net.tensors(), reason="init", arch=net.arch, baseline=0.0, metrics={"updates": 0, "experiences": 0}
+        m1 = await publish_tensors(
+            pub, net.tensors(), reason="init", arch=net.arch, baseline=0.0, metrics={"updates": 0, "experiences": 0}
         )
         await asyncio.sleep(0.3)
-        m2 = await pub.publish(
+        m2 = await publish_tensors(
+            pub,
             net.tensors(),
             reason="periodic",
             arch=net.arch,
@@ -51,7 +52,8 @@ async def _populate(s) -> list:
             metrics={"updates": 40, "experiences": 320, "baseline_state": {"mean": 0.125}},
         )
         await asyncio.sleep(0.2)
-        m3 = await pub.publish(
+        m3 = await publish_tensors(
+            pub,
             net.tensors(),
             reason="label",
             arch=net.arch,
@@ -242,7 +244,7 @@ async def test_watch_refresh_reads_only_what_is_new(topics_ready) -> None:
     try:
         pub = CheckpointPublisher(producer, t.policy_checkpoints.name, s.policy)
         net = init_policy(8, 32, 16)
-        await pub.publish(net.tensors(), reason="init", arch=net.arch, baseline=0.0, metrics={"updates": 0})
+        await publish_tensors(pub, net.tensors(), reason="init", arch=net.arch, baseline=0.0, metrics={"updates": 0})
         value = dead_letter_value(b"x", "bad_json", "", t.llm_feedback.name, 0, 0, time.time())
         await (await producer.send(t.dead_letter.name, encode(value), partition=0))
         first = await collector.snapshot()
@@ -250,7 +252,9 @@ async def test_watch_refresh_reads_only_what_is_new(topics_ready) -> None:
         assert first["dead_letter"]["by_reason"] == {"bad_json": 1}
 
         wm.joins.inc(50)
-        await pub.publish(net.tensors(), reason="periodic", arch=net.arch, baseline=0.1, metrics={"updates": 10})
+        await publish_tensors(
+            pub, net.tensors(), reason="periodic", arch=net.arch, baseline=0.1, metrics={"updates": 10}
+        )
         value = dead_letter_value(b"y", "nan_or_inf", "", t.retrieval_events.name, 0, 1, time.time())
         await (await producer.send(t.dead_letter.name, encode(value), partition=0))
         second = await collector.snapshot()

@@ -10,27 +10,29 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from pipeline.client.publisher import DECODE, SCHEMA_TOPIC, EventPublisher
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.fields import Rejected, loads_object
 
 MAX_REPORTED = 50
 
 
-async def publish_file(path: str, bootstrap: str, settings: Settings, validate: bool = True) -> int:
+async def publish_file(path: str, bootstrap: str, conn: Connection | Settings, validate: bool = True) -> int:
     """Returns 0 when every line was published, 1 when some were rejected."""
     from pipeline import kafka
 
-    limits = settings.limits()
-    await kafka.wait_for_broker(bootstrap, settings)
-    await kafka.create_topics(bootstrap, settings)
+    conn = Connection.of(conn)
+    limits = conn.limits
+    await kafka.wait_for_broker(bootstrap, conn)
+    await kafka.create_topics(bootstrap, conn)
     sent = rejected = 0
     counts: dict[str, int] = {}
     reasons: dict[str, int] = {}
-    async with EventPublisher(bootstrap, settings, validate=False) as pub:
+    async with EventPublisher(bootstrap, conn, validate=False) as pub:
         with Path(path).open("rb") as fh:
             for lineno, line in enumerate(fh, 1):
                 raw = line.rstrip(b"\r\n")
@@ -65,5 +67,5 @@ async def publish_file(path: str, bootstrap: str, settings: Settings, validate: 
     return 1 if rejected else 0
 
 
-def dumps_line(obj: dict) -> bytes:
+def dumps_line(obj: dict[str, Any]) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"

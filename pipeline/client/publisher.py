@@ -1,4 +1,4 @@
-"""Client side: publish events to the input topics (DESIGN §3).
+"""Client side: publish events to the input topics (docs/contract.md).
 
 :class:`EventPublisher` is async (aiokafka); :class:`SyncEventPublisher` wraps it for
 code without an event loop. Values are validated before they are sent, so a service
@@ -18,7 +18,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pipeline import kafka
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
+from pipeline.service import Service
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
 from topics.fields import SCHEMA_FEEDBACK, SCHEMA_LABEL, SCHEMA_RETRIEVAL, Rejected, encode
@@ -32,39 +33,50 @@ DECODE = {
 }
 
 
-class EventPublisher:
-    """Async publisher of RetrievalEvent, LLMFeedback and HumanLabel values, keyed by query_id."""
+class EventPublisher(Service):
+    """Async publisher of RetrievalEvent, LLMFeedback and HumanLabel values, keyed by query_id.
+
+    Parameters
+    ----------
+    bootstrap
+        The Kafka bootstrap address.
+    conn
+        Topic names, limits and SASL/TLS (a :class:`~pipeline.config.Connection`, or
+        ``Settings``, whose part is taken); default: the product's defaults.
+    validate
+        Decode every value as the pipeline will before sending it.
+    producer_kwargs
+        Passed on to the aiokafka producer.
+    """
 
     def __init__(
-        self, bootstrap: str, settings: Settings | None = None, validate: bool = True, **producer_kwargs: Any
+        self,
+        bootstrap: str,
+        conn: Connection | Settings | None = None,
+        validate: bool = True,
+        **producer_kwargs: Any,
     ) -> None:
-        self.settings = settings or Settings()
+        super().__init__()
+        self.conn = Connection.of(conn)
         self.bootstrap = bootstrap
         self.validate = validate
-        self.topics = self.settings.topics()
-        self.limits = self.settings.limits()
+        self.topics = self.conn.topics
+        self.limits = self.conn.limits
         self._producer_kwargs = {"linger_ms": 10, **producer_kwargs}
         self._producer: Any = None
-        self._inflight: list[asyncio.Future] = []
+        self._inflight: list[asyncio.Future[Any]] = []
         self.sent = 0
 
-    async def start(self) -> None:
-        self._producer = kafka.producer(self.bootstrap, self.settings, **self._producer_kwargs)
+    async def _start(self) -> None:
+        self._producer = kafka.producer(self.bootstrap, self.conn, **self._producer_kwargs)
         await self._producer.start()
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self.flush()
             await self._producer.stop()
             self._producer = None
-
-    async def __aenter__(self) -> EventPublisher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def publish(self, value: RetrievalEvent | LLMFeedback | HumanLabel) -> None:
         await self.publish_dict(value.to_dict())
@@ -102,12 +114,16 @@ class SyncEventPublisher:
     >>> pub.publish(event); pub.flush(); pub.close()  # doctest: +SKIP
     """
 
-    def __init__(self, bootstrap: str, settings: Settings | None = None, **kwargs: Any) -> None:
+    def __init__(self, bootstrap: str, conn: Connection | Settings | None = None, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="causalmem-publisher", daemon=True)
         self._thread.start()
-        self._pub = EventPublisher(bootstrap, settings, **kwargs)
-        self._call(self._pub.start())
+        self._pub = EventPublisher(bootstrap, conn, **kwargs)
+        try:
+            self._call(self._pub.start())
+        except BaseException:
+            self._shutdown_loop()
+            raise
 
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -125,9 +141,14 @@ class SyncEventPublisher:
         try:
             self._call(self._pub.stop())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
+            self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
 
     def __enter__(self) -> SyncEventPublisher:
         return self

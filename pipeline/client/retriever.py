@@ -1,6 +1,6 @@
 """Client side: :class:`CausalRetriever`, retrieval under the policy's intervention mask.
 
-It applies DESIGN §4's serving rule: candidates from a faiss index, the policy's mask on
+It applies the serving rule (docs/contract.md §6, docs/learning.md): candidates from a faiss index, the policy's mask on
 them, the hard drop (dynamic threshold by default), Plackett–Luce selection with
 temperature T over ``z = score·(1+α·m)/T``, and a *different* retriever (BM25 over the
 memory texts) when the drop leaves nothing. Each call returns the memories and the
@@ -32,7 +32,8 @@ from models.serving_rule import (
     plackett_luce_logprob,
     sample_plackett_luce,
 )
-from pipeline.modeltopic import LoadedPolicy
+from pipeline.client.subscriber import LoadedPolicy
+from pipeline.config import Connection, Settings
 from topics.events import Features, RetrievalEvent
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class RetrievalResult:
 
 
 class BM25Fallback:
-    """Sparse retrieval over the memory texts (seed 000 §5.2: the fallback must differ)."""
+    """Sparse retrieval over the memory texts (a fallback must differ from the dense retriever)."""
 
     def __init__(self, texts: Sequence[str]) -> None:
         import bm25s
@@ -75,6 +76,10 @@ class CausalRetriever:
 
     ``drop``: ``"dynamic"`` (m_i < 0.01·max m, the contract), a float for a fixed
     threshold, or ``"none"`` (soft intervention only: re-rank, never drop).
+
+    ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
+    :class:`~pipeline.config.Connection` or ``Settings``), when given, also checks the
+    memories against the pipeline's limits (dimension, number of slots).
     """
 
     def __init__(
@@ -86,12 +91,22 @@ class CausalRetriever:
         temperature: float = 0.05,
         drop: str | float = "dynamic",
         fallback: FallbackFn | None = None,
-        policy: str = "default",
+        policy: str | None = None,
         seed: int | None = None,
         explore_rate: float = 0.0,
         explore_temperature: float = 0.25,
+        conn: Connection | Settings | None = None,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+        self.conn = Connection.of(conn) if conn is not None else None
+        if self.conn is not None:
+            n, dim = self.embeddings.shape
+            if dim != self.conn.limits.embedding_dim:
+                raise ValueError(
+                    f"memories have dimension {dim}; the pipeline expects {self.conn.limits.embedding_dim}"
+                )
+            if n > self.conn.limits.slots:
+                raise ValueError(f"{n} memories for {self.conn.limits.slots} slots")
         self.index = faiss.IndexFlatIP(self.embeddings.shape[1])
         self.index.add(self.embeddings)
         self.texts = list(texts) if texts is not None else None
@@ -104,7 +119,7 @@ class CausalRetriever:
         if fallback is None:
             log.warning("CausalRetriever without texts or a fallback: an empty hard drop returns nothing")
         self.fallback = fallback
-        self.policy_name = policy
+        self.policy_name = policy or (self.conn.policy if self.conn is not None else "default")
         self.policy: LoadedPolicy | None = None
         self.rng = np.random.default_rng(seed)
         # Exploration: a share of requests is served at a higher temperature (logged on the

@@ -21,8 +21,9 @@ from models.estimators import Method, evaluate
 from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
 from pipeline import kafka
+from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import Connection, Settings
-from pipeline.modeltopic import fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import scan_model_topic
 from topics.fields import Rejected
 from topics.internal import Experience, decode_experience
 

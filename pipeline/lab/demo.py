@@ -31,7 +31,7 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
     from pipeline.lab.simrun import RunSpec, run_scenario
 
     console = Console(stderr=True)
-    logging.getLogger("pipeline.modeltopic").setLevel(logging.WARNING)  # one line per hot-load is noise here
+    logging.getLogger("pipeline.client.subscriber").setLevel(logging.WARNING)  # one line per hot-load is noise here
     logdir = Path(args.keep_logs or tempfile.mkdtemp(prefix="causalmem-demo-"))
     logdir.mkdir(parents=True, exist_ok=True)
     bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")

@@ -19,9 +19,9 @@ from models.drift import DriftMonitor
 from models.logged import LoggedDecisions
 from models.trainer import PolicyTrainer
 from pipeline.client.retriever import CausalRetriever
+from pipeline.client.subscriber import LoadedPolicy
 from pipeline.lab.simulator import Environment, Scenario, Tally, serve
 from pipeline.learner.gate import judge
-from pipeline.modeltopic import LoadedPolicy
 from topics.internal import Experience
 from topics.manifest import Manifest
 

@@ -156,10 +156,10 @@ async def run_scenario(
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
     from pipeline.client.retriever import CausalRetriever
+    from pipeline.client.subscriber import PolicySubscriber
     from pipeline.config import Settings
     from pipeline.lab.procs import Child
     from pipeline.labeling.queue import LabelQueue, run_queue_until
-    from pipeline.modeltopic import PolicySubscriber
     from pipeline.promtext import metric, scrape
     from topics.events import Features, RetrievalEvent
     from topics.feedback import LLMFeedback

@@ -37,13 +37,14 @@ from safetensors.torch import load_file, save_file
 
 from models.policy import Arch
 from models.trainer import PolicyTrainer
-from models.weights import verify_and_load
+from models.weights import to_safetensors, verify_and_load
 from pipeline import kafka
+from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import Settings
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.gate import PromotionGate
 from pipeline.metrics import Metrics
-from pipeline.modeltopic import CheckpointPublisher, ModelTopicIndex, fetch_checkpoint, scan_model_topic
+from pipeline.modeltopic import CheckpointPublisher, ModelTopicIndex, scan_model_topic
 from topics.fields import Rejected
 from topics.internal import Experience, decode_control, decode_experience
 from topics.manifest import CheckpointError, Manifest, sha256_hex
@@ -625,9 +626,10 @@ class Learner:
         # world before the change. (Rollbacks and the first policy skip the gate too.)
         candidate = self.gate is not None and reason not in ("init", "rollback", "reset")
         manifest = await self._publisher.publish(
-            tensors,
+            to_safetensors(tensors),
+            alpha=float(tensors["alpha"].reshape(-1)[0]),
             reason=reason,
-            arch=self.arch,
+            arch=self.arch.to_dict(),
             baseline=trainer.baseline.get(),
             metrics=metrics,
             input_offsets=offsets,
