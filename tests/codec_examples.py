@@ -175,7 +175,8 @@ def manifest_dict(**changes: Any) -> dict[str, Any]:
 
 
 def outcomes_dict(**changes: Any) -> dict[str, Any]:
-    event = retrieval_dict()
+    # A candidate carries its ActiveLearningSample as the join encoded it: text.
+    sample = orjson.dumps(al_dict(reason="error")).decode()
     d: dict[str, Any] = {
         "schema": "outcomes/v1",
         "records": [
@@ -188,7 +189,7 @@ def outcomes_dict(**changes: Any) -> dict[str, Any]:
                 "fallback": False,
                 "policy": "default",
                 "al": "error",
-                "event": event,
+                "sample": sample,
             },
         ],
     }
@@ -197,7 +198,7 @@ def outcomes_dict(**changes: Any) -> dict[str, Any]:
 
 
 def rating_pair_dict(**changes: Any) -> dict[str, Any]:
-    d: dict[str, Any] = {"schema": "rating_pair/v1", "id": "q1", "t": 1_700_000_006.0, "u_query": 0.5, "rating": 4}
+    d: dict[str, Any] = {"schema": "rating_pair/v1", "id": "q1", "t": 1_700_000_006.0, "u_query": 0.5, "rating": 4.0}
     d.update(changes)
     return d
 

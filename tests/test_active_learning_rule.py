@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from pipeline.config import ActiveLearningConfig, Settings
+from pipeline.config import ActiveLearningConfig, DriftConfig, Settings
 from pipeline.metrics import Metrics
 from pipeline.worker.active_learning import (
     CandidateRule,
@@ -23,21 +23,15 @@ from pipeline.worker.active_learning import (
     on_verdict,
     uncertainty_margin,
 )
+from pipeline.worker.drift import DriftStage
 from pipeline.worker.join import JoinStage, _BatchTally
 from pipeline.worker.labels import LabelsStage
 from pipeline.worker.outcomes import OutcomesStage, counted
-from pipeline.worker.records import (
-    MAX_STEPS_PER_QUERY,
-    Outcome,
-    PendingSamples,
-    QueryUtility,
-    decode_outcomes,
-    encode_outcomes,
-)
+from pipeline.worker.records import MAX_STEPS_PER_QUERY, PendingSamples, QueryUtility
 from pipeline.worker.tables import Outputs, Tables
 from topics.convert import make_sample, sample_id_for
 from topics.fields import encode
-from topics.internal import decode_experience
+from topics.internal import Outcome, RatingPair, decode_experience, decode_outcomes, outcomes_bytes
 from topics.labels import decode_active_learning_sample
 
 from .helpers import feedback, label, retrieval_event
@@ -153,7 +147,7 @@ def _stages() -> tuple[OutcomesStage, LabelsStage, Tables, Outputs]:
     tables = Tables(**{name: {} for name in names})
     outputs = Outputs(**{name: _Topic() for name in Outputs.__dataclass_fields__})
     metrics = Metrics()
-    outcomes = OutcomesStage(tables, outputs, metrics)
+    outcomes = OutcomesStage(tables, outputs, metrics, S.limits())
     labels = LabelsStage(tables, outputs, metrics, outcomes, S.topics(), S.limits())
     return outcomes, labels, tables, outputs
 
@@ -164,7 +158,7 @@ def _joined(stage: JoinStage, qid: str, utility: float, step: int = 0) -> list[O
     ev.query_text, ev.memory_texts = f"question {qid}", {c: f"memory {c}" for c in ev.candidates}
     out: dict[int, list[Outcome]] = {}
     stage._emit(ev, feedback(qid, step, ts=T0 + 1, utility=utility), [], out, _BatchTally(), 0)
-    return decode_outcomes(encode_outcomes(out[0]))
+    return decode_outcomes(outcomes_bytes(out[0]), S.limits()).records
 
 
 async def _feed(outcomes: OutcomesStage, recs: list[Outcome]) -> None:
@@ -181,7 +175,7 @@ async def test_the_join_encodes_a_candidates_sample_once_and_the_stage_forwards_
     ev = retrieval_event(S, "q1", ts=T0)
     out: dict[int, list[Outcome]] = {}
     stage._emit(ev, feedback("q1", ts=T0 + 1, utility=-0.8), [], out, _BatchTally(), 2)
-    [rec] = decode_outcomes(encode_outcomes(out[2]))
+    [rec] = decode_outcomes(outcomes_bytes(out[2]), S.limits()).records
     assert rec.al == "error" and rec.sample is not None
     assert rec.sample.encode() == encode(make_sample(ev, -0.8, "error", T0 + 1).to_dict())
     stage._emit(retrieval_event(S, "q2"), feedback("q2", utility=0.4), [], out, _BatchTally(), 2)
@@ -250,6 +244,28 @@ async def test_a_rating_pairs_with_u_query_once() -> None:
     body = orjson.loads(pair["value"])
     assert (body["u_query"], body["rating"]) == (pytest.approx(0.5), 4)
     assert isinstance(tables.query_util[b"r"], QueryUtility)
+
+
+async def _stream(*values: bytes) -> Any:
+    for value in values:
+        yield value
+
+
+async def test_the_stage_agents_skip_a_malformed_internal_value_and_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A bad ``outcomes`` or ``rating-pairs`` value is logged and skipped, never fatal to the worker."""
+    stage = JoinStage(S.join(), "127.0.0.1:9", Metrics())
+    outcomes, _, tables, outputs = _stages()
+    good = outcomes_bytes(_joined(stage, "q", 0.25))
+    wrong = encode({"schema": "outcomes/v1", "records": [{"query_id": "q", "step": "one"}]})
+    await outcomes.agent(_stream(b"{not json", wrong, good))
+    assert tables.query_util[b"q"].n == 1
+    assert "unreadable internal message skipped (wrong_type" in caplog.text
+
+    drift = DriftStage(DriftConfig(), tables, outputs, Metrics(), S.limits())
+    pair = encode(RatingPair("q", T0, 0.25, 4.0).to_dict())
+    await drift.agent(_stream(encode({"schema": "rating_pair/v1", "id": "q", "t": T0, "u_query": 0.1}), pair))
+    assert tables.drift_pairs[b"q"].r == 4.0 and len(tables.drift_pairs) == 1
+    assert "drift: unreadable pair skipped (missing_field" in caplog.text
 
 
 def test_table_records_survive_the_changelog_round_trip() -> None:

@@ -4,6 +4,7 @@ epoch marker, the shared to_dict, the decoder table, and what topics/ and models
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from tests.codec_examples import (
     LIMITS,
+    al_dict,
     dec_outcomes,
     dec_rating_pair,
     expect_reason,
@@ -22,18 +24,28 @@ from tests.codec_examples import (
     retrieval_dict,
     set_field,
 )
-from topics.events import Features, RetrievalEvent, decode_retrieval_event
+from topics.events import Features, RetrievalEvent
 from topics.fields import REASONS, Limits, encode, wire_dict
-from topics.internal import EpochMarker, Outcome, Outcomes, RatingPair, decode_outcomes, decode_rating_pair
+from topics.internal import (
+    EpochMarker,
+    Outcome,
+    Outcomes,
+    RatingPair,
+    decode_outcomes,
+    decode_rating_pair,
+    outcomes_bytes,
+)
+from topics.labels import decode_active_learning_sample
 from topics.names import DECODERS, Topics
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_outcomes_decode_typed_records_with_the_candidates_event() -> None:
-    out = dec_outcomes(raw_of(outcomes_dict()))
+def test_outcomes_decode_typed_records_with_the_candidates_sample() -> None:
+    d = outcomes_dict()
+    out = dec_outcomes(raw_of(d))
     plain, candidate = out.records
-    assert (plain.query_id, plain.step, plain.utility, plain.policy, plain.al, plain.event) == (
+    assert (plain.query_id, plain.step, plain.utility, plain.policy, plain.al, plain.sample) == (
         "q1",
         1,
         0.25,
@@ -41,50 +53,77 @@ def test_outcomes_decode_typed_records_with_the_candidates_event() -> None:
         None,
         None,
     )
-    assert candidate.al == "error" and isinstance(candidate.event, RetrievalEvent)
-    assert candidate.event.memory_texts == {0: "first memory", 1: "second memory"} or candidate.event.memory_texts
-    assert candidate.policy == "default"
+    assert (candidate.al, candidate.policy) == ("error", "default")
+    # The sample stays the text the join wrote: forwarded to active-learning byte for byte.
+    assert candidate.sample == d["records"][1]["sample"]
+    assert decode_active_learning_sample(candidate.sample.encode(), LIMITS).sample_id == "s1"
 
 
 def test_outcomes_encode_as_the_join_writes_them() -> None:
-    event = decode_retrieval_event(raw_of(retrieval_dict()), LIMITS)
-    body = Outcomes([Outcome("q1", 2, 5.0, -0.5, False, "default", "uncertain", event)]).to_dict()
+    sample = raw_of(al_dict()).decode()
+    body = Outcomes([Outcome("q1", 2, 5.0, -0.5, False, "default", "uncertain", sample)]).to_dict()
     assert body["schema"] == "outcomes/v1"
     (rec,) = body["records"]
-    assert list(rec) == ["query_id", "step", "ts", "utility", "fallback", "policy", "al", "event"]
-    assert rec["event"]["schema"] == "retrieval_event/v1" and rec["event"]["memory_texts"] == {
-        "0": "alpha",
-        "5": "beta",
-    }
+    assert list(rec) == ["query_id", "step", "ts", "utility", "fallback", "policy", "al", "sample"]
+    assert rec["sample"] == sample
+    plain = Outcome("q1", 3, 5.0, 0.5, False)
+    assert outcomes_bytes([plain]) == encode({"schema": "outcomes/v1", "records": [plain.to_dict()]})
     back = decode_outcomes(encode(body), LIMITS).records[0]
-    assert back.al == "uncertain" and back.event is not None and back.event.event_id == event.event_id
+    assert back == Outcome("q1", 2, 5.0, -0.5, False, "default", "uncertain", sample)
+
+
+def test_an_older_joins_candidate_record_counts_its_utility_only() -> None:
+    """Before the sample, the join sent the candidate's whole event: it reads as a plain record."""
+    old = {**outcomes_dict()["records"][1], "event": retrieval_dict()}
+    del old["sample"]
+    (rec,) = dec_outcomes(raw_of(outcomes_dict(records=[old]))).records
+    assert (rec.utility, rec.al, rec.sample) == (-0.5, None, None)
+
+
+def test_an_outcomes_message_is_not_bound_by_the_input_message_limit() -> None:
+    """One message holds a whole join batch: thousands of records are well over 256 KiB."""
+    records = [Outcome(f"q{i}", i, 1.0 + i, 0.5, False) for i in range(4000)]
+    raw = outcomes_bytes(records)
+    assert len(raw) > LIMITS.max_bytes
+    assert decode_outcomes(raw, LIMITS).records == records
+    expect_reason(
+        "oversize", dec_outcomes, raw_of(outcomes_dict(records=[{**records[0].to_dict(), "query_id": "q" * 257}]))
+    )
 
 
 @pytest.mark.parametrize(
     ("reason", "change"),
     [
-        ("missing_field", lambda d: set_field(d, ("records",), [{**d["records"][1], "event": None}])),
         ("out_of_range", lambda d: set_field(d, ("records",), [{**d["records"][0], "al": "bored"}])),
         ("wrong_type", lambda d: set_field(d, ("records",), [7])),
-        ("wrong_type", lambda d: set_field(d, ("records",), [{**d["records"][1], "event": "e1"}])),
-        (
-            "inconsistent",
-            lambda d: set_field(d, ("records",), [{**d["records"][1], "event": retrieval_dict(selected=[4])}]),
-        ),
+        ("wrong_type", lambda d: set_field(d, ("records",), [{**d["records"][1], "sample": {"x": 1}}])),
+        ("inconsistent", lambda d: set_field(d, ("records",), [{**d["records"][0], "sample": "{}"}])),
         ("out_of_range", lambda d: set_field(d, ("records",), [{**d["records"][0], "step": -1}])),
+        ("non_finite", lambda d: set_field(d, ("records",), [{**d["records"][0], "utility": float("nan")}])),
+        ("missing_field", lambda d: set_field(d, ("records",), [{**d["records"][0], "utility": None}])),
+        ("wrong_type", lambda d: set_field(d, ("records",), [{**d["records"][0], "fallback": 0}])),
         ("unknown_schema", lambda d: set_field(d, ("schema",), "outcomes/v2")),
     ],
 )
 def test_outcomes_rejections(reason: str, change: Any) -> None:
-    expect_reason(reason, dec_outcomes, raw_of(change(outcomes_dict())))
+    expect_reason(reason, dec_outcomes, _json(change(outcomes_dict())))
+
+
+def _json(obj: Any) -> bytes:
+    # The standard library writes NaN as a token, which orjson would refuse to encode.
+    return json.dumps(obj).encode()
 
 
 def test_rating_pair_round_trip_and_rejections() -> None:
-    pair = RatingPair("q9", 12.0, -0.25, 0)
-    assert pair.to_dict() == {"schema": "rating_pair/v1", "id": "q9", "t": 12.0, "u_query": -0.25, "rating": 0}
+    pair = RatingPair("q9", 12.0, -0.25, 3.5)
+    assert pair.to_dict() == {"schema": "rating_pair/v1", "id": "q9", "t": 12.0, "u_query": -0.25, "rating": 3.5}
     assert decode_rating_pair(encode(pair.to_dict()), LIMITS, key=b"q9") == pair
+    # An integer rating (as a labeler gives it) reads as a float: the drift stage correlates floats.
+    assert decode_rating_pair(raw_of(rating_pair_dict(rating=4)), LIMITS).rating == 4.0
     expect_reason("key_mismatch", dec_rating_pair, raw_of(rating_pair_dict()), b"q2")
     expect_reason("out_of_range", dec_rating_pair, raw_of(rating_pair_dict(rating=6)))
+    expect_reason("out_of_range", dec_rating_pair, raw_of(rating_pair_dict(rating=-0.5)))
+    expect_reason("wrong_type", dec_rating_pair, raw_of(rating_pair_dict(rating="4")))
     expect_reason("missing_field", dec_rating_pair, raw_of(rating_pair_dict(u_query=None)))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -140,18 +140,29 @@ def _embedding_from_b64(text: Any, limits: Limits) -> np.ndarray:
 
 AL_REASONS = ("error", "uncertain")
 
+# An ``outcomes`` message carries a whole join batch of one partition (up to the join's
+# batch size of records, a candidate's with its sample), so the input limit on one message
+# does not bound it; the producer's request size does, and this is well above it.
+MAX_OUTCOMES_BYTES = 64 * 1024 * 1024
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
 class Outcome(WireValue):
-    """One joined step, as the join hands it to the worker's per-query stages.
+    """One joined step, as the join tells the worker's outcomes stage about it.
 
-    ``al`` marks an active-learning candidate (one of :data:`AL_REASONS`); such a record
-    carries its retrieval ``event`` so that a sample can be built from it later.
+    ``ts`` is the event time of the join (the later of the event's and the feedback's).
+    ``al`` marks a candidate for active learning (one of :data:`AL_REASONS`); such a
+    record carries its ActiveLearningSample as ``sample``, encoded once by the join (the
+    exact bytes the ``active-learning`` topic gets, as text) and validated by whoever
+    decodes it, not here: the outcomes stage forwards it as it is.
+
+    >>> o = Outcome("q1", 3, 10.0, -0.5, False, al="error", sample='{"x":1}')
+    >>> list(o.to_dict()), Outcome("q1", 4, 11.0, 0.5, False).to_dict()["policy"]
+    (['query_id', 'step', 'ts', 'utility', 'fallback', 'policy', 'al', 'sample'], 'default')
     """
 
     FIELDS = ("query_id", "step", "ts", "utility", "fallback", "policy")
-    OPTIONAL = ("al", "event")
-    NESTED = ("event",)
+    OPTIONAL = ("al", "sample")
 
     query_id: str
     step: int
@@ -160,7 +171,7 @@ class Outcome(WireValue):
     fallback: bool
     policy: str = "default"
     al: str | None = None
-    event: RetrievalEvent | None = None
+    sample: str | None = None
 
 
 @dataclass(slots=True)
@@ -168,9 +179,9 @@ class Outcomes:
     """One message of the ``outcomes`` topic: a join batch's records for one partition.
 
     >>> from topics.fields import Limits
-    >>> raw = encode(Outcomes([Outcome("q1", 2, 5.0, 0.3, False)]).to_dict())
-    >>> decode_outcomes(raw, Limits()).records[0].utility
-    0.3
+    >>> o = Outcome("q1", 2, 5.0, -0.3, False, al="uncertain", sample='{"x":1}')
+    >>> decode_outcomes(outcomes_bytes([o]), Limits()).records == [o]
+    True
     """
 
     records: list[Outcome]
@@ -179,22 +190,37 @@ class Outcomes:
         return {"schema": SCHEMA_OUTCOMES, "records": [r.to_dict() for r in self.records]}
 
 
+def outcomes_bytes(records: list[Outcome]) -> bytes:
+    """Encode one ``outcomes`` message (what the join sends per batch and partition)."""
+    return encode(Outcomes(records).to_dict())
+
+
 def decode_outcomes(raw: bytes, limits: Limits) -> Outcomes:
-    """An ``outcomes`` value, validated; a candidate's event is validated too.
+    """An ``outcomes`` value, validated record by record (a candidate's sample stays text).
+
+    A record of an older join, which carried the candidate's event and no ``sample``,
+    reads as a plain record: its utility counts, it yields no sample.
+
+    >>> from topics.fields import Limits
+    >>> old = {"query_id": "q1", "step": 0, "ts": 1.0, "utility": -0.9, "fallback": False,
+    ...        "al": "error", "event": {"schema": "retrieval_event/v1"}}
+    >>> decode_outcomes(encode({"schema": "outcomes/v1", "records": [old]}), Limits()).records[0].al is None
+    True
 
     Parameters
     ----------
     raw
         The message value (UTF-8 JSON).
     limits
-        What validation accepts (embedding dimension, slots, sizes).
+        What validation accepts (ids, numbers); the size of the whole message is bounded
+        by :data:`MAX_OUTCOMES_BYTES` instead.
 
     Raises
     ------
     Rejected
         With the reason the value must not be used.
     """
-    f = open_value(raw, limits, SCHEMA_OUTCOMES)
+    f = open_value(raw, replace(limits, max_bytes=max(limits.max_bytes, MAX_OUTCOMES_BYTES)), SCHEMA_OUTCOMES)
     items = f.list_("records", max_len=1 << 20)
     assert items is not None
     records = []
@@ -205,9 +231,9 @@ def decode_outcomes(raw: bytes, limits: Limits) -> Outcomes:
         al = g.str_("al", required=False)
         if al is not None and al not in AL_REASONS:
             raise Rejected("out_of_range", f"records[].al {al!r}")
-        event_obj = g.get("event", required=al is not None)
-        if event_obj is not None and not isinstance(event_obj, dict):
-            raise Rejected("wrong_type", "records[].event must be an object")
+        sample = g.str_("sample", required=False, max_len=MAX_OUTCOMES_BYTES)
+        if sample is not None and al is None:
+            raise Rejected("inconsistent", "records[].sample without al")
         records.append(
             Outcome(
                 query_id=g.str_("query_id"),
@@ -216,22 +242,23 @@ def decode_outcomes(raw: bytes, limits: Limits) -> Outcomes:
                 utility=g.float_("utility"),
                 fallback=g.bool_("fallback"),
                 policy=g.str_("policy", required=False) or "default",
-                al=al,
-                event=None if event_obj is None else retrieval_event_from_obj(event_obj, limits),
+                al=al if sample is not None else None,  # an older join's candidate: utility only
+                sample=sample,
             )
         )
     return Outcomes(records)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RatingPair(WireValue):
-    """A query's mean utility next to its human rating, for the drift detector.
+    """A query's mean utility next to its human rating (0–5), for the drift stage.
 
-    ``id`` is the query_id, ``t`` the query's latest event time.
+    ``id`` is the query_id, ``t`` the query's latest event time. The rating travels as a
+    number: the drift stage correlates floats.
 
     >>> from topics.fields import Limits
-    >>> decode_rating_pair(encode(RatingPair("q1", 9.0, 0.4, 4).to_dict()), Limits(), key=b"q1").rating
-    4
+    >>> decode_rating_pair(encode(RatingPair("q1", 9.0, 0.4, 4.0).to_dict()), Limits(), key=b"q1")
+    RatingPair(id='q1', t=9.0, u_query=0.4, rating=4.0)
     """
 
     SCHEMA = SCHEMA_RATING_PAIR
@@ -240,7 +267,7 @@ class RatingPair(WireValue):
     id: str
     t: float
     u_query: float
-    rating: int
+    rating: float
 
 
 def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RatingPair:
@@ -253,19 +280,19 @@ def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> R
     limits
         What validation accepts (embedding dimension, slots, sizes).
     key
-        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
-        value read on its own (a file line, a value about to be sent).
+        The message key, which must be the value's ``id``; ``NO_KEY_CHECK`` for a value
+        read on its own (a file line, a value about to be sent).
 
     Raises
     ------
     Rejected
-        With the reason the value must not reach the model.
+        With the reason the value must not reach the drift detector.
     """
     f = open_value(raw, limits, SCHEMA_RATING_PAIR)
     pair_id = f.str_("id")
     check_key(key, pair_id)
     return RatingPair(
-        id=pair_id, t=f.float_("t", 0.0, 1e11), u_query=f.float_("u_query"), rating=f.int_("rating", 0, 5)
+        id=pair_id, t=f.float_("t", 0.0, 1e11), u_query=f.float_("u_query"), rating=f.float_("rating", 0.0, 5.0)
     )
 
 

@@ -78,7 +78,7 @@ class Worker:
         self.tables = Tables.declare(self.app, config.partitions)
         self.outputs = Outputs.declare(self.app, self.topics)
         limits = config.connection.limits
-        self.outcomes = OutcomesStage(self.tables, self.outputs, metrics)
+        self.outcomes = OutcomesStage(self.tables, self.outputs, metrics, limits)
         self.labels = LabelsStage(self.tables, self.outputs, metrics, self.outcomes, self.topics, limits)
         self.drift = DriftStage(config.drift, self.tables, self.outputs, metrics, limits)
         t = self.topics

@@ -16,10 +16,10 @@ from typing import Any
 from models.drift import DriftMonitor
 from pipeline.config import DriftConfig
 from pipeline.metrics import Metrics
-from pipeline.worker.records import DriftPair, DriftStatus, RatingPair, TriggerState
+from pipeline.worker.records import DriftPair, DriftStatus, TriggerState
 from pipeline.worker.tables import Outputs, Tables
 from topics.fields import Limits, Rejected, encode
-from topics.internal import Control
+from topics.internal import Control, RatingPair, decode_rating_pair
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ class DriftStage:
     async def agent(self, stream: Any) -> None:
         async for value in stream:
             try:
-                pair = RatingPair.decode(value, self.limits)
-            except (Rejected, KeyError, TypeError, ValueError):
-                log.error("drift: unreadable pair skipped")
+                pair = decode_rating_pair(value, self.limits)
+            except Rejected as exc:
+                log.error("drift: unreadable pair skipped (%s)", exc)
                 continue
             await self.on_pair(pair)
 

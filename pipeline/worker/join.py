@@ -18,7 +18,7 @@ Outputs, produced before the input offsets are committed:
 - ``experiences`` (1 partition): each joined, non-fallback step with its utility, for
   the learner;
 - ``outcomes`` (co-partitioned by query_id): one message per batch and partition with a
-  compact record per joined step (:class:`~pipeline.worker.records.Outcome`: utility, and
+  compact record per joined step (:class:`~topics.internal.Outcome`: utility, and
   the encoded ActiveLearningSample when the step is a candidate under
   :mod:`pipeline.worker.active_learning`), for the faust stages;
 - ``dead-letter``: every rejected message with its reason.
@@ -45,12 +45,11 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
 from pipeline.service import Service
 from pipeline.worker.active_learning import CandidateRule
-from pipeline.worker.records import Outcome, encode_outcomes
 from topics.convert import make_sample
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
 from topics.fields import Rejected, encode
-from topics.internal import experience_bytes
+from topics.internal import Outcome, experience_bytes, outcomes_bytes
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +343,7 @@ class JoinStage(Service):
         if batch.record_count():
             futures.append(await p.send_batch(batch, self.topics.experiences.name, partition=0))
         for partition, records in outcomes.items():
-            body = encode_outcomes(records)
+            body = outcomes_bytes(records)
             futures.append(await p.send(self.topics.outcomes.name, body, partition=partition))
         if futures:
             await asyncio.gather(*futures)

@@ -14,21 +14,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
-
 from pipeline.metrics import Metrics
 from pipeline.worker.active_learning import first_send, hold, on_candidate
-from pipeline.worker.records import (
-    MAX_STEPS_PER_QUERY,
-    Outcome,
-    QueryUtility,
-    Rating,
-    RatingPair,
-    StoredSamples,
-    decode_outcomes,
-)
+from pipeline.worker.records import MAX_STEPS_PER_QUERY, QueryUtility, Rating, StoredSamples
 from pipeline.worker.tables import Outputs, Tables
 from topics.convert import sample_id_for
+from topics.fields import Limits, Rejected, encode
+from topics.internal import Outcome, RatingPair, decode_outcomes
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +50,19 @@ def counted(q: QueryUtility | None, recs: list[Outcome]) -> tuple[QueryUtility, 
 class OutcomesStage:
     """The ``outcomes`` agent and the senders of samples and rating pairs."""
 
-    def __init__(self, tables: Tables, outputs: Outputs, metrics: Metrics) -> None:
+    def __init__(self, tables: Tables, outputs: Outputs, metrics: Metrics, limits: Limits) -> None:
         self.tables = tables
         self.outputs = outputs
         self.metrics = metrics
+        self.limits = limits
 
     async def agent(self, stream: Any) -> None:
         async for value in stream:
             try:
-                records = decode_outcomes(value)
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                records = decode_outcomes(value, self.limits).records
+            except Rejected as exc:
+                # Internal, written by the join: a bad value is a bug or an incompatible
+                # writer, not user input. Skipped, so that the stage keeps going.
                 log.error("outcomes: unreadable internal message skipped (%s)", exc)
                 continue
             by_query: dict[str, list[Outcome]] = {}
@@ -118,4 +113,4 @@ class OutcomesStage:
         qk = qid.encode()
         self.tables.ratings[qk] = Rating(rating=rating.rating, ts=rating.ts, paired=True)
         pair = RatingPair(id=qid, t=q.ts, u_query=q.u_query, rating=float(rating.rating))
-        await self.outputs.rating_pairs.send(key=qk, value=pair.encode(), partition=0)
+        await self.outputs.rating_pairs.send(key=qk, value=encode(pair.to_dict()), partition=0)
