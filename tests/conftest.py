@@ -1,7 +1,7 @@
 """Shared fixtures: a real Kafka-protocol broker for every integration test.
 
 A testcontainers Apache Kafka when a Docker engine answers, else the embedded Tansu
-broker (DESIGN §2). Never a mock of Kafka. Each test gets its own topic prefix, so tests
+broker. Never a mock of Kafka. Each test gets its own topic prefix, so tests
 share one broker without seeing each other's data.
 """
 
@@ -113,7 +113,7 @@ def settings_env(s: Settings) -> dict[str, str]:
 
 @pytest.fixture
 def contract_dir() -> Path:
-    """DESIGN §5 test vectors (the shared copy when present, else the one in tests/data)."""
+    """The contract test vectors (docs/contract.md) (the shared copy when present, else the one in tests/data)."""
     return SHARED_CONTRACT if (SHARED_CONTRACT / "vectors.json").exists() else TEST_CONTRACT
 
 

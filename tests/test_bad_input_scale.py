@@ -1,4 +1,4 @@
-"""Bad input at scale (DESIGN §3): it never stops a worker and never reaches the model.
+"""Bad input at scale (docs/contract.md): it never stops a worker and never reaches the model.
 
 A seeded generator writes >10,000 messages to ``retrieval-events``, ``llm-feedback`` and
 ``human-labels``: good retrieval/feedback pairs (distinct query ids, some with RTL,
@@ -60,7 +60,7 @@ DL_KEEP = 64 * 1024  # dead_letter_value keeps this much of the original value
 RAW = "\x00RAW\x00"  # placeholder replaced by raw (non-orjson) JSON text
 BASE_TS = 1_800_000_000.0
 
-# Valid unicode that must be accepted in ids (DESIGN §3: only *malformed* input is bad).
+# Valid unicode that must be accepted in ids (docs/contract.md: only *malformed* input is bad).
 ODD_UNICODE = [
     "\u202e",  # right-to-left override
     "\u200f",  # right-to-left mark
@@ -155,7 +155,7 @@ class Gen:
             "logprob": -rng.uniform(0.0, 12.0),
             "fallback": False,
         }
-        if variant == "extras":  # unknown extra fields are ignored (DESIGN §3)
+        if variant == "extras":  # unknown extra fields are ignored (docs/contract.md)
             nested: Any = 1
             for _ in range(rng.randint(2, 200)):
                 nested = [nested] if rng.random() < 0.5 else {"n": nested}

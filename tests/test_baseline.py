@@ -1,4 +1,4 @@
-"""Baselines for A = u − b (DESIGN §4): moving average, none, restore from state."""
+"""Baselines for A = u − b (docs/learning.md): moving average, none, restore from state."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoint integrity on the client side (DESIGN §5) and no unpickling of network data.
+"""Checkpoint integrity on the client side (docs/contract.md) and no unpickling of network data.
 
 A :class:`PolicySubscriber` is fed crafted model-topic messages through its public
 ``handle(offset, key, value)``: after a valid v1, every corrupted, incomplete, foreign,

@@ -1,4 +1,4 @@
-"""Drift detection (models/drift.py; DESIGN §4 drift reset): the 7-day event-time correlation,
+"""Drift detection (models/drift.py; docs/learning.md, drift reset): the 7-day event-time correlation,
 the reset trigger, the Page–Hinkley agreement detector and the monitor that combines them."""
 
 from __future__ import annotations

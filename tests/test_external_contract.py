@@ -1,4 +1,4 @@
-"""The wire contract as an outside team meets it (DESIGN §3, §5).
+"""The wire contract as an outside team meets it (docs/contract.md).
 
 ``examples/contract_publisher.py`` and ``examples/contract_consumer.py`` import nothing
 from this project. Here they run as separate processes, the way a new user would run

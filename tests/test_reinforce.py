@@ -1,4 +1,4 @@
-"""REINFORCE loss pieces (DESIGN §4): importance weights, the policy-gradient loss, the label loss."""
+"""REINFORCE loss pieces (docs/learning.md): importance weights, the policy-gradient loss, the label loss."""
 
 from __future__ import annotations
 

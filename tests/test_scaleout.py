@@ -2,7 +2,7 @@
 and when one stops (SIGTERM) or dies (SIGKILL) the other takes its partitions over
 without losing a join.
 
-Delivery is at-least-once (DESIGN §8): after a takeover a join may be emitted twice, and
+Delivery is at-least-once (docs/architecture.md, delivery guarantees): after a takeover a join may be emitted twice, and
 consumers downstream dedupe on the retrieval event's id, so the checks compare *sets* of
 ids in the ``experiences`` topic.
 """

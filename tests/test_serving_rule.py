@@ -1,4 +1,4 @@
-"""The serving rule and the policy network against the contract vectors (DESIGN §4, §5)."""
+"""The serving rule and the policy network against the contract vectors (docs/contract.md §6)."""
 
 from __future__ import annotations
 
