@@ -28,7 +28,7 @@ from aiokafka import TopicPartition
 from models.checkpoint import CheckpointError, sha256_hex, split_chunks, to_safetensors, verify_and_load
 from models.policy import Arch, PolicyNetwork
 from pipeline import kafka
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.checkpoint import (
     Manifest,
     candidate_key,
@@ -73,18 +73,28 @@ class CheckpointPublisher:
 
     async def publish(
         self,
-        tensors: dict[str, torch.Tensor],
+        blob: bytes | dict[str, torch.Tensor],
         *,
         reason: str,
-        arch: Arch,
+        arch: dict[str, int] | Arch,
         baseline: float,
+        alpha: float | None = None,
         metrics: dict[str, Any] | None = None,
         input_offsets: dict[str, int] | None = None,
         candidate: bool = False,
         version: int | None = None,
     ) -> Manifest:
-        """Publish chunks then the manifest; wait until the broker has acknowledged all."""
-        blob = to_safetensors(tensors)
+        """Publish chunks then the manifest; wait until the broker has acknowledged all.
+
+        ``blob`` is the serialized checkpoint (``models.checkpoint.to_safetensors``) with
+        its ``alpha``; tensors are still accepted and serialized here.
+        """
+        if isinstance(blob, dict):
+            alpha = float(blob["alpha"].reshape(-1)[0]) if alpha is None else alpha
+            blob = to_safetensors(blob)
+        if alpha is None:
+            raise TypeError("publish(blob) needs alpha=")
+        arch_dict = arch.to_dict() if isinstance(arch, Arch) else dict(arch)
         version = version if version is not None else self.next_version()
         if version <= self.last_version:
             raise ValueError(f"version {version} is not above {self.last_version}")
@@ -98,8 +108,8 @@ class CheckpointPublisher:
             version=version,
             created_ts=time.time(),
             reason=reason,
-            arch=arch.to_dict(),
-            alpha=float(tensors["alpha"].reshape(-1)[0]),
+            arch=arch_dict,
+            alpha=float(alpha),
             baseline=float(baseline),
             sha256=sha256_hex(blob),
             size=len(blob),
@@ -195,9 +205,16 @@ class ModelTopicIndex:
         return max(options, key=lambda m: m.version, default=None)
 
 
-async def scan_model_topic(bootstrap: str, settings: Settings, topic: str | None = None) -> ModelTopicIndex:
+def _model_topic(settings: Connection | Settings) -> str:
+    topics = settings.topics if isinstance(settings, Connection) else settings.topics()
+    return topics.policy_checkpoints.name
+
+
+async def scan_model_topic(
+    bootstrap: str, settings: Connection | Settings, topic: str | None = None
+) -> ModelTopicIndex:
     """Read the whole model topic once (from the beginning, DESIGN §8) into an index."""
-    topic = topic or settings.topics().policy_checkpoints.name
+    topic = topic or _model_topic(settings)
     index = ModelTopicIndex()
     for msg in await kafka.read_all(bootstrap, settings, topic, partitions=[0]):
         index.observe(msg.offset, msg.key, msg.value)
@@ -205,10 +222,14 @@ async def scan_model_topic(bootstrap: str, settings: Settings, topic: str | None
 
 
 async def fetch_checkpoint(
-    bootstrap: str, settings: Settings, index: ModelTopicIndex, manifest: Manifest, topic: str | None = None
+    bootstrap: str,
+    settings: Connection | Settings,
+    index: ModelTopicIndex,
+    manifest: Manifest,
+    topic: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fetch a manifest's chunks by offset, then verify and load; raises CheckpointError."""
-    topic = topic or settings.topics().policy_checkpoints.name
+    topic = topic or _model_topic(settings)
     offsets = index.chunk_offsets.get((manifest.policy, manifest.version), {})
     missing = [i for i in range(manifest.chunks) if i not in offsets]
     if missing:
