@@ -1,13 +1,15 @@
 """The policy's learning step, free of Kafka: REINFORCE micro-batches, label fine-tuning,
-last-layer reset and warm-up (DESIGN §4; seed 000 §4.3 levels 1–3).
+last-layer reset and warm-up (docs/learning.md).
 
-:class:`PolicyTrainer` owns the network, the optimizer and the baseline. The learner
-process feeds it decoded experiences; the benchmarks and tests drive it directly.
+:class:`PolicyTrainer` owns the network, the optimizer and the baseline; it is built
+from a :class:`TrainerConfig` (which ``pipeline.config.Settings.trainer()`` fills from
+the product's settings). The learner process feeds it decoded experiences; the
+benchmarks and tests drive it directly.
 
 >>> import numpy as np
 >>> from topics.events import Features, RetrievalEvent
 >>> from topics.internal import Experience
->>> t = PolicyTrainer(embedding_dim=4, slots=6, hidden=8, lr=1e-2)
+>>> t = PolicyTrainer(TrainerConfig(embedding_dim=4, slots=6, hidden=8, lr=1e-2))
 >>> ev = RetrievalEvent("e1", "q1", 0, 1.0, Features(np.ones(4, np.float32), 0.0, 0.0),
 ...                     [0, 1, 2], np.array([0.9, 0.8, 0.7]), [0], 1.0, -1.0, False)
 >>> stats = t.update([Experience("e1", "feedback", ev, utility=1.0)])
@@ -18,7 +20,7 @@ process feeds it decoded experiences; the benchmarks and tests drive it directly
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +34,34 @@ from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_tor
 from topics.internal import Experience
 
 
-def adam(params: Any, lr: float) -> torch.optim.Adam:
+def adam(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Adam:
     """Adam with the fused kernel (CPU and CUDA): ~10× faster steps for this network."""
-    params = list(params)
+    plist = list(params)
     try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
+        return torch.optim.Adam(plist, lr=lr, fused=True)
     except (RuntimeError, TypeError):  # a device without the fused kernel
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(plist, lr=lr)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """What :class:`PolicyTrainer` needs: the network's shape and the learning settings.
+
+    >>> TrainerConfig(embedding_dim=8, slots=32).hidden
+    512
+    """
+
+    embedding_dim: int
+    slots: int
+    hidden: int = 512
+    lr: float = 1e-3
+    grad_clip: float = 1.0
+    importance_clip: float = 5.0
+    baseline: str = "moving"  # moving | cluster | none
+    baseline_fading: float = 0.01
+    label_lr: float = 1e-2
+    device: str = "cpu"
+    seed: int = 0
 
 
 @dataclass
@@ -118,35 +141,18 @@ class UpdateStats:
 
 
 class PolicyTrainer:
-    """Network + Adam + baseline; one call per micro-batch."""
+    """Network + Adam + baseline; one call per micro-batch.
 
-    def __init__(
-        self,
-        embedding_dim: int,
-        slots: int,
-        hidden: int = 512,
-        lr: float = 1e-3,
-        grad_clip: float = 1.0,
-        importance_clip: float = 5.0,
-        baseline: str = "moving",
-        baseline_fading: float = 0.01,
-        label_lr: float = 1e-2,
-        device: str = "cpu",
-        seed: int = 0,
-        net: PolicyNetwork | None = None,
-    ) -> None:
-        self.device = device
-        self.net = (net or init_policy(embedding_dim, slots, hidden, seed=seed)).to(device)
-        self.lr = lr
-        self.grad_clip = grad_clip
-        self.importance_clip = importance_clip
-        self.baseline_kind = baseline
-        self.baseline_fading = baseline_fading
-        self.baseline = make_baseline(baseline, baseline_fading)
-        self.label_lr = label_lr
-        self.seed = seed
-        self.optimizer = adam(self.net.parameters(), lr)
-        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], label_lr)
+    ``net`` (optional) starts from given weights instead of ``config.seed``'s.
+    """
+
+    def __init__(self, config: TrainerConfig, net: PolicyNetwork | None = None) -> None:
+        c = self.config = config
+        self.device = c.device
+        self.net = (net or init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed)).to(c.device)
+        self.baseline = make_baseline(c.baseline, c.baseline_fading)
+        self.optimizer = adam(self.net.parameters(), c.lr)
+        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], c.label_lr)
         self.updates = 0
         self.experiences = 0
         self.labels_applied = 0
@@ -162,7 +168,7 @@ class PolicyTrainer:
             return stats
         batch = make_batch(experiences, self.device)
         before = self.baseline.state()
-        # A = u − b for each experience in order, b updated after each (DESIGN §4).
+        # A = u − b for each experience in order, b updated after each (docs/learning.md).
         pairs = zip(batch.utility, experiences, strict=True)
         adv = np.array([self.baseline.advantage(u, e.event.features.query_embedding) for u, e in pairs], np.float32)
         net = self.net
@@ -170,7 +176,7 @@ class PolicyTrainer:
         m = net.candidate_masks(h, batch.slots)
         z = adjusted_logits_torch(batch.scores, m, net.alpha, batch.temperature)
         logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
-        w = importance_weights(logp, batch.logged_logprob, self.importance_clip)
+        w = importance_weights(logp, batch.logged_logprob, self.config.importance_clip)
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         loss = reinforce_loss(logp, torch.from_numpy(adv).to(self.device), w)
@@ -180,7 +186,7 @@ class PolicyTrainer:
         if not self._step(loss, self.optimizer, list(net.parameters()), stats):
             # A skipped batch leaves no trace, the baseline included: one non-finite value
             # must not poison every later advantage.
-            self.baseline = make_baseline(self.baseline_kind, self.baseline_fading, before)
+            self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, before)
             return stats
 
         stats.applied = len(experiences)
@@ -188,15 +194,15 @@ class PolicyTrainer:
         return stats
 
     def _step(
-        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[Any], stats: UpdateStats
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], stats: UpdateStats
     ) -> bool:
         stats.loss = float(loss.detach())
         if not math.isfinite(stats.loss):
             stats.skipped_non_finite = 1
             return False
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        torch.autograd.backward(loss)  # (Tensor.backward is untyped for mypy)
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
         stats.grad_norm = norm
         if not math.isfinite(norm):
             optimizer.zero_grad(set_to_none=True)
@@ -245,7 +251,7 @@ class PolicyTrainer:
         7 days kept mostly predate the change, and weighing them equally re-teaches the
         old world.
         """
-        gen = torch.Generator().manual_seed(self.seed + 1000 + self.updates)
+        gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
         self.net.reset_last_layer(gen)
         for p in (self.net.out.weight, self.net.out.bias):
             self.optimizer.state.pop(p, None)
@@ -257,12 +263,12 @@ class PolicyTrainer:
             newest = feedback[-1].event.ts
             ages = np.array([newest - e.event.ts for e in feedback])
             weights = 0.5 ** (ages / half_life_s)
-        self.baseline = make_baseline(self.baseline_kind, self.baseline_fading)
+        self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading)
         for _ in range(epochs):
             # Each pass replays in event-time order with a fresh moving baseline, so every
             # advantage is measured against the utilities of its own time: a baseline from
             # after the change would make every old success look like a great one.
-            self.baseline = make_baseline(self.baseline_kind, self.baseline_fading)
+            self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading)
             for i in range(0, len(feedback), batch_size):
                 s = self.update(feedback[i : i + batch_size], weights[i : i + batch_size])
                 total.applied += s.applied
@@ -278,9 +284,9 @@ class PolicyTrainer:
 
     def load(self, tensors: dict[str, torch.Tensor], baseline_state: dict[str, Any] | None = None) -> None:
         self.net.load_tensors({k: v.to(self.device) for k, v in tensors.items()})
-        self.optimizer = adam(self.net.parameters(), self.lr)
-        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], self.label_lr)
-        self.baseline = make_baseline(self.baseline_kind, self.baseline_fading, baseline_state)
+        self.optimizer = adam(self.net.parameters(), self.config.lr)
+        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], self.config.label_lr)
+        self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, baseline_state)
 
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """Adam moments by parameter name (kept in the learner's local state directory)."""

@@ -14,10 +14,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from topics.fields import Limits
 from topics.names import Topics
+
+if TYPE_CHECKING:  # models.trainer imports torch: only Settings.trainer() loads it
+    from models.trainer import TrainerConfig
 
 
 @dataclass
@@ -76,6 +79,39 @@ class Connection:
 
 
 # (learner)
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """The promotion gate's rule (pipeline/learner/gate.py, docs/learning.md)."""
+
+    window: int = 2000  # the last logged experiences a candidate is judged on
+    epsilon: float = 0.02  # promote when the gain's lower bound is above −epsilon
+    min_ess: float = 50.0  # logged decisions (dr) or effective sample size (snips, ips) needed
+    method: str = "dr"  # dr | snips | ips
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """The learner's configuration (pipeline/learner/); ``Settings.learner()`` builds it."""
+
+    connection: Connection
+    trainer: TrainerConfig
+    gate: GateConfig | None = field(default_factory=GateConfig)  # None: every checkpoint serves at once
+    state_dir: Path = Path("~/.causalmem")  # the learner keeps its local checkpoints below it
+    batch_size: int = 64
+    reorder_s: float = 0.0  # >0: apply in event-time order, after this much reordering slack
+    checkpoint_interval_s: float = 10.0
+    keep_versions: int = 3  # checkpoint versions left on the model topic
+    replay_window_s: float = 7 * 86400.0  # event time of experience kept for warm-ups and the gate
+    replay_max: int = 50_000  # experiences kept at most
+    warmup_epochs: int = 2
+    warmup_half_life_s: float = 86400.0
+    torch_threads: int = 1
+
+    @property
+    def policy(self) -> str:
+        return self.connection.policy
 
 
 # (worker)
@@ -235,6 +271,41 @@ class Settings:
             label_window_s=self.label_window_s,
             query_state_max=self.query_state_max,
             al_pending_max=self.al_pending_max,
+        )
+
+    def trainer(self) -> TrainerConfig:
+        from models.trainer import TrainerConfig
+
+        return TrainerConfig(
+            embedding_dim=self.embedding_dim,
+            slots=self.slots,
+            hidden=self.hidden,
+            lr=self.lr,
+            grad_clip=self.grad_clip,
+            importance_clip=self.importance_clip,
+            baseline=self.baseline,
+            baseline_fading=self.baseline_fading,
+            label_lr=self.label_lr,
+            device=self.torch_device(),
+            seed=self.seed,
+        )
+
+    def learner(self) -> LearnerConfig:
+        gate = GateConfig(self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method)
+        return LearnerConfig(
+            connection=self.connection(),
+            trainer=self.trainer(),
+            gate=gate if self.gate else None,
+            state_dir=Path(os.path.expanduser(self.state_dir)),
+            batch_size=self.batch_size,
+            reorder_s=self.reorder_s,
+            checkpoint_interval_s=self.checkpoint_interval_s,
+            keep_versions=self.keep_versions,
+            replay_window_s=self.drift_window_days * 86400.0,
+            replay_max=self.replay_max,
+            warmup_epochs=self.warmup_epochs,
+            warmup_half_life_s=self.warmup_half_life_s,
+            torch_threads=self.torch_threads,
         )
 
     def state_path(self) -> Path:

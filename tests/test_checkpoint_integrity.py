@@ -441,7 +441,7 @@ async def test_dynamic_learner_restore_and_subscriber_load_without_pickle(
             unpickle(pickle.dumps(1))  # the guards are in place
     pickle_forbidden.clear()
 
-    async with running(Learner(s, s.bootstrap, Metrics())) as first:
+    async with running(Learner(s.learner(), s.bootstrap, Metrics())) as first:
         await until(lambda: first.active.is_set() and first.version >= 1, 30, "the initial checkpoint")
         assert first.restored_from == "fresh"
         producer = kafka.producer(s.bootstrap, s)
@@ -455,7 +455,7 @@ async def test_dynamic_learner_restore_and_subscriber_load_without_pickle(
     final_version = first.version
     assert final_version >= 2
 
-    async with running(Learner(s, s.bootstrap, Metrics())) as second:
+    async with running(Learner(s.learner(), s.bootstrap, Metrics())) as second:
         await until(lambda: second.active.is_set(), 30, "the second learner restored")
         assert second.restored_from == f"topic v{final_version}"
         for name, tensor in second.trainer.tensors().items():

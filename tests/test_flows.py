@@ -99,7 +99,7 @@ async def test_learner_checkpoints_reach_a_subscriber(topics_ready) -> None:
     s = topics_ready
     versions: list[int] = []
     sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=lambda p: versions.append(p.version))
-    async with running(Learner(s, s.bootstrap, Metrics())) as learner, sub:
+    async with running(Learner(s.learner(), s.bootstrap, Metrics())) as learner, sub:
         init = await sub.wait_for_policy(1, timeout=30)
         assert init.manifest.reason == "init"
         producer = kafka.producer(s.bootstrap, s)
@@ -134,7 +134,7 @@ async def test_learner_restart_resumes_after_recorded_offsets(topics_ready) -> N
         for i in range(24):
             await producer.send(topic, encode(experience(s, i).to_dict()), partition=0)
         await producer.flush()
-        first = Learner(s, s.bootstrap, Metrics())
+        first = Learner(s.learner(), s.bootstrap, Metrics())
         await first.start()
         task = asyncio.create_task(first.run())
         await until(lambda: first.trainer.experiences == 24 and not first.dirty, 30, "first learner checkpoint")
@@ -150,7 +150,7 @@ async def test_learner_restart_resumes_after_recorded_offsets(topics_ready) -> N
         await producer.flush()
     finally:
         await producer.stop()
-    async with running(Learner(s, s.bootstrap, Metrics())) as second:
+    async with running(Learner(s.learner(), s.bootstrap, Metrics())) as second:
         await until(lambda: second.active.is_set(), 30, "second learner active")
         assert second.restored_from.startswith("topic")
         await until(lambda: second.trainer.experiences == 40 and not second.dirty, 30, "second learner applied all")
@@ -179,7 +179,7 @@ async def _learn_from(s, messages: list[tuple[str, object]], n_pairs: int) -> di
     metrics = Metrics()
     async with (
         running(JoinStage(s.join(), s.bootstrap, metrics)),
-        running(Learner(s, s.bootstrap, Metrics())) as learner,
+        running(Learner(s.learner(), s.bootstrap, Metrics())) as learner,
     ):
         await until(
             lambda: learner.trainer.experiences == n_pairs and not learner.dirty and not learner.held,
@@ -232,7 +232,7 @@ async def test_reorder_mode_restart_applies_each_experience_once(topics_ready) -
         await producer.flush()
         await producer.stop()
         if crash:
-            first = Learner(s, s.bootstrap, Metrics())
+            first = Learner(s.learner(), s.bootstrap, Metrics())
             await first.start()
             task = asyncio.create_task(first.run())
             await until(lambda f=first: f.trainer.experiences >= 100 and not f.dirty, 30, "a checkpoint mid-stream")
@@ -240,7 +240,7 @@ async def test_reorder_mode_restart_applies_each_experience_once(topics_ready) -
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await first.stop(publish=False)
-        async with running(Learner(s, s.bootstrap, Metrics())) as learner:
+        async with running(Learner(s.learner(), s.bootstrap, Metrics())) as learner:
             await until(
                 lambda lr=learner: lr.trainer.experiences == len(exps) and not lr.dirty and not lr.held,
                 60,

@@ -103,7 +103,7 @@ def test_judge_waits_for_data() -> None:
 
 @contextlib.asynccontextmanager
 async def learner_running(settings):
-    learner = Learner(settings, settings.bootstrap, Metrics())
+    learner = Learner(settings.learner(), settings.bootstrap, Metrics())
     await learner.start()
     task = asyncio.create_task(learner.run())
     try:

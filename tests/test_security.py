@@ -259,7 +259,7 @@ async def test_every_component_builds_its_clients_through_pipeline_kafka(
     await started("subscriber", sub.start, sub.stop, 1)
     join = JoinStage(s.join(), s.bootstrap, Metrics())
     await started("join", join.start, join.stop, 2)
-    learner = Learner(s, s.bootstrap, Metrics())
+    learner = Learner(s.learner(), s.bootstrap, Metrics())
     await started("learner", learner.start, lambda: learner.stop(publish=False), 3)
     queue = LabelQueue(s.bootstrap, s, "alice")
     await started("labeler", queue.start, queue.stop, 2)

@@ -15,7 +15,7 @@ from models.serving_rule import (
     plackett_luce_logprob,
     plackett_luce_logprob_torch,
 )
-from models.trainer import PolicyTrainer, make_batch
+from models.trainer import PolicyTrainer, TrainerConfig, make_batch
 from topics.events import Features, RetrievalEvent
 from topics.internal import Experience
 
@@ -25,7 +25,7 @@ D, S, H = 8, 32, 16
 def trainer(**kw: object) -> PolicyTrainer:
     args: dict[str, object] = dict(embedding_dim=D, slots=S, hidden=H, lr=1e-2, seed=0)
     args.update(kw)
-    return PolicyTrainer(**args)  # type: ignore[arg-type]
+    return PolicyTrainer(TrainerConfig(**args))  # type: ignore[arg-type]
 
 
 def event(

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             f"S={settings.slots}, lr={settings.lr}, batch={settings.batch_size}, device={settings.torch_device()}",
             flush=True,
         )
-        learner = Learner(settings, bootstrap, metrics)
+        learner = Learner(settings.learner(), bootstrap, metrics)
         await learner.start()
         task = asyncio.create_task(learner.run())
         # After a cluster reset (an embedded broker restart) a fresh start restores from the

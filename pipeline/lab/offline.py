@@ -3,8 +3,12 @@
 It wires the same pieces as the running system (Environment, CausalRetriever,
 PolicyTrainer, DriftMonitor) with the pipeline's delays emulated: the serving policy is
 refreshed from the learner every ``refresh_every`` steps (the checkpoint cadence), and
-the learner applies micro-batches in arrival order. ``causalmem bench learning`` runs the
-real pipeline; this is where its settings were explored first (docs/learning.md).
+the learner applies micro-batches in arrival order. The learner's own parts decide what
+it keeps and judges: :class:`~pipeline.learner.replay.Replay` (the kept window of event
+time, the drift warm-up and the gate's window) and
+:func:`~pipeline.learner.gate.judge_window` (the promotion rule). ``causalmem bench
+learning`` runs the real pipeline; this is where its settings were explored first
+(docs/learning.md).
 """
 
 from __future__ import annotations
@@ -16,18 +20,20 @@ from typing import Any
 import numpy as np
 
 from models.drift import DriftMonitor
-from models.logged import LoggedDecisions
-from models.trainer import PolicyTrainer
+from models.trainer import PolicyTrainer, TrainerConfig
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.lab.simulator import Environment, Scenario, Tally, serve
-from pipeline.learner.gate import judge
+from pipeline.config import GateConfig, Settings
+from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, serve
+from pipeline.learner.gate import judge_window
+from pipeline.learner.replay import Replay
 from topics.internal import Experience
 from topics.manifest import Manifest
 
 
 @dataclass
 class OfflineConfig:
+    hidden: int = 512
     lr: float = 1e-3
     batch_size: int = 32
     baseline: str = "moving"
@@ -44,6 +50,7 @@ class OfflineConfig:
     drift_cooldown_s: float = 2 * 86400.0
     warmup_epochs: int = 2
     warmup_half_life_s: float = 86400.0
+    replay_window_s: float = Settings.drift_window_days * DAY  # what the learner keeps (its default)
     learn: bool = True
     gate: bool = False
     gate_method: str = "dr"
@@ -51,6 +58,24 @@ class OfflineConfig:
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
     seed: int = 0
+
+    def trainer(self, scenario: Scenario) -> TrainerConfig:
+        return TrainerConfig(
+            scenario.embedding_dim,
+            scenario.slots,
+            self.hidden,
+            lr=self.lr,
+            grad_clip=self.grad_clip,
+            importance_clip=self.importance_clip,
+            baseline=self.baseline,
+            baseline_fading=self.baseline_fading,
+            seed=self.seed,
+        )
+
+    def gate_config(self) -> GateConfig | None:
+        return (
+            GateConfig(self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method) if self.gate else None
+        )
 
 
 @dataclass
@@ -84,24 +109,14 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
         if cfg.explore_temperature is None
         else cfg.explore_temperature,
     )
-    trainer = PolicyTrainer(
-        scenario.embedding_dim,
-        scenario.slots,
-        lr=cfg.lr,
-        grad_clip=cfg.grad_clip,
-        importance_clip=cfg.importance_clip,
-        baseline=cfg.baseline,
-        baseline_fading=cfg.baseline_fading,
-        seed=cfg.seed,
-    )
+    trainer = PolicyTrainer(cfg.trainer(scenario))
+    gate = cfg.gate_config()
     version = 1
     retriever.set_policy(_snapshot(trainer, version))
     monitor = DriftMonitor(
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
     )
-    replay: list[Experience] = []
-    gate_since = 0.0
-
+    replay = Replay(cfg.replay_window_s)
     pending: list[Experience] = []
     result = OfflineResult(Tally())
     steps = 0
@@ -114,32 +129,23 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
             u = nll_without - nll_with
             q.utilities.append(u)
             explore = res.event.temperature != retriever.temperature
-            result.tally.record(env, q.intent, res.slots, true_u, st.ts, version, explore)
+            served = retriever.policy.version if retriever.policy is not None else 0
+            result.tally.record(env, q.intent, res.slots, true_u, st.ts, served, explore)
             if not res.event.fallback:
-                exp = Experience(res.event.event_id, "feedback", res.event, u)
-                pending.append(exp)
-                replay.append(exp)
+                pending.append(Experience(res.event.event_id, "feedback", res.event, u))
             if len(pending) >= cfg.batch_size:
                 if cfg.learn:
                     trainer.update(pending)
+                replay.extend(pending)
                 pending = []
             steps += 1
             if steps % cfg.refresh_every == 0:
                 result.alpha.append((st.ts, float(trainer.net.alpha.detach()[0])))
                 version += 1
                 candidate = _snapshot(trainer, version)
-                if cfg.gate and retriever.policy is not None:
-                    window = LoggedDecisions.from_experiences(
-                        [e for e in replay[-cfg.gate_window :] if e.event.ts >= gate_since]
-                    )
-                    decision, _, _ = judge(
-                        window,
-                        candidate.net,
-                        retriever.policy.net,
-                        cfg.gate_epsilon,
-                        cfg.gate_min_ess,
-                        method=cfg.gate_method,
-                        n_boot=100,
+                if gate is not None and retriever.policy is not None:
+                    decision, _, _ = judge_window(
+                        replay.gate_window(), candidate.net, retriever.policy.net, gate, n_boot=100
                     )
                     result.gate.append(decision)
                     if decision != "promoted":
@@ -153,15 +159,12 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
             fired = monitor.update(t, float(np.mean(q.utilities)), rating)
             result.corr.append((t, monitor.window.get(), monitor.window.pairs))
             if fired and cfg.reset:
-                horizon = t - 7 * 86400
-                replay = [e for e in replay if e.event.ts >= horizon]
-                since = monitor.trigger.change_t
-                warm = [e for e in replay if since is None or e.event.ts >= since]
+                # As the learner does on a reset command (pipeline/learner/loop.py).
+                warm = replay.after_drift(monitor.trigger.change_t)
                 trainer.reset_last_layer(
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
                 )
                 result.resets.append(t)
-                gate_since = since if since is not None else t
                 version += 1
                 retriever.set_policy(_snapshot(trainer, version))
         if progress is not None:

@@ -1,1 +1,8 @@
-"""The learner: the single writer of the policy (see docs/architecture.md)."""
+"""The learner: the single writer of the policy (see docs/architecture.md).
+
+``from pipeline.learner.loop import Learner``; the loop composes the other modules:
+election (who trains), restore (from the model topic on election), inbox (pending and
+held experiences, positions, reorder, dedupe), replay (kept experiences: drift warm-up and
+the gate's window), publishing and gate (checkpoints, candidates, promotion) and store
+(the local copy). Inbox and replay are pure: tested without Kafka.
+"""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
@@ -30,7 +30,7 @@ from models.estimators import Estimate, evaluate, gain
 from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
 from models.reward_model import SlotRewardModel
-from pipeline.config import Settings
+from pipeline.config import GateConfig
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.internal import Experience
@@ -91,19 +91,12 @@ def judge(
     # Pessimistic about slots the log rarely shows: a candidate that moves its reads there
     # must earn the trust that the serving policy's logged reads already have.
     model = SlotRewardModel(prior_quantile=PESSIMISM).fit(decisions) if method == "dr" else None
-    g = gain(
-        decisions,
-        candidate,
-        serving,
-        method=method,
-        n_boot=n_boot,
-        seed=seed,  # type: ignore[arg-type]
-        reward_model=model,
-    )
+    estimator = cast(Literal["ips", "snips", "dr"], method)
+    g = gain(decisions, candidate, serving, method=estimator, n_boot=n_boot, seed=seed, reward_model=model)
     values = evaluate(
         decisions,
         {"candidate": candidate, "serving": serving, "similarity": "similarity"},
-        method=method,  # type: ignore[arg-type]
+        method=estimator,
         n_boot=n_boot,
         seed=seed,
         reward_model=model,
@@ -123,17 +116,33 @@ def judge(
     return "promoted", f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {cand.value:+.4f}", estimates
 
 
+def judge_window(
+    experiences: Sequence[Experience],
+    candidate: PolicyNetwork,
+    serving: PolicyNetwork,
+    config: GateConfig,
+    n_boot: int = 200,
+) -> tuple[str, str, dict[str, Estimate]]:
+    """:func:`judge` on the last ``config.window`` of ``experiences`` (the gate's window)."""
+    decisions = LoggedDecisions.from_experiences(list(experiences)[-config.window :])
+    return judge(decisions, candidate, serving, config.epsilon, config.min_ess, method=config.method, n_boot=n_boot)
+
+
 class PromotionGate:
-    """Owned by the learner; called with each new candidate checkpoint."""
+    """Owned by the learner; called with each new candidate checkpoint.
+
+    ``window`` returns the experiences that candidates may be judged on (the learner's
+    replay since the last drift reset); the gate takes the last ``config.window``.
+    """
 
     def __init__(
         self,
-        settings: Settings,
+        config: GateConfig,
         publisher: CheckpointPublisher,
         metrics: Metrics,
         window: Callable[[], Sequence[Experience]],
     ) -> None:
-        self.settings = settings
+        self.config = config
         self.publisher = publisher
         self.metrics = metrics
         self.window = window
@@ -158,15 +167,11 @@ class PromotionGate:
         return await self._decide(manifest, candidate)
 
     async def _decide(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
-        s = self.settings
+        est: dict[str, Estimate] = {}
         if self.serving_net is None or self.serving_manifest is None:
-            decision, reason, est = "promoted", "no serving policy yet", {}
+            decision, reason = "promoted", "no serving policy yet"
         else:
-            experiences = list(self.window())[-s.gate_window :]
-            decisions = LoggedDecisions.from_experiences(experiences)
-            decision, reason, est = judge(
-                decisions, candidate, self.serving_net, s.gate_epsilon, s.gate_min_ess, method=s.gate_method
-            )
+            decision, reason, est = judge_window(self.window(), candidate, self.serving_net, self.config)
         serving_version = self.serving_manifest.version if self.serving_manifest else 0
         result = GateDecision(
             decision,

@@ -163,7 +163,7 @@ def learner_vs_bare(settings: Settings, exps: list[Experience], rounds: int = 7)
     chunks = [exps[i : i + b] for i in range(0, len(exps) - b + 1, b)]
     raw_chunks = [[encode(e.to_dict()) for e in c] for c in chunks]
     limits = settings.limits()
-    learner = Learner(settings, "127.0.0.1:1", Metrics(role="learner"))  # apply() never touches Kafka
+    learner = Learner(settings.learner(), "127.0.0.1:1", Metrics(role="learner"))  # apply() never touches Kafka
     bare = BareStep(settings.embedding_dim, settings.slots, settings.lr)
     tensors = [make_batch(c) for c in chunks]
     for c, t in zip(chunks[:5], tensors[:5], strict=True):  # warm-up (allocator, kernels)

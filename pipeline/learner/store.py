@@ -1,0 +1,97 @@
+"""The learner's local state: its latest checkpoint, optimizer moments and recent versions.
+
+The model topic is the system of record; this directory is the learner's own copy, kept
+for two cases the topic cannot serve (docs/operations.md):
+
+* the topic is empty (an embedded broker restarted and lost everything): the learner
+  republishes what it had learnt instead of starting over;
+* a rollback to a version the topic has already tombstoned (the directory keeps the last
+  ``LOCAL_VERSIONS`` versions, the topic ``keep_versions``).
+
+Adam's moments live only here: a restore uses them when they belong to the checkpoint it
+restored, and starts a fresh optimizer otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.policy import Arch
+from models.weights import verify_and_load
+from topics.manifest import CheckpointError, Manifest, sha256_hex
+
+log = logging.getLogger(__name__)
+
+LOCAL_VERSIONS = 20  # checkpoint versions kept in the local directory (rollback)
+
+# (manifest and baseline as stored, policy tensors, optimizer tensors)
+LocalCheckpoint = tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def local_dir(state_dir: Path, bootstrap: str, topic_prefix: str, policy: str) -> Path:
+    """The directory of one policy on one cluster (and topic prefix) under ``state_dir``.
+
+    >>> local_dir(Path("/s"), "127.0.0.1:9092", "", "default").parent
+    PosixPath('/s/learner')
+    """
+    ident = hashlib.sha256(f"{bootstrap}|{topic_prefix}".encode()).hexdigest()[:12]
+    return state_dir / "learner" / f"{policy}-{ident}"
+
+
+class LocalStore:
+    """The learner's latest checkpoint (and optimizer moments) on local disk."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def save(
+        self,
+        manifest: Manifest,
+        tensors: dict[str, torch.Tensor],
+        optimizer: dict[str, torch.Tensor],
+        baseline_state: dict[str, Any],
+    ) -> None:
+        tmp = self.root / "tmp"
+        tmp.mkdir(exist_ok=True)
+        save_file(tensors, str(tmp / "policy.safetensors"))
+        if optimizer:
+            save_file(optimizer, str(tmp / "optimizer.safetensors"))
+        (tmp / "manifest.json").write_bytes(orjson.dumps({"manifest": manifest.to_dict(), "baseline": baseline_state}))
+        for name in ("policy.safetensors", "optimizer.safetensors", "manifest.json"):
+            if (tmp / name).exists():
+                (tmp / name).replace(self.root / name)
+        # Earlier versions, for rollbacks after the model topic has tombstoned them.
+        versions = self.root / "versions"
+        versions.mkdir(exist_ok=True)
+        save_file(tensors, str(versions / f"{manifest.version}.safetensors"))
+        for old in sorted(versions.glob("*.safetensors"), key=lambda p: int(p.stem))[:-LOCAL_VERSIONS]:
+            old.unlink()
+
+    def load_version(self, version: int, arch: Arch) -> dict[str, torch.Tensor] | None:
+        path = self.root / "versions" / f"{version}.safetensors"
+        if not path.exists():
+            return None
+        blob = path.read_bytes()
+        try:
+            return verify_and_load(blob, sha256_hex(blob), len(blob), arch)
+        except CheckpointError as exc:
+            log.error("learner: local copy of v%d is unusable (%s)", version, exc)
+            return None
+
+    def load(self) -> LocalCheckpoint | None:
+        try:
+            meta = orjson.loads((self.root / "manifest.json").read_bytes())
+            tensors = load_file(str(self.root / "policy.safetensors"))
+        except (OSError, ValueError):
+            return None
+        opt_path = self.root / "optimizer.safetensors"
+        optimizer = load_file(str(opt_path)) if opt_path.exists() else {}
+        return meta, tensors, optimizer

@@ -1,0 +1,36 @@
+"""The in-process learning loop (pipeline/lab/offline.py) on a tiny scenario: it refreshes,
+resets and gates with the learner's own rules."""
+
+from __future__ import annotations
+
+from pipeline.config import Settings
+from pipeline.lab.offline import OfflineConfig, run_offline
+from pipeline.lab.simulator import Scenario
+
+TINY = Scenario(
+    embedding_dim=8, slots=64, intents=3, background=20, days=2, queries_per_day=120, drift_day=1.0, n_candidates=8
+)
+
+
+def test_refreshes_and_resets_each_serve_a_new_version() -> None:
+    cfg = OfflineConfig(hidden=16, refresh_every=40, drift_min_pairs=20, drift_cooldown_s=86400.0, page_hinkley=False)
+    result = run_offline(TINY, cfg)
+    assert len(result.tally.version) > 400
+    assert result.resets, "the drift on day 1 fires a reset"
+    assert result.alpha and not result.gate
+    # Ungated: every refresh and every reset is served, in order.
+    assert max(result.tally.version) == 1 + len(result.alpha) + len(result.resets)
+    assert result.tally.version == sorted(result.tally.version)
+
+
+def test_a_gate_without_enough_data_keeps_the_first_policy() -> None:
+    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9)
+    result = run_offline(TINY, cfg)
+    assert result.gate and set(result.gate) == {"insufficient"}
+    assert set(result.tally.version) == {1}
+
+
+def test_keeps_what_the_learner_keeps() -> None:
+    assert OfflineConfig().replay_window_s == Settings().learner().replay_window_s
+    assert OfflineConfig().gate_config() is None
+    assert OfflineConfig(gate=True).gate_config() == Settings().learner().gate
