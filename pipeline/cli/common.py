@@ -111,15 +111,24 @@ def run_until_signal(main: Callable[[asyncio.Event], Any]) -> int:
     return asyncio.run(runner())
 
 
-async def prepare_cluster(bootstrap: str, settings: Settings) -> None:
-    """Wait for the broker and create (or repair) the product's topics; raises on a topic problem."""
+async def prepare_cluster(bootstrap: str, settings: Settings, strict: bool = True) -> None:
+    """Wait for the broker and create (or repair) the product's topics.
+
+    A topic problem (e.g. a wrong partition count that cannot be repaired) raises when
+    ``strict``; otherwise it is logged. The worker is strict: its join is partition-local
+    and wrong counts break it. The learner is not: it reads one-partition topics only, and
+    after a cluster reset it must come up to republish its checkpoint even while the
+    broker's auto-created topics are still being repaired.
+    """
     from pipeline import kafka
 
     await kafka.wait_for_broker(bootstrap, settings)
     created = await kafka.create_topics(bootstrap, settings)
     wrong = {k: v for k, v in created.items() if v not in ("created", "exists", "repaired")}
-    if wrong:
+    if wrong and strict:
         raise RuntimeError(f"topic problems: {wrong}")
+    if wrong:
+        logging.getLogger("causalmem").warning("topic problems (continuing): %s", wrong)
 
 
 def start_metrics(role: str, settings: Settings) -> Any:

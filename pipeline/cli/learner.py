@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     bootstrap = resolve_bootstrap(settings)
 
     async def main(stop: asyncio.Event) -> int:
-        await prepare_cluster(bootstrap, settings)
+        await prepare_cluster(bootstrap, settings, strict=False)
         metrics = start_metrics("learner", settings)
         print(
             f"learner: broker {bootstrap}, policy {settings.policy!r}, D={settings.embedding_dim}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from pipeline.cli.common import model_options, prepare_cluster, resolve_bootstrap, settings_from, start_metrics
 from pipeline.worker.app import Worker
@@ -28,7 +29,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     bootstrap = resolve_bootstrap(settings)
-    asyncio.run(prepare_cluster(bootstrap, settings))
+    try:
+        asyncio.run(prepare_cluster(bootstrap, settings))
+    except RuntimeError as exc:  # wrong partition counts break the partition-local join
+        print(exc, file=sys.stderr)
+        return 2
     metrics = start_metrics("worker", settings)
     print(
         f"worker: broker {bootstrap}, D={settings.embedding_dim}, S={settings.slots}, {settings.partitions} partitions",
