@@ -63,3 +63,26 @@ def test_every_documented_command_line_parses() -> None:
         except SystemExit as exc:  # --help exits 0; a rejected line exits 2
             if exc.code != 0:
                 raise AssertionError(f"{page}: `causalmem {' '.join(argv)}` is rejected by the CLI parser") from exc
+
+
+def test_architecture_opens_with_the_layout_and_it_matches_the_code() -> None:
+    """Every package and module of topics/, models/ and pipeline/ appears in the layout tree."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert text.split("\n## ")[1].startswith("Layout"), "docs/architecture.md opens with the layout"
+    tree = text.split("```")[1]
+    words = set(re.findall(r"[a-z_]+(?:\.py|/)", tree)) | set(re.findall(r"\b[a-z_]+\b", tree))
+    missing = []
+    for top in ("topics", "models", "pipeline"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT / top)
+            if rel.name in ("__init__.py", "__main__.py"):
+                continue
+            if top == "pipeline" and len(rel.parts) > 1:  # subpackages: the package's line lists its modules
+                if f"{rel.parts[0]}/" not in words:
+                    missing.append(f"{top}/{rel.parts[0]}/")
+                if len(rel.parts) == 2 and rel.stem not in words and rel.parts[0] not in ("cli", "lab"):
+                    missing.append(str(Path(top) / rel))
+                continue
+            if rel.name not in words:
+                missing.append(str(Path(top) / rel))
+    assert not missing, f"docs/architecture.md's layout does not mention: {sorted(set(missing))}"
