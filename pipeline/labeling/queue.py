@@ -25,6 +25,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from pipeline import kafka
 from pipeline.config import Connection, Settings
+from pipeline.service import Service
 from topics.fields import Rejected, encode
 from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample
 
@@ -87,7 +88,7 @@ class _Revocations(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka
         return None
 
 
-class LabelQueue:
+class LabelQueue(Service):
     """One labeler's view of the shared queue (async; ``start``/``stop`` or ``async with``).
 
     ``conn``: the deployment's :class:`~pipeline.config.Connection` (a whole ``Settings``
@@ -97,6 +98,7 @@ class LabelQueue:
     def __init__(self, bootstrap: str, conn: Connection | Settings, labeler: str, group: str | None = None) -> None:
         if not labeler:
             raise ValueError("a labeler identity is required (it is carried on every label)")
+        super().__init__()
         self.conn = conn if isinstance(conn, Connection) else conn.connection()
         self.bootstrap = bootstrap
         self.labeler = labeler
@@ -112,7 +114,7 @@ class LabelQueue:
         self._producer: Any = None
         self._buffer: list[QueuedSample] = []
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         self._producer = kafka.producer(self.bootstrap, self.conn)
         await self._producer.start()
         # One sample at a time: a labeler holds only what it shows.
@@ -126,19 +128,12 @@ class LabelQueue:
         self._consumer.subscribe([self.topics.active_learning.name], listener=_Revocations(self))
         await self._consumer.start()  # returns once the group has assigned partitions
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         for client in (self._consumer, self._producer):
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.stop()
         self._consumer = self._producer = None
-
-    async def __aenter__(self) -> LabelQueue:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def next(self, timeout: float = 5.0) -> QueuedSample | None:
         """The next sample for this labeler, or None when none arrived within ``timeout``."""

@@ -14,7 +14,7 @@ out of it. It knows
   offsets a checkpoint records (docs/architecture.md: a restored learner resumes there);
 * the ids seen (experiences and control commands), to apply each at most once.
 
->>> from topics.codec import Experience
+>>> from topics.internal import Experience
 >>> inbox = Inbox("experiences", "control", batch_size=2)
 >>> [inbox.accept(o, None) for o in (0, 1)]  # undecodable messages: placeholders
 [None, None]

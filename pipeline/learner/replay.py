@@ -6,7 +6,8 @@ reset warms the new last layer up on those from the detected change on, and from
 on the promotion gate judges candidates on what happened after the change only
 (docs/learning.md).
 
->>> from topics.codec import Experience, Features, RetrievalEvent
+>>> from topics.events import Features, RetrievalEvent
+>>> from topics.internal import Experience
 >>> import numpy as np
 >>> def exp(i: int, ts: float) -> Experience:
 ...     ev = RetrievalEvent(f"e{i}", f"q{i}", 0, ts, Features(np.zeros(2, np.float32), 0.0, 0.0),
