@@ -92,8 +92,28 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("aiokafka", "faust", "mode", "kafka", "faiss", "faiss.loader", "bm25s", "matplotlib"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    floor = max(logging.WARNING, logging.getLogger().level)
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(floor)
+    # Some libraries set their own logger's level when first imported (bm25s sets DEBUG),
+    # after this ran: a filter on the handlers holds them to the floor whatever they do.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_QuietLibraries(floor))
+
+
+NOISY_LOGGERS = ("aiokafka", "faust", "mode", "kafka", "faiss", "bm25s", "matplotlib")
+
+
+class _QuietLibraries(logging.Filter):
+    """Drops records below ``floor`` from the libraries in :data:`NOISY_LOGGERS`."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__()
+        self.floor = floor
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        top = record.name.split(".", 1)[0]
+        return record.levelno >= self.floor or top not in NOISY_LOGGERS
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Any]) -> int:
