@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.extras import require
+from pipeline.lab.roles import HARMFUL, HELPFUL, IRRELEVANT
+from pipeline.lab.textdata import text_bank
 
-HELPFUL, HARMFUL, IRRELEVANT = 1, -1, 0
 DAY = 86400.0  # seconds of event time; the lab's one definition
 DEFAULT_START_TS = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 
@@ -139,8 +140,6 @@ class Environment:
         if n > s.slots:
             raise ValueError(f"scenario needs {n} memory slots, the policy has {s.slots}")
         if s.text:
-            from pipeline.lab.textdata import text_bank
-
             bank = text_bank(s, self.rng)
             self.centroids, self.memory, self.texts = bank.centroids, bank.memory, bank.texts
             self.query_texts = bank.query_texts

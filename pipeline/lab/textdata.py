@@ -16,6 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.lab.roles import HARMFUL as R_HARMFUL
+from pipeline.lab.roles import HELPFUL as R_HELPFUL
+from pipeline.lab.roles import IRRELEVANT as R_IRRELEVANT
+
 TOPICS: list[tuple[str, str]] = [
     ("refund", "a refund for my order"),
     ("shipping", "the delivery time of my parcel"),
@@ -101,9 +105,6 @@ def load_encoder() -> Any:
 
 
 def text_bank(scenario: Any, rng: np.random.Generator) -> TextBank:
-    from pipeline.lab.simulator import HARMFUL as R_HARMFUL
-    from pipeline.lab.simulator import HELPFUL as R_HELPFUL
-    from pipeline.lab.simulator import IRRELEVANT as R_IRRELEVANT
 
     if scenario.embedding_dim != 384:
         raise ValueError("the text flavour embeds with MiniLM: embedding_dim must be 384")
