@@ -280,3 +280,51 @@ def test_learner_with_a_dead_training_task_is_not_ready_and_shows_stalled(topics
     after = out["status_after"]
     assert after["lag"] == 20 and after["stalled"] is True
     assert "20 experiences wait" in after["why"]
+
+
+# --------------------------------------------------------------------------- status: learner lag from the topics
+
+
+def _manifest(version: int, created_ts: float, applied: int) -> Any:
+    from topics.manifest import Manifest
+
+    return Manifest(
+        "default", version, created_ts, "periodic", {"d": 8}, 0.5, 0.0, "0" * 64, 1, 1, {}, {"p.experiences:0": applied}
+    )
+
+
+def test_learner_lag_is_the_topic_end_minus_the_newest_manifests_offset() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from pipeline.modeltopic import ModelTopicIndex
+    from pipeline.status.collect import learner_lag_view
+    from pipeline.status.render import render
+
+    index = ModelTopicIndex()
+    index.manifests[("default", 3)] = _manifest(3, 1000.0, 150)
+    index.manifests[("default", 4)] = _manifest(4, 1100.0, 180)
+    index.manifests[("other", 9)] = _manifest(9, 1190.0, 0)
+
+    fresh = learner_lag_view(index, "default", "p.experiences", 200, 1200.0, 300.0)
+    assert (fresh["lag"], fresh["manifest_version"], fresh["stalled"]) == (20, 4, False)
+    caught_up = learner_lag_view(index, "default", "p.experiences", 180, 9999.0, 300.0)
+    assert caught_up["lag"] == 0 and caught_up["stalled"] is False
+    stalled = learner_lag_view(index, "default", "p.experiences", 200, 1500.0, 300.0)
+    assert stalled["stalled"] is True and stalled["why"].startswith("20 experiences wait and newest checkpoint v4")
+
+    snap = {
+        "bootstrap": "b:1",
+        "prefix": "p.",
+        "policy": "default",
+        "ts": 1500.0,
+        "checkpoints": {},
+        "active_learning": {},
+        "dead_letter": {},
+        "errors": [],
+        "learner_lag": stalled,
+    }
+    out = StringIO()
+    Console(file=out, width=200).print(render(snap))
+    assert "learner STALLED: 20 experiences wait" in out.getvalue()
