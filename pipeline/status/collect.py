@@ -339,8 +339,9 @@ class StatusCollector:
         t_start = time.monotonic()
         now = time.time()
         errors: list[str] = []
-        ckpt, depth, dead = await self._topics_view(now, errors)
-        lag = await self._learner_lag(now, errors)
+        existing = await self._existing_topics()
+        ckpt, depth, dead = await self._topics_view(now, errors, existing)
+        lag = await self._learner_lag(now, errors, existing)
         workers, learners = await self._live_view(first, t_start, errors)
         return {
             "schema": "causalmem_status/v1",
@@ -358,10 +359,9 @@ class StatusCollector:
             "errors": errors,
         }
 
-    async def _topics_view(self, now: float, errors: list[str]) -> list[dict[str, Any] | None]:
+    async def _topics_view(self, now: float, errors: list[str], existing: set[str]) -> list[dict[str, Any] | None]:
         """Checkpoints, queue depth and dead letters, read concurrently; a failing source is an error line."""
         t = self.topics
-        existing = await self._existing_topics()
 
         async def read(name: str, topic: str, fetch: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
             if topic not in existing:
@@ -390,9 +390,11 @@ class StatusCollector:
             )
         )
 
-    async def _learner_lag(self, now: float, errors: list[str]) -> dict[str, Any] | None:
+    async def _learner_lag(self, now: float, errors: list[str], existing: set[str]) -> dict[str, Any] | None:
         """The learner's lag against the newest manifest (after the model topic was read)."""
         topic = self.topics.experiences.name
+        if topic not in existing:  # reading it could auto-create it: status only reads
+            return {"topic": topic, "missing": True}
         newest = learner_lag_view(self.model.index, self.conn.policy, topic, None, now, self.stall_after_s)
         try:
             end = await high_watermark(self.bootstrap, self.conn, topic, newest["applied_offset"])

@@ -70,7 +70,7 @@ def render(s: dict[str, Any]) -> Group:
     """The whole view of one snapshot."""
     parts: list[Any] = [_header(s), _checkpoints(s.get("checkpoints") or {})]
     lag = s.get("learner_lag")
-    if lag:
+    if lag and not lag.get("missing"):
         parts.append(_learner_lag(lag))
     live = _live(s)
     if live.row_count:
