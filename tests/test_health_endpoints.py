@@ -219,7 +219,7 @@ def test_metrics_port_none_turns_metrics_off(capsys) -> None:
 
 
 async def _learner_dies_and_status_sees_it(s: Settings) -> dict[str, Any]:
-    from pipeline.cli.learner import watch_learner
+    from pipeline.cli.learner import start_watched
     from pipeline.learner.loop import Learner
     from pipeline.status.collect import StatusCollector
 
@@ -228,13 +228,7 @@ async def _learner_dies_and_status_sees_it(s: Settings) -> dict[str, Any]:
     port = metrics.port
     assert port is not None
     learner = Learner(s.learner(), s.bootstrap or "", metrics)
-    training: list[asyncio.Task[None]] = []
-    watch_learner(probes, metrics, learner, training)
-    heartbeat = asyncio.create_task(probes.run(interval_s=0.1))
-    await learner.start()
-    task = asyncio.create_task(learner.run())
-    training.append(task)
-    probes.vital("training", task)
+    task, heartbeat = await start_watched(learner, probes, metrics, interval_s=0.1)
     out: dict[str, Any] = {}
     try:
         await until(lambda: learner.version >= 1 and not probes.ready(), 60, "an elected, ready learner")

@@ -17,7 +17,7 @@ from pipeline.cli.common import (
 )
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.probes import Probes, Progress, total
+from pipeline.probes import HEARTBEAT_INTERVAL_S, Probes, Progress, total
 from pipeline.service import restart_process
 
 
@@ -56,13 +56,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         learner = Learner(settings.learner(), bootstrap, metrics)
-        training: list[asyncio.Task[None]] = []
-        watch_learner(probes, metrics, learner, training)
-        heartbeat = asyncio.create_task(probes.run())
-        await learner.start()
-        task = asyncio.create_task(learner.run())
-        training.append(task)
-        probes.vital("training", task)
+        task, heartbeat = await start_watched(learner, probes, metrics)
         # After a cluster reset (an embedded broker restart) a fresh start restores from the
         # local checkpoint, republishes it and reads every input from the beginning.
         watch = kafka.ClusterWatch(
@@ -86,6 +80,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return run_until_signal(main)
+
+
+async def start_watched(
+    learner: Learner, probes: Probes, metrics: Metrics, interval_s: float = HEARTBEAT_INTERVAL_S
+) -> tuple[asyncio.Task[None], asyncio.Task[None]]:
+    """Start the learner, its training task and the heartbeat that checks them; return both tasks."""
+    training: list[asyncio.Task[None]] = []
+    watch_learner(probes, metrics, learner, training)
+    heartbeat = asyncio.create_task(probes.run(interval_s))
+    await learner.start()
+    task = asyncio.create_task(learner.run())
+    training.append(task)
+    probes.vital("training", task)
+    return task, heartbeat
 
 
 def watch_learner(probes: Probes, metrics: Metrics, learner: Learner, training: list[asyncio.Task[None]]) -> None:
