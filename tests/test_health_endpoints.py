@@ -322,3 +322,26 @@ def test_learner_lag_is_the_topic_end_minus_the_newest_manifests_offset() -> Non
     out = StringIO()
     Console(file=out, width=200).print(render(snap))
     assert "learner STALLED: 20 experiences wait" in out.getvalue()
+
+
+def test_status_live_view_flags_a_dead_training_task() -> None:
+    from io import StringIO
+
+    from prometheus_client import generate_latest
+    from rich.console import Console
+
+    from pipeline.promtext import parse
+    from pipeline.status.live import learner_view
+    from pipeline.status.render import _live
+
+    metrics = Metrics(role="learner")
+    values = parse(generate_latest(metrics.registry).decode())
+    assert learner_view("u", values, {}, "")["training_alive"] is None  # never beat: unknown, not dead
+    metrics.heartbeat.set(1e9)
+    metrics.training_alive.set(0)
+    view = learner_view("u", parse(generate_latest(metrics.registry).decode()), {}, "")
+    assert view["training_alive"] is False and view["ready"] is False
+    view.update(updates_per_s=None, experiences_per_s=None)
+    out = StringIO()
+    Console(file=out, width=200).print(_live({"learners": [view]}))
+    assert "training task ended" in out.getvalue()
