@@ -8,10 +8,15 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Settings
+
+if TYPE_CHECKING:  # imported when a verb starts its metrics (prometheus_client is not light)
+    from pipeline.metrics import Metrics
+    from pipeline.probes import Probes
 
 
 def common_parser() -> argparse.ArgumentParser:
@@ -152,7 +157,7 @@ async def prepare_cluster(bootstrap: str, settings: Settings, strict: bool = Tru
 DEFAULT_METRICS_PORTS = {"worker": 9100, "learner": 9101}
 
 
-def start_metrics(role: str, settings: Settings, probes: Any = None) -> Any:
+def start_metrics(role: str, settings: Settings, probes: Probes | None = None) -> Metrics:
     """The process's Prometheus metrics, served with ``/healthz`` and ``/readyz`` (:mod:`pipeline.probes`).
 
     ``metrics_port`` unset: the role's default port, or any free port when it is taken;
@@ -160,8 +165,6 @@ def start_metrics(role: str, settings: Settings, probes: Any = None) -> Any:
     error (exit 1): a scrape configuration names it. With ``probes``, each heartbeat sets
     ``causalmem_ready`` and ``causalmem_heartbeat_timestamp_seconds``.
     """
-    import time
-
     from pipeline.metrics import Metrics
     from pipeline.probes import Probes, ProbeServer
 
