@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Any
 
 from pipeline.cli.common import model_options, prepare_cluster, resolve_bootstrap, settings_from, start_metrics
+from pipeline.metrics import Metrics
 from pipeline.probes import HEARTBEAT_INTERVAL_S, Probes, Progress, total
 from pipeline.worker.app import Worker
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def watch_worker(probes: Probes, metrics: Any) -> None:
+def watch_worker(probes: Probes, metrics: Metrics) -> None:
     """A worker is ready when it owns input partitions, is caught up within a bound and not stale.
 
     Caught up: the join's consumer lag (summed over its input topics) is at most
