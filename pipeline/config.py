@@ -176,7 +176,7 @@ class Settings:
     partitions: int = 8
     policy: str = "default"
     state_dir: str = "~/.causalmem"
-    metrics_port: int | None = None  # None: do not serve; 0: any free port
+    metrics_port: int | None = None  # None: the role's default port (docs/operations.md); 0: any free; <0: off
     metrics_host: str = "127.0.0.1"
     # model
     embedding_dim: int = 384

@@ -1,4 +1,5 @@
-"""Prometheus metrics (listed in docs/operations.md), one registry per process, served on ``/metrics``.
+"""Prometheus metrics (listed in docs/operations.md), one registry per process, served on ``/metrics``
+(with ``/healthz`` and ``/readyz``, :mod:`pipeline.probes`).
 
 Names follow Prometheus conventions (``_total`` counters, units in names); labels are of
 low cardinality only (topic, reason, kind; never a query id). The metrics are created on
@@ -8,7 +9,6 @@ an explicit registry so that several components can live in one test process.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,8 +16,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
 )
+
+from pipeline.probes import Probes, ProbeServer
 
 # The *_created series double the exposition for no use here.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
@@ -28,9 +29,9 @@ HEALTH_BANDS = ("efficient", "healthy", "warning", "critical")
 
 
 ROLES = {
-    "worker": {"input", "worker", "broker"},
-    "learner": {"input", "learner", "broker"},
-    "all": {"input", "worker", "learner", "broker"},
+    "worker": {"process", "input", "worker", "broker"},
+    "learner": {"process", "input", "learner", "broker"},
+    "all": {"process", "input", "worker", "learner", "broker"},
 }
 
 
@@ -47,6 +48,16 @@ class Metrics:
         self.role = role
         self._groups = ROLES[role]
         self._unexported = CollectorRegistry()
+        self.port: int | None = None  # where /metrics is served (None: not served)
+        # ---- process (what /healthz and /readyz answer, for alerts and dashboards)
+        self.ready = Gauge(
+            "causalmem_ready", "1 while /readyz answers ready (set at each heartbeat)", registry=self._reg("process")
+        )
+        self.heartbeat = Gauge(
+            "causalmem_heartbeat_timestamp_seconds",
+            "Wall time of the event loop's last heartbeat",
+            registry=self._reg("process"),
+        )
         # ---- input and validation
         self.events_in = Counter(
             "causalmem_events_in_total", "Messages read from input topics", ["topic"], registry=self._reg("input")
@@ -223,6 +234,16 @@ class Metrics:
             registry=self._reg("learner"),
         )
 
+        self.training_alive = Gauge(
+            "causalmem_learner_training_alive",
+            "1 while the learner's training task runs (0: it ended; the process needs a restart)",
+            registry=self._reg("learner"),
+        )
+        self.elected = Gauge(
+            "causalmem_learner_elected",
+            "1 while this learner is the elected writer of its policy (0: standby or not yet elected)",
+            registry=self._reg("learner"),
+        )
         self.labels_applied = Counter(
             "causalmem_learner_labels_applied_total", "Labels applied by fine-tuning", registry=self._reg("learner")
         )
@@ -266,12 +287,15 @@ class Metrics:
             self.health_band.labels(band=b).set(1.0 if b == band else 0.0)
 
 
-def serve(metrics: Metrics, port: int | None, host: str = "127.0.0.1") -> int | None:
-    """Serve ``/metrics`` on loopback (port 0: any free port); return the bound port."""
+def serve(metrics: Metrics, port: int | None, host: str = "127.0.0.1", probes: Probes | None = None) -> int | None:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (:mod:`pipeline.probes`); return the bound port.
+
+    ``port`` 0 binds any free port; None serves nothing. Without ``probes`` nothing beats:
+    ``/healthz`` and ``/readyz`` answer 503 (never a ready the process did not establish).
+    """
     if port is None:
         return None
-    server: Any
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-    bound = int(server.server_port)
-    log.info("metrics on http://%s:%d/metrics", host, bound)
-    return bound
+    server = ProbeServer(metrics.registry, probes or Probes(), port, host)
+    metrics.port = server.port
+    log.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server.port

@@ -450,7 +450,7 @@ def test_k8s_worker_deployment() -> None:
     (container,) = template["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["metrics"] == 9100
-    assert container["readinessProbe"]["tcpSocket"]["port"] in ("metrics", 9100)
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     services = [d for _f, d in _k8s_docs() if d["kind"] == "Service"]
     assert all(s["spec"].get("clusterIP") == "None" for s in services), "metrics services are headless"
     assert any(s["spec"]["selector"] == worker["spec"]["selector"]["matchLabels"] for s in services)

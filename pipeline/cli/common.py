@@ -8,10 +8,15 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Settings
+
+if TYPE_CHECKING:  # imported when a verb starts its metrics (prometheus_client is not light)
+    from pipeline.metrics import Metrics
+    from pipeline.probes import Probes
 
 
 def common_parser() -> argparse.ArgumentParser:
@@ -35,11 +40,27 @@ def common_parser() -> argparse.ArgumentParser:
     return p
 
 
+def metrics_port(text: str) -> int:
+    """``--metrics-port``: a port number, or ``none``/``off`` (-1: serve nothing).
+
+    >>> metrics_port("9100"), metrics_port("none"), metrics_port("-1")
+    (9100, -1, -1)
+    """
+    if text.strip().lower() in ("none", "off"):
+        return -1
+    return int(text)
+
+
 def model_options(p: argparse.ArgumentParser) -> None:
     """The model's shape and the metrics port, for the verbs that run a policy (worker, learner)."""
     p.add_argument("--embedding-dim", type=int, help="D, the query embedding length (default 384)")
     p.add_argument("--slots", type=int, help="S, memory slots of the policy (default 1024)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this loopback port (0: any)")
+    p.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        help="port of /metrics, /healthz and /readyz (default: worker 9100, learner 9101, else any free port; "
+        "0: any free port; -1 or 'none': off)",
+    )
 
 
 SETTING_KEYS = (
@@ -151,12 +172,42 @@ async def prepare_cluster(bootstrap: str, settings: Settings, strict: bool = Tru
         logging.getLogger("causalmem").warning("topic problems (continuing): %s", wrong)
 
 
-def start_metrics(role: str, settings: Settings) -> Any:
-    """The process's Prometheus metrics, served on ``metrics_port`` when one is set."""
-    from pipeline.metrics import Metrics, serve
+# Default metrics ports per role (docs/operations.md): distinct, so that a worker and a
+# learner on one machine do not collide; a taken default falls back to any free port.
+DEFAULT_METRICS_PORTS = {"worker": 9100, "learner": 9101}
+
+
+def start_metrics(role: str, settings: Settings, probes: Probes | None = None) -> Metrics:
+    """The process's Prometheus metrics, served with ``/healthz`` and ``/readyz`` (:mod:`pipeline.probes`).
+
+    ``metrics_port`` unset: the role's default port, or any free port when it is taken;
+    0: any free port; negative: nothing served. An explicit port that is taken is an
+    error (exit 1): a scrape configuration names it. With ``probes``, each heartbeat sets
+    ``causalmem_ready`` and ``causalmem_heartbeat_timestamp_seconds``.
+    """
+    from pipeline.metrics import Metrics
+    from pipeline.probes import Probes, ProbeServer
 
     metrics = Metrics(role=role)
-    port = serve(metrics, settings.metrics_port, settings.metrics_host)
-    if port is not None:
-        print(f"metrics: http://{settings.metrics_host}:{port}/metrics", flush=True)
+    probes = probes if probes is not None else Probes()
+
+    def on_beat(problems: list[str]) -> None:
+        metrics.ready.set(0.0 if problems else 1.0)
+        metrics.heartbeat.set(time.time())
+
+    probes.on_beat = on_beat
+    port, host = settings.metrics_port, settings.metrics_host
+    if port is not None and port < 0:
+        print("metrics: off (--metrics-port none)", flush=True)
+        return metrics
+    wanted = DEFAULT_METRICS_PORTS.get(role, 0) if port is None else port
+    try:
+        server = ProbeServer(metrics.registry, probes, wanted, host)
+    except OSError as exc:
+        if port is not None:
+            raise SystemExit(f"metrics: cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
+        server = ProbeServer(metrics.registry, probes, 0, host)
+        print(f"metrics: default port {wanted} is taken; using a free port", flush=True)
+    metrics.port = server.port
+    print(f"metrics: http://{host}:{server.port}/metrics (alive: /healthz, ready: /readyz)", flush=True)
     return metrics

@@ -16,6 +16,8 @@ from pipeline.cli.common import (
     start_metrics,
 )
 from pipeline.learner.loop import Learner
+from pipeline.metrics import Metrics
+from pipeline.probes import HEARTBEAT_INTERVAL_S, Probes, Progress, total
 from pipeline.service import restart_process
 
 
@@ -46,15 +48,15 @@ def run(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> int:
         await prepare_cluster(bootstrap, settings, strict=False)
-        metrics = start_metrics("learner", settings)
+        probes = Probes()
+        metrics = start_metrics("learner", settings, probes)
         print(
             f"learner: broker {bootstrap}, policy {settings.policy!r}, D={settings.embedding_dim}, "
             f"S={settings.slots}, lr={settings.lr}, batch={settings.batch_size}, device={settings.torch_device()}",
             flush=True,
         )
         learner = Learner(settings.learner(), bootstrap, metrics)
-        await learner.start()
-        task = asyncio.create_task(learner.run())
+        task, heartbeat = await start_watched(learner, probes, metrics)
         # After a cluster reset (an embedded broker restart) a fresh start restores from the
         # local checkpoint, republishes it and reads every input from the beginning.
         watch = kafka.ClusterWatch(
@@ -71,9 +73,55 @@ def run(args: argparse.Namespace) -> int:
 
         print("learner: stopping (publishing a shutdown checkpoint if the policy changed)", flush=True)
         await learner.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for t in (task, heartbeat):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         return 0
 
     return run_until_signal(main)
+
+
+async def start_watched(
+    learner: Learner, probes: Probes, metrics: Metrics, interval_s: float = HEARTBEAT_INTERVAL_S
+) -> tuple[asyncio.Task[None], asyncio.Task[None]]:
+    """Start the learner, its training task and the heartbeat that checks them; return both tasks."""
+    training: list[asyncio.Task[None]] = []
+    watch_learner(probes, metrics, learner, training)
+    heartbeat = asyncio.create_task(probes.run(interval_s))
+    await learner.start()
+    task = asyncio.create_task(learner.run())
+    training.append(task)
+    probes.vital("training", task)
+    return task, heartbeat
+
+
+def watch_learner(probes: Probes, metrics: Metrics, learner: Learner, training: list[asyncio.Task[None]]) -> None:
+    """A learner is ready when its training task runs, it is the elected writer, caught up and not stale.
+
+    - training: the task running :meth:`Learner.run` has not ended (an ended one also
+      fails ``/healthz``: only a restart brings it back); exported as
+      ``causalmem_learner_training_alive``;
+    - elected: this learner won the election and restored (a standby is alive, not
+      ready); exported as ``causalmem_learner_elected``;
+    - caught up and not stale: the experiences lag is at most
+      :data:`pipeline.probes.MAX_LAG`, and while experiences wait the read position
+      advances within :data:`pipeline.probes.STALE_AFTER_S`.
+    """
+    exp_topic = learner.exp_tp.topic
+
+    def training_runs() -> str | None:
+        alive = bool(training) and not training[0].done()
+        metrics.training_alive.set(1.0 if alive else 0.0)
+        return None if training else "training task not started yet"  # an ended one: Probes.vital
+
+    def elected() -> str | None:
+        active = learner.active.is_set()
+        metrics.elected.set(1.0 if active else 0.0)
+        return None if active else "not the elected writer (standby, or election and restore pending)"
+
+    probes.check(training_runs)
+    probes.check(elected)
+    probes.check(
+        Progress("experiences", lambda: total(metrics.consumer_lag, topic=exp_topic), lambda: learner.inbox.position)
+    )

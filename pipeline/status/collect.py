@@ -11,6 +11,11 @@ What it shows, and where each number comes from:
   labeler group's committed offset (``{prefix}causalmem-labelers``); high watermarks
   come from fetch responses, never from ``end_offsets`` (wrong on the embedded broker);
 - **dead letters** — the ``dead-letter`` topic, counted by ``reason`` (and source topic);
+- **learner lag** — the experiences topic's end (fetch high watermark) minus the input
+  offset recorded in the policy's newest manifest: what no checkpoint covers yet, read
+  from the topics and not from the learner's own gauge (a learner whose training task
+  died stops updating it). The learner is **stalled** when experiences wait and the
+  newest manifest is older than ``stall_after_s`` (or there is none);
 - **live metrics** (optional) — the ``/metrics`` endpoints given with ``--worker URL`` and
   ``--learner URL`` (repeatable): health score and band, the 7-day correlation and its
   pairs, join and update rates (two scrapes ``--rate-interval`` seconds apart, or the
@@ -231,7 +236,62 @@ class DeadLetterTally:
         }
 
 
+async def high_watermark(bootstrap: str, conn: Connection, topic: str, start: int, timeout: float = 5.0) -> int | None:
+    """Partition 0's end offset, from a fetch response at ``start`` (never ``end_offsets``)."""
+    c = kafka.consumer(bootstrap, conn, group_id=None, enable_auto_commit=False)
+    await c.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        c.assign([tp])
+        first = (await c.beginning_offsets([tp])).get(tp, 0) or 0
+        c.seek(tp, max(start, first))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while c.highwater(tp) is None and loop.time() < deadline:
+            await c.getmany(tp, timeout_ms=200, max_records=1)
+        hw = c.highwater(tp)
+        return None if hw is None else int(hw)
+    finally:
+        await c.stop()
+
+
+def learner_lag_view(
+    index: ModelTopicIndex, policy: str, topic: str, end: int | None, now: float, stall_after_s: float
+) -> dict[str, Any]:
+    """Experiences no manifest covers yet, and whether the learner is stalled.
+
+    >>> learner_lag_view(ModelTopicIndex(), "default", "experiences", 200, 1000.0, 300.0)["stalled"]
+    True
+    """
+    newest = max((m for (p, _), m in index.manifests.items() if p == policy), key=lambda m: m.version, default=None)
+    applied = newest.input_offsets.get(f"{topic}:0", 0) if newest is not None else 0
+    lag = None if end is None else max(0, end - applied)
+    age = None if newest is None else round(now - newest.created_ts, 3)
+    stalled = bool(lag) and (age is None or age > stall_after_s)
+    why = None
+    if stalled:
+        since = (
+            "no checkpoint yet"
+            if age is None
+            else f"newest checkpoint v{newest.version if newest else 0} is {age:.0f} s old"
+        )
+        why = f"{lag} experiences wait and {since} (bound {stall_after_s:.0f} s)"
+    return {
+        "topic": topic,
+        "end": end,
+        "applied_offset": applied,
+        "lag": lag,
+        "manifest_version": newest.version if newest is not None else None,
+        "manifest_age_s": age,
+        "stall_after_s": stall_after_s,
+        "stalled": stalled,
+        "why": why,
+    }
+
+
 # --------------------------------------------------------------------------- collector
+
+STALL_AFTER_S = 300.0  # experiences waiting and no new manifest for this long: a stalled learner
 
 
 class StatusCollector:
@@ -244,8 +304,10 @@ class StatusCollector:
         worker_urls: list[str] | None = None,
         learner_urls: list[str] | None = None,
         rate_interval: float = 1.0,
+        stall_after_s: float = STALL_AFTER_S,
     ) -> None:
         self.bootstrap = bootstrap
+        self.stall_after_s = stall_after_s
         self.conn = conn if isinstance(conn, Connection) else conn.connection()
         self.topics = self.conn.topics
         self.worker_urls = list(worker_urls or [])
@@ -277,7 +339,9 @@ class StatusCollector:
         t_start = time.monotonic()
         now = time.time()
         errors: list[str] = []
-        ckpt, depth, dead = await self._topics_view(now, errors)
+        existing = await self._existing_topics()
+        ckpt, depth, dead = await self._topics_view(now, errors, existing)
+        lag = await self._learner_lag(now, errors, existing)
         workers, learners = await self._live_view(first, t_start, errors)
         return {
             "schema": "causalmem_status/v1",
@@ -288,16 +352,16 @@ class StatusCollector:
             "checkpoints": ckpt,
             "active_learning": depth,
             "dead_letter": dead,
+            "learner_lag": lag,
             "health": health_summary(workers),
             "workers": workers,
             "learners": learners,
             "errors": errors,
         }
 
-    async def _topics_view(self, now: float, errors: list[str]) -> list[dict[str, Any] | None]:
+    async def _topics_view(self, now: float, errors: list[str], existing: set[str]) -> list[dict[str, Any] | None]:
         """Checkpoints, queue depth and dead letters, read concurrently; a failing source is an error line."""
         t = self.topics
-        existing = await self._existing_topics()
 
         async def read(name: str, topic: str, fetch: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
             if topic not in existing:
@@ -325,6 +389,19 @@ class StatusCollector:
                 ),
             )
         )
+
+    async def _learner_lag(self, now: float, errors: list[str], existing: set[str]) -> dict[str, Any] | None:
+        """The learner's lag against the newest manifest (after the model topic was read)."""
+        topic = self.topics.experiences.name
+        if topic not in existing:  # reading it could auto-create it: status only reads
+            return {"topic": topic, "missing": True}
+        newest = learner_lag_view(self.model.index, self.conn.policy, topic, None, now, self.stall_after_s)
+        try:
+            end = await high_watermark(self.bootstrap, self.conn, topic, newest["applied_offset"])
+        except Exception as exc:  # one failing source must not hide the others
+            errors.append(f"learner-lag: {exc!r}")
+            return None
+        return learner_lag_view(self.model.index, self.conn.policy, topic, end, now, self.stall_after_s)
 
     async def _live_view(
         self, first: dict[str, tuple[float, dict[str, float]]], t_start: float, errors: list[str]
@@ -360,6 +437,7 @@ async def collect(
     worker_urls: list[str] | None = None,
     learner_urls: list[str] | None = None,
     rate_interval: float = 1.0,
+    stall_after_s: float = STALL_AFTER_S,
 ) -> dict[str, Any]:
     """One status snapshot (what ``causalmem status --json`` prints)."""
-    return await StatusCollector(bootstrap, conn, worker_urls, learner_urls, rate_interval).snapshot()
+    return await StatusCollector(bootstrap, conn, worker_urls, learner_urls, rate_interval, stall_after_s).snapshot()

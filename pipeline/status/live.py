@@ -70,8 +70,20 @@ def worker_view(url: str, values: dict[str, float], rates: dict[str, float | Non
         "dead_letters_total": metric(values, "causalmem_dead_letter_total"),
         "al_samples_total": metric(values, "causalmem_al_samples_total"),
         "consumer_lag": consumer_lag(values, prefix),
+        "ready": _flag(values, "causalmem_ready"),
         **rates,
     }
+
+
+def _flag(values: dict[str, float], name: str) -> bool | None:
+    """A 0/1 gauge set at each heartbeat, as a bool.
+
+    None when the process has not beaten yet (the gauges still read their initial 0) or
+    does not export it (an older version).
+    """
+    if name not in values or not metric(values, "causalmem_heartbeat_timestamp_seconds"):
+        return None
+    return values[name] == 1.0
 
 
 def learner_view(url: str, values: dict[str, float], rates: dict[str, float | None], prefix: str) -> dict[str, Any]:
@@ -90,6 +102,9 @@ def learner_view(url: str, values: dict[str, float], rates: dict[str, float | No
             role: int(v) for role, v in labelled(values, "causalmem_checkpoint_version", "role").items()
         },
         "consumer_lag": consumer_lag(values, prefix),
+        "training_alive": _flag(values, "causalmem_learner_training_alive"),
+        "elected": _flag(values, "causalmem_learner_elected"),
+        "ready": _flag(values, "causalmem_ready"),
         **rates,
     }
 

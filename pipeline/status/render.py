@@ -69,6 +69,9 @@ def _num(x: Any, fmt: str = "{:,.3f}") -> str:
 def render(s: dict[str, Any]) -> Group:
     """The whole view of one snapshot."""
     parts: list[Any] = [_header(s), _checkpoints(s.get("checkpoints") or {})]
+    lag = s.get("learner_lag")
+    if lag and not lag.get("missing"):
+        parts.append(_learner_lag(lag))
     live = _live(s)
     if live.row_count:
         parts.append(live)
@@ -120,6 +123,14 @@ def _checkpoints(ck: dict[str, Any]) -> Table:
     return tbl
 
 
+def _learner_lag(lag: dict[str, Any]) -> Text:
+    """The learner's lag against the newest manifest; red when stalled."""
+    if lag.get("stalled"):
+        return Text(f"learner STALLED: {lag['why']}", style="bold red")
+    n = "-" if lag.get("lag") is None else f"{lag['lag']:,}"
+    return Text(f"learner lag: {n} experiences past the newest checkpoint", style="dim" if not lag.get("lag") else "")
+
+
 def _live(s: dict[str, Any]) -> Table:
     """Health, then one row per worker and per learner scraped (empty without ``--worker``/``--learner``)."""
     live = Table(title="live", title_justify="left", show_header=False, pad_edge=False, box=None)
@@ -138,6 +149,8 @@ def _live(s: dict[str, Any]) -> Table:
         live.add_row("worker", _worker_line(w) if w["up"] else Text(f"{w['url']} unreachable", style="red"))
     for lr in s.get("learners", []):
         live.add_row("learner", _learner_line(lr) if lr["up"] else Text(f"{lr['url']} unreachable", style="red"))
+        if lr["up"] and lr.get("training_alive") is False:
+            live.add_row("", Text("training task ended: restart the learner", style="bold red"))
     return live
 
 
