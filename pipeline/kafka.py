@@ -143,7 +143,7 @@ async def create_topics(
         if todo:
             try:
                 resp = await client.create_topics(
-                    [NewTopic(s.name, s.partitions, 1, topic_configs=s.configs) for s in todo]
+                    [NewTopic(s.name, s.partitions, s.replication, topic_configs=s.configs) for s in todo]
                 )
                 errors = {t[0]: t[1] for t in getattr(resp, "topic_errors", [])}
             except TopicAlreadyExistsError:
@@ -166,8 +166,10 @@ async def create_topics(
 
 
 async def _is_empty(bootstrap: str, settings: Connection | Settings, topic: str, partitions: int) -> bool:
+    """True only when every partition answered a fetch with high watermark 0 (a topic that
+    does not answer, e.g. a leaderless partition, is not known to be empty)."""
     for p in range(partitions):
-        if await high_watermark(bootstrap, settings, topic, p) > 0:
+        if await answered_high_watermark(bootstrap, settings, topic, p) != 0:
             return False
     return True
 
@@ -211,21 +213,53 @@ async def wait_for_broker(bootstrap: str, settings: Connection | Settings, timeo
 
 
 async def high_watermark(bootstrap: str, settings: Connection | Settings, topic: str, partition: int = 0) -> int:
-    """The log-end offset of a partition, from a fetch response (not ``end_offsets``: wrong on the embedded broker)."""
+    """The log-end offset of a partition, from a fetch response (not ``end_offsets``: wrong on
+    the embedded broker); 0 when no fetch answered within 5 s."""
+    hw = await answered_high_watermark(bootstrap, settings, topic, partition)
+    return 0 if hw is None else hw
+
+
+async def answered_high_watermark(
+    bootstrap: str, settings: Connection | Settings, topic: str, partition: int = 0, wait_s: float = 5.0
+) -> int | None:
+    """The log-end offset of a partition from a fetch response, or None when none answered
+    within ``wait_s`` (no leader, broker unreachable): silence is not an empty partition."""
     c = consumer(bootstrap, settings, group_id=None)
     try:
         await c.start()
         tp = TopicPartition(topic, partition)
         c.assign([tp])
         await c.seek_to_beginning(tp)
-        for _ in range(20):
+        for _ in range(max(1, int(wait_s / 0.25))):
             await c.getmany(tp, timeout_ms=250, max_records=1)
             hw = c.highwater(tp)
             if hw is not None:
                 return int(hw)
-        return 0
+        return None
     finally:
         await c.stop()
+
+
+async def epoch_marker_state(bootstrap: str, settings: Connection | Settings, topic: str) -> str:
+    """What the broker *answers* about the epoch marker topic: ``"held"`` (it holds the marker),
+    ``"missing"`` (a metadata response lists the cluster's topics without it), ``"empty"`` (a
+    fetch answered with high watermark 0), or ``"unknown"`` (no answer: unreachable, no leader,
+    a timeout). Only ``missing`` and ``empty`` say the cluster lost its data.
+    """
+    c = consumer(bootstrap, settings, group_id=None)
+    try:
+        await c.start()
+        names = await c.topics()  # a metadata response, or KafkaError when no broker answers
+    except (TimeoutError, KafkaError, OSError):
+        return "unknown"
+    finally:
+        await c.stop()
+    if topic not in names:
+        return "missing"
+    hw = await answered_high_watermark(bootstrap, settings, topic)
+    if hw is None:
+        return "unknown"
+    return "held" if hw > 0 else "empty"
 
 
 async def read_all(
@@ -290,6 +324,11 @@ class ClusterWatch(Service):
     longer exist, so they may silently skip new messages. The watch lists the topics every
     ``interval`` seconds; once they had all existed, any of them missing means the cluster
     was reset, and ``on_reset(missing)`` is called (once per reset).
+
+    Only a broker's answer counts as a loss: the epoch topic absent from a metadata
+    response, or its partition fetched empty after it held the marker. Silence (a timeout,
+    an unreachable broker, a partition without a leader while a replicated cluster elects
+    one) is not a loss: restarting every process would not help, so the watch looks again.
     """
 
     def __init__(
@@ -336,14 +375,15 @@ class ClusterWatch(Service):
         """
         epoch = _topics(self.settings).epoch.name
         try:
-            hw = await asyncio.wait_for(high_watermark(self.bootstrap, self.settings, epoch), timeout=10)
+            state = await asyncio.wait_for(epoch_marker_state(self.bootstrap, self.settings, epoch), timeout=15)
         except (TimeoutError, KafkaError, OSError):
-            return None  # unreachable (perhaps restarting): look again later
-        log.debug("cluster watch: %s holds %d message(s)", epoch, hw)
-        if hw > 0:
+            state = "unknown"
+        log.debug("cluster watch: %s is %s", epoch, state)
+        if state == "held":
             self._seen_all = True
             return None
-
+        if state == "unknown":
+            return None  # no answer (unreachable, restarting, leaderless): look again later
         if self._seen_all:
             self._seen_all = False
             return list(self.topics)
