@@ -227,17 +227,21 @@ async def answered_high_watermark(
     c = consumer(bootstrap, settings, group_id=None)
     try:
         await c.start()
-        tp = TopicPartition(topic, partition)
-        c.assign([tp])
-        await c.seek_to_beginning(tp)
-        for _ in range(max(1, int(wait_s / 0.25))):
-            await c.getmany(tp, timeout_ms=250, max_records=1)
-            hw = c.highwater(tp)
-            if hw is not None:
-                return int(hw)
-        return None
+        return await _fetched_high_watermark(c, topic, partition, wait_s)
     finally:
         await c.stop()
+
+
+async def _fetched_high_watermark(c: AIOKafkaConsumer, topic: str, partition: int, wait_s: float) -> int | None:
+    tp = TopicPartition(topic, partition)
+    c.assign([tp])
+    await c.seek_to_beginning(tp)
+    for _ in range(max(1, int(wait_s / 0.25))):
+        await c.getmany(tp, timeout_ms=250, max_records=1)
+        hw = c.highwater(tp)
+        if hw is not None:
+            return int(hw)
+    return None
 
 
 async def epoch_marker_state(bootstrap: str, settings: Connection | Settings, topic: str) -> str:
@@ -249,14 +253,13 @@ async def epoch_marker_state(bootstrap: str, settings: Connection | Settings, to
     c = consumer(bootstrap, settings, group_id=None)
     try:
         await c.start()
-        names = await c.topics()  # a metadata response, or KafkaError when no broker answers
+        if topic not in await c.topics():  # a metadata response; KafkaError when none answers
+            return "missing"
+        hw = await _fetched_high_watermark(c, topic, 0, 5.0)
     except (TimeoutError, KafkaError, OSError):
         return "unknown"
     finally:
         await c.stop()
-    if topic not in names:
-        return "missing"
-    hw = await answered_high_watermark(bootstrap, settings, topic)
     if hw is None:
         return "unknown"
     return "held" if hw > 0 else "empty"
@@ -370,8 +373,9 @@ class ClusterWatch(Service):
         """One look: the lost topics if the cluster was reset, else None.
 
         Topics cannot be trusted to vanish: the embedded broker re-creates any topic a
-        client asks about. The epoch topic's marker message can: an empty epoch topic,
-        after it held the marker, means the cluster lost everything.
+        client asks about. The epoch topic's marker message can: an epoch topic that the
+        broker says is empty or absent, after it held the marker, means the cluster lost
+        everything. No answer means nothing.
         """
         epoch = _topics(self.settings).epoch.name
         try:

@@ -100,7 +100,7 @@ async def test_a_timeout_while_asking_is_not_a_reset(stub: Broker, monkeypatch: 
     async def hangs(*_: Any, **__: Any) -> Any:
         raise TimeoutError
 
-    monkeypatch.setattr(kafka, "answered_high_watermark", hangs)
+    monkeypatch.setattr(kafka, "_fetched_high_watermark", hangs)
     calls: list[list[str]] = []
     w = watch(calls)
     stub.hw = 0
