@@ -356,12 +356,17 @@ class ClusterWatch(Service):
         self._seen_all = marker_seen
 
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def _start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._run(), name="cluster-watch")
 
     async def _stop(self) -> None:
         if self._task is not None:
+            # The flag too: on Python 3.11, wait_for may swallow a cancellation that comes
+            # as its inner call finishes, and the loop would then go on forever.
+            self._stopping = True
             self._task.cancel()
             try:
                 await self._task
@@ -394,7 +399,7 @@ class ClusterWatch(Service):
         return None
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.interval)
             try:
                 missing = await self.check()
@@ -402,7 +407,7 @@ class ClusterWatch(Service):
                 log.debug("cluster watch: check failed: %r", exc)
                 continue
 
-            if missing is None:
+            if missing is None or self._stopping:
                 continue
             self.resets += 1
             if self.metrics is not None:

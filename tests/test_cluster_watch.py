@@ -141,3 +141,16 @@ async def test_silence_does_not_make_a_wrong_partition_count_repairable(stub: Br
     assert await kafka._is_empty("127.0.0.1:1", S, EPOCH, 2) is False
     stub.hw = 0
     assert await kafka._is_empty("127.0.0.1:1", S, EPOCH, 2) is True
+
+
+async def test_the_watch_stops_even_when_a_cancellation_meets_a_finishing_check(stub: Broker) -> None:
+    """On Python 3.11 ``wait_for`` can swallow a cancellation that arrives as its inner call
+    finishes; stopping must still end the watch (it once hung a test run for good)."""
+    stub.reachable = False  # each check finishes at once
+    for i in range(60):
+        w = ClusterWatch("127.0.0.1:1", S, ["w.a"], on_reset=lambda m: None, interval=0.01, marker_seen=True)
+        await w.start()
+        await asyncio.sleep(0.013 * (i % 7))
+        stopping = asyncio.ensure_future(w.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert done, f"the watch did not stop (round {i})"
