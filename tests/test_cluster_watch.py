@@ -3,7 +3,8 @@
 A fetch that nobody answers (a partition without a leader while a replicated cluster
 elects one, a broker that is slow or restarting) used to read as "the epoch topic is
 empty", which restarted every process. These tests drive :class:`ClusterWatch` through a
-stand-in consumer that answers (or does not) exactly as told.
+stand-in consumer that answers (or does not) exactly as told. The last test checks that
+topic creation asks for the configured replication.
 """
 
 from __future__ import annotations
@@ -154,3 +155,37 @@ async def test_the_watch_stops_even_when_a_cancellation_meets_a_finishing_check(
         stopping = asyncio.ensure_future(w.stop())
         done, _ = await asyncio.wait({stopping}, timeout=5)
         assert done, f"the watch did not stop (round {i})"
+
+
+async def test_create_topics_asks_for_the_replication_factor_and_min_insync(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Settings(topic_prefix="r.", partitions=2, replication_factor=3, min_insync_replicas=2)
+    asked: list[Any] = []
+
+    class Admin:
+        async def start(self) -> None:
+            return None
+
+        async def close(self) -> None:
+            return None
+
+        async def list_topics(self) -> list[str]:
+            return []
+
+        async def create_topics(self, new: list[Any]) -> Any:
+            asked.extend(new)
+            return None
+
+        async def describe_topics(self, names: list[str]) -> list[dict[str, Any]]:
+            by_name = {t.name: t.num_partitions for t in asked}
+            return [{"topic": n, "partitions": list(range(by_name[n]))} for n in names if n in by_name]
+
+    async def no_marker(*_: Any) -> None:
+        return None
+
+    monkeypatch.setattr(kafka, "admin", lambda *a, **k: Admin())
+    monkeypatch.setattr(kafka, "_mark_epoch", no_marker)
+    result = await kafka.create_topics("127.0.0.1:1", s)
+    assert set(result.values()) == {"created"}
+    assert {t.name for t in asked} == {spec.name for spec in s.topics().all()}
+    for t in asked:
+        assert t.replication_factor == 3 and t.topic_configs["min.insync.replicas"] == "2", t.name
