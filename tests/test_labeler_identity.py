@@ -1,7 +1,7 @@
-"""Who a labeler is, and that a labeler answers a sample once (without a broker).
+"""Who a labeler is, and that a labeler answers a sample once.
 
-The queue is driven through stand-ins for its Kafka clients; tests/test_labeling.py runs
-the same rules against a real broker.
+The queue is driven through stand-ins for its Kafka clients, then (the last test) against
+a real broker.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pipeline.cli import build_parser
 from pipeline.cli import label as label_cli
 from pipeline.config import KafkaSecurity, Settings
 from pipeline.labeling.queue import LabelQueue, labeler_identity
+from tests.test_labeling import al_sample, labels_on_topic, queue_samples
 from topics.events import Features
 from topics.fields import encode
 from topics.labels import ActiveLearningSample, HumanLabel
@@ -154,3 +155,37 @@ def test_the_cli_takes_the_principal_and_refuses_another_name(
     argv = ["label", "--bootstrap", "127.0.0.1:1"]
     assert label_cli.run(build_parser(argv).parse_args(argv)) == 0
     assert seen["labeler"] == "ann"  # the principal, not $USER
+
+
+@pytest.mark.broker
+async def test_a_labeler_never_answers_a_sample_twice_even_in_another_group(topics_ready: Settings) -> None:
+    """Another consumer group gets every sample again, but not for the labeler who answered
+    it: alice's own labels are read at start and her answered samples are passed over
+    (committed, never shown). bob, in a third group, still gets both."""
+    s = topics_ready
+    bootstrap = s.bootstrap or ""
+    await queue_samples(s, [al_sample(s, "again-1", "qa1"), al_sample(s, "again-2", "qa2")])
+    async with LabelQueue(bootstrap, s, "alice") as alice:
+        for _ in range(2):
+            item = await alice.next(timeout=15)
+            assert item is not None
+            await alice.answer(item, [1], rating=3)
+    async with LabelQueue(bootstrap, s, "alice", group=f"{s.topic_prefix}causalmem-labelers-2") as again:
+        assert again.answered == {"again-1", "again-2"}
+        assert await again.next(timeout=3) is None
+        assert again.repeats == 2 and again.done == 0
+    async with LabelQueue(bootstrap, s, "bob", group=f"{s.topic_prefix}causalmem-labelers-3") as bob:
+        got = []
+        for _ in range(2):
+            item = await bob.next(timeout=15)
+            assert item is not None
+            got.append(item.sample.sample_id)
+            await bob.answer(item, [2])
+    assert sorted(got) == ["again-1", "again-2"]
+    labels = await labels_on_topic(s)
+    assert sorted((x.sample_id, x.labeler) for x in labels) == [
+        ("again-1", "alice"),
+        ("again-1", "bob"),
+        ("again-2", "alice"),
+        ("again-2", "bob"),
+    ]

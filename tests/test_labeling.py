@@ -302,40 +302,6 @@ async def test_two_labelers_never_get_the_same_sample(topics_ready: Settings) ->
 
 
 @pytest.mark.broker
-async def test_a_labeler_never_answers_a_sample_twice_even_in_another_group(topics_ready: Settings) -> None:
-    """Another consumer group gets every sample again, but not for the labeler who answered
-    it: alice's own labels are read at start and her answered samples are passed over
-    (committed, never shown). bob, in a third group, still gets both."""
-    s = topics_ready
-    bootstrap = s.bootstrap or ""
-    await queue_samples(s, [al_sample(s, "again-1", "qa1"), al_sample(s, "again-2", "qa2")])
-    async with LabelQueue(bootstrap, s, "alice") as alice:
-        for _ in range(2):
-            item = await alice.next(timeout=15)
-            assert item is not None
-            await alice.answer(item, [1], rating=3)
-    async with LabelQueue(bootstrap, s, "alice", group=f"{s.topic_prefix}causalmem-labelers-2") as again:
-        assert again.answered == {"again-1", "again-2"}
-        assert await again.next(timeout=3) is None
-        assert again.repeats == 2 and again.done == 0
-    async with LabelQueue(bootstrap, s, "bob", group=f"{s.topic_prefix}causalmem-labelers-3") as bob:
-        got = []
-        for _ in range(2):
-            item = await bob.next(timeout=15)
-            assert item is not None
-            got.append(item.sample.sample_id)
-            await bob.answer(item, [2])
-    assert sorted(got) == ["again-1", "again-2"]
-    labels = await labels_on_topic(s)
-    assert sorted((x.sample_id, x.labeler) for x in labels) == [
-        ("again-1", "alice"),
-        ("again-1", "bob"),
-        ("again-2", "alice"),
-        ("again-2", "bob"),
-    ]
-
-
-@pytest.mark.broker
 async def test_crashes_before_and_after_publishing_lose_nothing(topics_ready: Settings) -> None:
     """(1) alice crashes between receiving and publishing: no label, no commit, and bob
     receives the same sample. (2) bob crashes after the broker acknowledged his label and
