@@ -133,7 +133,9 @@ class LabelQueue(Service):
     """One labeler's view of the shared queue (async; ``start``/``stop`` or ``async with``).
 
     ``conn``: the deployment's :class:`~pipeline.config.Connection` (a whole ``Settings``
-    is accepted too). ``group`` defaults to the shared labelers' group, under the topic prefix.
+    is accepted too). ``labeler``: the identity labels carry; on a SASL connection it is the
+    principal (empty: take it; another name: ValueError). ``group`` defaults to the shared
+    labelers' group, under the topic prefix.
     """
 
     def __init__(self, bootstrap: str, conn: Connection | Settings, labeler: str, group: str | None = None) -> None:
