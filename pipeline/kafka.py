@@ -110,16 +110,26 @@ def admin(bootstrap: str, settings: Connection | Settings) -> AIOKafkaAdminClien
 
 
 async def create_topics(
-    bootstrap: str, settings: Connection | Settings, specs: list[TopicSpec] | None = None
+    bootstrap: str, settings: Connection | Settings, specs: list[TopicSpec] | None = None, attempts: int = 3
 ) -> dict[str, str]:
     """Create the product's topics (idempotent). Returns ``{name: "created"|"exists"|"repaired"|error}``.
 
     Topics must exist before any client asks for metadata: the embedded broker would
     auto-create them with 4 partitions, breaking co-partitioning. An *empty* topic with
     the wrong partition count (auto-created after an embedded broker restart) is deleted
-    and created again; a non-empty one is reported, never touched.
+    and created again; a non-empty one is reported, never touched. A client asking for
+    the topic between the deletion and the creation auto-creates it again: the repair is
+    then tried again (``attempts`` in all) while the topic is still empty.
     """
     specs = specs if specs is not None else _topics(settings).all()
+    for _ in range(attempts - 1):
+        result = await _create_topics(bootstrap, settings, specs)
+        if not any(v.startswith("wrong partition count") for v in result.values()):
+            return result
+    return await _create_topics(bootstrap, settings, specs)
+
+
+async def _create_topics(bootstrap: str, settings: Connection | Settings, specs: list[TopicSpec]) -> dict[str, str]:
     client = admin(bootstrap, settings)
     await client.start()
     result: dict[str, str] = {}
