@@ -225,11 +225,19 @@ class Settings:
     replay_max: int = 50_000
     # limits
     max_message_bytes: int = 256 * 1024
+    # durability (docs/operations.md, "Durability"): 1 suits the embedded broker's one node
+    replication_factor: int = 1  # copies of each partition of the topics the product creates
+    min_insync_replicas: int = 1  # copies an acks=all write needs; 1 leaves the broker's default
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
 
     # -- derived -------------------------------------------------------------------------
     def topics(self) -> Topics:
-        return Topics.build(prefix=self.topic_prefix, partitions=self.partitions)
+        return Topics.build(
+            prefix=self.topic_prefix,
+            partitions=self.partitions,
+            replication_factor=self.replication_factor,
+            min_insync_replicas=self.min_insync_replicas,
+        )
 
     def limits(self) -> Limits:
         return Limits(embedding_dim=self.embedding_dim, slots=self.slots, max_bytes=self.max_message_bytes)

@@ -110,16 +110,26 @@ def admin(bootstrap: str, settings: Connection | Settings) -> AIOKafkaAdminClien
 
 
 async def create_topics(
-    bootstrap: str, settings: Connection | Settings, specs: list[TopicSpec] | None = None
+    bootstrap: str, settings: Connection | Settings, specs: list[TopicSpec] | None = None, attempts: int = 3
 ) -> dict[str, str]:
     """Create the product's topics (idempotent). Returns ``{name: "created"|"exists"|"repaired"|error}``.
 
     Topics must exist before any client asks for metadata: the embedded broker would
     auto-create them with 4 partitions, breaking co-partitioning. An *empty* topic with
     the wrong partition count (auto-created after an embedded broker restart) is deleted
-    and created again; a non-empty one is reported, never touched.
+    and created again; a non-empty one is reported, never touched. A client asking for
+    the topic between the deletion and the creation auto-creates it again: the repair is
+    then tried again (``attempts`` in all) while the topic is still empty.
     """
     specs = specs if specs is not None else _topics(settings).all()
+    for _ in range(attempts - 1):
+        result = await _create_topics(bootstrap, settings, specs)
+        if not any(v.startswith("wrong partition count") for v in result.values()):
+            return result
+    return await _create_topics(bootstrap, settings, specs)
+
+
+async def _create_topics(bootstrap: str, settings: Connection | Settings, specs: list[TopicSpec]) -> dict[str, str]:
     client = admin(bootstrap, settings)
     await client.start()
     result: dict[str, str] = {}
@@ -143,7 +153,7 @@ async def create_topics(
         if todo:
             try:
                 resp = await client.create_topics(
-                    [NewTopic(s.name, s.partitions, 1, topic_configs=s.configs) for s in todo]
+                    [NewTopic(s.name, s.partitions, s.replication, topic_configs=s.configs) for s in todo]
                 )
                 errors = {t[0]: t[1] for t in getattr(resp, "topic_errors", [])}
             except TopicAlreadyExistsError:
@@ -166,8 +176,10 @@ async def create_topics(
 
 
 async def _is_empty(bootstrap: str, settings: Connection | Settings, topic: str, partitions: int) -> bool:
+    """True only when every partition answered a fetch with high watermark 0 (a topic that
+    does not answer, e.g. a leaderless partition, is not known to be empty)."""
     for p in range(partitions):
-        if await high_watermark(bootstrap, settings, topic, p) > 0:
+        if await answered_high_watermark(bootstrap, settings, topic, p) != 0:
             return False
     return True
 
@@ -211,21 +223,56 @@ async def wait_for_broker(bootstrap: str, settings: Connection | Settings, timeo
 
 
 async def high_watermark(bootstrap: str, settings: Connection | Settings, topic: str, partition: int = 0) -> int:
-    """The log-end offset of a partition, from a fetch response (not ``end_offsets``: wrong on the embedded broker)."""
+    """The log-end offset of a partition, from a fetch response (not ``end_offsets``: wrong on
+    the embedded broker); 0 when no fetch answered within 5 s."""
+    hw = await answered_high_watermark(bootstrap, settings, topic, partition)
+    return 0 if hw is None else hw
+
+
+async def answered_high_watermark(
+    bootstrap: str, settings: Connection | Settings, topic: str, partition: int = 0, wait_s: float = 5.0
+) -> int | None:
+    """The log-end offset of a partition from a fetch response, or None when none answered
+    within ``wait_s`` (no leader, broker unreachable): silence is not an empty partition."""
     c = consumer(bootstrap, settings, group_id=None)
     try:
         await c.start()
-        tp = TopicPartition(topic, partition)
-        c.assign([tp])
-        await c.seek_to_beginning(tp)
-        for _ in range(20):
-            await c.getmany(tp, timeout_ms=250, max_records=1)
-            hw = c.highwater(tp)
-            if hw is not None:
-                return int(hw)
-        return 0
+        return await _fetched_high_watermark(c, topic, partition, wait_s)
     finally:
         await c.stop()
+
+
+async def _fetched_high_watermark(c: AIOKafkaConsumer, topic: str, partition: int, wait_s: float) -> int | None:
+    tp = TopicPartition(topic, partition)
+    c.assign([tp])
+    await c.seek_to_beginning(tp)
+    for _ in range(max(1, int(wait_s / 0.25))):
+        await c.getmany(tp, timeout_ms=250, max_records=1)
+        hw = c.highwater(tp)
+        if hw is not None:
+            return int(hw)
+    return None
+
+
+async def epoch_marker_state(bootstrap: str, settings: Connection | Settings, topic: str) -> str:
+    """What the broker *answers* about the epoch marker topic: ``"held"`` (it holds the marker),
+    ``"missing"`` (a metadata response lists the cluster's topics without it), ``"empty"`` (a
+    fetch answered with high watermark 0), or ``"unknown"`` (no answer: unreachable, no leader,
+    a timeout). Only ``missing`` and ``empty`` say the cluster lost its data.
+    """
+    c = consumer(bootstrap, settings, group_id=None)
+    try:
+        await c.start()
+        if topic not in await c.topics():  # a metadata response; KafkaError when none answers
+            return "missing"
+        hw = await _fetched_high_watermark(c, topic, 0, 5.0)
+    except (TimeoutError, KafkaError, OSError):
+        return "unknown"
+    finally:
+        await c.stop()
+    if hw is None:
+        return "unknown"
+    return "held" if hw > 0 else "empty"
 
 
 async def read_all(
@@ -290,6 +337,11 @@ class ClusterWatch(Service):
     longer exist, so they may silently skip new messages. The watch lists the topics every
     ``interval`` seconds; once they had all existed, any of them missing means the cluster
     was reset, and ``on_reset(missing)`` is called (once per reset).
+
+    Only a broker's answer counts as a loss: the epoch topic absent from a metadata
+    response, or its partition fetched empty after it held the marker. Silence (a timeout,
+    an unreachable broker, a partition without a leader while a replicated cluster elects
+    one) is not a loss: restarting every process would not help, so the watch looks again.
     """
 
     def __init__(
@@ -314,12 +366,17 @@ class ClusterWatch(Service):
         self._seen_all = marker_seen
 
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def _start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._run(), name="cluster-watch")
 
     async def _stop(self) -> None:
         if self._task is not None:
+            # The flag too: on Python 3.11, wait_for may swallow a cancellation that comes
+            # as its inner call finishes, and the loop would then go on forever.
+            self._stopping = True
             self._task.cancel()
             try:
                 await self._task
@@ -331,26 +388,28 @@ class ClusterWatch(Service):
         """One look: the lost topics if the cluster was reset, else None.
 
         Topics cannot be trusted to vanish: the embedded broker re-creates any topic a
-        client asks about. The epoch topic's marker message can: an empty epoch topic,
-        after it held the marker, means the cluster lost everything.
+        client asks about. The epoch topic's marker message can: an epoch topic that the
+        broker says is empty or absent, after it held the marker, means the cluster lost
+        everything. No answer means nothing.
         """
         epoch = _topics(self.settings).epoch.name
         try:
-            hw = await asyncio.wait_for(high_watermark(self.bootstrap, self.settings, epoch), timeout=10)
+            state = await asyncio.wait_for(epoch_marker_state(self.bootstrap, self.settings, epoch), timeout=15)
         except (TimeoutError, KafkaError, OSError):
-            return None  # unreachable (perhaps restarting): look again later
-        log.debug("cluster watch: %s holds %d message(s)", epoch, hw)
-        if hw > 0:
+            state = "unknown"
+        log.debug("cluster watch: %s is %s", epoch, state)
+        if state == "held":
             self._seen_all = True
             return None
-
+        if state == "unknown":
+            return None  # no answer (unreachable, restarting, leaderless): look again later
         if self._seen_all:
             self._seen_all = False
             return list(self.topics)
         return None
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.interval)
             try:
                 missing = await self.check()
@@ -358,7 +417,7 @@ class ClusterWatch(Service):
                 log.debug("cluster watch: check failed: %r", exc)
                 continue
 
-            if missing is None:
+            if missing is None or self._stopping:
                 continue
             self.resets += 1
             if self.metrics is not None:

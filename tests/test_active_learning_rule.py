@@ -246,6 +246,36 @@ async def test_a_rating_pairs_with_u_query_once() -> None:
     assert isinstance(tables.query_util[b"r"], QueryUtility)
 
 
+async def test_a_labeler_answers_a_sample_once_whatever_the_event_id() -> None:
+    """A second answer by the same labeler to the same sample (another event id, e.g. a
+    second consumer group or a hand-made label) is counted as a duplicate and ignored;
+    another labeler's answer to that sample still counts."""
+    stage = JoinStage(S.join(), "127.0.0.1:9", Metrics())
+    outcomes, labels, tables, outputs = _stages()
+    await _feed(outcomes, _joined(stage, "q", -0.9))
+    await labels.on_label(label("q", "verdict", ts=T0 + 5, answer_correct=False))
+    [sample] = _samples(outputs)
+    sid, c = sample.sample_id, sample.candidates
+
+    def answer(who: str, slots: list[int], rating: int) -> Any:
+        lab = label("q", "memory_choice", ts=T0 + 9, sample_id=sid, correct_memories=slots, rating=rating)
+        lab.labeler = who
+        return lab
+
+    dup = labels.metrics.duplicates.labels(topic=S.topics().human_labels.name)
+    await labels.on_label(answer("ann", [c[1]], 4))
+    await labels.on_label(answer("ann", [c[0]], 0))  # the same person again, another event id
+    assert dup._value.get() == 1
+    assert tables.ratings[b"q"].rating == 4
+    [first] = [decode_experience(m["value"], S.limits()) for m in outputs.experiences.sent]
+    assert first.correct_memories == [c[1]]
+    await labels.on_label(answer("bob", [c[0]], 1))  # another labeler: a second opinion
+    assert [decode_experience(m["value"], S.limits()).correct_memories for m in outputs.experiences.sent] == [
+        [c[1]],
+        [c[0]],
+    ]
+
+
 async def _stream(*values: bytes) -> Any:
     for value in values:
         yield value

@@ -186,3 +186,16 @@ def test_settings_replace_and_topics() -> None:
     assert t.policy_checkpoints.name == "x.policy-checkpoints" and t.policy_checkpoints.partitions == 1
     r = s.replace(slots=7)
     assert r.slots == 7 and s.slots == 1024 and r.topic_prefix == "x."
+
+
+def test_replication_settings_reach_every_topic_and_bad_ones_are_refused() -> None:
+    s = Settings.from_env({"CAUSALMEM_REPLICATION_FACTOR": "3", "CAUSALMEM_MIN_INSYNC_REPLICAS": "2"})
+    for spec in s.topics().all():
+        assert spec.replication == 3 and spec.configs["min.insync.replicas"] == "2", spec.name
+    assert s.topics().policy_checkpoints.configs["cleanup.policy"] == "compact"  # the topic's own configs stay
+    assert s.worker().connection.topics.outcomes.replication == 3  # the worker's changelogs follow it
+    default = Settings().topics()
+    assert all(spec.replication == 1 and "min.insync.replicas" not in spec.configs for spec in default.all())
+    for rf, isr in ((1, 2), (0, 1), (3, 0)):
+        with pytest.raises(ValueError, match="min_insync_replicas"):
+            Settings(replication_factor=rf, min_insync_replicas=isr).topics()

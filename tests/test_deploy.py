@@ -34,7 +34,7 @@ DASHBOARD = GRAFANA / "dashboards" / "causalmem.json"
 K8S = ROOT / "deploy" / "k8s"
 
 CAUSALMEM_SERVICES = ("init-topics", "worker", "learner")
-EXPECTED_SERVICES = {"kafka", *CAUSALMEM_SERVICES, "prometheus", "grafana"}
+EXPECTED_SERVICES = {"kafka", "kafka-setup", *CAUSALMEM_SERVICES, "prometheus", "grafana"}
 METRIC_RE = re.compile(r"causalmem_[a-z0-9_]+")
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}: Compose interpolation.
 INTERPOLATION_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}")
@@ -148,8 +148,9 @@ def test_compose_services() -> None:
     assert kafka["image"] == "apache/kafka:3.8.0"
     env = {k: str(v) for k, v in _compose_env(kafka).items()}
     assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
-    assert env["KAFKA_LISTENERS"] == "PLAINTEXT://:9092,CONTROLLER://:9093"
-    assert env["KAFKA_ADVERTISED_LISTENERS"] == "PLAINTEXT://kafka:9092"
+    # SASL on every listener (tests/test_security_deploy.py checks the rest of it)
+    assert env["KAFKA_LISTENERS"] == "SASL_PLAINTEXT://:9092,CONTROLLER://:9093"
+    assert env["KAFKA_ADVERTISED_LISTENERS"] == "SASL_PLAINTEXT://kafka:9092"
     assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{env['KAFKA_NODE_ID']}@kafka:9093"
     assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "1"
     assert "kafka-topics.sh --bootstrap-server localhost:9092 --list" in " ".join(kafka["healthcheck"]["test"])

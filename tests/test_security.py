@@ -261,8 +261,9 @@ async def test_every_component_builds_its_clients_through_pipeline_kafka(
     await started("join", join.start, join.stop, 2)
     learner = Learner(s.learner(), s.bootstrap, Metrics())
     await started("learner", learner.start, lambda: learner.stop(publish=False), 3)
-    queue = LabelQueue(s.bootstrap, s, "alice")
-    await started("labeler", queue.start, queue.stop, 2)
+    queue = LabelQueue(s.bootstrap, s, "")  # on SASL the identity is the principal
+    assert queue.labeler == s.security.sasl_username
+    await started("labeler", queue.start, queue.stop, 3)  # its own labels, the queue, the producer
     calls.clear()
     await kafka.create_topics(s.bootstrap, s)
     await scan_model_topic(s.bootstrap, s)

@@ -20,12 +20,13 @@ SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
 
 @dataclass(frozen=True)
 class TopicSpec:
-    """One topic: name, partition count and creation-time configs."""
+    """One topic: name, partition count, replication factor and creation-time configs."""
 
     name: str
     partitions: int
     configs: dict[str, str] = field(default_factory=dict)
     description: str = ""
+    replication: int = 1  # replicas of each partition (the embedded broker has one node)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,16 @@ class Topics:
     ('dev.retrieval-events', 4)
     >>> t.policy_checkpoints.partitions
     1
+
+    On a cluster of several brokers each partition has ``replication_factor`` copies, and a
+    write with ``acks=all`` (every producer of the product) needs ``min_insync_replicas``
+    of them (1 leaves the broker's own default):
+
+    >>> t = Topics.build(replication_factor=3, min_insync_replicas=2)
+    >>> t.control.replication, t.control.configs["min.insync.replicas"]
+    (3, '2')
+    >>> "min.insync.replicas" in Topics.build().control.configs
+    False
     """
 
     retrieval_events: TopicSpec
@@ -53,16 +64,27 @@ class Topics:
     prefix: str = ""
 
     @classmethod
-    def build(cls, prefix: str = "", partitions: int = 8, retention_ms: int = SEVEN_DAYS_MS) -> Topics:
+    def build(
+        cls,
+        prefix: str = "",
+        partitions: int = 8,
+        retention_ms: int = SEVEN_DAYS_MS,
+        replication_factor: int = 1,
+        min_insync_replicas: int = 1,
+    ) -> Topics:
         if partitions < 1:
             raise ValueError("partitions must be >= 1")
+        if replication_factor < 1 or not 1 <= min_insync_replicas <= replication_factor:
+            raise ValueError("need 1 <= min_insync_replicas <= replication_factor")
         keep = {"cleanup.policy": "delete", "retention.ms": str(retention_ms)}
         # The learner warms up on 7 days of experiences and restores from offsets in the
         # manifest, so its input must be kept at least that long.
         keep_longer = {"cleanup.policy": "delete", "retention.ms": str(2 * SEVEN_DAYS_MS)}
+        # 1 leaves the broker's default (min.insync.replicas may be set cluster-wide).
+        durable = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas > 1 else {}
 
         def spec(name: str, n: int, configs: dict[str, str], doc: str) -> TopicSpec:
-            return TopicSpec(prefix + name, n, dict(configs), doc)
+            return TopicSpec(prefix + name, n, {**configs, **durable}, doc, replication_factor)
 
         return cls(
             retrieval_events=spec("retrieval-events", partitions, keep, "serving side: RetrievalEvent"),

@@ -10,10 +10,15 @@ import sys
 from pipeline.cli.common import resolve_bootstrap, settings_from
 from pipeline.labeling import terminal
 from pipeline.labeling.answers import load_answers
+from pipeline.labeling.queue import labeler_identity, principal
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--labeler", help="your identity, carried on every label (default: $USER)")
+    p.add_argument(
+        "--labeler",
+        help="your identity, carried on every label (default: the SASL user when authenticated, else $USER); "
+        "with SASL it must be the authenticated user",
+    )
     p.add_argument("--answers", metavar="FILE.jsonl", help="non-interactive: answer the samples listed in this file")
     p.add_argument("--stats", action="store_true", help="agreement between labelers (Cohen's κ), counts, skip reasons")
     p.add_argument("--json", action="store_true", help="with --stats: print the result as JSON")
@@ -36,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
     labeler = ""
     answers = None
     if not args.stats:
-        labeler = (args.labeler if args.labeler is not None else os.environ.get("USER", "")).strip()
+        asked = args.labeler if args.labeler is not None else (None if principal(conn) else os.environ.get("USER"))
+        try:
+            labeler = labeler_identity(conn, asked)
+        except ValueError as exc:
+            print(f"causalmem label: {exc}", file=sys.stderr)
+            return 2
         if not labeler:
             print("causalmem label: a labeler identity is required: pass --labeler NAME (or set USER)", file=sys.stderr)
             return 2

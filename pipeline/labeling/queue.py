@@ -7,6 +7,12 @@ receiving a sample and publishing its answer loses nothing: the sample comes aga
 it or to another labeler). Answers are HumanLabel messages of kind ``memory_choice``
 (optionally with a 0–5 rating) on ``human-labels``, keyed by query id, and always carry
 the labeler's identity (the label's wire format: docs/contract.md).
+
+The identity is the authenticated SASL principal when the connection has one
+(:func:`principal`): a labeler cannot label under another name. A labeler answers a
+sample once: at start it reads its own answers from ``human-labels``, and a sample it has
+answered already (before a crash, or in another consumer group) is committed and passed
+over, never shown again. The worker enforces the same rule on whatever reaches the topic.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pipeline import kafka
 from pipeline.config import Connection, Settings
 from pipeline.service import Service
 from topics.fields import Rejected, encode
-from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample
+from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,41 @@ LABELER_GROUP = "causalmem-labelers"
 def labeler_group(conn: Connection) -> str:
     """The consumer group every labeler shares (under the deployment's topic prefix)."""
     return f"{conn.topics.prefix}{LABELER_GROUP}"
+
+
+def principal(conn: Connection) -> str | None:
+    """The authenticated SASL user of the connection, or None (PLAINTEXT, SSL: no name to take).
+
+    >>> from pipeline.config import KafkaSecurity, Settings
+    >>> sasl = KafkaSecurity("SASL_SSL", "SCRAM-SHA-512", "ann", "secret")
+    >>> principal(Settings(security=sasl).connection()), principal(Settings().connection())
+    ('ann', None)
+    """
+    sec = conn.security
+    if sec.security_protocol.startswith("SASL") and sec.sasl_username:
+        return sec.sasl_username
+    return None
+
+
+def labeler_identity(conn: Connection, asked: str | None) -> str:
+    """The identity labels carry: the SASL principal where there is one, else ``asked``.
+
+    Naming someone else while authenticated is refused (ValueError).
+
+    >>> from pipeline.config import KafkaSecurity, Settings
+    >>> c = Settings(security=KafkaSecurity("SASL_PLAINTEXT", "SCRAM-SHA-512", "ann", "pw")).connection()
+    >>> labeler_identity(c, None), labeler_identity(c, "ann"), labeler_identity(Settings().connection(), "bob")
+    ('ann', 'ann', 'bob')
+    >>> labeler_identity(c, "bob")
+    Traceback (most recent call last):
+    ...
+    ValueError: labeler 'bob' is not the authenticated principal 'ann'
+    """
+    who = principal(conn)
+    asked = (asked or "").strip() or None
+    if who is not None and asked is not None and asked != who:
+        raise ValueError(f"labeler {asked!r} is not the authenticated principal {who!r}")
+    return who or asked or ""
 
 
 def label_event_id(sample_id: str, labeler: str) -> str:
@@ -92,14 +133,18 @@ class LabelQueue(Service):
     """One labeler's view of the shared queue (async; ``start``/``stop`` or ``async with``).
 
     ``conn``: the deployment's :class:`~pipeline.config.Connection` (a whole ``Settings``
-    is accepted too). ``group`` defaults to the shared labelers' group, under the topic prefix.
+    is accepted too). ``labeler``: the identity labels carry; on a SASL connection it is the
+    principal (empty: take it; another name: ValueError). ``group`` defaults to the shared
+    labelers' group, under the topic prefix.
     """
 
     def __init__(self, bootstrap: str, conn: Connection | Settings, labeler: str, group: str | None = None) -> None:
+        conn = conn if isinstance(conn, Connection) else conn.connection()
+        labeler = labeler_identity(conn, labeler)
         if not labeler:
             raise ValueError("a labeler identity is required (it is carried on every label)")
         super().__init__()
-        self.conn = conn if isinstance(conn, Connection) else conn.connection()
+        self.conn = conn
         self.bootstrap = bootstrap
         self.labeler = labeler
         self.topics = self.conn.topics
@@ -109,12 +154,15 @@ class LabelQueue(Service):
         self.skipped = 0
         self.left = 0
         self.bad = 0
+        self.repeats = 0  # samples passed over: this labeler had answered them already
+        self.answered: set[str] = set()  # sample ids this labeler answered or skipped
         self._epoch = 0
         self._consumer: Any = None
         self._producer: Any = None
         self._buffer: list[QueuedSample] = []
 
     async def _start(self) -> None:
+        self.answered |= await self._own_answers()
         self._producer = kafka.producer(self.bootstrap, self.conn)
         await self._producer.start()
         # One sample at a time: a labeler holds only what it shows.
@@ -152,8 +200,24 @@ class LabelQueue(Service):
                         self.bad += 1
                         await self._commit(tp, msg.offset)
                         continue
+                    if sample.sample_id in self.answered:
+                        self.repeats += 1  # answered by this labeler already: never twice
+                        await self._commit(tp, msg.offset)
+                        continue
                     self._buffer.append(QueuedSample(sample, tp, msg.offset, self._epoch))
         return self._buffer.pop(0)
+
+    async def _own_answers(self) -> set[str]:
+        """The sample ids this labeler's labels on ``human-labels`` answer (or skip)."""
+        out: set[str] = set()
+        for msg in await kafka.read_all(self.bootstrap, self.conn, self.topics.human_labels.name):
+            try:
+                label = decode_human_label(msg.value, self.limits, msg.key)
+            except Rejected:
+                continue
+            if label.labeler == self.labeler and label.sample_id:
+                out.add(label.sample_id)
+        return out
 
     async def answer(
         self, item: QueuedSample, correct_memories: list[int], rating: int | None = None, ts: float | None = None
@@ -196,6 +260,7 @@ class LabelQueue(Service):
     async def _deliver(self, item: QueuedSample, label: HumanLabel) -> None:
         self._check_held(item)
         await self._publish(label)
+        self.answered.add(item.sample.sample_id)
         await self._commit_answered(item)
 
     def leave(self, item: QueuedSample) -> None:

@@ -28,12 +28,13 @@ what it answered or skipped in this session (``--stats`` counts everyone's, all 
 
 A sample's offset is committed only after its label is acknowledged by the broker (see
 :mod:`pipeline.labeling.queue`): a crash never loses a label or a sample. A crash after the ack
-and before the commit gives the sample again (at least once), and its second answer is a
-second label with its own event id. If the group rebalances while a sample is on screen
-(a labeler joins or leaves), the answer is refused before publishing and the sample goes
-to its partition's new owner. Every label carries the labeler's identity; an empty one is
-refused. Another consumer group (``--group``) gets every sample again: a way to collect a
-second opinion for ``--stats`` (the worker applies both answers).
+and before the commit gives the sample again (at least once): to another labeler, whose
+answer counts too, or to the same one, who passes over it (a labeler answers a sample
+once). If the group rebalances while a sample is on screen (a labeler joins or leaves), the
+answer is refused before publishing and the sample goes to its partition's new owner. Every
+label carries the labeler's identity, the SASL principal when the connection is
+authenticated; an empty one is refused. Another consumer group (``--group``) gets every
+sample again: a way for *other* labelers to give a second opinion for ``--stats``.
 """
 
 from __future__ import annotations

@@ -108,6 +108,7 @@ class Worker:
             web_bind="127.0.0.1",
             web_port=web_port or 6066,
             producer_acks=-1,
+            topic_replication_factor=c.connection.topics.outcomes.replication,  # changelogs too
             consumer_auto_offset_reset="earliest",
             processing_guarantee="at_least_once",
             autodiscover=False,

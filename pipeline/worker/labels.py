@@ -1,7 +1,9 @@
 """The labels stage: human labels → samples, rating pairs and label experiences.
 
 Reads ``human-labels`` (validated here; a bad label goes to ``dead-letter``), applies each
-label event id once, and by kind:
+label event id once and one answer per (sample, labeler) — a second answer from the same
+labeler to the same sample, whatever its event id, is counted as a duplicate and ignored —
+and by kind:
 
 - ``verdict``: recorded for the query; a wrong answer releases the query's waiting error
   samples, a correct one drops them (the active-learning rule,
@@ -14,6 +16,7 @@ label event id once, and by kind:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any
@@ -32,6 +35,23 @@ from topics.names import Topics
 log = logging.getLogger(__name__)
 
 MAX_LABELS_PER_QUERY = 1024  # label ids remembered per query for the once-only check
+
+
+def answer_key(label: HumanLabel) -> str | None:
+    """The id of "this labeler's answer to this sample" (None for a label about no sample).
+
+    Remembered next to the label event ids: a labeler answers a sample once, even when a
+    second answer comes with another event id (a hand-made label, another tool).
+
+    >>> from topics.labels import HumanLabel
+    >>> a = HumanLabel(event_id="e1", query_id="q", ts=1.0, labeler="ann", kind="memory_choice", sample_id="s")
+    >>> b = HumanLabel(event_id="e2", query_id="q", ts=2.0, labeler="ann", kind="memory_choice", sample_id="s")
+    >>> answer_key(a) == answer_key(b), answer_key(a).startswith("answer:")
+    (True, True)
+    """
+    if not label.sample_id:
+        return None
+    return "answer:" + hashlib.sha256(f"{label.sample_id}\x00{label.labeler}".encode()).hexdigest()[:32]
 
 
 class LabelsStage:
@@ -67,10 +87,14 @@ class LabelsStage:
         qid = label.query_id
         qk = qid.encode()
         seen: SeenLabels | None = self.tables.labels_seen.get(qk)
-        if seen is not None and label.event_id in seen.ids:
+        answer = answer_key(label)
+        if seen is not None and (label.event_id in seen.ids or (answer is not None and answer in seen.ids)):
+            if label.event_id not in seen.ids:
+                log.info("labels: %s answered sample %s again; applied once", label.labeler, label.sample_id)
             self.metrics.duplicates.labels(topic=self.topics.human_labels.name).inc()
             return
-        ids = [*(seen.ids if seen is not None else []), label.event_id][-MAX_LABELS_PER_QUERY:]
+        new = [label.event_id] if answer is None else [label.event_id, answer]
+        ids = [*(seen.ids if seen is not None else []), *new][-MAX_LABELS_PER_QUERY:]
         self.tables.labels_seen[qk] = SeenLabels(ids=ids, ts=max(label.ts, seen.ts if seen else label.ts))
         self.metrics.labels.labels(kind=label.kind).inc()
         if label.kind == "verdict":

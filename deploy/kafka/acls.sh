@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Kafka ACLs for causal-memory-pipeline on Apache Kafka: one principal per role
+# (docs/operations.md, "Security"). Run it as a super user once the topics exist, and
+# again after changing the prefix, the policy or the principals; adding an ACL twice is
+# harmless. With the authorizer on and allow.everyone.if.no.acl.found=false, anything
+# not granted here is refused.
+#
+#   role       writes                                     reads
+#   service    retrieval-events, llm-feedback             policy-checkpoints
+#   labeler    human-labels                               active-learning, human-labels (its own answers)
+#   operator   control (reset, rollback), epoch marker;   every product topic (status, evaluate)
+#              creates the topics (init-topics)
+#   worker     outcomes, experiences, active-learning,    retrieval-events, llm-feedback, human-labels,
+#              rating-pairs, dead-letter, control          outcomes, rating-pairs
+#              (the drift stage's reset); its faust
+#              changelog topics (<prefix>causalmem-worker-*)
+#   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints
+#              dead-letter
+#
+# Every role may describe every product topic and read the epoch topic: processes check
+# the topics at start, and the cluster watch reads the epoch marker (a topic a principal
+# may not describe looks missing, and a missing epoch topic means a lost cluster).
+#
+# Usage: deploy/kafka/acls.sh [--dry-run]     (--dry-run prints the commands)
+# Environment (defaults in brackets):
+#   KAFKA_BOOTSTRAP [kafka:9092]   KAFKA_ADMIN_CONFIG [none]: client properties of a super user
+#   KAFKA_ACLS [kafka-acls.sh, or /opt/kafka/bin/kafka-acls.sh when present]
+#   CAUSALMEM_TOPIC_PREFIX [""]    CAUSALMEM_POLICY [default]
+#   SERVICE_PRINCIPALS [User:causalmem-service]   LABELER_PRINCIPALS [User:labeler]
+#   OPERATOR_PRINCIPALS [User:causalmem-operator] WORKER_PRINCIPAL [User:causalmem-worker]
+#   LEARNER_PRINCIPAL [User:causalmem-learner]    (the *_PRINCIPALS lists are space-separated)
+set -euo pipefail
+
+DRY_RUN=0
+[[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
+
+P="${CAUSALMEM_TOPIC_PREFIX:-}"
+POLICY="${CAUSALMEM_POLICY:-default}"
+BOOTSTRAP="${KAFKA_BOOTSTRAP:-kafka:9092}"
+if [[ -z "${KAFKA_ACLS:-}" ]]; then
+    KAFKA_ACLS=kafka-acls.sh
+    [[ -x /opt/kafka/bin/kafka-acls.sh ]] && KAFKA_ACLS=/opt/kafka/bin/kafka-acls.sh
+fi
+read -r -a SERVICES <<<"${SERVICE_PRINCIPALS:-User:causalmem-service}"
+read -r -a LABELERS <<<"${LABELER_PRINCIPALS:-User:labeler}"
+read -r -a OPERATORS <<<"${OPERATOR_PRINCIPALS:-User:causalmem-operator}"
+WORKER="${WORKER_PRINCIPAL:-User:causalmem-worker}"
+LEARNER="${LEARNER_PRINCIPAL:-User:causalmem-learner}"
+
+# The product's topics (topics/names.py), under the prefix.
+TOPICS=(retrieval-events llm-feedback human-labels active-learning policy-checkpoints dead-letter
+    experiences outcomes rating-pairs control epoch)
+
+# allow "PRINCIPAL..." topic|group literal|prefixed "NAME..." OPERATION...
+# (one kafka-acls.sh call: every principal gets every operation on every name)
+allow() {
+    local principals=$1 kind=$2 pattern=$3 names=$4
+    shift 4
+    local cmd=("$KAFKA_ACLS" --bootstrap-server "$BOOTSTRAP")
+    [[ -n "${KAFKA_ADMIN_CONFIG:-}" ]] && cmd+=(--command-config "$KAFKA_ADMIN_CONFIG")
+    cmd+=(--add --resource-pattern-type "$pattern")
+    local x
+    for x in $principals; do cmd+=(--allow-principal "$x"); done
+    for x in $names; do cmd+=("--$kind" "$x"); done
+    for x in "$@"; do cmd+=(--operation "$x"); done
+    if ((DRY_RUN)); then
+        printf '%q ' "${cmd[@]}"
+        printf '\n'
+    else
+        "${cmd[@]}" >/dev/null
+    fi
+}
+
+# topics "PRINCIPAL..." "SHORT-NAME..." OPERATION...: product topics, under the prefix
+topics() {
+    local names=() t
+    for t in $2; do names+=("$P$t"); done
+    allow "$1" topic literal "${names[*]}" "${@:3}"
+}
+
+EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER"
+topics "$EVERYONE" "${TOPICS[*]}" Describe
+topics "$EVERYONE" epoch Read
+
+topics "${SERVICES[*]}" "retrieval-events llm-feedback" Write
+topics "${SERVICES[*]}" policy-checkpoints Read
+
+topics "${LABELERS[*]}" human-labels Write Read
+topics "${LABELERS[*]}" active-learning Read
+# the shared queue's group, and --group ones named causalmem-labelers…
+allow "${LABELERS[*]}" group prefixed "${P}causalmem-labelers" Read
+
+topics "${OPERATORS[*]}" "${TOPICS[*]}" Create Read DescribeConfigs
+topics "${OPERATORS[*]}" "control epoch" Write
+# status reads the committed offsets of the deployment's groups
+allow "${OPERATORS[*]}" group prefixed "${P}causalmem-" Describe
+
+topics "$WORKER" "retrieval-events llm-feedback human-labels outcomes rating-pairs" Read
+topics "$WORKER" "outcomes experiences active-learning rating-pairs dead-letter control" Write
+allow "$WORKER" group literal "${P}causalmem-join ${P}causalmem-worker" Read
+# faust's own topics (table changelogs, the assignor's leader topic) start with its app id
+allow "$WORKER" topic prefixed "${P}causalmem-worker" All
+
+topics "$LEARNER" "experiences control policy-checkpoints" Read
+topics "$LEARNER" "policy-checkpoints dead-letter" Write
+allow "$LEARNER" group literal "${P}causalmem-learner-${POLICY}" Read
