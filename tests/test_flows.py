@@ -194,7 +194,7 @@ async def test_duplicated_and_shuffled_delivery_learns_the_same_policy(topics_re
     rng = np.random.default_rng(5)
     pairs = []
     for i in range(240):
-        ev = retrieval_event(base, f"r{i}", ts=1_800_000_000.0 + i, rng=np.random.default_rng(i), event_id=f"ev{i}")
+        ev = retrieval_event(base, f"r{i}", ts=1_767_225_600.0 + i, rng=np.random.default_rng(i), event_id=f"ev{i}")
         fb = feedback(ev.query_id, ts=ev.ts + 1, utility=float(rng.uniform(-1, 1)))
         fb.event_id = f"fb{i}"
         pairs.append((ev, fb))

@@ -195,6 +195,38 @@ def outcomes_bytes(records: list[Outcome]) -> bytes:
     return encode(Outcomes(records).to_dict())
 
 
+_OUTCOMES_HEAD = b'{"schema":"' + SCHEMA_OUTCOMES.encode() + b'","records":['
+
+
+def outcomes_messages(records: list[Outcome], max_bytes: int) -> list[bytes]:
+    """Encode ``records`` as ``outcomes`` messages of at most ``max_bytes`` each, in order.
+
+    Each message is what :func:`outcomes_bytes` gives for its share of the records. A
+    record that alone exceeds ``max_bytes`` travels alone (it cannot be split).
+
+    >>> recs = [Outcome(f"q{i}", 0, 1.0, 0.5, False) for i in range(3)]
+    >>> outcomes_messages(recs, 1 << 20) == [outcomes_bytes(recs)]
+    True
+    >>> parts = outcomes_messages(recs, len(outcomes_bytes(recs[:2])))
+    >>> [len(decode_outcomes(p, Limits()).records) for p in parts]
+    [2, 1]
+    """
+    out: list[bytes] = []
+    chunk: list[bytes] = []
+    size = len(_OUTCOMES_HEAD) + 2  # head, "]}"
+    for rec in records:
+        item = encode(rec.to_dict())
+        extra = len(item) + (1 if chunk else 0)  # the comma
+        if chunk and size + extra > max_bytes:
+            out.append(_OUTCOMES_HEAD + b",".join(chunk) + b"]}")
+            chunk, size, extra = [], len(_OUTCOMES_HEAD) + 2, len(item)
+        chunk.append(item)
+        size += extra
+    if chunk:
+        out.append(_OUTCOMES_HEAD + b",".join(chunk) + b"]}")
+    return out
+
+
 def decode_outcomes(raw: bytes, limits: Limits) -> Outcomes:
     """An ``outcomes`` value, validated record by record (a candidate's sample stays text).
 
