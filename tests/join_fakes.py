@@ -65,12 +65,22 @@ class FakeConsumer:
     def __init__(self, assigned: set[TopicPartition]) -> None:
         self.assigned = assigned
         self.commits: list[dict[TopicPartition, int]] = []
+        self.seeks: dict[TopicPartition, int] = {}
 
     def assignment(self) -> set[TopicPartition]:
         return self.assigned
 
     async def commit(self, offsets: dict[TopicPartition, int]) -> None:
         self.commits.append(dict(offsets))
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks[tp] = offset
+
+    async def seek_to_beginning(self, tp: TopicPartition) -> None:
+        self.seeks[tp] = 0
+
+    async def committed(self, tp: TopicPartition) -> int | None:
+        return None
 
 
 def stage_with_fakes(s: Settings, metrics: Metrics | None = None) -> tuple[JoinStage, FakeProducer]:
