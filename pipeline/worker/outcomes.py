@@ -1,6 +1,7 @@
 """The outcomes stage: per-query utility (U_query) and the active-learning candidates.
 
-Reads ``outcomes`` (one message per join batch and partition). For each query it adds
+Reads ``outcomes`` (per join batch and partition, messages of at most
+``max_outcomes_bytes``). For each query it adds
 the steps not counted yet to the ``query-utility`` record (a join re-emitted after a
 takeover is counted once), pairs a waiting rating with the new U_query, and hands each
 candidate step to the active-learning rule (:mod:`pipeline.worker.active_learning`):
