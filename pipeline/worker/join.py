@@ -389,6 +389,11 @@ class JoinStage(Service):
         """
         c = self._consumer
         self.state.clear()
+        if self._dead is not None:  # drop what the failed batch left in flight: it is re-read
+            with contextlib.suppress(Exception):
+                await self._dead.flush()
+        if c is None:  # stopped meanwhile: the next owner re-reads from the committed offsets
+            return
         for tp in c.assignment():
             offset = self.acked.get(tp)
             if offset is None:
