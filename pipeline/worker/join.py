@@ -3,7 +3,8 @@
 This is the hot path (Decision Service's "join"). It reads both input topics with one
 aiokafka consumer group in batches (``getmany``): a per-event faust agent reaches only
 ~5% of raw consume speed on one core (docs/architecture.md, "Why not a faust agent?"),
-so the volume stage is batched and the faust stages downstream get one message per batch.
+so the volume stage is batched and the faust stages downstream get one message per batch
+and partition (a few when it would exceed ``max_outcomes_bytes``).
 
 Per input partition it keeps the events still waiting for their other half, in either
 arrival order, for ``join_window_s`` of that partition's own event time
