@@ -7,10 +7,12 @@ learning. Now outcomes are split under ``max_outcomes_bytes`` and an input offse
 committed only once every output of the inputs before it was acknowledged.
 
 Known gap: after a SIGKILL the join re-emits every step whose outputs were not
-acknowledged (asserted strictly), but the faust outcomes stage has in some runs (3 of 4
-on the embedded broker) left one or two of 200 steps out of U_query and active learning:
-their table's changelog holds the first step only, though the re-emitted record reached
-the stage. The kill test then reports an xfail with what was missing.
+acknowledged (asserted strictly), but the faust outcomes stage has in some runs on the
+embedded broker (4 of 7) not brought every step to U_query and active learning within the
+bound: twice the same two queries of 200 kept only their first step in the
+``query-utility`` changelog though the re-emitted records were on ``outcomes``, once 63
+queries were still short after 90 s. The kill test then reports an xfail with what was
+missing; the burst test without a kill asserts everything strictly.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ async def _burst_through_the_worker(settings: Settings, tmp_path: Path, kill: bo
             await asyncio.sleep(1.0)
         assert len(outcomes) > 1 and all(len(m.value) <= s.max_outcomes_bytes for m in outcomes)
         # The stream stages' part: U_query and active learning, each step once.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while gap := await missing():
             if time.monotonic() > deadline and kill:
                 pytest.xfail(f"the outcomes stage lost steps across the SIGKILL (known, see the module): {gap}")
