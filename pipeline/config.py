@@ -135,6 +135,8 @@ class JoinConfig:
     window_s: float = 600.0
     batch: int = 2000
     active_learning: ActiveLearningConfig = field(default_factory=ActiveLearningConfig)
+    max_future_skew_s: float = 300.0  # inputs with ts beyond wall time + this are dead-lettered (ts_in_future)
+    max_outcomes_bytes: int = 900 * 1024  # each outcomes message stays under this (Kafka's default limit is 1 MB)
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,8 @@ class Settings:
     # join and stream stages
     join_window_s: float = 600.0  # event time
     join_batch: int = 2000
+    max_future_skew_s: float = 300.0  # wall-clock seconds an input's ts may be ahead; beyond: dead-letter ts_in_future
+    max_outcomes_bytes: int = 900 * 1024  # outcomes are split into messages under this size
     label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
     query_state_max: int = 500_000  # per-query table entries a worker keeps at most
     al_pending_max: int = 20_000  # error candidates (whole events) waiting for a verdict, at most
@@ -256,6 +260,8 @@ class Settings:
                 uncertainty_budget=self.al_uncertainty_budget,
                 uncertainty_margin=self.al_uncertainty_margin,
             ),
+            max_future_skew_s=self.max_future_skew_s,
+            max_outcomes_bytes=self.max_outcomes_bytes,
         )
 
     def drift(self) -> DriftConfig:

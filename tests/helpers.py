@@ -21,7 +21,7 @@ def retrieval_event(
     s: Settings,
     query_id: str,
     step: int = 0,
-    ts: float = 1_800_000_000.0,
+    ts: float = 1_767_225_600.0,
     rng: np.random.Generator | None = None,
     selected: list[int] | None = None,
     event_id: str | None = None,
@@ -44,17 +44,17 @@ def retrieval_event(
     )
 
 
-def feedback(query_id: str, step: int = 0, ts: float = 1_800_000_001.0, utility: float = 0.5) -> LLMFeedback:
+def feedback(query_id: str, step: int = 0, ts: float = 1_767_225_601.0, utility: float = 0.5) -> LLMFeedback:
     return LLMFeedback(uuid.uuid4().hex, query_id, step, ts, utility, nll_with=2.0 - utility, nll_without=2.0)
 
 
-def label(query_id: str, kind: str, ts: float = 1_800_000_002.0, **fields: Any) -> HumanLabel:
+def label(query_id: str, kind: str, ts: float = 1_767_225_602.0, **fields: Any) -> HumanLabel:
     return HumanLabel(uuid.uuid4().hex, query_id, ts, "tester", kind, **fields)
 
 
 def experience(s: Settings, i: int, utility: float | None = None, ts: float | None = None) -> Experience:
     rng = np.random.default_rng(i)
-    ev = retrieval_event(s, f"q{i}", 0, ts=ts if ts is not None else 1_800_000_000.0 + i, rng=rng, event_id=f"e{i}")
+    ev = retrieval_event(s, f"q{i}", 0, ts=ts if ts is not None else 1_767_225_600.0 + i, rng=rng, event_id=f"e{i}")
     return Experience(ev.event_id, "feedback", ev, float(rng.normal()) if utility is None else utility)
 
 

@@ -25,7 +25,7 @@ from .helpers import feedback, label, retrieval_event, until
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
-T0 = 1_800_000_000.0
+T0 = 1_767_225_600.0
 
 
 async def _samples(s: Settings) -> list:

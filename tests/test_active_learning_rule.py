@@ -7,6 +7,7 @@ milliseconds; tests/test_active_learning.py checks the same through a real worke
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -138,8 +139,11 @@ class _Topic:
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
 
-    async def send(self, **kwargs: Any) -> None:
+    async def send(self, **kwargs: Any) -> asyncio.Future[None]:
         self.sent.append(kwargs)
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ack.set_result(None)  # acknowledged at once, like faust's FutureMessage once delivered
+        return ack
 
 
 def _stages() -> tuple[OutcomesStage, LabelsStage, Tables, Outputs]:

@@ -58,7 +58,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 R, F, L = "retrieval-events", "llm-feedback", "human-labels"
 DL_KEEP = 64 * 1024  # dead_letter_value keeps this much of the original value
 RAW = "\x00RAW\x00"  # placeholder replaced by raw (non-orjson) JSON text
-BASE_TS = 1_800_000_000.0
+BASE_TS = 1_767_225_600.0
 
 # Valid unicode that must be accepted in ids (docs/contract.md: only *malformed* input is bad).
 ODD_UNICODE = [
@@ -445,6 +445,10 @@ def bad_messages(g: Gen) -> list[Msg]:
 
         add(topic, "key_wrong", "key_mismatch", n(100), wrong_key)
 
+        # -- ts_in_future: valid for the codec (ts ≤ 1e11), but far ahead of the worker's clock
+        if topic != L:
+            add(topic, "ts_future", "ts_in_future", n(30), lambda b, i: {**b, "ts": rng.uniform(4e9, 1e11)})
+
     # -- per-topic categories: wrong types, out of range, inconsistencies, embedding length
     wrong_types_r = [
         ("step", "3"),
@@ -691,12 +695,15 @@ def bad_messages(g: Gen) -> list[Msg]:
 
 
 def codec_reason(msg: Msg, limits: Limits) -> str | None:
-    """What the codec says about a message as the worker reads it (key included)."""
+    """What the codec says about a message as the worker reads it (key included), and the
+    join's clock: an event or feedback too far in the future is ``ts_in_future``."""
     key = msg.key.encode("utf-8") if msg.key else None
     try:
-        DECODERS[msg.topic](msg.value, limits, key)
+        value = DECODERS[msg.topic](msg.value, limits, key)
     except Rejected as rej:
         return rej.reason
+    if msg.topic != L and value.ts > time.time() + Settings().max_future_skew_s:
+        return "ts_in_future"
     return None
 
 
@@ -998,7 +1005,8 @@ def _records(s: Settings, msgs: list[tuple[str, bytes | None, bytes | None]]) ->
 @given(batch=batch_st())
 def test_join_stage_routes_any_batch_like_the_codec(topics_ready: Settings, batch: Any) -> None:
     """Any batch: the join stage never raises, dead-letters exactly what the codec rejects
-    (with the codec's reason, on the dead-letter topic) and joins every good pair."""
+    (with the codec's reason, on the dead-letter topic) and what lies in the future
+    (``ts_in_future``), and joins every good pair."""
     s = topics_ready.replace(join_window_s=1e10)
     assert (s.embedding_dim, s.slots) == (D_H, S_H)
     good, other = batch
@@ -1007,9 +1015,12 @@ def test_join_stage_routes_any_batch_like_the_codec(topics_ready: Settings, batc
     expected: Counter = Counter()
     for topic, key, value in other:
         try:
-            DECODERS[topic](value, limits, key)
+            decoded = DECODERS[topic](value, limits, key)
         except Rejected as rej:
             expected[rej.reason] += 1
+        else:  # valid, but the join also holds ts to its clock
+            if decoded.ts > time.time() + s.max_future_skew_s:
+                expected["ts_in_future"] += 1
     dl_topic = s.topics().dead_letter.name
 
     async def run() -> None:

@@ -54,7 +54,7 @@ async def test_worker_drift_stage_correlation_reset_and_restart(settings: Settin
     worker = Child("worker", s.bootstrap, env, log_path=tmp_path / "worker-1.log")
     try:
         await until(lambda: metric(worker.metrics(), "causalmem_partitions_owned", stage="join") > 0, 60, "worker")
-        good = _pairs(60, 1_800_000_000.0, +1.0, seed=1)
+        good = _pairs(60, 1_767_225_600.0, +1.0, seed=1)
         await _queries(s, good, "g")
         await until(lambda: metric(worker.metrics(), "causalmem_utility_rating_pairs") == 60, 60, "60 pairs")
         corr = metric(worker.metrics(), "causalmem_utility_rating_correlation")

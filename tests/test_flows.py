@@ -17,7 +17,7 @@ from pipeline.client.subscriber import PolicySubscriber, fetch_checkpoint
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
-from pipeline.worker.join import JoinStage
+from pipeline.worker.join import JoinStage, key_partition
 from topics.fields import Rejected, encode
 from topics.internal import decode_experience
 from topics.names import Topics
@@ -80,15 +80,21 @@ async def test_join_either_order_duplicates_and_dead_letter(topics_ready) -> Non
 async def test_unmatched_events_expire_after_the_window(topics_ready) -> None:
     s = topics_ready.replace(join_window_s=100.0)
     metrics = Metrics()
+    # Expiry follows each partition's own event time: the three queries share a partition.
+    part = key_partition("lonely", s.partitions)
+    orphan, later = (
+        next(f"{n}{i}" for i in range(1000) if key_partition(f"{n}{i}", s.partitions) == part)
+        for n in ("orphan", "later")
+    )
     async with running(JoinStage(s.join(), s.bootstrap, metrics)) as stage, EventPublisher(s.bootstrap, s) as pub:
         await pub.publish(retrieval_event(s, "lonely", ts=1_000.0))
-        await pub.publish(feedback("orphan", ts=1_001.0))
+        await pub.publish(feedback(orphan, ts=1_001.0))
         await pub.flush()
         await until(lambda: sum(st.pending() for st in stage.state.values()) == 2, 20, "pending")
         # Event time moves on (another pair far later): both halves are now too old.
-        ev = retrieval_event(s, "later", ts=5_000.0)
+        ev = retrieval_event(s, later, ts=5_000.0)
         await pub.publish(ev)
-        await pub.publish(feedback("later", ts=5_000.0))
+        await pub.publish(feedback(later, ts=5_000.0))
         await pub.flush()
         await until(lambda: metrics.join_expired.labels(side="retrieval")._value.get() == 1, 20, "expiry")
         assert metrics.join_expired.labels(side="feedback")._value.get() == 1
@@ -194,7 +200,7 @@ async def test_duplicated_and_shuffled_delivery_learns_the_same_policy(topics_re
     rng = np.random.default_rng(5)
     pairs = []
     for i in range(240):
-        ev = retrieval_event(base, f"r{i}", ts=1_800_000_000.0 + i, rng=np.random.default_rng(i), event_id=f"ev{i}")
+        ev = retrieval_event(base, f"r{i}", ts=1_767_225_600.0 + i, rng=np.random.default_rng(i), event_id=f"ev{i}")
         fb = feedback(ev.query_id, ts=ev.ts + 1, utility=float(rng.uniform(-1, 1)))
         fb.event_id = f"fb{i}"
         pairs.append((ev, fb))

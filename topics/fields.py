@@ -47,6 +47,7 @@ REASONS: tuple[str, ...] = (
     "embedding_length",  # query_embedding does not have D values
     "inconsistent",  # fields disagree (scores vs candidates, selected not among candidates, ...)
     "key_mismatch",  # Kafka key is not the value's query_id (breaks co-partitioning)
+    "ts_in_future",  # ts beyond the receiver's wall clock + its allowed skew (checked by the join, not the codec)
 )
 
 SCHEMA_RETRIEVAL = "retrieval_event/v1"

@@ -140,9 +140,10 @@ def _embedding_from_b64(text: Any, limits: Limits) -> np.ndarray:
 
 AL_REASONS = ("error", "uncertain")
 
-# An ``outcomes`` message carries a whole join batch of one partition (up to the join's
-# batch size of records, a candidate's with its sample), so the input limit on one message
-# does not bound it; the producer's request size does, and this is well above it.
+# An ``outcomes`` message carries (part of) a join batch of one partition, a candidate's
+# record with its sample, so the input limit on one message does not bound it; the join
+# splits by size (``outcomes_messages``, under ``max_outcomes_bytes``), and a reader
+# accepts up to this, well above any message a broker takes.
 MAX_OUTCOMES_BYTES = 64 * 1024 * 1024
 
 
@@ -176,7 +177,7 @@ class Outcome(WireValue):
 
 @dataclass(slots=True)
 class Outcomes:
-    """One message of the ``outcomes`` topic: a join batch's records for one partition.
+    """One message of the ``outcomes`` topic: a join batch's records for one partition (or a share of them).
 
     >>> from topics.fields import Limits
     >>> o = Outcome("q1", 2, 5.0, -0.3, False, al="uncertain", sample='{"x":1}')
@@ -193,6 +194,27 @@ class Outcomes:
 def outcomes_bytes(records: list[Outcome]) -> bytes:
     """Encode one ``outcomes`` message (what the join sends per batch and partition)."""
     return encode(Outcomes(records).to_dict())
+
+
+def outcomes_messages(records: list[Outcome], max_bytes: int) -> list[bytes]:
+    """Encode ``records`` as ``outcomes`` messages of at most ``max_bytes`` each, in order.
+
+    One message when it fits (the usual case: encoded once); else the records are halved
+    until each share fits. A record that alone exceeds ``max_bytes`` travels alone (it
+    cannot be split).
+
+    >>> recs = [Outcome(f"q{i}", 0, 1.0, 0.5, False) for i in range(3)]
+    >>> outcomes_messages(recs, 1 << 20) == [outcomes_bytes(recs)]
+    True
+    >>> parts = outcomes_messages(recs, len(outcomes_bytes(recs[:2])))
+    >>> [len(decode_outcomes(p, Limits()).records) for p in parts]
+    [1, 2]
+    """
+    body = outcomes_bytes(records)
+    if len(body) <= max_bytes or len(records) <= 1:
+        return [body]
+    mid = len(records) // 2
+    return outcomes_messages(records[:mid], max_bytes) + outcomes_messages(records[mid:], max_bytes)
 
 
 def decode_outcomes(raw: bytes, limits: Limits) -> Outcomes:

@@ -3,22 +3,30 @@
 This is the hot path (Decision Service's "join"). It reads both input topics with one
 aiokafka consumer group in batches (``getmany``): a per-event faust agent reaches only
 ~5% of raw consume speed on one core (docs/architecture.md, "Why not a faust agent?"),
-so the volume stage is batched and the faust stages downstream get one message per batch.
+so the volume stage is batched and the faust stages downstream get one message per batch
+and partition (a few when it would exceed ``max_outcomes_bytes``).
 
 Per input partition it keeps the events still waiting for their other half, in either
-arrival order, for ``join_window_s`` of event time; unmatched events are then evicted and
-counted. State is not checkpointed anywhere: the committed offset of each input
-partition is the offset of its oldest still-pending event, so a worker that takes a
-partition over (after a crash or a rebalance) rebuilds the pending state by re-reading
-from there. Joins re-emitted by that re-read carry the retrieval event's id, and every
-consumer downstream applies an id once (at-least-once delivery, idempotent processing).
+arrival order, for ``join_window_s`` of that partition's own event time
+(:mod:`pipeline.worker.partitions`); unmatched events are then evicted and counted. An
+event or feedback whose ``ts`` is more than ``max_future_skew_s`` ahead of the wall clock
+goes to dead-letter (``ts_in_future``) and never reaches the join state.
 
-Outputs, produced before the input offsets are committed:
+State is not checkpointed anywhere: the committed offset of each input partition is the
+offset of its oldest still-pending event, so a worker that takes a partition over (after
+a crash or a rebalance) rebuilds the pending state by re-reading from there. Offsets are
+committed only as far as the broker has acknowledged every output of the inputs before
+them (experiences, outcomes, dead letters); after a failed send the stage forgets its
+state and re-reads from there. Joins re-emitted by a re-read carry the retrieval event's
+id, and every consumer downstream applies an id once (at-least-once delivery, idempotent
+processing).
+
+Outputs, acknowledged before the input offsets are committed:
 
 - ``experiences`` (1 partition): each joined, non-fallback step with its utility, for
   the learner;
-- ``outcomes`` (co-partitioned by query_id): one message per batch and partition with a
-  compact record per joined step (:class:`~topics.internal.Outcome`: utility, and
+- ``outcomes`` (co-partitioned by query_id): per batch and partition, messages of at most
+  ``max_outcomes_bytes`` with a compact record per joined step (:class:`~topics.internal.Outcome`: utility, and
   the encoded ActiveLearningSample when the step is a candidate under
   :mod:`pipeline.worker.active_learning`), for the faust stages;
 - ``dead-letter``: every rejected message with its reason.
@@ -30,13 +38,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from aiokafka import ConsumerRebalanceListener, TopicPartition
-from aiokafka.partitioner import murmur2
 from river import stats, utils
 
 from pipeline import kafka
@@ -45,54 +51,19 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
 from pipeline.service import Service
 from pipeline.worker.active_learning import CandidateRule
+from pipeline.worker.partitions import PartitionState, Pending, event_clock, key_partition
 from topics.convert import make_sample
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
 from topics.fields import Rejected, encode
-from topics.internal import Outcome, experience_bytes, outcomes_bytes
+from topics.internal import Outcome, experience_bytes, outcomes_messages
 
 log = logging.getLogger(__name__)
 
+__all__ = ["JoinStage", "JoinStats", "PartitionState", "key_partition"]
+
 COMMIT_INTERVAL_S = 1.0
-# Bounds on join state per partition, whatever the event times say.
-MAX_PENDING_PER_PARTITION = 500_000
-MAX_IDS_PER_PARTITION = 1_000_000
-
-
-def key_partition(key: str, partitions: int) -> int:
-    """The partition Kafka's default (murmur2) partitioner gives a string key."""
-    return (int(murmur2(key.encode("utf-8"))) & 0x7FFFFFFF) % partitions
-
-
-@dataclass
-class _Pending:
-    value: Any
-    offset: int
-    ts: float
-
-
-@dataclass
-class PartitionState:
-    """Join state of one input partition number (shared by both co-partitioned topics)."""
-
-    retrieval: OrderedDict[tuple[str, int], _Pending] = field(default_factory=OrderedDict)
-    feedback: OrderedDict[tuple[str, int], _Pending] = field(default_factory=OrderedDict)
-    # One dedupe set per topic: a feedback may legitimately reuse its event's event_id.
-    seen_retrieval: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    seen_feedback: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    joined: OrderedDict[tuple[str, int], float] = field(default_factory=OrderedDict)
-    position: dict[str, int] = field(default_factory=dict)  # topic -> next offset to read
-
-    def pending(self) -> int:
-        return len(self.retrieval) + len(self.feedback)
-
-    def commit_offset(self, topic_kind: str) -> int | None:
-        side = self.retrieval if topic_kind == "retrieval" else self.feedback
-        pos = self.position.get(topic_kind)
-        if side:
-            oldest = min(p.offset for p in side.values())
-            return oldest if pos is None else min(oldest, pos)
-        return pos
+REWIND_PAUSE_S = 1.0  # after a failed send, before re-reading
 
 
 @dataclass
@@ -136,7 +107,8 @@ class JoinStage(Service):
         self.group_id = group_id or config.group_id
         self._kind = {self.topics.retrieval_events.name: "retrieval", self.topics.llm_feedback.name: "feedback"}
         self.state: dict[int, PartitionState] = {}
-        self.watermark = 0.0  # max event time seen (seconds)
+        # Offsets whose inputs' outputs the broker has acknowledged: the only ones committed.
+        self.acked: dict[TopicPartition, int] = {}
         self.stats = JoinStats()
         self.rule = CandidateRule(config.active_learning)
         self.joined_total = 0
@@ -189,18 +161,31 @@ class JoinStage(Service):
                 self.ready.set()
             if batch:
                 t0 = time.perf_counter()
-                await self.process(batch)
+                try:
+                    await self.process(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # outputs not acknowledged: nothing past them is committed
+                    log.error("join: sending outputs failed (%r); re-reading from the acknowledged offsets", exc)
+                    await asyncio.sleep(REWIND_PAUSE_S)
+                    await self.rewind()
+                    continue
                 self.metrics.join_batch_seconds.observe(time.perf_counter() - t0)
             await self._flush_and_commit()
             self._export_lag()
 
     # ------------------------------------------------------------------ processing
     async def process(self, batch: dict[TopicPartition, list[Any]]) -> None:
-        """Validate, join and emit one fetched batch (public for tests and benchmarks)."""
+        """Validate, join and emit one fetched batch (public for tests and benchmarks).
+
+        Returns once the broker has acknowledged every output of the batch; only then do
+        its input offsets become committable (:attr:`acked`). Raises if a send fails.
+        """
         experiences: list[bytes] = []
         outcomes: dict[int, list[Outcome]] = {}
         tally = _BatchTally()
-        window = self.config.window_s
+        now = time.time()
+        latest = now + self.config.max_future_skew_s  # the latest ts accepted in this batch
         for tp, messages in batch.items():
             kind = self._kind.get(tp.topic)
             if kind is None:
@@ -219,6 +204,12 @@ class JoinStage(Service):
                     assert self._dead is not None
                     self._dead.send(msg, rej.reason, rej.detail)
                     continue
+                if value.ts > latest:  # would move this partition's clock: never reaches the state
+                    assert self._dead is not None
+                    skew = self.config.max_future_skew_s
+                    ahead = f"ts {value.ts:.3f} is {value.ts - now:.0f} s ahead of the worker's clock (max {skew:g} s)"
+                    self._dead.send(msg, "ts_in_future", ahead)
+                    continue
                 seen = st.seen_retrieval if kind == "retrieval" else st.seen_feedback
                 if value.event_id in seen:
                     self.metrics.duplicates.labels(topic=tp.topic).inc()
@@ -228,7 +219,7 @@ class JoinStage(Service):
                     self.metrics.duplicates.labels(topic=tp.topic).inc()
                     continue
                 seen[value.event_id] = value.ts
-                self.watermark = max(self.watermark, value.ts)
+                st.advance(value.ts)
                 if isinstance(value, RetrievalEvent):
                     self._observe_retrieval(value, tally)
                     other = st.feedback.pop(key, None)
@@ -236,7 +227,7 @@ class JoinStage(Service):
                         if key in st.retrieval:  # a second event for the same step
                             self.metrics.duplicates.labels(topic=tp.topic).inc()
                         else:
-                            st.retrieval[key] = _Pending(value, msg.offset, value.ts)
+                            st.retrieval[key] = Pending(value, msg.offset, value.ts)
                         continue
                     event, feedback = value, other.value
                 else:
@@ -245,14 +236,17 @@ class JoinStage(Service):
                         if key in st.feedback:
                             self.metrics.duplicates.labels(topic=tp.topic).inc()
                         else:
-                            st.feedback[key] = _Pending(value, msg.offset, value.ts)
+                            st.feedback[key] = Pending(value, msg.offset, value.ts)
                         continue
                     event, feedback = other.value, value
                 st.joined[key] = max(event.ts, feedback.ts)
                 self._emit(event, feedback, experiences, outcomes, tally, tp.partition)
         self._record(tally)
-        self._evict(self.watermark - window)
+        self._evict()
         await self._send(experiences, outcomes)
+        if self._dead is not None:
+            await self._dead.flush()
+        self.acked = self.commit_offsets()
 
     def _observe_retrieval(self, e: RetrievalEvent, tally: _BatchTally) -> None:
         tally.retrievals += 1
@@ -313,21 +307,19 @@ class JoinStage(Service):
             Outcome(event.query_id, event.step, ts, u, event.fallback, event.policy, al=reason, sample=sample)
         )
 
-    def _evict(self, horizon: float) -> None:
-        # Queues are in arrival order, which is close to event-time order: evict from the
-        # front. An event that arrived out of order leaves when it reaches the front.
+    def _evict(self) -> None:
+        """Expire each partition's halves by its own event time (one partition cannot age another's)."""
         pending = 0
         for st in self.state.values():
-            for side, queue in (("retrieval", st.retrieval), ("feedback", st.feedback)):
-                n = _prune_front(queue, horizon, MAX_PENDING_PER_PARTITION, ts_of=lambda p: p.ts)
+            for side, n in zip(("retrieval", "feedback"), st.evict(self.config.window_s), strict=True):
                 if n:
                     self.metrics.join_expired.labels(side=side).inc(n)
-            _prune_front(st.seen_retrieval, horizon, MAX_IDS_PER_PARTITION)
-            _prune_front(st.seen_feedback, horizon, MAX_IDS_PER_PARTITION)
-
-            _prune_front(st.joined, horizon, MAX_IDS_PER_PARTITION)
             pending += st.pending()
         self.metrics.join_pending.set(pending)
+
+    def event_clock(self) -> float | None:
+        """The slowest owned partition's watermark (None before any event): the clock for table pruning."""
+        return event_clock(self.state)
 
     async def _send(self, experiences: list[bytes], outcomes: dict[int, list[Outcome]]) -> None:
         p = self._producer
@@ -342,9 +334,11 @@ class JoinStage(Service):
                 batch.append(key=None, value=value, timestamp=None)
         if batch.record_count():
             futures.append(await p.send_batch(batch, self.topics.experiences.name, partition=0))
+        # Split by size: a burst of feedback for many pending events must not become one
+        # message over the broker's limit.
         for partition, records in outcomes.items():
-            body = outcomes_bytes(records)
-            futures.append(await p.send(self.topics.outcomes.name, body, partition=partition))
+            for body in outcomes_messages(records, self.config.max_outcomes_bytes):
+                futures.append(await p.send(self.topics.outcomes.name, body, partition=partition))
         if futures:
             await asyncio.gather(*futures)
 
@@ -354,9 +348,8 @@ class JoinStage(Service):
         if not force and now - self._last_commit < COMMIT_INTERVAL_S:
             return
         self._last_commit = now
-        if self._dead is not None:
-            await self._dead.flush()
-        offsets = self.commit_offsets()
+        assigned = self._consumer.assignment() if self._consumer else set()
+        offsets = {tp: off for tp, off in self.acked.items() if tp in assigned}
         if offsets:
             try:
                 await self._consumer.commit(offsets)
@@ -364,6 +357,7 @@ class JoinStage(Service):
                 log.info("join: commit skipped: %r", exc)
 
     def commit_offsets(self) -> dict[TopicPartition, int]:
+        """The offsets the current state allows (committed once its outputs are acknowledged)."""
         out: dict[TopicPartition, int] = {}
         assigned = self._consumer.assignment() if self._consumer else set()
         for tp in assigned:
@@ -388,6 +382,28 @@ class JoinStage(Service):
         for topic, lag in lags.items():
             self.metrics.consumer_lag.labels(topic=topic).set(lag)
 
+    async def rewind(self) -> None:
+        """Forget the join state and re-read every owned partition from its acknowledged offset.
+
+        Used after a failed send: the state had moved past inputs whose outputs the broker
+        never acknowledged. What is re-read and joined again is deduplicated downstream.
+        """
+        c = self._consumer
+        self.state.clear()
+        if self._dead is not None:  # drop what the failed batch left in flight: it is re-read
+            with contextlib.suppress(Exception):
+                await self._dead.flush()
+        if c is None:  # stopped meanwhile: the next owner re-reads from the committed offsets
+            return
+        for tp in c.assignment():
+            offset = self.acked.get(tp)
+            if offset is None:
+                offset = await c.committed(tp)
+            if offset is None:
+                await c.seek_to_beginning(tp)
+            else:
+                c.seek(tp, offset)
+
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         try:
             await self._flush_and_commit(force=True)
@@ -396,24 +412,12 @@ class JoinStage(Service):
         for tp in revoked:
             # Its new owner rebuilds this state by re-reading from the committed offset.
             self.state.pop(tp.partition, None)
+            self.acked.pop(tp, None)
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         parts = {tp.partition for tp in assigned}
         self.metrics.partitions_owned.labels(stage="join").set(len(parts))
         log.info("join: assigned partitions %s", sorted(parts))
-
-
-def _prune_front(d: OrderedDict[Any, Any], horizon: float, cap: int, ts_of: Any = None) -> int:
-    """Drop entries older than ``horizon`` from the front, and any beyond ``cap``."""
-    removed = 0
-    while d:
-        k, v = next(iter(d.items()))
-        ts = ts_of(v) if ts_of else v
-        if ts >= horizon and len(d) <= cap:
-            break
-        del d[k]
-        removed += 1
-    return removed
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped

@@ -1,6 +1,7 @@
 """The outcomes stage: per-query utility (U_query) and the active-learning candidates.
 
-Reads ``outcomes`` (one message per join batch and partition). For each query it adds
+Reads ``outcomes`` (per join batch and partition, messages of at most
+``max_outcomes_bytes``). For each query it adds
 the steps not counted yet to the ``query-utility`` record (a join re-emitted after a
 takeover is counted once), pairs a waiting rating with the new U_query, and hands each
 candidate step to the active-learning rule (:mod:`pipeline.worker.active_learning`):
@@ -75,13 +76,14 @@ class OutcomesStage:
         """One query's joined steps of a batch: one table write, however many steps."""
         qk = qid.encode()  # table keys are the raw Kafka keys: same partitioner as the inputs
         q, fresh = counted(self.tables.query_util.get(qk), recs)
-        if not fresh:
-            return
-        self.tables.query_util[qk] = q
-        rating: Rating | None = self.tables.ratings.get(qk)
-        if rating is not None and not rating.paired:
-            await self.emit_pair(qid, q, rating)
-        for rec in fresh:
+        if fresh:
+            self.tables.query_util[qk] = q
+            rating: Rating | None = self.tables.ratings.get(qk)
+            if rating is not None and not rating.paired:
+                await self.emit_pair(qid, q, rating)
+        # Every candidate, counted before or not: a worker killed after its utility reached
+        # the changelog may not have sent its sample. ``al_sent`` keeps it to once.
+        for rec in recs:
             if rec.al is not None and rec.sample is not None:
                 await self._on_candidate(qk, rec, rec.al, rec.sample)
 
@@ -99,13 +101,15 @@ class OutcomesStage:
         sent = first_send(self.tables.al_sent.get(qk), step, ts)
         if sent is None:
             return
-        # Recorded before sending: a crash in between loses at most a duplicate, and the
-        # deterministic sample_id lets labelers recognise it.
+        # Recorded only once the broker has the sample: a worker killed in between sends it
+        # again (the same deterministic sample_id), never loses it. Recorded first, the
+        # record could reach the changelog without the sample reaching the topic.
+        ack = await self.outputs.active_learning.send(key=qk, value=sample.encode())
+        await ack
         self.tables.al_sent[qk] = sent
         stored: StoredSamples | None = self.tables.al_samples.get(qk)
         samples = {**(stored.samples if stored is not None else {}), sample_id_for(qid, step): sample}
         self.tables.al_samples[qk] = StoredSamples(samples=samples, ts=max(ts, stored.ts if stored else ts))
-        await self.outputs.active_learning.send(key=qk, value=sample.encode())
         self.metrics.al_samples.labels(reason=reason).inc()
 
     async def emit_pair(self, qid: str, q: QueryUtility, rating: Rating) -> None:

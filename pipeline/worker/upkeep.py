@@ -101,9 +101,15 @@ class Upkeep:
         The count caps matter at high rates: per-query state for a day of traffic, and a
         whole sample per error candidate waiting for a verdict, would otherwise grow with
         rate × window. The oldest entries go first.
+
+        The event-time clock is the join's slowest partition (:meth:`JoinStage.event_clock`):
+        a partition running ahead, or one bad timestamp, cannot move it and delete state
+        (docs/architecture.md, "Event time"). Before the join has seen an event only the
+        caps apply.
         """
         c, t = self.config, self.tables
-        horizon = self.join.watermark - c.label_window_s
+        clock = self.join.event_clock()
+        horizon = float("-inf") if clock is None else clock - c.label_window_s
         removed = 0
         for table, cap in (
             (t.query_util, c.query_state_max),

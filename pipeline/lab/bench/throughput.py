@@ -51,7 +51,7 @@ TARGET_LEARNER = 0.80
 
 def make_events(n: int, d: int, s: int, seed: int = 0, candidates: int = 20, k: int = 3) -> list[Experience]:
     rng = np.random.default_rng(seed)
-    base = 1_800_000_000.0
+    base = 1_767_225_600.0  # 2026-01-01: in the past (the join rejects ts beyond now + max_future_skew_s)
     out = []
     for i in range(n):
         cand = [int(c) for c in rng.choice(s, size=candidates, replace=False)]
