@@ -165,7 +165,7 @@ class WorkerConfig:
     label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
     query_state_max: int = 500_000  # per-query table entries a worker keeps at most, per table
     al_pending_max: int = 20_000  # error candidates waiting for a verdict, at most, per table
-    query_state_max_bytes: int = 256 * 1024 * 1024  # encoded bytes of all per-query state but the samples
+    query_state_max_bytes: int = 128 * 1024 * 1024  # encoded bytes of all per-query state but the samples
     al_pending_max_bytes: int = 128 * 1024 * 1024  # encoded bytes of the samples held or sent (al-pending, al-samples)
 
     def __post_init__(self) -> None:
@@ -219,7 +219,7 @@ class Settings:
     label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
     query_state_max: int = 500_000  # per-query table entries a worker keeps at most
     al_pending_max: int = 20_000  # error candidates (whole events) waiting for a verdict, at most
-    query_state_max_bytes: int = 256 * 1024 * 1024  # per-query state (encoded bytes), samples aside
+    query_state_max_bytes: int = 128 * 1024 * 1024  # per-query state (encoded bytes), samples aside
     al_pending_max_bytes: int = 128 * 1024 * 1024  # samples held or sent (encoded bytes)
     worker_store: str = "rocksdb"  # rocksdb | memory: where the worker's tables live
 
