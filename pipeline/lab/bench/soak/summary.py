@@ -11,8 +11,9 @@ its whole retrieval event in ``al-pending`` until a verdict arrives, so those ta
 their caps (``query_state_max``/``al_pending_max`` entries, ``query_state_max_bytes``/
 ``al_pending_max_bytes``) or the window, whichever comes first; on the default RocksDB store
 they grow on disk, not in the worker's RSS. A process is flat when its RSS stays within ±10 %
-of its mean after the first third of the phase. The learner's replay buffer (``replay_max`` experiences) and dedupe set grow until
-their caps, then stay flat. The RSS of every process after the whole run is reported too.
+of its mean after the first third of the phase. The learner's replay buffer (``replay_max``
+experiences) and dedupe set grow until their caps, then stay flat. The RSS of every process
+after the whole run is reported too.
 """
 
 from __future__ import annotations
