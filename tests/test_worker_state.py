@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,6 +13,7 @@ import faust
 import pytest
 from faust.stores.base import SerializedStore
 from faust.stores.rocksdb import Store as RocksDBStore
+from faust.streams import _current_event
 
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
@@ -21,7 +23,8 @@ from pipeline.metrics import Metrics
 from pipeline.promtext import metric
 from pipeline.worker.app import Worker
 from pipeline.worker.records import PendingSamples, QueryUtility, StoredSamples, encoded_size
-from pipeline.worker.tables import Tables, claim_slot, match_epoch
+from pipeline.worker.store import WorkerStore
+from pipeline.worker.tables import STORE_URLS, Tables, claim_slot, match_epoch
 from pipeline.worker.upkeep import Upkeep, table_entries
 
 from .conftest import settings_env
@@ -132,7 +135,7 @@ def test_worker_tables_are_on_rocksdb_by_default(tmp_path: Path) -> None:
     worker = Worker(s.worker(), "127.0.0.1:9", Metrics())
     worker.table_dir(b"marker")
     store = worker.tables.query_util.data
-    assert isinstance(store, RocksDBStore) and store.use_rocksdict
+    assert isinstance(store, WorkerStore) and store.use_rocksdict
     assert store.partition_path(1).parent == tmp_path / "faust" / "tables" / "causalmem-worker" / "slot-0"
     # Sized for dozens of databases, not faust's 2 GiB block cache each.
     assert store.rocksdb_options.block_cache_size <= 16 * 1024 * 1024
@@ -140,6 +143,51 @@ def test_worker_tables_are_on_rocksdb_by_default(tmp_path: Path) -> None:
     assert not isinstance(memory.tables.query_util.data, SerializedStore)
     with pytest.raises(ValueError, match="worker store"):
         s.replace(worker_store="sqlite").worker()
+
+
+class _Event:
+    """What the store reads of faust's current event: its message's partition."""
+
+    def __init__(self, partition: int) -> None:
+        self.message = SimpleNamespace(partition=partition)
+
+
+def _event_in(partition: int) -> _Event:
+    event = _Event(partition)
+    _current_event.set(weakref.ref(event))
+    return event  # keep it alive while it is the current event
+
+
+def test_worker_store_reads_through_its_cache_and_the_event_partition(tmp_path: Path) -> None:
+    app = faust.App("t", store=STORE_URLS["rocksdb"], datadir=str(tmp_path), autodiscover=False)
+    table = app.Table("qu", default=None, key_type=bytes, value_type=QueryUtility, use_partitioner=True, partitions=4)
+    store = table.data
+    assert isinstance(store, WorkerStore)
+    for p in range(4):
+        store._db_for_partition(p)
+    q = QueryUtility(sum=0.5, n=1, steps=[0], ts=T0)
+    ev = _event_in(2)
+    store[b"a"] = q
+    assert store[b"a"] is q  # decoded once, kept
+    assert store._dbs[2].get(b"a") is not None  # written through to the event's partition
+    store._decoded.clear()
+    assert store[b"a"] == q and store[b"a"] is not q  # read back from RocksDB
+    with pytest.raises(KeyError):
+        store[b"b"]
+    ev = _event_in(1)  # another partition's event still finds a key faust indexed
+    assert store[b"a"] == q
+    store._key_index.clear()
+    store._decoded.clear()
+    ev = _event_in(2)
+    assert store[b"a"] == q  # not indexed: the event's partition holds it
+    del store[b"a"]
+    with pytest.raises(KeyError):
+        store[b"a"]
+    store[b"c"] = q
+    store.apply_changelog_batch([], lambda k: k, lambda v: v)  # faust wrote behind the cache
+    assert not store._decoded
+    _current_event.set(None)
+    del ev
 
 
 @pytest.mark.broker

@@ -7,8 +7,9 @@ partition (one owner); ``drift-status`` is global, so every worker reports it.
 Values are the typed records of :mod:`pipeline.worker.records`.
 
 Where they live (``store``, docs/operations.md "Worker state"): by default in RocksDB
-(faust's ``rocksdb://`` store through the ``rocksdict`` binding), one database per table
-partition in ``<state_dir>/tables/<app_id>/slot-<n>``. A restarted worker reads only the
+(faust's RocksDB store through the ``rocksdict`` binding, with the shortcuts of
+:mod:`pipeline.worker.store`), one database per table partition in
+``<state_dir>/tables/<app_id>/slot-<n>``. A restarted worker reads only the
 changelog written since its last run. Several workers on one machine each lock their own
 slot. A slot filled against another Kafka cluster (a new epoch marker, see
 docs/operations.md) is emptied first. With ``memory`` they live in dicts and every start
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import faust
+import faust.stores
 
+from pipeline.worker import store
 from pipeline.worker.records import (
     DriftPair,
     DriftStatus,
@@ -58,7 +61,10 @@ ROCKSDB_OPTIONS: dict[str, int] = {
     "target_file_size_base": 16 * MIB,
     "block_cache_size": 8 * MIB,
 }
-STORE_URLS = {"rocksdb": "rocksdb://", "memory": "memory://"}
+SAMPLE_CACHE_ENTRIES = 256  # decoded samples kept per sample table (each is kilobytes)
+STORE_URLS = {"rocksdb": f"{store.SCHEME}://", "memory": "memory://"}
+# faust finds a store class by the URL's scheme in this registry.
+faust.stores.STORES.aliases.setdefault(store.SCHEME, "pipeline.worker.store:WorkerStore")
 MAX_SLOTS = 64  # workers of one app on one machine
 EPOCH_FILE = "epoch"
 
@@ -80,13 +86,13 @@ class Tables:
 
     @classmethod
     def declare(cls, app: faust.App, partitions: int) -> Tables:
-        rocksdb = str(app.conf.store).startswith("rocksdb:")
+        rocksdb = str(app.conf.store).startswith(f"{store.SCHEME}:")
 
-        def options() -> dict[str, int] | None:
+        def options(cache: int = store.CACHE_ENTRIES) -> dict[str, int] | None:
             # A fresh dict per table: faust's RocksDB store pops keys from the one it gets.
-            return dict(ROCKSDB_OPTIONS) if rocksdb else None
+            return {**ROCKSDB_OPTIONS, store.CACHE_OPTION: cache} if rocksdb else None
 
-        def per_query(name: str, value_type: type[faust.Record]) -> Any:
+        def per_query(name: str, value_type: type[faust.Record], cache: int = store.CACHE_ENTRIES) -> Any:
             return app.Table(
                 name,
                 default=None,
@@ -94,7 +100,7 @@ class Tables:
                 value_type=value_type,
                 use_partitioner=True,
                 partitions=partitions,
-                options=options(),
+                options=options(cache),
             )
 
         def single(name: str, value_type: type[faust.Record]) -> Any:
@@ -104,9 +110,9 @@ class Tables:
             query_util=per_query("query-utility", QueryUtility),
             verdicts=per_query("verdicts", Verdict),
             ratings=per_query("ratings", Rating),
-            al_pending=per_query("al-pending-v2", PendingSamples),
+            al_pending=per_query("al-pending-v2", PendingSamples, SAMPLE_CACHE_ENTRIES),
             al_sent=per_query("al-sent-v2", SentSteps),
-            al_samples=per_query("al-samples-v2", StoredSamples),
+            al_samples=per_query("al-samples-v2", StoredSamples, SAMPLE_CACHE_ENTRIES),
             labels_seen=per_query("labels-seen-v2", SeenLabels),
             drift_pairs=single("drift-pairs-v2", DriftPair),
             drift_state=single("drift-state", TriggerState),
