@@ -27,7 +27,7 @@ from typing import Any
 from faust.stores.rocksdb import Store as RocksDBStore
 from faust.streams import current_event
 
-CACHE_ENTRIES = 20_000  # decoded values kept per table by default (~10 MB of small records)
+CACHE_ENTRIES = 10_000  # decoded values kept per table by default (~5 MB of small records)
 CACHE_OPTION = "decoded_cache_entries"  # a table's own size, in its store options
 SCHEME = "causalmem-rocksdb"  # registered with faust's store registry by pipeline.worker.tables
 
