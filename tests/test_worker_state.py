@@ -174,6 +174,7 @@ def test_worker_store_reads_through_its_cache_and_the_event_partition(tmp_path: 
     assert store[b"a"] == q and store[b"a"] is not q  # read back from RocksDB
     with pytest.raises(KeyError):
         store[b"b"]
+    assert b"a" in store and b"b" not in store
     ev = _event_in(1)  # another partition's event still finds a key faust indexed
     assert store[b"a"] == q
     store._key_index.clear()

@@ -55,6 +55,14 @@ class WorkerStore(RocksDBStore):
         self._remember(raw, decoded)
         return decoded
 
+    def __contains__(self, key: object) -> bool:
+        # faust's Table asks this before every read (then reads): one lookup serves both.
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
+
     def __setitem__(self, key: Any, value: Any) -> None:
         raw = self._encode_key(key)
         self._set(raw, self._encode_value(value))
