@@ -149,7 +149,7 @@ def test_rss_is_flat_only_within_ten_percent_after_warm_up() -> None:
         return {"broker": 100 + 2.0 * t, "worker": 200.0 + min(t, 10.0) * 10 + (15.0 if t % 2 else -15.0)}
 
     r = judge.judge_phase(series(rss=rss), 30.0, 100.0)["rss"]
-    assert r["worker"]["flat"] and r["worker"]["after_warmup_spread"] == pytest.approx(0.05, abs=0.002)
+    assert r["worker"]["flat"] and r["worker"]["after_warmup_spread"] == pytest.approx(0.05, abs=0.005)
     assert not r["broker"]["flat"] and r["broker"]["after_warmup_spread"] > 0.10
 
 
