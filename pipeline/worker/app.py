@@ -104,9 +104,9 @@ class Worker:
             broker=[f"kafka://{b}" for b in self.bootstrap.split(",")],
             broker_credentials=faust_credentials(c.connection.security),
             store=STORE_URLS[c.store],
-            # The key → partition index of the RocksDB store: a miss probes every
-            # partition's database (bloom filters), so keep the recent queries' keys.
-            table_key_index_size=100_000,
+            # The RocksDB store's key → partition index: reads and deletes outside an event
+            # (the prune) probe every partition's database for a key not in it.
+            table_key_index_size=50_000,
             topic_partitions=c.partitions,
             # The embedded broker holds a JoinGroup for session_timeout / 2: a short session
             # keeps rebalances (a start, a takeover) to seconds.
