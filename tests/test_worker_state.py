@@ -247,3 +247,25 @@ async def test_worker_state_is_on_disk_and_resumes_from_its_offset(settings: Set
     assert keys == {f"q{i}".encode() for i in range(n)}
     # Each database knows how far into the changelog it is: a restart reads from there on.
     assert persisted == last
+
+    # Restarted (killed this time), the worker takes its slot back and goes on from its state.
+    worker = Child("worker", s.bootstrap, env, log_path=tmp_path / "worker-2.log")
+    try:
+        await until(lambda: metric(worker.metrics(), "causalmem_partitions_owned", stage="join") > 0, 60, "worker")
+        async with EventPublisher(s.bootstrap, s) as pub:
+            for i in range(5):
+                ev = retrieval_event(s, f"q{i}", step=1, ts=T0 + 100 + i)
+                await pub.publish(ev)
+                await pub.publish(feedback(ev.query_id, step=1, ts=T0 + 101 + i, utility=0.75))
+        start = {p: o + 1 for p, o in last.items()}
+        latest: dict[bytes, QueryUtility] = {}
+        for _ in range(120):
+            for m in await kafka.read_all(s.bootstrap, s, changelog, start=start):
+                latest[m.key] = QueryUtility.loads(m.value, serializer="json")
+            if len(latest) >= 5:
+                break
+            await asyncio.sleep(0.5)
+        assert {k: (q.n, q.u_query) for k, q in latest.items()} == {f"q{i}".encode(): (2, 0.5) for i in range(5)}
+    finally:
+        worker.kill()
+    assert not (slot.parent / "slot-1").exists()
