@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import rocksdict
 from faust.stores.rocksdb import Store as RocksDBStore
 from faust.streams import current_event
 
@@ -94,6 +95,21 @@ class WorkerStore(RocksDBStore):
                     self._key_index[key] = partition
                     return db, value
         return super()._get_bucket_for_key(key)
+
+    # -- no write-ahead log: the changelog topic is the log. A crash loses at most the
+    # unflushed writes, and the database's persisted offset is in the same flushed
+    # prefix, so recovery replays the changelog from there. A clean stop flushes.
+    def _open_for_partition(self, partition: int) -> Any:
+        db = super()._open_for_partition(partition)
+        options = rocksdict.WriteOptions()
+        options.disable_wal = True
+        db.set_write_options(options)
+        return db
+
+    async def stop(self) -> None:
+        for db in self._dbs.values():
+            db.flush()
+        await super().stop()
 
     # -- writes faust makes without the mapping interface: forget what was decoded
     def apply_changelog_batch(self, batch: Any, to_key: Any, to_value: Any) -> None:
