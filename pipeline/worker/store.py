@@ -102,7 +102,7 @@ class WorkerStore(RocksDBStore):
     def _open_for_partition(self, partition: int) -> Any:
         db = super()._open_for_partition(partition)
         options = rocksdict.WriteOptions()
-        options.disable_wal = True
+        options.disable_wal = True  # type: ignore[method-assign,assignment]  # a property (the stub says method)
         db.set_write_options(options)
         return db
 
