@@ -151,6 +151,9 @@ class DriftConfig:
     reset: bool = True  # False: measure and report, never reset
 
 
+WORKER_STORES = ("rocksdb", "memory")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """One worker process: the faust app, its tables' bounds, the join and the drift stage."""
@@ -159,10 +162,17 @@ class WorkerConfig:
     join: JoinConfig
     drift: DriftConfig = field(default_factory=DriftConfig)
     app_id: str = "causalmem-worker"
-    state_dir: Path = Path("~/.causalmem/faust")  # faust's data directory
+    state_dir: Path = Path("~/.causalmem/faust")  # faust's data directory (tables under tables/<app_id>/)
+    store: str = "rocksdb"  # rocksdb: tables on local disk, kept across restarts | memory: rebuilt on every start
     label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
-    query_state_max: int = 500_000  # per-query table entries a worker keeps at most
-    al_pending_max: int = 20_000  # error candidates waiting for a verdict, at most
+    query_state_max: int = 500_000  # per-query table entries a worker keeps at most, per table
+    al_pending_max: int = 20_000  # error candidates waiting for a verdict, at most, per table
+    query_state_max_bytes: int = 128 * 1024 * 1024  # encoded bytes of all per-query state but the samples
+    al_pending_max_bytes: int = 128 * 1024 * 1024  # encoded bytes of the samples held or sent (al-pending, al-samples)
+
+    def __post_init__(self) -> None:
+        if self.store not in WORKER_STORES:
+            raise ValueError(f"worker store {self.store!r}: expected one of {', '.join(WORKER_STORES)}")
 
     @property
     def partitions(self) -> int:
@@ -213,6 +223,9 @@ class Settings:
     label_window_s: float = 86400.0  # event time a verdict/rating can wait for its query
     query_state_max: int = 500_000  # per-query table entries a worker keeps at most
     al_pending_max: int = 20_000  # error candidates (whole events) waiting for a verdict, at most
+    query_state_max_bytes: int = 128 * 1024 * 1024  # per-query state (encoded bytes), samples aside
+    al_pending_max_bytes: int = 128 * 1024 * 1024  # samples held or sent (encoded bytes)
+    worker_store: str = "rocksdb"  # rocksdb | memory: where the worker's tables live
 
     al_threshold: float = -0.3
     al_uncertainty_budget: float = 0.0  # fraction of experiences; 0 disables the trigger
@@ -282,9 +295,12 @@ class Settings:
             drift=self.drift(),
             app_id=f"{self.topic_prefix}causalmem-worker",
             state_dir=self.state_path() / "faust",
+            store=self.worker_store,
             label_window_s=self.label_window_s,
             query_state_max=self.query_state_max,
             al_pending_max=self.al_pending_max,
+            query_state_max_bytes=self.query_state_max_bytes,
+            al_pending_max_bytes=self.al_pending_max_bytes,
         )
 
     def trainer(self) -> TrainerConfig:

@@ -143,6 +143,16 @@ def test_rss_slopes() -> None:
     assert r["learner"]["slope_mb_per_min"] == pytest.approx(-30.0)
 
 
+def test_rss_is_flat_only_within_ten_percent_after_warm_up() -> None:
+    def rss(t: float) -> dict[str, float]:
+        # worker: warms up over the first third, then ±5 %; broker: +2 MB/s, i.e. +40 % over the rest
+        return {"broker": 100 + 2.0 * t, "worker": 200.0 + min(t, 10.0) * 10 + (15.0 if t % 2 else -15.0)}
+
+    r = judge.judge_phase(series(rss=rss), 30.0, 100.0)["rss"]
+    assert r["worker"]["flat"] and r["worker"]["after_warmup_spread"] == pytest.approx(0.05, abs=0.005)
+    assert not r["broker"]["flat"] and r["broker"]["after_warmup_spread"] > 0.10
+
+
 def test_slope_helper() -> None:
     assert judge.slope_per_min([0, 1], [0, 1]) is None
     assert judge.slope_per_min([0, 30, 60], [5, 6, 7]) == pytest.approx(2.0)
@@ -210,6 +220,8 @@ def test_report_renders_a_table() -> None:
     assert "| broker | 100 |" in text
     assert "**sustainable**" in text
     assert "+120.0" in text
+    assert "| worker | 200 |" in text and "200, ±0.0 % | yes |" in text  # flat after warm-up
+    assert "| NO |" in text  # the broker's +2 MB/s is not
 
 
 @pytest.mark.slow

@@ -15,28 +15,32 @@ input topics' partitions are split between them). The parts:
 
 The active-learning rule they share is :mod:`pipeline.worker.active_learning`. Tables
 (:mod:`pipeline.worker.tables`, values from :mod:`pipeline.worker.records`) live in
-memory and are rebuilt from their changelog topics on start or takeover (faust
-``memory://`` store); entries older than ``label_window_s`` of event time are pruned,
-which bounds memory. See docs/architecture.md.
+RocksDB under the state directory by default (``worker_store = rocksdb``): a restart reads
+only the changelog written since; with ``memory`` they are rebuilt from their changelog
+topics on every start or takeover. Entries older than ``label_window_s`` of event time, and
+the oldest beyond the caps (entries and encoded bytes), are pruned. See
+docs/architecture.md and docs/operations.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
-from typing import Any
+from typing import IO, Any
 
 import faust
 import mode
 
 from pipeline.config import WorkerConfig
-from pipeline.kafka import ClusterWatch, faust_credentials
+from pipeline.kafka import ClusterWatch, faust_credentials, read_all
 from pipeline.metrics import Metrics
 from pipeline.service import restart_process
 from pipeline.worker.drift import DriftStage
 from pipeline.worker.join import JoinStage
 from pipeline.worker.labels import LabelsStage
 from pipeline.worker.outcomes import OutcomesStage
-from pipeline.worker.tables import Outputs, Tables, raw_topic
+from pipeline.worker.tables import STORE_URLS, Outputs, Tables, claim_slot, match_epoch, raw_topic
 from pipeline.worker.upkeep import HEALTH_INTERVAL_S, PRUNE_INTERVAL_S, Upkeep
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,7 @@ class Worker:
         self.metrics = metrics
         self.topics = config.connection.topics
         self.join = JoinStage(config.join, bootstrap, metrics)
+        self._slot_lock: IO[str] | None = None
         self.app = self._app(web_port)
         self.tables = Tables.declare(self.app, config.partitions)
         self.outputs = Outputs.declare(self.app, self.topics)
@@ -98,7 +103,15 @@ class Worker:
             c.app_id,
             broker=[f"kafka://{b}" for b in self.bootstrap.split(",")],
             broker_credentials=faust_credentials(c.connection.security),
-            store="memory://",
+            store=STORE_URLS[c.store],
+            # The RocksDB store's key → partition index: reads and deletes outside an event
+            # (the prune) probe every partition's database for a key not in it.
+            table_key_index_size=50_000,
+            # faust's check that a table's persisted changelog offset is below the topic's
+            # end: the epoch marker (table_dir) already empties tables built against another
+            # cluster, and the embedded broker answers "latest offset" with the last batch's
+            # base offset + 1, so the check would stop a worker whose data is fine.
+            recovery_consistency_check=False,
             topic_partitions=c.partitions,
             # The embedded broker holds a JoinGroup for session_timeout / 2: a short session
             # keeps rebalances (a start, a takeover) to seconds.
@@ -114,7 +127,8 @@ class Worker:
             autodiscover=False,
             table_cleanup_interval=30.0,
             worker_redirect_stdouts=False,
-            # Table files (if any) live in the state directory, not in the current one.
+            # faust's files live in the state directory, not in the current one; the
+            # tables' directory is chosen at start (table_dir).
             datadir=str(c.state_dir),
         )
 
@@ -128,8 +142,22 @@ class Worker:
         app.timer(interval=HEALTH_INTERVAL_S)(self.upkeep.health)
         app.timer(interval=PRUNE_INTERVAL_S)(self.upkeep.prune)
 
+    def table_dir(self, marker: bytes | None) -> None:
+        """Take a table directory of this app (RocksDB store), emptied if ``marker`` is another cluster's.
+
+        Called once, before the faust worker starts (it opens the databases there).
+        """
+        if self.config.store != "rocksdb" or self._slot_lock is not None:
+            return
+        slot, self._slot_lock = claim_slot(self.config.state_dir / "tables" / self.config.app_id)
+        match_epoch(slot, marker)
+        self.app.conf.tabledir = slot
+        log.info("worker tables in %s", slot)
+
     def faust_worker(self, loglevel: str = "warning", restart_on_reset: bool = True) -> faust.Worker:
         """The faust worker running every stage; on a cluster reset it restarts this process."""
+        if self.config.store == "rocksdb":
+            self.table_dir(epoch_marker(self.bootstrap, self.config))
         watch = None
         if restart_on_reset:
             watch = ClusterWatch(
@@ -147,3 +175,20 @@ class Worker:
             quiet=True,
             redirect_stdouts=False,
         )
+
+
+def epoch_marker(bootstrap: str, config: WorkerConfig, timeout: float = 30.0) -> bytes | None:
+    """The value of the cluster's epoch marker (None: unreadable); read before faust's loop exists."""
+
+    async def read() -> bytes | None:
+        records = await read_all(bootstrap, config.connection, config.connection.topics.epoch.name, partitions=[0])
+        return bytes(records[0].value) if records else None
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # its own event loop, closed after
+    try:
+        return pool.submit(asyncio.run, read()).result(timeout=timeout)
+    except Exception as exc:
+        log.warning("epoch marker unreadable (%r): keeping the worker's local tables as they are", exc)
+        return None
+    finally:
+        pool.shutdown(wait=False)

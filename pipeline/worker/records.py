@@ -4,7 +4,8 @@ Table values are faust :class:`~faust.Record` subclasses: faust keeps them as ob
 memory and writes them as JSON to the tables' changelog topics (internal; the format
 may change between versions, the changelogs are rebuilt from scratch on a new cluster).
 Every per-query record carries ``ts``, the latest event time it saw, which is what the
-upkeep prunes by.
+upkeep prunes by; its caps count each entry's encoded size (:func:`raw_ts`,
+:func:`encoded_size`).
 
 The values on the worker's internal topics (``outcomes``, ``rating-pairs``) are wire
 values, in :mod:`topics.internal`. An error or uncertain candidate reaches the outcomes
@@ -14,6 +15,9 @@ its fields.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
 
 import faust
 
@@ -131,3 +135,81 @@ class DriftStatus(faust.Record, serializer="json"):
     t: float
     resets: int
     last_fired_by: str | None = None
+
+
+# --------------------------------------------------------------------------- entry sizes
+# What the prune counts against the byte caps: an entry's key and value as the RocksDB
+# store and the changelog hold them (faust's JSON of the record). docs/operations.md gives
+# the measured cost of an entry beyond that, per store.
+
+_TS_FIELD = re.compile(rb'"ts":(-?[0-9.eE+-]+)[,}]')
+
+
+def raw_ts(value: bytes) -> float:
+    """The ``ts`` field of an encoded record, without decoding it (0.0: none).
+
+    The top-level ``ts`` is the last unescaped ``"ts":`` (the samples inside are escaped
+    JSON text, in which every quote is ``\\"``).
+
+    >>> raw_ts(Verdict(correct=True, ts=1.5e9).dumps(serializer="json"))
+    1500000000.0
+    >>> raw_ts(StoredSamples(samples={"s": '{"ts":7}'}, ts=3.25).dumps(serializer="json"))
+    3.25
+    """
+    found = _TS_FIELD.findall(value)
+    return float(found[-1]) if found else 0.0
+
+
+def encoded_size(value: faust.Record | None) -> int:
+    """About the bytes of ``value`` as faust encodes it (for the memory store, without encoding it).
+
+    The record's fixed part is measured once per class; its lists and samples are counted.
+    Within a few percent of the encoded length for the records the per-query tables hold.
+
+    >>> q = QueryUtility(sum=1.25, n=3, steps=[0, 1, 2], ts=1.8e9)
+    >>> abs(encoded_size(q) - len(q.dumps(serializer="json"))) <= 16
+    True
+    >>> p = PendingSamples(samples={"0": '{"event_id": "e", "ts": 1800000000.5}' * 40}, ts=1.8e9)
+    >>> abs(encoded_size(p) - len(p.dumps(serializer="json"))) < 0.02 * encoded_size(p)
+    True
+    """
+    if value is None:
+        return 4
+    base = _BASE_SIZES.get(type(value))
+    if base is None:
+        return len(value.dumps(serializer="json"))
+    n = base()
+    samples = getattr(value, "samples", None)
+    if samples:
+        # The samples are JSON text inside JSON: every quote gains a backslash.
+        n += sum(len(k) + 6 + len(v) + v.count('"') for k, v in samples.items())
+    steps = getattr(value, "steps", None)
+    if steps:
+        n += sum(len(str(i)) + 1 for i in steps)
+    ids = getattr(value, "ids", None)
+    if ids:
+        n += sum(len(i) + 3 for i in ids)
+    return n
+
+
+def _fixed(example: faust.Record) -> Callable[[], int]:
+    size: list[int] = []
+
+    def get() -> int:
+        if not size:
+            size.append(len(example.dumps(serializer="json")))
+        return size[0]
+
+    return get
+
+
+_TS_EXAMPLE = 1_800_000_000.125  # an event time of typical length
+_BASE_SIZES: dict[type, Callable[[], int]] = {
+    QueryUtility: _fixed(QueryUtility(sum=-12.3456789, n=10, steps=[], ts=_TS_EXAMPLE)),
+    Verdict: _fixed(Verdict(correct=False, ts=_TS_EXAMPLE)),
+    Rating: _fixed(Rating(rating=1, ts=_TS_EXAMPLE, paired=False)),
+    PendingSamples: _fixed(PendingSamples(samples={}, ts=_TS_EXAMPLE)),
+    SentSteps: _fixed(SentSteps(steps=[], ts=_TS_EXAMPLE)),
+    StoredSamples: _fixed(StoredSamples(samples={}, ts=_TS_EXAMPLE)),
+    SeenLabels: _fixed(SeenLabels(ids=[], ts=_TS_EXAMPLE)),
+}

@@ -1,4 +1,4 @@
-"""The worker's timers: the health score, the stream stages' lag, and pruning the tables."""
+"""The worker's timers: the health score, the stream stages' lag, and pruning the tables (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import asyncio
 import logging
 from typing import Any
 
+from faust.stores.base import SerializedStore
+
 from models.health import health_score
 from pipeline.config import WorkerConfig
 from pipeline.metrics import Metrics
 from pipeline.worker.join import JoinStage
-from pipeline.worker.records import DriftStatus
+from pipeline.worker.records import DriftStatus, encoded_size, raw_ts
 from pipeline.worker.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,36 @@ def prune_order(entries: list[tuple[float, Any]], cap: int, horizon: float) -> l
             break
         out.append(key)
     return out
+
+
+def over_bytes(entries: list[tuple[float, int, Any]], max_bytes: int) -> list[Any]:
+    """The oldest keys to delete so that the rest hold at most ``max_bytes`` (entries: ts, bytes, key).
+
+    >>> over_bytes([(5.0, 40, "a"), (1.0, 30, "b"), (9.0, 50, "c")], max_bytes=100)
+    ['b']
+    >>> over_bytes([(5.0, 40, "a"), (1.0, 30, "b"), (9.0, 50, "c")], max_bytes=49)
+    ['b', 'a', 'c']
+    """
+    total = sum(size for _, size, _ in entries)
+    out = []
+    for _, size, key in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        out.append(key)
+        total -= size
+    return out
+
+
+def table_entries(table: Any) -> list[tuple[float, int, bytes]]:
+    """``(event time, encoded bytes, key)`` of every entry of a per-query table on this worker.
+
+    From the RocksDB store, the raw bytes (no record is decoded: a prune reads every entry
+    of every per-query table); from the memory store, the records and their estimated size.
+    """
+    store = table.data
+    if isinstance(store, SerializedStore):
+        return [(raw_ts(v), len(k) + len(v), k) for k, v in store._iteritems()]
+    return [(v.ts if v is not None else 0.0, len(k) + encoded_size(v), k) for k, v in list(table.items())]
 
 
 class Upkeep:
@@ -96,11 +128,13 @@ class Upkeep:
             self.metrics.consumer_lag.labels(topic=topic).set(lag)
 
     async def prune(self) -> None:
-        """Bound the per-query tables: by event time (``label_window_s``) and by count.
+        """Bound the per-query tables: by event time (``label_window_s``), by count and by bytes.
 
-        The count caps matter at high rates: per-query state for a day of traffic, and a
-        whole sample per error candidate waiting for a verdict, would otherwise grow with
-        rate × window. The oldest entries go first.
+        The caps matter at high rates: per-query state for a day of traffic, and a whole
+        sample per error candidate waiting for a verdict, would otherwise grow with
+        rate × window. Counts are per table; bytes (each entry's encoded key and value) are
+        per group: the samples (``al-pending``, ``al-samples``) and the rest of the
+        per-query state. The oldest entries go first.
 
         The event-time clock is the join's slowest partition (:meth:`JoinStage.event_clock`):
         a partition running ahead, or one bad timestamp, cannot move it and delete state
@@ -111,18 +145,25 @@ class Upkeep:
         clock = self.join.event_clock()
         horizon = float("-inf") if clock is None else clock - c.label_window_s
         removed = 0
-        for table, cap in (
-            (t.query_util, c.query_state_max),
-            (t.verdicts, c.query_state_max),
-            (t.ratings, c.query_state_max),
-            (t.al_pending, c.al_pending_max),
-            (t.al_sent, c.query_state_max),
-            (t.al_samples, c.al_pending_max),
-            (t.labels_seen, c.query_state_max),
+        for group, cap, max_bytes in (
+            (
+                (t.query_util, t.verdicts, t.ratings, t.al_sent, t.labels_seen),
+                c.query_state_max,
+                c.query_state_max_bytes,
+            ),
+            ((t.al_pending, t.al_samples), c.al_pending_max, c.al_pending_max_bytes),
         ):
-            entries = [(v.ts if v is not None else 0.0, k) for k, v in list(table.items())]
-            for key in prune_order(entries, cap, horizon):
-                del table[key]
+            kept: list[tuple[float, int, tuple[int, bytes]]] = []
+            for i, table in enumerate(group):
+                entries = table_entries(table)
+                doomed = set(prune_order([(ts, k) for ts, _, k in entries], cap, horizon))
+                for key in doomed:
+                    del table[key]
+                removed += len(doomed)
+                kept += [(ts, size, (i, k)) for ts, size, k in entries if k not in doomed]
+                await asyncio.sleep(0)
+            for i, key in over_bytes(kept, max_bytes):
+                del group[i][key]
                 removed += 1
             await asyncio.sleep(0)
         if removed:

@@ -18,7 +18,8 @@ and the end-to-end backlog (pairs produced minus experiences applied):
 - a phase is **sustainable** when the rate is reached, every lag is bounded and it drains.
 
 RSS slopes are least-squares fits (``numpy.polyfit``) in MB/min, over the whole phase and
-over its second half.
+over its second half. A process's RSS is **flat** when, after the first third of the phase
+(warm-up: tables, caches and buffers filling), every sample is within ±10 % of their mean.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ GROWTH = 2.0
 FLOOR_S = 2.0
 RATE_TOLERANCE = 0.05
 PROCESSES = ("broker", "worker", "learner")
+WARMUP_FRACTION = 1 / 3  # of the phase, before RSS is judged flat or not
+FLAT_TOLERANCE = 0.10
 
 LAG_SERIES = {
     # name: (sample field, unit, input messages per pair reaching that stage)
@@ -51,6 +54,18 @@ def slope_per_min(t_s: Sequence[float], values: Sequence[float]) -> float | None
     if len(t_s) < 3 or len(set(t_s)) < 2:
         return None
     return float(np.polyfit(np.asarray(t_s, dtype=float), np.asarray(values, dtype=float), 1)[0] * 60.0)
+
+
+def spread(values: Sequence[float]) -> float | None:
+    """The largest deviation from the mean, as a fraction of the mean (None: no values).
+
+    >>> spread([90.0, 100.0, 110.0])
+    0.1
+    """
+    if not values:
+        return None
+    mean = float(np.mean(values))
+    return float(max(abs(v - mean) for v in values) / mean) if mean else None
 
 
 def _backlog(s: dict[str, Any]) -> float:
@@ -146,12 +161,17 @@ def judge_phase(
         if not pts:
             continue
         half = [(t, v) for t, v in pts if t >= duration / 2.0]
+        after = [v for t, v in pts if t >= duration * WARMUP_FRACTION]
+        dev = spread(after)
         rss[proc] = {
             "start_mb": pts[0][1],
             "end_mb": pts[-1][1],
             "max_mb": max(allv),
             "slope_mb_per_min": slope_per_min([t for t, _ in pts], [v for _, v in pts]),
             "slope_second_half_mb_per_min": slope_per_min([t for t, _ in half], [v for _, v in half]),
+            "after_warmup_mean_mb": float(np.mean(after)) if after else None,
+            "after_warmup_spread": dev,
+            "flat": None if dev is None else dev <= FLAT_TOLERANCE,
         }
 
     return {

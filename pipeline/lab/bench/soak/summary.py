@@ -7,10 +7,13 @@ carry each retrieval event again, plus outcomes and the worker's table changelog
 worker's join state is bounded by the join window, but its faust tables keep per-query state
 for ``label_window_s`` of event time (default one day): ``query-utility`` for every query and,
 for each error candidate (utility below ``al_threshold``; about 20 % of the synthetic pairs),
-its whole retrieval event in ``al-pending`` until a verdict arrives, so the worker grows until
-those tables reach their caps (``query_state_max``, ``al_pending_max``) or the window, whichever
-comes first. The learner's replay buffer (``replay_max`` experiences) and dedupe set grow until
-their caps, then stay flat. The RSS of every process after the whole run is reported too.
+its whole retrieval event in ``al-pending`` until a verdict arrives, so those tables grow until
+their caps (``query_state_max``/``al_pending_max`` entries, ``query_state_max_bytes``/
+``al_pending_max_bytes``) or the window, whichever comes first; on the default RocksDB store
+they grow on disk, not in the worker's RSS. A process is flat when its RSS stays within ±10 %
+of its mean after the first third of the phase. The learner's replay buffer (``replay_max``
+experiences) and dedupe set grow until their caps, then stay flat. The RSS of every process
+after the whole run is reported too.
 """
 
 from __future__ import annotations
@@ -82,13 +85,18 @@ def report(r: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| process | RSS start MB | RSS end MB | RSS max MB | slope MB/min | slope, 2nd half MB/min |",
-        "|---|---|---|---|---|---|",
+        "| process | RSS start MB | RSS end MB | RSS max MB | slope MB/min | slope, 2nd half MB/min "
+        "| after warm-up: mean MB, spread | flat (±10 %) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for proc, x in st["rss"].items():
+        dev = x.get("after_warmup_spread")
+        flat = x.get("flat")
         lines.append(
             f"| {proc} | {x['start_mb']:,.0f} | {x['end_mb']:,.0f} | {x['max_mb']:,.0f} | "
-            f"{_f(x['slope_mb_per_min'], '+,.1f')} | {_f(x['slope_second_half_mb_per_min'], '+,.1f')} |"
+            f"{_f(x['slope_mb_per_min'], '+,.1f')} | {_f(x['slope_second_half_mb_per_min'], '+,.1f')} | "
+            f"{_f(x.get('after_warmup_mean_mb'), ',.0f')}, ±{_f(None if dev is None else 100 * dev, '.1f')} % | "
+            f"{'—' if flat is None else 'yes' if flat else 'NO'} |"
         )
     broker = st["rss"].get("broker")
     lines += [
@@ -106,9 +114,16 @@ def report(r: dict[str, Any]) -> str:
         f"per-query state for label_window_s = {c.get('label_window_s', 86400.0):,.0f} s of event time: the "
         f"utility sum of every query and, for each error candidate (utility < {c.get('al_threshold', -0.3):g}: "
         f"{c.get('error_candidate_share', 0.0):.0%} of these pairs), its whole retrieval event until a verdict "
-        f"arrives; its RSS grows until those tables reach their caps (query_state_max = "
-        f"{c.get('query_state_max', 500_000):,} queries, al_pending_max = {c.get('al_pending_max', 20_000):,} "
-        f"events) or the window, whichever comes first. The learner's replay buffer ({c['replay_max']:,} "
+        f"arrives. Those tables are on the {c.get('worker_store', 'memory')} store"
+        + (
+            " (on disk: the worker's RSS holds only RocksDB's write buffers and block caches)"
+            if c.get("worker_store") == "rocksdb"
+            else " (in the worker's RSS)"
+        )
+        + f" and grow until their caps (query_state_max = {c.get('query_state_max', 500_000):,} entries and "
+        f"{c.get('query_state_max_bytes', 0) / 2**20:,.0f} MiB, al_pending_max = {c.get('al_pending_max', 20_000):,} "
+        f"events and {c.get('al_pending_max_bytes', 0) / 2**20:,.0f} MiB) or the window, whichever comes first. "
+        f"The learner's replay buffer ({c['replay_max']:,} "
         "experiences) and dedupe set grow until their caps, then stay flat.",
     ]
     end = r.get("processes_rss_end_mb")
