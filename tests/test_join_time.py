@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import orjson
 
 from pipeline.config import Settings
 from pipeline.metrics import Metrics
+from pipeline.worker.records import QueryUtility
 from pipeline.worker.upkeep import Upkeep
 from topics.fields import REASONS
 
@@ -72,6 +74,12 @@ async def test_expiry_follows_each_partitions_own_watermark() -> None:
     assert stage.event_clock() == now - 29  # the slowest partition
 
 
+class MemoryTable(dict[bytes, Any]):
+    """A table on the memory store, as far as the prune looks (items, deletion, no serialized store)."""
+
+    data: Any = None
+
+
 async def test_the_table_prune_clock_ignores_a_far_future_event() -> None:
     """The prune's clock is the slowest partition's watermark; a bad event cannot move it."""
     s = S.replace(label_window_s=3600.0)
@@ -80,10 +88,10 @@ async def test_the_table_prune_clock_ignores_a_far_future_event() -> None:
     now = time.time()
     await stage.process(inputs.batch([("r", 0, retrieval_event(s, "bad", ts=1e11 - 1))]))
     await stage.process(inputs.batch([("r", 1, retrieval_event(s, "q", ts=now - 10))]))
-    entry = SimpleNamespace(ts=now - 100)  # a query's state, well inside the label window
-    stale = SimpleNamespace(ts=now - 7200)  # older than the label window
+    entry = QueryUtility(sum=0.5, n=1, steps=[0], ts=now - 100)  # well inside the label window
+    stale = QueryUtility(sum=0.5, n=1, steps=[0], ts=now - 7200)  # older than the label window
     names = ("query_util", "verdicts", "ratings", "al_pending", "al_sent", "al_samples", "labels_seen")
-    tables = SimpleNamespace(**{name: {b"q": entry, b"old": stale} for name in names})
+    tables = SimpleNamespace(**{name: MemoryTable({b"q": entry, b"old": stale}) for name in names})
     upkeep = Upkeep(s.worker(), tables, stage, Metrics(), app=None, stage_topics=frozenset())  # type: ignore[arg-type]
     await upkeep.prune()
     assert all(list(getattr(tables, name)) == [b"q"] for name in names)

@@ -30,7 +30,7 @@ from pipeline.worker.upkeep import Upkeep, table_entries
 from .conftest import settings_env
 from .helpers import feedback, retrieval_event, until
 
-T0 = 1_800_000_000.0
+T0 = 1_767_225_600.0  # 2026-01-01: the join dead-letters event times too far ahead of the wall clock
 
 
 class FakeTable(dict[bytes, Any]):
@@ -66,7 +66,7 @@ def _upkeep(tables: dict[str, Any], **caps: Any) -> Upkeep:
     s = Settings(partitions=2, embedding_dim=8, slots=32).replace(**caps)
     names = ("query_util", "verdicts", "ratings", "al_pending", "al_sent", "al_samples", "labels_seen")
     t = Tables(**{n: tables.get(n, FakeTable()) for n in names}, drift_pairs={}, drift_state={}, drift_status={})
-    join = SimpleNamespace(watermark=T0 + 1000.0)
+    join = SimpleNamespace(event_clock=lambda: T0 + 1000.0)  # the slowest partition's event time
     return Upkeep(s.worker(), t, join, Metrics(), app=None, stage_topics=frozenset())  # type: ignore[arg-type]
 
 
@@ -104,7 +104,7 @@ def test_prune_still_applies_counts_and_the_label_window() -> None:
     utils = {f"q{i}".encode(): QueryUtility(sum=0.5, n=1, steps=[0], ts=T0 - 90_000 + i * 1000) for i in range(100)}
     table = FakeTable(utils)
     asyncio.run(_upkeep({"query_util": table}, query_state_max=10).prune())
-    # the label window (86,400 s before the watermark) leaves the last ~87; the count cap 10
+    # the label window (86,400 s before the event clock) leaves the last ~87; the count cap 10
     assert sorted(table) == sorted(f"q{i}".encode() for i in range(90, 100))
 
 
