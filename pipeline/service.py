@@ -31,10 +31,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from abc import ABC, abstractmethod
 from typing import Any, Self
 
 
-class Service:
+class Service(ABC):
     """Base class: ``start`` once, ``stop`` any number of times, ``async with``."""
 
     def __init__(self) -> None:
@@ -61,11 +62,13 @@ class Service:
         self._running = False
         await self._stop()
 
+    @abstractmethod
     async def _start(self) -> None:
-        raise NotImplementedError
+        """Acquire what the component runs on (clients, tasks)."""
 
+    @abstractmethod
     async def _stop(self) -> None:
-        raise NotImplementedError
+        """Release it; called once per start, also when ``_start`` failed part-way."""
 
     async def __aenter__(self) -> Self:
         await self.start()
