@@ -34,7 +34,7 @@ MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
 
 def _topics(conn: Connection | Settings) -> Topics:
-    return conn.topics if isinstance(conn, Connection) else conn.topics()
+    return Connection.of(conn).topics
 
 
 def security_kwargs(sec: KafkaSecurity) -> dict[str, Any]:

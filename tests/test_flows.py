@@ -17,7 +17,8 @@ from pipeline.client.subscriber import PolicySubscriber, fetch_checkpoint
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
-from pipeline.worker.join import JoinStage, key_partition
+from pipeline.worker.join import JoinStage
+from pipeline.worker.partitions import key_partition
 from topics.fields import Rejected, encode
 from topics.internal import decode_experience
 from topics.names import Topics

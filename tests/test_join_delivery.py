@@ -30,7 +30,7 @@ from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.lab.procs import Child
 from pipeline.promtext import metric
-from pipeline.worker.join import key_partition
+from pipeline.worker.partitions import key_partition
 from topics.events import RetrievalEvent
 from topics.internal import decode_outcomes
 from topics.labels import decode_active_learning_sample

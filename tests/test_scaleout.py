@@ -20,7 +20,7 @@ from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.lab.procs import Child, wait_until
 from pipeline.promtext import metric
-from pipeline.worker.join import key_partition
+from pipeline.worker.partitions import key_partition
 from topics.internal import decode_experience
 
 from .conftest import settings_env

@@ -50,7 +50,7 @@ async def evaluate_window(
     bootstrap: str, conn: Connection | Settings, window: int, methods: tuple[Method, ...]
 ) -> dict[str, Any]:
     """The report of ``causalmem evaluate``: estimates per policy and method over the last ``window`` steps."""
-    conn = conn if isinstance(conn, Connection) else conn.connection()
+    conn = Connection.of(conn)
     topic = conn.topics.policy_checkpoints.name
     exps = await experiences_tail(bootstrap, conn, window)
     index = await scan_model_topic(bootstrap, conn, topic)

@@ -23,7 +23,7 @@ from topics.internal import Control
 
 async def rollback(bootstrap: str, conn: Connection | Settings, version: int, reason: str, timeout: float) -> int:
     """Ask the learner to serve ``version`` again and wait for it; prints what happens, returns the exit status."""
-    conn = conn if isinstance(conn, Connection) else conn.connection()
+    conn = Connection.of(conn)
     topic = conn.topics.policy_checkpoints.name
     await kafka.wait_for_broker(bootstrap, conn)
     index = await scan_model_topic(bootstrap, conn, topic)

@@ -139,7 +139,7 @@ class LabelQueue(Service):
     """
 
     def __init__(self, bootstrap: str, conn: Connection | Settings, labeler: str, group: str | None = None) -> None:
-        conn = conn if isinstance(conn, Connection) else conn.connection()
+        conn = Connection.of(conn)
         labeler = labeler_identity(conn, labeler)
         if not labeler:
             raise ValueError("a labeler identity is required (it is carried on every label)")

@@ -308,7 +308,7 @@ class StatusCollector:
     ) -> None:
         self.bootstrap = bootstrap
         self.stall_after_s = stall_after_s
-        self.conn = conn if isinstance(conn, Connection) else conn.connection()
+        self.conn = Connection.of(conn)
         self.topics = self.conn.topics
         self.worker_urls = list(worker_urls or [])
         self.learner_urls = list(learner_urls or [])

@@ -51,7 +51,7 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
 from pipeline.service import Service
 from pipeline.worker.active_learning import CandidateRule
-from pipeline.worker.partitions import PartitionState, Pending, event_clock, key_partition
+from pipeline.worker.partitions import PartitionState, Pending, event_clock
 from topics.convert import make_sample
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
@@ -60,7 +60,6 @@ from topics.internal import Outcome, experience_bytes, outcomes_messages
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JoinStage", "JoinStats", "PartitionState", "key_partition"]
 
 COMMIT_INTERVAL_S = 1.0
 REWIND_PAUSE_S = 1.0  # after a failed send, before re-reading
