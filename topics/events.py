@@ -109,20 +109,7 @@ class RetrievalEvent(WireValue):
 def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
     """A ``retrieval-events`` value, validated.
 
-    Parameters
-    ----------
-    raw
-        The message value (UTF-8 JSON).
-    limits
-        What validation accepts (embedding dimension, slots, sizes).
-    key
-        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
-        value read on its own (a file line, a value about to be sent).
-
-    Raises
-    ------
-    Rejected
-        With the reason the value must not reach the model.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
     """
     return retrieval_event_from_obj(loads_object(raw, limits), limits, key)
 

@@ -52,20 +52,7 @@ class LLMFeedback(WireValue):
 def decode_llm_feedback(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> LLMFeedback:
     """An ``llm-feedback`` value, validated; ``utility`` derived from the NLL pair if given.
 
-    Parameters
-    ----------
-    raw
-        The message value (UTF-8 JSON).
-    limits
-        What validation accepts (embedding dimension, slots, sizes).
-    key
-        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
-        value read on its own (a file line, a value about to be sent).
-
-    Raises
-    ------
-    Rejected
-        With the reason the value must not reach the model.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
     """
     f = open_value(raw, limits, SCHEMA_FEEDBACK)
     query_id = f.query_id(key)

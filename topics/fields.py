@@ -1,10 +1,15 @@
 """The validation core every wire value is read and written with (docs/contract.md §1, §5).
 
-Values are UTF-8 JSON objects encoded with orjson. Decoders take the raw message bytes
-(and, for keyed topics, the key) and either return a typed value or raise
-:class:`Rejected` with a machine-readable ``reason``; the pipeline sends rejected input to
-the dead-letter topic with that reason and never lets it reach the model. Unknown extra
-fields are ignored.
+Values are UTF-8 JSON objects encoded with orjson. The decoder contract, which every
+``decode_*`` function of topics/ follows:
+
+- ``raw``: the message value (UTF-8 JSON);
+- ``limits``: what validation accepts (embedding dimension, slots, sizes);
+- ``key`` (keyed topics): the message key, which must be the value's ``query_id``;
+  :data:`NO_KEY_CHECK` for a value read on its own (a file line, a value about to be sent);
+- the result is a typed value, or :class:`Rejected` with a machine-readable ``reason``:
+  the pipeline sends rejected input to the dead-letter topic with that reason and never
+  lets it reach the model. Unknown extra fields are ignored.
 
 A decoder opens a value with :func:`open_value` and reads its fields through
 :class:`Fields`, which turns every failure into a :class:`Rejected`:

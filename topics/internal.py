@@ -90,17 +90,7 @@ def experience_bytes(event: RetrievalEvent, utility: float) -> bytes:
 def decode_experience(raw: bytes, limits: Limits) -> Experience:
     """An ``experiences`` value, validated like input (its event included).
 
-    Parameters
-    ----------
-    raw
-        The message value (UTF-8 JSON).
-    limits
-        What validation accepts (embedding dimension, slots, sizes).
-
-    Raises
-    ------
-    Rejected
-        With the reason the value must not be used.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
     """
     f = open_value(raw, limits, SCHEMA_EXPERIENCE)
     kind = f.str_("kind")
@@ -340,17 +330,7 @@ class Control(WireValue):
 def decode_control(raw: bytes, limits: Limits) -> Control:
     """A ``control`` value, validated: a command the learner must carry out.
 
-    Parameters
-    ----------
-    raw
-        The message value (UTF-8 JSON).
-    limits
-        What validation accepts (embedding dimension, slots, sizes).
-
-    Raises
-    ------
-    Rejected
-        With the reason the value must not be used.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
     """
     f = open_value(raw, limits, SCHEMA_CONTROL)
     command = f.str_("command")

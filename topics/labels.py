@@ -56,20 +56,7 @@ class HumanLabel(WireValue):
 def decode_human_label(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> HumanLabel:
     """A ``human-labels`` value, validated; the fields its ``kind`` needs are required.
 
-    Parameters
-    ----------
-    raw
-        The message value (UTF-8 JSON).
-    limits
-        What validation accepts (embedding dimension, slots, sizes).
-    key
-        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
-        value read on its own (a file line, a value about to be sent).
-
-    Raises
-    ------
-    Rejected
-        With the reason the value must not reach the model.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
     """
     f = open_value(raw, limits, SCHEMA_LABEL)
     query_id = f.query_id(key)
@@ -141,20 +128,7 @@ class ActiveLearningSample(WireValue):
 def decode_active_learning_sample(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> ActiveLearningSample:
     """An ``active-learning`` value, validated.
 
-    Parameters
-    ----------
-    raw
-        The message value (UTF-8 JSON).
-    limits
-        What validation accepts (embedding dimension, slots, sizes).
-    key
-        The message key, which must be the value's ``query_id``; ``NO_KEY_CHECK`` for a
-        value read on its own (a file line, a value about to be sent).
-
-    Raises
-    ------
-    Rejected
-        With the reason the value must not reach the model.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
     """
     f = open_value(raw, limits, SCHEMA_AL_SAMPLE)
     query_id = f.query_id(key)
