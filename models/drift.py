@@ -108,15 +108,11 @@ class DriftTrigger:
         self.peak = self.peak_t = None
         self.resets += 1
 
+    STATE_FIELDS = ("reference", "last_reset_t", "resets", "since_reset", "peak", "peak_t")
+
     def state(self) -> dict[str, float | int | None]:
-        return {
-            "reference": self.reference,
-            "last_reset_t": self.last_reset_t,
-            "resets": self.resets,
-            "since_reset": self.since_reset,
-            "peak": self.peak,
-            "peak_t": self.peak_t,
-        }
+        """What :meth:`load` takes back: the fields of :data:`STATE_FIELDS`."""
+        return {name: getattr(self, name) for name in self.STATE_FIELDS}
 
     def load(self, state: dict[str, Any]) -> None:
         self.reference = state.get("reference")

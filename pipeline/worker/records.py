@@ -106,24 +106,13 @@ class TriggerState(faust.Record, serializer="json"):
 
     @classmethod
     def of(cls, trigger: DriftTrigger) -> TriggerState:
-        return cls(
-            reference=trigger.reference,
-            last_reset_t=trigger.last_reset_t,
-            resets=trigger.resets,
-            since_reset=trigger.since_reset,
-            peak=trigger.peak,
-            peak_t=trigger.peak_t,
-        )
+        record = cls.from_data(trigger.state())  # the trigger's own state fields, nothing more
+        assert isinstance(record, cls)
+        return record
 
     def state(self) -> dict[str, float | int | None]:
-        return {
-            "reference": self.reference,
-            "last_reset_t": self.last_reset_t,
-            "resets": self.resets,
-            "since_reset": self.since_reset,
-            "peak": self.peak,
-            "peak_t": self.peak_t,
-        }
+        """What :meth:`DriftTrigger.load` takes back (the fields above)."""
+        return {name: getattr(self, name) for name in DriftTrigger.STATE_FIELDS}
 
 
 class DriftStatus(faust.Record, serializer="json"):
