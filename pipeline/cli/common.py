@@ -185,8 +185,8 @@ def start_metrics(role: str, settings: Settings, probes: Probes | None = None) -
     error (exit 1): a scrape configuration names it. With ``probes``, each heartbeat sets
     ``causalmem_ready`` and ``causalmem_heartbeat_timestamp_seconds``.
     """
-    from pipeline.metrics import Metrics
-    from pipeline.probes import Probes, ProbeServer
+    from pipeline.metrics import Metrics, serve
+    from pipeline.probes import Probes
 
     metrics = Metrics(role=role)
     probes = probes if probes is not None else Probes()
@@ -202,12 +202,11 @@ def start_metrics(role: str, settings: Settings, probes: Probes | None = None) -
         return metrics
     wanted = DEFAULT_METRICS_PORTS.get(role, 0) if port is None else port
     try:
-        server = ProbeServer(metrics.registry, probes, wanted, host)
+        bound = serve(metrics, wanted, host, probes)
     except OSError as exc:
         if port is not None:
             raise SystemExit(f"metrics: cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
-        server = ProbeServer(metrics.registry, probes, 0, host)
+        bound = serve(metrics, 0, host, probes)
         print(f"metrics: default port {wanted} is taken; using a free port", flush=True)
-    metrics.port = server.port
-    print(f"metrics: http://{host}:{server.port}/metrics (alive: /healthz, ready: /readyz)", flush=True)
+    print(f"metrics: http://{host}:{bound}/metrics (alive: /healthz, ready: /readyz)", flush=True)
     return metrics
