@@ -81,7 +81,15 @@ class RetrievalEvent(WireValue):
         "logprob",
         "fallback",
     )
-    OPTIONAL = ("mask_max", "query_text", "dropped", "candidate_masks", "candidate_probs", "memory_texts")
+    OPTIONAL = (
+        "mask_max",
+        "query_text",
+        "answer_text",
+        "dropped",
+        "candidate_masks",
+        "candidate_probs",
+        "memory_texts",
+    )
     NESTED = ("features", "memory_texts")
 
     event_id: str
@@ -104,6 +112,7 @@ class RetrievalEvent(WireValue):
     dropped: list[int] | None = None  # slots the hard drop removed (intervention rate)
     candidate_masks: np.ndarray | None = None  # m_i of each kept candidate
     candidate_probs: np.ndarray | None = None  # first-draw probabilities over kept candidates
+    answer_text: str | None = None  # contract 1.1: the answer given (or a reference), for the evaluator
 
 
 def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
@@ -153,7 +162,7 @@ def _fast_retrieval_event(
     """
     big, n_max = limits.max_abs_value, limits.max_id_len
     try:
-        if obj.get("schema") != schema or obj.get("memory_texts") is not None:
+        if obj.get("schema") != schema or obj.get("memory_texts") is not None or obj.get("answer_text") is not None:
             return None
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
@@ -289,6 +298,7 @@ def _validated_retrieval_event(
         query_text=f.str_("query_text", required=False, max_len=limits.max_text_len, empty_ok=True),
         memory_texts=f.texts_("memory_texts"),
         dropped=f.slots_("dropped", required=False),
+        answer_text=f.str_("answer_text", required=False, max_len=limits.max_text_len, empty_ok=True),
     )
     n = len(candidates)
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):

@@ -1,7 +1,9 @@
 """LLM feedback: the utility of one retrieval, as the LLM measured it (docs/contract.md §3).
 
 A producer sends either ``utility`` or both ``nll_with`` and ``nll_without``; the pair
-wins and defines the utility as the drop of the answer span's mean NLL.
+wins and defines the utility as the drop of the answer span's mean NLL. With the pair it may
+also send ``nll_without_slot`` (contract 1.1): the NLL with all selected memories but one, per
+slot; a memory's effect is ``nll_without_slot[s] − nll_with``.
 
 >>> import orjson
 >>> from topics.fields import Limits, Rejected
@@ -9,6 +11,11 @@ wins and defines the utility as the drop of the answer span's mean NLL.
 ...                     "step": 0, "ts": 1.0, "nll_with": 1.5, "nll_without": 2.0})
 >>> decode_llm_feedback(raw, Limits(), key=b"q1").utility
 0.5
+>>> fb = decode_llm_feedback(orjson.dumps({"schema": "llm_feedback/v1", "event_id": "e1",
+...     "query_id": "q1", "step": 0, "ts": 1.0, "nll_with": 1.5, "nll_without": 2.0,
+...     "nll_without_slot": {"3": 1.75, "7": 1.25}}), Limits())
+>>> fb.slot_effects([3, 7, 9])
+{3: 0.25, 7: -0.25}
 >>> try:
 ...     decode_llm_feedback(b"{not json", Limits())
 ... except Rejected as e:
@@ -38,12 +45,22 @@ class LLMFeedback(WireValue):
     utility: float
     nll_with: float | None = None
     nll_without: float | None = None
+    nll_without_slot: dict[int, float] | None = None  # contract 1.1: leave-one-out NLL per slot
+
+    def slot_effects(self, selected: list[int]) -> dict[int, float] | None:
+        """Each selected memory's effect ``nll_without_slot[s] − nll_with`` (slots not selected are ignored)."""
+        if self.nll_without_slot is None or self.nll_with is None:
+            return None
+        out = {s: self.nll_without_slot[s] - self.nll_with for s in selected if s in self.nll_without_slot}
+        return out or None
 
     def to_dict(self) -> dict[str, Any]:
         out = WireValue.to_dict(self)
         if self.nll_with is not None and self.nll_without is not None:
             out["nll_with"] = self.nll_with
             out["nll_without"] = self.nll_without
+            if self.nll_without_slot:
+                out["nll_without_slot"] = {str(k): v for k, v in self.nll_without_slot.items()}
         else:
             out["utility"] = self.utility
         return out
@@ -59,6 +76,9 @@ def decode_llm_feedback(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> 
     nll_with = f.float_("nll_with", 0.0, None, required=False)
     nll_without = f.float_("nll_without", 0.0, None, required=False)
     utility = f.float_("utility", required=False)
+    nll_without_slot = f.slot_floats_("nll_without_slot", lo=0.0)
+    if nll_without_slot is not None and (nll_with is None or nll_without is None):
+        raise Rejected("inconsistent", "nll_without_slot needs nll_with and nll_without")
     if nll_with is not None and nll_without is not None:
         derived = nll_without - nll_with  # seed 000 §3.3: drop of the answer span's mean NLL
         if utility is not None and abs(utility - derived) > 1e-6 * max(1.0, abs(derived)):
@@ -75,4 +95,5 @@ def decode_llm_feedback(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> 
         utility=utility,
         nll_with=nll_with,
         nll_without=nll_without,
+        nll_without_slot=nll_without_slot or None,
     )

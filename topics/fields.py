@@ -327,6 +327,26 @@ class Fields:
             return None
         return float_array(items, f"{self.path}{name}", self.limits.max_abs_value, lo)
 
+    def slot_floats_(self, name: str, lo: float | None = None) -> dict[int, float] | None:
+        """An object keyed by slot numbers (as strings) with float values, e.g. ``{"12": 1.5}``."""
+        value = self.get(name, False)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise Rejected("wrong_type", f"{self.path}{name} must be an object")
+        if len(value) > self.limits.max_candidates:
+            raise Rejected("oversize", f"{self.path}{name} has too many entries")
+        out: dict[int, float] = {}
+        for k, v in value.items():
+            try:
+                slot = int(k)
+            except ValueError:
+                raise Rejected("wrong_type", f"{self.path}{name} keys must be slot numbers") from None
+            if not 0 <= slot < self.limits.slots:
+                raise Rejected("out_of_range", f"{self.path}{name} slot {slot}")
+            out[slot] = float(as_float(v, lo, None, f"{self.path}{name}.{k}", self.limits.max_abs_value))
+        return out
+
     def texts_(self, name: str) -> dict[int, str] | None:
         value = self.get(name, False)
         if value is None:

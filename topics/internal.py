@@ -60,11 +60,14 @@ class Experience:
     event: RetrievalEvent
     utility: float
     correct_memories: list[int] | None = None
+    # Per-memory credit (contract 1.1): slot → nll_without_slot[s] − nll_with, for the selected
+    # slots the feedback measured; None when the feedback carried only the step's utility.
+    slot_effects: dict[int, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         body = self.event.to_dict()
-        body.pop("memory_texts", None)  # the learner never needs texts
-        body.pop("query_text", None)
+        for text in ("memory_texts", "query_text", "answer_text"):  # the learner never needs texts
+            body.pop(text, None)
         # The embedding travels as base64 float32: ~10× cheaper to decode than 384 JSON floats.
         features = dict(body["features"])
         emb = np.ascontiguousarray(features.pop("query_embedding"), dtype="<f4")
@@ -79,12 +82,14 @@ class Experience:
         }
         if self.correct_memories is not None:
             out["correct_memories"] = self.correct_memories
+        if self.slot_effects:
+            out["slot_effects"] = {str(k): v for k, v in self.slot_effects.items()}
         return out
 
 
-def experience_bytes(event: RetrievalEvent, utility: float) -> bytes:
+def experience_bytes(event: RetrievalEvent, utility: float, slot_effects: dict[int, float] | None = None) -> bytes:
     """Encode a joined feedback experience for the learner (internal ``experiences`` topic)."""
-    return encode(Experience(event.event_id, "feedback", event, utility).to_dict())
+    return encode(Experience(event.event_id, "feedback", event, utility, slot_effects=slot_effects).to_dict())
 
 
 def decode_experience(raw: bytes, limits: Limits) -> Experience:
@@ -106,6 +111,7 @@ def decode_experience(raw: bytes, limits: Limits) -> Experience:
         event=retrieval_event_from_obj(event_obj, limits, embedding=embedding),
         utility=f.float_("utility"),
         correct_memories=f.slots_("correct_memories", required=False),
+        slot_effects=f.slot_floats_("slot_effects") or None,
     )
 
 

@@ -295,7 +295,7 @@ class JoinStage(Service):
         self.joined_total += 1
         tally.utilities.append(u)
         if not event.fallback:  # fallback steps feed metrics and U_query, not the gradient
-            experiences.append(experience_bytes(event, u))
+            experiences.append(experience_bytes(event, u, feedback.slot_effects(event.selected)))
         reason = self.rule.classify(event, u)
         # A candidate's sample is built and encoded here, once: the outcomes stage forwards
         # these bytes to active-learning as they are.
