@@ -1,0 +1,1 @@
+"""The evaluator: turns retrieval events into LLM feedback with a real local causal LM."""
