@@ -104,6 +104,17 @@ def read_sample(raw: bytes, limits: Any, key: Any) -> ActiveLearningSample:
     return decode_active_learning_sample(raw, limits, key, any_shape=True)
 
 
+async def dead_letter_sample(producer: Any, topic: str, tp: TopicPartition, msg: Any, rej: Rejected) -> None:
+    """Send an unreadable sample to ``dead-letter`` with its reason and wait for the broker's ack.
+
+    Callers commit the sample's offset only after this returns: the record is safe first.
+    """
+    log.warning("label queue: unreadable sample at %s:%d (%s); sent to dead-letter", tp, msg.offset, rej)
+    value = dead_letter_value(msg.value, rej.reason, rej.detail, tp.topic, tp.partition, msg.offset, time.time())
+    fut = await producer.send(topic, encode(value), key=msg.key, partition=0)
+    await fut
+
+
 def memory_choice_label(
     sample: ActiveLearningSample,
     labeler: str,
@@ -294,10 +305,7 @@ class LabelQueue(Service):
 
     async def _dead_letter(self, tp: TopicPartition, msg: Any, rej: Rejected) -> None:
         """Send an unreadable sample to ``dead-letter`` (acknowledged), then commit past it."""
-        log.warning("label queue: unreadable sample at %s:%d (%s); sent to dead-letter", tp, msg.offset, rej)
-        value = dead_letter_value(msg.value, rej.reason, rej.detail, tp.topic, tp.partition, msg.offset, time.time())
-        fut = await self._producer.send(self.topics.dead_letter.name, encode(value), key=msg.key, partition=0)
-        await fut  # the record is safe before the sample's offset moves past it
+        await dead_letter_sample(self._producer, self.topics.dead_letter.name, tp, msg, rej)
         self.bad += 1
         await self._commit(tp, msg.offset)
 
