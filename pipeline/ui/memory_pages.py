@@ -4,9 +4,9 @@
 names the memory in ``harmful_memories``, with the sample id ``do-not-use:<slot>`` (one
 per memory and labeler: marking twice is one label, and no queued sample's answer is
 taken) and the query id and step of the newest retrieval step that read or dropped the
-memory. The learner turns a
-harmful memory into a strong negative for that slot. Removing a memory from the bank
-needs a lifecycle topic, which the contract does not have yet; the page says so.
+memory, for the learner to turn into a strong negative for that slot (the worker's labels
+stage does not pass it on yet: docs/ui.md). Removing a memory from the bank needs a
+lifecycle topic, which the contract does not have yet; the page says so.
 """
 
 from __future__ import annotations
