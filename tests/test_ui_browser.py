@@ -133,28 +133,30 @@ async def test_label_in_the_browser_reaches_the_learner(settings: Settings, tmp_
     worker = Child("worker", s.bootstrap or "", env, log_path=tmp_path / "worker.log")
     learner = Child("learner", s.bootstrap or "", env, log_path=tmp_path / "learner.log")
     shots = os.environ.get("CAUSALMEM_UI_SCREENSHOTS")
+    labelers = tmp_path / "labelers.toml"
+    labelers.write_text('[labelers.ann]\ntoken = "ann-token-for-the-test"\n')
+    port = _free_port()
+    config = s.ui(port=port, labelers_file=labelers, refresh_s=1.0, worker_urls=(worker.url,))
+    base = f"http://127.0.0.1:{port}"
     try:
-        await until(lambda: metric(worker.metrics(), "causalmem_partitions_owned", stage="join") > 0, 60, "worker")
-        async with EventPublisher(s.bootstrap or "", s) as pub:
-            for ev, fb in traffic(s):
-                await pub.publish(ev)
-                await pub.publish(fb)
-            await pub.flush()
-            await asyncio.sleep(1.0)
-            # a person says the answer to q005 was wrong: its bad step becomes a sample
-            verdict = HumanLabel(uuid.uuid4().hex, "q005", BASE_TS + 5000, "support", "verdict", answer_correct=False)
-            await pub.publish(verdict)
-        await until(lambda: metric(worker.metrics(), "causalmem_al_samples_total") >= 1, 60, "a queued sample")
-        msgs = await kafka.read_all(s.bootstrap or "", s, s.topics().active_learning.name)
-        queued = decode_active_learning_sample(msgs[0].value, s.limits(), msgs[0].key)
+        # the app starts (joins the labelers' group, reads the topics) while the worker does
+        with UiServer(create_app(config, s.bootstrap or ""), port):
+            await until(lambda: metric(worker.metrics(), "causalmem_partitions_owned", stage="join") > 0, 60, "worker")
+            async with EventPublisher(s.bootstrap or "", s) as pub:
+                for ev, fb in traffic(s):
+                    await pub.publish(ev)
+                    await pub.publish(fb)
+                await pub.flush()
+                await asyncio.sleep(1.0)
+                # a person says the answer to q005 was wrong: its bad step becomes a sample
+                verdict = HumanLabel(
+                    uuid.uuid4().hex, "q005", BASE_TS + 5000, "support", "verdict", answer_correct=False
+                )
+                await pub.publish(verdict)
+            await until(lambda: metric(worker.metrics(), "causalmem_al_samples_total") >= 1, 60, "a queued sample")
+            msgs = await kafka.read_all(s.bootstrap or "", s, s.topics().active_learning.name)
+            queued = decode_active_learning_sample(msgs[0].value, s.limits(), msgs[0].key)
 
-        labelers = tmp_path / "labelers.toml"
-        labelers.write_text('[labelers.ann]\ntoken = "ann-token-for-the-test"\n')
-        port = _free_port()
-        config = s.ui(port=port, labelers_file=labelers, refresh_s=1.0, worker_urls=(worker.url,))
-        app = create_app(config, s.bootstrap or "")
-        base = f"http://127.0.0.1:{port}"
-        with UiServer(app, port):
             async with async_api.async_playwright() as p:
                 browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
                 page = await browser.new_page(viewport={"width": 1280, "height": 860})
@@ -234,5 +236,4 @@ async def test_label_in_the_browser_reaches_the_learner(settings: Settings, tmp_
                     await page.screenshot(path=f"{shots}/ui-agreement.png", full_page=True)
                 await browser.close()
     finally:
-        worker.stop()
-        learner.stop()
+        await asyncio.gather(asyncio.to_thread(worker.stop), asyncio.to_thread(learner.stop))
