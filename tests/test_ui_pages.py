@@ -410,3 +410,29 @@ def test_json_of_a_label_is_unchanged_for_old_readers() -> None:
     """harmful_memories is optional: a label without it encodes as before (contract 1.2)."""
     label = memory_choice_label(sample("s1"), "ann", [9])
     assert "harmful_memories" not in orjson.loads(encode(label.to_dict()))
+
+
+def test_the_topic_reader_takes_any_embedding_length_and_follows_the_gate(tmp_path: Path) -> None:
+    """The app is configured with 384 dimensions; the deployment's events have 8: all are read.
+    Candidate and serving manifests on the model topic become the gate's history."""
+    from pipeline.ui.feeds import Feeds as TopicFeeds
+    from topics.internal import experience_bytes
+    from topics.manifest import Manifest
+
+    feeds = TopicFeeds("127.0.0.1:1", Settings(state_dir=str(tmp_path)).ui())
+    ev = event("q1", 0, [5], [7], BASE_TS)
+    feeds._apply("events", SimpleNamespace(value=encode(ev.to_dict()), key=b"q1"))
+    feeds._apply("experiences", SimpleNamespace(value=experience_bytes(ev, 0.3, {5: 0.2}), key=None))
+    row = feeds.memories.detail(5)
+    assert row is not None and row["reads"] == 1 and row["mean"] == pytest.approx(0.2)
+    assert feeds.trends.series()[0]["u_system"] == pytest.approx(0.3)
+
+    def manifest(version: int) -> bytes:
+        arch = {"input_dim": 10, "hidden": 16, "slots": 64, "embedding_dim": 8}
+        m = Manifest("default", version, BASE_TS + version, "periodic", arch, 0.5, 0.0, "0" * 64, 1, 1, {}, {})
+        return encode(m.to_dict())
+
+    for key, version in ((b"default/candidate", 2), (b"default", 2), (b"default/candidate", 3)):
+        feeds._apply("model", SimpleNamespace(value=manifest(version), key=key))
+    assert feeds.manifests[2]["candidate"] and feeds.manifests[2]["served"]
+    assert feeds.manifests[3]["candidate"] and not feeds.manifests[3]["served"]

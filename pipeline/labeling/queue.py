@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -38,9 +38,15 @@ from aiokafka.structs import OffsetAndMetadata
 from pipeline import kafka
 from pipeline.config import Connection, Settings
 from pipeline.service import Service
-from topics.fields import Rejected, encode
+from topics.fields import Limits, Rejected, encode
 from topics.internal import dead_letter_value
-from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
+from topics.labels import (
+    ANY_SLOT,
+    ActiveLearningSample,
+    HumanLabel,
+    decode_active_learning_sample,
+    decode_human_label,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,15 @@ def label_event_id(sample_id: str, labeler: str) -> str:
     measured).
     """
     return hashlib.sha256(f"{sample_id}\x00{labeler}".encode()).hexdigest()[:32]
+
+
+def labeler_limits(limits: Limits) -> Limits:
+    """The limits a labeler reads with: the deployment's, but any slot number (no model sizes).
+
+    >>> labeler_limits(Limits(slots=32)).slots == ANY_SLOT, labeler_limits(Limits()).max_bytes
+    (True, 262144)
+    """
+    return replace(limits, slots=ANY_SLOT)
 
 
 def read_sample(raw: bytes, limits: Any, key: Any) -> ActiveLearningSample:
@@ -207,7 +222,7 @@ class LabelQueue(Service):
         self.bootstrap = bootstrap
         self.labeler = labeler
         self.topics = self.conn.topics
-        self.limits = self.conn.limits
+        self.limits = labeler_limits(self.conn.limits)
         self.group = group or labeler_group(self.conn)
         self.done = 0
         self.skipped = 0

@@ -33,7 +33,14 @@ from aiokafka.structs import OffsetAndMetadata
 from pipeline import kafka
 from pipeline.config import Connection
 from pipeline.labeling.answers import RATING_MAX, offered_slots
-from pipeline.labeling.queue import THINK_TIME_S, dead_letter_sample, labeler_group, memory_choice_label, read_sample
+from pipeline.labeling.queue import (
+    THINK_TIME_S,
+    dead_letter_sample,
+    labeler_group,
+    labeler_limits,
+    memory_choice_label,
+    read_sample,
+)
 from pipeline.service import Service
 from topics.fields import Rejected, encode
 from topics.labels import ActiveLearningSample, HumanLabel, decode_human_label
@@ -92,7 +99,7 @@ class SamplePool(Service):
         self.bootstrap = bootstrap
         self.conn = conn
         self.topics = conn.topics
-        self.limits = conn.limits
+        self.limits = labeler_limits(conn.limits)
         self.overlap = overlap
         self.lease_s = lease_s
         self.prefetch = prefetch
