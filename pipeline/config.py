@@ -194,6 +194,7 @@ class UiConfig:
     labelers_file: Path | None = None  # TOML: [labelers.NAME] token = … or password_hash = …
     overlap: int = 1  # labelers per sample (1: each sample to one labeler)
     lease_s: float = 900.0  # a sample shown and left alone this long goes back to the queue
+    undo_s: float = 10.0  # an answer is held this long, and can be taken back, before it is sent
     refresh_s: float = 5.0  # how often topics and metrics are read again
     max_events: int = 200_000  # retrieval steps remembered for the memory pages (older ones are forgotten)
     recent_per_memory: int = 20  # recent queries listed on a memory's page
@@ -203,8 +204,8 @@ class UiConfig:
     def __post_init__(self) -> None:
         if self.overlap < 1:
             raise ValueError("overlap must be at least 1 (labelers per sample)")
-        if self.lease_s <= 0 or self.refresh_s <= 0:
-            raise ValueError("lease_s and refresh_s must be positive")
+        if self.lease_s <= 0 or self.refresh_s <= 0 or self.undo_s < 0:
+            raise ValueError("lease_s and refresh_s must be positive, undo_s not negative")
 
 
 @dataclass

@@ -4,7 +4,8 @@ A worker and a learner run as child processes on the test broker; a few hours of
 over a small memory bank give the memory and health pages something to show, and one bad
 answer queues a sample. The browser logs in, labels the sample with the keyboard, and the
 test checks that the ``human_label`` arrives and that the learner publishes a ``label``
-checkpoint; then it opens a memory's page and the health page.
+checkpoint (an answer taken back with ``z`` first is never sent); then it opens a
+memory's page, the health page and the agreement page.
 
 With ``CAUSALMEM_UI_SCREENSHOTS=DIR`` the four pages are saved there as PNG (the images
 in docs/ui.md come from this test).
@@ -136,7 +137,7 @@ async def test_label_in_the_browser_reaches_the_learner(settings: Settings, tmp_
     labelers = tmp_path / "labelers.toml"
     labelers.write_text('[labelers.ann]\ntoken = "ann-token-for-the-test"\n')
     port = _free_port()
-    config = s.ui(port=port, labelers_file=labelers, refresh_s=1.0, worker_urls=(worker.url,))
+    config = s.ui(port=port, labelers_file=labelers, refresh_s=1.0, undo_s=1.0, worker_urls=(worker.url,))
     base = f"http://127.0.0.1:{port}"
     try:
         # the app starts (joins the labelers' group, reads the topics) while the worker does
@@ -169,24 +170,40 @@ async def test_label_in_the_browser_reaches_the_learner(settings: Settings, tmp_
                 assert queued.query_text and queued.query_text in await page.inner_text("h1.question")
                 rows = await page.query_selector_all("tr[data-slot]")
                 first, second = [int(await r.get_attribute("data-slot") or -1) for r in rows[:2]]
-                await page.keyboard.press("1")  # the first candidate is correct
-                await page.keyboard.press("Shift+2")  # the second is harmful
-                await page.keyboard.press("r")
-                await page.keyboard.press("4")
+
+                async def answer() -> None:
+                    await page.keyboard.press("1")  # the first candidate is correct
+                    await page.keyboard.press("Shift+2")  # the second is harmful
+                    await page.keyboard.press("r")
+                    await page.keyboard.press("4")
+
+                await answer()
+                await page.keyboard.press("Enter")
+                await page.wait_for_url("**/queue?sent=answer", timeout=20_000)
+                await page.keyboard.press("z")  # take it back while it is held: nothing is sent
+                await page.wait_for_url("**/queue?undone=1", timeout=20_000)
+                assert await page.get_attribute("#label-form", "data-sample") == queued.sample_id
+                await answer()
                 if shots:
                     await page.screenshot(path=f"{shots}/ui-queue.png", full_page=True)
                 await page.keyboard.press("Enter")
                 await page.wait_for_url("**/queue?sent=answer", timeout=20_000)
 
-                labels = [
-                    decode_human_label(m.value, s.limits(), m.key)
-                    for m in await kafka.read_all(s.bootstrap or "", s, s.topics().human_labels.name)
-                ]
-                mine = [x for x in labels if x.labeler == "ann"]
-                assert len(mine) == 1
+                async def labels_of(who: str) -> list[HumanLabel]:
+                    msgs = await kafka.read_all(s.bootstrap or "", s, s.topics().human_labels.name)
+                    return [x for m in msgs if (x := decode_human_label(m.value, s.limits(), m.key)).labeler == who]
+
+                deadline = time.monotonic() + 20
+                while not (mine := await labels_of("ann")):
+                    assert time.monotonic() < deadline, "the label did not arrive"
+                    await asyncio.sleep(0.5)
+                assert len(mine) == 1  # the answer taken back, held before this one, was never sent
                 assert (mine[0].sample_id, mine[0].correct_memories, mine[0].harmful_memories, mine[0].rating) == (
-                    queued.sample_id, [first], [second], 4
-                )  # fmt: skip
+                    queued.sample_id,
+                    [first],
+                    [second],
+                    4,
+                )
 
                 async def label_checkpoint() -> bool:
                     index = await scan_model_topic(s.bootstrap or "", s)

@@ -98,16 +98,18 @@ class Producer:
 class Pool(SamplePool):
     """The real pool on stand-in clients, with a clock the test moves."""
 
-    def __init__(self, samples: list[ActiveLearningSample], overlap: int = 1) -> None:
+    def __init__(self, samples: list[ActiveLearningSample], overlap: int = 1, undo_s: float = 0.0) -> None:
         self.now = 0.0
-        super().__init__("127.0.0.1:1", S.connection(), overlap=overlap, lease_s=60.0, clock=lambda: self.now)
-        self._consumer, self._producer = Consumer(samples), Producer()
+        super().__init__(
+            "127.0.0.1:1", S.connection(), overlap=overlap, lease_s=60.0, undo_s=undo_s, clock=lambda: self.now
+        )
+        self.fake_consumer, self.fake_producer = Consumer(samples), Producer()
 
-    async def _start(self) -> None:
+    async def _read_own_answers(self) -> None:
         return None
 
-    async def _stop(self) -> None:
-        return None
+    async def _open_clients(self) -> None:
+        self._consumer, self._producer = self.fake_consumer, self.fake_producer
 
 
 class Feeds:
@@ -156,7 +158,7 @@ def test_every_page_needs_a_login_and_every_write_a_labeler(tmp_path: Path) -> N
         assert r.status_code == 401 and "wrong password" in r.text
         login(c, "bob", "bob-pw")  # a password hash works too
         assert c.get("/queue").status_code == 200
-    assert pool._producer.sent == []
+    assert pool.fake_producer.sent == []
 
 
 def test_a_form_without_the_sessions_csrf_token_writes_nothing(tmp_path: Path) -> None:
@@ -169,7 +171,7 @@ def test_a_form_without_the_sessions_csrf_token_writes_nothing(tmp_path: Path) -
         assert r.status_code == 403 and "CSRF" in r.text
         r = c.post("/queue/answer", data=form)
         assert r.status_code == 403
-    assert pool._producer.sent == [] and pool._consumer.commits == []
+    assert pool.fake_producer.sent == [] and pool.fake_consumer.commits == []
 
 
 # --------------------------------------------------------------------------- labeling
@@ -196,10 +198,10 @@ def test_an_answer_is_the_label_causalmem_label_sends(tmp_path: Path) -> None:
             follow_redirects=False,
         )
         assert r.status_code == 303 and r.headers["location"] == "/queue?sent=answer"
-        (label,) = pool._producer.labels()
+        (label,) = pool.fake_producer.labels()
         expected = memory_choice_label(sample("s1"), "ann", [9], rating=4, harmful_memories=[4])
         assert label.to_dict() == expected.to_dict()
-        assert pool._consumer.commits == [1]  # committed once acknowledged
+        assert pool.fake_consumer.commits == [1]  # committed once acknowledged
         assert "s2"[:2] in c.get("/queue").text  # the next sample comes up
 
 
@@ -220,18 +222,18 @@ def test_unknown_sample_stale_lease_and_double_submit_write_nothing(tmp_path: Pa
         assert r.status_code == 409 and "lease" in r.text
         r = post(correct="63")
         assert r.status_code == 409 and "not among this sample" in r.text
-        assert pool._producer.sent == []
+        assert pool.fake_producer.sent == []
         assert post().status_code == 200  # followed to the next sample
         r = post()
         assert r.status_code == 409 and "already answered" in r.text
-        assert len(pool._producer.labels()) == 1
+        assert len(pool.fake_producer.labels()) == 1
         # s2 is leased now; past its lease the answer is refused
         page = c.get("/queue").text
         assert field(page, "sample_id") == "s2"
         pool.now += 61.0
         r = post(sample_id="s2", lease=field(page, "lease"))
         assert r.status_code == 409 and "expired" in r.text
-    assert len(pool._producer.labels()) == 1
+    assert len(pool.fake_producer.labels()) == 1
 
 
 def test_leaving_releases_the_lease_for_another_labeler(tmp_path: Path) -> None:
@@ -260,9 +262,9 @@ def test_overlap_shows_a_sample_to_n_labelers_and_commits_after_the_last(tmp_pat
             data = {"csrf": field(page, "csrf"), "sample_id": "s1", "lease": field(page, "lease"), "correct": slot}
             c.post("/queue/answer", data=data)
             if c is ann:
-                assert pool._consumer.commits == []  # one answer of two: still held
-        assert pool._consumer.commits == [1]
-        assert sorted(x.labeler for x in pool._producer.labels()) == ["ann", "bob"]
+                assert pool.fake_consumer.commits == []  # one answer of two: still held
+        assert pool.fake_consumer.commits == [1]
+        assert sorted(x.labeler for x in pool.fake_producer.labels()) == ["ann", "bob"]
 
 
 # --------------------------------------------------------------------------- agreement
@@ -295,11 +297,11 @@ def test_agreement_page_lists_disagreements_and_a_review_settles_one(tmp_path: P
         pool.answered["ann"] = {"s1"}
         review = c.get("/review/s1").text
         r = c.post("/review/s1", data={"csrf": field(review, "csrf"), "correct": "9"})
-        assert r.status_code == 409 and pool._producer.sent == []
+        assert r.status_code == 409 and pool.fake_producer.sent == []
         pool.answered["ann"] = set()
         r = c.post("/review/s1", data={"csrf": field(review, "csrf"), "correct": "9"}, follow_redirects=False)
         assert r.status_code == 303
-        (label,) = pool._producer.labels()
+        (label,) = pool.fake_producer.labels()
         assert (label.sample_id, label.labeler, label.correct_memories) == ("s1", "ann", [9])
         assert c.get("/review/unknown").status_code == 404
 
@@ -362,7 +364,7 @@ def test_memories_table_sorts_probably_harmful_first_and_marks_do_not_use(tmp_pa
         assert "question q39" in page and "-0.100" in page  # a recent query with its utility
         r = c.post("/memories/5/do-not-use", data={"csrf": field(page, "csrf")}, follow_redirects=False)
         assert r.status_code == 303
-        (label,) = pool._producer.labels()
+        (label,) = pool.fake_producer.labels()
         assert (label.kind, label.harmful_memories, label.correct_memories, label.query_id, label.sample_id) == (
             "memory_choice",
             [5],
@@ -436,3 +438,31 @@ def test_the_topic_reader_takes_any_embedding_length_and_follows_the_gate(tmp_pa
         feeds._apply("model", SimpleNamespace(value=manifest(version), key=key))
     assert feeds.manifests[2]["candidate"] and feeds.manifests[2]["served"]
     assert feeds.manifests[3]["candidate"] and not feeds.manifests[3]["served"]
+
+
+def test_an_answer_is_held_for_undo_then_sent_and_the_app_stopping_sends_it(tmp_path: Path) -> None:
+    pool = Pool([sample("s1"), sample("s2")], undo_s=10.0)
+    with client_for(tmp_path, pool) as c:
+        login(c)
+        page = c.get("/queue").text
+
+        def answer(page: str, slot: str) -> str:
+            data = {"csrf": field(page, "csrf"), "sample_id": field(page, "sample_id"), "lease": field(page, "lease")}
+            return c.post("/queue/answer", data={**data, "correct": slot}).text
+
+        page = answer(page, "9")
+        assert "goes out in 10 s" in page and field(page, "sample_id") == "s2"
+        assert pool.fake_producer.sent == []  # held: nothing sent yet
+        page = c.post("/queue/undo", data={"csrf": field(page, "csrf")}).text
+        assert "Taken back" in page and field(page, "sample_id") == "s1"  # the sample is theirs again
+        assert pool.fake_producer.sent == [] and pool.fake_consumer.commits == []
+        page = answer(page, "17")
+        pool.now += 11.0
+        c.portal.call(pool.flush)  # what the app's flusher does every second
+        (label,) = pool.fake_producer.labels()
+        assert (label.sample_id, label.correct_memories) == ("s1", [17]) and pool.fake_consumer.commits == [1]
+        r = c.post("/queue/undo", data={"csrf": field(page, "csrf")})
+        assert r.status_code == 409 and "sent already" in r.text
+        answer(c.get("/queue").text, "9")  # s2: held when the app stops
+        assert len(pool.fake_producer.labels()) == 1
+    assert [x.sample_id for x in pool.fake_producer.labels()] == ["s1", "s2"]

@@ -16,6 +16,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labelers", type=Path, metavar="FILE.toml", help="labelers and their tokens or password hashes")
     p.add_argument("--overlap", type=int, default=1, help="labelers per sample (default 1)")
     p.add_argument("--lease", dest="lease_s", type=float, default=900.0, help="seconds a shown sample stays leased")
+    p.add_argument(
+        "--undo",
+        dest="undo_s",
+        type=float,
+        default=10.0,
+        help="seconds an answer is held, and can be taken back, before it is sent (0: at once)",
+    )
     p.add_argument("--refresh", dest="refresh_s", type=float, default=5.0, help="seconds between topic reads")
     p.add_argument(
         "--worker",
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         labelers_file=args.labelers,
         overlap=args.overlap,
         lease_s=args.lease_s,
+        undo_s=args.undo_s,
         refresh_s=args.refresh_s,
         worker_urls=tuple(args.worker_urls),
         learner_urls=tuple(args.learner_urls),

@@ -84,7 +84,9 @@ def create_app(
         if config.labelers_file is None:
             raise ValueError("no labelers: pass --labelers FILE (see docs/ui.md)")
         labelers = load_labelers(config.labelers_file)
-    pool = pool or SamplePool(bootstrap, config.connection, overlap=config.overlap, lease_s=config.lease_s)
+    pool = pool or SamplePool(
+        bootstrap, config.connection, overlap=config.overlap, lease_s=config.lease_s, undo_s=config.undo_s
+    )
     feeds = feeds or Feeds(bootstrap, config)
 
     @contextlib.asynccontextmanager

@@ -4,8 +4,9 @@ The screen shows the question, the memories that were read (their texts) and eve
 candidate with the serving policy's probability of being drawn first. The labeler marks
 the memories that should have been read (keys 1–9 toggle the n-th candidate) and those
 that are harmful (Shift+1–9), gives a 1–5 rating (r then 1–5), and sends (Enter), skips
-(s) or leaves the sample for others (Esc). ``u`` undoes the last mark; a label once sent is
-final (the worker applies one answer per labeler and sample). Progress is shown against the
+(s) or leaves the sample for others (Esc). ``u`` undoes the last mark; ``z`` takes back
+the answer just given while it is held (``--undo`` seconds, nothing sent yet). A label
+once sent is final (the worker applies one answer per labeler and sample). Progress is shown against the
 queue's depth. What is sent: :mod:`pipeline.ui.pool`.
 """
 
@@ -83,6 +84,7 @@ async def queue_page(request: Request, who: str, form: Any) -> Response:
         progress=progress,
         guidelines=GUIDELINES,
         sent=request.query_params.get("sent"),
+        undone=request.query_params.get("undone"),
     )
 
 
@@ -110,6 +112,18 @@ async def answer(request: Request, who: str, form: Any) -> Response:
 
 
 @guarded
+async def undo(request: Request, who: str, form: Any) -> Response:
+    """Take back the answer just given (within the undo time): the sample comes back."""
+    try:
+        entry = state(request).pool.undo(who)
+    except LabelError as exc:
+        return error_page(request, str(exc), 409)
+    if entry is None:
+        return error_page(request, "Taken back, nothing was sent; the sample has moved to another labeler.", 409)
+    return RedirectResponse("/queue?undone=1", status_code=303)
+
+
+@guarded
 async def leave(request: Request, who: str, form: Any) -> Response:
     """Release this labeler's lease (the Esc key, the page's unload beacon, or the button)."""
     state(request).pool.release(who, str(form.get("sample_id") or "") or None)
@@ -121,5 +135,6 @@ async def leave(request: Request, who: str, form: Any) -> Response:
 routes = [
     Route("/queue", queue_page, methods=["GET"]),
     Route("/queue/answer", answer, methods=["POST"]),
+    Route("/queue/undo", undo, methods=["POST"]),
     Route("/queue/leave", leave, methods=["POST"]),
 ]

@@ -10,7 +10,10 @@ count) have been acknowledged by the broker, and only in offset order per partit
 a sample held here comes back to the group if the app stops first.
 
 Labels are exactly what ``causalmem label`` sends
-(:func:`~pipeline.labeling.queue.memory_choice_label`). A labeler answers a sample once:
+(:func:`~pipeline.labeling.queue.memory_choice_label`). With ``undo_s`` > 0 an answer is
+held that long before it is published, and the labeler may take it back (:meth:`SamplePool.undo`):
+the sample returns to them, nothing was sent. A held answer is published when its time
+is up, when the same labeler sends the next one, or when the app stops. A labeler answers a sample once:
 their earlier answers are read from ``human-labels`` at start. Submitting for a sample the
 pool does not hold, with a lease that expired or moved (a group rebalance), or a second
 time, raises :class:`LabelError` and writes nothing.
@@ -18,6 +21,7 @@ time, raises :class:`LabelError` and writes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -65,11 +69,21 @@ class Entry:
     tp: TopicPartition
     offset: int
     epoch: int
-    answers: dict[str, HumanLabel] = field(default_factory=dict)
+    answers: dict[str, HumanLabel] = field(default_factory=dict)  # given (held for undo, or sent)
+    sent: set[str] = field(default_factory=set)  # labelers whose answer the broker acknowledged
     leases: dict[str, Lease] = field(default_factory=dict)
 
     def open_slots(self, overlap: int) -> int:
         return overlap - len(self.answers) - len(self.leases)
+
+
+@dataclass
+class Held:
+    """An answer waiting ``undo_s`` before it is published."""
+
+    label: HumanLabel
+    entry: Entry
+    due: float
 
 
 class _Revoked(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka ships no types
@@ -93,6 +107,7 @@ class SamplePool(Service):
         overlap: int = 1,
         lease_s: float = 900.0,
         prefetch: int = 16,
+        undo_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
@@ -103,7 +118,9 @@ class SamplePool(Service):
         self.overlap = overlap
         self.lease_s = lease_s
         self.prefetch = prefetch
+        self.undo_s = undo_s
         self.clock = clock
+        self.held: dict[str, Held] = {}  # labeler → their answer that may still be undone
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.answered: dict[str, set[str]] = {}  # labeler → sample ids answered (here or before)
         self.done: dict[str, int] = {}  # labeler → answers sent from this app
@@ -112,10 +129,16 @@ class SamplePool(Service):
         self._next: dict[TopicPartition, int] = {}  # per partition: the offset after the last fetched
         self._consumer: Any = None
         self._producer: Any = None
+        self._flusher: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def _start(self) -> None:
         await self._read_own_answers()
+        await self._open_clients()
+        if self.undo_s > 0:
+            self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def _open_clients(self) -> None:
         self._producer = kafka.producer(self.bootstrap, self.conn)
         await self._producer.start()
         self._consumer = kafka.consumer(
@@ -127,7 +150,22 @@ class SamplePool(Service):
         self._consumer.subscribe([self.topics.active_learning.name], listener=_Revoked(self))
         await self._consumer.start()
 
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.undo_s))
+            try:
+                await self.flush()
+            except Exception as exc:  # the broker is away: the answers stay held and go next time
+                log.warning("ui: held answers not sent yet: %r", exc)
+
     async def _stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                await self.flush(force=True)  # what a labeler sent is not lost when the app stops
         for client in (self._consumer, self._producer):
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -243,21 +281,63 @@ class SamplePool(Service):
         label = memory_choice_label(
             entry.sample, labeler, sorted(set(correct)), rating, skip_reason, harmful_memories=harmful
         )
-        fut = await self._producer.send(
-            self.topics.human_labels.name, encode(label.to_dict()), key=label.query_id.encode()
-        )
-        await fut  # acknowledged before the sample counts as answered
-        entry.answers[labeler] = label
-        entry.leases.pop(labeler, None)
-        self.answered.setdefault(labeler, set()).add(sample_id)
-        self.done[labeler] = self.done.get(labeler, 0) + 1
-        if len(entry.answers) >= self.overlap:
-            del self.entries[sample_id]
-            await self._commit_done(entry.tp)
+        if self.undo_s > 0:
+            await self.flush(labeler, force=True)  # one held answer per labeler: the previous one goes now
+            self._given(labeler, entry, label)
+            self.held[labeler] = Held(label, entry, self.clock() + self.undo_s)
+        else:
+            await self.publish_label(label)  # acknowledged before the sample counts as answered
+            self._given(labeler, entry, label)
+            await self._sent(labeler, entry)
         return label
 
+    def _given(self, labeler: str, entry: Entry, label: HumanLabel) -> None:
+        entry.answers[labeler] = label
+        entry.leases.pop(labeler, None)
+        self.answered.setdefault(labeler, set()).add(entry.sample.sample_id)
+
+    async def _sent(self, labeler: str, entry: Entry) -> None:
+        entry.sent.add(labeler)
+        self.done[labeler] = self.done.get(labeler, 0) + 1
+        sid = entry.sample.sample_id
+        if len(entry.sent) >= self.overlap and self.entries.get(sid) is entry:
+            del self.entries[sid]
+            await self._commit_done(entry.tp)
+
+    async def flush(self, labeler: str | None = None, force: bool = False) -> None:
+        """Publish the held answers whose undo time is over (``force``: now), or only ``labeler``'s."""
+        now = self.clock()
+        for who in [w for w, h in self.held.items() if (labeler is None or w == labeler) and (force or h.due <= now)]:
+            held = self.held.pop(who, None)  # taken first: a concurrent flush or undo finds it gone
+            if held is None:
+                continue
+            try:
+                await self.publish_label(held.label)
+            except Exception:
+                self.held.setdefault(who, held)  # not sent: held again, for the next flush
+                raise
+            await self._sent(who, held.entry)
+
+    def undo(self, labeler: str) -> Entry | None:
+        """Take back this labeler's held answer: nothing is sent, and the sample is theirs again.
+
+        Returns the sample's entry (leased to them again), or None when the sample moved to
+        another labeler meanwhile (a group rebalance). Raises LabelError when there is no
+        held answer (it has been sent: a sent label is final).
+        """
+        held = self.held.pop(labeler, None)
+        if held is None:
+            raise LabelError("Nothing to undo: your last answer has been sent already (a sent label is final).")
+        entry = held.entry
+        entry.answers.pop(labeler, None)
+        self.answered.get(labeler, set()).discard(entry.sample.sample_id)
+        if self.entries.get(entry.sample.sample_id) is not entry or entry.epoch != self._epoch:
+            return None
+        entry.leases[labeler] = Lease(labeler, secrets.token_urlsafe(12), self.clock() + self.lease_s)
+        return entry
+
     async def publish_label(self, label: HumanLabel) -> None:
-        """Publish a label that answers no queued sample (a review's settlement, a "do not use")."""
+        """Publish a label and wait for the broker's acknowledgement (answers, settlements, "do not use")."""
         fut = await self._producer.send(
             self.topics.human_labels.name, encode(label.to_dict()), key=label.query_id.encode()
         )
@@ -277,7 +357,7 @@ class SamplePool(Service):
         """What the queue page shows next to the sample."""
         mine = self.answered.get(labeler, set())
         return {
-            "held": len(self.entries),
+            "in_pool": len(self.entries),
             "for_you": sum(
                 1 for e in self.entries.values() if e.sample.sample_id not in mine and labeler not in e.answers
             ),
@@ -285,4 +365,12 @@ class SamplePool(Service):
             "answered_total": len(mine),
             "overlap": self.overlap,
             "unreadable": self.unreadable,
+            "undo": self.held_view(labeler),
         }
+
+    def held_view(self, labeler: str) -> dict[str, Any] | None:
+        """This labeler's answer that can still be undone: its sample and the seconds left."""
+        held = self.held.get(labeler)
+        if held is None:
+            return None
+        return {"sample_id": held.label.sample_id, "seconds": max(0.0, held.due - self.clock())}

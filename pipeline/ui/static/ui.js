@@ -114,6 +114,13 @@
     }, every);
   }
 
+  document.addEventListener("keydown", function (e) {
+    const t = e.target;
+    if (e.key !== "z" || e.ctrlKey || e.metaKey || e.altKey || (t && t.tagName === "INPUT" && t.type !== "checkbox")) return;
+    const held = document.getElementById("undo-form");
+    if (held) { held.submit(); e.preventDefault(); }
+  });
+
   document.addEventListener("DOMContentLoaded", function () {
     const form = document.getElementById("label-form");
     if (form) labelingPage(form);
