@@ -25,7 +25,7 @@ def trend_svg(points: list[dict[str, Any]], key: str, width: int = 360, height: 
     >>> trend_svg([{"ts": 0, "u": 0.1}, {"ts": 1, "u": None}, {"ts": 2, "u": 0.3}], "u").startswith("<svg")
     True
     """
-    values = [(p["ts"], p[key]) for p in points if p.get(key) is not None]
+    values = [(float(p["ts"]), float(p[key])) for p in points if p.get(key) is not None]
     if len(values) < 2:
         return ""
     t0, t1 = values[0][0], values[-1][0]
