@@ -127,3 +127,29 @@ async def test_an_unreadable_sample_goes_to_dead_letter_before_its_offset_is_com
     assert all(d["source"]["topic"] == TP.topic for _, d in dead)
     # each committed only after its dead letter was acknowledged; the good sample is not committed yet
     assert q._consumer.commits == [1, 2]
+
+
+@pytest.mark.broker
+async def test_the_reported_loss_through_the_broker(topics_ready: Settings) -> None:
+    """Six samples from a deployment with 8-dim embeddings and one that is not an object. A labeler
+    at the default 384 answers all six in the shared group; the broken one is in dead-letter."""
+    from tests.test_labeling import al_sample, labels_on_topic, produce, queue_samples
+
+    s = topics_ready  # embedding_dim 8
+    await queue_samples(s, [al_sample(s, f"six-{i}", f"q-six-{i}") for i in range(6)])
+    await produce(s, s.topics().active_learning.name, [("q-broken", "not a sample")])
+    default_labeler = s.replace(embedding_dim=384, slots=1024)
+    got = []
+    async with LabelQueue(s.bootstrap or "", default_labeler, "ann") as q:
+        for _ in range(6):
+            item = await q.next(timeout=15)
+            assert item is not None, f"lost after {got}"
+            got.append(item.sample.sample_id)
+            await q.answer(item, [1])
+        assert await q.next(timeout=2) is None
+        assert q.bad == 1
+    assert sorted(got) == [f"six-{i}" for i in range(6)]
+    assert len(await labels_on_topic(s)) == 6
+    dead = await kafka.read_all(s.bootstrap or "", s, s.topics().dead_letter.name)
+    reasons = [orjson.loads(m.value) for m in dead]
+    assert [(d["reason"], d["source"]["topic"]) for d in reasons] == [("not_object", s.topics().active_learning.name)]
