@@ -466,3 +466,22 @@ def test_an_answer_is_held_for_undo_then_sent_and_the_app_stopping_sends_it(tmp_
         answer(c.get("/queue").text, "9")  # s2: held when the app stops
         assert len(pool.fake_producer.labels()) == 1
     assert [x.sample_id for x in pool.fake_producer.labels()] == ["s1", "s2"]
+
+
+def test_hash_password_prints_a_hash_the_labelers_file_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+
+    from pipeline.cli import main
+    from pipeline.ui.auth import load_labelers
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("correct horse\n"))
+    assert main(["ui", "--hash-password"]) == 0
+    hashed = capsys.readouterr().out.strip()
+    (tmp_path / "l.toml").write_text(f'[labelers.ann]\npassword_hash = "{hashed}"\n')
+    ann = load_labelers(tmp_path / "l.toml")["ann"]
+    assert ann.accepts("correct horse") and not ann.accepts("correct horse ")
+    (tmp_path / "bad.toml").write_text('[labelers.ann]\ntoken = "short"\n')
+    with pytest.raises(ValueError, match="at least 12 characters"):
+        load_labelers(tmp_path / "bad.toml")
