@@ -485,3 +485,56 @@ def test_hash_password_prints_a_hash_the_labelers_file_accepts(
     (tmp_path / "bad.toml").write_text('[labelers.ann]\ntoken = "short"\n')
     with pytest.raises(ValueError, match="at least 12 characters"):
         load_labelers(tmp_path / "bad.toml")
+
+
+def test_sasl_logins_are_checked_by_the_broker_and_labels_use_the_labelers_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No labelers file on a SASL connection: a labeler logs in with their own Kafka user;
+    the broker (here a stand-in that knows ann's password) decides, and ann's label goes
+    through a producer made with her credentials, not the app's."""
+    from pipeline import kafka
+    from pipeline.config import KafkaSecurity
+
+    made: list[tuple[str | None, str | None, Producer]] = []
+
+    class SaslProducer(Producer):
+        def __init__(self, user: str | None, password: str | None) -> None:
+            super().__init__()
+            self.user, self.password, self.stopped = user, password, False
+
+        async def start(self) -> None:
+            if (self.user, self.password) != ("ann", "ann-kafka-pw"):
+                raise RuntimeError("SASL authentication failed")
+
+        async def stop(self) -> None:
+            self.stopped = True
+
+    def producer(bootstrap: str, conn: Any, **kw: Any) -> SaslProducer:
+        p = SaslProducer(conn.security.sasl_username, conn.security.sasl_password)
+        made.append((p.user, p.password, p))
+        return p
+
+    monkeypatch.setattr(kafka, "producer", producer)
+    sasl = S.replace(
+        state_dir=str(tmp_path),
+        security=KafkaSecurity("SASL_PLAINTEXT", "SCRAM-SHA-512", "causalmem-ui", "app-pw"),
+    )
+    pool = Pool([sample("s1")])
+    app = create_app(sasl.ui(), "127.0.0.1:1", pool=pool, feeds=Feeds())
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        r = c.post("/login", data={"name": "ann", "secret": "wrong", "next": "/queue"})
+        assert r.status_code == 401 and made[-1][2].stopped  # refused by the broker; nothing kept
+        assert c.get("/queue", follow_redirects=False).status_code == 303  # still logged out
+        login(c, "ann", "ann-kafka-pw")
+        ann_producer = made[-1][2]
+        page = c.get("/queue").text
+        data = {"csrf": field(page, "csrf"), "sample_id": "s1", "lease": field(page, "lease"), "correct": "9"}
+        c.post("/queue/answer", data=data)
+        assert pool.fake_producer.sent == []  # not through the app's own connection
+        (label,) = [decode_human_label(v, Limits(slots=64)) for _, v in ann_producer.sent]
+        assert label.labeler == "ann" and label.correct_memories == [9]
+        c.post("/logout", data={"csrf": field(c.get("/memories").text, "csrf")})
+        assert ann_producer.stopped and "ann" not in pool.producers
+    with pytest.raises(ValueError, match="labelers"):
+        create_app(S.replace(state_dir=str(tmp_path)).ui(), "127.0.0.1:1", pool=Pool([]), feeds=Feeds())

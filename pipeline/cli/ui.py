@@ -13,7 +13,12 @@ from pipeline.cli.common import resolve_bootstrap, settings_from
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
-    p.add_argument("--labelers", type=Path, metavar="FILE.toml", help="labelers and their tokens or password hashes")
+    p.add_argument(
+        "--labelers",
+        type=Path,
+        metavar="FILE.toml",
+        help="labelers and their tokens or password hashes (without it: log in with your SASL user)",
+    )
     p.add_argument("--overlap", type=int, default=1, help="labelers per sample (default 1)")
     p.add_argument("--lease", dest="lease_s", type=float, default=900.0, help="seconds a shown sample stays leased")
     p.add_argument(
@@ -56,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("an empty password")
         print(hash_password(password))
         return 0
-    if args.labelers is None:
-        raise ValueError("pass --labelers FILE.toml: every write needs a logged-in labeler (see docs/ui.md)")
     import uvicorn
 
     from pipeline.ui.app import create_app

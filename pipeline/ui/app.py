@@ -25,7 +25,16 @@ from starlette.staticfiles import StaticFiles
 
 from pipeline.config import UiConfig
 from pipeline.ui import agreement, health_pages, labeling, memory_pages
-from pipeline.ui.auth import Labeler, csrf_ok, current_labeler, load_labelers, log_in, session_secret
+from pipeline.ui.auth import (
+    Labeler,
+    SaslLogin,
+    csrf_ok,
+    current_labeler,
+    load_labelers,
+    log_in,
+    session_secret,
+    start_session,
+)
 from pipeline.ui.feeds import Feeds
 from pipeline.ui.pool import SamplePool
 from pipeline.ui.web import HERE, UiState, error_page, render, state
@@ -52,7 +61,15 @@ async def login(request: Request) -> Response:
     form = await request.form()
     ui = state(request)
     target = _safe_next(str(form.get("next") or ""))
-    if not log_in(request, ui.labelers, str(form.get("name") or ""), str(form.get("secret") or "")):
+    name, secret = str(form.get("name") or "").strip(), str(form.get("secret") or "")
+    if ui.sasl is not None:
+        producer = await ui.sasl.log_in(name, secret)
+        if producer is None:
+            return render(request, "login.html", status_code=401, next=target, failed=True)
+        await ui.pool.set_producer(name, producer)  # this labeler's labels go through it
+        ui.labelers[name] = Labeler(name)
+        start_session(request, name)
+    elif not log_in(request, ui.labelers, name, secret):
         return render(request, "login.html", status_code=401, next=target, failed=True)
     return RedirectResponse(target, status_code=303)
 
@@ -63,7 +80,12 @@ async def logout(request: Request) -> Response:
     if who is not None:
         if not csrf_ok(request, form):
             return error_page(request, "This form is out of date (CSRF check failed); reload the page.", 403)
-        state(request).pool.release(who)  # the lease ends with the session
+        ui = state(request)
+        ui.pool.release(who)  # the lease ends with the session
+        if ui.sasl is not None:
+            await ui.pool.flush(who, force=True)  # a held answer goes out with the labeler's credentials
+            await ui.pool.set_producer(who, None)
+            ui.labelers.pop(who, None)
     request.session.clear()
     return RedirectResponse("/login", status_code=303)
 
@@ -79,11 +101,19 @@ def create_app(
     pool: Any = None,
     feeds: Any = None,
 ) -> Starlette:
-    """The ASGI app. ``pool`` and ``feeds`` default to the Kafka-backed ones (tests pass stand-ins)."""
+    """The ASGI app. ``pool`` and ``feeds`` default to the Kafka-backed ones (tests pass stand-ins).
+
+    Without ``labelers`` and a labelers file, labelers log in with their SASL principal
+    (the connection must be SASL).
+    """
+    sasl = None
     if labelers is None:
-        if config.labelers_file is None:
-            raise ValueError("no labelers: pass --labelers FILE (see docs/ui.md)")
-        labelers = load_labelers(config.labelers_file)
+        if config.labelers_file is not None:
+            labelers = load_labelers(config.labelers_file)
+        elif config.connection.security.security_protocol.startswith("SASL"):
+            sasl, labelers = SaslLogin(bootstrap, config.connection), {}
+        else:
+            raise ValueError("no labelers: pass --labelers FILE, or use a SASL connection (see docs/ui.md)")
     pool = pool or SamplePool(
         bootstrap, config.connection, overlap=config.overlap, lease_s=config.lease_s, undo_s=config.undo_s
     )
@@ -120,5 +150,5 @@ def create_app(
         )
     ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
-    app.state.ui = UiState(config, labelers, pool, feeds)
+    app.state.ui = UiState(config, labelers, pool, feeds, sasl)
     return app

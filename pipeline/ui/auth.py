@@ -1,4 +1,15 @@
-"""Who may use the web app: labelers from a config file, signed session cookies, CSRF tokens.
+"""Who may use the web app: labelers from a config file or the SASL principal, signed sessions, CSRF.
+
+Two ways to log in:
+
+- **The labelers file** (``--labelers``): the app checks a token or a password hash, and
+  writes the labels with its own Kafka connection; each label names the labeler.
+- **The SASL principal** (no labelers file, a SASL connection): a labeler logs in with
+  their own Kafka user and password. The broker checks them (:class:`SaslLogin` connects a
+  producer with those credentials), and that labeler's labels are written through it, so
+  the broker's ACLs apply to them and the identity on the label is the authenticated
+  principal, as with ``causalmem label``. The password is kept only by that producer, in
+  memory, until logout; after a restart of the app the labeler logs in again.
 
 The labelers file (TOML) names each labeler with a token or a password hash::
 
@@ -16,8 +27,11 @@ checks. Every page but the login page needs a logged-in labeler.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import tomllib
@@ -26,6 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
+
+from pipeline import kafka
+from pipeline.config import Connection
+
+log = logging.getLogger(__name__)
 
 PBKDF2_ITERATIONS = 600_000
 NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@-")
@@ -97,6 +116,35 @@ def load_labelers(path: Path) -> dict[str, Labeler]:
     return out
 
 
+class SaslLogin:
+    """Logins checked by the broker: a producer connected with the labeler's own SASL credentials."""
+
+    def __init__(self, bootstrap: str, conn: Connection) -> None:
+        if not conn.security.security_protocol.startswith("SASL"):
+            raise ValueError("SASL logins need a SASL connection (--security-protocol SASL_SSL or SASL_PLAINTEXT)")
+        self.bootstrap = bootstrap
+        self.conn = conn
+
+    def connection_of(self, name: str, password: str) -> Connection:
+        """The app's connection with the labeler's user and password instead of its own."""
+        security = dataclasses.replace(self.conn.security, sasl_username=name, sasl_password=password)
+        return dataclasses.replace(self.conn, security=security)
+
+    async def log_in(self, name: str, password: str) -> Any | None:
+        """A started producer authenticated as ``name``, or None when the broker refuses the credentials."""
+        if not name or set(name) - NAME_OK or not password:
+            return None
+        producer = kafka.producer(self.bootstrap, self.connection_of(name, password))
+        try:
+            await producer.start()  # connecting authenticates: wrong credentials fail here
+        except Exception as exc:
+            log.info("ui: SASL login of %r refused (%s)", name, type(exc).__name__)
+            with contextlib.suppress(Exception):
+                await producer.stop()
+            return None
+        return producer
+
+
 def session_secret(state_dir: Path) -> str:
     """The key that signs session cookies: created once, owner-readable only."""
     path = state_dir / "ui-secret"
@@ -131,7 +179,11 @@ def log_in(request: Request, labelers: dict[str, Labeler], name: str, secret: st
     who = labelers.get(name.strip())
     if who is None or not secret or not who.accepts(secret):
         return False
-    request.session.clear()
-    request.session["labeler"] = who.name
-    csrf_token(request)
+    start_session(request, who.name)
     return True
+
+
+def start_session(request: Request, name: str) -> None:
+    request.session.clear()
+    request.session["labeler"] = name
+    csrf_token(request)

@@ -121,6 +121,7 @@ class SamplePool(Service):
         self.undo_s = undo_s
         self.clock = clock
         self.held: dict[str, Held] = {}  # labeler → their answer that may still be undone
+        self.producers: dict[str, Any] = {}  # labeler → their own producer (SASL logins)
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.answered: dict[str, set[str]] = {}  # labeler → sample ids answered (here or before)
         self.done: dict[str, int] = {}  # labeler → answers sent from this app
@@ -166,6 +167,8 @@ class SamplePool(Service):
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self.flush(force=True)  # what a labeler sent is not lost when the app stops
+        for who in list(self.producers):
+            await self.set_producer(who, None)
         for client in (self._consumer, self._producer):
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -336,11 +339,22 @@ class SamplePool(Service):
         entry.leases[labeler] = Lease(labeler, secrets.token_urlsafe(12), self.clock() + self.lease_s)
         return entry
 
+    async def set_producer(self, labeler: str, producer: Any | None) -> None:
+        """Write ``labeler``'s labels through ``producer`` (their own SASL login); None stops and drops it."""
+        old = self.producers.pop(labeler, None)
+        if old is not None and old is not producer:
+            with contextlib.suppress(Exception):
+                await old.stop()
+        if producer is not None:
+            self.producers[labeler] = producer
+
     async def publish_label(self, label: HumanLabel) -> None:
-        """Publish a label and wait for the broker's acknowledgement (answers, settlements, "do not use")."""
-        fut = await self._producer.send(
-            self.topics.human_labels.name, encode(label.to_dict()), key=label.query_id.encode()
-        )
+        """Publish a label and wait for the broker's acknowledgement (answers, settlements, "do not use").
+
+        Through the labeler's own producer when they logged in with their SASL principal.
+        """
+        producer = self.producers.get(label.labeler, self._producer)
+        fut = await producer.send(self.topics.human_labels.name, encode(label.to_dict()), key=label.query_id.encode())
         await fut
         if label.sample_id:
             self.answered.setdefault(label.labeler, set()).add(label.sample_id)

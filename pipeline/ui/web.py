@@ -22,7 +22,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from pipeline.config import UiConfig
-from pipeline.ui.auth import Labeler, csrf_ok, csrf_token, current_labeler
+from pipeline.ui.auth import Labeler, SaslLogin, csrf_ok, csrf_token, current_labeler
 from pipeline.ui.feeds import Feeds
 from pipeline.ui.pool import SamplePool
 
@@ -54,6 +54,7 @@ class UiState:
     labelers: dict[str, Labeler]
     pool: SamplePool
     feeds: Feeds
+    sasl: SaslLogin | None = None  # labelers log in with their SASL principal (no labelers file)
 
 
 def state(request: Request) -> UiState:
