@@ -40,7 +40,7 @@ from topics.labels import HumanLabel, decode_active_learning_sample, decode_huma
 from .conftest import settings_env
 from .helpers import until
 
-pytestmark = pytest.mark.broker
+pytestmark = [pytest.mark.broker, pytest.mark.slow]  # ~50 s: a worker, a learner and a browser
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 BASE_TS = 1_767_225_600.0
