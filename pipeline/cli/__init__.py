@@ -36,6 +36,7 @@ VERBS: dict[str, tuple[str, str]] = {
     ),
     "rollback": ("rollback", "serve an earlier checkpoint again (republished under a new version, reason rollback)"),
     "bench": ("bench", "benchmarks: throughput, learning, soak"),
+    "ui": ("ui", "the web app: label queued samples, agreement, each memory's record, health"),
 }
 
 
@@ -46,6 +47,7 @@ NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
     "evaluate": (("rich", "cli"),),
     "demo": (("rich", "lab"), ("yaml", "lab")),
     "bench": (("rich", "lab"), ("yaml", "lab")),
+    "ui": tuple((m, "ui") for m in ("starlette", "jinja2", "uvicorn", "python_multipart", "itsdangerous")),
 }
 
 

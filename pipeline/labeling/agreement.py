@@ -1,4 +1,4 @@
-"""Agreement between labelers: Cohen's κ and the per-labeler and pairwise statistics of ``label --stats``.
+"""Agreement between labelers: Cohen's κ, Fleiss' κ and the per-labeler and pairwise statistics of ``label --stats``.
 
 Pure: works on decoded HumanLabels (anything with their attributes) and plain values.
 
@@ -77,6 +77,40 @@ def cohens_kappa(a: Sequence[Any], b: Sequence[Any], weights: str | None = None)
     return float(1 - observed / expected)
 
 
+def fleiss_kappa(items: Sequence[Sequence[Any]]) -> float:
+    """Fleiss' κ of any number of raters: ``items[i]`` holds the labels item i received.
+
+    Items may have different numbers of raters (at least two each; items with fewer are
+    left out): ``P_i = (Σ_j n_ij² − n_i) / (n_i (n_i − 1))`` is the share of agreeing rater
+    pairs on item i, ``P̄`` their mean, ``p_j`` the share of all labels in category j and
+    ``P_e = Σ_j p_j²``; ``κ = (P̄ − P_e) / (1 − P_e)``. With two raters per item it is
+    Scott's π. Exact (fractions); NaN when undefined (no item, or one category for all).
+
+    >>> fleiss_kappa([[1, 1, 1], [0, 0, 0]])
+    1.0
+    >>> round(fleiss_kappa([[1, 1, 0], [0, 0, 0], [1, 1, 1], [0, 1, 0]]), 4)  # P̄ = 2/3, P_e = 0.5
+    0.3333
+    >>> math.isnan(fleiss_kappa([[2, 2], [2, 2]])), math.isnan(fleiss_kappa([[1]]))
+    (True, True)
+    """
+    rated = [list(x) for x in items if len(x) >= 2]
+    if not rated:
+        return math.nan
+    totals: Counter[Any] = Counter()
+    agree = Fraction(0)
+    for labels in rated:
+        counts = Counter(labels)
+        totals.update(counts)
+        n = len(labels)
+        agree += Fraction(sum(c * c for c in counts.values()) - n, n * (n - 1))
+    p_bar = agree / len(rated)
+    all_labels = sum(totals.values())
+    p_e = sum((Fraction(c, all_labels) ** 2 for c in totals.values()), Fraction(0))
+    if p_e == 1:
+        return math.nan
+    return float((p_bar - p_e) / (1 - p_e))
+
+
 @dataclass(frozen=True)
 class Answer:
     """One labeler's latest answer to one sample (from a ``memory_choice`` label)."""
@@ -125,6 +159,11 @@ def agreement(labels: Sequence[Any], offered: dict[str, set[int]] | None = None)
     - **same set**: the share of overlapping samples where the two chose identical sets.
     - **κ rating** (linear-weighted, see :func:`cohens_kappa`): over the overlapping
       samples that both rated 0–5 (how much the query needed memory).
+
+    Over all labelers at once: **Fleiss' κ memories** (:func:`fleiss_kappa`) on the same
+    per-slot decisions, for every sample that at least two labelers judged and whose
+    offered slots are known; and the **disagreements**: samples judged by several
+    labelers who chose different sets (what a review settles).
     """
     offered = offered or {}
     answers = latest_answers(labels)
@@ -173,6 +212,21 @@ def agreement(labels: Sequence[Any], offered: dict[str, set[int]] | None = None)
                 "kappa_rating": finite(cohens_kappa([r[0] for r in rated], [r[1] for r in rated], weights="linear"), 6),
             }
         )
+    fleiss_items: list[list[int]] = []
+    disagreements: list[dict[str, Any]] = []
+    for sid, by_who in sorted(by_sample.items()):
+        judged = {who: a for who, a in by_who.items() if a.skip_reason is None}
+        if len(judged) < 2:
+            continue
+        if len({a.correct for a in judged.values()}) > 1:
+            disagreements.append(
+                {"sample_id": sid, "answers": {w: sorted(a.correct) for w, a in sorted(judged.items())}}
+            )
+        slots = offered.get(sid)
+        if slots is None:
+            continue
+        for slot in sorted(set(slots).union(*(a.correct for a in judged.values()))):
+            fleiss_items.append([int(slot in a.correct) for a in judged.values()])
     labelers = {
         who: {**s, "skip_reasons": dict(sorted(s["skip_reasons"].items(), key=lambda kv: (-kv[1], kv[0])))}
         for who, s in sorted(per.items())
@@ -182,4 +236,7 @@ def agreement(labels: Sequence[Any], offered: dict[str, set[int]] | None = None)
         "samples_with_several_labelers": sum(len(v) > 1 for v in by_sample.values()),
         "labelers": labelers,
         "pairs": pairs,
+        "fleiss_kappa_memories": finite(fleiss_kappa(fleiss_items), 6),
+        "fleiss_slot_decisions": len(fleiss_items),
+        "disagreements": disagreements,
     }

@@ -13,6 +13,12 @@ The identity is the authenticated SASL principal when the connection has one
 sample once: at start it reads its own answers from ``human-labels``, and a sample it has
 answered already (before a crash, or in another consumer group) is committed and passed
 over, never shown again. The worker enforces the same rule on whatever reaches the topic.
+
+A labeler needs no model configuration: samples are decoded without checking the model's
+sizes (embedding length, slot count), so a labeler started with other settings than the
+worker reads them all. A sample no labeler could read (not JSON, a missing field) is never
+consumed silently: it goes to ``dead-letter`` with its reason, and only once the broker has
+acknowledged that record is its offset committed.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -32,8 +38,15 @@ from aiokafka.structs import OffsetAndMetadata
 from pipeline import kafka
 from pipeline.config import Connection, Settings
 from pipeline.service import Service
-from topics.fields import Rejected, encode
-from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
+from topics.fields import Limits, Rejected, encode
+from topics.internal import dead_letter_value
+from topics.labels import (
+    ANY_SLOT,
+    ActiveLearningSample,
+    HumanLabel,
+    decode_active_learning_sample,
+    decode_human_label,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +100,67 @@ def label_event_id(sample_id: str, labeler: str) -> str:
     measured).
     """
     return hashlib.sha256(f"{sample_id}\x00{labeler}".encode()).hexdigest()[:32]
+
+
+def labeler_limits(limits: Limits) -> Limits:
+    """The limits a labeler reads with: the deployment's, but any slot number (no model sizes).
+
+    >>> labeler_limits(Limits(slots=32)).slots == ANY_SLOT, labeler_limits(Limits()).max_bytes
+    (True, 262144)
+    """
+    return replace(limits, slots=ANY_SLOT)
+
+
+def read_sample(raw: bytes, limits: Any, key: Any) -> ActiveLearningSample:
+    """A queued sample as a labeler reads it: validated, but with no model sizes checked.
+
+    Raises :class:`~topics.fields.Rejected` for a sample nobody could read.
+    """
+    return decode_active_learning_sample(raw, limits, key, any_shape=True)
+
+
+async def dead_letter_sample(producer: Any, topic: str, tp: TopicPartition, msg: Any, rej: Rejected) -> None:
+    """Send an unreadable sample to ``dead-letter`` with its reason and wait for the broker's ack.
+
+    Callers commit the sample's offset only after this returns: the record is safe first.
+    """
+    log.warning("label queue: unreadable sample at %s:%d (%s); sent to dead-letter", tp, msg.offset, rej)
+    value = dead_letter_value(msg.value, rej.reason, rej.detail, tp.topic, tp.partition, msg.offset, time.time())
+    fut = await producer.send(topic, encode(value), key=msg.key, partition=0)
+    await fut
+
+
+def memory_choice_label(
+    sample: ActiveLearningSample,
+    labeler: str,
+    correct_memories: list[int],
+    rating: int | None = None,
+    skip_reason: str | None = None,
+    ts: float | None = None,
+    harmful_memories: list[int] | None = None,
+) -> HumanLabel:
+    """The ``memory_choice`` label a labeler sends for a sample (every labeling tool sends this one).
+
+    >>> from topics.events import Features
+    >>> import numpy as np
+    >>> s = ActiveLearningSample("s1", "q1", 2, 5.0, "error", -0.5, 1, Features(np.zeros(2), 0, 0), [3, 4], [3], [])
+    >>> lab = memory_choice_label(s, "ann", [4], rating=2)
+    >>> (lab.event_id == label_event_id("s1", "ann"), lab.query_id, lab.step, lab.ts, lab.correct_memories)
+    (True, 'q1', 2, 5.0, [4])
+    """
+    return HumanLabel(
+        event_id=label_event_id(sample.sample_id, labeler),
+        query_id=sample.query_id,
+        ts=sample.ts if ts is None else ts,
+        labeler=labeler,
+        kind="memory_choice",
+        sample_id=sample.sample_id,
+        correct_memories=list(correct_memories),
+        rating=rating,
+        step=sample.step,
+        skip_reason=skip_reason,
+        harmful_memories=list(harmful_memories) if harmful_memories else None,
+    )
 
 
 # A person may look at one sample for a long time. aiokafka leaves the group when the
@@ -148,7 +222,7 @@ class LabelQueue(Service):
         self.bootstrap = bootstrap
         self.labeler = labeler
         self.topics = self.conn.topics
-        self.limits = self.conn.limits
+        self.limits = labeler_limits(self.conn.limits)
         self.group = group or labeler_group(self.conn)
         self.done = 0
         self.skipped = 0
@@ -194,11 +268,9 @@ class LabelQueue(Service):
             for tp, msgs in batch.items():
                 for msg in msgs:
                     try:
-                        sample = decode_active_learning_sample(msg.value, self.limits, msg.key)
+                        sample = read_sample(msg.value, self.limits, msg.key)
                     except Rejected as rej:
-                        log.warning("label queue: unreadable sample at %s:%d (%s); skipping", tp, msg.offset, rej)
-                        self.bad += 1
-                        await self._commit(tp, msg.offset)
+                        await self._dead_letter(tp, msg, rej)
                         continue
                     if sample.sample_id in self.answered:
                         self.repeats += 1  # answered by this labeler already: never twice
@@ -244,18 +316,13 @@ class LabelQueue(Service):
         skip_reason: str | None = None,
     ) -> HumanLabel:
         """This labeler's ``memory_choice`` label of a sample: an answer, or a skip with its reason."""
-        return HumanLabel(
-            event_id=label_event_id(item.sample.sample_id, self.labeler),
-            query_id=item.sample.query_id,
-            ts=item.sample.ts if ts is None else ts,
-            labeler=self.labeler,
-            kind="memory_choice",
-            sample_id=item.sample.sample_id,
-            correct_memories=correct_memories,
-            rating=rating,
-            step=item.sample.step,
-            skip_reason=skip_reason,
-        )
+        return memory_choice_label(item.sample, self.labeler, correct_memories, rating, skip_reason, ts)
+
+    async def _dead_letter(self, tp: TopicPartition, msg: Any, rej: Rejected) -> None:
+        """Send an unreadable sample to ``dead-letter`` (acknowledged), then commit past it."""
+        await dead_letter_sample(self._producer, self.topics.dead_letter.name, tp, msg, rej)
+        self.bad += 1
+        await self._commit(tp, msg.offset)
 
     async def _deliver(self, item: QueuedSample, label: HumanLabel) -> None:
         self._check_held(item)

@@ -373,7 +373,7 @@ async def stats(bootstrap: str, conn: Connection) -> dict[str, Any]:
     offered: dict[str, set[int]] = {}
     for msg in await kafka.read_all(bootstrap, conn, topics.active_learning.name):
         try:
-            sample = decode_active_learning_sample(msg.value, limits, msg.key)
+            sample = decode_active_learning_sample(msg.value, limits, msg.key, any_shape=True)
         except Rejected:
             continue
         offered.setdefault(sample.sample_id, set()).update(offered_slots(sample))

@@ -1,0 +1,85 @@
+"""``causalmem ui``: the web app for labelers and operators (docs/ui.md)."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+from pathlib import Path
+
+from pipeline.cli.common import resolve_bootstrap, settings_from
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    p.add_argument(
+        "--labelers",
+        type=Path,
+        metavar="FILE.toml",
+        help="labelers and their tokens or password hashes (without it: log in with your SASL user)",
+    )
+    p.add_argument("--overlap", type=int, default=1, help="labelers per sample (default 1)")
+    p.add_argument("--lease", dest="lease_s", type=float, default=900.0, help="seconds a shown sample stays leased")
+    p.add_argument(
+        "--undo",
+        dest="undo_s",
+        type=float,
+        default=10.0,
+        help="seconds an answer is held, and can be taken back, before it is sent (0: at once)",
+    )
+    p.add_argument("--refresh", dest="refresh_s", type=float, default=5.0, help="seconds between topic reads")
+    p.add_argument(
+        "--worker",
+        dest="worker_urls",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a worker's /metrics URL, for the live health score (repeatable)",
+    )
+    p.add_argument(
+        "--learner",
+        dest="learner_urls",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a learner's /metrics URL, for the gate's estimates (repeatable)",
+    )
+    p.add_argument(
+        "--hash-password",
+        action="store_true",
+        help="print a password_hash for the labelers file (reads the password from the terminal) and exit",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.ui.auth import hash_password
+
+    if args.hash_password:
+        password = getpass.getpass("password: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\n")
+        if not password:
+            raise ValueError("an empty password")
+        print(hash_password(password))
+        return 0
+    import uvicorn
+
+    from pipeline.ui.app import create_app
+
+    settings = settings_from(args)
+    config = settings.ui(
+        host=args.host,
+        port=args.port,
+        labelers_file=args.labelers,
+        overlap=args.overlap,
+        lease_s=args.lease_s,
+        undo_s=args.undo_s,
+        refresh_s=args.refresh_s,
+        worker_urls=tuple(args.worker_urls),
+        learner_urls=tuple(args.learner_urls),
+    )
+    app = create_app(config, resolve_bootstrap(settings))
+    if config.host not in ("127.0.0.1", "::1", "localhost"):
+        print(f"causalmem ui: listening on {config.host}, not loopback: put TLS in front", file=sys.stderr)
+    print(f"causalmem ui: http://{config.host}:{config.port}/", file=sys.stderr)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    return 0

@@ -1,0 +1,154 @@
+"""The web app (``causalmem ui``): a Starlette application over the product's topics.
+
+:func:`create_app` wires the pages (:mod:`~pipeline.ui.labeling`,
+:mod:`~pipeline.ui.agreement`, :mod:`~pipeline.ui.memory_pages`,
+:mod:`~pipeline.ui.health_pages`), the login (:mod:`~pipeline.ui.auth`), the static files
+and, for its lifetime, the labeling pool (:mod:`~pipeline.ui.pool`) and the topic reader
+(:mod:`~pipeline.ui.feeds`). No database: the topics, and a state directory for the
+session key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlparse
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from pipeline.config import UiConfig
+from pipeline.ui import agreement, health_pages, labeling, memory_pages
+from pipeline.ui.auth import (
+    Labeler,
+    SaslLogin,
+    csrf_ok,
+    current_labeler,
+    load_labelers,
+    log_in,
+    session_secret,
+    start_session,
+)
+from pipeline.ui.feeds import Feeds
+from pipeline.ui.pool import SamplePool
+from pipeline.ui.web import HERE, UiState, error_page, render, state
+
+SESSION_MAX_AGE_S = 12 * 3600
+
+
+def _safe_next(target: str | None) -> str:
+    """Only a path on this site (no scheme, no host): the login never redirects elsewhere.
+
+    >>> _safe_next("/memories/3"), _safe_next("https://evil.example/"), _safe_next("//evil.example")
+    ('/memories/3', '/queue', '/queue')
+    """
+    if not target or not target.startswith("/") or target.startswith("//") or urlparse(target).netloc:
+        return "/queue"
+    return target
+
+
+async def login_page(request: Request) -> Response:
+    return render(request, "login.html", next=_safe_next(request.query_params.get("next")), failed=False)
+
+
+async def login(request: Request) -> Response:
+    form = await request.form()
+    ui = state(request)
+    target = _safe_next(str(form.get("next") or ""))
+    name, secret = str(form.get("name") or "").strip(), str(form.get("secret") or "")
+    if ui.sasl is not None:
+        producer = await ui.sasl.log_in(name, secret)
+        if producer is None:
+            return render(request, "login.html", status_code=401, next=target, failed=True)
+        await ui.pool.set_producer(name, producer)  # this labeler's labels go through it
+        ui.labelers[name] = Labeler(name)
+        start_session(request, name)
+    elif not log_in(request, ui.labelers, name, secret):
+        return render(request, "login.html", status_code=401, next=target, failed=True)
+    return RedirectResponse(target, status_code=303)
+
+
+async def logout(request: Request) -> Response:
+    form = await request.form()
+    who = current_labeler(request)
+    if who is not None:
+        if not csrf_ok(request, form):
+            return error_page(request, "This form is out of date (CSRF check failed); reload the page.", 403)
+        ui = state(request)
+        ui.pool.release(who)  # the lease ends with the session
+        if ui.sasl is not None:
+            await ui.pool.flush(who, force=True)  # a held answer goes out with the labeler's credentials
+            await ui.pool.set_producer(who, None)
+            ui.labelers.pop(who, None)
+    request.session.clear()
+    return RedirectResponse("/login", status_code=303)
+
+
+async def home(request: Request) -> Response:
+    return RedirectResponse("/queue", status_code=303)
+
+
+def create_app(
+    config: UiConfig,
+    bootstrap: str,
+    labelers: dict[str, Labeler] | None = None,
+    pool: Any = None,
+    feeds: Any = None,
+) -> Starlette:
+    """The ASGI app. ``pool`` and ``feeds`` default to the Kafka-backed ones (tests pass stand-ins).
+
+    Without ``labelers`` and a labelers file, labelers log in with their SASL principal
+    (the connection must be SASL).
+    """
+    sasl = None
+    if labelers is None:
+        if config.labelers_file is not None:
+            labelers = load_labelers(config.labelers_file)
+        elif config.connection.security.security_protocol.startswith("SASL"):
+            sasl, labelers = SaslLogin(bootstrap, config.connection), {}
+        else:
+            raise ValueError("no labelers: pass --labelers FILE, or use a SASL connection (see docs/ui.md)")
+    pool = pool or SamplePool(
+        bootstrap, config.connection, overlap=config.overlap, lease_s=config.lease_s, undo_s=config.undo_s
+    )
+    feeds = feeds or Feeds(bootstrap, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            for service in (feeds, pool):
+                if hasattr(service, "start"):
+                    await service.start()
+                    stack.push_async_callback(service.stop)
+            yield
+
+    routes = [
+        Route("/", home),
+        Route("/login", login_page, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        *labeling.routes,
+        *agreement.routes,
+        *memory_pages.routes,
+        *health_pages.routes,
+        Mount("/static", app=StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    middleware = [
+        Middleware(
+            SessionMiddleware,
+            secret_key=session_secret(config.state_dir),
+            session_cookie="causalmem_ui",
+            max_age=SESSION_MAX_AGE_S,
+            same_site="strict",
+            https_only=False,  # loopback by default; put TLS in front when exposing it
+        )
+    ]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.ui = UiState(config, labelers, pool, feeds, sasl)
+    return app

@@ -1,0 +1,232 @@
+"""The memories pages: each memory's reads, hard drops and measured effect, from the topics.
+
+The view is built from two topics, read from the beginning and then followed
+(:mod:`pipeline.ui.feeds`), and bounded in memory:
+
+- ``retrieval-events``: a memory is *read* when its slot is among ``selected`` and
+  *dropped* when the hard drop removed it (``dropped``); its text and the recent queries
+  that read or dropped it (``recent_per_memory`` of them) come from here;
+- ``experiences`` (kind ``feedback``): the measured effect. Per-memory credit
+  (``slot_effects``, contract 1.1: the answer's NLL without the memory minus with it, so
+  positive helps) where the feedback carried it, else the step's utility, shared by every
+  memory the step read.
+
+Per memory: the mean effect with a 95% interval (normal approximation), the probability
+that the memory is harmful (mean effect below 0), δ (the reward-prediction error: an
+exponentially weighted mean of ``effect − mean before it``; negative when a memory does
+worse than it used to) and a sparkline of its recent effects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from topics.events import RetrievalEvent
+from topics.internal import Experience
+
+Z95 = 1.959963984540054
+DELTA_ALPHA = 0.1  # weight of the newest reward-prediction error in δ
+SPARK_POINTS = 40  # recent effects a sparkline shows
+
+
+@dataclass(frozen=True)
+class Effect:
+    """A memory's measured effect: ``n`` observations, their mean and 95% interval."""
+
+    n: int
+    mean: float
+    low: float
+    high: float
+
+    @property
+    def p_harmful(self) -> float:
+        """P(true mean < 0) under the normal approximation (0.5 with fewer than two observations)."""
+        if self.n < 2 or self.high == self.low:
+            return 0.5 if self.n < 2 else float(self.mean < 0)
+        se = (self.high - self.low) / (2 * Z95)
+        return 0.5 * math.erfc(self.mean / (se * math.sqrt(2)))
+
+
+def welford(acc: tuple[int, float, float], x: float | None = None) -> tuple[tuple[int, float, float], Effect]:
+    """The statistics, in one function: add ``x`` (if given) to ``(n, mean, M2)``; return it and the Effect.
+
+    >>> acc = (0, 0.0, 0.0)
+    >>> for x in (1.0, 2.0, 3.0):
+    ...     acc, e = welford(acc, x)
+    >>> acc, (e.n, e.mean, round(e.low, 3), round(e.high, 3))
+    ((3, 2.0, 2.0), (3, 2.0, 0.868, 3.132))
+    """
+    n, mean, m2 = acc
+    if x is not None:
+        n += 1
+        d = x - mean
+        mean += d / n
+        m2 += d * (x - mean)
+    half = Z95 * math.sqrt(m2 / (n - 1) / n) if n >= 2 else math.inf
+    return (n, mean, m2), Effect(n, mean, mean - half, mean + half)
+
+
+class MemoryEffects:
+    """Per-memory effect statistics: ``update(slot, value)`` and ``get(slot)`` (Welford, 95% interval)."""
+
+    def __init__(self) -> None:
+        self._acc: dict[int, tuple[int, float, float]] = {}
+
+    def update(self, slot: int, value: float) -> None:
+        self._acc[slot], _ = welford(self._acc.get(slot, (0, 0.0, 0.0)), value)
+
+    def get(self, slot: int) -> Effect | None:
+        acc = self._acc.get(slot)
+        return None if acc is None else welford(acc)[1]
+
+
+@dataclass
+class Recent:
+    """A retrieval step that read or dropped a memory."""
+
+    query_id: str
+    step: int
+    ts: float
+    how: str  # "read" | "dropped"
+    query_text: str | None
+
+
+@dataclass
+class Memory:
+    slot: int
+    reads: int = 0
+    drops: int = 0
+    text: str | None = None
+    delta: float = 0.0
+    spark: deque[float] = field(default_factory=lambda: deque(maxlen=SPARK_POINTS))
+    recent: deque[Recent] = field(default_factory=deque)
+
+
+class MemoryView:
+    """What the memory pages show, built incrementally from decoded events and experiences (bounded)."""
+
+    def __init__(self, max_events: int = 200_000, recent_per_memory: int = 20) -> None:
+        self.max_events = max_events
+        self.recent_per_memory = recent_per_memory
+        self.memories: dict[int, Memory] = {}
+        self.effects = MemoryEffects()
+        self.utilities: OrderedDict[tuple[str, int], float] = OrderedDict()  # (query_id, step) → utility
+        self.events = 0
+        self.experiences = 0
+        self.per_memory_credit = 0  # experiences whose feedback carried per-memory effects
+
+    def _memory(self, slot: int) -> Memory:
+        m = self.memories.get(slot)
+        if m is None:
+            m = self.memories[slot] = Memory(slot, recent=deque(maxlen=self.recent_per_memory))
+        return m
+
+    def observe_event(self, ev: RetrievalEvent) -> None:
+        self.events += 1
+        texts = ev.memory_texts or {}
+        for how, slots in (("read", ev.selected), ("dropped", ev.dropped or [])):
+            for slot in slots:
+                m = self._memory(slot)
+                if how == "read":
+                    m.reads += 1
+                else:
+                    m.drops += 1
+                if texts.get(slot):
+                    m.text = texts[slot]
+                m.recent.appendleft(Recent(ev.query_id, ev.step, ev.ts, how, ev.query_text))
+
+    def observe_experience(self, exp: Experience) -> None:
+        if exp.kind != "feedback":
+            return
+        self.experiences += 1
+        ev = exp.event
+        self.utilities[(ev.query_id, ev.step)] = exp.utility
+        while len(self.utilities) > self.max_events:
+            self.utilities.popitem(last=False)
+        if exp.slot_effects:
+            self.per_memory_credit += 1
+            credit = dict(exp.slot_effects)
+        else:
+            credit = {s: exp.utility for s in ev.selected}
+        for slot, value in credit.items():
+            m = self._memory(slot)
+            before = self.effects.get(slot)
+            if before is not None:
+                m.delta = (1 - DELTA_ALPHA) * m.delta + DELTA_ALPHA * (value - before.mean)
+            self.effects.update(slot, value)
+            m.spark.append(value)
+
+    def row(self, m: Memory) -> dict[str, Any]:
+        e = self.effects.get(m.slot)
+        return {
+            "slot": m.slot,
+            "text": m.text or "",
+            "reads": m.reads,
+            "drops": m.drops,
+            "n": e.n if e else 0,
+            "mean": e.mean if e else None,
+            "low": e.low if e and e.n >= 2 else None,
+            "high": e.high if e and e.n >= 2 else None,
+            "p_harmful": e.p_harmful if e else None,
+            "delta": m.delta,
+            "spark": sparkline(list(m.spark)),
+        }
+
+    SORTS = ("harmful", "reads", "drops", "effect", "slot")
+
+    def rows(self, search: str = "", sort: str = "harmful", limit: int = 500) -> list[dict[str, Any]]:
+        """The table: memories whose text or slot matches ``search``, sorted (``harmful``: most probably first)."""
+        needle = search.strip().lower()
+        found = [
+            m for m in self.memories.values() if not needle or needle in (m.text or "").lower() or needle == str(m.slot)
+        ]
+        rows = [self.row(m) for m in found]
+        keys: dict[str, Any] = {
+            "harmful": lambda r: (-(r["p_harmful"] if r["p_harmful"] is not None else -1), r["slot"]),
+            "reads": lambda r: (-r["reads"], r["slot"]),
+            "drops": lambda r: (-r["drops"], r["slot"]),
+            "effect": lambda r: (r["mean"] if r["mean"] is not None else math.inf, r["slot"]),
+            "slot": lambda r: r["slot"],
+        }
+        return sorted(rows, key=keys.get(sort, keys["harmful"]))[:limit]
+
+    def detail(self, slot: int) -> dict[str, Any] | None:
+        """A memory's page: its row and the recent queries that read or dropped it, each with its utility."""
+        m = self.memories.get(slot)
+        if m is None:
+            return None
+        recent = [{**vars(r), "utility": self.utilities.get((r.query_id, r.step))} for r in m.recent]
+        return {**self.row(m), "recent": recent}
+
+    def last_step(self, slot: int) -> Recent | None:
+        m = self.memories.get(slot)
+        return m.recent[0] if m is not None and m.recent else None
+
+
+def sparkline(values: list[float], width: int = 120, height: int = 24) -> str:
+    """An inline SVG polyline of ``values`` with the zero line (empty string for fewer than two).
+
+    >>> sparkline([1.0])
+    ''
+    >>> 'polyline' in sparkline([0.0, 1.0, -1.0])
+    True
+    """
+    if len(values) < 2:
+        return ""
+    lo, hi = min(*values, 0.0), max(*values, 0.0)
+    span = (hi - lo) or 1.0
+
+    def y(v: float) -> float:
+        return round(height - 2 - (v - lo) / span * (height - 4), 1)
+
+    step = width / (len(values) - 1)
+    points = " ".join(f"{round(i * step, 1)},{y(v)}" for i, v in enumerate(values))
+    color = "#b3261e" if sum(values[-5:]) < 0 else "#1b6e3a"
+    return (
+        f'<svg class="spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="recent effects"><line x1="0" x2="{width}" y1="{y(0.0)}" y2="{y(0.0)}" class="zero"/>'
+        f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{points}"/></svg>'
+    )

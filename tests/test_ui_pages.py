@@ -1,0 +1,540 @@
+"""``causalmem ui`` through Starlette's TestClient: login, CSRF, labeling, agreement, memories, health.
+
+The labeling pool runs against stand-ins for its Kafka clients (what it sends and commits is
+recorded); the topic views are fed decoded values directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+
+from aiokafka import TopicPartition
+from starlette.testclient import TestClient
+
+from pipeline.config import Settings
+from pipeline.labeling.agreement import fleiss_kappa
+from pipeline.labeling.queue import memory_choice_label
+from pipeline.ui.app import create_app
+from pipeline.ui.auth import Labeler, hash_password
+from pipeline.ui.feeds import LabelBook
+from pipeline.ui.health import Trends
+from pipeline.ui.memories import MemoryView, welford
+from pipeline.ui.pool import SamplePool
+from topics.events import Features, RetrievalEvent
+from topics.fields import Limits, encode
+from topics.internal import Experience
+from topics.labels import ActiveLearningSample, HumanLabel, decode_human_label
+
+BASE_TS = 1_767_225_600.0
+S = Settings(embedding_dim=8, slots=64, partitions=2)
+TP = TopicPartition(S.topics().active_learning.name, 0)
+LABELERS = {
+    "ann": Labeler("ann", token="ann-token-0123"),
+    "bob": Labeler("bob", password_hash=hash_password("bob-pw", iterations=1000)),
+}
+
+
+def sample(sid: str) -> ActiveLearningSample:
+    return ActiveLearningSample(
+        sample_id=sid,
+        query_id=f"q-{sid}",
+        step=1,
+        ts=BASE_TS,
+        reason="error",
+        utility=-0.7,
+        policy_version=3,
+        features=Features(np.zeros(8, dtype=np.float32), 0.5, 1.0),
+        candidates=[4, 9, 17],
+        selected=[4],
+        top_slots=[{"slot": 4, "prob": 0.5}, {"slot": 9, "prob": 0.3}, {"slot": 17, "prob": 0.2}],
+        query_text="Which port does the broker listen on?",
+        memory_texts={4: "The cafeteria opens at 8.", 9: "The broker listens on 9092.", 17: "Ports are numbers."},
+    )
+
+
+class Consumer:
+    def __init__(self, samples: list[ActiveLearningSample]) -> None:
+        self.msgs = [
+            SimpleNamespace(value=encode(s.to_dict()), key=s.query_id.encode(), offset=i) for i, s in enumerate(samples)
+        ]
+        self.commits: list[int] = []
+
+    async def getmany(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[Any, Any]:
+        out, self.msgs = self.msgs[: max_records or 1], self.msgs[max_records or 1 :]
+        return {TP: out} if out else {}
+
+    async def commit(self, offsets: dict[Any, Any]) -> None:
+        self.commits.append(offsets[TP].offset)
+
+    def assignment(self) -> set[Any]:
+        return {TP}
+
+
+class Producer:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def send(self, topic: str, value: bytes, **kw: Any) -> Any:
+        self.sent.append((topic, value))
+        fut: Any = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+    def labels(self) -> list[HumanLabel]:
+        return [decode_human_label(v, Limits(slots=64)) for t, v in self.sent if t == S.topics().human_labels.name]
+
+
+class Pool(SamplePool):
+    """The real pool on stand-in clients, with a clock the test moves."""
+
+    def __init__(self, samples: list[ActiveLearningSample], overlap: int = 1, undo_s: float = 0.0) -> None:
+        self.now = 0.0
+        super().__init__(
+            "127.0.0.1:1", S.connection(), overlap=overlap, lease_s=60.0, undo_s=undo_s, clock=lambda: self.now
+        )
+        self.fake_consumer, self.fake_producer = Consumer(samples), Producer()
+
+    async def _read_own_answers(self) -> None:
+        return None
+
+    async def _open_clients(self) -> None:
+        self._consumer, self._producer = self.fake_consumer, self.fake_producer
+
+
+class Feeds:
+    def __init__(self) -> None:
+        self.memories = MemoryView(recent_per_memory=5)
+        self.trends = Trends(bucket_s=60.0)
+        self.book = LabelBook()
+        self.manifests: dict[int, dict[str, Any]] = {}
+        self.snapshot: dict[str, Any] | None = None
+
+
+def client_for(tmp_path: Path, pool: Pool, feeds: Feeds | None = None) -> TestClient:
+    config = S.replace(state_dir=str(tmp_path)).ui()
+    app = create_app(config, "127.0.0.1:1", labelers=LABELERS, pool=pool, feeds=feeds or Feeds())
+    return TestClient(app, base_url="http://127.0.0.1")
+
+
+def second_browser(c: TestClient) -> TestClient:
+    """Another browser (its own cookies) on the same running app."""
+    return TestClient(c.app, base_url="http://127.0.0.1")
+
+
+def login(c: TestClient, name: str = "ann", secret: str = "ann-token-0123") -> None:
+    r = c.post("/login", data={"name": name, "secret": secret, "next": "/queue"}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+
+
+def field(html: str, name: str) -> str:
+    m = re.search(rf'name="{name}" value="([^"]*)"', html)
+    assert m, f"no {name} field"
+    return m.group(1)
+
+
+# --------------------------------------------------------------------------- login and CSRF
+
+
+def test_every_page_needs_a_login_and_every_write_a_labeler(tmp_path: Path) -> None:
+    pool = Pool([sample("s1")])
+    with client_for(tmp_path, pool) as c:
+        for path in ("/queue", "/memories", "/health", "/agreement"):
+            r = c.get(path, follow_redirects=False)
+            assert r.status_code == 303 and r.headers["location"].startswith("/login")
+        r = c.post("/queue/answer", data={"sample_id": "s1", "lease": "x", "correct": "9"})
+        assert r.status_code == 403 and "logged-in labeler" in r.text
+        r = c.post("/login", data={"name": "ann", "secret": "wrong"})
+        assert r.status_code == 401 and "wrong password" in r.text
+        login(c, "bob", "bob-pw")  # a password hash works too
+        assert c.get("/queue").status_code == 200
+    assert pool.fake_producer.sent == []
+
+
+def test_a_form_without_the_sessions_csrf_token_writes_nothing(tmp_path: Path) -> None:
+    pool = Pool([sample("s1")])
+    with client_for(tmp_path, pool) as c:
+        login(c)
+        page = c.get("/queue").text
+        form = {"sample_id": "s1", "lease": field(page, "lease"), "correct": "9", "action": "answer"}
+        r = c.post("/queue/answer", data={**form, "csrf": "forged"})
+        assert r.status_code == 403 and "CSRF" in r.text
+        r = c.post("/queue/answer", data=form)
+        assert r.status_code == 403
+    assert pool.fake_producer.sent == [] and pool.fake_consumer.commits == []
+
+
+# --------------------------------------------------------------------------- labeling
+
+
+def test_an_answer_is_the_label_causalmem_label_sends(tmp_path: Path) -> None:
+    pool = Pool([sample("s1"), sample("s2")])
+    with client_for(tmp_path, pool) as c:
+        login(c)
+        page = c.get("/queue").text
+        assert "Which port does the broker listen on?" in page and "The broker listens on 9092." in page
+        assert "0.30" in page  # the policy's probability of slot 9
+        r = c.post(
+            "/queue/answer",
+            data={
+                "csrf": field(page, "csrf"),
+                "sample_id": field(page, "sample_id"),
+                "lease": field(page, "lease"),
+                "correct": "9",
+                "harmful": "4",
+                "rating": "4",
+                "action": "answer",
+            },
+            follow_redirects=False,
+        )
+        assert r.status_code == 303 and r.headers["location"] == "/queue?sent=answer"
+        (label,) = pool.fake_producer.labels()
+        expected = memory_choice_label(sample("s1"), "ann", [9], rating=4, harmful_memories=[4])
+        assert label.to_dict() == expected.to_dict()
+        assert pool.fake_consumer.commits == [1]  # committed once acknowledged
+        assert "s2"[:2] in c.get("/queue").text  # the next sample comes up
+
+
+def test_unknown_sample_stale_lease_and_double_submit_write_nothing(tmp_path: Path) -> None:
+    pool = Pool([sample("s1"), sample("s2")])
+    with client_for(tmp_path, pool) as c:
+        login(c)
+        page = c.get("/queue").text
+        csrf, lease = field(page, "csrf"), field(page, "lease")
+
+        def post(**kw: str) -> Any:
+            data = {"csrf": csrf, "sample_id": "s1", "lease": lease, "correct": "9", "action": "answer", **kw}
+            return c.post("/queue/answer", data=data)
+
+        r = post(sample_id="nope")
+        assert r.status_code == 409 and "Unknown sample" in r.text
+        r = post(lease="not-the-lease")
+        assert r.status_code == 409 and "lease" in r.text
+        r = post(correct="63")
+        assert r.status_code == 409 and "not among this sample" in r.text
+        assert pool.fake_producer.sent == []
+        assert post().status_code == 200  # followed to the next sample
+        r = post()
+        assert r.status_code == 409 and "already answered" in r.text
+        assert len(pool.fake_producer.labels()) == 1
+        # s2 is leased now; past its lease the answer is refused
+        page = c.get("/queue").text
+        assert field(page, "sample_id") == "s2"
+        pool.now += 61.0
+        r = post(sample_id="s2", lease=field(page, "lease"))
+        assert r.status_code == 409 and "expired" in r.text
+    assert len(pool.fake_producer.labels()) == 1
+
+
+def test_leaving_releases_the_lease_for_another_labeler(tmp_path: Path) -> None:
+    pool = Pool([sample("s1")])
+    with client_for(tmp_path, pool) as ann:
+        bob = second_browser(ann)
+        login(ann)
+        login(bob, "bob", "bob-pw")
+        page = ann.get("/queue").text
+        assert field(page, "sample_id") == "s1"
+        assert "queue is empty for you" in bob.get("/queue").text
+        r = ann.post("/queue/leave", data={"csrf": field(page, "csrf"), "sample_id": "s1", "beacon": "1"})
+        assert r.status_code == 204
+        assert field(bob.get("/queue").text, "sample_id") == "s1"
+
+
+def test_overlap_shows_a_sample_to_n_labelers_and_commits_after_the_last(tmp_path: Path) -> None:
+    pool = Pool([sample("s1")], overlap=2)
+    with client_for(tmp_path, pool) as ann:
+        bob = second_browser(ann)
+        login(ann)
+        login(bob, "bob", "bob-pw")
+        for c, slot in ((ann, "9"), (bob, "17")):
+            page = c.get("/queue").text
+            assert field(page, "sample_id") == "s1"
+            data = {"csrf": field(page, "csrf"), "sample_id": "s1", "lease": field(page, "lease"), "correct": slot}
+            c.post("/queue/answer", data=data)
+            if c is ann:
+                assert pool.fake_consumer.commits == []  # one answer of two: still held
+        assert pool.fake_consumer.commits == [1]
+        assert sorted(x.labeler for x in pool.fake_producer.labels()) == ["ann", "bob"]
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+def test_fleiss_kappa_matches_the_published_example() -> None:
+    """Fleiss (1971) as tabulated on Wikipedia: 10 items, 14 raters, 5 categories, κ = 0.210."""
+    table = [
+        [0, 0, 0, 0, 14], [0, 2, 6, 4, 2], [0, 0, 3, 5, 6], [0, 3, 9, 2, 0], [2, 2, 8, 1, 1],
+        [7, 7, 0, 0, 0], [3, 2, 6, 3, 0], [2, 5, 3, 2, 2], [6, 5, 2, 1, 0], [0, 2, 2, 3, 7],
+    ]  # fmt: skip
+    items = [[cat for cat, n in enumerate(row) for _ in range(n)] for row in table]
+    assert round(fleiss_kappa(items), 3) == 0.210
+
+
+def test_agreement_page_lists_disagreements_and_a_review_settles_one(tmp_path: Path) -> None:
+    pool, feeds = Pool([]), Feeds()
+    feeds.book.add_sample(sample("s1"))
+    feeds.book.labels.extend(
+        [
+            memory_choice_label(sample("s1"), "ann", [9]),
+            memory_choice_label(sample("s1"), "bob", [9, 17]),
+        ]
+    )
+    with client_for(tmp_path, pool, feeds) as c:
+        login(c)
+        page = c.get("/agreement").text
+        assert "/review/s1" in page and "ann: 9" in page and "bob: 9, 17" in page
+        # ann answered s1 herself: she cannot settle it
+        pool.answered["ann"] = {"s1"}
+        review = c.get("/review/s1").text
+        r = c.post("/review/s1", data={"csrf": field(review, "csrf"), "correct": "9"})
+        assert r.status_code == 409 and pool.fake_producer.sent == []
+        pool.answered["ann"] = set()
+        r = c.post("/review/s1", data={"csrf": field(review, "csrf"), "correct": "9"}, follow_redirects=False)
+        assert r.status_code == 303
+        (label,) = pool.fake_producer.labels()
+        assert (label.sample_id, label.labeler, label.correct_memories) == ("s1", "ann", [9])
+        assert c.get("/review/unknown").status_code == 404
+
+
+# --------------------------------------------------------------------------- memories and health
+
+
+def event(
+    q: str, step: int, selected: list[int], dropped: list[int], ts: float, fallback: bool = False
+) -> RetrievalEvent:
+    cands = sorted(set(selected) | {30, 31})
+    return RetrievalEvent(
+        event_id=f"{q}-{step}", query_id=q, step=step, ts=ts,
+        features=Features(np.zeros(8, dtype=np.float32), 0.0, 0.0),
+        candidates=cands, scores=np.zeros(len(cands)), selected=selected, temperature=1.0, logprob=-1.0,
+        fallback=fallback, dropped=dropped, query_text=f"question {q}",
+        memory_texts={s: f"memory text {s}" for s in [*selected, *dropped]},
+    )  # fmt: skip
+
+
+def fed() -> Feeds:
+    feeds = Feeds()
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        ev = event(f"q{i}", 0, [5, 6], [7] if i % 2 else [], BASE_TS + 30 * i, fallback=i % 10 == 0)
+        feeds.memories.observe_event(ev)
+        feeds.trends.observe_event(ev)
+        effects = {5: float(rng.normal(-0.5, 0.1)), 6: float(rng.normal(0.4, 0.1))} if i % 4 else None
+        exp = Experience(id=ev.event_id, kind="feedback", event=ev, utility=-0.1, slot_effects=effects)
+        feeds.memories.observe_experience(exp)
+        feeds.trends.observe_experience(exp)
+    return feeds
+
+
+def test_memory_effects_are_welford_with_a_normal_interval() -> None:
+    xs = np.random.default_rng(1).normal(0.2, 1.0, 500)
+    acc = (0, 0.0, 0.0)
+    for x in xs:
+        acc, e = welford(acc, float(x))
+    half = 1.959963984540054 * xs.std(ddof=1) / np.sqrt(len(xs))
+    assert e.n == 500 and e.mean == pytest.approx(xs.mean()) and e.high - e.mean == pytest.approx(half)
+
+
+def test_memories_table_sorts_probably_harmful_first_and_marks_do_not_use(tmp_path: Path) -> None:
+    pool, feeds = Pool([]), fed()
+    view = feeds.memories
+    assert [r["slot"] for r in view.rows(sort="harmful")][:1] == [5]
+    m5 = view.detail(5)
+    assert m5 is not None and m5["reads"] == 40 and m5["drops"] == 0 and m5["high"] < 0
+    assert view.detail(7)["drops"] == 20  # type: ignore[index]
+    # per-memory credit where the feedback carried it, else the step's utility for each read memory
+    assert m5["n"] == 40 and view.per_memory_credit == 30
+    with client_for(tmp_path, pool, feeds) as c:
+        login(c)
+        table = c.get("/memories?sort=harmful").text
+        assert table.index('href="/memories/5"') < table.index('href="/memories/6"') and "<svg" in table
+        assert "memory text 6" in c.get("/memories?q=text+6").text
+        assert 'href="/memories/5"' not in c.get("/memories?q=text+6").text
+        page = c.get("/memories/5").text
+        assert "question q39" in page and "-0.100" in page  # a recent query with its utility
+        r = c.post("/memories/5/do-not-use", data={"csrf": field(page, "csrf")}, follow_redirects=False)
+        assert r.status_code == 303
+        (label,) = pool.fake_producer.labels()
+        assert (label.kind, label.harmful_memories, label.correct_memories, label.query_id, label.sample_id) == (
+            "memory_choice",
+            [5],
+            [],
+            "q39",
+            "do-not-use:5",
+        )
+        assert c.get("/memories/999").status_code == 404
+
+
+def test_health_page_shows_the_band_its_advice_and_the_trends(tmp_path: Path) -> None:
+    feeds = fed()
+    feeds.snapshot = {
+        "ts": BASE_TS,
+        "health": {"score": 62.5, "band": "warning"},
+        "checkpoints": {"serving": {"version": 7, "reason": "label", "created_ts": BASE_TS}, "candidate": None},
+    }
+    feeds.manifests = {
+        7: {"version": 7, "reason": "label", "created_ts": BASE_TS, "candidate": True, "served": True},
+        8: {"version": 8, "reason": "update", "created_ts": BASE_TS + 1, "candidate": True, "served": False},
+    }
+    with client_for(tmp_path, Pool([]), feeds) as c:
+        login(c)
+        data = c.get("/health/data").json()
+        assert data["health"]["band"] == "warning" and "do not use" in data["health"]["advice"]
+        points = data["trends"]
+        assert len(points) == 20 and points[0]["u_system"] == pytest.approx(-0.1)
+        assert points[0]["intervention_rate"] == pytest.approx(1 / 9)  # two events: 4 + 4 kept, 1 dropped
+        assert [g["outcome"] for g in data["gate"]] == ["waiting", "promoted (serving)"]
+        page = c.get("/health").text
+        assert "62.5" in page and "warning" in page and page.count("<svg") == 3 and 'data-live="/health/live"' in page
+        feeds.snapshot = None  # no worker endpoint: the score is computed from the topics
+        data = c.get("/health/data").json()
+        assert data["score_source"].startswith("topics") and data["health"]["band"] in ("warning", "critical")
+
+
+def test_the_cli_verb_needs_a_labelers_file(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.cli import main
+
+    assert main(["ui", "--bootstrap", "127.0.0.1:1"]) == 1
+    assert "--labelers" in capsys.readouterr().err
+
+
+def test_json_of_a_label_is_unchanged_for_old_readers() -> None:
+    """harmful_memories is optional: a label without it encodes as before (contract 1.2)."""
+    label = memory_choice_label(sample("s1"), "ann", [9])
+    assert "harmful_memories" not in orjson.loads(encode(label.to_dict()))
+
+
+def test_the_topic_reader_takes_any_embedding_length_and_follows_the_gate(tmp_path: Path) -> None:
+    """The app is configured with 384 dimensions; the deployment's events have 8: all are read.
+    Candidate and serving manifests on the model topic become the gate's history."""
+    from pipeline.ui.feeds import Feeds as TopicFeeds
+    from topics.internal import experience_bytes
+    from topics.manifest import Manifest
+
+    feeds = TopicFeeds("127.0.0.1:1", Settings(state_dir=str(tmp_path)).ui())
+    ev = event("q1", 0, [5], [7], BASE_TS)
+    feeds._apply("events", SimpleNamespace(value=encode(ev.to_dict()), key=b"q1"))
+    feeds._apply("experiences", SimpleNamespace(value=experience_bytes(ev, 0.3, {5: 0.2}), key=None))
+    row = feeds.memories.detail(5)
+    assert row is not None and row["reads"] == 1 and row["mean"] == pytest.approx(0.2)
+    assert feeds.trends.series()[0]["u_system"] == pytest.approx(0.3)
+
+    def manifest(version: int) -> bytes:
+        arch = {"input_dim": 10, "hidden": 16, "slots": 64, "embedding_dim": 8}
+        m = Manifest("default", version, BASE_TS + version, "periodic", arch, 0.5, 0.0, "0" * 64, 1, 1, {}, {})
+        return encode(m.to_dict())
+
+    for key, version in ((b"default/candidate", 2), (b"default", 2), (b"default/candidate", 3)):
+        feeds._apply("model", SimpleNamespace(value=manifest(version), key=key))
+    assert feeds.manifests[2]["candidate"] and feeds.manifests[2]["served"]
+    assert feeds.manifests[3]["candidate"] and not feeds.manifests[3]["served"]
+
+
+def test_an_answer_is_held_for_undo_then_sent_and_the_app_stopping_sends_it(tmp_path: Path) -> None:
+    pool = Pool([sample("s1"), sample("s2")], undo_s=10.0)
+    with client_for(tmp_path, pool) as c:
+        login(c)
+        page = c.get("/queue").text
+
+        def answer(page: str, slot: str) -> str:
+            data = {"csrf": field(page, "csrf"), "sample_id": field(page, "sample_id"), "lease": field(page, "lease")}
+            return c.post("/queue/answer", data={**data, "correct": slot}).text
+
+        page = answer(page, "9")
+        assert "goes out in 10 s" in page and field(page, "sample_id") == "s2"
+        assert pool.fake_producer.sent == []  # held: nothing sent yet
+        page = c.post("/queue/undo", data={"csrf": field(page, "csrf")}).text
+        assert "Taken back" in page and field(page, "sample_id") == "s1"  # the sample is theirs again
+        assert pool.fake_producer.sent == [] and pool.fake_consumer.commits == []
+        page = answer(page, "17")
+        pool.now += 11.0
+        c.portal.call(pool.flush)  # what the app's flusher does every second
+        (label,) = pool.fake_producer.labels()
+        assert (label.sample_id, label.correct_memories) == ("s1", [17]) and pool.fake_consumer.commits == [1]
+        r = c.post("/queue/undo", data={"csrf": field(page, "csrf")})
+        assert r.status_code == 409 and "sent already" in r.text
+        answer(c.get("/queue").text, "9")  # s2: held when the app stops
+        assert len(pool.fake_producer.labels()) == 1
+    assert [x.sample_id for x in pool.fake_producer.labels()] == ["s1", "s2"]
+
+
+def test_hash_password_prints_a_hash_the_labelers_file_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+
+    from pipeline.cli import main
+    from pipeline.ui.auth import load_labelers
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("correct horse\n"))
+    assert main(["ui", "--hash-password"]) == 0
+    hashed = capsys.readouterr().out.strip()
+    (tmp_path / "l.toml").write_text(f'[labelers.ann]\npassword_hash = "{hashed}"\n')
+    ann = load_labelers(tmp_path / "l.toml")["ann"]
+    assert ann.accepts("correct horse") and not ann.accepts("correct horse ")
+    (tmp_path / "bad.toml").write_text('[labelers.ann]\ntoken = "short"\n')
+    with pytest.raises(ValueError, match="at least 12 characters"):
+        load_labelers(tmp_path / "bad.toml")
+
+
+def test_sasl_logins_are_checked_by_the_broker_and_labels_use_the_labelers_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No labelers file on a SASL connection: a labeler logs in with their own Kafka user;
+    the broker (here a stand-in that knows ann's password) decides, and ann's label goes
+    through a producer made with her credentials, not the app's."""
+    from pipeline import kafka
+    from pipeline.config import KafkaSecurity
+
+    made: list[tuple[str | None, str | None, Producer]] = []
+
+    class SaslProducer(Producer):
+        def __init__(self, user: str | None, password: str | None) -> None:
+            super().__init__()
+            self.user, self.password, self.stopped = user, password, False
+
+        async def start(self) -> None:
+            if (self.user, self.password) != ("ann", "ann-kafka-pw"):
+                raise RuntimeError("SASL authentication failed")
+
+        async def stop(self) -> None:
+            self.stopped = True
+
+    def producer(bootstrap: str, conn: Any, **kw: Any) -> SaslProducer:
+        p = SaslProducer(conn.security.sasl_username, conn.security.sasl_password)
+        made.append((p.user, p.password, p))
+        return p
+
+    monkeypatch.setattr(kafka, "producer", producer)
+    sasl = S.replace(
+        state_dir=str(tmp_path),
+        security=KafkaSecurity("SASL_PLAINTEXT", "SCRAM-SHA-512", "causalmem-ui", "app-pw"),
+    )
+    pool = Pool([sample("s1")])
+    app = create_app(sasl.ui(), "127.0.0.1:1", pool=pool, feeds=Feeds())
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        r = c.post("/login", data={"name": "ann", "secret": "wrong", "next": "/queue"})
+        assert r.status_code == 401 and made[-1][2].stopped  # refused by the broker; nothing kept
+        assert c.get("/queue", follow_redirects=False).status_code == 303  # still logged out
+        login(c, "ann", "ann-kafka-pw")
+        ann_producer = made[-1][2]
+        page = c.get("/queue").text
+        data = {"csrf": field(page, "csrf"), "sample_id": "s1", "lease": field(page, "lease"), "correct": "9"}
+        c.post("/queue/answer", data=data)
+        assert pool.fake_producer.sent == []  # not through the app's own connection
+        (label,) = [decode_human_label(v, Limits(slots=64)) for _, v in ann_producer.sent]
+        assert label.labeler == "ann" and label.correct_memories == [9]
+        c.post("/logout", data={"csrf": field(c.get("/memories").text, "csrf")})
+        assert ann_producer.stopped and "ann" not in pool.producers
+    with pytest.raises(ValueError, match="labelers"):
+        create_app(S.replace(state_dir=str(tmp_path)).ui(), "127.0.0.1:1", pool=Pool([]), feeds=Feeds())
