@@ -6,6 +6,8 @@ comes in extras (see ``pyproject.toml``):
 - ``cli``: rich, for the operator views (``status``, ``label``, ``evaluate``);
 - ``lab``: rich, matplotlib and pyyaml, for ``demo``, ``bench`` and the scenarios;
 - ``text``: the MiniLM encoder for the text flavour of the simulator.
+- ``langchain`` / ``llamaindex``: langchain-core / llama-index-core, for the adapters
+  (``pipeline.client.langchain``, ``pipeline.client.llamaindex``).
 
 ``make demo`` and ``make test`` install every extra.
 

@@ -46,7 +46,7 @@ from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.service import Service
 from topics.fields import Rejected
-from topics.internal import Experience, decode_control, decode_experience
+from topics.internal import CUTOVER_COMMAND, Experience, decode_control, decode_experience
 from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -324,6 +324,10 @@ class Learner(Service):
             await self.reset(ctl.reason, ctl.details)
         elif ctl.command == "rollback":
             await self.rollback(int(ctl.details.get("to_version", -1)), ctl.reason)
+        elif ctl.command == CUTOVER_COMMAND:  # shadow mode: mark the switch on the model topic (docs/byo-retriever.md)
+            await self._apply_pending(force=True)
+            self.dirty = True
+            await self.publish(CUTOVER_COMMAND, extra={"cutover_reason": ctl.reason, "cutover": ctl.details})
 
     async def rollback(self, version: int, reason: str = "") -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
