@@ -14,7 +14,7 @@ from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import Connection, Settings
 from topics.events import decode_retrieval_event
 from topics.feedback import decode_llm_feedback
-from topics.fields import encode
+from topics.fields import Limits, encode
 from topics.manifest import Manifest
 
 DIM = 16
@@ -62,13 +62,14 @@ def policy(
 class Recorder:
     """A sync publisher that validates each value as the pipeline will, and keeps it."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits = CONN.limits) -> None:
         self.values: list[Any] = []
+        self.limits = limits
 
     def publish(self, value: Any) -> None:
         raw = encode(value.to_dict())
         decode = decode_retrieval_event if value.SCHEMA.startswith("retrieval") else decode_llm_feedback
-        decode(raw, CONN.limits)
+        decode(raw, self.limits)
         self.values.append(value)
 
 
