@@ -202,7 +202,29 @@ async def test_shadow_mode_end_to_end_incumbent_logs_estimate_cutover(topics_rea
             assert cut.manifest.metrics["cutover"]["gain"]["low"] > 0
             docs = await r.ainvoke("hotel in lisbon", query_id="after")
             assert r.last.decision == "policy" and "poison" not in [d.id for d in docs]
+    from pipeline.cli.status import ShadowStatusCollector
+
+    view = await ShadowStatusCollector(bootstrap, conn, window=1000).snapshot()
+    assert view["shadow"]["mode"] == "policy" and view["shadow"]["gain"]["low"] > 0, view.get("errors")
     out = io.StringIO()
     print(format_report(final), file=out)
     assert "cut-over" in out.getvalue()
     assert np.isfinite(final["gain"]["value"])
+
+
+def test_status_shows_the_shadow_line() -> None:
+    from rich.console import Console
+
+    from pipeline.status.render import render
+
+    snap = {
+        "ts": 1_767_225_600.0,
+        "bootstrap": "127.0.0.1:1",
+        "prefix": "",
+        "policy": "default",
+        "errors": [],
+        "shadow": {"line": "policy 'default': shadow mode, gain over the incumbent +0.5000"},
+    }
+    console = Console(record=True, width=200)
+    console.print(render(snap))
+    assert "shadow: policy 'default': shadow mode, gain over the incumbent +0.5000" in console.export_text()
