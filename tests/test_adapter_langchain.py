@@ -212,3 +212,15 @@ def test_the_query_embedding_must_have_the_pipelines_dimension() -> None:
     r, _ = adapter(embed_query=lambda q: [0.0] * (DIM + 1))
     with pytest.raises(ValueError, match=f"expects {DIM}"):
         r.invoke("pizza")
+
+
+@pytest.mark.parametrize(
+    ("module", "package", "extra"),
+    [("langchain", "langchain_core", "langchain"), ("llamaindex", "llama_index", "llamaindex")],
+)
+def test_without_the_extra_the_import_names_it(module: str, package: str, extra: str) -> None:
+    from tests.test_extras import _run_without
+
+    done = _run_without({package}, f"import pipeline.client.{module}")
+    assert done.returncode != 0 and f"from the '{extra}' extra" in done.stderr, done.stderr
+    assert _run_without({package}, "import pipeline.client").returncode == 0, "the base client needs neither"
