@@ -68,11 +68,11 @@ def measure(seed: int, train_queries: int, eval_queries: int, betas: tuple[float
     intents = {st.query_id: st.intent for st in steps}
     search = CausalRetriever(env.memory, n_candidates=s.n_candidates)
     conn = Connection.of(Settings(embedding_dim=s.embedding_dim, slots=s.slots))
+    emb = {st.text or st.query_id: st.embedding for st in steps}
     out: dict[str, Any] = {}
     for beta in betas:
         cfg = AdapterConfig(k=s.k, n_candidates=s.n_candidates, temperature=s.temperature, difficulty_scaling=beta)
-        emb = {st.text or st.query_id: st.embedding for st in steps}
-        serving: CausalServing[int] = CausalServing(lambda key: emb[key], conn, cfg)
+        serving: CausalServing[int] = CausalServing(emb.__getitem__, conn, cfg)
         for slot in range(s.slots):
             serving.idmap.slot(str(slot))  # slot i is memory row i
         serving.set_policy(policy)
@@ -111,13 +111,16 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    results = {str(seed): measure(seed, args.train_queries, args.eval_queries, tuple(args.betas)) for seed in args.seeds}
+    betas = tuple(args.betas)
+    results = {str(seed): measure(seed, args.train_queries, args.eval_queries, betas) for seed in args.seeds}
     print(json.dumps(results))
     print(f"{'β':>5} " + " ".join(f"{'seed ' + s:>34}" for s in results))
     print(f"{'':>5} " + " ".join(f"{'empty   leak  recall utility':>34}" for _ in results))
     for beta in results[str(args.seeds[0])]:
         cells = [results[s][beta] for s in results]
-        row = " ".join(f"{c['empty']:>10.3f} {c['leak']:>6.3f} {c['recall']:>7.3f} {c['utility']:>+8.3f}" for c in cells)
+        row = " ".join(
+            f"{c['empty']:>10.3f} {c['leak']:>6.3f} {c['recall']:>7.3f} {c['utility']:>+8.3f}" for c in cells
+        )
         print(f"{beta:>5} {row}")
     return 0
 
