@@ -228,3 +228,18 @@ for module in ("langchain", "llamaindex"):
     done = _run_without({"langchain_core", "llama_index"}, code)
     assert done.returncode == 0, done.stderr
     assert "from the 'langchain' extra" in done.stdout and "from the 'llamaindex' extra" in done.stdout
+
+
+def test_difficulty_scaling_drops_more_on_hard_queries_only() -> None:
+    from pipeline.client.adapter import Candidate, CausalServing
+
+    def found(top: float):
+        return lambda q, n: [Candidate("a", top, "a", "a"), Candidate("b", top - 0.1, "b", "b")]
+
+    net = policy(bias={0: 5.0, 1: float(np.log(np.expm1(0.1)))}, zero=True)  # m_b / m_a ≈ 0.02
+    for beta, top, kept in [(0.0, 0.5, 2), (4.0, 0.5, 1), (4.0, 1.0, 2)]:  # ratio 0.01·(1 + β·(1 − top))
+        serving = CausalServing(hashed_embedding, CONN, AdapterConfig(k=2, difficulty_scaling=beta))
+        serving.idmap.slots_of(["a", "b"])
+        serving.set_policy(net)
+        served = serving.serve("q", found(top))
+        assert len(served.event.candidates) == kept, (beta, top)
