@@ -144,8 +144,8 @@ async def running(component: Any) -> Any:
 @pytest.mark.broker
 async def test_shadow_mode_end_to_end_incumbent_logs_estimate_cutover(topics_ready: Settings) -> None:
     """The incumbent serves with 50% logged exploration; the join makes experiences; the estimate's lower
-    bound is above 0; the cut-over sends the control event; the learner answers with a ``cutover``
-    checkpoint (having learnt from the logs) and the adapter serves the policy from then on."""
+    bound is above 0; the cut-over sends the control event; the learner (gate on) learns from the logs and
+    answers with a ``cutover`` checkpoint of the estimated weights; the adapter serves the policy from then on."""
     from pipeline.client.publisher import EventPublisher
     from pipeline.client.subscriber import PolicySubscriber
     from pipeline.evaluation.shadow import shadow_report, watch
@@ -155,7 +155,7 @@ async def test_shadow_mode_end_to_end_incumbent_logs_estimate_cutover(topics_rea
     from pipeline.worker.join import JoinStage
     from tests.helpers import publish_tensors, until
 
-    s = topics_ready
+    s = topics_ready.replace(gate=True)  # the cut-over serves the estimated version, not ungated weights
     conn = s.connection()
     bootstrap = s.bootstrap or ""
     poison_slot = list(DOCS).index("poison")
@@ -199,6 +199,8 @@ async def test_shadow_mode_end_to_end_incumbent_logs_estimate_cutover(topics_rea
                 assert learner.trainer.experiences >= explored, "the learner learnt from the exploration log"
             cut = sub.current
             assert cut is not None and cut.manifest.reason == "cutover"
+            for name, tensor in net.tensors().items():  # the weights whose gain was estimated (v1)
+                assert torch.equal(cut.net.tensors()[name], tensor), name
             assert cut.manifest.metrics["cutover"]["gain"]["low"] > 0
             docs = await r.ainvoke("hotel in lisbon", query_id="after")
             assert r.last.decision == "policy" and "poison" not in [d.id for d in docs]
