@@ -96,3 +96,19 @@ def test_a_retriever_without_an_embedding_model_needs_embed_query() -> None:
     base = index().as_retriever(similarity_top_k=6)
     r = CausalMemoryRetriever(base, conn=CONN, config=AdapterConfig(k=1), embed_query=hashed_embedding)
     assert len(r.retrieve("pizza")) == 1
+
+
+def test_unanswered_events_beyond_max_pending_go_out_without_their_answer_async_too() -> None:
+    rec = AsyncRecorder()
+    r, _ = adapter(publisher=rec, publish_on="answer")
+    r.serving.max_pending = 2
+
+    async def go() -> None:
+        for i in range(3):
+            await r.aretrieve_step("cat", query_id=f"q{i}")
+
+    asyncio.run(go())
+    assert [e.query_id for e in rec.values] == ["q0"] and rec.values[0].answer_text is None
+    with pytest.raises(KeyError):
+        r.serving.event("q0")
+    assert r.serving.event("q2").query_id == "q2"

@@ -180,8 +180,8 @@ class CausalServing(Outbox, Generic[D]):
             cands = search(query, self.config.n_candidates)
             self._timed(time.perf_counter() - t0)
         served = self._finish(query, q, decision, cands, query_id, step, last_step_loss, last_step_entropy, ts)
-        if self.publish_on == "retrieve":
-            self._publish_sync(served.event)
+        for event in self._remember(served.event):
+            self._publish_sync(event)
         return served
 
     async def aserve(
@@ -203,8 +203,8 @@ class CausalServing(Outbox, Generic[D]):
             cands = await search(query, self.config.n_candidates)
             self._timed(time.perf_counter() - t0)
         served = self._finish(query, q, decision, cands, query_id, step, last_step_loss, last_step_entropy, ts)
-        if self.publish_on == "retrieve":
-            await self._publish_async(served.event)
+        for event in self._remember(served.event):
+            await self._publish_async(event)
         return served
 
     def _timed(self, seconds: float) -> None:
@@ -283,7 +283,6 @@ class CausalServing(Outbox, Generic[D]):
         event.mask_max = float(masks.max()) if len(masks) and np.isfinite(masks).all() else None
         expected = self.utility.expected(chosen_slots)
         self.counts[decision] = self.counts.get(decision, 0) + 1
-        self._remember(event)
         return Served(
             items=[c.item for c in chosen],
             slots=chosen_slots,

@@ -76,14 +76,19 @@ class Outbox:
         self.utility = SlotUtility()
         self._recent: OrderedDict[tuple[str, int], tuple[RetrievalEvent, bool]] = OrderedDict()
 
-    def _remember(self, event: RetrievalEvent) -> None:
+    def _remember(self, event: RetrievalEvent) -> list[RetrievalEvent]:
+        """Keep ``event``; returns what must go out now: ``event`` itself when published at retrieval,
+        and the oldest held events, without their answer, beyond ``max_pending``."""
         key = (event.query_id, event.step)
-        self._recent[key] = (event, self.publish_on == "retrieve")
+        now = self.publish_on == "retrieve"
+        self._recent[key] = (event, now)
         self._recent.move_to_end(key)
+        out = [event] if now else []
         while len(self._recent) > self.max_pending:
             (_, (old, published)) = self._recent.popitem(last=False)
-            if not published:  # too many unanswered: publish the oldest without its answer
-                self._publish_sync(old)
+            if not published:
+                out.insert(0, old)
+        return out
 
     def event(self, query_id: str, step: int = 0) -> RetrievalEvent:
         """The event of a recent retrieval (KeyError when it is not among the last ``max_pending``)."""
