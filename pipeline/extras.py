@@ -7,7 +7,9 @@ comes in extras (see ``pyproject.toml``):
 - ``lab``: rich, matplotlib and pyyaml, for ``demo``, ``bench`` and the scenarios;
 - ``text``: the MiniLM encoder for the text flavour of the simulator;
 - ``lm``: transformers and gguf, for the evaluator's local causal LM;
-- ``ui``: starlette, jinja2, uvicorn, python-multipart and itsdangerous, for ``causalmem ui``.
+- ``ui``: starlette, jinja2, uvicorn, python-multipart and itsdangerous, for ``causalmem ui``;
+- ``langchain`` / ``llamaindex``: langchain-core / llama-index-core, for the adapters
+  (``pipeline.client.langchain``, ``pipeline.client.llamaindex``).
 
 ``make demo`` and ``make test`` install every extra.
 

@@ -68,7 +68,8 @@ SCHEMA_CONTROL = "control/v1"
 SCHEMA_EPOCH = "epoch/v1"
 
 LABEL_KINDS = ("rating", "verdict", "memory_choice")
-CHECKPOINT_REASONS = ("init", "periodic", "reset", "label", "shutdown", "rollback")
+# "cutover" (contract 1.2): the learner's answer to shadow mode's cut-over command.
+CHECKPOINT_REASONS = ("init", "periodic", "reset", "label", "shutdown", "rollback", "cutover")
 
 
 class Rejected(ValueError):

@@ -316,7 +316,9 @@ def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> R
 
 # --------------------------------------------------------------------------- control and upkeep
 
-CONTROL_COMMANDS = ("reset", "rollback")
+# ``cutover`` (contract 1.2): shadow mode's cut-over; the learner answers with a checkpoint of that reason.
+CUTOVER_COMMAND = "cutover"
+CONTROL_COMMANDS = ("reset", "rollback", CUTOVER_COMMAND)
 
 
 @dataclass(slots=True)

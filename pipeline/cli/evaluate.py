@@ -1,13 +1,21 @@
-"""``causalmem evaluate``: off-policy estimates of the serving, candidate, similarity and uniform policies."""
+"""``causalmem evaluate``: off-policy estimates of the serving, candidate, similarity and uniform policies.
+
+``--shadow``: shadow mode's estimate of the policy's gain over the incumbent, and the
+optional automatic cut-over (:mod:`pipeline.evaluation.shadow`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+from dataclasses import replace
+from typing import Any
 
 from pipeline.cli.common import resolve_bootstrap, settings_from
+from pipeline.config import Settings
 from pipeline.evaluation.evaluate import METHODS, evaluate_window, print_report
+from pipeline.evaluation.shadow import format_report, shadow_report, watch
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -16,11 +24,49 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--embedding-dim", type=int, help="D (default 384)")
     p.add_argument("--slots", type=int, help="S (default 1024)")
+    g = p.add_argument_group("shadow mode (docs/byo-retriever.md)")
+    g.add_argument(
+        "--shadow", action="store_true", help="the serving policy's gain over the incumbent, with an interval"
+    )
+    g.add_argument("--level", type=float, default=0.95, help="the interval's level (default 0.95)")
+    g.add_argument(
+        "--cutover-after",
+        type=float,
+        metavar="SECONDS",
+        help="keep estimating; cut over once the lower bound has stayed above 0 this long",
+    )
+    g.add_argument("--watch", type=float, default=30.0, metavar="SECONDS", help="estimate every N s (default 30)")
+    g.add_argument("--min-decisions", type=int, default=50, help="exploration steps the cut-over needs (default 50)")
+    g.add_argument("--timeout", type=float, metavar="SECONDS", help="stop watching after N s (default: never)")
+
+
+def run_shadow(args: argparse.Namespace, settings: Settings, bootstrap: str) -> int:
+    config = replace(
+        settings.shadow(),
+        method="snips" if args.method == "all" else args.method,
+        level=args.level,
+        min_decisions=args.min_decisions,
+        cutover_period_s=args.cutover_after,
+    )
+
+    def show(report: dict[str, Any]) -> None:
+        print(json.dumps(report) if args.json else format_report(report), flush=True)
+
+    if args.cutover_after is None:
+        report = asyncio.run(shadow_report(bootstrap, settings.connection(), args.window, config))
+        show(report)
+    else:
+        report = asyncio.run(
+            watch(bootstrap, settings.connection(), args.window, config, args.watch, show, args.timeout)
+        )
+    return 0 if report["gain"] is not None or report["mode"] == "policy" else 1
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     bootstrap = resolve_bootstrap(settings)
+    if args.shadow:
+        return run_shadow(args, settings, bootstrap)
     report = asyncio.run(
         evaluate_window(
             bootstrap, settings.connection(), args.window, METHODS if args.method == "all" else (args.method,)

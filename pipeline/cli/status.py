@@ -1,11 +1,16 @@
-"""``causalmem status``: operator view: checkpoint version and age, rates, health, queue depth, dead letters."""
+"""``causalmem status``: operator view: checkpoint version and age, rates, health, queue depth, dead letters.
+
+``--shadow`` adds shadow mode's line: the mode and the policy's estimated gain over the incumbent.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
 from pipeline.cli.common import resolve_bootstrap, settings_from
+from pipeline.evaluation.shadow import format_report, shadow_report
 from pipeline.promtext import metrics_url
 from pipeline.status.collect import StatusCollector
 from pipeline.status.render import show
@@ -45,16 +50,41 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="seconds between the two scrapes that give live rates in a one-shot view (default 1)",
     )
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the broker (default 15)")
+    p.add_argument(
+        "--shadow",
+        action="store_true",
+        help="also shadow mode's mode and estimate of the policy's gain over the incumbent (reads the logs)",
+    )
+    p.add_argument("--window", type=int, default=2000, help="with --shadow: the last N joined steps (default 2000)")
+
+
+class ShadowStatusCollector(StatusCollector):
+    """Status with shadow mode's line (docs/byo-retriever.md): the mode and the gain estimate."""
+
+    def __init__(self, *args: Any, window: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.window = window
+
+    async def snapshot(self) -> dict[str, Any]:
+        s = await super().snapshot()
+        try:
+            report = await shadow_report(self.bootstrap, self.conn, self.window)
+            s["shadow"] = {**report, "line": format_report(report)}
+        except Exception as exc:  # the rest of the view stands without it
+            s["errors"].append(f"shadow estimate: {exc!r}")
+        return s
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    collector = StatusCollector(
+    extra: dict[str, Any] = {"window": args.window} if args.shadow else {}
+    collector = (ShadowStatusCollector if args.shadow else StatusCollector)(
         resolve_bootstrap(settings),
         settings.connection(),
         [metrics_url(u) for u in args.worker_urls],
         [metrics_url(u) for u in args.learner_urls],
         rate_interval=max(0.0, args.rate_interval),
+        **extra,
     )
     watch = None if args.watch is None else max(0.5, args.watch)
     try:

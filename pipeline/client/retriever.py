@@ -22,16 +22,8 @@ from dataclasses import dataclass
 
 import faiss
 import numpy as np
-import torch
 
-from models.serving_rule import (
-    adjusted_logits,
-    first_draw_probs,
-    keep_dynamic,
-    keep_fixed,
-    plackett_luce_logprob,
-    sample_plackett_luce,
-)
+from pipeline.client.serving import draw, keep_flags, policy_masks
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import Connection, Settings
 from topics.events import Features, RetrievalEvent
@@ -137,13 +129,7 @@ class CausalRetriever:
     def candidate_masks(
         self, query_embedding: np.ndarray, loss: float, entropy: float, slots: np.ndarray
     ) -> np.ndarray:
-        if self.policy is None:
-            return np.zeros(len(slots))
-        net = self.policy.net
-        with torch.no_grad():
-            h = net.features(torch.from_numpy(query_embedding[None]), torch.tensor([loss]), torch.tensor([entropy]))
-            m = net.candidate_masks(h, torch.from_numpy(slots[None].astype(np.int64)))
-        return m[0].double().numpy()
+        return policy_masks(self.policy, query_embedding, loss, entropy, slots)
 
     def search(self, query_embedding: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         scores, ids = self.index.search(query_embedding[None], min(n, self.index.ntotal))
@@ -164,12 +150,7 @@ class CausalRetriever:
         q = np.ascontiguousarray(query_embedding, dtype=np.float32)
         slots, scores = self.search(q, self.n_candidates)
         masks = self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
-        if self.drop == "dynamic":
-            keep = keep_dynamic(masks)
-        elif self.drop == "none":
-            keep = np.isfinite(masks)
-        else:
-            keep = keep_fixed(masks, float(self.drop))
+        keep = keep_flags(masks, self.drop)
         kept, kept_scores, kept_masks = slots[keep], scores[keep], masks[keep]
         alpha = self.policy.alpha if self.policy is not None else 0.0
         version = self.policy.version if self.policy is not None else 0
@@ -180,11 +161,8 @@ class CausalRetriever:
             selected, logprob, probs = [int(s) for s in fb][: self.k], 0.0, None
             candidates, cand_scores, cand_masks, fallback = [], np.zeros(0), None, True
         else:
-            z = adjusted_logits(kept_scores, kept_masks, alpha, temperature)
-            pos = sample_plackett_luce(z, self.k, self.rng)
-            selected = [int(kept[p]) for p in pos]
-            logprob = plackett_luce_logprob(z, pos)
-            probs = first_draw_probs(z)
+            d = draw(kept_scores, kept_masks, alpha, temperature, self.k, self.rng)
+            selected, logprob, probs = [int(kept[p]) for p in d.positions], d.logprob, d.probs
             candidates, cand_scores, cand_masks, fallback = [int(s) for s in kept], kept_scores, kept_masks, False
         memory_texts = None
         if with_texts and self.texts is not None:

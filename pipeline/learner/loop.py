@@ -46,7 +46,7 @@ from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.service import Service
 from topics.fields import Rejected
-from topics.internal import Experience, decode_control, decode_experience
+from topics.internal import CUTOVER_COMMAND, Experience, decode_control, decode_experience
 from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -324,6 +324,25 @@ class Learner(Service):
             await self.reset(ctl.reason, ctl.details)
         elif ctl.command == "rollback":
             await self.rollback(int(ctl.details.get("to_version", -1)), ctl.reason)
+        elif ctl.command == CUTOVER_COMMAND:
+            await self.cutover(ctl.reason, ctl.details)
+
+    async def cutover(self, reason: str, details: dict[str, Any]) -> None:
+        """Shadow mode's switch to the policy (docs/byo-retriever.md): a checkpoint of reason ``cutover``.
+
+        With the gate on, it serves the version whose gain was estimated (``serving_version``),
+        never weights the gate has not judged; without it every checkpoint serves anyway, so the
+        current weights go out.
+        """
+        await self._apply_pending(force=True)
+        version = details.get("serving_version")
+        if self.gate is not None and isinstance(version, int):
+            conn = self.config.connection
+            tensors = await find_version(self.bootstrap, conn, self.store, self.arch, version)
+            if tensors is not None:
+                self.trainer.load(tensors, self.trainer.baseline.state())
+        self.dirty = True
+        await self.publish(CUTOVER_COMMAND, extra={"cutover_reason": reason, "cutover": details})
 
     async def rollback(self, version: int, reason: str = "") -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.

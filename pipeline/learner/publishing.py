@@ -33,7 +33,7 @@ from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-SERVED_AT_ONCE = ("init", "rollback", "reset")  # reasons whose checkpoints skip the gate
+SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover")  # reasons whose checkpoints skip the gate
 
 
 @dataclass
