@@ -55,6 +55,8 @@ from topics.manifest import (
     validate_policy_name,
 )
 
+RANGE_FETCH_BYTES = 1024 * 1024  # read_range's fetch size: above the largest message (a 512 KiB chunk)
+
 # --------------------------------------------------------------------------- publishing
 
 
@@ -412,7 +414,15 @@ async def read_range(
         return
     conn = Connection.of(conn)
     tp = TopicPartition(topic, partition)
-    c = kafka.consumer(bootstrap, conn, group_id=None, auto_offset_reset="earliest")
+    # Small fetches: what is fetched beyond ``end`` (at most one fetch) is the memory bound.
+    c = kafka.consumer(
+        bootstrap,
+        conn,
+        group_id=None,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=RANGE_FETCH_BYTES,
+        fetch_max_bytes=RANGE_FETCH_BYTES,
+    )
     await c.start()
     try:
         c.assign([tp])

@@ -10,9 +10,9 @@ The manifest's ``metrics`` are written by :func:`manifest_metrics` and read back
 restore by :meth:`Progress.from_metrics` and :func:`applied_through`.
 
 *Label fine-tunes* (candidates with reason ``label``: expert answers) follow
-:func:`label_rule`: promoted unless the gate shows evidence of harm, so that in a quiet
-deployment, where the gate lacks the logged decisions to judge, the answers still reach
-clients (docs/learning.md).
+:func:`label_rule`: promoted also when the gate lacks the logged decisions to judge them,
+refused only when the gate had the data and refused, so that in a quiet deployment the
+answers still reach clients (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -41,21 +41,18 @@ log = logging.getLogger(__name__)
 SERVED_AT_ONCE = ("init", "rollback", "reset")  # reasons whose checkpoints skip the gate
 
 
-def label_rule(decision: str, gain_high: float | None, epsilon: float) -> bool:
-    """Whether a label fine-tune is promoted, given the gate's decision on it.
+def label_rule(decision: str) -> bool:
+    """Whether a label fine-tune is served, given the gate's decision on it.
 
-    The gate's own rule promotes only on evidence of a gain. Expert answers are trusted
-    more than that: a label candidate is promoted unless the estimated gain's *upper*
-    bound is below −ε (evidence of harm); lacking data is no reason to hold it.
+    Expert answers are not held back for lack of data: a label candidate is promoted when
+    the gate promotes it *or lacks the logged decisions to judge it* (a new or quiet
+    deployment). It is refused only when the gate had enough data and refused it: the
+    logged traffic gives evidence that it may do harm (e.g. mislabelled answers).
 
-    >>> label_rule("insufficient", None, 0.02), label_rule("refused", 0.01, 0.02)
-    (True, True)
-    >>> label_rule("refused", -0.05, 0.02), label_rule("promoted", None, 0.02)
-    (False, True)
+    >>> [label_rule(d) for d in ("promoted", "insufficient", "refused")]
+    [True, True, False]
     """
-    if decision == "promoted":
-        return True
-    return gain_high is None or gain_high >= -epsilon
+    return decision in ("promoted", "insufficient")
 
 
 @dataclass
@@ -191,8 +188,7 @@ class Publishing:
 
     async def _apply_label_rule(self, published: Published, decision: Any) -> None:
         assert self.gate is not None
-        high = decision.gain.high if decision.gain is not None else None
-        if decision.decision == "promoted" or not label_rule(decision.decision, high, self.gate.config.epsilon):
+        if decision.decision == "promoted" or not label_rule(decision.decision):
             return
         manifest = published.manifest
         await self.publisher.promote(manifest)
