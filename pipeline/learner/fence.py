@@ -85,7 +85,7 @@ class Fence:
         # Read until a fetch comes back empty at the high watermark: records buffered before
         # a pause carry a stale watermark, an empty fetch made now carries the current one.
         for _ in range(200):
-            batch = await self._consumer.getmany(self.tp, timeout_ms=300)
+            batch = await self._consumer.getmany(self.tp, timeout_ms=60)
             for msg in batch.get(self.tp, []):
                 self.observe(msg.key, msg.value)
             if self.lost:
