@@ -21,7 +21,6 @@ from pipeline.learner.publishing import label_rule
 from pipeline.learner.restore import newest_local
 from pipeline.learner.store import LocalStore
 from pipeline.learner.supervise import supervise
-from pipeline.modeltopic import ModelTopicIndex
 from topics.events import Features, RetrievalEvent
 from topics.fields import Limits, Rejected, encode
 from topics.internal import Experience, decode_control

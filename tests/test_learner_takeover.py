@@ -78,7 +78,9 @@ async def test_a_paused_learner_publishes_nothing_after_a_takeover(settings: Set
     s = settings.replace(checkpoint_interval_s=0.2, batch_size=8)
     await kafka.create_topics(s.bootstrap, s)
     env = settings_env(s)
-    first = Child("learner", s.bootstrap, {**env, "CAUSALMEM_STATE_DIR": str(tmp_path / "a")}, log_path=tmp_path / "a.log")
+    first = Child(
+        "learner", s.bootstrap, {**env, "CAUSALMEM_STATE_DIR": str(tmp_path / "a")}, log_path=tmp_path / "a.log"
+    )
     second: Child | None = None
     stop = asyncio.Event()
 
@@ -92,7 +94,8 @@ async def test_a_paused_learner_publishes_nothing_after_a_takeover(settings: Set
     feeder = asyncio.create_task(traffic())
     try:
         await until(lambda: metric(first.metrics(), "causalmem_learner_elected") == 1.0, 60, "first elected")
-        second = Child("learner", s.bootstrap, {**env, "CAUSALMEM_STATE_DIR": str(tmp_path / "b")}, log_path=tmp_path / "b.log")
+        env_b = {**env, "CAUSALMEM_STATE_DIR": str(tmp_path / "b")}
+        second = Child("learner", s.bootstrap, env_b, log_path=tmp_path / "b.log")
         await asyncio.sleep(4)  # the standby joins the group
         first.proc.send_signal(signal.SIGSTOP)
         b = second
@@ -128,7 +131,7 @@ async def test_bad_control_then_traffic_and_a_far_future_experience_in_reorder_m
     async with _running(Learner(s.learner(), s.bootstrap, Metrics())) as (learner, task):
         await until(lambda: learner.active.is_set(), 30, "active")
         await _send(s, t.control.name, [encode(bad)])
-        await _send(s, t.experiences.name, _exps(s, 0, 10) + [encode(far.to_dict())] + _exps(s, 10, 30))
+        await _send(s, t.experiences.name, [*_exps(s, 0, 10), encode(far.to_dict()), *_exps(s, 10, 30)])
         await until(lambda: learner.trainer.experiences == 30 and not learner.dirty, 30, "traffic applied")
         assert not task.done() and learner.inbox.control_position == 1
         assert learner.inbox.applied_key is not None and learner.inbox.applied_key[0] < far.event.ts
