@@ -1,12 +1,14 @@
-"""The learner's local state: its latest checkpoint, optimizer moments and recent versions.
+"""The learner's local state: its recent checkpoint versions and their optimizer moments.
 
 The model topic is the system of record; this directory is the learner's own copy, kept
-for two cases the topic cannot serve (docs/operations.md):
+for the cases the topic cannot serve (docs/operations.md):
 
 * the topic is empty (an embedded broker restarted and lost everything): the learner
   republishes what it had learnt instead of starting over;
 * a rollback to a version the topic has already tombstoned (the directory keeps the last
-  ``LOCAL_VERSIONS`` versions, the topic ``keep_versions``).
+  ``LOCAL_VERSIONS`` versions, the topic ``keep_versions``);
+* a newest checkpoint whose chunks on the topic are missing or corrupt: the restore takes
+  this directory's copy of that version when it has the manifest's sha256.
 
 Adam's moments live only here: a restore uses them when they belong to the checkpoint it
 restored, and starts a fresh optimizer otherwise. Each version's manifest is kept next to
@@ -50,7 +52,7 @@ def local_dir(state_dir: Path, bootstrap: str, topic_prefix: str, policy: str) -
 
 
 class LocalStore:
-    """The learner's latest checkpoint (and optimizer moments) on local disk."""
+    """The learner's recent checkpoints (and optimizer moments) on local disk, one per version."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -65,17 +67,9 @@ class LocalStore:
         blob: bytes | None = None,
     ) -> None:
         """Save a checkpoint; ``blob`` (the published safetensors bytes) is kept as that version's copy."""
-        tmp = self.root / "tmp"
-        tmp.mkdir(exist_ok=True)
-        save_file(tensors, str(tmp / "policy.safetensors"))
-        if optimizer:
-            save_file(optimizer, str(tmp / "optimizer.safetensors"))
-        (tmp / "manifest.json").write_bytes(orjson.dumps({"manifest": manifest.to_dict(), "baseline": baseline_state}))
-        for name in ("policy.safetensors", "optimizer.safetensors", "manifest.json"):
-            if (tmp / name).exists():
-                (tmp / name).replace(self.root / name)
-        # Earlier versions, for rollbacks after the model topic has tombstoned them and for
-        # restores when the newest checkpoint cannot be verified.
+        # Every version (the last LOCAL_VERSIONS): for restores when the topic's copy cannot be
+        # verified, and for rollbacks after the model topic has tombstoned them. The manifest
+        # is written last, atomically: a version without it (a crash mid-save) is not used.
         versions = self.root / "versions"
         versions.mkdir(exist_ok=True)
         v = manifest.version
@@ -84,7 +78,9 @@ class LocalStore:
         (versions / f"{v}.safetensors").write_bytes(blob)
         if optimizer:
             save_file(optimizer, str(versions / f"{v}.optimizer.safetensors"))
-        (versions / f"{v}.json").write_bytes(orjson.dumps({"manifest": manifest.to_dict(), "baseline": baseline_state}))
+        tmp = versions / f"{v}.json.tmp"
+        tmp.write_bytes(orjson.dumps({"manifest": manifest.to_dict(), "baseline": baseline_state}))
+        tmp.replace(versions / f"{v}.json")
         for old in self.versions()[:-LOCAL_VERSIONS]:
             for path in versions.glob(f"{old}.*"):
                 path.unlink()
@@ -140,13 +136,3 @@ class LocalStore:
         except CheckpointError as exc:
             log.error("learner: local copy of v%d is unusable (%s)", version, exc)
             return None
-
-    def load(self) -> LocalCheckpoint | None:
-        try:
-            meta = orjson.loads((self.root / "manifest.json").read_bytes())
-            tensors = load_file(str(self.root / "policy.safetensors"))
-        except (OSError, ValueError):
-            return None
-        opt_path = self.root / "optimizer.safetensors"
-        optimizer = load_file(str(opt_path)) if opt_path.exists() else {}
-        return meta, tensors, optimizer
