@@ -16,10 +16,11 @@ out of it. It knows
   remembered for ``dedupe_horizon_s`` of event time after the watermark at which they were
   first seen (the join window plus the worker's re-read after a takeover), whatever the
   rate; a restarted learner rebuilds them by re-reading that span (``restore.read_history``);
-* the wall-clock bound: with ``max_future_s`` set, an experience whose ``ts`` is further
-  ahead of ``now`` is refused (``"ts_in_future"``, the loop dead-letters it), so one bad
-  timestamp can neither move the watermark (dropping everything after it as late in
-  reorder mode, evicting the dedupe memory) nor be recorded in a checkpoint.
+* the wall-clock bound (``max_future_s`` and the caller's ``now``): in reorder mode an
+  experience whose ``ts`` is further ahead is refused (``"ts_in_future"``, the loop
+  dead-letters it), so one bad timestamp can neither move the watermark (dropping
+  everything after it as late) nor be recorded in a checkpoint; in arrival order it is
+  applied, and only the dedupe clock is held at the bound (it cannot evict the memory).
 
 >>> from topics.internal import Experience
 >>> inbox = Inbox("experiences", "control", batch_size=2)
@@ -108,14 +109,13 @@ class Inbox:
         """Queue the message at ``offset``; returns why it is skipped, if it is.
 
         ``exp`` is ``None`` for a message that needs no update (it was dead-lettered).
-        The reasons are ``"other_policy"``, ``"duplicate"``, ``"ts_in_future"`` (with
-        ``max_future_s`` and ``now``, the wall clock: the caller dead-letters it) and, in
-        reorder mode, ``"late"`` (it arrived after the reorder window that it belongs to
-        had closed).
+        The reasons are ``"other_policy"``, ``"duplicate"`` and, in reorder mode,
+        ``"ts_in_future"`` (beyond ``now`` + ``max_future_s``: the caller dead-letters it)
+        and ``"late"`` (it arrived after the reorder window that it belongs to had closed).
         """
         reason: str | None = None
         limit = None if now is None or self.max_future_s is None else now + self.max_future_s
-        if exp is not None and limit is not None and exp.event.ts > limit:
+        if self.reorder and exp is not None and limit is not None and exp.event.ts > limit:
             reason, exp = "ts_in_future", None
         if exp is not None and self.policy is not None and exp.event.policy != self.policy:
             reason, exp = "other_policy", None
@@ -125,7 +125,8 @@ class Inbox:
             late = self._hold(offset, exp)
             return reason or late
         if exp is not None:
-            self.mark_seen(exp.id, exp.event.ts)
+            # Applied in arrival order, a far-future ts harms nothing but the dedupe clock: bound it.
+            self.mark_seen(exp.id, exp.event.ts if limit is None else min(exp.event.ts, limit))
             self.pending_n += 1
         self.pending.append((offset, exp))
         return reason
