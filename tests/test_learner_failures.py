@@ -236,3 +236,13 @@ def test_newest_local_skips_a_corrupt_copy(tmp_path: object) -> None:
     local = newest_local(store, arch)
     assert local is not None and local[0]["manifest"]["version"] == 2
     assert store.versions() == [1, 2, 3]
+
+
+def test_the_signing_key_comes_from_the_environment_or_a_file(tmp_path: object) -> None:
+    assert Settings.from_env({}).signing_key() is None
+    assert Settings.from_env({"CAUSALMEM_CHECKPOINT_SIGNING_KEY": "s3cret"}).signing_key() == b"s3cret"
+    path = tmp_path / "key"  # type: ignore[operator]
+    path.write_text("from-a-file\n")
+    s = Settings.from_env({"CAUSALMEM_CHECKPOINT_SIGNING_KEY_FILE": str(path)})
+    assert s.signing_key() == b"from-a-file" and s.learner().signing_key == b"from-a-file"
+    assert "s3cret" not in repr(Settings(checkpoint_signing_key="s3cret"))

@@ -204,7 +204,8 @@ async def test_stopping_while_publishing_writes_one_final_checkpoint(topics_read
 
 async def test_expert_answers_reach_clients_in_a_quiet_deployment(topics_ready: Settings) -> None:
     """Issue 12 (9): a label fine-tune is served although the gate lacks logged decisions."""
-    s = topics_ready.replace(gate=True, gate_min_ess=50.0, checkpoint_interval_s=0.3)
+    # With a signing key: the learner signs, and the subscriber (built from the same settings) checks.
+    s = topics_ready.replace(gate=True, gate_min_ess=50.0, checkpoint_interval_s=0.3, checkpoint_signing_key="k1")
     sub = PolicySubscriber(s.bootstrap, s.policy, s)
     async with _running(Learner(s.learner(), s.bootstrap, Metrics())) as (learner, _), sub:
         await sub.wait_for_policy(1, timeout=30)
@@ -215,7 +216,8 @@ async def test_expert_answers_reach_clients_in_a_quiet_deployment(topics_ready: 
         await _send(s, s.topics().experiences.name, [encode(a.to_dict()) for a in answers])
         await until(lambda: learner.trainer.labels_applied >= 1 and not learner.dirty, 30, "labels applied")
         loaded = await sub.wait_for_policy(2, timeout=30)
-        assert loaded.manifest.reason == "label"
+        assert loaded.manifest.reason == "label" and (loaded.manifest.signature or "").startswith("hmac-sha256:")
+        assert not sub.rejections
         assert learner.gate is not None and learner.gate.decisions[-1].decision == "insufficient"
 
 
