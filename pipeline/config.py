@@ -152,6 +152,12 @@ class LearnerConfig:
     warmup_epochs: int = 2
     warmup_half_life_s: float = 86400.0
     torch_threads: int = 1
+    # An experience whose ts is further ahead of the wall clock goes to dead-letter (ts_in_future).
+    max_future_skew_s: float = 300.0
+    # Event time an experience id is remembered for dedupe: the join window plus the worker's
+    # re-read after a takeover (up to another join window) plus the clock skew allowed.
+    dedupe_horizon_s: float = 2 * 600.0 + 300.0
+    signing_key: bytes | None = field(default=None, repr=False)  # HMAC-SHA256 key for manifests
 
     @property
     def policy(self) -> str:
@@ -317,6 +323,9 @@ class Settings:
     # durability (docs/operations.md, "Durability"): 1 suits the embedded broker's one node
     replication_factor: int = 1  # copies of each partition of the topics the product creates
     min_insync_replicas: int = 1  # copies an acks=all write needs; 1 leaves the broker's default
+    # checkpoint signing (docs/operations.md, "Signed checkpoints"): an HMAC-SHA256 secret, or a file holding it
+    checkpoint_signing_key: str = field(default="", repr=False)
+    checkpoint_signing_key_file: str = ""
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
 
     # -- derived -------------------------------------------------------------------------
@@ -414,12 +423,26 @@ class Settings:
             warmup_epochs=self.warmup_epochs,
             warmup_half_life_s=self.warmup_half_life_s,
             torch_threads=self.torch_threads,
+            max_future_skew_s=self.max_future_skew_s,
+            dedupe_horizon_s=2 * self.join_window_s + self.max_future_skew_s,
+            signing_key=self.signing_key(),
         )
 
     def ui(self, **options: Any) -> UiConfig:
         """The web UI's configuration: this deployment's connection and state directory, plus ``options``
         (the ``causalmem ui`` flags: host, port, labelers_file, overlap, …)."""
         return UiConfig(connection=self.connection(), state_dir=self.state_path(), **options)
+
+    def signing_key(self) -> bytes | None:
+        """The checkpoint signing key: ``checkpoint_signing_key``, else the file's content; None: unsigned."""
+        if self.checkpoint_signing_key:
+            return self.checkpoint_signing_key.encode()
+        if self.checkpoint_signing_key_file:
+            key = Path(os.path.expanduser(self.checkpoint_signing_key_file)).read_bytes().strip()
+            if not key:
+                raise ValueError(f"checkpoint signing key file {self.checkpoint_signing_key_file} is empty")
+            return key
+        return None
 
     def state_path(self) -> Path:
         path = Path(os.path.expanduser(self.state_dir))

@@ -225,7 +225,7 @@ async def test_reorder_mode_restart_applies_each_experience_once(topics_ready) -
     """In reorder mode a crashed learner resumes from the oldest unapplied offset and skips what it applied."""
     base = topics_ready.replace(reorder_s=50.0, batch_size=8, checkpoint_interval_s=0.2)
     rng = np.random.default_rng(11)
-    exps = [experience(base, i, utility=float(rng.uniform(-1, 1)), ts=1_800_000_000.0 + i) for i in range(300)]
+    exps = [experience(base, i, utility=float(rng.uniform(-1, 1)), ts=1_767_225_600.0 + i) for i in range(300)]
     # shuffle locally (within 20 positions) so that every arrival stays inside the slack
     local = sorted(range(len(exps)), key=lambda i: i + rng.uniform(0, 20))
     results = []

@@ -335,10 +335,31 @@ class Control(WireValue):
     id: str = ""
 
 
+def _check_details(command: str, details: Fields) -> None:
+    """The ``details`` each command reads, checked here so that a bad one never reaches the learner.
+
+    ``rollback`` needs ``to_version`` (an integer ≥ 1); ``reset`` may carry ``since_ts``
+    (a finite time, seconds since the epoch). Other keys are informational.
+    """
+    if command == "rollback":
+        details.int_("to_version", 1)
+    elif command == "reset":
+        details.float_("since_ts", 0.0, 1e11, required=False)
+
+
 def decode_control(raw: bytes, limits: Limits) -> Control:
     """A ``control`` value, validated: a command the learner must carry out.
 
-    Arguments and errors follow the decoder contract in :mod:`topics.fields`.
+    Arguments and errors follow the decoder contract in :mod:`topics.fields`; ``details``
+    are checked per command (:func:`_check_details`).
+
+    >>> from topics.fields import encode
+    >>> bad = encode({"schema": "control/v1", "command": "rollback", "ts": 1.0, "details": {"to_version": "x"}})
+    >>> try:
+    ...     decode_control(bad, Limits())
+    ... except Rejected as rej:
+    ...     print(rej.reason)
+    wrong_type
     """
     f = open_value(raw, limits, SCHEMA_CONTROL)
     command = f.str_("command")
@@ -347,6 +368,7 @@ def decode_control(raw: bytes, limits: Limits) -> Control:
     details = f.obj.get("details") or {}
     if not isinstance(details, dict):
         raise Rejected("wrong_type", "details must be an object")
+    _check_details(command, Fields(details, limits, "details."))
     return Control(
         command=command,
         ts=f.float_("ts", 0.0, 1e11),

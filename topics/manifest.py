@@ -6,10 +6,17 @@ messages keyed ``"{policy}/{version}/{i}"`` (raw bytes) and followed by one mani
 promotion gate). The manifest carries the blob's size and sha256, so a reader checks the
 reassembled chunks before it parses them (see ``models.weights.verify_and_load``).
 
+Contract 1.2 adds, all optional (docs/contract.md §7): the writer's ``epoch`` on each
+manifest and the epoch claim a learner writes under ``"{policy}/epoch"`` when it takes
+over (fencing: readers ignore an older epoch), an HMAC-SHA256 ``signature`` over the
+manifest, and bounds on ``size``, ``chunks`` and version jumps.
+
 >>> chunk_key("default", 7, 2)
 'default/7/2'
 >>> parse_key("default/7/2"), parse_key("default"), parse_key("default/candidate")
 (('chunk', 'default', 7, 2), ('serving', 'default', None, None), ('candidate', 'default', None, None))
+>>> parse_key("default/epoch")
+('epoch', 'default', None, None)
 >>> [len(c) for c in split_chunks(b"x" * 250, 100)]
 [100, 100, 50]
 >>> sha256_hex(b"")[:12]
@@ -19,13 +26,26 @@ reassembled chunks before it parses them (see ``models.weights.verify_and_load``
 from __future__ import annotations
 
 import hashlib
+import hmac
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from topics.fields import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Limits, Rejected, WireValue, open_value
 
 MAX_CHUNK_BYTES = 512 * 1024
+MIN_CHUNK_BYTES = 1024  # every chunk but the last holds at least this much (bounds ``chunks``)
+HEADER_BYTES = 1024 * 1024  # allowance on top of the tensors' bytes (the safetensors header needs < 1 KiB)
+MAX_BLOB_BYTES = 1024**3  # whatever the arch claims: at most 1 GiB, so at most 1 Mi chunks
+MAX_VERSION = 2**53  # versions stay exact in every JSON reader
+MAX_VERSION_JUMP = 1_000_000  # a manifest further above the newest accepted one is ignored
+MAX_EPOCH_JUMP = 1_000  # an epoch further above the newest one seen is ignored
 CANDIDATE_SUFFIX = "/candidate"
+EPOCH_SUFFIX = "/epoch"
+SCHEMA_EPOCH_CLAIM = "writer_epoch/v1"
+SIGNATURE_PREFIX = "hmac-sha256:"
 
 
 class CheckpointError(ValueError):
@@ -48,13 +68,19 @@ def candidate_key(policy: str) -> str:
     return policy + CANDIDATE_SUFFIX
 
 
+def epoch_key(policy: str) -> str:
+    return policy + EPOCH_SUFFIX
+
+
 def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
-    """Classify a model-topic key: ``('chunk'|'serving'|'candidate'|'unknown', policy, version, index)``."""
+    """Classify a model-topic key: ``('chunk'|'serving'|'candidate'|'epoch'|'unknown', policy, version, index)``."""
     parts = key.split("/")
     if len(parts) == 1:
         return ("serving", parts[0], None, None)
     if len(parts) == 2 and parts[1] == "candidate":
         return ("candidate", parts[0], None, None)
+    if len(parts) == 2 and parts[1] == "epoch":
+        return ("epoch", parts[0], None, None)
     if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
         return ("chunk", parts[0], int(parts[1]), int(parts[2]))
     return ("unknown", key, None, None)
@@ -75,6 +101,102 @@ def split_chunks(blob: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
     if not 0 < chunk_size <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")
     return [blob[i : i + chunk_size] for i in range(0, len(blob), chunk_size)] or [b""]
+
+
+def max_blob_bytes(arch: dict[str, int]) -> int:
+    """The largest blob an architecture can need: its float32 tensors plus a header allowance.
+
+    >>> max_blob_bytes({"embedding_dim": 8, "slots": 32, "hidden": 16}) >= 3420  # the real blob
+    True
+    """
+    d, s, h = int(arch["embedding_dim"]), int(arch["slots"]), int(arch["hidden"])
+    params = 2 * d + h * (d + 2) + h + s * h + s + 1
+    return min(4 * params + HEADER_BYTES, MAX_BLOB_BYTES)
+
+
+def max_chunks(size: int) -> int:
+    """The most chunks a blob of ``size`` bytes may be split into (all but the last ≥ 1 KiB).
+
+    >>> max_chunks(0), max_chunks(3420), max_chunks(2_897_420)
+    (1, 4, 2830)
+    """
+    return max(1, math.ceil(size / MIN_CHUNK_BYTES))
+
+
+def _canonical(obj: dict[str, Any]) -> bytes:
+    return orjson.dumps({k: v for k, v in obj.items() if k != "signature"}, option=orjson.OPT_SORT_KEYS)
+
+
+def sign(obj: dict[str, Any], key: bytes) -> str:
+    """The HMAC-SHA256 signature of a manifest or epoch claim (its JSON object, without ``signature``).
+
+    The object is serialized with sorted keys, so a reader verifies what it parsed, whatever
+    the field order on the wire.
+
+    >>> sig = sign({"b": 1, "a": 2.5}, b"k")
+    >>> sig.startswith(SIGNATURE_PREFIX), verify_signature({"a": 2.5, "b": 1, "signature": sig}, b"k")
+    (True, True)
+    >>> verify_signature({"a": 2.5, "b": 2, "signature": sig}, b"k"), verify_signature({"a": 2.5, "b": 1}, b"k")
+    (False, False)
+    """
+    return SIGNATURE_PREFIX + hmac.new(key, _canonical(obj), hashlib.sha256).hexdigest()
+
+
+def verify_signature(obj: dict[str, Any], key: bytes) -> bool:
+    """Whether ``obj["signature"]`` is ``key``'s signature of the rest of ``obj``."""
+    sig = obj.get("signature")
+    return isinstance(sig, str) and hmac.compare_digest(sig, sign(obj, key))
+
+
+@dataclass
+class EpochClaim:
+    """A learner's claim to write a policy from ``epoch`` on (key ``"{policy}/epoch"``).
+
+    Written when a learner takes over, before its first checkpoint; manifests and claims of
+    a lower epoch are ignored by readers from then on (docs/architecture.md, "Failure model").
+
+    >>> c = EpochClaim("default", 3, "w1", 1767225600.0)
+    >>> decode_epoch_claim(c.to_bytes()) == c
+    True
+    """
+
+    policy: str
+    epoch: int
+    writer: str
+    ts: float
+    signature: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema": SCHEMA_EPOCH_CLAIM,
+            "policy": self.policy,
+            "epoch": self.epoch,
+            "writer": self.writer,
+            "ts": self.ts,
+        }
+        if self.signature:
+            out["signature"] = self.signature
+        return out
+
+    def to_bytes(self, key: bytes | None = None) -> bytes:
+        obj = self.to_dict()
+        if key is not None:
+            obj["signature"] = self.signature = sign(obj, key)
+        return orjson.dumps(obj)
+
+
+def decode_epoch_claim(raw: bytes, signing_key: bytes | None = None) -> EpochClaim:
+    """An epoch claim, validated (and its signature checked when ``signing_key`` is set)."""
+    f = open_value(raw, Limits(max_bytes=64 * 1024), SCHEMA_EPOCH_CLAIM)
+    if signing_key is not None and not verify_signature(f.obj, signing_key):
+        raise Rejected("inconsistent", "epoch claim: signature missing or not the configured key's")
+    return EpochClaim(
+        policy=f.str_("policy"),
+        epoch=f.int_("epoch", 1, MAX_VERSION),
+        writer=f.str_("writer", max_len=128),
+        ts=f.float_("ts", 0.0, 1e11),
+        signature=f.str_("signature", required=False, empty_ok=True) or "",
+    )
 
 
 @dataclass
@@ -98,6 +220,7 @@ class Manifest(WireValue):
         "metrics",
         "input_offsets",
     )
+    OPTIONAL = ("epoch", "signature")  # contract 1.2
 
     policy: str
     version: int
@@ -111,10 +234,24 @@ class Manifest(WireValue):
     chunks: int
     metrics: dict[str, Any] = field(default_factory=dict)
     input_offsets: dict[str, int] = field(default_factory=dict)
+    epoch: int | None = None  # the writer's epoch (fencing); absent before contract 1.2
+    signature: str | None = None  # "hmac-sha256:<hex>" when the learner has a signing key
+
+    def signed(self, key: bytes | None) -> Manifest:
+        """This manifest with its signature set (unchanged without a key)."""
+        if key is not None:
+            self.signature = None
+            self.signature = sign(self.to_dict(), key)
+        return self
 
 
-def decode_manifest(raw: bytes, limits: Limits | None = None) -> Manifest:
+def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes | None = None) -> Manifest:
     """A manifest from the model topic, validated (``limits`` default: 1 MiB values).
+
+    Beyond the fields' types it bounds ``version`` (≤ 2^53), ``size`` (what ``arch``'s
+    tensors can need, :func:`max_blob_bytes`) and ``chunks`` (:func:`max_chunks`), so a
+    forged manifest cannot make a reader allocate or loop without bound; with
+    ``signing_key`` the signature must be that key's.
 
     Raises
     ------
@@ -123,6 +260,8 @@ def decode_manifest(raw: bytes, limits: Limits | None = None) -> Manifest:
     """
     limits = limits or Limits(max_bytes=1024 * 1024)
     f = open_value(raw, limits, SCHEMA_MANIFEST)
+    if signing_key is not None and not verify_signature(f.obj, signing_key):
+        raise Rejected("inconsistent", "signature missing or not the configured key's")
     reason = f.str_("reason")
     if reason not in CHECKPOINT_REASONS:
         raise Rejected("out_of_range", f"reason {reason!r}")
@@ -148,13 +287,13 @@ def decode_manifest(raw: bytes, limits: Limits | None = None) -> Manifest:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise Rejected("wrong_type", f"input_offsets[{k}] must be a non-negative integer")
         clean_offsets[str(k)] = v
-    size = f.int_("size", 1)
-    chunks = f.int_("chunks", 1)
+    size = f.int_("size", 1, max_blob_bytes(arch_d))
+    chunks = f.int_("chunks", 1, max_chunks(size))
     if chunks < -(-size // MAX_CHUNK_BYTES):
         raise Rejected("inconsistent", f"{chunks} chunks cannot hold {size} bytes")
     return Manifest(
         policy=f.str_("policy"),
-        version=f.int_("version", 0),
+        version=f.int_("version", 0, MAX_VERSION),
         created_ts=f.float_("created_ts", 0.0, 1e11),
         reason=reason,
         arch=arch_d,
@@ -165,4 +304,6 @@ def decode_manifest(raw: bytes, limits: Limits | None = None) -> Manifest:
         chunks=chunks,
         metrics=metrics,
         input_offsets=clean_offsets,
+        epoch=f.int_("epoch", 0, MAX_VERSION, required=False),
+        signature=f.str_("signature", required=False, empty_ok=True),
     )

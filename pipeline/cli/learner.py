@@ -16,6 +16,7 @@ from pipeline.cli.common import (
     start_metrics,
 )
 from pipeline.learner.loop import Learner
+from pipeline.learner.supervise import supervise
 from pipeline.metrics import Metrics
 from pipeline.probes import HEARTBEAT_INTERVAL_S, Probes, Progress, total
 from pipeline.service import restart_process
@@ -56,7 +57,15 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         learner = Learner(settings.learner(), bootstrap, metrics)
+        failures: list[BaseException] = []
+
+        def failed(exc: BaseException) -> None:
+            if not stop.is_set():  # a training task that ends while stopping is the normal end
+                failures.append(exc)
+                stop.set()
+
         task, heartbeat = await start_watched(learner, probes, metrics)
+        supervise(task, failed, "training")
         # After a cluster reset (an embedded broker restart) a fresh start restores from the
         # local checkpoint, republishes it and reads every input from the beginning.
         watch = kafka.ClusterWatch(
@@ -71,13 +80,16 @@ def run(args: argparse.Namespace) -> int:
         await stop.wait()
         await watch.stop()
 
-        print("learner: stopping (publishing a shutdown checkpoint if the policy changed)", flush=True)
-        await learner.stop()
+        if failures:
+            print(f"learner: the training task failed ({failures[0]!r}); exiting to be restarted", flush=True)
+        else:
+            print("learner: stopping (publishing a shutdown checkpoint if the policy changed)", flush=True)
+        await learner.stop(publish=not failures)
         for t in (task, heartbeat):
             t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        return 0
+        return 1 if failures else 0
 
     return run_until_signal(main)
 

@@ -2,7 +2,10 @@
 
 Only a checkpoint that passes verification is swapped in (size, sha256, tensor names,
 shapes, dtype, finiteness: ``models.weights.verify_and_load``); anything else is
-rejected and logged, and the previous policy stays. No pickle anywhere: bytes from the
+rejected and logged, and the previous policy stays. Manifests of an older writer epoch,
+version jumps beyond ``topics.manifest.MAX_VERSION_JUMP`` and chunk counts beyond what
+the size allows are rejected before anything is fetched, and with a signing key so are
+unsigned or wrongly signed manifests (``pipeline.modeltopic.ModelTopicIndex``). No pickle anywhere: bytes from the
 network are parsed by safetensors and orjson only.
 
     async with PolicySubscriber("127.0.0.1:19092", on_update=retriever.set_policy) as sub:
@@ -94,6 +97,10 @@ class PolicySubscriber(Service):
         checkpoint fixes the architecture.
     keep_recent
         How many versions' chunk bytes to keep while waiting for their manifest.
+    signing_key
+        The HMAC-SHA256 key the learner signs manifests with: set, unsigned or wrongly
+        signed manifests are rejected. Default: ``Settings``' key when ``conn`` is one
+        (``CAUSALMEM_CHECKPOINT_SIGNING_KEY`` or its file), else none.
 
     Rejections are logged and kept in :attr:`rejections`.
     """
@@ -106,8 +113,12 @@ class PolicySubscriber(Service):
         on_update: UpdateCallback | None = None,
         expected_arch: Arch | None = None,
         keep_recent: int = 2,
+        signing_key: bytes | None = None,
     ) -> None:
         super().__init__()
+        if signing_key is None and isinstance(conn, Settings):
+            signing_key = conn.signing_key()
+        self.signing_key = signing_key
         self.conn = Connection.of(conn)
         self.bootstrap = bootstrap
         self.policy = validate_policy_name(policy or self.conn.policy)
@@ -117,7 +128,7 @@ class PolicySubscriber(Service):
         self.keep_recent = keep_recent
         self.current: LoadedPolicy | None = None
         self.rejections: list[tuple[int, str]] = []
-        self.index = ModelTopicIndex()
+        self.index = ModelTopicIndex(signing_key=signing_key)
         self._recent: dict[int, dict[int, bytes]] = {}  # version -> {chunk index: bytes}
         self._consumer: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -181,7 +192,7 @@ class PolicySubscriber(Service):
             await self._consumer.position(tp),
             self.current.version if self.current else "-",
         )
-        self.index = ModelTopicIndex()
+        self.index = ModelTopicIndex(signing_key=self.signing_key)
         self._recent.clear()
         self._after_reset = True
         await self._consumer.seek_to_beginning(tp)

@@ -65,6 +65,8 @@ class Election(Service):
         self.on_lost()
 
     def assigned(self, partitions: Any) -> None:
+        if self.consumer is None:  # stopped while the group was still assigning
+            return
         if partitions:
             # Restoring happens in the learner's run loop, not inside the rebalance callback.
             self.consumer.pause(*partitions)

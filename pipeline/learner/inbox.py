@@ -12,7 +12,15 @@ out of it. It knows
   how often) they were delivered in;
 * the *positions* read on the experiences and control topics, and from them the input
   offsets a checkpoint records (docs/architecture.md: a restored learner resumes there);
-* the ids seen (experiences and control commands), to apply each at most once.
+* the ids seen (experiences and control commands), to apply each at most once. They are
+  remembered for ``dedupe_horizon_s`` of event time after the watermark at which they were
+  first seen (the join window plus the worker's re-read after a takeover), whatever the
+  rate; a restarted learner rebuilds them by re-reading that span (``restore.read_history``);
+* the wall-clock bound (``max_future_s`` and the caller's ``now``): in reorder mode an
+  experience whose ``ts`` is further ahead is refused (``"ts_in_future"``, the loop
+  dead-letters it), so one bad timestamp can neither move the watermark (dropping
+  everything after it as late) nor be recorded in a checkpoint; in arrival order it is
+  applied, and only the dedupe clock is held at the bound (it cannot evict the memory).
 
 >>> from topics.internal import Experience
 >>> inbox = Inbox("experiences", "control", batch_size=2)
@@ -30,7 +38,8 @@ from collections.abc import Iterator
 
 from topics.internal import Experience
 
-DEDUPE_IDS = 200_000  # ids remembered for dedupe (experiences and control commands)
+DEDUPE_HORIZON_S = 2 * 600.0 + 300.0  # event time an id is remembered (LearnerConfig.dedupe_horizon_s)
+DEDUPE_IDS = 4_000_000  # a memory guard only: 1,200 pairs/s over the default horizon is ~1.8 M ids
 
 Key = tuple[float, str]  # (event time, experience id): the canonical order in reorder mode
 
@@ -46,6 +55,8 @@ class Inbox:
         reorder_s: float = 0.0,
         policy: str | None = None,
         dedupe_ids: int = DEDUPE_IDS,
+        dedupe_horizon_s: float = DEDUPE_HORIZON_S,
+        max_future_s: float | None = None,
     ) -> None:
         self.experiences_topic = experiences_topic
         self.control_topic = control_topic
@@ -53,38 +64,59 @@ class Inbox:
         self.reorder_s = reorder_s
         self.policy = policy  # experiences of another policy are skipped (None: keep all)
         self.dedupe_ids = dedupe_ids
+        self.dedupe_horizon_s = dedupe_horizon_s
+        self.max_future_s = max_future_s
         self.pending: deque[tuple[int, Experience | None]] = deque()
         self.pending_n = 0  # experiences (not placeholders) in pending
         self.held: list[tuple[float, str, int, Experience]] = []
-        self.watermark = 0.0
+        self.watermark = 0.0  # reorder mode: the largest event time held
+        self.seen_clock = 0.0  # the largest event time accepted (the dedupe memory's clock)
         self.released_key: Key | None = None  # newer keys only may still come in
         self.applied_key: Key | None = None  # the last key applied (recorded in checkpoints)
         self.position = 0  # next offset to read on the experiences topic, as far as it counts
         self.control_position = 0  # next offset to read on the control topic
-        self.seen: OrderedDict[str, None] = OrderedDict()
+        self.seen: OrderedDict[str, float] = OrderedDict()  # id -> the clock when first seen
 
     @property
     def reorder(self) -> bool:
         return self.reorder_s > 0
 
     # ------------------------------------------------------------------ ids
-    def mark_seen(self, ident: str) -> None:
-        self.seen[ident] = None
-        if len(self.seen) > self.dedupe_ids:
+    def mark_seen(self, ident: str, ts: float | None = None) -> None:
+        """Remember ``ident``; ``ts`` (its event time) moves the dedupe clock forward.
+
+        Ids first seen more than ``dedupe_horizon_s`` of event time before the clock are
+        forgotten: by then the worker cannot re-emit them.
+
+        >>> inbox = Inbox("e", "c", 1, dedupe_horizon_s=100.0)
+        >>> inbox.mark_seen("a", 1000.0); inbox.mark_seen("b", 1050.0); inbox.mark_seen("c", 1101.0)
+        >>> [i for i in "abc" if inbox.seen_before(i)]
+        ['b', 'c']
+        """
+        if ts is not None and ts > self.seen_clock:
+            self.seen_clock = ts
+        self.seen[ident] = self.seen_clock
+        self.seen.move_to_end(ident)
+        horizon = self.seen_clock - self.dedupe_horizon_s
+        while self.seen and (next(iter(self.seen.values())) < horizon or len(self.seen) > self.dedupe_ids):
             self.seen.popitem(last=False)
 
     def seen_before(self, ident: str) -> bool:
         return ident in self.seen
 
     # ------------------------------------------------------------------ input
-    def accept(self, offset: int, exp: Experience | None) -> str | None:
+    def accept(self, offset: int, exp: Experience | None, now: float | None = None) -> str | None:
         """Queue the message at ``offset``; returns why it is skipped, if it is.
 
         ``exp`` is ``None`` for a message that needs no update (it was dead-lettered).
         The reasons are ``"other_policy"``, ``"duplicate"`` and, in reorder mode,
-        ``"late"`` (it arrived after the reorder window that it belongs to had closed).
+        ``"ts_in_future"`` (beyond ``now`` + ``max_future_s``: the caller dead-letters it)
+        and ``"late"`` (it arrived after the reorder window that it belongs to had closed).
         """
         reason: str | None = None
+        limit = None if now is None or self.max_future_s is None else now + self.max_future_s
+        if self.reorder and exp is not None and limit is not None and exp.event.ts > limit:
+            reason, exp = "ts_in_future", None
         if exp is not None and self.policy is not None and exp.event.policy != self.policy:
             reason, exp = "other_policy", None
         elif exp is not None and exp.id in self.seen:
@@ -93,7 +125,8 @@ class Inbox:
             late = self._hold(offset, exp)
             return reason or late
         if exp is not None:
-            self.mark_seen(exp.id)
+            # Applied in arrival order, a far-future ts harms nothing but the dedupe clock: bound it.
+            self.mark_seen(exp.id, exp.event.ts if limit is None else min(exp.event.ts, limit))
             self.pending_n += 1
         self.pending.append((offset, exp))
         return reason
@@ -109,7 +142,7 @@ class Inbox:
         if self.released_key is not None and key <= self.released_key:
             # Applying it now would break the canonical order.
             return "late"
-        self.mark_seen(exp.id)
+        self.mark_seen(exp.id, exp.event.ts)
         self.watermark = max(self.watermark, exp.event.ts)
         heapq.heappush(self.held, (key[0], key[1], offset, exp))
         return None

@@ -9,6 +9,8 @@ only when the policy changed. Reset and rollback commands arrive on ``control``.
 
 - :mod:`~pipeline.learner.election`: only the elected learner of a policy trains; a
   standby takes over when the active one dies;
+- :mod:`~pipeline.learner.fence`: the epoch it claims on taking over, checked before
+  every publish, so a learner that lost the election without knowing publishes nothing;
 - :mod:`~pipeline.learner.restore`: on election, the newest checkpoint and the offsets to
   resume from;
 - :mod:`~pipeline.learner.inbox`: pending and held experiences, positions, reorder mode,
@@ -17,6 +19,9 @@ only when the policy changed. Reset and rollback commands arrive on ``control``.
 - :mod:`~pipeline.learner.publishing` and :mod:`~pipeline.learner.gate`: checkpoints,
   candidates and promotion;
 - :mod:`~pipeline.learner.store`: the local copy of its checkpoints.
+
+Long work (a drift reset's warm-up, decoding the history, loading a checkpoint) runs in
+a worker thread, so the event loop keeps the group membership alive meanwhile.
 """
 
 from __future__ import annotations
@@ -35,26 +40,38 @@ from models.trainer import PolicyTrainer
 from pipeline import kafka
 from pipeline.config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
+from pipeline.learner.control import ControlCommands
 from pipeline.learner.election import Election
+from pipeline.learner.fence import Fence, Fenced
 from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.publishing import Progress, Publishing, manifest_metrics
 from pipeline.learner.replay import Replay
-from pipeline.learner.restore import Restored, find_version, from_local, from_topic, read_history, serving_checkpoint
+from pipeline.learner.restore import (
+    Restored,
+    RestoreError,
+    from_local,
+    from_topic,
+    newest_local,
+    policy_versions,
+    read_history,
+    serving_checkpoint,
+)
 from pipeline.learner.store import LocalStore, local_dir
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.service import Service
 from topics.fields import Rejected
-from topics.internal import CUTOVER_COMMAND, Experience, decode_control, decode_experience
+from topics.internal import Experience, decode_experience
 from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
 LINGER_S = 0.5  # apply a partial micro-batch after this long without new input
+FENCED_BACKOFF_S = 15.0  # after being fenced off, wait this long (> 2 session timeouts) before taking over again
 
 
-class Learner(Service):
+class Learner(Service, ControlCommands):
     """The learner process's core: ``start``, then ``run`` until ``stop``."""
 
     def __init__(self, config: LearnerConfig, bootstrap: str, metrics: Metrics | None = None) -> None:
@@ -73,7 +90,13 @@ class Learner(Service):
         self.ctl_tp = TopicPartition(conn.topics.control.name, 0)
         self.store = LocalStore(local_dir(config.state_dir, bootstrap, conn.topics.prefix, conn.policy))
         self.inbox = Inbox(
-            self.exp_tp.topic, self.ctl_tp.topic, config.batch_size, config.reorder_s, policy=conn.policy
+            self.exp_tp.topic,
+            self.ctl_tp.topic,
+            config.batch_size,
+            config.reorder_s,
+            policy=conn.policy,
+            dedupe_horizon_s=config.dedupe_horizon_s,
+            max_future_s=config.max_future_skew_s,
         )
         self.replay = Replay(config.replay_window_s, config.replay_max)
         self.progress = Progress()
@@ -89,6 +112,12 @@ class Learner(Service):
         self._dead: DeadLetterWriter | None = None
         self._stopping = asyncio.Event()
         self._last_input = time.monotonic()
+        self.fence: Fence | None = None
+        self._fenced_at = -FENCED_BACKOFF_S
+        self._publish_lock = asyncio.Lock()  # one publish at a time (periodic vs shutdown)
+        self._run_done = asyncio.Event()  # set while run() is not executing
+        self._run_done.set()
+        self._final_published = False
 
     @property
     def gate(self) -> PromotionGate | None:
@@ -113,6 +142,8 @@ class Learner(Service):
         )
         self._election = Election(self.bootstrap, conn, on_lost=self.become_standby)
         await self._election.start()
+        self.fence = Fence(self.bootstrap, conn, self._election, self.config.signing_key)
+        self.publishing.publisher.before_send = self.fence.check
         self._input = kafka.consumer(self.bootstrap, conn, group_id=None)
         await self._input.start()
 
@@ -121,10 +152,16 @@ class Learner(Service):
         if not self.running:
             return
         self._stopping.set()
-        if publish and self.active.is_set() and self.dirty:
+        # The training loop finishes its step first: the final checkpoint is then the only
+        # publish of that state (no periodic one racing it).
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._run_done.wait(), 30.0)
+        if publish and not self._final_published and self.active.is_set():
+            self._final_published = True
             with contextlib.suppress(Exception):
                 await self._apply_pending(force=True)
-                await self.publish("shutdown")
+                if self.dirty:
+                    await self.publish("shutdown")
         await super().stop()
 
     async def _stop(self) -> None:
@@ -133,6 +170,8 @@ class Learner(Service):
             # A consumer stopped while still starting raises CancelledError: stop anyway.
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await self._input.stop()
+        if self.fence is not None:
+            await self.fence.close()
         if self._election is not None:
             await self._election.stop()
         if self._dead is not None:
@@ -143,16 +182,39 @@ class Learner(Service):
         self._input = self._producer = None
 
     async def run(self) -> None:
-        """Wait to be elected, restore, then train until :meth:`stop`."""
-        while not self._stopping.is_set():
-            assert self._election is not None
-            await self._election.poll()
-            if self._election.elected and not self.active.is_set():
-                await self.become_active()
-            if not self.active.is_set():
-                await asyncio.sleep(0.1)
-                continue
-            await self.step()
+        """Wait to be elected, restore, then train until :meth:`stop`.
+
+        Raises :class:`~pipeline.learner.restore.RestoreError` when no checkpoint verifies
+        (the process must not start over); anything unexpected also propagates, for the
+        supervisor to end the process.
+        """
+        self._run_done.clear()
+        try:
+            while not self._stopping.is_set():
+                assert self._election is not None
+                await self._election.poll()
+                backoff = time.monotonic() - self._fenced_at < FENCED_BACKOFF_S
+                if self._election.elected and not self.active.is_set() and not backoff:
+                    try:
+                        await self.become_active()
+                    except Fenced as exc:
+                        self.fenced(str(exc))
+                if not self.active.is_set() or self._stopping.is_set():
+                    await asyncio.sleep(0.1)
+                    continue
+                try:
+                    await self.step()
+                except Fenced as exc:
+                    self.fenced(str(exc))
+        finally:
+            self._run_done.set()
+
+    def fenced(self, why: str) -> None:
+        """Another learner owns the policy: stop training, publish nothing, restore before training again."""
+        log.error("learner: fenced off (%s); standing by", why)
+        self.metrics.learner_skipped.labels(reason="fenced").inc()
+        self._fenced_at = time.monotonic()
+        self.active.clear()
 
     async def become_active(self) -> None:
         log.info("learner: elected for policy %r; restoring", self.config.policy)
@@ -166,21 +228,37 @@ class Learner(Service):
 
     # ------------------------------------------------------------------ restore
     async def restore(self) -> None:
-        """Load the newest checkpoint (topic, else local, else a fresh policy); resume the inputs."""
-        assert self.publishing is not None
+        """Claim the policy, load the newest verified checkpoint (topic, else local), resume the inputs.
+
+        A fresh policy is published only when neither the model topic nor the local
+        directory has any checkpoint of the policy; when the topic has some and none
+        verifies, :class:`RestoreError` is raised (docs/architecture.md, "Failure model").
+        """
+        assert self.publishing is not None and self.fence is not None
         conn = self.config.connection
         publisher = self.publishing.publisher
-        index = await scan_model_topic(self.bootstrap, conn)
+        index = await scan_model_topic(self.bootstrap, conn, signing_key=self.config.signing_key)
         publisher.adopt(index)
-        local = self.store.load()
-        restored = await from_topic(self.bootstrap, conn, index, self.trainer, local)
+        # Own the policy before anything else: claim the next epoch, then make sure no
+        # other learner claimed one meanwhile.
+        epoch = index.epochs.get(conn.policy, 0) + 1
+        await self.fence.follow(epoch, index.end_offset)
+        await publisher.claim(epoch, self.fence.writer)
+        await self.fence.check()
+        restored = await from_topic(self.bootstrap, conn, index, self.trainer, self.store, self.arch)
         offsets: dict[str, int] = {}
         if restored is not None:
             self._resume(restored)
             offsets = restored.offsets
-        elif local is not None and not index.manifests:
+        elif policy_versions(index, conn.policy):
+            raise RestoreError(
+                f"no checkpoint of policy {conn.policy!r} verifies (model topic versions "
+                f"{policy_versions(index, conn.policy)[:5]}, local {self.store.versions()[-5:]} in {self.store.root}); "
+                "refusing to start a fresh policy (docs/operations.md, 'Restore')"
+            )
+        elif (local := newest_local(self.store, self.arch)) is not None:
             # The model topic is empty: a new (or reset) cluster. Keep what was learnt.
-            self._resume(from_local(self.trainer, local))
+            self._resume(await asyncio.to_thread(from_local, self.trainer, local))
             log.warning("learner: model topic is empty; republishing the local checkpoint %s", self.restored_from)
             # Clients may still run that version: continue above it, so they take the republished one.
             publisher.last_version = max(publisher.last_version, self.version)
@@ -197,14 +275,15 @@ class Learner(Service):
         await self._seek(offsets)
         # What came before the resume point: ids for dedupe, experiences for warm-up.
         end = offsets.get(f"{self.exp_tp.topic}:0", 0)
-        history = await read_history(self.bootstrap, conn, end, self.config.replay_max)
-        for exp in history:
-            self.inbox.mark_seen(exp.id)
-        self.replay.extend(history)
+        history = await read_history(self.bootstrap, conn, end, self.config.replay_max, self.config.dedupe_horizon_s)
+        for ident, ts in history.ids:
+            self.inbox.mark_seen(ident, ts)
+        self.replay.extend(history.experiences)
         log.info(
-            "learner: active from %s at version %d, offsets %s",
+            "learner: active from %s at version %d (epoch %d), offsets %s",
             self.restored_from,
             self.version,
+            epoch,
             {self.exp_tp.topic: self.inbox.position, self.ctl_tp.topic: self.inbox.control_position},
         )
 
@@ -263,9 +342,12 @@ class Learner(Service):
         except Rejected as rej:
             assert self._dead is not None
             self._dead.send(msg, rej.reason, rej.detail)
-        skipped = self.inbox.accept(msg.offset, exp)
+        skipped = self.inbox.accept(msg.offset, exp, now=time.time())
         if skipped is not None:
             self.metrics.learner_skipped.labels(reason=skipped).inc()
+        if skipped == "ts_in_future":
+            assert self._dead is not None and exp is not None
+            self._dead.send(msg, "ts_in_future", f"ts {exp.event.ts} > now + {self.config.max_future_skew_s} s")
 
     async def _apply_pending(self, force: bool = False) -> None:
         for chunk in self.inbox.batches(force):
@@ -308,89 +390,6 @@ class Learner(Service):
         m.update_seconds.observe(time.perf_counter() - t0)
         m.last_update.set(time.time())
 
-    # ------------------------------------------------------------------ control
-    async def _handle_control(self, msg: Any) -> None:
-        try:
-            ctl = decode_control(msg.value, self.config.connection.limits)
-        except Rejected as rej:
-            assert self._dead is not None
-            self._dead.send(msg, rej.reason, rej.detail)
-            return
-        if ctl.id and self.inbox.seen_before(ctl.id):
-            return
-        if ctl.id:
-            self.inbox.mark_seen(ctl.id)
-        if ctl.command == "reset":
-            await self.reset(ctl.reason, ctl.details)
-        elif ctl.command == "rollback":
-            await self.rollback(int(ctl.details.get("to_version", -1)), ctl.reason)
-        elif ctl.command == CUTOVER_COMMAND:
-            await self.cutover(ctl.reason, ctl.details)
-
-    async def cutover(self, reason: str, details: dict[str, Any]) -> None:
-        """Shadow mode's switch to the policy (docs/byo-retriever.md): a checkpoint of reason ``cutover``.
-
-        With the gate on, it serves the version whose gain was estimated (``serving_version``),
-        never weights the gate has not judged; without it every checkpoint serves anyway, so the
-        current weights go out.
-        """
-        await self._apply_pending(force=True)
-        version = details.get("serving_version")
-        if self.gate is not None and isinstance(version, int):
-            conn = self.config.connection
-            tensors = await find_version(self.bootstrap, conn, self.store, self.arch, version)
-            if tensors is not None:
-                self.trainer.load(tensors, self.trainer.baseline.state())
-        self.dirty = True
-        await self.publish(CUTOVER_COMMAND, extra={"cutover_reason": reason, "cutover": details})
-
-    async def rollback(self, version: int, reason: str = "") -> bool:
-        """Serve (and continue from) an earlier checkpoint, republished under a new version.
-
-        The weights come from the model topic when its chunks are still there, else from
-        the local directory (which keeps more versions than the topic). Training goes on
-        from them with a fresh optimizer: the policy that was rolled back is abandoned.
-        """
-        conn = self.config.connection
-        tensors = await find_version(self.bootstrap, conn, self.store, self.arch, version)
-        if tensors is None:
-            log.error(
-                "learner: rollback to v%d impossible: neither the model topic nor %s has it", version, self.store.root
-            )
-            return False
-        await self._apply_pending(force=True)
-        self.trainer.load(tensors, self.trainer.baseline.state())
-        self.dirty = True
-        await self.publish("rollback", extra={"rolled_back_to": version, "rollback_reason": reason})
-        log.warning("learner: rolled back to the weights of v%d, now serving as v%d", version, self.version)
-        return True
-
-    async def reset(self, reason: str = "", details: dict[str, Any] | None = None) -> None:
-        """Drift reset: new last layer, warm-up on the kept experiences, publish ``reset``.
-
-        The warm-up uses the kept experiences from the detector's estimate of when the
-        drift began (``since_ts``) on: what came before teaches the world that changed.
-        """
-        since = (details or {}).get("since_ts")
-        warm = self.replay.after_drift(float(since) if since is not None else None)
-        t0 = time.perf_counter()
-        stats = self.trainer.reset_last_layer(
-            warm,
-            epochs=self.config.warmup_epochs,
-            batch_size=self.config.batch_size,
-            half_life_s=self.config.warmup_half_life_s,
-        )
-        self.progress.resets += 1
-        self.metrics.resets.inc()
-        log.warning(
-            "learner: drift reset (%s): last layer re-initialised, warmed up on %d experiences in %.1f s",
-            reason or "requested",
-            len(warm),
-            time.perf_counter() - t0,
-        )
-        self.dirty = True
-        await self.publish("reset", extra={"warmup_experiences": stats.applied, "reset_details": details or {}})
-
     # ------------------------------------------------------------------ checkpoints
     def input_offsets(self) -> dict[str, int]:
         """The offsets a checkpoint taken now records (unapplied input comes again)."""
@@ -407,18 +406,27 @@ class Learner(Service):
             return
         await self.publish("label" if self.progress.labels_since_checkpoint else "periodic")
 
-    async def publish(self, reason: str, extra: dict[str, Any] | None = None) -> Manifest:
+    async def publish(self, reason: str, extra: dict[str, Any] | None = None) -> Manifest | None:
+        """Publish a checkpoint (one at a time); a ``periodic``/``label`` one only if the policy changed.
+
+        Raises :class:`~pipeline.learner.fence.Fenced` when another learner owns the policy.
+        """
         assert self.publishing is not None
-        metrics = manifest_metrics(self.trainer, self.progress, self.inbox.applied_key, self.config.batch_size, extra)
-        published = await self.publishing.publish(
-            self.trainer, reason=reason, metrics=metrics, input_offsets=self.input_offsets()
-        )
-        self.version = published.manifest.version
-        self.dirty = False
-        self.progress.labels_since_checkpoint = 0
-        self.last_publish = time.monotonic()
-        await self.publishing.settle(published)
-        return published.manifest
+        async with self._publish_lock:
+            if reason in ("periodic", "label") and not self.dirty:
+                return None  # published meanwhile (e.g. by the shutdown checkpoint)
+            metrics = manifest_metrics(
+                self.trainer, self.progress, self.inbox.applied_key, self.config.batch_size, extra
+            )
+            published = await self.publishing.publish(
+                self.trainer, reason=reason, metrics=metrics, input_offsets=self.input_offsets()
+            )
+            self.version = published.manifest.version
+            self.dirty = False
+            self.progress.labels_since_checkpoint = 0
+            self.last_publish = time.monotonic()
+            await self.publishing.settle(published)
+            return published.manifest
 
     def _export_lag(self) -> None:
         hw = self._input.highwater(self.exp_tp)

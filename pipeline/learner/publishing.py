@@ -8,6 +8,11 @@ once (docs/learning.md).
 
 The manifest's ``metrics`` are written by :func:`manifest_metrics` and read back on a
 restore by :meth:`Progress.from_metrics` and :func:`applied_through`.
+
+*Label fine-tunes* (candidates with reason ``label``: expert answers) follow
+:func:`label_rule`: promoted also when the gate lacks the logged decisions to judge them,
+refused only when the gate had the data and refused, so that in a quiet deployment the
+answers still reach clients (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,20 @@ from topics.manifest import Manifest
 log = logging.getLogger(__name__)
 
 SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover")  # reasons whose checkpoints skip the gate
+
+
+def label_rule(decision: str) -> bool:
+    """Whether a label fine-tune is served, given the gate's decision on it.
+
+    Expert answers are not held back for lack of data: a label candidate is promoted when
+    the gate promotes it *or lacks the logged decisions to judge it* (a new or quiet
+    deployment). It is refused only when the gate had enough data and refused it: the
+    logged traffic gives evidence that it may do harm (e.g. mislabelled answers).
+
+    >>> [label_rule(d) for d in ("promoted", "insufficient", "refused")]
+    [True, True, False]
+    """
+    return decision in ("promoted", "insufficient")
 
 
 @dataclass
@@ -99,7 +118,11 @@ class Publishing:
     ) -> None:
         conn = config.connection
         self.publisher = CheckpointPublisher(
-            producer, conn.topics.policy_checkpoints.name, conn.policy, config.keep_versions
+            producer,
+            conn.topics.policy_checkpoints.name,
+            conn.policy,
+            config.keep_versions,
+            signing_key=config.signing_key,
         )
         self.store = store
         self.arch = arch
@@ -118,8 +141,16 @@ class Publishing:
         """Publish the trainer's state and save it locally; :meth:`settle` then hands it to the gate."""
         tensors = trainer.tensors()
         candidate = self.is_candidate(reason)
+        blob = to_safetensors(tensors)
+        optimizer = trainer.optimizer_tensors()
+        baseline_state = trainer.baseline.state()
+
+        def save_locally(manifest: Manifest) -> None:
+            # Before anything is sent: every published version has its local copy and moments.
+            self.store.save(manifest, tensors, optimizer, baseline_state, blob)
+
         manifest = await self.publisher.publish(
-            to_safetensors(tensors),
+            blob,
             alpha=float(tensors["alpha"].reshape(-1)[0]),
             reason=reason,
             arch=self.arch.to_dict(),
@@ -127,8 +158,8 @@ class Publishing:
             metrics=metrics,
             input_offsets=input_offsets,
             candidate=candidate,
+            prepare=save_locally,
         )
-        self.store.save(manifest, tensors, trainer.optimizer_tensors(), trainer.baseline.state())
         role = "candidate" if candidate else "serving"
         m = self.metrics
         m.checkpoint_publishes.labels(reason=reason).inc()
@@ -149,9 +180,23 @@ class Publishing:
         if self.gate is None:
             return
         if published.candidate:
-            await self.gate.consider(published.manifest, published.tensors)
+            decision = await self.gate.consider(published.manifest, published.tensors)
+            if published.manifest.reason == "label":
+                await self._apply_label_rule(published, decision)
         else:
             self.gate.set_serving(published.manifest, published.tensors)
+
+    async def _apply_label_rule(self, published: Published, decision: Any) -> None:
+        assert self.gate is not None
+        if decision.decision == "promoted" or not label_rule(decision.decision):
+            return
+        manifest = published.manifest
+        await self.publisher.promote(manifest)
+        self.gate.set_serving(manifest, published.tensors)
+        self.gate.pending = None
+        self.metrics.checkpoint_version.labels(role="serving").set(manifest.version)
+        self.metrics.checkpoint_timestamp.labels(role="serving").set(manifest.created_ts)
+        log.info("learner: label fine-tune v%d promoted (gate: %s)", manifest.version, decision.reason)
 
     @property
     def candidate_waiting(self) -> bool:
