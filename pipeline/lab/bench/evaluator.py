@@ -180,7 +180,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for batch in BATCHES:
             rows.append(scoring_path(scorer, events, rate, batch))
             r = rows[-1]
-            print(f"  rate {rate:<4} batch {batch:>2}: {r['evaluations_per_s']:6.2f} ev/s {r["tokens_per_s"]:7.0f} tok/s", flush=True)
+            print(
+                f"  rate {rate:<4} batch {batch:>2}: {r['evaluations_per_s']:6.2f} ev/s {r['tokens_per_s']:7.0f} tok/s",
+                flush=True,
+            )
     out: dict[str, Any] = {"model": scorer.name, "device": scorer.device, "load_s": load_s, "scoring": rows}
     if args.service:
         out["service"] = asyncio.run(service_path(args, scorer, make_text_events(args.events, seed=1)))
