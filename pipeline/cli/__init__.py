@@ -49,6 +49,8 @@ NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
     "demo": (("rich", "lab"), ("yaml", "lab")),
     "bench": (("rich", "lab"), ("yaml", "lab")),
 }
+# A service that cannot run without its extra exits 2, as for a missing model (other verbs: 1).
+MISSING_EXTRA_EXIT = {"evaluator": 2}
 
 
 def _chosen_verb(argv: Sequence[str]) -> str | None:

@@ -7,8 +7,14 @@ import asyncio
 import contextlib
 import sys
 
-from pipeline.cli.common import metrics_port, prepare_cluster, resolve_bootstrap, run_until_signal, settings_from
-from pipeline.cli.common import start_metrics
+from pipeline.cli.common import (
+    metrics_port,
+    prepare_cluster,
+    resolve_bootstrap,
+    run_until_signal,
+    settings_from,
+    start_metrics,
+)
 from pipeline.evaluator.service import Evaluator
 from pipeline.metrics import Metrics
 from pipeline.probes import Probes, Progress, total

@@ -98,8 +98,10 @@ class AnswerScorer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        quiet: Any = hf_logging.set_verbosity_error  # untyped in transformers
+        no_bars: Any = hf_logging.disable_progress_bar
+        quiet()
+        no_bars()
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -114,8 +116,8 @@ class AnswerScorer:
         self.name = kwargs.get("gguf_file", path.name)
         with _quiet_gguf():
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
-        self.model.to(self.device).eval()
+            model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
+        self.model = model.to(self.device).eval()
         self._torch = torch
         self.tokens_scored = 0
 

@@ -62,7 +62,7 @@ def score_plans(scorer: Scorer, plans: list[Plan]) -> list[LLMFeedback | None]:
     for pl in plans:
         row = nlls[at : at + len(pl.prompts)]
         at += len(pl.prompts)
-        out.append(feedback(pl, row) if np.all(np.isfinite(row)) else None)
+        out.append(feedback(pl, [float(x) for x in row]) if np.all(np.isfinite(row)) else None)
     return out
 
 
