@@ -254,3 +254,28 @@ def test_the_service_scores_skips_and_dead_letters(topics_ready: Settings, score
         assert total(metrics.rejected, reason="bad_json") == 1
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_without_the_lm_extra_the_verb_is_one_line_and_exit_2() -> None:
+    from tests.test_extras import _run_without
+
+    code = "import sys; from pipeline.cli import main; sys.exit(main(['evaluator', '--bootstrap', '127.0.0.1:1']))"
+    done = _run_without({"transformers"}, code)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "causalmem evaluator: this needs transformers, from the 'lm' extra: pip install 'causal-memory-pipeline[lm]'"
+    )
+
+
+def test_a_missing_model_is_one_line_and_exit_2(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.cli import main
+
+    missing = tmp_path / "nowhere.gguf"
+    assert main(["evaluator", "--model", str(missing), "--bootstrap", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"causalmem evaluator: cannot load the model: model {missing} not found (a local model directory or .gguf file)"
+    ]
