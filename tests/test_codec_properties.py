@@ -415,3 +415,18 @@ def test_fast_path_takes_the_common_case() -> None:
     obj.pop("memory_texts")
     obj.pop("answer_text")  # texts (contract 1.1's answer too) take the full validator
     assert events._fast_retrieval_event(obj, LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None) is not None
+
+
+def test_the_contracts_feedback_examples_decode_with_the_effects_it_states() -> None:
+    """docs/contract.md §3: its LLMFeedback examples decode, and the 1.1 one has the effects it states."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "contract.md").read_text()
+    blocks = [orjson.loads(b) for b in re.findall(r"```json\n(.*?)```", text, flags=re.S) if "llm_feedback/v1" in b]
+    assert len(blocks) >= 2
+    decoded = [decode_llm_feedback(orjson.dumps(b), Limits(), key=b["query_id"].encode()) for b in blocks]
+    (with_slots,) = [fb for fb in decoded if fb.nll_without_slot]
+    assert with_slots.utility == pytest.approx(0.75)
+    effects = with_slots.slot_effects([12, 40]) or {}
+    assert effects[12] == pytest.approx(0.68) and effects[40] == pytest.approx(-0.07)
