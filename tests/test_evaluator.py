@@ -279,3 +279,28 @@ def test_a_missing_model_is_one_line_and_exit_2(tmp_path: Any, capsys: pytest.Ca
     assert err == [
         f"causalmem evaluator: cannot load the model: model {missing} not found (a local model directory or .gguf file)"
     ]
+
+
+def test_readiness_needs_partitions_and_the_exposition_is_the_evaluators() -> None:
+    from aiokafka import TopicPartition
+    from prometheus_client import generate_latest
+
+    from pipeline.cli.evaluator import watch_evaluator
+    from pipeline.probes import Probes
+
+    s = Settings()
+    metrics = Metrics(role="evaluator")
+    ev = Evaluator(s.evaluator(), "127.0.0.1:1", metrics, FakeScorer())
+    probes = Probes()
+    watch_evaluator(probes, metrics, ev)
+    probes.beat()
+    assert any("no input partitions" in p for p in probes.ready())
+    ev.on_assigned({TopicPartition(s.topics().retrieval_events.name, 0)})
+    probes.beat()
+    assert probes.ready() == []
+    text = generate_latest(metrics.registry).decode()
+    for name in ("evaluations_total", "skipped_total", "tokens_total", "batch_seconds_bucket", "partitions_owned"):
+        assert f"causalmem_evaluator_{name}" in text, name
+    assert 'causalmem_evaluator_skipped_total{reason="no_answer"} 0.0' in text
+    assert "causalmem_events_in_total" in text or "causalmem_events_in" in text
+    assert "causalmem_joins_total" not in text and "causalmem_learner_loss" not in text

@@ -98,7 +98,7 @@ def watch_evaluator(probes: Probes, metrics: Metrics, evaluator: Evaluator) -> N
     topic = evaluator.topics.retrieval_events.name
 
     def owns_partitions() -> str | None:
-        if total(metrics.partitions_owned, stage="evaluator") > 0:
+        if total(evaluator.own.partitions_owned) > 0:
             return None
         return "no input partitions assigned (rebalance pending, or more replicas than partitions)"
 

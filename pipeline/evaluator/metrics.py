@@ -10,13 +10,13 @@ They live on the registry of the process's :class:`~pipeline.metrics.Metrics` (r
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.evaluator.plan import SKIP_REASONS
 
 
 class EvaluatorMetrics:
-    """Evaluations, skips by reason, tokens scored and the time a batch takes."""
+    """Evaluations, skips by reason, tokens scored, partitions owned and the time a batch takes."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.evaluations = Counter(
@@ -42,6 +42,11 @@ class EvaluatorMetrics:
         )
         self.tokens = Counter(
             "causalmem_evaluator_tokens_total", "Tokens run through the model (prompt + answer)", registry=registry
+        )
+        self.partitions_owned = Gauge(
+            "causalmem_evaluator_partitions_owned",
+            "Partitions of retrieval-events this evaluator owns",
+            registry=registry,
         )
         self.batch_seconds = Histogram(
             "causalmem_evaluator_batch_seconds",

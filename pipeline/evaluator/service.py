@@ -253,7 +253,7 @@ class Evaluator(Service):
         self.metrics.consumer_lag.labels(topic=self.topics.retrieval_events.name).set(lag)
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        self.metrics.partitions_owned.labels(stage="evaluator").set(len(assigned))
+        self.own.partitions_owned.set(len(assigned))
         for tp in set(self.positions) - assigned:
             self.positions.pop(tp, None)
         log.info("evaluator: assigned partitions %s", sorted(tp.partition for tp in assigned))
