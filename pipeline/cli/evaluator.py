@@ -81,14 +81,18 @@ def run(args: argparse.Namespace) -> int:
         await evaluator.start()
         task = asyncio.create_task(evaluator.run())
         probes.vital("evaluation", task)
-        await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+        failed = task.done() and not stop.is_set()  # run() never returns on its own: it crashed
+        if failed:
+            print(f"causalmem evaluator: the scoring task ended: {task.exception()!r}", file=sys.stderr)
         print("evaluator: stopping", flush=True)
         await evaluator.stop()
-        for t in (task, heartbeat):
+        for t in (task, heartbeat, stopped):
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        return 0
+        return 1 if failed else 0
 
     return run_until_signal(main)
 
