@@ -304,3 +304,17 @@ def test_readiness_needs_partitions_and_the_exposition_is_the_evaluators() -> No
     assert 'causalmem_evaluator_skipped_total{reason="no_answer"} 0.0' in text
     assert "causalmem_events_in_total" in text or "causalmem_events_in" in text
     assert "causalmem_joins_total" not in text and "causalmem_learner_loss" not in text
+
+
+def test_the_benchs_text_events_are_scored_on_the_real_path() -> None:
+    from pipeline.lab.bench.evaluator import make_text_events, scoring_path
+
+    events = make_text_events(20)
+    assert all(isinstance(plan(e, 1.0), Plan) for e in events), "every generated event has what scoring needs"
+    assert len({e.query_text for e in events}) > 5 and all(len(e.selected) == 3 for e in events)
+    scorer = FakeScorer()
+    scorer.config = ScorerConfig()  # type: ignore[attr-defined]  # the bench sets its batch size
+    row = scoring_path(scorer, events, rate=1.0, batch=8)
+    assert row["events"] == 20 and row["prompts_per_event"] == 5.0
+    assert scorer.calls == [40, 40, 20], "8 events (5 prompts each) per scoring call"
+    assert row["evaluations_per_s"] > 0 and row["tokens_per_s"] > 0
