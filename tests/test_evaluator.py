@@ -178,6 +178,14 @@ def test_the_real_model_finds_the_answer_easier_with_its_supporting_fact(scorer:
     assert nll[0] + 1.0 < nll[1], f"a fictional fact in context must help: {nll}"
     assert nll[0] + 1.0 < nll[2]
     assert scorer.tokens_scored > 0
+    # the head computed only where answer tokens are predicted gives the full computation's NLL
+    assert scorer._keeps_logits
+    scorer._keeps_logits = False
+    try:
+        full = scorer.nll([with_fact, without, build_prompt(QUESTION, [])], [ANSWER] * 3)
+    finally:
+        scorer._keeps_logits = True
+    np.testing.assert_allclose(nll, full, rtol=1e-5)
 
 
 def test_loading_the_model_prints_no_progress_bar(capfd: pytest.CaptureFixture[str]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -119,6 +120,9 @@ class AnswerScorer:
             model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
         self.model = model.to(self.device).eval()
         self._torch = torch
+        # Models whose forward takes logits_to_keep (transformers' Llama family, SmolLM2's)
+        # compute the head only where the answer is scored.
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.tokens_scored = 0
 
     def _ids(self, texts: Sequence[str]) -> list[list[int]]:
@@ -160,12 +164,24 @@ class AnswerScorer:
         for i, s in enumerate(seqs):  # right padding: positions stay 0..n-1 for every row
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
+        # Token t is predicted at position t-1: only the positions that predict answer tokens
+        # need the vocabulary-wide head and softmax (a full [batch, width, vocab] tensor is
+        # ~400 MB for 16 prompts of 130 tokens, and grows with the context).
+        first = max(min(lo for lo, _ in spans), 1) - 1
+        last = max(hi for _, hi in spans) - 1
+        extra: dict[str, Any] = {}
+        if self._keeps_logits:
+            extra["logits_to_keep"] = torch.arange(first, last, device=self.device)
+        else:
+            first, last = 0, width - 1
         with torch.inference_mode():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
-            logp = torch.log_softmax(logits[:, :-1], dim=-1)
-            token_logp = logp.gather(2, ids[:, 1:].to(self.device).unsqueeze(-1)).squeeze(-1).cpu().numpy()
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
+            logits = logits[:, : last - first].float()
+            targets = ids[:, first + 1 : last + 1].to(self.device)
+            logp = torch.log_softmax(logits, dim=-1)
+            token_logp = logp.gather(2, targets.unsqueeze(-1)).squeeze(-1).cpu().numpy()
         out = np.empty(len(seqs))
         for i, (lo, hi) in enumerate(spans):
-            out[i] = -float(token_logp[i, max(lo, 1) - 1 : hi - 1].mean())  # token t is predicted at t-1
+            out[i] = -float(token_logp[i, max(lo, 1) - 1 - first : hi - 1 - first].mean())
             self.tokens_scored += len(seqs[i])
         return out
