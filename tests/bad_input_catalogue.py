@@ -45,7 +45,11 @@ def bad_messages(g: Gen) -> list[Msg]:
         F: ["schema", "event_id", "query_id", "step", "ts"],
         L: ["schema", "event_id", "query_id", "ts", "labeler", "kind"],
     }
-    string_fields = {R: ["query_text", "event_id", "policy"], F: ["event_id"], L: ["labeler", "event_id"]}
+    string_fields = {
+        R: ["query_text", "answer_text", "event_id", "policy"],
+        F: ["event_id"],
+        L: ["labeler", "event_id"],
+    }
 
     for topic, scale in ((R, 1.0), (F, 0.6), (L, 0.35)):
 
@@ -119,7 +123,7 @@ def bad_messages(g: Gen) -> list[Msg]:
 
         def oversize_string(b: dict, i: int, fields: list[str] = fields) -> dict:
             f = rng.choice(fields)
-            return set_path(b, f, "s" * (16 * 1024 + 1 + i if f == "query_text" else 257 + i))
+            return set_path(b, f, "s" * (16 * 1024 + 1 + i if f in ("query_text", "answer_text") else 257 + i))
 
         add(topic, "oversize_string", "oversize", n(40), oversize_string)
 
@@ -188,6 +192,8 @@ def bad_messages(g: Gen) -> list[Msg]:
 
     # -- per-topic categories: wrong types, out of range, inconsistencies, embedding length
     wrong_types_r = [
+        ("answer_text", 5),
+        ("answer_text", ["the answer"]),
         ("step", "3"),
         ("step", 1.5),
         ("step", True),
@@ -349,6 +355,37 @@ def bad_messages(g: Gen) -> list[Msg]:
         "inconsistent",
         60,
         lambda b, i: {**b, "nll_with": 1.0, "nll_without": 2.0, "utility": rng.choice([0.9, 1.1, -1.0, 0.0])},
+    )
+
+    # contract 1.1: nll_without_slot, the leave-one-out NLL per selected slot
+    def slots_without_pair_f(b: dict, i: int) -> dict:
+        b = {k: v for k, v in b.items() if k not in ("nll_with", "nll_without")}
+        return {**b, "utility": 0.5, "nll_without_slot": {"0": 1.0}}
+
+    add(F, "slots_without_pair", "inconsistent", 20, slots_without_pair_f)
+    add(
+        F,
+        "slots_wrong_type",
+        "wrong_type",
+        20,
+        lambda b, i: {
+            **b,
+            "nll_with": 1.0,
+            "nll_without": 2.0,
+            "nll_without_slot": rng.choice([[1.0], "x", 3, {"a": 1.0}, {"0": "1.0"}, {"0": True}]),
+        },
+    )
+    add(
+        F,
+        "slots_out_of_range",
+        "out_of_range",
+        20,
+        lambda b, i: {
+            **b,
+            "nll_with": 1.0,
+            "nll_without": 2.0,
+            "nll_without_slot": rng.choice([{str(s): 1.0}, {"-1": 1.0}, {"0": -0.5}]),
+        },
     )
 
     wrong_types_l = [

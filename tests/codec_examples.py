@@ -58,6 +58,7 @@ def retrieval_dict(**changes: Any) -> dict[str, Any]:
         "mask_max": 1.125,
         "query_text": "who wrote it?",
         "memory_texts": {"0": "alpha", "5": "beta"},
+        "answer_text": "alpha and beta",  # contract 1.1
         "dropped": [3],
         "candidate_masks": [1.0, 0.5, 0.25, 0.125],
         "candidate_probs": [0.4, 0.3, 0.2, 0.1],
@@ -76,6 +77,13 @@ def feedback_dict(**changes: Any) -> dict[str, Any]:
         "nll_with": 1.5,
         "nll_without": 2.25,
     }
+    d.update(changes)
+    return d
+
+
+def feedback_slots_dict(**changes: Any) -> dict[str, Any]:
+    """Contract 1.1: the NLL pair and the leave-one-out NLL of each selected slot (as the evaluator sends)."""
+    d = feedback_dict(nll_without_slot={"0": 2.0, "5": 1.5})
     d.update(changes)
     return d
 
@@ -125,7 +133,7 @@ def al_dict(**changes: Any) -> dict[str, Any]:
 
 def experience_dict(**changes: Any) -> dict[str, Any]:
     event = retrieval_dict()
-    del event["memory_texts"], event["query_text"]
+    del event["memory_texts"], event["query_text"], event["answer_text"]
     embedding = np.asarray(event["features"].pop("query_embedding"), dtype="<f4")
     d: dict[str, Any] = {
         "schema": "experience/v2",

@@ -28,6 +28,7 @@ from tests.codec_examples import (
 )
 from topics import events
 from topics.events import decode_retrieval_event
+from topics.feedback import decode_llm_feedback
 from topics.fields import NO_KEY_CHECK, REASONS, SCHEMA_RETRIEVAL, Limits, Rejected, encode
 
 # --------------------------------------------------------------------------- property tests
@@ -138,6 +139,8 @@ def valid_events(draw: st.DrawFn) -> dict[str, Any]:
         d["candidate_probs"] = draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
     if draw(st.booleans()):
         d["memory_texts"] = {str(s): draw(st.text(max_size=10)) for s in selected}
+    if draw(st.booleans()):
+        d["answer_text"] = draw(st.text(max_size=30))  # contract 1.1
     return d
 
 
@@ -151,8 +154,97 @@ def test_generated_valid_events_decode_and_round_trip(d: dict[str, Any]) -> None
     assert ev.logprob == d["logprob"] and ev.fallback is d["fallback"]
     np.testing.assert_array_equal(ev.scores, np.asarray(d["scores"], np.float64))
     np.testing.assert_array_equal(ev.features.query_embedding, np.asarray(d["features"]["query_embedding"], np.float32))
+    assert ev.answer_text == d.get("answer_text")
     again = decode_retrieval_event(encode(ev.to_dict()), LIMITS_PROP, key=ev.query_id)
     assert_same(ev, again)
+
+
+# --------------------------------------------------------------------------- contract 1.1: nll_without_slot
+
+nll = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)
+slot_nlls = st.dictionaries(st.integers(0, S_PROP - 1).map(str), nll, max_size=S_PROP)
+
+
+def _feedback(**changes: Any) -> dict[str, Any]:
+    return {
+        "schema": "llm_feedback/v1",
+        "event_id": "f1",
+        "query_id": "q1",
+        "step": 0,
+        "ts": 1_767_225_600.0,
+        **changes,
+    }
+
+
+@settings(max_examples=200, deadline=None)
+@given(nll, nll, slot_nlls)
+def test_valid_nll_without_slot_round_trips(nll_with: float, nll_without: float, per_slot: dict[str, float]) -> None:
+    d = _feedback(nll_with=nll_with, nll_without=nll_without, nll_without_slot=per_slot)
+    fb = decode_llm_feedback(orjson.dumps(d), LIMITS_PROP, key=b"q1")
+    assert fb.nll_without_slot == ({int(k): v for k, v in per_slot.items()} or None)
+    again = decode_llm_feedback(encode(fb.to_dict()), LIMITS_PROP, key=b"q1")
+    assert again.nll_without_slot == fb.nll_without_slot and again.utility == fb.utility
+    effects = fb.slot_effects(list(range(S_PROP)))
+    assert effects == ({int(k): v - nll_with for k, v in per_slot.items()} or None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([{}, {"utility": 0.5}, {"nll_with": 1.0}, {"nll_without": 1.0}]), slot_nlls.filter(bool))
+def test_nll_without_slot_without_the_nll_pair_is_inconsistent(rest: dict[str, Any], per_slot: dict[str, Any]) -> None:
+    d = _feedback(nll_without_slot=per_slot, **rest)
+    with pytest.raises(Rejected) as exc:
+        decode_llm_feedback(orjson.dumps(d), LIMITS_PROP)
+    assert exc.value.reason == "inconsistent"
+
+
+def _not_an_int(k: str) -> bool:
+    try:
+        int(k)
+    except ValueError:
+        return True
+    return False
+
+
+BAD_SLOT_KEYS = st.one_of(
+    st.text(min_size=1, max_size=5).filter(_not_an_int).map(lambda k: (k, "wrong_type")),
+    st.integers(S_PROP, 10**6).map(lambda k: (str(k), "out_of_range")),
+    st.integers(-(10**6), -1).map(lambda k: (str(k), "out_of_range")),
+)
+BAD_SLOT_VALUES = st.one_of(
+    st.floats(max_value=-1e-9, min_value=-1e6).map(lambda v: (v, "out_of_range")),
+    st.sampled_from([("1.0", "wrong_type"), (True, "wrong_type"), ([1.0], "wrong_type"), (None, "wrong_type")]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(BAD_SLOT_KEYS, slot_nlls)
+def test_a_bad_slot_key_is_rejected_with_its_reason(bad: tuple[str, str], rest: dict[str, float]) -> None:
+    key, reason = bad
+    d = _feedback(nll_with=1.0, nll_without=2.0, nll_without_slot={**rest, key: 1.0})
+    with pytest.raises(Rejected) as exc:
+        decode_llm_feedback(orjson.dumps(d), LIMITS_PROP)
+    assert exc.value.reason == reason, (key, exc.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(BAD_SLOT_VALUES, st.integers(0, S_PROP - 1))
+def test_a_bad_slot_nll_is_rejected_with_its_reason(bad: tuple[Any, str], slot: int) -> None:
+    value, reason = bad
+    d = _feedback(nll_with=1.0, nll_without=2.0, nll_without_slot={str(slot): value})
+    with pytest.raises(Rejected) as exc:
+        decode_llm_feedback(orjson.dumps(d), LIMITS_PROP)
+    assert exc.value.reason == reason, (value, exc.value)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400"])
+def test_a_non_finite_slot_nll_is_rejected(literal: bytes) -> None:
+    raw = orjson.dumps(_feedback(nll_with=1.0, nll_without=2.0, nll_without_slot={"1": 12345.5}))
+    raw = raw.replace(b"12345.5", literal)
+    with pytest.raises(Rejected) as exc:
+        decode_llm_feedback(raw, LIMITS_PROP)
+    assert exc.value.reason in ("non_finite", "bad_json"), exc.value  # NaN/Infinity are not JSON
+    if literal.endswith(b"e400"):
+        assert exc.value.reason == "non_finite"
 
 
 WRONG_FOR: dict[str, st.SearchStrategy[Any]] = {
@@ -321,4 +413,20 @@ def test_fast_path_never_accepts_what_the_full_validator_rejects(path: str, valu
 def test_fast_path_takes_the_common_case() -> None:
     obj = retrieval_dict()
     obj.pop("memory_texts")
+    obj.pop("answer_text")  # texts (contract 1.1's answer too) take the full validator
     assert events._fast_retrieval_event(obj, LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None) is not None
+
+
+def test_the_contracts_feedback_examples_decode_with_the_effects_it_states() -> None:
+    """docs/contract.md §3: its LLMFeedback examples decode, and the 1.1 one has the effects it states."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "contract.md").read_text()
+    blocks = [orjson.loads(b) for b in re.findall(r"```json\n(.*?)```", text, flags=re.S) if "llm_feedback/v1" in b]
+    assert len(blocks) >= 2
+    decoded = [decode_llm_feedback(orjson.dumps(b), Limits(), key=b["query_id"].encode()) for b in blocks]
+    (with_slots,) = [fb for fb in decoded if fb.nll_without_slot]
+    assert with_slots.utility == pytest.approx(0.75)
+    effects = with_slots.slot_effects([12, 40]) or {}
+    assert effects[12] == pytest.approx(0.68) and effects[40] == pytest.approx(-0.07)

@@ -33,6 +33,7 @@ ROLES = {
     "operator": "User:causalmem-operator",
     "worker": "User:causalmem-worker",
     "learner": "User:causalmem-learner",
+    "evaluator": "User:causalmem-evaluator",
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -90,7 +91,9 @@ def test_who_may_write_what(prefix: str) -> None:
     g = acls(prefix)
     t = Settings(topic_prefix=prefix).topics()
     r = ROLES
-    assert writers(g, t.retrieval_events.name) == writers(g, t.llm_feedback.name) == {r["service"]}
+    assert writers(g, t.retrieval_events.name) == {r["service"]}
+    # feedback: the services' own scoring, or causalmem evaluator's
+    assert writers(g, t.llm_feedback.name) == {r["service"], r["evaluator"]}
     assert writers(g, t.human_labels.name) == {r["labeler"]}
     assert writers(g, t.policy_checkpoints.name) == {r["learner"]}, "only the learner writes the model topic"
     # resets and rollbacks bypass the gate: operators, and the worker's drift stage
@@ -98,7 +101,7 @@ def test_who_may_write_what(prefix: str) -> None:
     assert writers(g, t.epoch.name) == {r["operator"]}
     for internal in (t.outcomes, t.experiences, t.active_learning, t.rating_pairs):
         assert writers(g, internal.name) == {r["worker"]}, internal.name
-    assert writers(g, t.dead_letter.name) == {r["worker"], r["learner"]}
+    assert writers(g, t.dead_letter.name) == {r["worker"], r["learner"], r["evaluator"]}
     # topics are created by operators (init-topics) only
     creators = {who for who, ops in g.items() if topics_with(ops, "Create")}
     assert creators == {r["operator"]}
@@ -128,6 +131,8 @@ def test_each_role_reads_what_it_needs_under_the_names_the_code_uses() -> None:
         "faust's changelog topics start with the app id"
     )
     assert groups("learner") == {("literal", learner_group(conn))}
+    assert reads("evaluator") == {t.retrieval_events.name, t.epoch.name}
+    assert groups("evaluator") == {("literal", s.evaluator().group_id)}
     assert groups("labeler") == {("prefixed", labeler_group(conn))}
     assert all(not topics_with(ops, "All") for who, ops in g.items()), "no role gets All on a product topic"
 
@@ -154,11 +159,16 @@ def test_compose_kafka_requires_sasl_scram_and_the_authorizer() -> None:
     assert shared["CAUSALMEM_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT"
     assert shared["CAUSALMEM_KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
     users = {}
-    for name in ("init-topics", "worker", "learner"):
+    for name in ("init-topics", "worker", "learner", "evaluator"):
         svc_env = services[name]["environment"]
         users[name] = svc_env["CAUSALMEM_KAFKA_SASL_USERNAME"]
         assert re.fullmatch(r"\$\{KAFKA_[A-Z]+_PASSWORD:\?[^}]+\}", svc_env["CAUSALMEM_KAFKA_SASL_PASSWORD"]), name
-    assert users == {"init-topics": "causalmem-operator", "worker": "causalmem-worker", "learner": "causalmem-learner"}
+    assert users == {
+        "init-topics": "causalmem-operator",
+        "worker": "causalmem-worker",
+        "learner": "causalmem-learner",
+        "evaluator": "causalmem-evaluator",
+    }
     assert services["init-topics"]["depends_on"]["kafka-setup"]["condition"] == "service_completed_successfully"
 
 
@@ -202,6 +212,7 @@ def test_k8s_replicates_every_topic_three_times() -> None:
 
 def test_k8s_each_role_reads_its_own_kafka_user_from_a_secret() -> None:
     expected = {"worker": "causalmem-kafka-worker", "learner": "causalmem-kafka-learner"}
+    expected["evaluator"] = "causalmem-kafka-evaluator"
     expected["init-topics"] = "causalmem-kafka-operator"
     seen = {}
     for doc in _k8s():

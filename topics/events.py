@@ -210,7 +210,7 @@ def _fast_retrieval_event(
             return None
         if dropped is not None and not _slot_list(dropped, limits):
             return None
-        extras: dict[str, Any] = {}
+        extras: dict[str, np.ndarray] = {}
         for name in ("candidate_masks", "candidate_probs"):
             if obj.get(name) is not None:
                 arr = _number_array(obj[name], n, 0.0, big)
@@ -237,7 +237,8 @@ def _fast_retrieval_event(
         query_text=text,
         memory_texts=None,
         dropped=dropped,
-        **extras,
+        candidate_masks=extras.get("candidate_masks"),
+        candidate_probs=extras.get("candidate_probs"),
     )
 
 

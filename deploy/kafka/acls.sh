@@ -16,6 +16,7 @@
 #              changelog topics (<prefix>causalmem-worker-*)
 #   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints
 #              dead-letter
+#   evaluator  llm-feedback, dead-letter                  retrieval-events
 #
 # Every role may describe every product topic and read the epoch topic: processes check
 # the topics at start, and the cluster watch reads the epoch marker (a topic a principal
@@ -28,7 +29,8 @@
 #   CAUSALMEM_TOPIC_PREFIX [""]    CAUSALMEM_POLICY [default]
 #   SERVICE_PRINCIPALS [User:causalmem-service]   LABELER_PRINCIPALS [User:labeler]
 #   OPERATOR_PRINCIPALS [User:causalmem-operator] WORKER_PRINCIPAL [User:causalmem-worker]
-#   LEARNER_PRINCIPAL [User:causalmem-learner]    (the *_PRINCIPALS lists are space-separated)
+#   LEARNER_PRINCIPAL [User:causalmem-learner]    EVALUATOR_PRINCIPAL [User:causalmem-evaluator]
+#   (the *_PRINCIPALS lists are space-separated)
 set -euo pipefail
 
 DRY_RUN=0
@@ -46,6 +48,7 @@ read -r -a LABELERS <<<"${LABELER_PRINCIPALS:-User:labeler}"
 read -r -a OPERATORS <<<"${OPERATOR_PRINCIPALS:-User:causalmem-operator}"
 WORKER="${WORKER_PRINCIPAL:-User:causalmem-worker}"
 LEARNER="${LEARNER_PRINCIPAL:-User:causalmem-learner}"
+EVALUATOR="${EVALUATOR_PRINCIPAL:-User:causalmem-evaluator}"
 
 # The product's topics (topics/names.py), under the prefix.
 TOPICS=(retrieval-events llm-feedback human-labels active-learning policy-checkpoints dead-letter
@@ -78,7 +81,7 @@ topics() {
     allow "$1" topic literal "${names[*]}" "${@:3}"
 }
 
-EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER"
+EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER $EVALUATOR"
 topics "$EVERYONE" "${TOPICS[*]}" Describe
 topics "$EVERYONE" epoch Read
 
@@ -104,3 +107,8 @@ allow "$WORKER" topic prefixed "${P}causalmem-worker" All
 topics "$LEARNER" "experiences control policy-checkpoints" Read
 topics "$LEARNER" "policy-checkpoints dead-letter" Write
 allow "$LEARNER" group literal "${P}causalmem-learner-${POLICY}" Read
+
+# causalmem evaluator: scores retrieval events, answers with LLM feedback
+topics "$EVALUATOR" retrieval-events Read
+topics "$EVALUATOR" "llm-feedback dead-letter" Write
+allow "$EVALUATOR" group literal "${P}causalmem-evaluator" Read

