@@ -29,6 +29,8 @@ LAST_LAYER = ("out.weight", "out.bias")
 INITIAL_ALPHA = 0.5
 LAYER_NORM_EPS = 1e-5
 
+SUPPRESSED_BIAS = -30.0  # a suppressed memory's output bias: its mask is softplus(-30) ≈ 1e-13
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -90,6 +92,23 @@ class PolicyNetwork(nn.Module):
         w = F.embedding(slots, self.out.weight)  # [B, C, H]
         b = self.out.bias.gather(0, slots.reshape(-1)).reshape(slots.shape)  # [B, C]
         return F.softplus(torch.einsum("bh,bch->bc", h, w) + b)
+
+    def suppress(self, slots: list[int], bias: float = SUPPRESSED_BIAS) -> None:
+        """Pin the masks of ``slots`` near 0 ("do not use"): a zero row and a very negative bias.
+
+        ``softplus(−30) ≈ 1e−13``, below any dynamic drop threshold, and its gradient is as
+        small, so later REINFORCE updates leave it there.
+
+        >>> net = PolicyNetwork(embedding_dim=2, slots=3, hidden=4)
+        >>> net.suppress([1])
+        >>> m = net.candidate_masks(torch.ones(1, 4), torch.tensor([[0, 1, 2]]))
+        >>> float(m[0, 1]) < 1e-12
+        True
+        """
+        idx = torch.tensor(sorted(set(slots)), dtype=torch.long)
+        with torch.no_grad():
+            self.out.weight[idx] = 0.0
+            self.out.bias[idx] = bias
 
     def reset_last_layer(self, generator: torch.Generator | None = None) -> None:
         """Re-initialise ``out`` (drift reset, seed 000 §4.3 level 3); keep everything else."""

@@ -69,7 +69,7 @@ SCHEMA_EPOCH = "epoch/v1"
 
 LABEL_KINDS = ("rating", "verdict", "memory_choice")
 # "cutover" (contract 1.2): the learner's answer to shadow mode's cut-over command.
-CHECKPOINT_REASONS = ("init", "periodic", "reset", "label", "shutdown", "rollback", "cutover")
+CHECKPOINT_REASONS = ("init", "periodic", "reset", "label", "shutdown", "rollback", "cutover", "suppress")
 
 
 class Rejected(ValueError):

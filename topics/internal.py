@@ -318,7 +318,11 @@ def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> R
 
 # ``cutover`` (contract 1.2): shadow mode's cut-over; the learner answers with a checkpoint of that reason.
 CUTOVER_COMMAND = "cutover"
-CONTROL_COMMANDS = ("reset", "rollback", CUTOVER_COMMAND)
+# ``suppress`` (contract 1.2): a labeler's "do not use" for memories; the learner turns it into a
+# strong negative (the slots' masks pinned near 0, so the hard drop removes them) and publishes
+# a checkpoint of that reason.
+SUPPRESS_COMMAND = "suppress"
+CONTROL_COMMANDS = ("reset", "rollback", CUTOVER_COMMAND, SUPPRESS_COMMAND)
 
 
 @dataclass(slots=True)
@@ -339,10 +343,14 @@ def _check_details(command: str, details: Fields) -> None:
     """The ``details`` each command reads, checked here so that a bad one never reaches the learner.
 
     ``rollback`` needs ``to_version`` (an integer ≥ 1); ``reset`` may carry ``since_ts``
-    (a finite time, seconds since the epoch). Other keys are informational.
+    (a finite time, seconds since the epoch); ``suppress`` needs ``slots`` (a non-empty list of
+    slots). Other keys are informational.
     """
     if command == "rollback":
         details.int_("to_version", 1)
+    elif command == SUPPRESS_COMMAND:
+        if not details.slots_("slots"):
+            raise Rejected("inconsistent", "suppress needs at least one slot")
     elif command == "reset":
         details.float_("since_ts", 0.0, 1e11, required=False)
 

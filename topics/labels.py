@@ -31,6 +31,10 @@ from topics.fields import (
     open_value,
 )
 
+# A memory_choice label whose sample_id has this prefix is a labeler's "do not use" for the
+# memories in ``harmful_memories`` (contract 1.2), not an answer to a queued sample.
+DO_NOT_USE_PREFIX = "do-not-use:"
+
 
 @dataclass(slots=True)
 class HumanLabel(WireValue):

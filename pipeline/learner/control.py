@@ -1,4 +1,5 @@
-"""Commands on the ``control`` topic: drift reset, rollback and shadow mode's cut-over (docs/operations.md).
+"""Commands on the ``control`` topic: drift reset, rollback, shadow mode's cut-over and "do not
+use" (``suppress``) (docs/operations.md).
 
 Commands apply between micro-batches, in offset order with the experiences. The codec
 (``topics.internal.decode_control``) checks each command's ``details``; a message it
@@ -26,7 +27,7 @@ from pipeline.learner.restore import find_version
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from topics.fields import Rejected
-from topics.internal import CUTOVER_COMMAND, decode_control
+from topics.internal import CUTOVER_COMMAND, SUPPRESS_COMMAND, decode_control
 from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class ControlCommands:
                 await self.rollback(int(ctl.details["to_version"]), ctl.reason)
             elif ctl.command == CUTOVER_COMMAND:
                 await self.cutover(ctl.reason, ctl.details)
+            elif ctl.command == SUPPRESS_COMMAND:
+                await self.suppress([int(s) for s in ctl.details["slots"]], ctl.reason)
         except (ValueError, TypeError, KeyError) as exc:
             # The codec checks details; a command it let through and that still cannot be
             # carried out is dead-lettered, and its offset passed like any other.
@@ -99,6 +102,20 @@ class ControlCommands:
                 self.trainer.load(tensors, self.trainer.baseline.state())
         self.dirty = True
         await self.publish(CUTOVER_COMMAND, extra={"cutover_reason": reason, "cutover": details})
+
+    async def suppress(self, slots: list[int], reason: str = "") -> None:
+        """A labeler's "do not use": pin these memories' masks near 0 and serve that at once.
+
+        The set is kept in the checkpoints' metrics and applied again after a drift reset,
+        which re-initialises the last layer.
+        """
+        await self._apply_pending(force=True)
+        self.progress.suppressed = sorted(set(self.progress.suppressed) | set(slots))
+        self.trainer.net.suppress(slots)
+        self.dirty = True
+        now = sorted(set(slots))
+        await self.publish(SUPPRESS_COMMAND, extra={"suppress_reason": reason, "suppressed_now": now})
+        log.warning("learner: memories %s suppressed (%s), now serving as v%d", now, reason, self.version)
 
     async def rollback(self, version: int, reason: str = "") -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
@@ -139,6 +156,8 @@ class ControlCommands:
             batch_size=self.config.batch_size,
             half_life_s=self.config.warmup_half_life_s,
         )
+        if self.progress.suppressed:  # the fresh last layer must not bring them back
+            self.trainer.net.suppress(self.progress.suppressed)
         self.progress.resets += 1
         self.metrics.resets.inc()
         log.warning(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover")  # reasons whose checkpoints skip the gate
+SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress")  # reasons whose checkpoints skip the gate
 
 
 def label_rule(decision: str) -> bool:
@@ -60,16 +60,21 @@ class Progress:
     """The learner's counters that checkpoints carry (besides the trainer's own).
 
     >>> Progress.from_metrics({"labels_applied_total": 5, "resets": 1})
-    Progress(labels_since_checkpoint=0, labels_total=5, resets=1)
+    Progress(labels_since_checkpoint=0, labels_total=5, resets=1, suppressed=[])
     """
 
     labels_since_checkpoint: int = 0
     labels_total: int = 0
     resets: int = 0
+    suppressed: list[int] = field(default_factory=list)  # memories marked "do not use"
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, Any]) -> Progress:
-        return cls(labels_total=int(metrics.get("labels_applied_total", 0)), resets=int(metrics.get("resets", 0)))
+        return cls(
+            labels_total=int(metrics.get("labels_applied_total", 0)),
+            resets=int(metrics.get("resets", 0)),
+            suppressed=[int(s) for s in metrics.get("suppressed") or []],
+        )
 
 
 def manifest_metrics(
@@ -86,6 +91,7 @@ def manifest_metrics(
         "labels_applied": progress.labels_since_checkpoint,
         "labels_applied_total": progress.labels_total,
         "resets": progress.resets,
+        "suppressed": progress.suppressed,
         "baseline_state": trainer.baseline.state(),
         "lr": trainer.config.lr,
         "batch_size": batch_size,

@@ -4,9 +4,10 @@
 names the memory in ``harmful_memories``, with the sample id ``do-not-use:<slot>`` (one
 per memory and labeler: marking twice is one label, and no queued sample's answer is
 taken) and the query id and step of the newest retrieval step that read or dropped the
-memory, for the learner to turn into a strong negative for that slot (the worker's labels
-stage does not pass it on yet: docs/ui.md). Removing a memory from the bank needs a
-lifecycle topic, which the contract does not have yet; the page says so.
+memory. The worker's labels stage passes it to the learner as a ``suppress`` command, and
+the learner pins the memory's mask near 0 (a strong negative: the hard drop removes it).
+Removing a memory from the bank needs a lifecycle topic, which the contract does not have
+yet; the page says so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from starlette.routing import Route
 from pipeline.labeling.queue import label_event_id
 from pipeline.ui.memories import MemoryView
 from pipeline.ui.web import error_page, guarded, render, state
-from topics.labels import HumanLabel
+from topics.labels import DO_NOT_USE_PREFIX, HumanLabel
 
 
 def do_not_use_id(slot: int) -> str:
@@ -30,7 +31,7 @@ def do_not_use_id(slot: int) -> str:
     >>> do_not_use_id(17)
     'do-not-use:17'
     """
-    return f"do-not-use:{slot}"
+    return f"{DO_NOT_USE_PREFIX}{slot}"
 
 
 def do_not_use_label(view: MemoryView, slot: int, labeler: str, ts: float) -> HumanLabel | None:

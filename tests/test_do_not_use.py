@@ -1,0 +1,112 @@
+"""A labeler's "do not use" (issue 17): the label becomes a ``suppress`` command, and the
+learner pins the memory's mask near 0 and serves that at once, through drift resets too."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from aiokafka import AIOKafkaProducer
+
+from models.trainer import PolicyTrainer, TrainerConfig
+from pipeline.client.subscriber import PolicySubscriber
+from pipeline.config import Settings
+from pipeline.learner.loop import Learner
+from pipeline.metrics import Metrics
+from pipeline.worker.labels import LabelsStage
+from pipeline.worker.outcomes import OutcomesStage
+from pipeline.worker.tables import Outputs, Tables
+from tests.helpers import experience, label
+from topics.fields import Limits, Rejected, encode
+from topics.internal import SUPPRESS_COMMAND, Control, Experience, decode_control
+from topics.labels import DO_NOT_USE_PREFIX
+
+S = Settings(embedding_dim=8, slots=16, hidden=16)
+
+
+class _Topic:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, **kwargs: Any) -> asyncio.Future[None]:
+        self.sent.append(kwargs)
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ack.set_result(None)
+        return ack
+
+
+def test_suppress_needs_slots() -> None:
+    ok = encode({"schema": "control/v1", "command": "suppress", "ts": 1.0, "details": {"slots": [3]}})
+    assert decode_control(ok, Limits()).details["slots"] == [3]
+    for details in ({}, {"slots": []}, {"slots": ["x"]}, {"slots": [10**6]}):
+        bad = encode({"schema": "control/v1", "command": "suppress", "ts": 1.0, "details": details})
+        with pytest.raises(Rejected):
+            decode_control(bad, Limits())
+
+
+async def test_a_do_not_use_label_becomes_a_suppress_command() -> None:
+    tables = Tables(**{name: {} for name in Tables.__dataclass_fields__})
+    outputs = Outputs(**{name: _Topic() for name in Outputs.__dataclass_fields__})
+    metrics = Metrics()
+    outcomes = OutcomesStage(tables, outputs, metrics, S.limits())
+    stage = LabelsStage(tables, outputs, metrics, outcomes, S.topics(), S.limits())
+    mark = label(
+        "q1",
+        "memory_choice",
+        sample_id=f"{DO_NOT_USE_PREFIX}5",
+        correct_memories=[],
+        harmful_memories=[5],
+        step=0,
+    )
+    await stage.on_label(mark)
+    await stage.on_label(mark)  # marking twice is one command
+    sent = outputs.control.sent  # type: ignore[attr-defined]
+    assert len(sent) == 1
+    ctl = decode_control(sent[0]["value"], S.limits())
+    assert (ctl.command, ctl.details["slots"], ctl.id) == (SUPPRESS_COMMAND, [5], mark.event_id)
+    assert outputs.experiences.sent == []  # type: ignore[attr-defined]
+
+
+def test_a_suppressed_memory_stays_dropped_under_reinforce() -> None:
+    t = PolicyTrainer(TrainerConfig(embedding_dim=8, slots=16, hidden=16, lr=1e-2))
+    t.net.suppress([2])
+    for i in range(20):  # rewards for reading it do not bring it back
+        ev = experience(S, i).event
+        ev.candidates, ev.selected, ev.scores = [1, 2, 3], [2], np.array([0.9, 0.8, 0.7])
+        t.update([Experience(f"e{i}", "feedback", ev, utility=2.0)])
+    h = t.net.features(torch.ones(1, 8), torch.zeros(1), torch.zeros(1))
+    m = t.net.candidate_masks(h, torch.tensor([[1, 2, 3]]))[0].detach()
+    assert float(m[1]) < 1e-6 < float(m[0])
+
+
+@pytest.mark.broker
+async def test_the_learner_serves_a_suppression_at_once_and_keeps_it_after_a_reset(topics_ready: Settings) -> None:
+    s = topics_ready.replace(gate=True, checkpoint_interval_s=0.3)
+    learner = Learner(s.learner(), s.bootstrap, Metrics())
+    sub = PolicySubscriber(s.bootstrap, s.policy, s)
+    producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap)
+    async with sub:
+        await learner.start()
+        task = asyncio.create_task(learner.run())
+        await producer.start()
+        try:
+            first = await sub.wait_for_policy(1, timeout=30)
+            ctl = Control(command=SUPPRESS_COMMAND, ts=1.0, reason="do not use (ann)", details={"slots": [4]}, id="l1")
+            await producer.send_and_wait(s.topics().control.name, encode(ctl.to_dict()), partition=0)
+            # The gate is on, and the suppression is served anyway, at once.
+            served = await sub.wait_for_policy(first.version + 1, timeout=30)
+            assert served.manifest.reason == SUPPRESS_COMMAND
+            assert served.manifest.metrics["suppressed"] == [4]
+            assert float(served.net.out.bias[4]) < -20
+            await learner.reset("test")
+            assert float(learner.trainer.net.out.bias[4]) < -20  # a fresh last layer keeps it suppressed
+        finally:
+            await producer.stop()
+            await learner.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
