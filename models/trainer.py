@@ -29,8 +29,8 @@ import torch
 
 from models.baseline import make_baseline
 from models.policy import PolicyNetwork, init_policy
-from models.reinforce import importance_weights, label_loss, reinforce_loss
-from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
+from models.reinforce import credit_loss, importance_weights, label_loss, reinforce_loss
+from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
 from topics.internal import Experience
 
 
@@ -79,6 +79,8 @@ class Batch:
     temperature: torch.Tensor  # [B]
     logged_logprob: torch.Tensor  # [B]
     utility: np.ndarray  # [B] float64
+    effect: np.ndarray  # [B, K] float64: each selected memory's measured effect (per-memory credit)
+    has_effect: np.ndarray  # [B, K] bool: positions whose memory has an effect
     target: torch.Tensor | None = None  # [B, C] bool: labelled slots (label batches)
 
 
@@ -91,6 +93,8 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
     scores = np.zeros((b, c), np.float32)
     selected = np.zeros((b, k), np.int64)
     selected_valid = np.zeros((b, k), bool)
+    effect = np.zeros((b, k), np.float64)
+    has_effect = np.zeros((b, k), bool)
     target = np.zeros((b, c), bool) if with_target else None
     for i, e in enumerate(experiences):
         ev = e.event
@@ -102,6 +106,11 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
         sel = [pos[s] for s in ev.selected]
         selected[i, : len(sel)] = sel
         selected_valid[i, : len(sel)] = True
+        if e.slot_effects:
+            for j, s in enumerate(ev.selected):
+                if s in e.slot_effects and math.isfinite(e.slot_effects[s]):
+                    effect[i, j] = e.slot_effects[s]
+                    has_effect[i, j] = True
         if target is not None and e.correct_memories:
             for s in e.correct_memories:
                 if s in pos:
@@ -126,6 +135,8 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
         temperature=t(np.array([e.event.temperature for e in experiences], np.float32)),
         logged_logprob=t(np.array([e.event.logprob for e in experiences], np.float32)),
         utility=np.array([e.utility for e in experiences], np.float64),
+        effect=effect,
+        has_effect=has_effect,
         target=t(target) if target is not None else None,
     )
 
@@ -138,6 +149,7 @@ class UpdateStats:
     grad_norm: float = 0.0
     weights: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
+    credited: int = 0  # selected memories that had their own effect (per-memory credit)
 
 
 class PolicyTrainer:
@@ -171,15 +183,28 @@ class PolicyTrainer:
         # A = u − b for each experience in order, b updated after each (docs/learning.md).
         pairs = zip(batch.utility, experiences, strict=True)
         adv = np.array([self.baseline.advantage(u, e.event.features.query_embedding) for u, e in pairs], np.float32)
+        if not np.isfinite(adv).all():
+            # Caught here, not by the loss: per-memory credit may not use the step's
+            # advantage at all, and a non-finite utility would still poison the baseline.
+            self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, before)
+            stats.skipped_non_finite = 1
+            self.experiences += len(experiences)
+            return stats
         net = self.net
         h = net.features(batch.embedding, batch.loss, batch.entropy)
         m = net.candidate_masks(h, batch.slots)
         z = adjusted_logits_torch(batch.scores, m, net.alpha, batch.temperature)
-        logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
+        terms, dists = plackett_luce_terms_torch(z, batch.valid, batch.selected, batch.selected_valid)
+        logp = terms.sum(dim=1)
         w = importance_weights(logp, batch.logged_logprob, self.config.importance_clip)
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
-        loss = reinforce_loss(logp, torch.from_numpy(adv).to(self.device), w)
+        step_adv = torch.from_numpy(adv).to(self.device)
+        if batch.has_effect.any():
+            loss = self._credit_loss(batch, terms, dists, step_adv, w)
+            stats.credited = int(batch.has_effect.sum())
+        else:
+            loss = reinforce_loss(logp, step_adv, w)
         stats.weights = w.tolist()
         stats.advantages = adv.tolist()
         self.experiences += len(experiences)
@@ -192,6 +217,26 @@ class PolicyTrainer:
         stats.applied = len(experiences)
         self.updates += 1
         return stats
+
+    def _credit_loss(
+        self, batch: Batch, terms: torch.Tensor, dists: torch.Tensor, step_adv: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated."""
+        slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
+        loss = credit_loss(
+            terms,
+            dists,
+            batch.selected,
+            step_adv,
+            torch.from_numpy(batch.effect.astype(np.float32)).to(self.device),
+            torch.from_numpy(batch.has_effect).to(self.device),
+            torch.from_numpy(slot_base.astype(np.float32)).to(self.device),
+            w,
+        )
+        sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), batch.selected.cpu().numpy(), axis=1)
+        for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
+            self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]))
+        return loss
 
     def _step(
         self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], stats: UpdateStats

@@ -30,6 +30,7 @@ from models.serving_rule import (
     keep_dynamic,
     keep_fixed,
     plackett_luce_logprob,
+    revive_dropped,
     sample_plackett_luce,
 )
 from pipeline.client.subscriber import LoadedPolicy
@@ -76,6 +77,8 @@ class CausalRetriever:
 
     ``drop``: ``"dynamic"`` (m_i < 0.01·max m, the contract), a float for a fixed
     threshold, or ``"none"`` (soft intervention only: re-rank, never drop).
+    ``explore_revive``: on an exploratory request (``explore_rate``), each dropped
+    candidate is kept anyway with this probability (0 turns it off).
 
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
     :class:`~pipeline.config.Connection` or ``Settings``), when given, also checks the
@@ -96,6 +99,7 @@ class CausalRetriever:
         explore_rate: float = 0.0,
         explore_temperature: float = 0.25,
         conn: Connection | Settings | None = None,
+        explore_revive: float = 0.1,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.conn = Connection.of(conn) if conn is not None else None
@@ -127,6 +131,9 @@ class CausalRetriever:
         # what it picks and learns nothing more; these requests keep the gradient alive.
         self.explore_rate = explore_rate
         self.explore_temperature = explore_temperature
+        # Exploratory requests also give each dropped candidate this chance back, so a
+        # dropped memory can be read, and relearnt, again (docs/contract.md §6, step 3b).
+        self.explore_revive = explore_revive
 
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """Swap the policy in (use as PolicySubscriber's ``on_update``)."""
@@ -170,11 +177,13 @@ class CausalRetriever:
             keep = np.isfinite(masks)
         else:
             keep = keep_fixed(masks, float(self.drop))
+        explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
+        temperature = self.explore_temperature if explore else self.temperature
+        if explore and self.explore_revive > 0:
+            keep = revive_dropped(keep, self.explore_revive, self.rng) & np.isfinite(masks)
         kept, kept_scores, kept_masks = slots[keep], scores[keep], masks[keep]
         alpha = self.policy.alpha if self.policy is not None else 0.0
         version = self.policy.version if self.policy is not None else 0
-        explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
-        temperature = self.explore_temperature if explore else self.temperature
         if len(kept) == 0:
             fb = self.fallback(query_text, q, self.k) if self.fallback is not None else []
             selected, logprob, probs = [int(s) for s in fb][: self.k], 0.0, None

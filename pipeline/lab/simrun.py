@@ -290,7 +290,7 @@ async def run_scenario(
                         else:
                             res = serve(retriever, st)
                             selected, event = res.slots, res.event
-                        true_u, nll_with, nll_without = env.feedback(q.intent, selected)
+                        true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, selected)
                         u = nll_without - nll_with
                         q.utilities.append(u)
                         if dmem is not None:
@@ -307,6 +307,7 @@ async def run_scenario(
                                 u,
                                 nll_with=nll_with,
                                 nll_without=nll_without,
+                                nll_without_slot=nll_without_slot,
                             )
                         )
                         published["retrieval-events"] += 1
