@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from models.baseline import make_baseline
+from models.memory_stats import MemoryStats
 from models.policy import PolicyNetwork, init_policy
 from models.reinforce import credit_loss, importance_weights, label_loss, reinforce_loss
 from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
@@ -168,6 +169,9 @@ class PolicyTrainer:
         self.updates = 0
         self.experiences = 0
         self.labels_applied = 0
+        # Reads and measured effects per memory, for operators; restart empty with the
+        # process and at a drift reset (docs/learning.md).
+        self.memory_stats = MemoryStats(c.slots)
 
     # ------------------------------------------------------------------ REINFORCE
     def update(self, experiences: Sequence[Experience], sample_weights: np.ndarray | None = None) -> UpdateStats:
@@ -216,6 +220,8 @@ class PolicyTrainer:
 
         stats.applied = len(experiences)
         self.updates += 1
+        for e in experiences:
+            self.memory_stats.update(e.event.selected, e.slot_effects)
         return stats
 
     def _credit_loss(
@@ -318,6 +324,10 @@ class PolicyTrainer:
                 s = self.update(feedback[i : i + batch_size], weights[i : i + batch_size])
                 total.applied += s.applied
                 total.skipped_non_finite += s.skipped_non_finite
+        # What operators see restarts with the world: the warm-up material, counted once.
+        self.memory_stats = MemoryStats(self.config.slots)
+        for e in feedback:
+            self.memory_stats.update(e.event.selected, e.slot_effects)
         labels = [e for e in replay if e.kind == "label"]
         if labels:
             self.fine_tune(labels)

@@ -46,6 +46,8 @@ class RunSpec:
     rate: float = 120.0  # retrieval steps per wall-clock second
     checkpoint_interval: float = 2.0
     max_learner_lag: int = 256  # experiences; the agent waits while the learner is further behind
+    attribution_rate: float | None = None  # the scenario's share of steps with per-memory credit (None: as is)
+    explore_revive: float = 0.1  # CausalRetriever's chance of reviving a dropped candidate when exploring
 
     pipeline_env: dict[str, str] = field(default_factory=dict)  # extra CAUSALMEM_* for worker and learner
 
@@ -167,6 +169,8 @@ async def run_scenario(
     from topics.labels import HumanLabel
 
     t_start = time.monotonic()
+    if spec.attribution_rate is not None:
+        scenario = scenario.replace(attribution_rate=spec.attribution_rate)
     logdir.mkdir(parents=True, exist_ok=True)
     prefix = prefix if prefix is not None else f"run-{uuid.uuid4().hex[:6]}."
     env_vars = pipeline_env(scenario, spec, prefix, logdir / "state")
@@ -188,6 +192,7 @@ async def run_scenario(
         seed=scenario.seed,
         explore_rate=scenario.explore_rate if spec.explore and spec.use_policy else 0.0,
         explore_temperature=scenario.explore_temperature,
+        explore_revive=spec.explore_revive,
     )
     dmem = DMem() if spec.dmem else None
     tally = Tally()

@@ -39,6 +39,15 @@ ROWS: dict[str, RunSpec] = {
         "causal, dynamic, without the baseline", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_BASELINE": "none"}
     ),
     "gated": RunSpec("causal, dynamic, promotion gate (shipped default)", labels=False),
+    "credit": RunSpec(
+        "causal, dynamic, per-memory credit on every step", labels=False, attribution_rate=1.0, pipeline_env=NO_GATE
+    ),
+    "credit25": RunSpec(
+        "causal, dynamic, per-memory credit on 25% of steps", labels=False, attribution_rate=0.25, pipeline_env=NO_GATE
+    ),
+    "norevive": RunSpec(
+        "causal, dynamic, dropped candidates never revived", labels=False, explore_revive=0.0, pipeline_env=NO_GATE
+    ),
     "hot": RunSpec(
         "causal, lr 3e-2 (too high), no gate", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_LR": "0.03"}
     ),
@@ -47,6 +56,15 @@ ROWS: dict[str, RunSpec] = {
 DRIFT_ROWS: dict[str, RunSpec] = {
     "reset": RunSpec("drift, with reset", labels=False, pipeline_env=NO_GATE),
     "noreset": RunSpec("drift, without reset", labels=False, reset=False, pipeline_env=NO_GATE),
+    "reset_norevive": RunSpec(
+        "drift, with reset, dropped candidates never revived", labels=False, explore_revive=0.0, pipeline_env=NO_GATE
+    ),
+    "reset_credit": RunSpec(
+        "drift, with reset, per-memory credit on 25% of steps",
+        labels=False,
+        attribution_rate=0.25,
+        pipeline_env=NO_GATE,
+    ),
 }
 QUICK_ROWS = ("similarity", "dynamic")
 
