@@ -112,14 +112,27 @@ async def _wait(pred: Any, timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-async def _wait_for_learner(learner: Any, max_lag: int, timeout: float = 30.0) -> float:
-    """Sleep while the learner's input lag exceeds ``max_lag``; return the seconds waited."""
+async def _wait_for_learner(
+    learner: Any, max_lag: int, sub: Any = None, max_versions: int = 2, timeout: float = 30.0
+) -> float:
+    """Sleep while the learner's input lag exceeds ``max_lag`` experiences, or while the
+    agent's subscriber is more than ``max_versions`` serving checkpoints behind the
+    learner's newest; return the seconds waited.
+
+    The subscriber loads every serving checkpoint in turn, in the agent's own event loop:
+    on a loaded machine it fell further and further behind (measured: serving v147 when the
+    learner had published v232, days of event time), and the figures then described a
+    stale policy, not the learning rule.
+    """
     from pipeline.promtext import metric
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         values = await asyncio.to_thread(learner.metrics)
-        if metric(values, "causalmem_consumer_lag_messages") <= max_lag:
+        behind = 0.0
+        if sub is not None and sub.current is not None:
+            behind = metric(values, "causalmem_checkpoint_version", role="serving") - sub.current.version
+        if metric(values, "causalmem_consumer_lag_messages") <= max_lag and behind <= max_versions:
             break
         await asyncio.sleep(0.1)
     return time.monotonic() - t0
@@ -345,7 +358,9 @@ async def run_scenario(
                         # Backpressure: a learner that falls behind would serve an ever older
                         # policy, and what is measured would be the machine's load, not the
                         # learning rule. Wait (bounded) until it has caught up.
-                        waited = await _wait_for_learner(learner, spec.max_learner_lag)
+                        waited = await _wait_for_learner(
+                            learner, spec.max_learner_lag, sub if spec.use_policy else None
+                        )
                         wall0 += waited
 
                 progress.update(task, completed=total)
