@@ -61,6 +61,7 @@ class TrainerConfig:
     baseline: str = "moving"  # moving | cluster | none
     baseline_fading: float = 0.01
     label_lr: float = 1e-2
+    reset_scope: str = "network"  # a drift reset re-initialises: network | last_layer
     device: str = "cpu"
     seed: int = 0
 
@@ -286,6 +287,30 @@ class PolicyTrainer:
         return stats
 
     # ------------------------------------------------------------------ drift reset
+    def reset(
+        self,
+        replay: Sequence[Experience],
+        epochs: int = 2,
+        batch_size: int = 32,
+        half_life_s: float | None = 86400.0,
+    ) -> UpdateStats:
+        """The drift reset: re-initialise the policy as ``config.reset_scope`` says, then warm up.
+
+        ``"network"`` (the default) re-initialises every layer and both optimizers: the
+        hidden layer trained on the old world slows relearning down even under a fresh
+        last layer (measured in docs/learning.md, "Drift reset"). ``"last_layer"`` is
+        :meth:`reset_last_layer` (the seed's design).
+        """
+        if self.config.reset_scope == "last_layer":
+            return self.reset_last_layer(replay, epochs, batch_size, half_life_s)
+        if self.config.reset_scope != "network":
+            raise ValueError(f"unknown reset_scope {self.config.reset_scope!r} (network, last_layer)")
+        c = self.config
+        self.net = init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed + 1000 + self.updates).to(c.device)
+        self.optimizer = adam(self.net.parameters(), c.lr)
+        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], c.label_lr)
+        return self._warm_up(replay, epochs, batch_size, half_life_s)
+
     def reset_last_layer(
         self,
         replay: Sequence[Experience],
@@ -293,7 +318,18 @@ class PolicyTrainer:
         batch_size: int = 32,
         half_life_s: float | None = 86400.0,
     ) -> UpdateStats:
-        """Re-initialise ``out``, clear its optimizer state, re-estimate b, warm up on replay.
+        """Re-initialise ``out``, clear its optimizer state, then warm up (:meth:`_warm_up`)."""
+        gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
+        self.net.reset_last_layer(gen)
+        for p in (self.net.out.weight, self.net.out.bias):
+            self.optimizer.state.pop(p, None)
+            self.label_optimizer.state.pop(p, None)
+        return self._warm_up(replay, epochs, batch_size, half_life_s)
+
+    def _warm_up(
+        self, replay: Sequence[Experience], epochs: int, batch_size: int, half_life_s: float | None
+    ) -> UpdateStats:
+        """Re-estimate b and warm up on replay.
 
         The baseline restarts: the warm-up replays the kept experiences in event-time
         order with a fresh moving baseline, which ends at the level of the most recent
@@ -302,11 +338,6 @@ class PolicyTrainer:
         7 days kept mostly predate the change, and weighing them equally re-teaches the
         old world.
         """
-        gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
-        self.net.reset_last_layer(gen)
-        for p in (self.net.out.weight, self.net.out.bias):
-            self.optimizer.state.pop(p, None)
-            self.label_optimizer.state.pop(p, None)
         feedback = sorted((e for e in replay if e.kind == "feedback"), key=lambda e: e.event.ts)
         total = UpdateStats()
         weights = np.ones(len(feedback))

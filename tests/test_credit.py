@@ -185,3 +185,24 @@ def test_slot_baseline_state_is_bounded() -> None:
     b.update(4999, 1.0)
     st = b.state()
     assert len(st["slot"]) == 2048 and st["slot"][0] == 4999
+
+
+def test_the_drift_reset_reinitialises_the_whole_network_by_default() -> None:
+    t = trainer()
+    for i in range(3):
+        t.update([fb(i, 1.0)])
+    before = params(t)
+    replay = [fb(10 + i, 0.5, ts=1000.0 + i) for i in range(8)]
+    stats = t.reset(replay, epochs=1, batch_size=4)
+    assert stats.applied == 8
+    after = params(t)
+    assert all(not torch.equal(before[k], after[k]) for k in before if k != "alpha")
+    last = trainer(reset_scope="last_layer")
+    for i in range(3):
+        last.update([fb(i, 1.0)])
+    before = params(last)
+    last.reset([], epochs=0)
+    assert torch.equal(before["hidden.weight"], params(last)["hidden.weight"])
+    assert not torch.equal(before["out.weight"], params(last)["out.weight"])
+    with pytest.raises(ValueError):
+        trainer(reset_scope="half").reset([])

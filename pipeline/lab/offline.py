@@ -164,7 +164,7 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
             if fired and cfg.reset:
                 # As the learner does on a reset command (pipeline/learner/loop.py).
                 warm = replay.after_drift(monitor.trigger.change_t)
-                trainer.reset_last_layer(
+                trainer.reset(
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
                 )
                 result.resets.append(t)

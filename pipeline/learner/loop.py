@@ -356,7 +356,7 @@ class Learner(Service):
         since = (details or {}).get("since_ts")
         warm = self.replay.after_drift(float(since) if since is not None else None)
         t0 = time.perf_counter()
-        stats = self.trainer.reset_last_layer(
+        stats = self.trainer.reset(
             warm,
             epochs=self.config.warmup_epochs,
             batch_size=self.config.batch_size,
@@ -365,7 +365,7 @@ class Learner(Service):
         self.progress.resets += 1
         self.metrics.resets.inc()
         log.warning(
-            "learner: drift reset (%s): last layer re-initialised, warmed up on %d experiences in %.1f s",
+            "learner: drift reset (%s): policy re-initialised, warmed up on %d experiences in %.1f s",
             reason or "requested",
             len(warm),
             time.perf_counter() - t0,

@@ -202,10 +202,10 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, v in rows[0].items():
         vals = [r.get(key) for r in rows]
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(isinstance(x, (int, float)) for x in vals):
-            out[key] = float(np.mean(vals)) if not isinstance(v, int) else round(float(np.mean(vals)))
-            if isinstance(v, float):
-                out[key] = round(out[key], 12)
+        nums = [float(x) for x in vals if isinstance(x, (int, float))]
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and len(nums) == len(vals):
+            m = float(np.mean(nums))
+            out[key] = round(m) if isinstance(v, int) else round(m, 12)
         elif isinstance(v, (int, float)) or v is None:
             out[key] = None
         else:
