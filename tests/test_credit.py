@@ -206,3 +206,24 @@ def test_the_drift_reset_reinitialises_the_whole_network_by_default() -> None:
     assert not torch.equal(before["out.weight"], params(last)["out.weight"])
     with pytest.raises(ValueError):
         trainer(reset_scope="half").reset([])
+
+
+def test_simulator_attribution_rate_zero_keeps_the_stream_and_one_measures_each_memory() -> None:
+    from pipeline.lab.simulator import Environment, Scenario
+    from topics.feedback import LLMFeedback
+
+    small = Scenario(embedding_dim=8, slots=64, intents=2, background=10, utility_noise=0.0)
+    a, b = Environment(small), Environment(small.replace(attribution_rate=0.0))
+    for env in (a, b):
+        env.next_query()
+    sel = a.helpful(0)[:2] + a.harmful(0)[:1]
+    fa = [a.feedback(0, sel) for _ in range(5)]
+    assert fa == [b.feedback(0, sel) for _ in range(5)]
+    assert all(f[3] is None for f in fa)  # rate 0: no per-memory NLLs, the same random stream
+    c = Environment(small.replace(attribution_rate=1.0))
+    true_u, nll_with, nll_without, per_slot = c.feedback(0, sel)
+    assert per_slot is not None and set(per_slot) == set(sel)
+    effects = LLMFeedback("f", "q", 0, 1.0, nll_without - nll_with, nll_with, nll_without, per_slot).slot_effects(sel)
+    assert effects == pytest.approx({s: c.effect(0, s) for s in sel}, abs=1e-9)  # noise-free scenario
+    assert sum(effects.values()) == pytest.approx(true_u)  # the effects add up to the utility
+    assert effects[sel[0]] > 0 > effects[sel[2]]
