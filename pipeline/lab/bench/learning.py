@@ -65,6 +65,9 @@ DRIFT_ROWS: dict[str, RunSpec] = {
         attribution_rate=0.25,
         pipeline_env=NO_GATE,
     ),
+    "reset_credit100": RunSpec(
+        "drift, with reset, per-memory credit on every step", labels=False, attribution_rate=1.0, pipeline_env=NO_GATE
+    ),
 }
 QUICK_ROWS = ("similarity", "dynamic")
 
