@@ -307,6 +307,21 @@ def check_vectors(path: Path) -> tuple[dict[str, Any], bool]:
         logprob = plackett_luce_logprob(z, [kept.index(s) for s in case["selected"]])
         want = case["expected_logprob"]
         logprob_err = max(logprob_err, abs(logprob - want) / max(abs(want), 1e-30))
+    # Contract 1.2 (§6 step 3b): on exploratory requests dropped candidates may be revived;
+    # the logprob is then over the candidates as served (kept plus revived, index order).
+    for case in spec.get("revive_cases", []):
+        mask = policy_mask(
+            tensors, np.asarray(case["query_embedding"]), case["last_step_loss"], case["last_step_entropy"]
+        )
+        candidates = list(case["index_candidates"])
+        kept = kept_after_drop(candidates, mask)
+        served = [c for c in candidates if c in kept or c in case["revived"]]
+        kept_ok = kept_ok and kept == list(case["expected_kept"]) and served == list(case["expected_candidates"])
+        score_of = dict(zip(candidates, case["index_scores"], strict=True))
+        z = np.array([score_of[c] * (1.0 + alpha * mask[c]) / case["temperature"] for c in served])
+        logprob = plackett_luce_logprob(z, [served.index(s) for s in case["selected"]])
+        want = case["expected_logprob"]
+        logprob_err = max(logprob_err, abs(logprob - want) / max(abs(want), 1e-30))
     worst = float(max(mask_err, logprob_err))
     ok = bool(worst <= 1e-5 and kept_ok)
     report = {

@@ -6,6 +6,10 @@ river); ``ClusterBaseline`` keeps one such mean per query-intent cluster (seed 0
 river's k-means over the query embeddings. Both follow river's style: ``get`` before
 ``update``, so the advantage of an experience never includes its own utility.
 
+Each step baseline carries a :class:`SlotBaseline` (``.slots``): one moving mean of the
+per-memory effect per slot, for per-memory credit. Its state travels inside the step
+baseline's ``state()``, so it is checkpointed and restored with it.
+
 >>> b = MovingBaseline(fading_factor=0.5)
 >>> [b.advantage(u) for u in (1.0, 3.0, 5.0)]
 [1.0, 2.0, 3.0]
@@ -15,10 +19,87 @@ river's k-means over the query embeddings. Both follow river's style: ``get`` be
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from river import cluster, stats
+
+# At most this many slots are kept in a saved state (the most read ones): the state rides
+# in the checkpoint manifest's metrics.
+MAX_SAVED_SLOTS = 2048
+
+
+class SlotBaseline:
+    """One moving mean of the per-memory effect per slot (docs/learning.md, per-memory credit).
+
+    A slot's mean is a plain running mean for its first ``1/f`` effects, then an
+    exponentially weighted one (``b ← b + max(f, 1/n)·(e − b)``): a memory read rarely
+    gets a usable estimate quickly, a memory read often follows change. Only touched slots
+    are stored. ``get`` before ``update``, as for the step baselines.
+
+    >>> b = SlotBaseline(fading_factor=0.5)
+    >>> b.get(7), b.n(7)
+    (0.0, 0)
+    >>> for e in (1.0, 3.0, 5.0):
+    ...     b.update(7, e)
+    >>> b.get(7), b.n(7)  # 1 → (1+3)/2 = 2 → 2 + 0.5·(5 − 2)
+    (3.5, 3)
+    >>> SlotBaseline.from_state(b.state()).get(7)
+    3.5
+    """
+
+    def __init__(self, fading_factor: float = 0.01) -> None:
+        self.fading_factor = fading_factor
+        self._mean: dict[int, float] = {}
+        self._n: dict[int, int] = {}
+
+    def get(self, slot: int) -> float:
+        return self._mean.get(slot, 0.0)
+
+    def n(self, slot: int) -> int:
+        return self._n.get(slot, 0)
+
+    def update(self, slot: int, effect: float) -> None:
+        n = self._n.get(slot, 0) + 1
+        b = self._mean.get(slot, 0.0)
+        self._mean[slot] = b + max(self.fading_factor, 1.0 / n) * (float(effect) - b)
+        self._n[slot] = n
+
+    def means(self, slots: np.ndarray) -> np.ndarray:
+        """The current means of an array of slots (0 for slots never credited)."""
+        get = self._mean.get
+        return np.array([get(int(s), 0.0) for s in slots.ravel()], np.float32).reshape(slots.shape)
+
+    def __len__(self) -> int:
+        return len(self._n)
+
+    def state(self) -> dict[str, list[float] | list[int]]:
+        slots = sorted(self._n, key=lambda s: -self._n[s])[:MAX_SAVED_SLOTS]
+        return {
+            "slot": slots,
+            "mean": [round(self._mean[s], 6) for s in slots],
+            "n": [self._n[s] for s in slots],
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any] | None, fading_factor: float = 0.01) -> SlotBaseline:
+        b = cls(fading_factor)
+        if state:
+            for s, m, n in zip(state.get("slot", []), state.get("mean", []), state.get("n", []), strict=False):
+                b._mean[int(s)] = float(m)
+                b._n[int(s)] = int(n)
+        return b
+
+
+class NoSlotBaseline(SlotBaseline):
+    """Per-slot b = 0 (with ``--baseline none``)."""
+
+    def get(self, slot: int) -> float:
+        return 0.0
+
+    def means(self, slots: np.ndarray) -> np.ndarray:
+        return np.zeros(slots.shape, np.float32)
 
 
 class MovingBaseline:
@@ -28,6 +109,7 @@ class MovingBaseline:
         self.fading_factor = fading_factor
         self._mean = stats.EWMean(fading_factor=fading_factor)
         self.n = 0
+        self.slots = SlotBaseline(fading_factor)
 
     def get(self, embedding: np.ndarray | None = None) -> float:
         return float(self._mean.get()) if self.n else 0.0
@@ -43,7 +125,10 @@ class MovingBaseline:
         return a
 
     def state(self) -> dict[str, Any]:
-        return {"kind": "moving", "value": self.get(), "n": self.n, "fading_factor": self.fading_factor}
+        out: dict[str, Any] = {"kind": "moving", "value": self.get(), "n": self.n, "fading_factor": self.fading_factor}
+        if len(self.slots):  # absent until per-memory credit arrives: states stay as they were
+            out["slots"] = self.slots.state()
+        return out
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> MovingBaseline:
@@ -52,11 +137,16 @@ class MovingBaseline:
             # The first update of a fresh EWMean sets its mean exactly to the value.
             b._mean.update(float(state["value"]))
             b.n = int(state["n"])
+        b.slots = SlotBaseline.from_state(state.get("slots"), b.fading_factor)
         return b
 
 
 class NoBaseline(MovingBaseline):
     """b = 0 (plain REINFORCE): the benchmark's "without the baseline" row."""
+
+    def __init__(self, fading_factor: float = 0.01) -> None:
+        super().__init__(fading_factor)
+        self.slots = NoSlotBaseline(fading_factor)
 
     def get(self, embedding: np.ndarray | None = None) -> float:
         return 0.0
@@ -75,6 +165,7 @@ class ClusterBaseline:
         self._means: dict[int, MovingBaseline] = {}
         self._global = MovingBaseline(fading_factor)
         self.n = 0
+        self.slots = SlotBaseline(fading_factor)
 
     def _cluster(self, embedding: np.ndarray) -> int:
         x = {i: float(v) for i, v in enumerate(embedding)}
@@ -105,7 +196,15 @@ class ClusterBaseline:
     def state(self) -> dict[str, Any]:
         # Cluster centres are not part of the checkpoint; after a restore the per-cluster
         # means are relearnt while the global mean carries on.
-        return {"kind": "cluster", "value": self._global.get(), "n": self.n, "fading_factor": self.fading_factor}
+        out: dict[str, Any] = {
+            "kind": "cluster",
+            "value": self._global.get(),
+            "n": self.n,
+            "fading_factor": self.fading_factor,
+        }
+        if len(self.slots):
+            out["slots"] = self.slots.state()
+        return out
 
 
 def make_baseline(kind: str, fading_factor: float, state: dict[str, Any] | None = None) -> Any:
@@ -117,6 +216,8 @@ def make_baseline(kind: str, fading_factor: float, state: dict[str, Any] | None 
         if state and int(state.get("n", 0)) > 0:
             b._global = MovingBaseline.from_state({**state, "fading_factor": fading_factor})
             b.n = b._global.n
+        if state:
+            b.slots = SlotBaseline.from_state(state.get("slots"), fading_factor)
         return b
     if kind != "moving":
         raise ValueError(f"unknown baseline {kind!r} (moving, cluster, none)")

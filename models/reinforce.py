@@ -14,6 +14,11 @@ weight is a constant in the gradient (no gradient flows through it).
 >>> loss = reinforce_loss(logp, torch.tensor([1.0, -1.0]), w)
 >>> loss.backward(); logp.grad.tolist()  # d/dlogp of -(w·A·logp).mean()
 [-0.5, 0.5]
+
+With per-memory credit (:func:`credit_loss`) each draw j of the Plackett–Luce order gets
+its own advantage ``A_j = e(σ_j) − b̂(σ_j)`` against the slot's moving mean effect b̂,
+plus the analytic term ``Σ_{i∈R_j} π_j(i)·b̂_i`` that keeps the estimate unbiased
+(docs/learning.md, "Per-memory credit").
 """
 
 from __future__ import annotations
@@ -30,6 +35,49 @@ def importance_weights(logp_current: torch.Tensor, logp_logged: torch.Tensor, cl
 def reinforce_loss(logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Mean over the micro-batch of −w·A·log π."""
     return -(weights * advantages * logp).mean()
+
+
+def credit_loss(
+    terms: torch.Tensor,
+    dists: torch.Tensor,
+    selected: torch.Tensor,
+    step_advantages: torch.Tensor,
+    effects: torch.Tensor,
+    has_effect: torch.Tensor,
+    slot_baselines: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Mean over the micro-batch of −w · Σ_j [A_j·ℓ_j + 1{e_j}·Σ_i π_j(i)·b̂_i].
+
+    ``terms`` [B, K] the Plackett–Luce terms ℓ_j and ``dists`` [B, K, C] the distributions
+    π_j of each draw (:func:`models.serving_rule.plackett_luce_terms_torch`), ``selected``
+    [B, K] the drawn positions into C;
+    ``step_advantages`` [B] the step's u − b; ``effects`` [B, K] each selected memory's
+    measured effect where ``has_effect`` [B, K]; ``slot_baselines`` [B, C] the per-slot
+    mean effect b̂ of every candidate. A position with an effect gets
+    ``A_j = e_j − b̂(σ_j)`` and the analytic term; one without uses the step's advantage.
+    A row without any effect is exactly :func:`reinforce_loss`'s ``−w·A·log π``.
+
+    Hand-computed (one row, two candidates, one draw, b̂ = [0.5, −0.5]): z = [0, 0] gives
+    π = [½, ½] and ℓ = log ½; drawing slot 0 with effect 1.5 gives A = 1.5 − 0.5 = 1 and the
+    analytic term ½·0.5 − ½·0.5 = 0. d/dz_0 = A·(1 − ½) + b̂_0·π_0(1 − π_0) − b̂_1·π_0π_1
+    = 0.5 + 0.125 + 0.125 = 0.75, so the loss's gradient is −0.75 (and +0.75 for z_1).
+
+    >>> z = torch.zeros(1, 2, requires_grad=True)
+    >>> from models.serving_rule import plackett_luce_terms_torch
+    >>> terms, dists = plackett_luce_terms_torch(z, torch.ones(1, 2, dtype=torch.bool),
+    ...                                          torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.bool))
+    >>> loss = credit_loss(terms, dists, torch.tensor([[0]]), torch.tensor([9.0]), torch.tensor([[1.5]]),
+    ...                    torch.tensor([[True]]), torch.tensor([[0.5, -0.5]]), torch.ones(1))
+    >>> loss.backward(); [round(g, 4) for g in z.grad[0].tolist()]
+    [-0.75, 0.75]
+    """
+    rows = torch.arange(terms.shape[0], device=terms.device).unsqueeze(1)
+    chosen = slot_baselines[rows, selected]
+    adv = torch.where(has_effect, effects - chosen, step_advantages.unsqueeze(1).expand_as(effects))
+    analytic = (dists * slot_baselines.unsqueeze(1)).sum(dim=2) * has_effect
+    surrogate = (adv.detach() * terms + analytic).sum(dim=1)
+    return -(weights * surrogate).mean()
 
 
 def label_loss(z: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

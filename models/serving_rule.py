@@ -42,6 +42,29 @@ def keep_fixed(masks: np.ndarray, threshold: float) -> np.ndarray:
     return keep
 
 
+def revive_dropped(keep: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Keep-flags after giving each dropped candidate an independent ``rate`` chance back.
+
+    Only exploratory requests call it (docs/contract.md §6, step 3b): without it a memory
+    the hard drop removes is never read again, so it can never be relearnt. The draw is
+    made before, and independently of, the Plackett–Luce draw, so ``log π`` over the
+    candidates as served (revived ones included) stays the exact probability of the order
+    given those candidates. Candidates with a non-finite mask are never revived.
+
+    >>> keep = np.array([True, False, False])
+    >>> revive_dropped(keep, 0.0, np.random.default_rng(0)).tolist()
+    [True, False, False]
+    >>> revive_dropped(keep, 1.0, np.random.default_rng(0)).tolist()
+    [True, True, True]
+    """
+    keep = np.asarray(keep, dtype=bool)
+    if rate <= 0 or keep.all():
+        return keep
+    draws = rng.random(keep.shape[0])
+    out: np.ndarray = keep | (draws < rate)
+    return out
+
+
 def adjusted_logits(scores: np.ndarray, masks: np.ndarray, alpha: float, temperature: float) -> np.ndarray:
     """z_i = score_i · (1 + α·m_i) / T."""
     scores = np.asarray(scores, dtype=np.float64)
@@ -96,19 +119,47 @@ def plackett_luce_logprob_torch(
     ``selected`` [B, K] positions into C (padding anywhere), ``selected_valid`` [B, K].
     Returns [B]; rows with no valid selection give 0.
     """
+    terms, _ = plackett_luce_terms_torch(z, valid, selected, selected_valid)
+    return terms.sum(dim=1)
+
+
+def plackett_luce_terms_torch(
+    z: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor, selected_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-position terms of the Plackett–Luce log-probability, and each draw's distribution.
+
+    Term j is ``ℓ_j = z_{σ_j} − logsumexp_{i ∈ R_j} z_i`` with ``R_j`` the candidates still
+    available at draw j; ``Σ_j ℓ_j = log π(selected|s)``. The second result, [B, K, C],
+    is ``π_j(i) = softmax over R_j`` (0 outside ``R_j``): the distribution draw j was made
+    from. Padded positions give ``ℓ_j = 0`` and an all-zero distribution.
+
+    >>> z = torch.tensor([[1.0, 0.0, 0.0]])
+    >>> terms, probs = plackett_luce_terms_torch(z, torch.ones(1, 3, dtype=torch.bool),
+    ...                                          torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.bool))
+    >>> [round(v, 4) for v in terms[0].tolist()]  # log(e/(e+2)), log(1/2)
+    [-0.5514, -0.6931]
+    >>> [round(v, 4) for v in probs[0, 1].tolist()]
+    [0.0, 0.5, 0.5]
+    """
     neg_inf = torch.finfo(z.dtype).min
     available = valid.clone()
-    total = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
     rows = torch.arange(z.shape[0], device=z.device)
+    terms = []
+    dists = []
     for j in range(selected.shape[1]):
         pos = selected[:, j]
         use = selected_valid[:, j]
-        lse = torch.logsumexp(z.masked_fill(~available, neg_inf), dim=1)
+        masked = z.masked_fill(~available, neg_inf)
+        lse = torch.logsumexp(masked, dim=1)
         term = z[rows, pos] - lse
-        total = total + torch.where(use, term, torch.zeros_like(term))
+        terms.append(torch.where(use, term, torch.zeros_like(term)))
+        p = torch.exp(masked - lse.unsqueeze(1)) * available
+        dists.append(torch.where(use.unsqueeze(1), p, torch.zeros_like(p)))
         available = available.clone()
         available[rows[use], pos[use]] = False
-    return total
+    if not terms:
+        return z.new_zeros((z.shape[0], 0)), z.new_zeros((z.shape[0], 0, z.shape[1]))
+    return torch.stack(terms, dim=1), torch.stack(dists, dim=1)
 
 
 def adjusted_logits_torch(

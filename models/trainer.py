@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from models.baseline import make_baseline
+from models.memory_stats import MemoryStats
 from models.policy import PolicyNetwork, init_policy
-from models.reinforce import importance_weights, label_loss, reinforce_loss
-from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
+from models.reinforce import credit_loss, importance_weights, label_loss, reinforce_loss
+from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
 from topics.internal import Experience
 
 
@@ -60,6 +61,7 @@ class TrainerConfig:
     baseline: str = "moving"  # moving | cluster | none
     baseline_fading: float = 0.01
     label_lr: float = 1e-2
+    reset_scope: str = "network"  # a drift reset re-initialises: network | last_layer
     device: str = "cpu"
     seed: int = 0
 
@@ -79,6 +81,8 @@ class Batch:
     temperature: torch.Tensor  # [B]
     logged_logprob: torch.Tensor  # [B]
     utility: np.ndarray  # [B] float64
+    effect: np.ndarray  # [B, K] float64: each selected memory's measured effect (per-memory credit)
+    has_effect: np.ndarray  # [B, K] bool: positions whose memory has an effect
     target: torch.Tensor | None = None  # [B, C] bool: labelled slots (label batches)
 
 
@@ -91,6 +95,8 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
     scores = np.zeros((b, c), np.float32)
     selected = np.zeros((b, k), np.int64)
     selected_valid = np.zeros((b, k), bool)
+    effect = np.zeros((b, k), np.float64)
+    has_effect = np.zeros((b, k), bool)
     target = np.zeros((b, c), bool) if with_target else None
     for i, e in enumerate(experiences):
         ev = e.event
@@ -102,6 +108,11 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
         sel = [pos[s] for s in ev.selected]
         selected[i, : len(sel)] = sel
         selected_valid[i, : len(sel)] = True
+        if e.slot_effects:
+            for j, s in enumerate(ev.selected):
+                if s in e.slot_effects and math.isfinite(e.slot_effects[s]):
+                    effect[i, j] = e.slot_effects[s]
+                    has_effect[i, j] = True
         if target is not None and e.correct_memories:
             for s in e.correct_memories:
                 if s in pos:
@@ -126,6 +137,8 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
         temperature=t(np.array([e.event.temperature for e in experiences], np.float32)),
         logged_logprob=t(np.array([e.event.logprob for e in experiences], np.float32)),
         utility=np.array([e.utility for e in experiences], np.float64),
+        effect=effect,
+        has_effect=has_effect,
         target=t(target) if target is not None else None,
     )
 
@@ -138,6 +151,7 @@ class UpdateStats:
     grad_norm: float = 0.0
     weights: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
+    credited: int = 0  # selected memories that had their own effect (per-memory credit)
 
 
 class PolicyTrainer:
@@ -156,6 +170,9 @@ class PolicyTrainer:
         self.updates = 0
         self.experiences = 0
         self.labels_applied = 0
+        # Reads and measured effects per memory, for operators; restart empty with the
+        # process and at a drift reset (docs/learning.md).
+        self.memory_stats = MemoryStats(c.slots)
 
     # ------------------------------------------------------------------ REINFORCE
     def update(self, experiences: Sequence[Experience], sample_weights: np.ndarray | None = None) -> UpdateStats:
@@ -171,15 +188,28 @@ class PolicyTrainer:
         # A = u − b for each experience in order, b updated after each (docs/learning.md).
         pairs = zip(batch.utility, experiences, strict=True)
         adv = np.array([self.baseline.advantage(u, e.event.features.query_embedding) for u, e in pairs], np.float32)
+        if not np.isfinite(adv).all():
+            # Caught here, not by the loss: per-memory credit may not use the step's
+            # advantage at all, and a non-finite utility would still poison the baseline.
+            self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, before)
+            stats.skipped_non_finite = 1
+            self.experiences += len(experiences)
+            return stats
         net = self.net
         h = net.features(batch.embedding, batch.loss, batch.entropy)
         m = net.candidate_masks(h, batch.slots)
         z = adjusted_logits_torch(batch.scores, m, net.alpha, batch.temperature)
-        logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
+        terms, dists = plackett_luce_terms_torch(z, batch.valid, batch.selected, batch.selected_valid)
+        logp = terms.sum(dim=1)
         w = importance_weights(logp, batch.logged_logprob, self.config.importance_clip)
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
-        loss = reinforce_loss(logp, torch.from_numpy(adv).to(self.device), w)
+        step_adv = torch.from_numpy(adv).to(self.device)
+        if batch.has_effect.any():
+            loss = self._credit_loss(batch, terms, dists, step_adv, w)
+            stats.credited = int(batch.has_effect.sum())
+        else:
+            loss = reinforce_loss(logp, step_adv, w)
         stats.weights = w.tolist()
         stats.advantages = adv.tolist()
         self.experiences += len(experiences)
@@ -191,7 +221,29 @@ class PolicyTrainer:
 
         stats.applied = len(experiences)
         self.updates += 1
+        for e in experiences:
+            self.memory_stats.update(e.event.selected, e.slot_effects)
         return stats
+
+    def _credit_loss(
+        self, batch: Batch, terms: torch.Tensor, dists: torch.Tensor, step_adv: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated."""
+        slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
+        loss = credit_loss(
+            terms,
+            dists,
+            batch.selected,
+            step_adv,
+            torch.from_numpy(batch.effect.astype(np.float32)).to(self.device),
+            torch.from_numpy(batch.has_effect).to(self.device),
+            torch.from_numpy(slot_base.astype(np.float32)).to(self.device),
+            w,
+        )
+        sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), batch.selected.cpu().numpy(), axis=1)
+        for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
+            self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]))
+        return loss
 
     def _step(
         self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], stats: UpdateStats
@@ -235,6 +287,30 @@ class PolicyTrainer:
         return stats
 
     # ------------------------------------------------------------------ drift reset
+    def reset(
+        self,
+        replay: Sequence[Experience],
+        epochs: int = 2,
+        batch_size: int = 32,
+        half_life_s: float | None = 86400.0,
+    ) -> UpdateStats:
+        """The drift reset: re-initialise the policy as ``config.reset_scope`` says, then warm up.
+
+        ``"network"`` (the default) re-initialises every layer and both optimizers: the
+        hidden layer trained on the old world slows relearning down even under a fresh
+        last layer (measured in docs/learning.md, "Drift reset"). ``"last_layer"`` is
+        :meth:`reset_last_layer` (the seed's design).
+        """
+        if self.config.reset_scope == "last_layer":
+            return self.reset_last_layer(replay, epochs, batch_size, half_life_s)
+        if self.config.reset_scope != "network":
+            raise ValueError(f"unknown reset_scope {self.config.reset_scope!r} (network, last_layer)")
+        c = self.config
+        self.net = init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed + 1000 + self.updates).to(c.device)
+        self.optimizer = adam(self.net.parameters(), c.lr)
+        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], c.label_lr)
+        return self._warm_up(replay, epochs, batch_size, half_life_s)
+
     def reset_last_layer(
         self,
         replay: Sequence[Experience],
@@ -242,7 +318,18 @@ class PolicyTrainer:
         batch_size: int = 32,
         half_life_s: float | None = 86400.0,
     ) -> UpdateStats:
-        """Re-initialise ``out``, clear its optimizer state, re-estimate b, warm up on replay.
+        """Re-initialise ``out``, clear its optimizer state, then warm up (:meth:`_warm_up`)."""
+        gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
+        self.net.reset_last_layer(gen)
+        for p in (self.net.out.weight, self.net.out.bias):
+            self.optimizer.state.pop(p, None)
+            self.label_optimizer.state.pop(p, None)
+        return self._warm_up(replay, epochs, batch_size, half_life_s)
+
+    def _warm_up(
+        self, replay: Sequence[Experience], epochs: int, batch_size: int, half_life_s: float | None
+    ) -> UpdateStats:
+        """Re-estimate b and warm up on replay.
 
         The baseline restarts: the warm-up replays the kept experiences in event-time
         order with a fresh moving baseline, which ends at the level of the most recent
@@ -251,11 +338,6 @@ class PolicyTrainer:
         7 days kept mostly predate the change, and weighing them equally re-teaches the
         old world.
         """
-        gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
-        self.net.reset_last_layer(gen)
-        for p in (self.net.out.weight, self.net.out.bias):
-            self.optimizer.state.pop(p, None)
-            self.label_optimizer.state.pop(p, None)
         feedback = sorted((e for e in replay if e.kind == "feedback"), key=lambda e: e.event.ts)
         total = UpdateStats()
         weights = np.ones(len(feedback))
@@ -273,6 +355,10 @@ class PolicyTrainer:
                 s = self.update(feedback[i : i + batch_size], weights[i : i + batch_size])
                 total.applied += s.applied
                 total.skipped_non_finite += s.skipped_non_finite
+        # What operators see restarts with the world: the warm-up material, counted once.
+        self.memory_stats = MemoryStats(self.config.slots)
+        for e in feedback:
+            self.memory_stats.update(e.event.selected, e.slot_effects)
         labels = [e for e in replay if e.kind == "label"]
         if labels:
             self.fine_tune(labels)

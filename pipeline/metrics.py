@@ -9,6 +9,7 @@ an explicit registry so that several components can live in one test process.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,6 +20,9 @@ from prometheus_client import (
 )
 
 from pipeline.probes import Probes, ProbeServer
+
+if TYPE_CHECKING:
+    from models.memory_stats import MemoryStats
 
 # The *_created series double the exposition for no use here.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
@@ -248,6 +252,24 @@ class Metrics:
         self.labels_applied = Counter(
             "causalmem_learner_labels_applied_total", "Labels applied by fine-tuning", registry=self._reg("learner")
         )
+        # ---- per-memory statistics (per-memory credit): the N most harmful and most helpful only
+        self.memory_effect = Gauge(
+            "causalmem_memory_effect",
+            "Mean measured effect of a memory (nll_without_slot - nll_with; > 0 helped), top-N each side",
+            ["slot", "side", "bound"],
+            registry=self._reg("learner"),
+        )
+        self.memory_reads = Gauge(
+            "causalmem_memory_reads",
+            "Reads of a memory shown in causalmem_memory_effect, and how many had a measured effect",
+            ["slot", "side", "kind"],
+            registry=self._reg("learner"),
+        )
+        self.memories_measured = Gauge(
+            "causalmem_memories_measured",
+            "Memories with at least one measured effect since the learner started (or its last reset)",
+            registry=self._reg("learner"),
+        )
         # ---- checkpoints
         self.checkpoint_version = Gauge(
             "causalmem_checkpoint_version", "Version of the newest checkpoint", ["role"], registry=self._reg("learner")
@@ -281,6 +303,22 @@ class Metrics:
 
     def _reg(self, group: str) -> CollectorRegistry:
         return self.registry if group in self._groups else self._unexported
+
+    def export_memory_stats(self, stats: MemoryStats, n: int = 10) -> None:
+        """The ``n`` most harmful and ``n`` most helpful memories (at most 2n slots, so the
+        label cardinality stays bounded; the previous set is cleared)."""
+        self.memory_effect.clear()
+        self.memory_reads.clear()
+        self.memories_measured.set(stats.measured)
+        for side, harmful in (("harmful", True), ("helpful", False)):
+            for st in stats.top(n, harmful=harmful):
+                if (st.mean < 0) != harmful:
+                    continue  # a "helpful" memory with a negative mean is not shown as one
+                slot = str(st.slot)
+                for bound, v in (("mean", st.mean), ("low", st.low), ("high", st.high)):
+                    self.memory_effect.labels(slot=slot, side=side, bound=bound).set(v)
+                self.memory_reads.labels(slot=slot, side=side, kind="reads").set(st.reads)
+                self.memory_reads.labels(slot=slot, side=side, kind="effects").set(st.effects)
 
     def set_health(self, score: float, band: str) -> None:
         self.health_score.set(score)

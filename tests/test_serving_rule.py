@@ -22,6 +22,7 @@ from models.serving_rule import (
     keep_fixed,
     plackett_luce_logprob,
     plackett_luce_logprob_torch,
+    revive_dropped,
     sample_plackett_luce,
 )
 
@@ -123,6 +124,39 @@ def test_expected_logprob_numpy(net: PolicyNetwork, vectors: dict[str, Any]) -> 
         z = adjusted_logits(scores, masks, alpha, case["temperature"])
         positions = [slots.index(s) for s in case["selected"]]
         assert plackett_luce_logprob(z, positions) == pytest.approx(case["expected_logprob"], rel=REL)
+
+
+def test_revive_cases(net: PolicyNetwork, vectors: dict[str, Any]) -> None:
+    """Contract 1.2, §6 step 3b: a revived candidate joins the event's candidates and the
+    logprob is the Plackett–Luce one over them (a revived slot may be drawn)."""
+    alpha = float(net.alpha.detach()[0])
+    cases = vectors["revive_cases"]
+    assert cases and any(set(c["revived"]) & set(c["selected"]) for c in cases)
+    for case in cases:
+        mask = _mask(net, case)
+        cand = case["index_candidates"]
+        keep = keep_dynamic(mask[cand])
+        assert [s for s, k in zip(cand, keep, strict=True) if k] == case["expected_kept"]
+        assert set(case["revived"]) <= {s for s, k in zip(cand, keep, strict=True) if not k}
+        served = [s for s in cand if s in case["expected_kept"] or s in case["revived"]]
+        assert served == case["expected_candidates"]
+        score_of = dict(zip(cand, case["index_scores"], strict=True))
+        z = adjusted_logits(np.array([score_of[s] for s in served]), mask[served], alpha, case["temperature"])
+        positions = [served.index(s) for s in case["selected"]]
+        assert plackett_luce_logprob(z, positions) == pytest.approx(case["expected_logprob"], rel=REL)
+
+
+def test_revive_draw_is_independent_and_only_adds() -> None:
+    keep = np.array([True, False, True, False, False])
+    rng = np.random.default_rng(3)
+    counts = np.zeros(5)
+    for _ in range(4000):
+        out = revive_dropped(keep, 0.25, rng)
+        assert out[keep].all()  # nothing kept is ever removed
+        counts += out
+    assert counts[0] == counts[2] == 4000
+    assert counts[[1, 3, 4]] / 4000 == pytest.approx([0.25] * 3, abs=0.03)
+    assert revive_dropped(keep, 0.0, rng).tolist() == keep.tolist()
 
 
 def test_expected_logprob_torch(net: PolicyNetwork, vectors: dict[str, Any]) -> None:

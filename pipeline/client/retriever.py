@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
+from models.serving_rule import revive_dropped
 from pipeline.client.serving import draw, keep_flags, policy_masks
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import Connection, Settings
@@ -68,6 +69,8 @@ class CausalRetriever:
 
     ``drop``: ``"dynamic"`` (m_i < 0.01·max m, the contract), a float for a fixed
     threshold, or ``"none"`` (soft intervention only: re-rank, never drop).
+    ``explore_revive``: on an exploratory request (``explore_rate``), each dropped
+    candidate is kept anyway with this probability (0 turns it off).
 
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
     :class:`~pipeline.config.Connection` or ``Settings``), when given, also checks the
@@ -88,6 +91,7 @@ class CausalRetriever:
         explore_rate: float = 0.0,
         explore_temperature: float = 0.25,
         conn: Connection | Settings | None = None,
+        explore_revive: float = 0.1,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.conn = Connection.of(conn) if conn is not None else None
@@ -119,6 +123,9 @@ class CausalRetriever:
         # what it picks and learns nothing more; these requests keep the gradient alive.
         self.explore_rate = explore_rate
         self.explore_temperature = explore_temperature
+        # Exploratory requests also give each dropped candidate this chance back, so a
+        # dropped memory can be read, and relearnt, again (docs/contract.md §6, step 3b).
+        self.explore_revive = explore_revive
 
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """Swap the policy in (use as PolicySubscriber's ``on_update``)."""
@@ -151,11 +158,13 @@ class CausalRetriever:
         slots, scores = self.search(q, self.n_candidates)
         masks = self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
         keep = keep_flags(masks, self.drop)
+        explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
+        temperature = self.explore_temperature if explore else self.temperature
+        if explore and self.explore_revive > 0:
+            keep = revive_dropped(keep, self.explore_revive, self.rng) & np.isfinite(masks)
         kept, kept_scores, kept_masks = slots[keep], scores[keep], masks[keep]
         alpha = self.policy.alpha if self.policy is not None else 0.0
         version = self.policy.version if self.policy is not None else 0
-        explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
-        temperature = self.explore_temperature if explore else self.temperature
         if len(kept) == 0:
             fb = self.fallback(query_text, q, self.k) if self.fallback is not None else []
             selected, logprob, probs = [int(s) for s in fb][: self.k], 0.0, None

@@ -44,6 +44,7 @@ class OfflineConfig:
     drop: str | float = "dynamic"
     explore_rate: float | None = None  # None: the scenario's
     explore_temperature: float | None = None
+    explore_revive: float = 0.1  # CausalRetriever's default
     reset: bool = True
     page_hinkley: bool = True
     drift_min_pairs: int = 1000
@@ -108,6 +109,7 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
         explore_temperature=scenario.explore_temperature
         if cfg.explore_temperature is None
         else cfg.explore_temperature,
+        explore_revive=cfg.explore_revive,
     )
     trainer = PolicyTrainer(cfg.trainer(scenario))
     gate = cfg.gate_config()
@@ -125,14 +127,15 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
         for step in range(q.steps):
             st = env.step_features(q, step)
             res = serve(retriever, st, with_texts=False)
-            true_u, nll_with, nll_without = env.feedback(q.intent, res.slots)
+            true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, res.slots)
             u = nll_without - nll_with
             q.utilities.append(u)
             explore = res.event.temperature != retriever.temperature
             served = retriever.policy.version if retriever.policy is not None else 0
             result.tally.record(env, q.intent, res.slots, true_u, st.ts, served, explore)
             if not res.event.fallback:
-                pending.append(Experience(res.event.event_id, "feedback", res.event, u))
+                effects = {m: v - nll_with for m, v in (nll_without_slot or {}).items()} or None
+                pending.append(Experience(res.event.event_id, "feedback", res.event, u, slot_effects=effects))
             if len(pending) >= cfg.batch_size:
                 if cfg.learn:
                     trainer.update(pending)
@@ -161,7 +164,7 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
             if fired and cfg.reset:
                 # As the learner does on a reset command (pipeline/learner/loop.py).
                 warm = replay.after_drift(monitor.trigger.change_t)
-                trainer.reset_last_layer(
+                trainer.reset(
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
                 )
                 result.resets.append(t)

@@ -46,6 +46,8 @@ class RunSpec:
     rate: float = 120.0  # retrieval steps per wall-clock second
     checkpoint_interval: float = 2.0
     max_learner_lag: int = 256  # experiences; the agent waits while the learner is further behind
+    attribution_rate: float | None = None  # the scenario's share of steps with per-memory credit (None: as is)
+    explore_revive: float = 0.1  # CausalRetriever's chance of reviving a dropped candidate when exploring
 
     pipeline_env: dict[str, str] = field(default_factory=dict)  # extra CAUSALMEM_* for worker and learner
 
@@ -110,14 +112,27 @@ async def _wait(pred: Any, timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-async def _wait_for_learner(learner: Any, max_lag: int, timeout: float = 30.0) -> float:
-    """Sleep while the learner's input lag exceeds ``max_lag``; return the seconds waited."""
+async def _wait_for_learner(
+    learner: Any, max_lag: int, sub: Any = None, max_versions: int = 2, timeout: float = 30.0
+) -> float:
+    """Sleep while the learner's input lag exceeds ``max_lag`` experiences, or while the
+    agent's subscriber is more than ``max_versions`` serving checkpoints behind the
+    learner's newest; return the seconds waited.
+
+    The subscriber loads every serving checkpoint in turn, in the agent's own event loop:
+    on a loaded machine it fell further and further behind (measured: serving v147 when the
+    learner had published v232, days of event time), and the figures then described a
+    stale policy, not the learning rule.
+    """
     from pipeline.promtext import metric
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         values = await asyncio.to_thread(learner.metrics)
-        if metric(values, "causalmem_consumer_lag_messages") <= max_lag:
+        behind = 0.0
+        if sub is not None and sub.current is not None:
+            behind = metric(values, "causalmem_checkpoint_version", role="serving") - sub.current.version
+        if metric(values, "causalmem_consumer_lag_messages") <= max_lag and behind <= max_versions:
             break
         await asyncio.sleep(0.1)
     return time.monotonic() - t0
@@ -167,6 +182,8 @@ async def run_scenario(
     from topics.labels import HumanLabel
 
     t_start = time.monotonic()
+    if spec.attribution_rate is not None:
+        scenario = scenario.replace(attribution_rate=spec.attribution_rate)
     logdir.mkdir(parents=True, exist_ok=True)
     prefix = prefix if prefix is not None else f"run-{uuid.uuid4().hex[:6]}."
     env_vars = pipeline_env(scenario, spec, prefix, logdir / "state")
@@ -188,6 +205,7 @@ async def run_scenario(
         seed=scenario.seed,
         explore_rate=scenario.explore_rate if spec.explore and spec.use_policy else 0.0,
         explore_temperature=scenario.explore_temperature,
+        explore_revive=spec.explore_revive,
     )
     dmem = DMem() if spec.dmem else None
     tally = Tally()
@@ -290,7 +308,7 @@ async def run_scenario(
                         else:
                             res = serve(retriever, st)
                             selected, event = res.slots, res.event
-                        true_u, nll_with, nll_without = env.feedback(q.intent, selected)
+                        true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, selected)
                         u = nll_without - nll_with
                         q.utilities.append(u)
                         if dmem is not None:
@@ -307,6 +325,7 @@ async def run_scenario(
                                 u,
                                 nll_with=nll_with,
                                 nll_without=nll_without,
+                                nll_without_slot=nll_without_slot,
                             )
                         )
                         published["retrieval-events"] += 1
@@ -339,7 +358,9 @@ async def run_scenario(
                         # Backpressure: a learner that falls behind would serve an ever older
                         # policy, and what is measured would be the machine's load, not the
                         # learning rule. Wait (bounded) until it has caught up.
-                        waited = await _wait_for_learner(learner, spec.max_learner_lag)
+                        waited = await _wait_for_learner(
+                            learner, spec.max_learner_lag, sub if spec.use_policy else None
+                        )
                         wall0 += waited
 
                 progress.update(task, completed=total)

@@ -5,7 +5,9 @@ background of unrelated ones. Harmful memories are *similar to the query* yet lo
 answer's utility, like seed 000's "Zhang San" case: similarity alone cannot tell them
 apart. Each intent has a memory need (how much the answer depends on memory); a
 human rating of a query is a noisy reading of that need, and a step's utility is
-``need · mean(effect of the selected memories) + noise``. At ``drift_day`` the
+``need · mean(effect of the selected memories) + noise``. On a share ``attribution_rate``
+of steps the feedback also measures each selected memory on its own (leave-one-out
+NLLs, contract 1.1): ``nll_without_slot[s] = nll_with + need·effect(s)/k + noise``. At ``drift_day`` the
 environment changes which memories help: yesterday's helpful memories turn stale
 (harmful) and some of the irrelevant-but-similar ones become the helpful ones.
 
@@ -56,6 +58,7 @@ class Scenario:
     irrelevant_effect: float = 0.0
     need_range: tuple[float, float] = (0.2, 1.0)
     utility_noise: float = 0.15
+    attribution_rate: float = 0.0  # share of steps whose feedback carries nll_without_slot
     steps_per_query: tuple[int, int] = (1, 3)
     days: float = 14.0
     queries_per_day: int = 500
@@ -249,12 +252,32 @@ class Environment:
         effects = {HELPFUL: s.helpful_effect, HARMFUL: s.harmful_effect, IRRELEVANT: s.irrelevant_effect}
         return float(self.need[intent] * sum(effects[self.role(m, intent)] for m in selected) / s.k)
 
-    def feedback(self, intent: int, selected: list[int]) -> tuple[float, float, float]:
-        """(true utility, nll_with, nll_without): u = nll_without − nll_with, with noise."""
+    def effect(self, intent: int, slot: int) -> float:
+        """A selected memory's true contribution to the utility: need · effect(role) / k."""
+        s = self.s
+        effects = {HELPFUL: s.helpful_effect, HARMFUL: s.harmful_effect, IRRELEVANT: s.irrelevant_effect}
+        return float(self.need[intent] * effects[self.role(slot, intent)] / s.k)
+
+    def feedback(self, intent: int, selected: list[int]) -> tuple[float, float, float, dict[int, float] | None]:
+        """(true utility, nll_with, nll_without, nll_without_slot or None): u = nll_without − nll_with.
+
+        On a share ``attribution_rate`` of steps with a selection, ``nll_without_slot[s]``
+        is ``nll_with`` plus the memory's true effect and noise of the same scale as the
+        utility's; otherwise ``None``. With the default rate 0 the random stream is
+        exactly what it was before per-memory credit existed.
+        """
         true_u = self.utility(intent, selected)
         observed = true_u + self.s.utility_noise * float(self.rng.normal())
         nll_without = 2.0 + 0.2 * abs(float(self.rng.normal()))
-        return true_u, nll_without - observed, nll_without
+        nll_with = nll_without - observed
+        per_slot = None
+        if self.s.attribution_rate > 0 and selected and self.rng.random() < self.s.attribution_rate:
+            noise = self.s.utility_noise * self.rng.normal(size=len(selected))
+            per_slot = {
+                int(m): max(0.0, nll_with + self.effect(intent, m) + float(e))
+                for m, e in zip(selected, noise, strict=True)
+            }
+        return true_u, nll_with, nll_without, per_slot
 
     def rating(self, intent: int) -> int | None:
         """How much the query needed memory, 0..5, for a share of queries (else None)."""

@@ -139,7 +139,7 @@ class ControlCommands:
         return True
 
     async def reset(self, reason: str = "", details: dict[str, Any] | None = None) -> None:
-        """Drift reset: new last layer, warm-up on the kept experiences, publish ``reset``.
+        """Drift reset: a re-initialised policy (``reset_scope``), warm-up on the kept experiences, publish ``reset``.
 
         The warm-up uses the kept experiences from the detector's estimate of when the
         drift began (``since_ts``) on: what came before teaches the world that changed.
@@ -150,7 +150,7 @@ class ControlCommands:
         # Off the event loop: a warm-up over a full replay takes seconds, longer than the
         # group's session timeout, and a blocked loop would lose the election mid-publish.
         stats = await asyncio.to_thread(
-            self.trainer.reset_last_layer,
+            self.trainer.reset,
             warm,
             epochs=self.config.warmup_epochs,
             batch_size=self.config.batch_size,
@@ -161,7 +161,7 @@ class ControlCommands:
         self.progress.resets += 1
         self.metrics.resets.inc()
         log.warning(
-            "learner: drift reset (%s): last layer re-initialised, warmed up on %d experiences in %.1f s",
+            "learner: drift reset (%s): policy re-initialised, warmed up on %d experiences in %.1f s",
             reason or "requested",
             len(warm),
             time.perf_counter() - t0,

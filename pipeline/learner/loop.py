@@ -374,6 +374,7 @@ class Learner(Service, ControlCommands):
                 for a in stats.advantages:
                     m.advantage.observe(a)
             m.baseline.set(self.trainer.baseline.get())
+            m.export_memory_stats(self.trainer.memory_stats)
         if labels:
             stats = self.trainer.fine_tune(labels)
             if stats.applied:

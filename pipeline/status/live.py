@@ -71,6 +71,7 @@ def worker_view(url: str, values: dict[str, float], rates: dict[str, float | Non
         "al_samples_total": metric(values, "causalmem_al_samples_total"),
         "consumer_lag": consumer_lag(values, prefix),
         "ready": _flag(values, "causalmem_ready"),
+        "memories": memory_view(values),
         **rates,
     }
 
@@ -105,8 +106,43 @@ def learner_view(url: str, values: dict[str, float], rates: dict[str, float | No
         "training_alive": _flag(values, "causalmem_learner_training_alive"),
         "elected": _flag(values, "causalmem_learner_elected"),
         "ready": _flag(values, "causalmem_ready"),
+        "memories": memory_view(values),
         **rates,
     }
+
+
+def memory_view(values: dict[str, float], n: int = 5) -> dict[str, Any] | None:
+    """The learner's most harmful and most helpful memories (``causalmem_memory_effect``),
+    ``n`` each, worst and best first; None when it exports none (no per-memory credit yet).
+
+    >>> v = {"causalmem_memories_measured": 2.0,
+    ...      "causalmem_memory_effect{bound=mean,side=harmful,slot=7}": -0.4,
+    ...      "causalmem_memory_effect{bound=low,side=harmful,slot=7}": -0.6,
+    ...      "causalmem_memory_effect{bound=high,side=harmful,slot=7}": -0.2,
+    ...      "causalmem_memory_reads{kind=reads,side=harmful,slot=7}": 12.0,
+    ...      "causalmem_memory_reads{kind=effects,side=harmful,slot=7}": 9.0}
+    >>> memory_view(v)["harmful"]
+    [{'slot': 7, 'mean': -0.4, 'low': -0.6, 'high': -0.2, 'reads': 12, 'effects': 9}]
+    """
+    slots = labelled(values, "causalmem_memory_reads", "slot")
+    if not slots and not metric(values, "causalmem_memories_measured"):
+        return None
+    out: dict[str, Any] = {"measured": int(metric(values, "causalmem_memories_measured"))}
+    for side in ("harmful", "helpful"):
+        rows = []
+        for slot in slots:
+            reads = metric(values, "causalmem_memory_reads", slot=slot, side=side, kind="reads")
+            if not reads:
+                continue
+            row: dict[str, Any] = {"slot": int(slot)}
+            for bound in ("mean", "low", "high"):
+                row[bound] = finite(metric(values, "causalmem_memory_effect", slot=slot, side=side, bound=bound))
+            row["reads"] = int(reads)
+            row["effects"] = int(metric(values, "causalmem_memory_reads", slot=slot, side=side, kind="effects"))
+            rows.append(row)
+        rows.sort(key=lambda r: (r["mean"] if side == "harmful" else -r["mean"]) if r["mean"] is not None else 0.0)
+        out[side] = rows[:n]
+    return out
 
 
 def health_summary(workers: list[dict[str, Any]]) -> dict[str, Any] | None:

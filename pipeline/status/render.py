@@ -153,7 +153,33 @@ def _live(s: dict[str, Any]) -> Table:
         live.add_row("learner", _learner_line(lr) if lr["up"] else Text(f"{lr['url']} unreachable", style="red"))
         if lr["up"] and lr.get("training_alive") is False:
             live.add_row("", Text("training task ended: restart the learner", style="bold red"))
+        if lr["up"] and lr.get("memories"):
+            live.add_row("memories", _memories(lr["memories"]))
     return live
+
+
+def _memories(mv: dict[str, Any]) -> Table:
+    """The learner's most harmful and most helpful memories by measured effect (per-memory credit)."""
+    tbl = Table(
+        caption=f"{mv['measured']:,} memories with a measured effect; effect = nll_without_slot − nll_with",
+        caption_justify="left",
+        pad_edge=False,
+    )
+    for col in ("", "slot", "mean effect", "95% interval", "reads", "measured"):
+        tbl.add_column(col, justify="left" if not col else "right")
+    for side in ("harmful", "helpful"):
+        for r in mv.get(side, []):
+            interval = "-" if r["low"] is None else f"[{r['low']:+.3f}, {r['high']:+.3f}]"
+            style = "red" if side == "harmful" else "green"
+            tbl.add_row(
+                Text(side, style=style),
+                str(r["slot"]),
+                _num(r["mean"], "{:+.3f}"),
+                interval,
+                f"{r['reads']:,}",
+                f"{r['effects']:,}",
+            )
+    return tbl
 
 
 def _worker_line(w: dict[str, Any]) -> str:

@@ -39,6 +39,15 @@ ROWS: dict[str, RunSpec] = {
         "causal, dynamic, without the baseline", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_BASELINE": "none"}
     ),
     "gated": RunSpec("causal, dynamic, promotion gate (shipped default)", labels=False),
+    "credit": RunSpec(
+        "causal, dynamic, per-memory credit on every step", labels=False, attribution_rate=1.0, pipeline_env=NO_GATE
+    ),
+    "credit25": RunSpec(
+        "causal, dynamic, per-memory credit on 25% of steps", labels=False, attribution_rate=0.25, pipeline_env=NO_GATE
+    ),
+    "norevive": RunSpec(
+        "causal, dynamic, dropped candidates never revived", labels=False, explore_revive=0.0, pipeline_env=NO_GATE
+    ),
     "hot": RunSpec(
         "causal, lr 3e-2 (too high), no gate", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_LR": "0.03"}
     ),
@@ -47,6 +56,18 @@ ROWS: dict[str, RunSpec] = {
 DRIFT_ROWS: dict[str, RunSpec] = {
     "reset": RunSpec("drift, with reset", labels=False, pipeline_env=NO_GATE),
     "noreset": RunSpec("drift, without reset", labels=False, reset=False, pipeline_env=NO_GATE),
+    "reset_norevive": RunSpec(
+        "drift, with reset, dropped candidates never revived", labels=False, explore_revive=0.0, pipeline_env=NO_GATE
+    ),
+    "reset_credit": RunSpec(
+        "drift, with reset, per-memory credit on 25% of steps",
+        labels=False,
+        attribution_rate=0.25,
+        pipeline_env=NO_GATE,
+    ),
+    "reset_credit100": RunSpec(
+        "drift, with reset, per-memory credit on every step", labels=False, attribution_rate=1.0, pipeline_env=NO_GATE
+    ),
 }
 QUICK_ROWS = ("similarity", "dynamic")
 
@@ -55,6 +76,9 @@ SEED_CLAIMS = {
     "dynamic_empty": "≤ 0.3% empty results with the dynamic threshold (fixed: 12%)",
     "baseline_speed": "baseline converges ≥ 3× faster than no baseline",
     "drift_drop": "accuracy drop after drift ≤ 2.3% with reset (17% without)",
+    "credit_leak": "per-memory credit: harmful leak ≤ 1.7% (issue 14)",
+    "credit_speed": "per-memory credit: fewer steps to 90% of the final recall than the step reward (issue 14)",
+    "drift_recovery": "drift: correct on the last day ≥ 90% of the last day before the drift (issue 14)",
 }
 
 
@@ -95,10 +119,19 @@ def summarise(r: RunResult, final_share: float = 0.3) -> dict[str, Any]:
         "utility": float(np.mean(np.asarray(t.utility)[tail])),
         # The served policy itself: the requests not served at the exploration temperature.
         "utility_served": served_utility(t, tail),
+        # Leak and recall of the policy as served (requests not served at the exploration T).
+        "leak_served": served_mean(t.leak, t, tail),
+        "recall_served": served_mean(t.recall, t, tail),
         "events_to_90pct_recall": int(reach[0] + 300) if len(reach) else None,
         "checkpoints_loaded": r.versions_loaded,
         "wall_s": r.wall_s,
     }
+
+
+def served_mean(values: Any, t: Any, tail: slice) -> float:
+    exploit = ~np.asarray(t.explore, bool)[tail]
+    v = np.asarray(values, float)[tail][exploit]
+    return float(v.mean()) if v.size else float("nan")
 
 
 def served_utility(t: Any, tail: slice) -> float:
@@ -142,6 +175,48 @@ async def run_rows(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One seed (``--seed``) or several side by side (``--seeds 0,1,2``: rows are the means)."""
+    seeds = [int(x) for x in (getattr(args, "seeds", None) or "").split(",") if x.strip()]
+    if not seeds:
+        return await run_seed(args, args.seed)
+    per_seed = {}
+    for seed in seeds:
+        per_seed[seed] = await run_seed(args, seed)
+    first = per_seed[seeds[0]]
+    report: dict[str, Any] = {**first, "seeds": seeds, "per_seed": {str(k): _rows_only(v) for k, v in per_seed.items()}}
+    for part in ("rows", "drift"):
+        if part in first:
+            report[part] = {k: mean_row([per_seed[s][part][k] for s in seeds]) for k in first[part]}
+    report["wall_s"] = sum(v["wall_s"] for v in per_seed.values())
+    report["claims"] = claims(report)
+    return report
+
+
+def _rows_only(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: report[k] for k in ("rows", "drift") if k in report}
+
+
+def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of each number over seeds (``None`` where a seed has none).
+
+    >>> mean_row([{"name": "a", "leak": 0.1, "reach": 100}, {"name": "a", "leak": 0.3, "reach": None}])
+    {'name': 'a', 'leak': 0.2, 'reach': None}
+    """
+    out: dict[str, Any] = {}
+    for key, v in rows[0].items():
+        vals = [r.get(key) for r in rows]
+        nums = [float(x) for x in vals if isinstance(x, (int, float))]
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and len(nums) == len(vals):
+            m = float(np.mean(nums))
+            out[key] = round(m) if isinstance(v, int) else round(m, 12)
+        elif isinstance(v, (int, float)) or v is None:
+            out[key] = None
+        else:
+            out[key] = v
+    return out
+
+
+async def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     from pipeline.broker import own_broker
 
     console = require("rich.console", "lab").Console(stderr=True)
@@ -150,9 +225,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     wanted = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
     rate = 120.0
     t0 = time.monotonic()
-    report: dict[str, Any] = {"quick": args.quick, "text": args.text, "seed": args.seed}
+    report: dict[str, Any] = {"quick": args.quick, "text": args.text, "seed": seed}
     try:
-        scenario = learning_scenario(args.quick, args.text, args.seed, getattr(args, "scenario", None))
+        scenario = learning_scenario(args.quick, args.text, seed, getattr(args, "scenario", None))
         keys = wanted or (list(QUICK_ROWS) if args.quick else list(ROWS))
         unknown = [k for k in keys if k not in ROWS and k not in DRIFT_ROWS]
         if unknown:
@@ -163,7 +238,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["curves"] = {k: curves(r) for k, r in results.items()}
         drift_keys = [k for k in (wanted or ([] if args.quick else list(DRIFT_ROWS))) if k in DRIFT_ROWS]
         if drift_keys:
-            dsc = drift_scenario(args.quick, args.seed)
+            dsc = drift_scenario(args.quick, seed)
             dres = await run_rows({k: DRIFT_ROWS[k] for k in drift_keys}, dsc, bootstrap, logdir, console, rate)
             report["drift_scenario"] = dataclasses.asdict(dsc)
             report["drift"] = {k: {**summarise(r), **drift_drop(r, dsc)} for k, r in dres.items()}
@@ -218,7 +293,18 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
         a, b = rows["dynamic"]["events_to_90pct_recall"], rows["nobaseline"]["events_to_90pct_recall"]
         if a and b:
             add("baseline_speed", f"{a:,} vs {b:,} events to 90% of the final recall ({b / a:.1f}×)", b >= 3 * a)
+    if "dynamic" in rows:
+        for key in ("credit", "credit25"):
+            if key in rows:
+                add("credit_leak", f"{rows[key]['name']}: {rows[key]['leak']:.1%}", rows[key]["leak"] <= 0.017)
+                a, b = rows[key]["events_to_90pct_recall"], rows["dynamic"]["events_to_90pct_recall"]
+                if a and b:
+                    add("credit_speed", f"{rows[key]['name']}: {a:,} vs {b:,} steps (step reward)", a < b)
     drift = report.get("drift", {})
+    for row in drift.values():
+        if row.get("resets"):  # rows whose learner was reset
+            ok = row["last_day"] >= 0.9 * row["before"]
+            add("drift_recovery", f"{row['name']}: {row['last_day']:.1%} vs {row['before']:.1%} before", ok)
     if "reset" in drift and "noreset" in drift:
         add(
             "drift_drop",
@@ -234,14 +320,16 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| policy | harmful leak | helpful recall@k | empty results | mean true utility "
-        "| utility of the served policy (no exploration) | events to 90% of final recall |",
-        "|---|---|---|---|---|---|---|",
+        "| utility of the served policy (no exploration) | events to 90% of final recall "
+        "| leak / recall as served (no exploration) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in report.get("rows", {}).values():
         reach = f"{row['events_to_90pct_recall']:,}" if row["events_to_90pct_recall"] else "–"
         lines.append(
             f"| {row['name']} | {row['leak']:.1%} | {row['recall']:.1%} | {row['empty']:.1%} "
-            f"| {row['utility']:+.3f} | {row.get('utility_served', float('nan')):+.3f} | {reach} |"
+            f"| {row['utility']:+.3f} | {row.get('utility_served', float('nan')):+.3f} | {reach} "
+            f"| {row.get('leak_served', float('nan')):.1%} / {row.get('recall_served', float('nan')):.1%} |"
         )
     drift = report.get("drift", {})
     if drift:
@@ -319,6 +407,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", help="comma-separated rows to run (default: all; --quick: similarity,dynamic)")
     p.add_argument("--out", help="write the results as JSON here, and plots next to it")
     p.add_argument("--seed", type=int, default=0, help="scenario seed")
+    p.add_argument("--seeds", help="several seeds side by side, e.g. 0,1,2 (rows are the means; overrides --seed)")
 
 
 def main(args: argparse.Namespace) -> int:

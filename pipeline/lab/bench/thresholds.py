@@ -51,7 +51,7 @@ def train(env: Environment, s: Scenario, queries: int) -> Any:
         q = env.next_query()
         for step in range(q.steps):
             res = serve(retriever, env.step_features(q, step), with_texts=False)
-            _, nll_with, nll_without = env.feedback(q.intent, res.slots)
+            _, nll_with, nll_without, _ = env.feedback(q.intent, res.slots)
             if not res.event.fallback:
                 pending.append(Experience(res.event.event_id, "feedback", res.event, nll_without - nll_with))
             if len(pending) >= cfg.batch_size:
