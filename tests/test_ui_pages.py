@@ -29,7 +29,7 @@ from pipeline.ui.app import create_app
 from pipeline.ui.auth import Labeler, hash_password
 from pipeline.ui.feeds import LabelBook
 from pipeline.ui.health import Trends
-from pipeline.ui.memories import MemoryView, welford
+from pipeline.ui.memories import MemoryEffects, MemoryView
 from pipeline.ui.pool import SamplePool
 from topics.events import Features, RetrievalEvent
 from topics.fields import Limits, encode
@@ -338,9 +338,12 @@ def fed() -> Feeds:
 
 def test_memory_effects_are_welford_with_a_normal_interval() -> None:
     xs = np.random.default_rng(1).normal(0.2, 1.0, 500)
-    acc = (0, 0.0, 0.0)
+    effects = MemoryEffects(slots=8)
+    assert effects.get(3) is None
     for x in xs:
-        acc, e = welford(acc, float(x))
+        effects.update(3, float(x))
+    e = effects.get(3)
+    assert e is not None
     half = 1.959963984540054 * xs.std(ddof=1) / np.sqrt(len(xs))
     assert e.n == 500 and e.mean == pytest.approx(xs.mean()) and e.high - e.mean == pytest.approx(half)
 

@@ -125,7 +125,7 @@ class Feeds(Service):
         self.conn = config.connection
         self.limits = replace(self.conn.limits, slots=ANY_SLOT)
         t = self.conn.topics
-        self.memories = MemoryView(config.max_events, config.recent_per_memory)
+        self.memories = MemoryView(config.max_events, config.recent_per_memory, config.connection.limits.slots)
         self.trends = Trends()
         self.book = LabelBook()
         self.manifests: dict[int, dict[str, Any]] = {}

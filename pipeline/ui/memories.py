@@ -24,10 +24,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from models.memory_stats import Z95, MemoryStats
 from topics.events import RetrievalEvent
 from topics.internal import Experience
 
-Z95 = 1.959963984540054
 DELTA_ALPHA = 0.1  # weight of the newest reward-prediction error in δ
 SPARK_POINTS = 40  # recent effects a sparkline shows
 
@@ -50,37 +50,23 @@ class Effect:
         return 0.5 * math.erfc(self.mean / (se * math.sqrt(2)))
 
 
-def welford(acc: tuple[int, float, float], x: float | None = None) -> tuple[tuple[int, float, float], Effect]:
-    """The statistics, in one function: add ``x`` (if given) to ``(n, mean, M2)``; return it and the Effect.
-
-    >>> acc = (0, 0.0, 0.0)
-    >>> for x in (1.0, 2.0, 3.0):
-    ...     acc, e = welford(acc, x)
-    >>> acc, (e.n, e.mean, round(e.low, 3), round(e.high, 3))
-    ((3, 2.0, 2.0), (3, 2.0, 0.868, 3.132))
-    """
-    n, mean, m2 = acc
-    if x is not None:
-        n += 1
-        d = x - mean
-        mean += d / n
-        m2 += d * (x - mean)
-    half = Z95 * math.sqrt(m2 / (n - 1) / n) if n >= 2 else math.inf
-    return (n, mean, m2), Effect(n, mean, mean - half, mean + half)
-
-
 class MemoryEffects:
-    """Per-memory effect statistics: ``update(slot, value)`` and ``get(slot)`` (Welford, 95% interval)."""
+    """Per-memory effect statistics, ``update(slot, value)`` and ``get(slot)``: the learner's own
+    :class:`models.memory_stats.MemoryStats` (Welford, 95% normal interval), so the UI and the
+    learner's metrics agree."""
 
-    def __init__(self) -> None:
-        self._acc: dict[int, tuple[int, float, float]] = {}
+    def __init__(self, slots: int) -> None:
+        self._stats = MemoryStats(slots)
 
     def update(self, slot: int, value: float) -> None:
-        self._acc[slot], _ = welford(self._acc.get(slot, (0, 0.0, 0.0)), value)
+        self._stats.update((), {slot: value})
 
     def get(self, slot: int) -> Effect | None:
-        acc = self._acc.get(slot)
-        return None if acc is None else welford(acc)[1]
+        if not 0 <= slot < self._stats.slots or self._stats.n[slot] == 0:
+            return None
+        st = self._stats.get(slot)
+        low, high = (st.low, st.high) if st.effects >= 2 else (-math.inf, math.inf)
+        return Effect(st.effects, st.mean, low, high)
 
 
 @dataclass
@@ -108,11 +94,11 @@ class Memory:
 class MemoryView:
     """What the memory pages show, built incrementally from decoded events and experiences (bounded)."""
 
-    def __init__(self, max_events: int = 200_000, recent_per_memory: int = 20) -> None:
+    def __init__(self, max_events: int = 200_000, recent_per_memory: int = 20, slots: int = 1024) -> None:
         self.max_events = max_events
         self.recent_per_memory = recent_per_memory
         self.memories: dict[int, Memory] = {}
-        self.effects = MemoryEffects()
+        self.effects = MemoryEffects(slots)
         self.utilities: OrderedDict[tuple[str, int], float] = OrderedDict()  # (query_id, step) → utility
         self.events = 0
         self.experiences = 0
