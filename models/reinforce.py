@@ -80,16 +80,33 @@ def credit_loss(
     return -(weights * surrogate).mean()
 
 
-def label_loss(z: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Fine-tune toward labelled slots: −log Σ_{i∈labelled} softmax(z)_i over the candidates.
+def label_loss(
+    z: torch.Tensor, valid: torch.Tensor, target: torch.Tensor, harmful: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fine-tune toward labelled slots and away from slots marked harmful.
 
-    ``z`` [B, C] adjusted logits, ``valid`` [B, C] real candidates, ``target`` [B, C] the
-    labelled ones (rows without any labelled candidate must be filtered out beforehand).
+    Per row: ``−log Σ_{i∈labelled} softmax(z)_i`` when the row has labelled candidates, plus
+    ``−log(1 − Σ_{i∈harmful} softmax(z)_i)`` when it has harmful ones; the mean over rows.
+    ``z`` [B, C] adjusted logits, ``valid`` [B, C] real candidates, ``target`` and ``harmful``
+    [B, C] (every row must have at least one of the two, and a non-harmful candidate).
+
+    >>> z = torch.tensor([[0.0, 0.0]]); v = torch.tensor([[True, True]])
+    >>> round(float(label_loss(z, v, torch.tensor([[True, False]]))), 4)  # −log ½
+    0.6931
+    >>> round(float(label_loss(z, v, torch.tensor([[False, False]]), torch.tensor([[False, True]]))), 4)
+    0.6931
     """
     neg_inf = torch.finfo(z.dtype).min
     log_all = torch.logsumexp(z.masked_fill(~valid, neg_inf), dim=1)
+    has_good = (valid & target).any(dim=1)
     log_good = torch.logsumexp(z.masked_fill(~(valid & target), neg_inf), dim=1)
-    return (log_all - log_good).mean()
+    loss = torch.where(has_good, log_all - log_good, torch.zeros_like(log_all))
+    if harmful is not None:
+        bad = valid & harmful
+        has_bad = bad.any(dim=1)
+        log_rest = torch.logsumexp(z.masked_fill(~valid | bad, neg_inf), dim=1)
+        loss = loss + torch.where(has_bad, log_all - log_rest, torch.zeros_like(log_all))
+    return loss.mean()
 
 
 def grad_norm(parameters: list[torch.nn.Parameter]) -> float:

@@ -84,6 +84,7 @@ class Batch:
     effect: np.ndarray  # [B, K] float64: each selected memory's measured effect (per-memory credit)
     has_effect: np.ndarray  # [B, K] bool: positions whose memory has an effect
     target: torch.Tensor | None = None  # [B, C] bool: labelled slots (label batches)
+    harmful: torch.Tensor | None = None  # [B, C] bool: slots the labeler marked harmful (label batches)
 
 
 def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_target: bool = False) -> Batch:
@@ -98,6 +99,7 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
     effect = np.zeros((b, k), np.float64)
     has_effect = np.zeros((b, k), bool)
     target = np.zeros((b, c), bool) if with_target else None
+    harmful = np.zeros((b, c), bool) if with_target else None
     for i, e in enumerate(experiences):
         ev = e.event
         n = len(ev.candidates)
@@ -117,6 +119,10 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
             for s in e.correct_memories:
                 if s in pos:
                     target[i, pos[s]] = True
+        if harmful is not None and e.harmful_memories:
+            for s in e.harmful_memories:
+                if s in pos:
+                    harmful[i, pos[s]] = True
     emb = np.stack([e.event.features.query_embedding for e in experiences]).astype(np.float32, copy=False)
     feats = np.array(
         [(e.event.features.last_step_loss, e.event.features.last_step_entropy) for e in experiences], np.float32
@@ -140,6 +146,7 @@ def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_targ
         effect=effect,
         has_effect=has_effect,
         target=t(target) if target is not None else None,
+        harmful=t(harmful) if harmful is not None else None,
     )
 
 
@@ -152,6 +159,14 @@ class UpdateStats:
     weights: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     credited: int = 0  # selected memories that had their own effect (per-memory credit)
+
+
+def _label_usable(e: Experience) -> bool:
+    """A label teaches something: a labelled candidate, or a harmful one beside others."""
+    cands = set(e.event.candidates)
+    good = set(e.correct_memories or ()) & cands
+    bad = set(e.harmful_memories or ()) & cands
+    return bool(good) or (bool(bad) and len(cands - bad) > 0)
 
 
 class PolicyTrainer:
@@ -265,9 +280,10 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ labels
     def fine_tune(self, labelled: Sequence[Experience], steps: int = 1) -> UpdateStats:
-        """Move probability mass toward the labelled slots, updating the last layer only."""
+        """Move probability mass toward the labelled slots and away from those marked harmful,
+        updating the last layer only."""
         stats = UpdateStats()
-        usable = [e for e in labelled if e.correct_memories and set(e.correct_memories) & set(e.event.candidates)]
+        usable = [e for e in labelled if _label_usable(e)]
         if not usable:
             return stats
         batch = make_batch(usable, self.device, with_target=True)
@@ -279,7 +295,7 @@ class PolicyTrainer:
                 alpha = self.net.alpha.detach()
             m = self.net.candidate_masks(h, batch.slots)
             z = adjusted_logits_torch(batch.scores, m, alpha, batch.temperature)
-            loss = label_loss(z, batch.valid, batch.target)
+            loss = label_loss(z, batch.valid, batch.target, batch.harmful)
             if not self._step(loss, self.label_optimizer, params, stats):
                 return stats
         stats.applied = len(usable)

@@ -110,3 +110,51 @@ async def test_the_learner_serves_a_suppression_at_once_and_keeps_it_after_a_res
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+async def test_an_answer_marking_a_memory_harmful_becomes_a_label_experience() -> None:
+    """A queued sample answered with a harmful memory and nothing correct still teaches."""
+    from pipeline.worker.records import StoredSamples
+    from topics.convert import make_sample, sample_id_for
+    from topics.internal import decode_experience
+
+    tables = Tables(**{name: {} for name in Tables.__dataclass_fields__})
+    outputs = Outputs(**{name: _Topic() for name in Outputs.__dataclass_fields__})
+    metrics = Metrics()
+    stage = LabelsStage(
+        tables, outputs, metrics, OutcomesStage(tables, outputs, metrics, S.limits()), S.topics(), S.limits()
+    )
+    ev = experience(S, 0).event
+    sample = make_sample(ev, -0.5, "error", ev.ts)
+    sid = sample_id_for(ev.query_id, ev.step)
+    tables.al_samples[ev.query_id.encode()] = StoredSamples(samples={sid: encode(sample.to_dict()).decode()}, ts=ev.ts)
+    bad = ev.candidates[0]
+    answer = label(
+        ev.query_id, "memory_choice", sample_id=sid, correct_memories=[], harmful_memories=[bad], step=ev.step
+    )
+    await stage.on_label(answer)
+    sent = outputs.experiences.sent  # type: ignore[attr-defined]
+    assert len(sent) == 1
+    exp = decode_experience(sent[0]["value"], S.limits())
+    assert (exp.kind, exp.correct_memories, exp.harmful_memories) == ("label", [], [bad])
+
+
+def test_fine_tuning_on_a_harmful_mark_lowers_that_memorys_probability() -> None:
+    t = PolicyTrainer(TrainerConfig(embedding_dim=8, slots=16, hidden=16, label_lr=5e-2))
+    ev = experience(S, 0).event
+    ev.candidates, ev.selected, ev.scores = [1, 2, 3], [1], np.array([0.9, 0.8, 0.7])
+
+    def p_first(slot: int) -> float:
+        with torch.no_grad():
+            from models.serving_rule import adjusted_logits_torch
+
+            emb = torch.tensor(ev.features.query_embedding[None, :])
+            h = t.net.features(emb, torch.zeros(1), torch.zeros(1))
+            m = t.net.candidate_masks(h, torch.tensor([ev.candidates]))
+            z = adjusted_logits_torch(torch.tensor([ev.scores], dtype=torch.float32), m, t.net.alpha, torch.ones(1))
+            return float(torch.softmax(z, dim=1)[0, ev.candidates.index(slot)])
+
+    before = p_first(2)
+    stats = t.fine_tune([Experience("l1", "label", ev, 0.0, correct_memories=[], harmful_memories=[2])], steps=20)
+    assert stats.applied == 1
+    assert p_first(2) < before

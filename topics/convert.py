@@ -114,5 +114,10 @@ def label_experience(label: HumanLabel, sample: ActiveLearningSample) -> Experie
         policy_version=sample.policy_version,
     )
     return Experience(
-        id=label.event_id, kind="label", event=event, utility=0.0, correct_memories=label.correct_memories
+        id=label.event_id,
+        kind="label",
+        event=event,
+        utility=0.0,
+        correct_memories=label.correct_memories,
+        harmful_memories=label.harmful_memories or None,
     )

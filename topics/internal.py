@@ -63,6 +63,8 @@ class Experience:
     # Per-memory credit (contract 1.1): slot → nll_without_slot[s] − nll_with, for the selected
     # slots the feedback measured; None when the feedback carried only the step's utility.
     slot_effects: dict[int, float] | None = None
+    # Contract 1.2: memories a labeler marked harmful for this sample (kind ``label``).
+    harmful_memories: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         body = self.event.to_dict()
@@ -82,6 +84,8 @@ class Experience:
         }
         if self.correct_memories is not None:
             out["correct_memories"] = self.correct_memories
+        if self.harmful_memories:
+            out["harmful_memories"] = self.harmful_memories
         if self.slot_effects:
             out["slot_effects"] = {str(k): v for k, v in self.slot_effects.items()}
         return out
@@ -112,6 +116,7 @@ def decode_experience(raw: bytes, limits: Limits) -> Experience:
         utility=f.float_("utility"),
         correct_memories=f.slots_("correct_memories", required=False),
         slot_effects=f.slot_floats_("slot_effects") or None,
+        harmful_memories=f.slots_("harmful_memories", required=False) or None,
     )
 
 

@@ -128,7 +128,7 @@ class LabelsStage:
         if sample_text is None:
             self.metrics.labels_expired.labels(kind="memory_choice").inc()
             return
-        if not label.correct_memories:
+        if not label.correct_memories and not label.harmful_memories:
             return  # a skip: nothing to learn
         try:
             sample = decode_active_learning_sample(sample_text.encode(), self.limits)
