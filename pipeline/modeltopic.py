@@ -35,7 +35,8 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from pipeline import kafka
-from pipeline.config import Connection, Settings
+from pipeline.component_config import Connection
+from pipeline.config import Settings
 from topics.fields import Rejected, encode
 from topics.manifest import (
     MAX_EPOCH_JUMP,

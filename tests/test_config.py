@@ -8,7 +8,8 @@ import ssl
 import faust
 import pytest
 
-from pipeline.config import KafkaSecurity, Settings
+from pipeline.component_config import KafkaSecurity
+from pipeline.config import Settings
 from pipeline.kafka import faust_credentials, security_kwargs
 
 

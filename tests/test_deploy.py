@@ -54,7 +54,8 @@ def _verbs() -> set[str]:
 
 
 def _valid_env_names() -> set[str]:
-    from pipeline.config import KafkaSecurity, Settings
+    from pipeline.component_config import KafkaSecurity
+    from pipeline.config import Settings
 
     names = {"CAUSALMEM_" + f.name.upper() for f in fields(Settings) if f.name != "security"}
     names |= {"CAUSALMEM_KAFKA_" + f.name.upper() for f in fields(KafkaSecurity)}

@@ -7,7 +7,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import pipeline.cli as cli
-from pipeline.config import KafkaSecurity, Settings
+from pipeline.component_config import KafkaSecurity
+from pipeline.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

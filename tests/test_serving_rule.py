@@ -130,7 +130,10 @@ def test_revive_cases(net: PolicyNetwork, vectors: dict[str, Any]) -> None:
     """Contract 1.2, §6 step 3b: a revived candidate joins the event's candidates and the
     logprob is the Plackett–Luce one over them (a revived slot may be drawn)."""
     alpha = float(net.alpha.detach()[0])
-    cases = vectors["revive_cases"]
+    # The revive cases are this project's addition (1.2): always from its own copy of the
+    # vectors, whose weights are the shared ones.
+    own = json.loads((Path(__file__).resolve().parent / "data" / "contract" / "vectors.json").read_text())
+    cases = own["revive_cases"]
     assert cases and any(set(c["revived"]) & set(c["selected"]) for c in cases)
     for case in cases:
         mask = _mask(net, case)

@@ -37,7 +37,8 @@ from pipeline.client.outbox import Outbox
 from pipeline.client.serving import draw, keep_flags, policy_masks
 from pipeline.client.shadow import Decision, ShadowMode, uniform_draw
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.config import AdapterConfig, Connection, Settings
+from pipeline.component_config import AdapterConfig, Connection
+from pipeline.config import Settings
 from topics.events import Features, RetrievalEvent
 
 D = TypeVar("D")
@@ -83,7 +84,7 @@ class CausalServing(Outbox, Generic[D]):
     conn
         Limits (D, S), the policy name and the topics.
     config
-        :class:`~pipeline.config.AdapterConfig`.
+        :class:`~pipeline.component_config.AdapterConfig`.
     idmap
         The id → slot map, or a path for one (None: in memory, lost on restart).
     publisher

@@ -26,7 +26,8 @@ import numpy as np
 from models.serving_rule import revive_dropped
 from pipeline.client.serving import draw, keep_flags, policy_masks
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.config import Connection, Settings
+from pipeline.component_config import Connection
+from pipeline.config import Settings
 from topics.events import Features, RetrievalEvent
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class CausalRetriever:
     candidate is kept anyway with this probability (0 turns it off).
 
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
-    :class:`~pipeline.config.Connection` or ``Settings``), when given, also checks the
+    :class:`~pipeline.component_config.Connection` or ``Settings``), when given, also checks the
     memories against the pipeline's limits (dimension, number of slots).
     """
 

@@ -27,7 +27,8 @@ from aiokafka import TopicPartition
 from models.policy import Arch, PolicyNetwork
 from models.weights import verify_and_load
 from pipeline import kafka
-from pipeline.config import Connection, Settings
+from pipeline.component_config import Connection
+from pipeline.config import Settings
 from pipeline.modeltopic import ModelTopicIndex, fetch_blob, model_topic
 from pipeline.service import Service
 from topics.manifest import CheckpointError, Manifest, parse_key, validate_policy_name
@@ -88,7 +89,7 @@ class PolicySubscriber(Service):
     policy
         The policy to follow; default: ``conn.policy``.
     conn
-        Topic names, limits and SASL/TLS (a :class:`~pipeline.config.Connection`, or
+        Topic names, limits and SASL/TLS (a :class:`~pipeline.component_config.Connection`, or
         ``Settings``, whose part is taken); default: the product's defaults.
     on_update
         Called (and awaited when it returns a coroutine) with each newly loaded policy.

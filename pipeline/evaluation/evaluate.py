@@ -22,7 +22,8 @@ from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
 from pipeline import kafka
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.config import Connection, Settings
+from pipeline.component_config import Connection
+from pipeline.config import Settings
 from pipeline.modeltopic import scan_model_topic
 from topics.fields import Rejected
 from topics.internal import Experience, decode_experience

@@ -31,7 +31,8 @@ from models.logged import LoggedDecisions, Tempered
 from models.policy import PolicyNetwork
 from pipeline import kafka
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.config import Connection, Settings, ShadowConfig
+from pipeline.component_config import Connection, ShadowConfig
+from pipeline.config import Settings
 from pipeline.evaluation.evaluate import experiences_tail
 from pipeline.modeltopic import ModelTopicIndex, scan_model_topic
 from topics.fields import encode

@@ -29,7 +29,7 @@ import numpy as np
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from pipeline import kafka
-from pipeline.config import EvaluatorConfig
+from pipeline.component_config import EvaluatorConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.evaluator.metrics import EvaluatorMetrics
 from pipeline.evaluator.plan import Plan, feedback, plan

@@ -23,7 +23,8 @@ from models.drift import DriftMonitor
 from models.trainer import PolicyTrainer, TrainerConfig
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.config import GateConfig, Settings
+from pipeline.component_config import GateConfig
+from pipeline.config import Settings
 from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, serve
 from pipeline.learner.gate import judge_window
 from pipeline.learner.replay import Replay

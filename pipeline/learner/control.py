@@ -17,7 +17,7 @@ from typing import Any
 
 from models.policy import Arch
 from models.trainer import PolicyTrainer
-from pipeline.config import LearnerConfig
+from pipeline.component_config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Inbox

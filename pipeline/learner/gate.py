@@ -30,7 +30,7 @@ from models.estimators import Estimate, evaluate, gain
 from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
 from models.reward_model import SlotRewardModel
-from pipeline.config import GateConfig
+from pipeline.component_config import GateConfig
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.internal import Experience

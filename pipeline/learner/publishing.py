@@ -27,7 +27,7 @@ import torch
 from models.policy import Arch
 from models.trainer import PolicyTrainer
 from models.weights import to_safetensors
-from pipeline.config import LearnerConfig
+from pipeline.component_config import LearnerConfig
 from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Key
 from pipeline.learner.store import LocalStore
