@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from models.serving import ServingParams
 from topics.fields import Limits
 from topics.names import Topics
 
@@ -88,7 +89,7 @@ class GateConfig:
     window: int = 2000  # the last logged experiences a candidate is judged on
     epsilon: float = 0.02  # promote when the gain's lower bound is above −epsilon
     min_ess: float = 50.0  # logged decisions (dr) or effective sample size (snips, ips) needed
-    method: str = "dr"  # dr | snips | ips
+    method: str = "dr-pi"  # dr-pi | dr | pi | snips | ips (models/slate.py)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class LearnerConfig:
     connection: Connection
     trainer: TrainerConfig
     gate: GateConfig | None = field(default_factory=GateConfig)  # None: every checkpoint serves at once
+    serving: ServingParams = field(default_factory=ServingParams)  # written in each manifest; the gate judges by it
     state_dir: Path = Path("~/.causalmem")  # the learner keeps its local checkpoints below it
     batch_size: int = 64
     reorder_s: float = 0.0  # >0: apply in event-time order, after this much reordering slack
@@ -214,7 +216,13 @@ class Settings:
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
-    gate_method: str = "dr"  # dr | snips | ips
+    gate_method: str = "dr-pi"  # dr-pi | dr | pi | snips | ips
+    # serving: how clients serve the policy, recorded in each manifest (models/serving.py)
+    serve_temperature: float = 0.05
+    serve_explore_rate: float = 0.1  # share of requests served at serve_explore_temperature
+    serve_explore_temperature: float = 0.25
+    serve_drop: str = "dynamic"  # dynamic | fixed | none
+    serve_drop_ratio: float = 0.01  # dynamic: share of the largest mask; fixed: the threshold
     # join and stream stages
     join_window_s: float = 600.0  # event time
     join_batch: int = 2000
@@ -320,12 +328,23 @@ class Settings:
             seed=self.seed,
         )
 
+    def serving(self) -> ServingParams:
+        """How clients serve the policy (raises ``ValueError`` on values they could not serve)."""
+        return ServingParams(
+            temperature=self.serve_temperature,
+            explore_rate=self.serve_explore_rate,
+            explore_temperature=self.serve_explore_temperature,
+            drop=self.serve_drop,
+            drop_ratio=self.serve_drop_ratio,
+        )
+
     def learner(self) -> LearnerConfig:
         gate = GateConfig(self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method)
         return LearnerConfig(
             connection=self.connection(),
             trainer=self.trainer(),
             gate=gate if self.gate else None,
+            serving=self.serving(),
             state_dir=Path(os.path.expanduser(self.state_dir)),
             batch_size=self.batch_size,
             reorder_s=self.reorder_s,

@@ -87,6 +87,7 @@ class CheckpointPublisher:
         input_offsets: dict[str, int] | None = None,
         candidate: bool = False,
         version: int | None = None,
+        serving: dict[str, Any] | None = None,
     ) -> Manifest:
         """Publish a checkpoint's chunks then its manifest; wait until the broker acknowledged all.
 
@@ -106,6 +107,8 @@ class CheckpointPublisher:
             Publish under the candidate key (awaiting the promotion gate) instead of serving.
         version
             An explicit version (above every earlier one); default: the next.
+        serving
+            How clients serve it (``ServingParams.to_wire()``), the manifest's optional ``serving``.
         """
         version = version if version is not None else self.next_version()
         if version <= self.last_version:
@@ -128,6 +131,7 @@ class CheckpointPublisher:
             chunks=len(chunks),
             metrics=metrics or {},
             input_offsets=input_offsets or {},
+            serving=serving,
         )
         key = candidate_key(self.policy) if candidate else serving_key(self.policy)
         futures.append(await self.producer.send(self.topic, encode(manifest.to_dict()), key=key.encode(), partition=0))

@@ -1,4 +1,4 @@
-"""``causalmem bench throughput|learning|soak``: the benchmarks, one subcommand each with its own flags.
+"""``causalmem bench throughput|learning|soak|gate``: the benchmarks, one subcommand each with its own flags.
 
 Each benchmark is a module of :mod:`pipeline.lab.bench` with ``add_options(parser)`` and
 ``main(args)``; only the chosen one is imported (they pull in torch), and only when its
@@ -19,6 +19,7 @@ HELP = {
     "throughput": "raw aiokafka vs the pipeline end to end; the learner's update vs a bare torch step",
     "learning": "what each policy learns on a scenario with known ground truth",
     "soak": "a steady input rate with lag and memory sampled; then the maximum sustainable rate",
+    "gate": "the promotion gate's calibration on the simulator: coverage, false and missed promotions",
 }
 
 

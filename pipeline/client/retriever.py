@@ -24,7 +24,9 @@ import faiss
 import numpy as np
 import torch
 
+from models.serving import ServingParams
 from models.serving_rule import (
+    DYNAMIC_DROP_RATIO,
     adjusted_logits,
     first_draw_probs,
     keep_dynamic,
@@ -77,6 +79,12 @@ class CausalRetriever:
     ``drop``: ``"dynamic"`` (m_i < 0.01·max m, the contract), a float for a fixed
     threshold, or ``"none"`` (soft intervention only: re-rank, never drop).
 
+    Serving parameters (``temperature``, ``explore_rate``, ``explore_temperature``,
+    ``drop``): an explicit argument wins; otherwise the loaded checkpoint's manifest
+    ``serving`` field (what the learner was configured with and the promotion gate judged
+    the policy under) sets them; otherwise T = 0.05, no exploration, explore T = 0.25,
+    dynamic drop.
+
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
     :class:`~pipeline.config.Connection` or ``Settings``), when given, also checks the
     memories against the pipeline's limits (dimension, number of slots).
@@ -88,13 +96,13 @@ class CausalRetriever:
         texts: Sequence[str] | None = None,
         k: int = 3,
         n_candidates: int = 20,
-        temperature: float = 0.05,
-        drop: str | float = "dynamic",
+        temperature: float | None = None,
+        drop: str | float | None = None,
         fallback: FallbackFn | None = None,
         policy: str | None = None,
         seed: int | None = None,
-        explore_rate: float = 0.0,
-        explore_temperature: float = 0.25,
+        explore_rate: float | None = None,
+        explore_temperature: float | None = None,
         conn: Connection | Settings | None = None,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
@@ -112,8 +120,19 @@ class CausalRetriever:
         self.texts = list(texts) if texts is not None else None
         self.k = k
         self.n_candidates = n_candidates
-        self.temperature = temperature
-        self.drop = drop
+        self.explicit = {
+            name: value
+            for name, value in (
+                ("temperature", temperature),
+                ("drop", drop),
+                ("explore_rate", explore_rate),
+                ("explore_temperature", explore_temperature),
+            )
+            if value is not None
+        }
+        self.temperature = temperature if temperature is not None else 0.05
+        self.drop: str | float = drop if drop is not None else "dynamic"
+        self.drop_ratio = DYNAMIC_DROP_RATIO
         if fallback is None and self.texts is not None:
             fallback = BM25Fallback(self.texts)
         if fallback is None:
@@ -125,14 +144,29 @@ class CausalRetriever:
         # Exploration: a share of requests is served at a higher temperature (logged on the
         # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
         # what it picks and learns nothing more; these requests keep the gradient alive.
-        self.explore_rate = explore_rate
-        self.explore_temperature = explore_temperature
+        self.explore_rate = explore_rate if explore_rate is not None else 0.0
+        self.explore_temperature = explore_temperature if explore_temperature is not None else 0.25
 
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """Swap the policy in (use as PolicySubscriber's ``on_update``)."""
         if policy is not None and policy.net.arch.slots < self.embeddings.shape[0]:
             raise ValueError(f"policy has {policy.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
         self.policy = policy
+        if policy is not None and policy.manifest.serving is not None:
+            self.follow(ServingParams.from_wire(policy.manifest.serving))
+
+    def follow(self, params: ServingParams) -> None:
+        """Serve by ``params`` except where the constructor was given an explicit value."""
+        for name, value in (
+            ("temperature", params.temperature),
+            ("drop", params.drop_spec),
+            ("explore_rate", params.explore_rate),
+            ("explore_temperature", params.explore_temperature),
+        ):
+            if name not in self.explicit:
+                setattr(self, name, value)
+        if "drop" not in self.explicit:
+            self.drop_ratio = params.drop_ratio
 
     def candidate_masks(
         self, query_embedding: np.ndarray, loss: float, entropy: float, slots: np.ndarray
@@ -165,7 +199,7 @@ class CausalRetriever:
         slots, scores = self.search(q, self.n_candidates)
         masks = self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
         if self.drop == "dynamic":
-            keep = keep_dynamic(masks)
+            keep = keep_dynamic(masks, self.drop_ratio)
         elif self.drop == "none":
             keep = np.isfinite(masks)
         else:

@@ -103,8 +103,11 @@ class Publishing:
         )
         self.store = store
         self.arch = arch
+        self.serving = config.serving
         self.metrics = metrics
-        self.gate = PromotionGate(config.gate, self.publisher, metrics, window) if config.gate else None
+        self.gate = (
+            PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving) if config.gate else None
+        )
 
     def is_candidate(self, reason: str) -> bool:
         # A drift reset is served at once: the detector has just shown that the serving
@@ -127,6 +130,7 @@ class Publishing:
             metrics=metrics,
             input_offsets=input_offsets,
             candidate=candidate,
+            serving=self.serving.to_wire(),
         )
         self.store.save(manifest, tensors, trainer.optimizer_tensors(), trainer.baseline.state())
         role = "candidate" if candidate else "serving"

@@ -3,7 +3,8 @@
 - ``throughput``: raw aiokafka consumption vs the pipeline end to end (worker + learner
   processes on the same broker), and the learner's update vs a bare torch step;
 - ``learning``: what each policy learns on a scenario with known ground truth;
-- ``soak``: a steady input rate for a set time, with lag and memory sampled.
+- ``soak``: a steady input rate for a set time, with lag and memory sampled;
+- ``gate``: the promotion gate's calibration on the simulator (coverage, false and missed promotions).
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -15,4 +16,5 @@ BENCHES = {
     "throughput": "pipeline.lab.bench.throughput",
     "learning": "pipeline.lab.bench.learning",
     "soak": "pipeline.lab.bench.soak",
+    "gate": "pipeline.lab.bench.gate",
 }
