@@ -1,4 +1,4 @@
-"""``causalmem evaluate``: off-policy estimates of the serving, candidate, similarity and uniform policies."""
+"""``causalmem evaluate``: off-policy estimates of the serving, candidate, similarity and uniform policies as served."""
 
 from __future__ import annotations
 

@@ -152,8 +152,8 @@ class CausalRetriever:
         if policy is not None and policy.net.arch.slots < self.embeddings.shape[0]:
             raise ValueError(f"policy has {policy.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
         self.policy = policy
-        if policy is not None and policy.manifest.serving is not None:
-            self.follow(ServingParams.from_wire(policy.manifest.serving))
+        if policy is not None and policy.serving is not None:
+            self.follow(policy.serving)
 
     def follow(self, params: ServingParams) -> None:
         """Serve by ``params`` except where the constructor was given an explicit value."""

@@ -151,7 +151,21 @@ def _live(s: dict[str, Any]) -> Table:
         live.add_row("learner", _learner_line(lr) if lr["up"] else Text(f"{lr['url']} unreachable", style="red"))
         if lr["up"] and lr.get("training_alive") is False:
             live.add_row("", Text("training task ended: restart the learner", style="bold red"))
+        if lr["up"] and lr.get("gate"):
+            live.add_row("gate", gate_line(lr["gate"]))
     return live
+
+
+def gate_line(g: dict[str, Any]) -> Text:
+    """The gate's last decision; 'insufficient data' with the ESS it has and needs.
+
+    >>> gate_line({"decision": "insufficient", "ess": 38.0, "ess_needed": 200.0}).plain
+    'insufficient data: ESS 38 (200 needed)'
+    """
+    ess = f"ESS {g['ess']:,.0f}"
+    if g["decision"] == "insufficient":
+        return Text(f"insufficient data: {ess} ({g['ess_needed']:,.0f} needed)", style="yellow")
+    return Text(f"last candidate {g['decision']} ({ess})", style="green" if g["decision"] == "promoted" else "")
 
 
 def _worker_line(w: dict[str, Any]) -> str:
