@@ -88,7 +88,7 @@ class GateConfig:
 
     window: int = 2000  # the last logged experiences a candidate is judged on
     epsilon: float = 0.02  # promote when the gain's lower bound is above −epsilon
-    min_ess: float = 50.0  # logged decisions (dr) or effective sample size (snips, ips) needed
+    min_ess: float = 50.0  # effective sample size of the importance weights a decision needs
     method: str = "dr-pi"  # dr-pi | dr | pi | snips | ips (models/slate.py)
 
 

@@ -8,9 +8,10 @@ experiences, the values of the candidate, the serving policy and similarity-only
 retrieval **as clients serve them** (the serving parameters of :mod:`models.serving`:
 the mixture of the serving and the exploration temperature, with the hard drop), not at
 each event's logged T; the logged T and logprob are the behaviour policy. The estimator is
-the slate doubly robust one by default (:mod:`models.slate`: additive reward model,
-pseudo-inverse correction, per-slot correction where per-memory credit is present),
-clipped to the values a top-k can reach on the logged candidates.
+``dr-pi`` by default (:mod:`models.slate`, :mod:`models.served`): slate doubly robust —
+cross-fitted additive reward model, pseudo-inverse correction, per-slot correction where
+per-memory credit is present — with intervals widened to contain the pseudo-inverse
+estimator's, all clipped to the values a top-k can reach on the logged candidates.
 
 A candidate is
 
