@@ -87,11 +87,11 @@ async def evaluate_window(
         "policy": conn.policy,
         "decisions": len(exps),
         "versions": versions,
-        "serving_params": params.to_wire(),
         "estimates": {},
     }
     if not exps:
         return report
+    report["serving_params"] = params.to_wire()  # how every policy below is evaluated
     decisions = LoggedDecisions.from_experiences(exps)
     report["logged_mean_utility"] = float(np.mean([e.utility for e in exps]))
     served = {name: Served(p, params) for name, p in policies.items()}
