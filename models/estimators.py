@@ -8,7 +8,7 @@ module estimates V(π) = E_s E_{a∼π(·|s)}[u] for another policy π:
 * :func:`ips` — inverse propensity scoring, mean(w·u);
 * :func:`snips` — self-normalised IPS, Σw·u / Σw (biased but consistent, lower variance);
 * :func:`doubly_robust` — mean(r̂_π(s) + w·(u − r̂(logged selection))) with the
-  :class:`SlotRewardModel` as the direct model;
+  :class:`~models.reward_model.AdditiveRewardModel` as the direct model by default;
 
 where ``w = exp(log π(selected|s) − logprob)``, optionally clipped at ``clip`` (the share
 of clipped weights is reported). Each :class:`Estimate` carries a seeded percentile
@@ -66,7 +66,7 @@ from models.logged import (
     resolve_target,
     target_logits,
 )
-from models.reward_model import DEFAULT_SAMPLES, SlotRewardModel
+from models.reward_model import DEFAULT_SAMPLES, AdditiveRewardModel, SlotRewardModel
 
 DEFAULT_CLIP = 50.0
 DEFAULT_LEVEL = 0.95
@@ -120,8 +120,8 @@ def effective_sample_size(w: np.ndarray) -> float:
 
 
 @dataclass(frozen=True)
-class _Parts:
-    """statistic = Σ num / Σ den over a set of decisions (den = 1 for IPS and DR)."""
+class Parts:
+    """statistic = Σ num / Σ den over a set of decisions (den = 1 for IPS and DR); ``w`` gives the ESS."""
 
     num: np.ndarray
     den: np.ndarray
@@ -171,9 +171,10 @@ def paired_bootstrap(
     return float(low), float(high)
 
 
-def _estimate(
-    parts: Sequence[_Parts], signs: Sequence[float], method: str, n_boot: int, level: float, seed: int
+def estimate_from_parts(
+    parts: Sequence[Parts], signs: Sequence[float], method: str, n_boot: int, level: float, seed: int
 ) -> Estimate:
+    """Σ_j sign_j·(Σ num_j / Σ den_j) with its paired bootstrap interval; ESS: the smallest of the parts'."""
     n = int(parts[0].num.shape[0])
     ess = min(effective_sample_size(p.w) for p in parts)
     share = max(p.clipped_share for p in parts)
@@ -191,16 +192,16 @@ def _estimate(
 # --------------------------------------------------------------------------- estimators
 
 
-def _ips_parts(u: np.ndarray, logw: np.ndarray, clip: float | None) -> _Parts:
+def _ips_parts(u: np.ndarray, logw: np.ndarray, clip: float | None) -> Parts:
     w, share = clipped_weights(logw, clip)
     u = np.asarray(u, np.float64)
-    return _Parts(w * u, np.ones_like(w), w, share)
+    return Parts(w * u, np.ones_like(w), w, share)
 
 
-def _snips_parts(u: np.ndarray, logw: np.ndarray, clip: float | None) -> _Parts:
+def _snips_parts(u: np.ndarray, logw: np.ndarray, clip: float | None) -> Parts:
     w, share = clipped_weights(logw, clip)
     u = np.asarray(u, np.float64)
-    return _Parts(w * u, w, w, share)
+    return Parts(w * u, w, w, share)
 
 
 def ips(
@@ -218,7 +219,7 @@ def ips(
     >>> round(e.value, 6), round(e.ess, 6)  # (2 + 1 + 3) / 3
     (2.0, 2.333333)
     """
-    return _estimate([_ips_parts(u, logw, clip)], [1.0], "ips", n_boot, level, seed)
+    return estimate_from_parts([_ips_parts(u, logw, clip)], [1.0], "ips", n_boot, level, seed)
 
 
 def snips(
@@ -236,7 +237,7 @@ def snips(
     >>> round(e.value, 6)  # 6 / 3.5
     1.714286
     """
-    return _estimate([_snips_parts(u, logw, clip)], [1.0], "snips", n_boot, level, seed)
+    return estimate_from_parts([_snips_parts(u, logw, clip)], [1.0], "snips", n_boot, level, seed)
 
 
 def _dr_parts(
@@ -245,10 +246,10 @@ def _dr_parts(
     reward_model: SlotRewardModel,
     target_reward: np.ndarray,
     clip: float | None,
-) -> _Parts:
+) -> Parts:
     w, share = clipped_weights(logw, clip)
     terms = target_reward + w * (decisions.utility - reward_model.predict(decisions))
-    return _Parts(terms, np.ones_like(terms), w, share)
+    return Parts(terms, np.ones_like(terms), w, share)
 
 
 def doubly_robust(
@@ -265,7 +266,7 @@ def doubly_robust(
 ) -> Estimate:
     """Doubly robust: mean(r̂_π(s) + w·(u − r̂(logged selection))).
 
-    ``reward_model`` defaults to a :class:`SlotRewardModel` fit on ``decisions``; r̂_π comes
+    ``reward_model`` defaults to an :class:`AdditiveRewardModel` fit on ``decisions``; r̂_π comes
     from :meth:`SlotRewardModel.expected_under` for ``policy`` (the policy ``logw`` is for).
 
     >>> d = LoggedDecisions.from_lists([[1, 2]], [[0.5, 0.5]], [[1, 2]], [1.0], [np.log(0.5)], [1.0])
@@ -273,10 +274,10 @@ def doubly_robust(
     >>> round(doubly_robust(d, np.zeros(1), m, "uniform", n_boot=10).value, 6)  # 0.5 + 1·(1 − 0.5)
     1.0
     """
-    model = reward_model if reward_model is not None else SlotRewardModel().fit(decisions)
+    model = reward_model if reward_model is not None else AdditiveRewardModel().fit(decisions)
     target_reward = model.expected_under(decisions, policy, samples=samples, seed=seed)
     parts = _dr_parts(decisions, logw, model, target_reward, clip)
-    return _estimate([parts], [1.0], "dr", n_boot, level, seed)
+    return estimate_from_parts([parts], [1.0], "dr", n_boot, level, seed)
 
 
 def empirical_bernstein_bound(
@@ -330,7 +331,7 @@ def _policy_parts(
     reward_model: SlotRewardModel | None,
     samples: int,
     seed: int,
-) -> _Parts:
+) -> Parts:
     base, _ = resolve_target(policy, decisions)
     z, kept = target_logits(decisions, policy)
     logw = logprob_from_logits(decisions, z, kept, uniform=isinstance(base, str) and base == "uniform")
@@ -360,7 +361,7 @@ def evaluate(
 ) -> dict[str, Estimate]:
     """Estimate the mean utility of each named policy from the same log.
 
-    For ``method="dr"`` one reward model (default: a :class:`SlotRewardModel` fit on the log)
+    For ``method="dr"`` one reward model (default: an :class:`AdditiveRewardModel` fit on the log)
     serves every policy.
 
     >>> from models.logged import Tempered
@@ -371,9 +372,9 @@ def evaluate(
     (0.5, 1.0)
     """
     if method == "dr" and reward_model is None:
-        reward_model = SlotRewardModel().fit(decisions)
+        reward_model = AdditiveRewardModel().fit(decisions)
     return {
-        name: _estimate(
+        name: estimate_from_parts(
             [_policy_parts(decisions, policy, method, clip, reward_model, samples, seed)],
             [1.0],
             method,
@@ -410,8 +411,8 @@ def gain(
     0.5
     """
     if method == "dr" and reward_model is None:
-        reward_model = SlotRewardModel().fit(decisions)
+        reward_model = AdditiveRewardModel().fit(decisions)
     parts = [
         _policy_parts(decisions, policy, method, clip, reward_model, samples, seed) for policy in (candidate, baseline)
     ]
-    return _estimate(parts, [1.0, -1.0], f"{method}-gain", n_boot, level, seed)
+    return estimate_from_parts(parts, [1.0, -1.0], f"{method}-gain", n_boot, level, seed)

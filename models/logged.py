@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from models.policy import PolicyNetwork
+from models.serving import ServingParams
 from models.serving_rule import DYNAMIC_DROP_RATIO, plackett_luce_logprob_torch
 from topics.internal import Experience
 
@@ -53,6 +54,11 @@ class LoggedDecisions:
     embedding: np.ndarray  # [N, D] float32 query embeddings
     loss: np.ndarray  # [N] float32 last_step_loss
     entropy: np.ndarray  # [N] float32 last_step_entropy
+    # The logging policy's first-draw probabilities over the logged candidates (the events'
+    # candidate_probs; NaN rows where an event lacks them) and per-memory credit
+    # (Experience.slot_effects, aligned with ``selected``; NaN where absent). None: none at all.
+    first_probs: np.ndarray | None = None  # [N, C] float64
+    effects: np.ndarray | None = None  # [N, K] float64
 
     def __len__(self) -> int:
         return int(self.utility.shape[0])
@@ -68,6 +74,11 @@ class LoggedDecisions:
         """Number of selected slots k per decision."""
         counts: np.ndarray = self.selected_valid.sum(axis=1)
         return counts
+
+    def subset(self, rows: np.ndarray) -> LoggedDecisions:
+        """The decisions picked by a boolean mask or index array (same padding)."""
+        fields = {k: v[rows] if isinstance(v, np.ndarray) else v for k, v in self.__dict__.items()}
+        return LoggedDecisions(**fields)
 
     def selected_slots(self) -> np.ndarray:
         """Selected slot ids [N, K] (padding where ``selected_valid`` is False)."""
@@ -85,8 +96,13 @@ class LoggedDecisions:
         embedding: np.ndarray | Sequence[Sequence[float]] | None = None,
         loss: Sequence[float] | None = None,
         entropy: Sequence[float] | None = None,
+        first_probs: Sequence[Sequence[float] | np.ndarray | None] | None = None,
+        effects: Sequence[dict[int, float] | None] | None = None,
     ) -> LoggedDecisions:
         """Build from ragged per-decision lists; ``selected`` are slot ids, as in the events.
+
+        ``first_probs`` (per decision, aligned with its candidates, or None) and ``effects``
+        (per decision, selected slot → effect, or None) are optional.
 
         Raises ``ValueError`` on inconsistent input (a selected slot that is not a candidate,
         repeated slots, T ≤ 0, non-finite logprob or utility).
@@ -124,6 +140,20 @@ class LoggedDecisions:
         if not (np.isfinite(lp).all() and np.isfinite(u).all() and np.isfinite(score_arr).all()):
             raise ValueError("logprob, utility and scores must be finite")
         emb = np.zeros((n, 0), np.float32) if embedding is None else np.asarray(embedding, np.float32).reshape(n, -1)
+        probs_arr = None
+        if first_probs is not None and any(p is not None for p in first_probs):
+            probs_arr = np.full((n, c), np.nan)
+            for i, p in enumerate(first_probs):
+                if p is not None and len(p) == len(candidates[i]):
+                    probs_arr[i] = 0.0
+                    probs_arr[i, : len(p)] = np.asarray(p, np.float64)
+        eff_arr = None
+        if effects is not None and any(e for e in effects):
+            eff_arr = np.full((n, k), np.nan)
+            for i, e in enumerate(effects):
+                for j, slot in enumerate(selected[i]):
+                    if e and int(slot) in e and np.isfinite(e[int(slot)]):
+                        eff_arr[i, j] = float(e[int(slot)])
         return cls(
             slots=slots,
             valid=valid,
@@ -136,6 +166,8 @@ class LoggedDecisions:
             embedding=emb,
             loss=np.zeros(n, np.float32) if loss is None else np.asarray(loss, np.float32).reshape(n),
             entropy=np.zeros(n, np.float32) if entropy is None else np.asarray(entropy, np.float32).reshape(n),
+            first_probs=probs_arr,
+            effects=eff_arr,
         )
 
     @classmethod
@@ -154,6 +186,8 @@ class LoggedDecisions:
             embedding=emb,
             loss=[ev.features.last_step_loss for ev in evs],
             entropy=[ev.features.last_step_entropy for ev in evs],
+            first_probs=[ev.candidate_probs for ev in evs],
+            effects=[e.slot_effects for e in kept],
         )
 
 
@@ -178,6 +212,50 @@ class Tempered:
 
 
 TargetPolicy = PolicyNetwork | str | Tempered
+
+
+@dataclass(frozen=True)
+class Served:
+    """A target policy as clients serve it: the mixture of :meth:`ServingParams.components`
+    (each at its own T) with the serving parameters' hard drop.
+
+    >>> [t.temperature for _, t in Served("similarity", ServingParams()).components()]
+    [0.05, 0.25]
+    """
+
+    policy: PolicyNetwork | str
+    params: ServingParams
+
+    def components(self) -> list[tuple[float, Tempered]]:
+        return [(w, Tempered(self.policy, t)) for w, t in self.params.components()]
+
+
+def component_logits(
+    decisions: LoggedDecisions, target: Served, batch_size: int = 1024
+) -> list[tuple[float, np.ndarray, np.ndarray, bool]]:
+    """(weight, z, kept, uniform) per mixture component of a served target, over the logged candidates.
+
+    The network's mask is computed once; each component rescales it to its own T.
+    """
+    base, params = target.policy, target.params
+    uniform = isinstance(base, str) and base == "uniform"
+    if isinstance(base, PolicyNetwork):
+        masks = candidate_masks(base, decisions, batch_size)
+        if params.drop == "dynamic":
+            kept = keep_dynamic_rows(masks, decisions.valid, params.drop_ratio)
+        elif params.drop == "fixed":
+            kept = decisions.valid & np.isfinite(masks) & (masks >= params.drop_ratio)
+        else:
+            kept = decisions.valid & np.isfinite(masks)
+        alpha = float(base.alpha.detach().reshape(-1)[0])
+        with np.errstate(invalid="ignore", over="ignore"):
+            adjusted = np.where(kept, decisions.scores * (1.0 + alpha * masks), 0.0)
+    elif base in ("similarity", "uniform"):
+        kept = decisions.valid.copy()
+        adjusted = np.where(kept, decisions.scores, 0.0) if base == "similarity" else np.zeros(kept.shape)
+    else:
+        raise ValueError(f"unknown policy {base!r}: expected a PolicyNetwork, 'similarity' or 'uniform'")
+    return [(w, adjusted / t, kept, uniform) for w, t in params.components()]
 
 
 def resolve_target(policy: TargetPolicy, decisions: LoggedDecisions) -> tuple[PolicyNetwork | str, np.ndarray]:

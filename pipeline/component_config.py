@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from models.serving import ServingParams
 from topics.fields import Limits
 from topics.names import Topics
 
@@ -129,8 +130,8 @@ class GateConfig:
 
     window: int = 2000  # the last logged experiences a candidate is judged on
     epsilon: float = 0.02  # promote when the gain's lower bound is above −epsilon
-    min_ess: float = 50.0  # logged decisions (dr) or effective sample size (snips, ips) needed
-    method: str = "dr"  # dr | snips | ips
+    min_ess: float = 50.0  # effective sample size of the importance weights a decision needs
+    method: str = "dr-pi"  # dr-pi | dr | pi | snips | ips (models/slate.py)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class LearnerConfig:
     connection: Connection
     trainer: TrainerConfig
     gate: GateConfig | None = field(default_factory=GateConfig)  # None: every checkpoint serves at once
+    serving: ServingParams = field(default_factory=ServingParams)  # written in each manifest; the gate judges by it
     state_dir: Path = Path("~/.causalmem")  # the learner keeps its local checkpoints below it
     batch_size: int = 64
     reorder_s: float = 0.0  # >0: apply in event-time order, after this much reordering slack

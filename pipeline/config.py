@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from models.serving import ServingParams
 from pipeline.component_config import (
     ActiveLearningConfig,
     AdapterConfig,
@@ -72,7 +73,13 @@ class Settings:
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
-    gate_method: str = "dr"  # dr | snips | ips
+    gate_method: str = "dr-pi"  # dr-pi | dr | pi | snips | ips
+    # serving: how clients serve the policy, recorded in each manifest (models/serving.py)
+    serve_temperature: float = 0.05
+    serve_explore_rate: float = 0.1  # share of requests served at serve_explore_temperature
+    serve_explore_temperature: float = 0.25
+    serve_drop: str = "dynamic"  # dynamic | fixed | none
+    serve_drop_ratio: float = 0.01  # dynamic: share of the largest mask; fixed: the threshold
     # join and stream stages
     join_window_s: float = 600.0  # event time
     join_batch: int = 2000
@@ -207,12 +214,23 @@ class Settings:
             seed=self.seed,
         )
 
+    def serving(self) -> ServingParams:
+        """How clients serve the policy (raises ``ValueError`` on values they could not serve)."""
+        return ServingParams(
+            temperature=self.serve_temperature,
+            explore_rate=self.serve_explore_rate,
+            explore_temperature=self.serve_explore_temperature,
+            drop=self.serve_drop,
+            drop_ratio=self.serve_drop_ratio,
+        )
+
     def learner(self) -> LearnerConfig:
         gate = GateConfig(self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method)
         return LearnerConfig(
             connection=self.connection(),
             trainer=self.trainer(),
             gate=gate if self.gate else None,
+            serving=self.serving(),
             state_dir=Path(os.path.expanduser(self.state_dir)),
             batch_size=self.batch_size,
             reorder_s=self.reorder_s,

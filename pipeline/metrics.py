@@ -295,6 +295,18 @@ class Metrics:
         self.gate_estimate = Gauge(
             "causalmem_gate_estimate", "Gate's estimated mean utility", ["policy"], registry=self._reg("learner")
         )
+        self.gate_last_decision = Gauge(
+            "causalmem_gate_decision",
+            "The gate's last decision (1 on its label: promoted, refused or insufficient)",
+            ["decision"],
+            registry=self._reg("learner"),
+        )
+        self.gate_ess = Gauge(
+            "causalmem_gate_ess", "Effective sample size of the gate's last judgement", registry=self._reg("learner")
+        )
+        self.gate_ess_needed = Gauge(
+            "causalmem_gate_ess_needed", "Effective sample size a gate decision needs", registry=self._reg("learner")
+        )
         self.cluster_resets = Counter(
             "causalmem_broker_resets_detected_total",
             "Broker resets (lost topics) detected",

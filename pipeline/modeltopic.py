@@ -130,6 +130,7 @@ class CheckpointPublisher:
         candidate: bool = False,
         version: int | None = None,
         prepare: Callable[[Manifest], None] | None = None,
+        serving: dict[str, Any] | None = None,
     ) -> Manifest:
         """Publish a checkpoint's chunks then its manifest; wait until the broker acknowledged all.
 
@@ -152,6 +153,8 @@ class CheckpointPublisher:
         prepare
             Called with the manifest before anything is sent (the learner saves its local
             copy there, so a published version always has its local state).
+        serving
+            How clients serve it (``ServingParams.to_wire()``), the manifest's optional ``serving``.
         """
         version = version if version is not None else self.next_version()
         if version <= self.last_version:
@@ -174,6 +177,7 @@ class CheckpointPublisher:
             metrics=metrics,
             input_offsets=input_offsets or {},
             epoch=self.epoch,
+            serving=serving,
         ).signed(self.signing_key)
         if prepare is not None:
             prepare(manifest)

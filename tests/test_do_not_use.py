@@ -151,7 +151,7 @@ def test_fine_tuning_on_a_harmful_mark_lowers_that_memorys_probability() -> None
             emb = torch.tensor(ev.features.query_embedding[None, :])
             h = t.net.features(emb, torch.zeros(1), torch.zeros(1))
             m = t.net.candidate_masks(h, torch.tensor([ev.candidates]))
-            z = adjusted_logits_torch(torch.tensor([ev.scores], dtype=torch.float32), m, t.net.alpha, torch.ones(1))
+            z = adjusted_logits_torch(torch.tensor(ev.scores[None, :], dtype=torch.float32), m, t.net.alpha, torch.ones(1))
             return float(torch.softmax(z, dim=1)[0, ev.candidates.index(slot)])
 
     before = p_first(2)

@@ -11,7 +11,13 @@ import torch
 
 from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork, init_policy
-from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob, sample_plackett_luce
+from models.serving_rule import (
+    adjusted_logits,
+    first_draw_probs,
+    keep_dynamic,
+    plackett_luce_logprob,
+    sample_plackett_luce,
+)
 from pipeline import kafka
 from pipeline.client.subscriber import PolicySubscriber, fetch_checkpoint
 from pipeline.evaluation.evaluate import evaluate_window
@@ -67,6 +73,7 @@ def log_of(
             plackett_luce_logprob(z, pos),
             False,
             policy=policy,
+            candidate_probs=first_draw_probs(z),  # what CausalRetriever logs
         )
         out.append(Experience(ev.event_id, "feedback", ev, float(u)))
     return out

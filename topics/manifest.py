@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from topics.fields import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Limits, Rejected, WireValue, open_value
+from topics.fields import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Fields, Limits, Rejected, WireValue, open_value
 
 MAX_CHUNK_BYTES = 512 * 1024
 MIN_CHUNK_BYTES = 1024  # every chunk but the last holds at least this much (bounds ``chunks``)
@@ -203,7 +203,13 @@ def decode_epoch_claim(raw: bytes, signing_key: bytes | None = None) -> EpochCla
 class Manifest(WireValue):
     """A published checkpoint: what it is (policy, version, architecture, serving-rule
     alpha, baseline), how to check it (sha256, size, chunks) and what it has learnt from
-    (``input_offsets``: the experiences applied)."""
+    (``input_offsets``: the experiences applied). ``serving`` (optional, contract 1.2): the
+    temperature, exploration and hard drop clients serve it with; absent in older manifests.
+
+    >>> m = Manifest("p", 1, 0.0, "init", {}, 0.5, 0.0, "0" * 64, 1, 1)
+    >>> "serving" in m.to_dict(), Manifest(**{**m.__dict__, "serving": {"temperature": 0.1}}).to_dict()["serving"]
+    (False, {'temperature': 0.1})
+    """
 
     SCHEMA = SCHEMA_MANIFEST
     FIELDS = (
@@ -220,7 +226,7 @@ class Manifest(WireValue):
         "metrics",
         "input_offsets",
     )
-    OPTIONAL = ("epoch", "signature")  # contract 1.2
+    OPTIONAL = ("epoch", "signature", "serving")  # contract 1.2
 
     policy: str
     version: int
@@ -236,6 +242,7 @@ class Manifest(WireValue):
     input_offsets: dict[str, int] = field(default_factory=dict)
     epoch: int | None = None  # the writer's epoch (fencing); absent before contract 1.2
     signature: str | None = None  # "hmac-sha256:<hex>" when the learner has a signing key
+    serving: dict[str, Any] | None = None  # contract 1.2: how clients serve it (models.serving)
 
     def signed(self, key: bytes | None) -> Manifest:
         """This manifest with its signature set (unchanged without a key)."""
@@ -287,6 +294,7 @@ def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise Rejected("wrong_type", f"input_offsets[{k}] must be a non-negative integer")
         clean_offsets[str(k)] = v
+    serving = decode_serving(f.obj_("serving", required=False))
     size = f.int_("size", 1, max_blob_bytes(arch_d))
     chunks = f.int_("chunks", 1, max_chunks(size))
     if chunks < -(-size // MAX_CHUNK_BYTES):
@@ -306,4 +314,42 @@ def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes
         input_offsets=clean_offsets,
         epoch=f.int_("epoch", 0, MAX_VERSION, required=False),
         signature=f.str_("signature", required=False, empty_ok=True),
+        serving=serving,
     )
+
+
+SERVING_DROPS = ("dynamic", "fixed", "none")
+
+
+def decode_serving(f: Fields | None) -> dict[str, Any] | None:
+    """The manifest's optional ``serving`` object, validated (None when absent).
+
+    >>> from topics.fields import Fields
+    >>> decode_serving(Fields({"temperature": 0.05, "explore_rate": 0.1, "drop": "dynamic"}, Limits()))
+    {'temperature': 0.05, 'explore_rate': 0.1, 'drop': 'dynamic'}
+    >>> decode_serving(Fields({"temperature": 0.0}, Limits()))
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: out_of_range: serving.temperature must be > 0
+    """
+    if f is None:
+        return None
+    out: dict[str, Any] = {}
+    for name in ("temperature", "explore_temperature"):
+        v = f.float_(name, 0.0, required=False)
+        if v is not None:
+            if v <= 0:
+                raise Rejected("out_of_range", f"serving.{name} must be > 0")
+            out[name] = v
+    rate = f.float_("explore_rate", 0.0, 1.0, required=False)
+    if rate is not None:
+        out["explore_rate"] = rate
+    drop = f.str_("drop", required=False)
+    if drop is not None:
+        if drop not in SERVING_DROPS:
+            raise Rejected("out_of_range", f"serving.drop {drop!r}")
+        out["drop"] = drop
+    ratio = f.float_("drop_ratio", 0.0, required=False)
+    if ratio is not None:
+        out["drop_ratio"] = ratio
+    return out

@@ -87,6 +87,10 @@ SETTING_KEYS = (
     "drift_page_hinkley",
     "drift_min_pairs",
     "gate",
+    "serve_temperature",
+    "serve_explore_rate",
+    "serve_explore_temperature",
+    "serve_drop",
 )
 
 

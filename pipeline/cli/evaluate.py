@@ -1,4 +1,4 @@
-"""``causalmem evaluate``: off-policy estimates of the serving, candidate, similarity and uniform policies.
+"""``causalmem evaluate``: off-policy estimates of the serving, candidate, similarity and uniform policies as served.
 
 ``--shadow``: shadow mode's estimate of the policy's gain over the incumbent, and the
 optional automatic cut-over (:mod:`pipeline.evaluation.shadow`).

@@ -41,6 +41,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
         const=False,
         help="publish every checkpoint as serving (no promotion gate; for experiments)",
     )
+    # How clients serve the policy: written in each manifest, followed by CausalRetriever,
+    # and what the promotion gate judges candidates under.
+    p.add_argument("--serve-temperature", type=float, help="serving temperature T (default 0.05)")
+    p.add_argument("--explore-rate", dest="serve_explore_rate", type=float, help="share of requests explored (0.1)")
+    p.add_argument(
+        "--explore-temperature", dest="serve_explore_temperature", type=float, help="T of explored requests (0.25)"
+    )
+    p.add_argument("--serve-drop", choices=["dynamic", "fixed", "none"], help="hard drop rule (default dynamic)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from models.serving_rule import revive_dropped
+from models.serving import ServingParams
+from models.serving_rule import DYNAMIC_DROP_RATIO, revive_dropped
 from pipeline.client.serving import draw, keep_flags, policy_masks
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import Connection
@@ -73,6 +74,12 @@ class CausalRetriever:
     ``explore_revive``: on an exploratory request (``explore_rate``), each dropped
     candidate is kept anyway with this probability (0 turns it off).
 
+    Serving parameters (``temperature``, ``explore_rate``, ``explore_temperature``,
+    ``drop``): an explicit argument wins; otherwise the loaded checkpoint's manifest
+    ``serving`` field (what the learner was configured with and the promotion gate judged
+    the policy under) sets them; otherwise T = 0.05, no exploration, explore T = 0.25,
+    dynamic drop.
+
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
     :class:`~pipeline.component_config.Connection` or ``Settings``), when given, also checks the
     memories against the pipeline's limits (dimension, number of slots).
@@ -84,13 +91,13 @@ class CausalRetriever:
         texts: Sequence[str] | None = None,
         k: int = 3,
         n_candidates: int = 20,
-        temperature: float = 0.05,
-        drop: str | float = "dynamic",
+        temperature: float | None = None,
+        drop: str | float | None = None,
         fallback: FallbackFn | None = None,
         policy: str | None = None,
         seed: int | None = None,
-        explore_rate: float = 0.0,
-        explore_temperature: float = 0.25,
+        explore_rate: float | None = None,
+        explore_temperature: float | None = None,
         conn: Connection | Settings | None = None,
         explore_revive: float = 0.1,
     ) -> None:
@@ -109,8 +116,19 @@ class CausalRetriever:
         self.texts = list(texts) if texts is not None else None
         self.k = k
         self.n_candidates = n_candidates
-        self.temperature = temperature
-        self.drop = drop
+        self.explicit = {
+            name: value
+            for name, value in (
+                ("temperature", temperature),
+                ("drop", drop),
+                ("explore_rate", explore_rate),
+                ("explore_temperature", explore_temperature),
+            )
+            if value is not None
+        }
+        self.temperature = temperature if temperature is not None else 0.05
+        self.drop: str | float = drop if drop is not None else "dynamic"
+        self.drop_ratio = DYNAMIC_DROP_RATIO
         if fallback is None and self.texts is not None:
             fallback = BM25Fallback(self.texts)
         if fallback is None:
@@ -122,8 +140,8 @@ class CausalRetriever:
         # Exploration: a share of requests is served at a higher temperature (logged on the
         # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
         # what it picks and learns nothing more; these requests keep the gradient alive.
-        self.explore_rate = explore_rate
-        self.explore_temperature = explore_temperature
+        self.explore_rate = explore_rate if explore_rate is not None else 0.0
+        self.explore_temperature = explore_temperature if explore_temperature is not None else 0.25
         # Exploratory requests also give each dropped candidate this chance back, so a
         # dropped memory can be read, and relearnt, again (docs/contract.md §6, step 3b).
         self.explore_revive = explore_revive
@@ -133,6 +151,21 @@ class CausalRetriever:
         if policy is not None and policy.net.arch.slots < self.embeddings.shape[0]:
             raise ValueError(f"policy has {policy.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
         self.policy = policy
+        if policy is not None and policy.serving is not None:
+            self.follow(policy.serving)
+
+    def follow(self, params: ServingParams) -> None:
+        """Serve by ``params`` except where the constructor was given an explicit value."""
+        for name, value in (
+            ("temperature", params.temperature),
+            ("drop", params.drop_spec),
+            ("explore_rate", params.explore_rate),
+            ("explore_temperature", params.explore_temperature),
+        ):
+            if name not in self.explicit:
+                setattr(self, name, value)
+        if "drop" not in self.explicit:
+            self.drop_ratio = params.drop_ratio
 
     def candidate_masks(
         self, query_embedding: np.ndarray, loss: float, entropy: float, slots: np.ndarray
@@ -158,7 +191,7 @@ class CausalRetriever:
         q = np.ascontiguousarray(query_embedding, dtype=np.float32)
         slots, scores = self.search(q, self.n_candidates)
         masks = self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
-        keep = keep_flags(masks, self.drop)
+        keep = keep_flags(masks, self.drop, self.drop_ratio)
         explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
         temperature = self.explore_temperature if explore else self.temperature
         if explore and self.explore_revive > 0:

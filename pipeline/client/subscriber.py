@@ -25,6 +25,7 @@ import torch
 from aiokafka import TopicPartition
 
 from models.policy import Arch, PolicyNetwork
+from models.serving import ServingParams
 from models.weights import verify_and_load
 from pipeline import kafka
 from pipeline.component_config import Connection
@@ -68,6 +69,12 @@ class LoadedPolicy:
     @property
     def alpha(self) -> float:
         return float(self.net.alpha.detach()[0])
+
+    @property
+    def serving(self) -> ServingParams | None:
+        """How the learner says to serve it (the manifest's ``serving``); None in older manifests."""
+        raw = self.manifest.serving
+        return ServingParams.from_wire(raw) if raw is not None else None
 
 
 UpdateCallback = Callable[[LoadedPolicy], Awaitable[None] | None]

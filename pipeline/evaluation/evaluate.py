@@ -3,9 +3,11 @@
 Like an offline-evaluation report: for the last ``--window`` joined experiences, the
 estimated mean utility — with a 95% bootstrap interval and the effective sample size —
 of the serving policy, the latest candidate, similarity-only retrieval (m = 0) and
-uniform random choice over the candidates, by IPS, self-normalised IPS and doubly robust
-estimation (:mod:`models.estimators`). The logged (on-policy) mean utility is shown for
-reference.
+uniform random choice over the candidates, each **as clients serve it** (the serving
+parameters recorded in the serving manifest, else the defaults: :mod:`models.serving`),
+by standard slate IPS, its self-normalised form, the pseudo-inverse estimator and slate
+doubly robust estimation (:mod:`models.served`), as the promotion gate sees them. The
+logged (on-policy) mean utility is shown for reference.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from models.estimators import Method, evaluate
-from models.logged import LoggedDecisions
+from models.logged import LoggedDecisions, Served
 from models.policy import PolicyNetwork
+from models.served import SLATE_METHODS, SlateLog, evaluate_served
+from models.serving import ServingParams
 from pipeline import kafka
 from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.component_config import Connection
@@ -28,7 +31,7 @@ from pipeline.modeltopic import scan_model_topic
 from topics.fields import Rejected
 from topics.internal import Experience, decode_experience
 
-METHODS: tuple[Method, ...] = ("ips", "snips", "dr")
+METHODS: tuple[str, ...] = SLATE_METHODS
 
 
 async def experiences_tail(bootstrap: str, conn: Connection, window: int) -> list[Experience]:
@@ -48,15 +51,26 @@ async def experiences_tail(bootstrap: str, conn: Connection, window: int) -> lis
 
 
 async def evaluate_window(
-    bootstrap: str, conn: Connection | Settings, window: int, methods: tuple[Method, ...]
+    bootstrap: str,
+    conn: Connection | Settings,
+    window: int,
+    methods: tuple[str, ...],
+    params: ServingParams | None = None,
 ) -> dict[str, Any]:
-    """The report of ``causalmem evaluate``: estimates per policy and method over the last ``window`` steps."""
+    """The report of ``causalmem evaluate``: estimates per policy and method over the last ``window`` steps.
+
+    Every policy is evaluated as served by ``params`` (default: the serving manifest's
+    serving parameters, else :class:`ServingParams`'s defaults).
+    """
     conn = Connection.of(conn)
     topic = conn.topics.policy_checkpoints.name
     exps = await experiences_tail(bootstrap, conn, window)
     index = await scan_model_topic(bootstrap, conn, topic)
     policies: dict[str, Any] = {}
     versions: dict[str, int | None] = {}
+    serving_manifest = index.serving.get(conn.policy)
+    if params is None:
+        params = ServingParams.from_wire(serving_manifest.serving if serving_manifest is not None else None)
     for role, manifest in (
         ("serving", index.serving.get(conn.policy)),
         ("candidate", index.candidate.get(conn.policy)),
@@ -70,13 +84,24 @@ async def evaluate_window(
         versions[role] = manifest.version
     policies["similarity-only"] = "similarity"
     policies["uniform"] = "uniform"
-    report: dict[str, Any] = {"policy": conn.policy, "decisions": len(exps), "versions": versions, "estimates": {}}
+    report: dict[str, Any] = {
+        "policy": conn.policy,
+        "decisions": len(exps),
+        "versions": versions,
+        "estimates": {},
+    }
     if not exps:
         return report
+    report["serving_params"] = params.to_wire()  # how every policy below is evaluated
     decisions = LoggedDecisions.from_experiences(exps)
     report["logged_mean_utility"] = float(np.mean([e.utility for e in exps]))
+    served = {name: Served(p, params) for name, p in policies.items()}
+    slogs = {moments: SlateLog.prepare(decisions, moments=moments) for moments in {m in ("pi", "dr") for m in methods}}
     for method in methods:
-        results = evaluate(decisions, policies, method=method)
+        slog = slogs[method in ("pi", "dr")]
+        if len(slog) == 0:  # no event carries candidate_probs: pi and dr cannot be computed
+            continue
+        results = evaluate_served(slog, served, method)
         for name, est in results.items():
             report["estimates"].setdefault(name, {})[method] = {
                 "value": est.value,
@@ -96,7 +121,8 @@ def print_report(report: dict[str, Any]) -> None:
         return
     t = Table(
         title=f"off-policy evaluation over the last {report['decisions']:,} logged steps "
-        f"(logged mean utility {report['logged_mean_utility']:+.4f})",
+        f"(logged mean utility {report['logged_mean_utility']:+.4f}), each policy as served: "
+        + ", ".join(f"{k} {v}" for k, v in report["serving_params"].items()),
         title_justify="left",
     )
     t.add_column("policy")

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from models.drift import DriftMonitor
+from models.serving import ServingParams
 from models.trainer import PolicyTrainer, TrainerConfig
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
@@ -55,7 +56,7 @@ class OfflineConfig:
     replay_window_s: float = Settings.drift_window_days * DAY  # what the learner keeps (its default)
     learn: bool = True
     gate: bool = False
-    gate_method: str = "dr"
+    gate_method: str = "dr-pi"
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
@@ -114,6 +115,13 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
     )
     trainer = PolicyTrainer(cfg.trainer(scenario))
     gate = cfg.gate_config()
+    serving_params = ServingParams(
+        temperature=retriever.temperature,
+        explore_rate=retriever.explore_rate,
+        explore_temperature=retriever.explore_temperature,
+        drop="fixed" if isinstance(cfg.drop, float) else cfg.drop,
+        drop_ratio=cfg.drop if isinstance(cfg.drop, float) else 0.01,
+    )
     version = 1
     retriever.set_policy(_snapshot(trainer, version))
     monitor = DriftMonitor(
@@ -149,7 +157,12 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
                 candidate = _snapshot(trainer, version)
                 if gate is not None and retriever.policy is not None:
                     decision, _, _ = judge_window(
-                        replay.gate_window(), candidate.net, retriever.policy.net, gate, n_boot=100
+                        replay.gate_window(),
+                        candidate.net,
+                        retriever.policy.net,
+                        gate,
+                        n_boot=100,
+                        params=serving_params,  # judged as this loop serves
                     )
                     result.gate.append(decision)
                     if decision != "promoted":

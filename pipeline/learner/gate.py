@@ -4,32 +4,43 @@ The Decision Service / Personalizer way of checking a new policy offline — est
 mean utility from logged decisions and their probabilities — made an automatic step of
 the learner. A new checkpoint is published as a *candidate* (manifest keyed
 ``"{policy}/candidate"``); the gate estimates, on the last ``gate_window`` logged
-experiences, the candidate's gain over the serving policy (self-normalised IPS, paired
-bootstrap interval, see :mod:`models.estimators`) — doubly robust by default — and promotes it — republishes its
-manifest under ``"{policy}"``, the key clients follow — only when
+experiences, the values of the candidate, the serving policy and similarity-only
+retrieval **as clients serve them** (the serving parameters of :mod:`models.serving`:
+the mixture of the serving and the exploration temperature, with the hard drop), not at
+each event's logged T; the logged T and logprob are the behaviour policy. The estimator is
+``dr-pi`` by default (:mod:`models.slate`, :mod:`models.served`): slate doubly robust —
+cross-fitted additive reward model, pseudo-inverse correction, per-slot correction where
+per-memory credit is present — with intervals widened to contain the pseudo-inverse
+estimator's, all clipped to the values a top-k can reach on the logged candidates.
 
-* the effective sample size is at least ``gate_min_ess``,
-* the lower confidence bound of the gain is above ``−gate_epsilon``, and
-* its estimate is not below the similarity-only policy (m = 0), when that policy's
-  estimate is itself reliable (enough effective samples).
+A candidate is
 
-Otherwise the serving policy stays, and the refusal is logged and counted with the
-estimates. A candidate without enough data is kept and looked at again as data arrives.
+* **insufficient** — kept, looked at again as data arrives — while the effective sample
+  size of its importance weights is below ``gate_min_ess``, or while the intervals of its
+  gains cannot decide (they straddle −ε); the reason says what is missing;
+* **refused** when its gain over the serving policy, or over similarity-only, is below
+  −ε with 95% confidence (upper bound < −ε);
+* **promoted** — republished under ``"{policy}"``, the key clients follow — when both
+  gains' lower bounds are above −ε.
+
+docs/learning.md ("The promotion gate") says how much traffic a decision takes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any
 
 import torch
 
-from models.estimators import Estimate, evaluate, gain
-from models.logged import LoggedDecisions
+from models.estimators import Estimate
+from models.logged import LoggedDecisions, Served
 from models.policy import PolicyNetwork
-from models.reward_model import SlotRewardModel
+from models.served import SlateLog, evaluate_served, gain_served
+from models.serving import ServingParams
 from pipeline.component_config import GateConfig
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
@@ -39,6 +50,7 @@ from topics.manifest import Manifest
 log = logging.getLogger(__name__)
 
 PESSIMISM = 0.1  # the DR reward model's prior for rarely seen slots: this quantile of logged utility
+DECISIONS = ("promoted", "refused", "insufficient")
 
 
 @dataclass
@@ -51,6 +63,8 @@ class GateDecision:
     candidate: Estimate | None = None
     serving: Estimate | None = None
     similarity: Estimate | None = None
+    ess: float | None = None  # the smaller effective sample size of the candidate's and serving's weights
+    ess_needed: float | None = None
 
     def summary(self) -> dict[str, Any]:
         def est(e: Estimate | None) -> dict[str, float] | None:
@@ -61,11 +75,46 @@ class GateDecision:
             "candidate_version": self.candidate_version,
             "serving_version": self.serving_version,
             "reason": self.reason,
+            "ess": self.ess,
+            "ess_needed": self.ess_needed,
             "gain": est(self.gain),
             "candidate": est(self.candidate),
             "serving": est(self.serving),
             "similarity": est(self.similarity),
         }
+
+
+def more_needed(g: Estimate, epsilon: float) -> str:
+    """What an undecided gain interval lacks: roughly how many times the data to exclude −ε.
+
+    The interval's half-width shrinks as 1/√n; deciding needs it below |gain + ε|.
+
+    >>> more_needed(Estimate(0.0, -0.04, 0.04, 100.0, 500, "dr-gain", 0.0), 0.02)
+    'gain +0.0000 in [-0.0400, +0.0400] straddles −ε (-0.0200): about 4× the decisions needed'
+    """
+    half = (g.high - g.low) / 2.0
+    margin = abs(g.value + epsilon)
+    factor = (half / margin) ** 2 if margin > 0 else math.inf
+    need = f"about {factor:.0f}× the decisions needed" if math.isfinite(factor) else "no amount of data decides"
+    return f"gain {g.value:+.4f} in [{g.low:+.4f}, {g.high:+.4f}] straddles −ε ({-epsilon:+.4f}): {need}"
+
+
+def widest(results: Iterable[dict[str, Estimate]]) -> dict[str, Estimate]:
+    """The first estimator's estimates, each interval widened to contain the others'.
+
+    >>> a = Estimate(1.0, 0.8, 1.2, 50.0, 9, "dr", 0.0)
+    >>> e = widest([{"x": a}, {"x": Estimate(0.9, 0.5, 1.1, 40.0, 9, "pi", 0.0)}])["x"]
+    >>> e.value, e.low, e.high, e.method
+    (1.0, 0.5, 1.2, 'dr|pi')
+    """
+    first, *rest = list(results)
+    out = dict(first)
+    for other in rest:
+        for name, e in other.items():
+            f = out[name]
+            low, high = min(f.low, e.low), max(f.high, e.high)
+            out[name] = Estimate(f.value, low, high, f.ess, f.n, f"{f.method}|{e.method}", f.clipped_share)
+    return out
 
 
 def judge(
@@ -74,46 +123,69 @@ def judge(
     serving: PolicyNetwork,
     epsilon: float,
     min_ess: float,
-    method: str = "dr",
+    method: str = "dr-pi",
     n_boot: int = 200,
     seed: int = 0,
+    params: ServingParams | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """The gate's rule on a log, without Kafka: ``(decision, reason, estimates)``.
 
-    With ``method="dr"`` (the default) the sample-size rule counts logged decisions: the
-    direct model learns from every one of them, whatever the importance weights. With
-    ``"snips"``/``"ips"`` it counts the importance weights' effective sample size, which a
-    near-greedy serving policy keeps tiny (a candidate that reorders a top-3 even slightly
-    gives the logged order almost no probability), so such a gate rarely decides.
+    Every policy is judged as served by ``params`` (default: :class:`ServingParams`'s
+    defaults). ``estimates`` holds ``gain`` (over serving), ``gain_similarity``,
+    ``candidate``, ``serving`` and ``similarity``.
     """
+    params = params or ServingParams()
     if len(decisions) == 0:
         return "insufficient", "no logged decisions yet", {}
-    # Pessimistic about slots the log rarely shows: a candidate that moves its reads there
-    # must earn the trust that the serving policy's logged reads already have.
-    model = SlotRewardModel(prior_quantile=PESSIMISM).fit(decisions) if method == "dr" else None
-    estimator = cast(Literal["ips", "snips", "dr"], method)
-    g = gain(decisions, candidate, serving, method=estimator, n_boot=n_boot, seed=seed, reward_model=model)
-    values = evaluate(
-        decisions,
-        {"candidate": candidate, "serving": serving, "similarity": "similarity"},
-        method=estimator,
-        n_boot=n_boot,
-        seed=seed,
-        reward_model=model,
-    )
-    estimates = {"gain": g, **values}
-    support = float(len(decisions)) if method == "dr" else g.ess
-    if support < min_ess:
-        what = "logged decisions" if method == "dr" else "effective sample size"
-        return "insufficient", f"{what} {support:.0f} < {min_ess:.0f}", estimates
-    if not g.low > -epsilon:
-        why = f"gain over serving {g.value:+.4f}, lower bound {g.low:+.4f} ≤ −ε ({-epsilon:+.4f})"
-        return "refused", why, estimates
-    sim, cand = values["similarity"], values["candidate"]
-    sim_support = float(len(decisions)) if method == "dr" else sim.ess
-    if sim_support >= min_ess and cand.value < sim.value:
-        return "refused", f"estimate {cand.value:+.4f} below similarity-only {sim.value:+.4f}", estimates
-    return "promoted", f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {cand.value:+.4f}", estimates
+    note = ""
+    slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=method in ("pi", "dr", "dr-pi"))
+    if 2 * len(slog) < len(decisions):
+        # Events from clients that do not log candidate_probs: only the standard slate IPS
+        # (the logged propensity of the ordered selection) can judge them.
+        method, note = "ips", f" [ips: {slog.left_out} of {len(decisions)} events lack candidate_probs]"
+        slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=False)
+    decision, reason, estimates = judge_log(slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed)
+    return decision, reason + note, estimates
+
+
+def judge_log(
+    slog: SlateLog,
+    candidate: PolicyNetwork,
+    serving: PolicyNetwork,
+    epsilon: float,
+    min_ess: float,
+    method: str,
+    params: ServingParams,
+    n_boot: int = 200,
+    seed: int = 0,
+) -> tuple[str, str, dict[str, Estimate]]:
+    """:func:`judge` on a prepared log (the benchmark judges many candidates on one)."""
+    targets = {name: Served(p, params) for name, p in (("candidate", candidate), ("serving", serving))}
+    targets["similarity"] = Served("similarity", params)
+    # "dr-pi": DR's estimates with intervals widened to contain PI's as well (either one alone
+    # under-covers on some logs, docs/benchmarks.md "Promotion gate calibration").
+    methods = ("dr", "pi") if method == "dr-pi" else (method,)
+    values = widest(evaluate_served(slog, targets, m, n_boot=n_boot, seed=seed) for m in methods)
+    g = widest(
+        {"g": gain_served(slog, targets["candidate"], targets["serving"], m, n_boot=n_boot, seed=seed)} for m in methods
+    )["g"]
+    gs = widest(
+        {"g": gain_served(slog, targets["candidate"], targets["similarity"], m, n_boot=n_boot, seed=seed)}
+        for m in methods
+    )["g"]
+    estimates = {"gain": g, "gain_similarity": gs, **values}
+    if g.ess < min_ess:
+        return "insufficient", f"ESS {g.ess:.0f} < {min_ess:.0f} needed ({len(slog)} logged decisions)", estimates
+    if g.high < -epsilon:
+        return "refused", f"gain over serving {g.value:+.4f}, upper bound {g.high:+.4f} < −ε", estimates
+    if gs.high < -epsilon:
+        return "refused", f"below similarity-only by {-gs.value:.4f} (upper bound {gs.high:+.4f} < −ε)", estimates
+    if g.low > -epsilon and gs.low > -epsilon:
+        why = f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {values['candidate'].value:+.4f}"
+        return "promoted", why, estimates
+    undecided = g if not g.low > -epsilon else gs
+    what = "over serving" if undecided is g else "over similarity-only"
+    return "insufficient", f"{what}: {more_needed(undecided, epsilon)} (ESS {g.ess:.0f})", estimates
 
 
 def judge_window(
@@ -122,10 +194,20 @@ def judge_window(
     serving: PolicyNetwork,
     config: GateConfig,
     n_boot: int = 200,
+    params: ServingParams | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """:func:`judge` on the last ``config.window`` of ``experiences`` (the gate's window)."""
     decisions = LoggedDecisions.from_experiences(list(experiences)[-config.window :])
-    return judge(decisions, candidate, serving, config.epsilon, config.min_ess, method=config.method, n_boot=n_boot)
+    return judge(
+        decisions,
+        candidate,
+        serving,
+        config.epsilon,
+        config.min_ess,
+        method=config.method,
+        n_boot=n_boot,
+        params=params,
+    )
 
 
 class PromotionGate:
@@ -141,8 +223,10 @@ class PromotionGate:
         publisher: CheckpointPublisher,
         metrics: Metrics,
         window: Callable[[], Sequence[Experience]],
+        serving: ServingParams | None = None,
     ) -> None:
         self.config = config
+        self.params = serving or ServingParams()  # how clients serve what the gate promotes
         self.publisher = publisher
         self.metrics = metrics
         self.window = window
@@ -171,7 +255,9 @@ class PromotionGate:
         if self.serving_net is None or self.serving_manifest is None:
             decision, reason = "promoted", "no serving policy yet"
         else:
-            decision, reason, est = judge_window(self.window(), candidate, self.serving_net, self.config)
+            decision, reason, est = judge_window(
+                self.window(), candidate, self.serving_net, self.config, params=self.params
+            )
         serving_version = self.serving_manifest.version if self.serving_manifest else 0
         result = GateDecision(
             decision,
@@ -182,9 +268,15 @@ class PromotionGate:
             est.get("candidate"),
             est.get("serving"),
             est.get("similarity"),
+            ess=est["gain"].ess if "gain" in est else None,
+            ess_needed=self.config.min_ess,
         )
         m = self.metrics
         m.gate_decisions.labels(decision=decision).inc()
+        for name in DECISIONS:
+            m.gate_last_decision.labels(decision=name).set(1.0 if name == decision else 0.0)
+        m.gate_ess.set(result.ess if result.ess is not None else 0.0)
+        m.gate_ess_needed.set(self.config.min_ess)
         for name in ("candidate", "serving", "similarity"):
             e = est.get(name)
             if e is not None:

@@ -132,8 +132,11 @@ class Publishing:
         )
         self.store = store
         self.arch = arch
+        self.serving = config.serving
         self.metrics = metrics
-        self.gate = PromotionGate(config.gate, self.publisher, metrics, window) if config.gate else None
+        self.gate = (
+            PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving) if config.gate else None
+        )
 
     def is_candidate(self, reason: str) -> bool:
         # A drift reset is served at once: the detector has just shown that the serving
@@ -165,6 +168,7 @@ class Publishing:
             input_offsets=input_offsets,
             candidate=candidate,
             prepare=save_locally,
+            serving=self.serving.to_wire(),
         )
         role = "candidate" if candidate else "serving"
         m = self.metrics

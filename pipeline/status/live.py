@@ -103,6 +103,7 @@ def learner_view(url: str, values: dict[str, float], rates: dict[str, float | No
             role: int(v) for role, v in labelled(values, "causalmem_checkpoint_version", "role").items()
         },
         "consumer_lag": consumer_lag(values, prefix),
+        "gate": gate_view(values),
         "training_alive": _flag(values, "causalmem_learner_training_alive"),
         "elected": _flag(values, "causalmem_learner_elected"),
         "ready": _flag(values, "causalmem_ready"),
@@ -143,6 +144,24 @@ def memory_view(values: dict[str, float], n: int = 5) -> dict[str, Any] | None:
         rows.sort(key=lambda r: (r["mean"] if side == "harmful" else -r["mean"]) if r["mean"] is not None else 0.0)
         out[side] = rows[:n]
     return out
+
+
+def gate_view(values: dict[str, float]) -> dict[str, Any] | None:
+    """The promotion gate's last decision and its effective sample size (None before the first).
+
+    >>> gate_view({"causalmem_gate_decision{decision=insufficient}": 1.0, "causalmem_gate_ess": 38.0,
+    ...            "causalmem_gate_ess_needed": 200.0})
+    {'decision': 'insufficient', 'ess': 38.0, 'ess_needed': 200.0}
+    """
+    last = labelled(values, "causalmem_gate_decision", "decision")
+    decision = next((d for d, v in last.items() if v == 1.0), None)
+    if decision is None:
+        return None
+    return {
+        "decision": decision,
+        "ess": metric(values, "causalmem_gate_ess"),
+        "ess_needed": metric(values, "causalmem_gate_ess_needed"),
+    }
 
 
 def health_summary(workers: list[dict[str, Any]]) -> dict[str, Any] | None:

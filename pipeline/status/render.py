@@ -155,6 +155,8 @@ def _live(s: dict[str, Any]) -> Table:
             live.add_row("", Text("training task ended: restart the learner", style="bold red"))
         if lr["up"] and lr.get("memories"):
             live.add_row("memories", _memories(lr["memories"]))
+        if lr["up"] and lr.get("gate"):
+            live.add_row("gate", gate_line(lr["gate"]))
     return live
 
 
@@ -180,6 +182,18 @@ def _memories(mv: dict[str, Any]) -> Table:
                 f"{r['effects']:,}",
             )
     return tbl
+
+
+def gate_line(g: dict[str, Any]) -> Text:
+    """The gate's last decision; 'insufficient data' with the ESS it has and needs.
+
+    >>> gate_line({"decision": "insufficient", "ess": 38.0, "ess_needed": 200.0}).plain
+    'insufficient data: ESS 38 (200 needed)'
+    """
+    ess = f"ESS {g['ess']:,.0f}"
+    if g["decision"] == "insufficient":
+        return Text(f"insufficient data: {ess} ({g['ess_needed']:,.0f} needed)", style="yellow")
+    return Text(f"last candidate {g['decision']} ({ess})", style="green" if g["decision"] == "promoted" else "")
 
 
 def _worker_line(w: dict[str, Any]) -> str:

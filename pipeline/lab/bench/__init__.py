@@ -5,6 +5,7 @@
 - ``learning``: what each policy learns on a scenario with known ground truth;
 - ``soak``: a steady input rate for a set time, with lag and memory sampled;
 - ``evaluator``: evaluations/s and tokens/s of the evaluator's LM scoring, and of the service.
+- ``gate``: the promotion gate's calibration on the simulator (coverage, false and missed promotions).
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -17,4 +18,5 @@ BENCHES = {
     "learning": "pipeline.lab.bench.learning",
     "soak": "pipeline.lab.bench.soak",
     "evaluator": "pipeline.lab.bench.evaluator",
+    "gate": "pipeline.lab.bench.gate",
 }

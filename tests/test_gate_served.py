@@ -1,0 +1,109 @@
+"""The promotion gate judges policies as clients serve them (issue 15), not at the logged T."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.logged import LoggedDecisions
+from models.policy import PolicyNetwork
+from models.serving import ServingParams
+from models.serving_rule import (
+    adjusted_logits,
+    first_draw_probs,
+    keep_dynamic,
+    plackett_luce_logprob,
+    sample_plackett_luce,
+)
+from pipeline.learner.gate import judge
+
+D, S, K = 4, 12, 2
+HELPFUL, HARMFUL, IRRELEVANT = range(0, 4), range(4, 8), range(8, 12)
+VALUE = {**{s: 1.0 for s in HELPFUL}, **{s: -1.0 for s in HARMFUL}, **{s: 0.0 for s in IRRELEVANT}}
+
+
+def net_with(helpful: float, harmful: float, irrelevant: float) -> PolicyNetwork:
+    """A policy whose mask is softplus(bias of the slot's group), whatever the query."""
+    net = PolicyNetwork(D, S, hidden=4, alpha=1.0)
+    bias = [helpful] * 4 + [harmful] * 4 + [irrelevant] * 4
+    with torch.no_grad():
+        net.out.weight.zero_()
+        net.out.bias.copy_(torch.tensor(bias))
+    return net.eval()
+
+
+def served_log(net: PolicyNetwork, n: int, temperature: float, seed: int = 0) -> LoggedDecisions:
+    """Retrievals of 2 out of 6 candidates (2 of each group), logged as CausalRetriever logs them."""
+    rng = np.random.default_rng(seed)
+    cands, scores, sel, lps, probs, utils = [], [], [], [], [], []
+    alpha = float(net.alpha.detach()[0])
+    for _ in range(n):
+        c = np.concatenate([rng.choice(list(g), 2, replace=False) for g in (HELPFUL, HARMFUL, IRRELEVANT)])
+        sc = np.where(np.isin(c, list(HARMFUL)), rng.uniform(0.5, 0.7, 6), rng.uniform(0.4, 0.6, 6))
+        with torch.no_grad():
+            m = net.candidate_masks(torch.zeros(1, net.arch.hidden), torch.from_numpy(c[None]))[0].double().numpy()
+        keep = keep_dynamic(m)
+        z = adjusted_logits(sc[keep], m[keep], alpha, temperature)
+        pos = sample_plackett_luce(z, K, rng)
+        chosen = [int(c[keep][p]) for p in pos]
+        cands.append(c[keep].tolist())
+        scores.append(sc[keep])
+        sel.append(chosen)
+        lps.append(plackett_luce_logprob(z, pos))
+        probs.append(first_draw_probs(z))
+        utils.append(float(np.mean([VALUE[s] for s in chosen]) + 0.1 * rng.normal()))
+    return LoggedDecisions.from_lists(
+        cands, scores, sel, [temperature] * n, lps, utils, embedding=np.zeros((n, D)), first_probs=probs
+    )
+
+
+SERVING = net_with(helpful=2.0, harmful=1.0, irrelevant=0.0)  # served greedily it reads the helpful pair
+# Drops the harmful memories (which helps a client drawing at T = 1) but ranks irrelevant
+# look-alikes above the helpful ones, so that served at T = 0.05 it reads nothing useful.
+GREEDY_TRAP = net_with(helpful=-1.0, harmful=-8.0, irrelevant=4.0)
+
+
+@pytest.fixture(scope="module")
+def exploratory_log() -> LoggedDecisions:
+    return served_log(SERVING, 1500, temperature=1.0)  # the client explored at T = 1.0 and logged it
+
+
+def test_a_candidate_that_lowers_the_served_value_is_refused_on_an_exploratory_log(exploratory_log) -> None:
+    decision, reason, est = judge(exploratory_log, GREEDY_TRAP, SERVING, epsilon=0.02, min_ess=50)
+    assert decision == "refused", reason
+    # As served (T = 0.05, 10% at 0.25) the trap reads the irrelevant pair; serving reads helpful ones.
+    assert est["gain"].high < -0.2
+    # Judged at the logged T = 1.0 it would look better than serving: the issue's failure.
+    at_logged_t = ServingParams(temperature=1.0, explore_rate=0.0)
+    _, _, logged_t = judge(exploratory_log, GREEDY_TRAP, SERVING, epsilon=0.02, min_ess=50, params=at_logged_t)
+    assert logged_t["gain"].low > 0
+
+
+def test_a_clearly_better_candidate_is_promoted_with_enough_data() -> None:
+    serving = net_with(helpful=0.0, harmful=2.0, irrelevant=0.0)  # prefers the harmful look-alikes
+    better = net_with(helpful=2.0, harmful=-8.0, irrelevant=0.0)
+    log = served_log(serving, 1500, temperature=1.0, seed=1)
+    decision, reason, est = judge(log, better, serving, epsilon=0.02, min_ess=50)
+    assert decision == "promoted", reason
+    assert est["gain"].low > 1.0 and est["candidate"].value > est["similarity"].value
+    # every estimate stays within what a top-2 can reach: at most +1 here
+    assert est["candidate"].high <= 1.0 + 0.5
+
+
+def test_too_little_data_says_what_is_missing() -> None:
+    serving = net_with(helpful=0.0, harmful=2.0, irrelevant=0.0)
+    log = served_log(serving, 30, temperature=1.0, seed=2)
+    decision, reason, est = judge(log, net_with(2.0, -8.0, 0.0), serving, epsilon=0.02, min_ess=200)
+    assert decision == "insufficient"
+    assert reason.startswith(f"ESS {est['gain'].ess:.0f} < 200 needed")
+    # enough ESS but an interval that straddles −ε: how many times the data it needs
+    log = served_log(SERVING, 80, temperature=1.0, seed=3)
+    decision, reason, _ = judge(log, net_with(2.0, 1.02, 0.0), SERVING, epsilon=0.02, min_ess=10)
+    assert decision == "insufficient" and "straddles −ε" in reason and "the decisions needed" in reason
+
+
+def test_events_without_candidate_probs_fall_back_to_standard_ips(exploratory_log) -> None:
+    bare = LoggedDecisions(**{**exploratory_log.__dict__, "first_probs": None})
+    decision, reason, _ = judge(bare, GREEDY_TRAP, SERVING, epsilon=0.02, min_ess=1)
+    assert "lack candidate_probs" in reason and decision in ("refused", "insufficient")
