@@ -65,6 +65,7 @@ class Settings:
     baseline: str = "moving"  # moving | cluster | none
     baseline_fading: float = 0.01
     label_lr: float = 1e-2
+    reset_scope: str = "network"  # what a drift reset re-initialises: network | last_layer
     reorder_s: float = 0.0  # >0: apply experiences in event-time order, after this much reordering slack
     # checkpoints
     checkpoint_interval_s: float = 10.0
@@ -210,6 +211,7 @@ class Settings:
             baseline=self.baseline,
             baseline_fading=self.baseline_fading,
             label_lr=self.label_lr,
+            reset_scope=self.reset_scope,
             device=self.torch_device(),
             seed=self.seed,
         )
