@@ -1,7 +1,8 @@
 """A producer and a consumer that record what the join stage sends and commits (unit tests only).
 
 They stand in for aiokafka's clients around :meth:`JoinStage.process` and its commit path,
-so that event-time and delivery rules can be checked batch by batch without a broker.
+so that event-time and delivery rules can be checked batch by batch without a broker;
+:class:`FakeTopic` stands in for a faust topic the stream stages send to.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
 from pipeline.worker.join import JoinStage
 from topics.fields import encode
+
+
+class FakeTopic:
+    """A faust topic's ``send``: records the message and acknowledges it at once."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, **kwargs: Any) -> asyncio.Future[None]:
+        self.sent.append(kwargs)
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ack.set_result(None)  # acknowledged at once, like faust's FutureMessage once delivered
+        return ack
 
 
 class FakeBatch:

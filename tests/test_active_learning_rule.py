@@ -7,7 +7,6 @@ milliseconds; tests/test_active_learning.py checks the same through a real worke
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ from topics.internal import Outcome, RatingPair, decode_experience, decode_outco
 from topics.labels import decode_active_learning_sample
 
 from .helpers import feedback, label, retrieval_event
+from .join_fakes import FakeTopic
 
 S = Settings(embedding_dim=8, slots=32, partitions=4)
 T0 = 1_800_000_000.0
@@ -136,21 +136,10 @@ def test_utility_counts_each_step_once() -> None:
 # --------------------------------------------------------------------------- end to end, without Kafka
 
 
-class _Topic:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    async def send(self, **kwargs: Any) -> asyncio.Future[None]:
-        self.sent.append(kwargs)
-        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        ack.set_result(None)  # acknowledged at once, like faust's FutureMessage once delivered
-        return ack
-
-
 def _stages() -> tuple[OutcomesStage, LabelsStage, Tables, Outputs]:
     names = Tables.__dataclass_fields__
     tables = Tables(**{name: {} for name in names})
-    outputs = Outputs(**{name: _Topic() for name in Outputs.__dataclass_fields__})
+    outputs = Outputs(**{name: FakeTopic() for name in Outputs.__dataclass_fields__})
     metrics = Metrics()
     outcomes = OutcomesStage(tables, outputs, metrics, S.limits())
     labels = LabelsStage(tables, outputs, metrics, outcomes, S.topics(), S.limits())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 import numpy as np
 import pytest
@@ -21,22 +20,12 @@ from pipeline.worker.labels import LabelsStage
 from pipeline.worker.outcomes import OutcomesStage
 from pipeline.worker.tables import Outputs, Tables
 from tests.helpers import experience, label
+from tests.join_fakes import FakeTopic
 from topics.fields import Limits, Rejected, encode
 from topics.internal import SUPPRESS_COMMAND, Control, Experience, decode_control
 from topics.labels import DO_NOT_USE_PREFIX
 
 S = Settings(embedding_dim=8, slots=16, hidden=16)
-
-
-class _Topic:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    async def send(self, **kwargs: Any) -> asyncio.Future[None]:
-        self.sent.append(kwargs)
-        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        ack.set_result(None)
-        return ack
 
 
 def test_suppress_needs_slots() -> None:
@@ -50,7 +39,7 @@ def test_suppress_needs_slots() -> None:
 
 async def test_a_do_not_use_label_becomes_a_suppress_command() -> None:
     tables = Tables(**{name: {} for name in Tables.__dataclass_fields__})
-    outputs = Outputs(**{name: _Topic() for name in Outputs.__dataclass_fields__})
+    outputs = Outputs(**{name: FakeTopic() for name in Outputs.__dataclass_fields__})
     metrics = Metrics()
     outcomes = OutcomesStage(tables, outputs, metrics, S.limits())
     stage = LabelsStage(tables, outputs, metrics, outcomes, S.topics(), S.limits())
@@ -119,7 +108,7 @@ async def test_an_answer_marking_a_memory_harmful_becomes_a_label_experience() -
     from topics.internal import decode_experience
 
     tables = Tables(**{name: {} for name in Tables.__dataclass_fields__})
-    outputs = Outputs(**{name: _Topic() for name in Outputs.__dataclass_fields__})
+    outputs = Outputs(**{name: FakeTopic() for name in Outputs.__dataclass_fields__})
     metrics = Metrics()
     stage = LabelsStage(
         tables, outputs, metrics, OutcomesStage(tables, outputs, metrics, S.limits()), S.topics(), S.limits()
@@ -151,7 +140,9 @@ def test_fine_tuning_on_a_harmful_mark_lowers_that_memorys_probability() -> None
             emb = torch.tensor(ev.features.query_embedding[None, :])
             h = t.net.features(emb, torch.zeros(1), torch.zeros(1))
             m = t.net.candidate_masks(h, torch.tensor([ev.candidates]))
-            z = adjusted_logits_torch(torch.tensor(ev.scores[None, :], dtype=torch.float32), m, t.net.alpha, torch.ones(1))
+            z = adjusted_logits_torch(
+                torch.tensor(ev.scores[None, :], dtype=torch.float32), m, t.net.alpha, torch.ones(1)
+            )
             return float(torch.softmax(z, dim=1)[0, ev.candidates.index(slot)])
 
     before = p_first(2)

@@ -328,8 +328,8 @@ class Fields:
             return None
         return float_array(items, f"{self.path}{name}", self.limits.max_abs_value, lo)
 
-    def slot_floats_(self, name: str, lo: float | None = None) -> dict[int, float] | None:
-        """An object keyed by slot numbers (as strings) with float values, e.g. ``{"12": 1.5}``."""
+    def _by_slot(self, name: str) -> dict[int, Any] | None:
+        """An object keyed by slot numbers as strings (``{"12": …}``), keys checked, values not."""
         value = self.get(name, False)
         if value is None:
             return None
@@ -337,7 +337,7 @@ class Fields:
             raise Rejected("wrong_type", f"{self.path}{name} must be an object")
         if len(value) > self.limits.max_candidates:
             raise Rejected("oversize", f"{self.path}{name} has too many entries")
-        out: dict[int, float] = {}
+        out: dict[int, Any] = {}
         for k, v in value.items():
             try:
                 slot = int(k)
@@ -345,31 +345,28 @@ class Fields:
                 raise Rejected("wrong_type", f"{self.path}{name} keys must be slot numbers") from None
             if not 0 <= slot < self.limits.slots:
                 raise Rejected("out_of_range", f"{self.path}{name} slot {slot}")
-            out[slot] = float(as_float(v, lo, None, f"{self.path}{name}.{k}", self.limits.max_abs_value))
+            out[slot] = v
         return out
 
-    def texts_(self, name: str) -> dict[int, str] | None:
-        value = self.get(name, False)
+    def slot_floats_(self, name: str, lo: float | None = None) -> dict[int, float] | None:
+        """Float values by slot, e.g. ``{"12": 1.5}``."""
+        value = self._by_slot(name)
         if value is None:
             return None
-        if not isinstance(value, dict):
-            raise Rejected("wrong_type", f"{self.path}{name} must be an object")
-        if len(value) > self.limits.max_candidates:
-            raise Rejected("oversize", f"{self.path}{name} has too many entries")
-        out: dict[int, str] = {}
-        for k, v in value.items():
-            try:
-                slot = int(k)
-            except ValueError:
-                raise Rejected("wrong_type", f"{self.path}{name} keys must be slot numbers") from None
-            if not 0 <= slot < self.limits.slots:
-                raise Rejected("out_of_range", f"{self.path}{name} slot {slot}")
+        where, big = f"{self.path}{name}", self.limits.max_abs_value
+        return {s: float(as_float(v, lo, None, f"{where}.{s}", big)) for s, v in value.items()}
+
+    def texts_(self, name: str) -> dict[int, str] | None:
+        """Texts by slot, each at most ``max_text_len``."""
+        value = self._by_slot(name)
+        if value is None:
+            return None
+        for slot, v in value.items():
             if not isinstance(v, str):
                 raise Rejected("wrong_type", f"{self.path}{name} values must be strings")
             if len(v) > self.limits.max_text_len:
                 raise Rejected("oversize", f"{self.path}{name}[{slot}] too long")
-            out[slot] = v
-        return out
+        return value
 
 
 # --------------------------------------------------------------------------- numbers
