@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.extras import require
 from pipeline.lab.roles import HARMFUL, HELPFUL, IRRELEVANT
 
 ATTRIBUTES: dict[str, dict[str, Any]] = {
@@ -423,26 +424,17 @@ def lm_utilities(
 
 
 def _score(scorer: Any, prompts: list[str], answers: list[str], console: Any) -> np.ndarray:
-    """Score in chunks, with a progress bar when rich is there (first computation: minutes)."""
+    """Score in chunks under a progress bar (the first computation takes minutes)."""
+    rp = require("rich.progress", "lab")
     chunk = 128
     out = np.empty(len(prompts))
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    except ImportError:  # pragma: no cover - rich is in the lab extra
-        Progress = None
-    if Progress is None:
-        for a in range(0, len(prompts), chunk):
-            out[a : a + chunk] = scorer.nll(prompts[a : a + chunk], answers[a : a + chunk])
-        return out
-    progress = Progress(
-        TextColumn("[bold]LM utilities[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
+    columns = (
+        rp.TextColumn("[bold]LM utilities[/]"),
+        rp.BarColumn(),
+        rp.MofNCompleteColumn(),
+        rp.TimeRemainingColumn(),
     )
-    with progress:
+    with rp.Progress(*columns, console=console) as progress:
         task = progress.add_task("score", total=len(prompts))
         for a in range(0, len(prompts), chunk):
             out[a : a + chunk] = scorer.nll(prompts[a : a + chunk], answers[a : a + chunk])
