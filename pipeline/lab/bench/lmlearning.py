@@ -284,6 +284,8 @@ def plot(report: dict[str, Any], path: str) -> str:
     a1.axhline(sim["value"], color="tab:red", ls="--", label="similarity-only")
     a1.axhline(best["value"], color="tab:green", ls="--", label="oracle top-k")
     a1.axhline(sim["value"] + TARGET_GAP * (best["value"] - sim["value"]), color="gray", ls=":", label="50% of the gap")
+    low = min([sim["value"], *(s["value"] for r in rows for s in r["per_seed"])])
+    a1.set_ylim(low - 0.25 * (best["value"] - low), best["value"] + 0.1 * (best["value"] - low))  # zoom on the gap
     a1.set_ylabel("served utility (answer NLL drop, nats/token)")
     a1.set_title("served value on held-out questions (dots: seeds)")
     a1.legend(fontsize=8, loc="lower right")
