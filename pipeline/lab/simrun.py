@@ -66,6 +66,7 @@ class RunResult:
     labels_answered: int
     label_effect: dict[str, float]
     wall_s: float
+    policy: Any = None  # the LoadedPolicy the agent's retriever served at the end (None: never one)
 
 
 def pipeline_env(scenario: Scenario, spec: RunSpec, prefix: str, state_dir: Path) -> dict[str, str]:
@@ -165,8 +166,13 @@ async def run_scenario(
     console: Any,
     prefix: str | None = None,
     label: str = "simulated agent",
+    env: Any = None,
 ) -> RunResult:
-    """Run one scenario through a fresh worker and learner (with their own topic prefix)."""
+    """Run one scenario through a fresh worker and learner (with their own topic prefix).
+
+    ``env`` replaces the simulator's :class:`Environment` built from ``scenario`` (any world
+    with its interface, e.g. :class:`pipeline.lab.lmworld.LMWorld`).
+    """
     rich_progress = require("rich.progress", "lab")
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
@@ -192,7 +198,7 @@ async def run_scenario(
     await kafka.create_topics(bootstrap, settings)
     worker = Child("worker", bootstrap, env_vars, log_path=logdir / "worker.log")
     learner = Child("learner", bootstrap, env_vars, log_path=logdir / "learner.log")
-    env = Environment(scenario)
+    env = env if env is not None else Environment(scenario)
     similarity_only = not spec.use_policy and not spec.dmem
     retriever = CausalRetriever(
         env.memory,
@@ -398,6 +404,7 @@ async def run_scenario(
             labels_answered,
             effect,
             time.monotonic() - t_start,
+            retriever.policy,
         )
     finally:
         for child in (worker, learner):

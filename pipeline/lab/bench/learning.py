@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.extras import require
+from pipeline.lab.bench import lmlearning
 from pipeline.lab.simrun import RunResult, RunSpec, run_scenario
 from pipeline.lab.simulator import DAY, Scenario
 
@@ -407,10 +408,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", help="comma-separated rows to run (default: all; --quick: similarity,dynamic)")
     p.add_argument("--out", help="write the results as JSON here, and plots next to it")
     p.add_argument("--seed", type=int, default=0, help="scenario seed")
-    p.add_argument("--seeds", help="several seeds side by side, e.g. 0,1,2 (rows are the means; overrides --seed)")
+    p.add_argument("--seeds", help="several seeds side by side, e.g. 0,1,2 (rows are the means; overrides --seed; --lm: default 0,1,2)")
+    lmlearning.add_options(p)  # --lm and its flags: the real-LM bench
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "lm", False):
+        return lmlearning.main(args)
     for module in ("yaml", "rich", *(["matplotlib"] if args.out else [])):  # before any process starts
         require(module, "lab")
     report = asyncio.run(run(args))
