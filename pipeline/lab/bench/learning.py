@@ -408,7 +408,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", help="comma-separated rows to run (default: all; --quick: similarity,dynamic)")
     p.add_argument("--out", help="write the results as JSON here, and plots next to it")
     p.add_argument("--seed", type=int, default=0, help="scenario seed")
-    p.add_argument("--seeds", help="several seeds side by side, e.g. 0,1,2 (rows are the means; overrides --seed; --lm: default 0,1,2)")
+    p.add_argument(
+        "--seeds", help="several seeds side by side, e.g. 0,1,2 (rows are the means; overrides --seed; --lm: 0,1,2)"
+    )
     lmlearning.add_options(p)  # --lm and its flags: the real-LM bench
 
 
