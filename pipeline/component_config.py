@@ -250,6 +250,7 @@ class UiConfig:
     recent_per_memory: int = 20  # recent queries listed on a memory's page
     worker_urls: tuple[str, ...] = ()  # Prometheus endpoints for the health page
     learner_urls: tuple[str, ...] = ()
+    shadow_window: int = 0  # >0: the health page shows shadow mode's estimate over the last N joined steps
 
     def __post_init__(self) -> None:
         if self.overlap < 1:

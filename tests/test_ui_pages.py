@@ -404,6 +404,19 @@ def test_health_page_shows_the_band_its_advice_and_the_trends(tmp_path: Path) ->
         assert data["score_source"].startswith("topics") and data["health"]["band"] in ("warning", "critical")
 
 
+def test_health_page_shows_shadow_mode_and_its_estimate(tmp_path: Path) -> None:
+    """Issue 18: the UI shows shadow mode's mode and estimate (``causalmem ui --shadow``)."""
+    feeds = fed()
+    line = "policy 'default': shadow mode, gain +0.120 [+0.030, +0.210] over 400 exploration steps"
+    feeds.snapshot = {"ts": BASE_TS, "shadow": {"mode": "shadow", "line": line}}
+    with client_for(tmp_path, Pool([]), feeds) as c:
+        login(c)
+        assert c.get("/health/data").json()["shadow"]["mode"] == "shadow"
+        assert line.replace("'", "&#39;") in c.get("/health").text
+        feeds.snapshot = {"ts": BASE_TS}  # without --shadow: no section
+        assert 'id="shadow"' not in c.get("/health").text
+
+
 def test_the_cli_verb_needs_a_labelers_file(capsys: pytest.CaptureFixture[str]) -> None:
     from pipeline.cli import main
 

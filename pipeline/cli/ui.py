@@ -46,6 +46,16 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="a learner's /metrics URL, for the gate's estimates (repeatable)",
     )
     p.add_argument(
+        "--shadow",
+        dest="shadow_window",
+        type=int,
+        nargs="?",
+        const=2000,
+        default=0,
+        metavar="N",
+        help="show shadow mode's gain estimate over the last N joined steps (default 2000; docs/byo-retriever.md)",
+    )
+    p.add_argument(
         "--hash-password",
         action="store_true",
         help="print a password_hash for the labelers file (reads the password from the terminal) and exit",
@@ -73,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         overlap=args.overlap,
         lease_s=args.lease_s,
         undo_s=args.undo_s,
+        shadow_window=args.shadow_window,
         refresh_s=args.refresh_s,
         worker_urls=tuple(args.worker_urls),
         learner_urls=tuple(args.learner_urls),

@@ -179,8 +179,21 @@ class Feeds(Service):
                     follower.unreadable += 1
         snapshot = await self.status.snapshot()
         snapshot["gate_estimates"] = await self._gate_estimates()
+        if self.config.shadow_window > 0:
+            snapshot["shadow"] = await self._shadow()
         self.snapshot = snapshot
         self.refreshed.set()
+
+    async def _shadow(self) -> dict[str, Any] | None:
+        """Shadow mode's mode and gain estimate, as `causalmem status --shadow` shows them."""
+        from pipeline.evaluation.shadow import format_report, shadow_report
+
+        try:
+            report = await shadow_report(self.bootstrap, self.conn, self.config.shadow_window)
+        except Exception as exc:  # the rest of the page stands without it
+            log.warning("ui: shadow estimate failed: %r", exc)
+            return None
+        return {**report, "line": format_report(report)}
 
     def _apply(self, name: str, msg: Any) -> None:
         if name == "events":

@@ -186,6 +186,7 @@ def health_page(snapshot: dict[str, Any] | None, trends: Trends, manifests: list
         },
         "gate": gate_history(manifests, serving),
         "gate_estimates": snapshot.get("gate_estimates"),
+        "shadow": snapshot.get("shadow"),
         "queue_depth": (snapshot.get("active_learning") or {}).get("depth"),
         "dead_letters": (snapshot.get("dead_letter") or {}).get("total"),
         "errors": snapshot.get("errors") or [],
