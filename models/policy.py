@@ -18,6 +18,7 @@ than the full mask, with the same values and gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,29 @@ class Arch:
         }
 
 
+NEUTRAL_BIAS = math.log(math.e - 1.0)  # softplus(b) = 1: every memory starts with the same mask
+NEUTRAL_WEIGHT_SCALE = 0.01  # the output rows start small: masks differ by ~1%, gradients still flow
+
+
+def neutral_out(out: nn.Linear) -> None:
+    """A fresh output layer that serves like similarity search: every mask ≈ 1.
+
+    A randomly initialised layer gives each memory a random mask, and at the serving
+    temperature (0.05) that reorders the candidates: before any learning, and for as long as
+    the gate holds the first candidate back, clients would serve worse than similarity
+    search. Small random rows keep the gradient's direction information.
+
+    >>> layer = nn.Linear(8, 4)
+    >>> neutral_out(layer)
+    >>> m = torch.nn.functional.softplus(layer(torch.randn(3, 8)))
+    >>> bool(((m - 1).abs() < 0.05).all())
+    True
+    """
+    with torch.no_grad():
+        out.weight.mul_(NEUTRAL_WEIGHT_SCALE)
+        out.bias.fill_(NEUTRAL_BIAS)
+
+
 class PolicyNetwork(nn.Module):
     """Linear(D+2, H) → GELU → Linear(H, S) → softplus, with LayerNorm on the embedding."""
 
@@ -75,6 +99,7 @@ class PolicyNetwork(nn.Module):
         self.hidden = nn.Linear(embedding_dim + 2, hidden)
         self.out = nn.Linear(hidden, slots)
         self.alpha = nn.Parameter(torch.tensor([float(alpha)]))
+        neutral_out(self.out)
 
     def features(self, embedding: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """The hidden representation h = gelu(hidden(x)) of shape [B, H]."""
@@ -118,6 +143,7 @@ class PolicyNetwork(nn.Module):
                 bound = 1.0 / self.arch.hidden**0.5
                 fresh.weight.uniform_(-bound, bound, generator=generator)
                 fresh.bias.uniform_(-bound, bound, generator=generator)
+            neutral_out(fresh)
             self.out.weight.copy_(fresh.weight)
             self.out.bias.copy_(fresh.bias)
 

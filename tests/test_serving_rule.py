@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.policy import TENSOR_NAMES, Arch, PolicyNetwork, init_policy
+from models.policy import NEUTRAL_BIAS, TENSOR_NAMES, Arch, PolicyNetwork, init_policy
 from models.serving_rule import (
     adjusted_logits,
     adjusted_logits_torch,
@@ -394,7 +394,9 @@ def test_policy_mask_non_negative_and_reset_last_layer() -> None:
     after = net.tensors()
     for name in TENSOR_NAMES:
         changed = not torch.equal(before[name], after[name])
-        assert changed == (name in ("out.weight", "out.bias")), name
+        assert changed == (name == "out.weight"), name
+    # A fresh output layer is neutral (serves like similarity search): every bias at softplus⁻¹(1).
+    assert torch.allclose(after["out.bias"], torch.full((6,), NEUTRAL_BIAS))
     # same generator seed → same fresh layer
     other = init_policy(4, 6, hidden=8, seed=1)
     other.reset_last_layer(torch.Generator().manual_seed(5))
