@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.policy import Arch
 from models.trainer import PolicyTrainer
@@ -49,15 +49,14 @@ class ControlCommands:
     dirty: bool
     _dead: DeadLetterWriter | None
 
-    @property
-    def gate(self) -> PromotionGate | None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # what the learner provides (declared for the type checker only)
 
-    async def _apply_pending(self, force: bool = False) -> None:
-        raise NotImplementedError
+        @property
+        def gate(self) -> PromotionGate | None: ...
 
-    async def publish(self, reason: str, extra: dict[str, Any] | None = None) -> Manifest | None:
-        raise NotImplementedError
+        async def _apply_pending(self, force: bool = False) -> None: ...
+
+        async def publish(self, reason: str, extra: dict[str, Any] | None = None) -> Manifest | None: ...
 
     async def _handle_control(self, msg: Any) -> None:
         try:
