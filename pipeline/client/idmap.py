@@ -41,6 +41,22 @@ class SlotsFull(RuntimeError):
     """Every slot of the map is taken."""
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` all at once (a temporary file, fsync, rename): a crash
+    leaves the old content or the new, never half of it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 class IdSlotMap:
     """Document id → slot, first come first served, persisted to ``path`` when given.
 
@@ -132,14 +148,4 @@ class IdSlotMap:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = orjson.dumps({"format": FORMAT, "slots": self.slots, "ids": self._by_slot})
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.path, data)

@@ -28,10 +28,8 @@ JSON file when a path is given, so a restarted service does not fall back to sha
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -40,6 +38,7 @@ import numpy as np
 import orjson
 
 from models.logged import uniform_logprob
+from pipeline.client.idmap import write_atomically
 from pipeline.client.subscriber import LoadedPolicy
 from topics.internal import CUTOVER_COMMAND
 
@@ -113,14 +112,4 @@ class ShadowMode:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = orjson.dumps({"mode": self.mode, "cutover_version": self.cutover_version, "cutover_ts": self.cutover_ts})
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.path, data)
