@@ -156,7 +156,7 @@ async def test_gated_learner_serves_only_promoted_checkpoints(topics_ready) -> N
                 and learner.gate.decisions[-1].candidate_version == learner.version
                 and learner.gate.pending is None
             ),
-            60,
+            180,  # each judgement computes slate moments (1–2 s) while the learner keeps training
             "the gate to have judged the last candidate",
         )
         # Now poison it: mislabelled answers drag the last layer toward the harmful slots.
