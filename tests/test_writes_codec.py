@@ -175,3 +175,13 @@ def test_generated_proposals_round_trip(
     assert (back.embedding is None) == (embedding is None)
     if embedding is not None and back.embedding is not None:
         assert np.array_equal(back.embedding, embedding)
+
+
+def test_the_contracts_example_proposal_decodes() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "contract.md").read_text()
+    (block,) = [orjson.loads(b) for b in re.findall(r"```json\n(.*?)```", text, flags=re.S) if "memory_write/v1" in b]
+    w = decode_memory_write(orjson.dumps(block), Limits(), key=block["write_id"].encode())
+    assert (w.reward, w.expected_reward, w.step) == (0.82, None, 2)
