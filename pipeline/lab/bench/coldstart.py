@@ -123,7 +123,12 @@ def in_served_top_k(trainer: PolicyTrainer, r: CausalRetriever, emb: np.ndarray,
         z = np.where(keep, adjusted_logits(scores[i].astype(np.float64), masks[i], alpha, 1.0), -np.inf)
         top = slots[i][np.argsort(-z, kind="stable")[: min(k, int(keep.sum()))]]
         hits += int(slot in set(top.tolist()))
-    return hits / emb.shape[0]
+    return hits / int(emb.shape[0])
+
+
+def measure(trainer: PolicyTrainer, r: CausalRetriever, bank: Bank, evals: list[np.ndarray], k: int) -> list[float]:
+    """Per new memory: the share of its intent's evaluation queries served with it in the top k."""
+    return [in_served_top_k(trainer, r, e, int(slot), k) for e, slot in zip(evals, bank.new_slots, strict=True)]
 
 
 def pretrain(seed: int, args: argparse.Namespace) -> tuple[Scenario, Environment, Bank, PolicyTrainer, Any]:
@@ -165,14 +170,9 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             w[idx] = rows.to(w.dtype)
             b[idx] = bias.to(b.dtype)
         r = retriever(bank, s, len(bank.order))
-        curve: list[list[float]] = []
-
-        def measure() -> None:
-            curve.append([in_served_top_k(trainer, r, evals[i], int(bank.new_slots[i]), s.k) for i in range(s.intents)])
-
-        measure()
+        curve = [measure(trainer, r, bank, evals, s.k)]
         for step, _ in enumerate(traffic(world, bank, r, trainer, args.queries, cfg), start=1):
-            measure()
+            curve.append(measure(trainer, r, bank, evals, s.k))
             if step >= args.steps:
                 break
         c = np.array(curve)  # [steps + 1, intents]
@@ -208,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
         args.seeds, args.pretrain_queries, args.steps, args.eval_queries = [0], 300, 5, 4
     torch.set_num_threads(1)
     t0 = time.time()
-    report = {"seeds": {str(seed): run_seed(seed, args) for seed in args.seeds}}
+    report: dict[str, Any] = {"seeds": {str(seed): run_seed(seed, args) for seed in args.seeds}}
     report["seconds"] = time.time() - t0
     print(
         f"{'seed':>4} {'init':>6} {'at step 0':>10} {'median steps':>13} {'entered':>8} "
