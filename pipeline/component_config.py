@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.serving import ServingParams
+from models.write_gate import DEFAULT_THETA
 from topics.fields import Limits
 from topics.names import Topics
 
@@ -304,7 +305,7 @@ class WritesConfig:
     connection: Connection
     lifecycle_topic: str
     group_id: str = "causalmem-writes"
-    theta: float = 0.3  # admit when |reward − expected reward| > theta
+    theta: float = DEFAULT_THETA  # admit when |reward − expected reward| > theta
     prior: float = 0.0  # expected reward before any reward was seen
     fading: float = 0.05  # weight of a new reward in a running mean
     radius: float = 0.5  # cosine similarity to a topic's centroid to join it

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.serving import ServingParams
+from models.write_gate import DEFAULT_THETA
 from pipeline.component_config import (
     ActiveLearningConfig,
     AdapterConfig,
@@ -100,7 +101,7 @@ class Settings:
     evaluator_device: str = "auto"  # auto | cpu | cuda
     evaluator_threads: int = 0  # torch CPU threads of the scorer; 0 = torch's default
     # write gate (causalmem writes, seed 004)
-    writes_theta: float = 0.3  # admit a proposed memory when |reward − expected reward| > theta
+    writes_theta: float = DEFAULT_THETA  # admit a proposed memory when |reward − expected reward| > theta
     writes_prior: float = 0.0  # expected reward before the gate has seen any
     writes_fading: float = 0.05  # weight of a new reward in the gate's running means
     writes_radius: float = 0.5  # cosine similarity of a query to a topic's centroid to join it
