@@ -54,6 +54,8 @@ def test_proposals_in_admissions_out_rejections_kept_bad_ones_dead_lettered(topi
                 task = asyncio.create_task(gate.run())
                 for w in proposals:
                     await producer.send_and_wait(topics.memory_writes.name, w.to_bytes(), key=w.key)
+                    if w.expected_reward is None:  # judged by the gate's estimate: first, against the prior
+                        await until(lambda: gate.judged == 1, 10, "the first proposal judged")
                 for bad in (no_reward, wrong_size):
                     await producer.send_and_wait(
                         topics.memory_writes.name, orjson.dumps(bad), key=bad["write_id"].encode()
