@@ -42,7 +42,8 @@ def test_proposals_in_admissions_out_rejections_kept_bad_ones_dead_lettered(topi
     wrong_size = dict(orjson.loads(proposals[0].to_bytes()), write_id="w-size", embedding=[0.1, 0.2])
 
     async def main() -> dict[str, list[Any]]:
-        await kafka.create_topics(bootstrap, s, [TopicSpec(config.lifecycle_topic, 1)])
+        if not hasattr(topics, "memory_lifecycle"):  # until the product's topics include it
+            await kafka.create_topics(bootstrap, s, [TopicSpec(config.lifecycle_topic, 1)])
         producer = kafka.producer(bootstrap, s)
         await producer.start()
         metrics = Metrics(role="writes")
