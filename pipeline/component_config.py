@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.serving import ServingParams
+from models.write_gate import DEFAULT_THETA
 from topics.fields import Limits
 from topics.names import Topics
 
@@ -289,3 +290,33 @@ class EvaluatorConfig:
             raise ValueError(f"evaluator attribution rate {self.attribution_rate}: expected 0..1")
         if self.batch_size < 1:
             raise ValueError(f"evaluator batch size {self.batch_size}: expected at least 1")
+
+
+# (writes)
+
+
+@dataclass(frozen=True)
+class WritesConfig:
+    """The write gate (pipeline/writes/, seed 004): θ, the expected-reward estimate, its outputs.
+
+    ``lifecycle_topic`` is where admitted memories go (``memory-lifecycle``).
+    """
+
+    connection: Connection
+    lifecycle_topic: str
+    group_id: str = "causalmem-writes"
+    theta: float = DEFAULT_THETA  # admit when |reward − expected reward| > theta
+    prior: float = 0.0  # expected reward before any reward was seen
+    fading: float = 0.05  # weight of a new reward in a running mean
+    radius: float = 0.5  # cosine similarity to a topic's centroid to join it
+    min_count: int = 5  # rewards a topic needs before its own mean is used
+    batch_size: int = 64  # proposals judged before their outputs are flushed and offsets committed
+    linger_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not (self.theta >= 0.0 and self.theta < float("inf")):
+            raise ValueError(f"write gate theta {self.theta}: expected a finite number >= 0")
+        if not 0.0 < self.fading <= 1.0:
+            raise ValueError(f"write gate fading {self.fading}: expected 0 < fading <= 1")
+        if not -1.0 <= self.radius <= 1.0 or self.min_count < 1 or self.batch_size < 1:
+            raise ValueError("write gate: radius in -1..1, min_count and batch_size at least 1")

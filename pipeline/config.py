@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.serving import ServingParams
+from models.write_gate import DEFAULT_THETA
 from pipeline.component_config import (
     ActiveLearningConfig,
     AdapterConfig,
@@ -31,6 +32,7 @@ from pipeline.component_config import (
     ShadowConfig,
     UiConfig,
     WorkerConfig,
+    WritesConfig,
 )
 from topics.fields import Limits
 from topics.names import Topics
@@ -98,6 +100,13 @@ class Settings:
     evaluator_batch_size: int = 16  # events per scoring call
     evaluator_device: str = "auto"  # auto | cpu | cuda
     evaluator_threads: int = 0  # torch CPU threads of the scorer; 0 = torch's default
+    # write gate (causalmem writes, seed 004)
+    writes_theta: float = DEFAULT_THETA  # admit a proposed memory when |reward − expected reward| > theta
+    writes_prior: float = 0.0  # expected reward before the gate has seen any
+    writes_fading: float = 0.05  # weight of a new reward in the gate's running means
+    writes_radius: float = 0.5  # cosine similarity of a query to a topic's centroid to join it
+    writes_min_count: int = 5  # rewards a topic needs before its own mean is the expectation
+    writes_rejected_retention_days: float = 7.0  # how long rejected proposals are kept for review
 
     al_threshold: float = -0.3
     al_uncertainty_budget: float = 0.0  # fraction of experiences; 0 disables the trigger
@@ -129,6 +138,7 @@ class Settings:
             partitions=self.partitions,
             replication_factor=self.replication_factor,
             min_insync_replicas=self.min_insync_replicas,
+            rejected_writes_retention_ms=int(self.writes_rejected_retention_days * 86_400_000),
         )
 
     def limits(self) -> Limits:
@@ -196,6 +206,18 @@ class Settings:
             group_id=f"{self.topic_prefix}causalmem-evaluator",
             attribution_rate=self.evaluator_attribution_rate,
             batch_size=self.evaluator_batch_size,
+        )
+
+    def writes(self) -> WritesConfig:
+        return WritesConfig(
+            connection=self.connection(),
+            lifecycle_topic=f"{self.topic_prefix}memory-lifecycle",
+            group_id=f"{self.topic_prefix}causalmem-writes",
+            theta=self.writes_theta,
+            prior=self.writes_prior,
+            fading=self.writes_fading,
+            radius=self.writes_radius,
+            min_count=self.writes_min_count,
         )
 
     def trainer(self) -> TrainerConfig:

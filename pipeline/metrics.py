@@ -36,6 +36,7 @@ ROLES = {
     "worker": {"process", "input", "worker", "broker"},
     "learner": {"process", "input", "learner", "broker"},
     "evaluator": {"process", "input", "broker"},  # and its own causalmem_evaluator_* (pipeline/evaluator/metrics.py)
+    "writes": {"process", "input", "broker"},  # and its own causalmem_writes_* (pipeline/writes/metrics.py)
     "all": {"process", "input", "worker", "learner", "broker"},
 }
 

@@ -33,7 +33,7 @@ GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "causalmem.json"
 K8S = ROOT / "deploy" / "k8s"
 
-CAUSALMEM_SERVICES = ("init-topics", "worker", "learner", "evaluator")
+CAUSALMEM_SERVICES = ("init-topics", "worker", "learner", "evaluator", "writes")
 EXPECTED_SERVICES = {"kafka", "kafka-setup", *CAUSALMEM_SERVICES, "prometheus", "grafana"}
 METRIC_RE = re.compile(r"causalmem_[a-z0-9_]+")
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}: Compose interpolation.
@@ -163,7 +163,7 @@ def test_compose_services() -> None:
         assert "--bootstrap" in svc["command"] and "kafka:9092" in svc["command"], name
 
     assert services["init-topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
-    for name in ("worker", "learner", "evaluator"):
+    for name in ("worker", "learner", "evaluator", "writes"):
         svc = services[name]
         assert svc["depends_on"]["init-topics"]["condition"] == "service_completed_successfully", name
         env = _compose_env(svc)
@@ -177,6 +177,9 @@ def test_compose_services() -> None:
     evaluator = services["evaluator"]
     assert evaluator["command"][0] == "evaluator"
     assert 1 <= evaluator["deploy"]["replicas"] <= 8, "evaluators share the input partitions"
+    writes = services["writes"]
+    assert writes["command"][0] == "writes"
+    assert 1 <= writes["deploy"]["replicas"] <= 8, "write gates share the partitions of memory-writes"
     # The learner is the single writer of the policy.
     assert services["learner"].get("deploy", {}).get("replicas", 1) == 1
     assert "scale" not in services["learner"]
@@ -474,6 +477,21 @@ def test_k8s_evaluator_deployment() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     services = [d for _f, d in _k8s_docs() if d["kind"] == "Service"]
     assert any(s["spec"]["selector"] == evaluator["spec"]["selector"]["matchLabels"] for s in services)
+
+
+def test_k8s_write_gate_deployment() -> None:
+    (gate,) = _by_component("writes")
+    assert gate["kind"] == "Deployment"
+    assert 1 <= gate["spec"]["replicas"] <= 8, "more write gates than partitions of memory-writes sit idle"
+    template = gate["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "9100"
+    (container,) = template["spec"]["containers"]
+    assert container["args"][0] == "writes"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == 9100
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    services = [d for _f, d in _k8s_docs() if d["kind"] == "Service"]
+    assert any(s["spec"]["selector"] == gate["spec"]["selector"]["matchLabels"] for s in services)
 
 
 def test_k8s_containers_run_causalmem_verbs_with_known_env() -> None:

@@ -160,7 +160,7 @@ def test_k8s_probes_are_http_health_checks() -> None:
                 assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}, f
                 assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}, f
                 assert c["startupProbe"]["httpGet"]["path"] == "/healthz", f
-    assert seen == 3  # worker, learner, evaluator
+    assert seen == 4  # worker, learner, evaluator, write gate
 
 
 # --------------------------------------------------------------------------- metrics by default

@@ -34,6 +34,7 @@ ROLES = {
     "worker": "User:causalmem-worker",
     "learner": "User:causalmem-learner",
     "evaluator": "User:causalmem-evaluator",
+    "writes": "User:causalmem-writes",
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -101,7 +102,10 @@ def test_who_may_write_what(prefix: str) -> None:
     assert writers(g, t.epoch.name) == {r["operator"]}
     for internal in (t.outcomes, t.experiences, t.active_learning, t.rating_pairs):
         assert writers(g, internal.name) == {r["worker"]}, internal.name
-    assert writers(g, t.dead_letter.name) == {r["worker"], r["learner"], r["evaluator"]}
+    assert writers(g, t.dead_letter.name) == {r["worker"], r["learner"], r["evaluator"], r["writes"]}
+    # agents propose memories; only the write gate keeps the rejected ones
+    assert writers(g, t.memory_writes.name) == {r["service"]}
+    assert writers(g, t.memory_writes_rejected.name) == {r["writes"]}
     # topics are created by operators (init-topics) only
     creators = {who for who, ops in g.items() if topics_with(ops, "Create")}
     assert creators == {r["operator"]}
@@ -133,6 +137,8 @@ def test_each_role_reads_what_it_needs_under_the_names_the_code_uses() -> None:
     assert groups("learner") == {("literal", learner_group(conn))}
     assert reads("evaluator") == {t.retrieval_events.name, t.epoch.name}
     assert groups("evaluator") == {("literal", s.evaluator().group_id)}
+    assert reads("writes") == {t.memory_writes.name, t.epoch.name}
+    assert groups("writes") == {("literal", s.writes().group_id)}
     assert groups("labeler") == {("prefixed", labeler_group(conn))}
     assert all(not topics_with(ops, "All") for who, ops in g.items()), "no role gets All on a product topic"
 
@@ -159,7 +165,7 @@ def test_compose_kafka_requires_sasl_scram_and_the_authorizer() -> None:
     assert shared["CAUSALMEM_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT"
     assert shared["CAUSALMEM_KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
     users = {}
-    for name in ("init-topics", "worker", "learner", "evaluator"):
+    for name in ("init-topics", "worker", "learner", "evaluator", "writes"):
         svc_env = services[name]["environment"]
         users[name] = svc_env["CAUSALMEM_KAFKA_SASL_USERNAME"]
         assert re.fullmatch(r"\$\{KAFKA_[A-Z]+_PASSWORD:\?[^}]+\}", svc_env["CAUSALMEM_KAFKA_SASL_PASSWORD"]), name
@@ -168,6 +174,7 @@ def test_compose_kafka_requires_sasl_scram_and_the_authorizer() -> None:
         "worker": "causalmem-worker",
         "learner": "causalmem-learner",
         "evaluator": "causalmem-evaluator",
+        "writes": "causalmem-writes",
     }
     assert services["init-topics"]["depends_on"]["kafka-setup"]["condition"] == "service_completed_successfully"
 
@@ -213,6 +220,7 @@ def test_k8s_replicates_every_topic_three_times() -> None:
 def test_k8s_each_role_reads_its_own_kafka_user_from_a_secret() -> None:
     expected = {"worker": "causalmem-kafka-worker", "learner": "causalmem-kafka-learner"}
     expected["evaluator"] = "causalmem-kafka-evaluator"
+    expected["writes"] = "causalmem-kafka-writes"
     expected["init-topics"] = "causalmem-kafka-operator"
     seen = {}
     for doc in _k8s():

@@ -14,6 +14,7 @@ from typing import Any
 from topics.events import decode_retrieval_event
 from topics.feedback import decode_llm_feedback
 from topics.labels import decode_active_learning_sample, decode_human_label
+from topics.writes import decode_memory_write
 
 SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
 
@@ -61,6 +62,8 @@ class Topics:
     rating_pairs: TopicSpec
     control: TopicSpec
     epoch: TopicSpec
+    memory_writes: TopicSpec
+    memory_writes_rejected: TopicSpec
     prefix: str = ""
 
     @classmethod
@@ -71,6 +74,7 @@ class Topics:
         retention_ms: int = SEVEN_DAYS_MS,
         replication_factor: int = 1,
         min_insync_replicas: int = 1,
+        rejected_writes_retention_ms: int = SEVEN_DAYS_MS,
     ) -> Topics:
         if partitions < 1:
             raise ValueError("partitions must be >= 1")
@@ -109,6 +113,15 @@ class Topics:
             # One marker message, written when the topics are created: an empty epoch topic
             # means the cluster lost everything (an embedded broker restarted).
             epoch=spec("epoch", 1, {"cleanup.policy": "compact"}, "internal: cluster epoch marker"),
+            # Proposed memories (seed 004), keyed by write_id; the write gate shares the partitions.
+            memory_writes=spec("memory-writes", partitions, keep, "agents: MemoryWrite proposals"),
+            # Kept for review, one per write_id (compacted), dropped after the review period.
+            memory_writes_rejected=spec(
+                "memory-writes-rejected",
+                1,
+                {"cleanup.policy": "compact,delete", "retention.ms": str(rejected_writes_retention_ms)},
+                "write gate: RejectedWrite, kept for review",
+            ),
             prefix=prefix,
         )
 
@@ -125,6 +138,8 @@ class Topics:
             self.rating_pairs,
             self.control,
             self.epoch,
+            self.memory_writes,
+            self.memory_writes_rejected,
         ]
 
     def inputs(self) -> list[TopicSpec]:
@@ -146,4 +161,5 @@ DECODERS: dict[str, Callable[..., Any]] = {
     "llm-feedback": decode_llm_feedback,
     "human-labels": decode_human_label,
     "active-learning": decode_active_learning_sample,
+    "memory-writes": decode_memory_write,
 }

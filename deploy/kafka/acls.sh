@@ -17,6 +17,9 @@
 #   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints
 #              dead-letter
 #   evaluator  llm-feedback, dead-letter                  retrieval-events
+#   writes     memory-writes-rejected, dead-letter        memory-writes
+#              (the write gate; its adds to memory-lifecycle: see the lifecycle topic's grants)
+#   (services also write memory-writes: agents propose memories)
 #
 # Every role may describe every product topic and read the epoch topic: processes check
 # the topics at start, and the cluster watch reads the epoch marker (a topic a principal
@@ -30,6 +33,7 @@
 #   SERVICE_PRINCIPALS [User:causalmem-service]   LABELER_PRINCIPALS [User:labeler]
 #   OPERATOR_PRINCIPALS [User:causalmem-operator] WORKER_PRINCIPAL [User:causalmem-worker]
 #   LEARNER_PRINCIPAL [User:causalmem-learner]    EVALUATOR_PRINCIPAL [User:causalmem-evaluator]
+#   WRITES_PRINCIPAL [User:causalmem-writes]
 #   (the *_PRINCIPALS lists are space-separated)
 set -euo pipefail
 
@@ -49,10 +53,11 @@ read -r -a OPERATORS <<<"${OPERATOR_PRINCIPALS:-User:causalmem-operator}"
 WORKER="${WORKER_PRINCIPAL:-User:causalmem-worker}"
 LEARNER="${LEARNER_PRINCIPAL:-User:causalmem-learner}"
 EVALUATOR="${EVALUATOR_PRINCIPAL:-User:causalmem-evaluator}"
+WRITES="${WRITES_PRINCIPAL:-User:causalmem-writes}"
 
 # The product's topics (topics/names.py), under the prefix.
 TOPICS=(retrieval-events llm-feedback human-labels active-learning policy-checkpoints dead-letter
-    experiences outcomes rating-pairs control epoch)
+    experiences outcomes rating-pairs control epoch memory-writes memory-writes-rejected)
 
 # allow "PRINCIPAL..." topic|group literal|prefixed "NAME..." OPERATION...
 # (one kafka-acls.sh call: every principal gets every operation on every name)
@@ -81,11 +86,11 @@ topics() {
     allow "$1" topic literal "${names[*]}" "${@:3}"
 }
 
-EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER $EVALUATOR"
+EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER $EVALUATOR $WRITES"
 topics "$EVERYONE" "${TOPICS[*]}" Describe
 topics "$EVERYONE" epoch Read
 
-topics "${SERVICES[*]}" "retrieval-events llm-feedback" Write
+topics "${SERVICES[*]}" "retrieval-events llm-feedback memory-writes" Write
 topics "${SERVICES[*]}" policy-checkpoints Read
 
 topics "${LABELERS[*]}" human-labels Write Read
@@ -112,3 +117,8 @@ allow "$LEARNER" group literal "${P}causalmem-learner-${POLICY}" Read
 topics "$EVALUATOR" retrieval-events Read
 topics "$EVALUATOR" "llm-feedback dead-letter" Write
 allow "$EVALUATOR" group literal "${P}causalmem-evaluator" Read
+
+# causalmem writes: the write gate judges proposed memories; keeps the rejected ones
+topics "$WRITES" memory-writes Read
+topics "$WRITES" "memory-writes-rejected dead-letter" Write
+allow "$WRITES" group literal "${P}causalmem-writes" Read

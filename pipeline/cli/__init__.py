@@ -27,6 +27,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "worker": ("worker", "run a worker: join, active learning, drift (faust)"),
     "learner": ("learner", "run the learner: the single writer of the policy"),
     "evaluator": ("evaluator", "score retrieval events with a local causal LM and publish LLM feedback"),
+    "writes": ("writes", "the write gate: admit proposed memories by reward-prediction error (success/pitfall, δ)"),
     "publish": ("publish", "publish events from a JSONL file, reporting what was rejected and why"),
     "demo": ("demo", "the main job: embedded broker + worker + learner + simulated agent, 14 days with a drift"),
     "label": ("label", "label queued samples, interactively or from a JSONL file; --stats for agreement"),

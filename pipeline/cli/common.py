@@ -178,7 +178,7 @@ async def prepare_cluster(bootstrap: str, settings: Settings, strict: bool = Tru
 
 # Default metrics ports per role (docs/operations.md): distinct, so that a worker and a
 # learner on one machine do not collide; a taken default falls back to any free port.
-DEFAULT_METRICS_PORTS = {"worker": 9100, "learner": 9101, "evaluator": 9102}
+DEFAULT_METRICS_PORTS = {"worker": 9100, "learner": 9101, "evaluator": 9102, "writes": 9103}
 
 
 def start_metrics(role: str, settings: Settings, probes: Probes | None = None) -> Metrics:

@@ -6,6 +6,7 @@
 - ``soak``: a steady input rate for a set time, with lag and memory sampled;
 - ``evaluator``: evaluations/s and tokens/s of the evaluator's LM scoring, and of the service.
 - ``gate``: the promotion gate's calibration on the simulator (coverage, false and missed promotions).
+- ``coldstart``: learner steps a new helpful memory needs to enter the served top-k, kNN vs fresh rows.
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -19,4 +20,5 @@ BENCHES = {
     "soak": "pipeline.lab.bench.soak",
     "evaluator": "pipeline.lab.bench.evaluator",
     "gate": "pipeline.lab.bench.gate",
+    "coldstart": "pipeline.lab.bench.coldstart",
 }

@@ -1,0 +1,102 @@
+"""Cold start: a new memory's output row from its k nearest live memories' rows.
+
+A memory added to a running policy gets a row of the output layer. A fresh (neutral)
+row serves it like similarity search alone (mask ≈ 1, :func:`models.policy.neutral_out`)
+until REINFORCE has seen it selected often enough. Memories that sit close in embedding
+space tend to play the same part for the same queries, so the new row starts instead as
+the similarity-weighted mean of the rows (and biases) of its ``k`` nearest live memories,
+by cosine similarity of the memory embeddings; only neighbours with a positive
+similarity count. With none (an empty bank, or nothing similar) the row is neutral.
+
+``causalmem bench coldstart`` measures what it buys: the learner steps a new helpful
+memory needs to enter the served top-k (docs/benchmarks.md).
+
+>>> import torch
+>>> w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])
+>>> b = torch.tensor([1.0, 3.0, 9.0])
+>>> emb = np.array([[1.0, 0.0], [0.6, 0.8], [-1.0, 0.0]], np.float32)
+>>> rows, bias = knn_rows(w, b, emb, np.array([0, 1, 2]), np.array([[0.8, 0.6]], np.float32), k=2)
+>>> [round(float(x), 3) for x in rows[0]], round(float(bias[0]), 3)  # weights 0.8 and 0.96
+([0.455, 0.545], 2.091)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models.policy import NEUTRAL_BIAS, NEUTRAL_WEIGHT_SCALE
+
+
+def neutral_rows(m: int, hidden: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m`` fresh rows as :func:`models.policy.neutral_out` makes them (small weights, mask ≈ 1)."""
+    bound = 1.0 / max(hidden, 1) ** 0.5
+    weight = (torch.rand(m, hidden, generator=generator) * 2 - 1) * bound * NEUTRAL_WEIGHT_SCALE
+    return weight, torch.full((m,), NEUTRAL_BIAS)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    out: np.ndarray = x / np.where(norms > 0, norms, 1.0)
+    return out
+
+
+def knn_rows(
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    slot_embeddings: np.ndarray,
+    slots: np.ndarray,
+    new_embeddings: np.ndarray,
+    k: int = 5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial output rows for new memories from their nearest live memories' rows.
+
+    Parameters
+    ----------
+    weight, bias
+        The policy's output layer, ``[S, H]`` and ``[S]`` (not modified).
+    slot_embeddings
+        ``[n, D]`` float32: the memory embeddings of the live slots whose embedding is known.
+    slots
+        ``[n]`` int64: the slot of each row of ``slot_embeddings``.
+    new_embeddings
+        ``[m, D]``: the new memories' embeddings.
+    k
+        Neighbours per new memory.
+
+    Returns
+    -------
+    ``([m, H], [m])`` on ``weight``'s device and dtype: for each new memory, the
+    similarity-weighted mean of its ``k`` nearest live memories' rows and biases
+    (weights: the positive cosine similarities); a neutral row when none is similar.
+    """
+    if k < 1:
+        raise ValueError(f"k={k}: need at least one neighbour")
+    new = _unit(np.atleast_2d(new_embeddings))
+    m, hidden = new.shape[0], int(weight.shape[1])
+    out_w, out_b = neutral_rows(m, hidden)
+    out_w, out_b = out_w.to(weight.device, weight.dtype), out_b.to(bias.device, bias.dtype)
+    slots = np.asarray(slots, dtype=np.int64).ravel()
+    if m == 0 or slots.size == 0:
+        return out_w, out_b
+    bank = _unit(np.asarray(slot_embeddings, dtype=np.float32).reshape(slots.size, -1))
+    if bank.shape[1] != new.shape[1]:
+        raise ValueError(f"embedding sizes differ: live {bank.shape[1]}, new {new.shape[1]}")
+    sims = new @ bank.T  # [m, n]
+    kk = min(k, slots.size)
+    top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]  # [m, kk], unordered
+    w_top = np.clip(np.take_along_axis(sims, top, axis=1), 0.0, None).astype(np.float64)
+    norm = w_top.sum(axis=1)
+    has = norm > 0
+    if not has.any():
+        return out_w, out_b
+    mix = torch.as_tensor(w_top[has] / norm[has, None], dtype=weight.dtype, device=weight.device)  # [m', kk]
+    idx = torch.as_tensor(slots[top[has]], dtype=torch.long, device=weight.device)  # [m', kk]
+    with torch.no_grad():
+        rows = torch.einsum("mk,mkh->mh", mix, weight.detach()[idx])
+        biases = (mix * bias.detach()[idx]).sum(dim=1)
+    where = torch.as_tensor(np.flatnonzero(has), dtype=torch.long, device=weight.device)
+    out_w[where] = rows
+    out_b[where] = biases
+    return out_w, out_b

@@ -1,0 +1,99 @@
+"""``causalmem writes``: the write gate, proposed memories admitted by reward-prediction error (seed 004)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+from pipeline.cli.common import (
+    metrics_port,
+    prepare_cluster,
+    resolve_bootstrap,
+    run_until_signal,
+    settings_from,
+    start_metrics,
+)
+from pipeline.metrics import Metrics
+from pipeline.probes import Probes, Progress, total
+from pipeline.writes.service import WriteGateService
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--theta",
+        dest="writes_theta",
+        type=float,
+        help="admit a proposal when |reward - expected reward| > THETA, in reward units (default 0.3)",
+    )
+    p.add_argument(
+        "--prior",
+        dest="writes_prior",
+        type=float,
+        help="expected reward before any reward was seen (default 0)",
+    )
+    p.add_argument(
+        "--rejected-retention-days",
+        dest="writes_rejected_retention_days",
+        type=float,
+        help="how long memory-writes-rejected keeps rejected proposals for review, when it is created (default 7)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        help="port of /metrics, /healthz and /readyz (default 9103, else any free port; 0: any; 'none': off)",
+    )
+
+
+WRITES_KEYS = ("writes_theta", "writes_prior", "writes_rejected_retention_days")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args, **{k: getattr(args, k, None) for k in WRITES_KEYS})
+    config = settings.writes()  # a bad theta fails here, before anything connects
+    bootstrap = resolve_bootstrap(settings)
+
+    async def main(stop: asyncio.Event) -> int:
+        await prepare_cluster(bootstrap, settings, strict=False)
+        probes = Probes()
+        metrics = start_metrics("writes", settings, probes)
+        kept = config.connection.topics.memory_writes_rejected.name
+        print(
+            f"writes: broker {bootstrap}, theta {config.theta:g}, "
+            f"admitted to {config.lifecycle_topic}, rejected kept on {kept}",
+            flush=True,
+        )
+        service = WriteGateService(config, bootstrap, metrics)
+        watch_writes(probes, metrics, service)
+        heartbeat = asyncio.create_task(probes.run())
+        await service.start()
+        task = asyncio.create_task(service.run())
+        probes.vital("judging", task)
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+        failed = task.done() and not stop.is_set()  # run() never returns on its own: it crashed
+        if failed:
+            print(f"causalmem writes: the judging task ended: {task.exception()!r}", file=sys.stderr)
+        print("writes: stopping", flush=True)
+        await service.stop()
+        for t in (task, heartbeat, stopped):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        return 1 if failed else 0
+
+    return run_until_signal(main)
+
+
+def watch_writes(probes: Probes, metrics: Metrics, service: WriteGateService) -> None:
+    """Ready: owns input partitions, caught up within a bound and not stale (like the evaluator)."""
+    topic = service.topics.memory_writes.name
+
+    def owns_partitions() -> str | None:
+        if total(service.own.partitions_owned) > 0:
+            return None
+        return "no memory-writes partitions assigned (rebalance pending, or more replicas than partitions)"
+
+    probes.check(owns_partitions)
+    probes.check(Progress("writes", lambda: total(metrics.consumer_lag, topic=topic), lambda: total(metrics.events_in)))

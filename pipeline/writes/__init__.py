@@ -1,0 +1,1 @@
+"""The write gate service (``causalmem writes``): proposed memories judged by reward-prediction error."""

@@ -1,0 +1,315 @@
+"""``causalmem writes``: proposed memories in, admitted memories out, by reward-prediction error.
+
+The write gate reads ``memory-writes`` in its own consumer group (partitions shared among
+the gates of a deployment) and judges each proposal (:mod:`models.write_gate`):
+
+- ``|reward − expected reward| > θ``: admitted. An ``add`` record goes to
+  ``memory-lifecycle`` with ``kind`` ``success`` (positive RPE) or ``pitfall``
+  (negative), ``delta`` = RPE and ``source`` ``write-gate``, under the memory id
+  :func:`~models.write_gate.memory_id_for` derives from the ``write_id``: a proposal
+  judged twice (a replay after a crash) names the same memory, and the compacted
+  lifecycle topic keeps one record for it.
+- otherwise: rejected, and kept for review on ``memory-writes-rejected`` (compacted by
+  ``write_id``, deleted after ``writes_rejected_retention_days``) with the numbers it was
+  judged by.
+- a value that does not decode (no reward, an embedding of the wrong size, …) goes to
+  ``dead-letter`` with its reason.
+
+Each is counted in ``causalmem_writes_decisions_total{decision}``. Offsets are committed
+only after the broker acknowledged the batch's outputs (at-least-once; with the derived
+memory ids, effectively once for admissions).
+
+The expected reward is the producer's when it sends one, else the gate's own running
+mean per query topic (:class:`~models.write_gate.RewardEstimator`). That estimate lives
+in the process: a restarted gate starts again from ``writes_prior``, and a replayed
+proposal is judged against the estimate of the moment, so a replay after a crash may
+decide a borderline proposal differently (an admission is never duplicated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+
+from models.write_gate import Decision, RewardEstimator, WriteGate, memory_id_for
+from pipeline import kafka
+from pipeline.component_config import WritesConfig
+from pipeline.deadletter import DeadLetterWriter
+from pipeline.metrics import Metrics
+from pipeline.service import Service
+from pipeline.writes.metrics import WritesMetrics
+from topics.fields import Rejected
+from topics.lifecycle import MemoryRecord
+from topics.writes import MemoryWrite, RejectedWrite, decode_memory_write
+
+log = logging.getLogger(__name__)
+
+RETRY_PAUSE_S = 1.0  # after a failed batch, before reading it again
+SOURCE = "write-gate"
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One proposal and what the gate made of it: a lifecycle record, or a kept rejection."""
+
+    write: MemoryWrite
+    decision: Decision
+    output: MemoryRecord | RejectedWrite
+
+    @property
+    def label(self) -> str:
+        return f"admitted_{self.decision.kind}" if self.decision.admitted else "rejected"
+
+
+class Judge:
+    """The gate's decisions with its running estimate, without Kafka (the service wraps it).
+
+    >>> from topics.writes import MemoryWrite
+    >>> j = Judge(WriteGate(theta=0.3), RewardEstimator(prior=0.0))
+    >>> a = j.judge(MemoryWrite("w1", 1.0, "use the v2 endpoint", "q1", 0, reward=1.0))
+    >>> a.label, a.output.kind, a.output.delta, a.output.source
+    ('admitted_success', 'success', 1.0, 'write-gate')
+    >>> j.judge(MemoryWrite("w2", 2.0, "same again", "q2", 0, reward=0.9)).label  # expected 1.0 now
+    'rejected'
+    """
+
+    def __init__(self, gate: WriteGate, estimator: RewardEstimator) -> None:
+        self.gate = gate
+        self.estimator = estimator
+
+    def judge(self, write: MemoryWrite, now: float | None = None) -> Judged:
+        context = write.query_embedding if write.query_embedding is not None else write.embedding
+        if write.expected_reward is not None:
+            expectation = (write.expected_reward, "producer")
+        else:
+            expectation = self.estimator.expected(context)
+        decision = self.gate.judge(write.reward, expectation)
+        self.estimator.update(context, write.reward)
+        output: MemoryRecord | RejectedWrite
+        if decision.admitted:
+            output = MemoryRecord(
+                op="add",
+                memory_id=memory_id_for(write.write_id),
+                ts=write.ts,
+                text=write.text,
+                embedding=write.embedding,
+                kind=decision.kind,
+                delta=decision.rpe,
+                source=SOURCE,
+            )
+        else:
+            output = RejectedWrite(
+                write_id=write.write_id,
+                ts=time.time() if now is None else now,
+                rpe=decision.rpe,
+                expected_reward=decision.expected_reward,
+                estimate=decision.estimate,
+                theta=self.gate.theta,
+                write=write,
+            )
+        return Judged(write, decision, output)
+
+
+class WriteGateService(Service):
+    """The write gate's consume → judge → publish loop (``start`` / ``run`` / ``stop``, or ``async with``).
+
+    Parameters
+    ----------
+    config
+        Topics, consumer group, θ and the estimate's settings (:class:`WritesConfig`).
+    bootstrap
+        Kafka bootstrap ``HOST:PORT``.
+    metrics
+        The process's metrics (role ``writes``); the ``causalmem_writes_*`` ones are added
+        to its registry.
+    """
+
+    def __init__(self, config: WritesConfig, bootstrap: str, metrics: Metrics) -> None:
+        super().__init__()
+        self.config = config
+        self.bootstrap = bootstrap
+        self.metrics = metrics
+        self.own = WritesMetrics(metrics.registry)
+        self.topics = config.connection.topics
+        self.limits = config.connection.limits
+        self.judge = Judge(
+            WriteGate(config.theta),
+            RewardEstimator(config.prior, config.fading, config.radius, config.min_count),
+        )
+        self.positions: dict[TopicPartition, int] = {}  # next offset to read, per owned partition
+        self.judged = 0
+        self.ready = asyncio.Event()
+        self._consumer: Any = None
+        self._producer: Any = None
+        self._dead: DeadLetterWriter | None = None
+        self._stopping = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _start(self) -> None:
+        conn = self.config.connection
+        self._stopping.clear()
+        self._producer = kafka.producer(self.bootstrap, conn, linger_ms=5)
+        await self._producer.start()
+        self._dead = DeadLetterWriter(self._producer, self.topics.dead_letter.name, self.metrics)
+        self._consumer = kafka.consumer(
+            self.bootstrap, conn, group_id=self.config.group_id, max_poll_records=self.config.batch_size
+        )
+        self._consumer.subscribe([self.topics.memory_writes.name], listener=_Rebalance(self))
+        await self._consumer.start()
+
+    async def _stop(self) -> None:
+        self._stopping.set()
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def run(self) -> None:
+        """Consume, judge and publish until :meth:`stop`. Never raises on bad input."""
+        while not self._stopping.is_set() and self._consumer is not None:
+            try:
+                records = await self._gather()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker hiccups: keep going
+                log.warning("writes: fetch failed: %r", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if records:
+                t0 = time.perf_counter()
+                try:
+                    await self.process(records)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # nothing committed past the batch: read it again
+                    log.error("writes: batch failed (%r); reading it again from the committed offsets", exc)
+                    await asyncio.sleep(RETRY_PAUSE_S)
+                    await self.rewind()
+                    continue
+                self.own.batch_seconds.observe(time.perf_counter() - t0)
+            self._export_lag()
+
+    async def _gather(self) -> list[Any]:
+        """Up to ``batch_size`` records: what is there, plus ``linger_s`` of waiting for more."""
+        c, want = self._consumer, self.config.batch_size
+        records: list[Any] = []
+        deadline: float | None = None
+        while len(records) < want and not self._stopping.is_set():
+            wait_s = 0.2 if deadline is None else deadline - time.monotonic()
+            if wait_s <= 0:
+                break
+            got = await c.getmany(timeout_ms=int(wait_s * 1000), max_records=want - len(records))
+            if c.assignment():
+                self.ready.set()
+            for messages in got.values():
+                records.extend(messages)
+            if records and deadline is None:
+                deadline = time.monotonic() + self.config.linger_s
+            elif not records:
+                break
+        return records
+
+    # ------------------------------------------------------------------ processing
+    async def process(self, records: list[Any]) -> list[Judged]:
+        """Decode, judge and publish one batch; commit its offsets once the outputs are acknowledged.
+
+        Returns what was judged. Raises when a send fails (the caller re-reads from the
+        committed offsets).
+        """
+        assert self._dead is not None
+        ends: dict[TopicPartition, int] = {}
+        judged: list[Judged] = []
+        futures = []
+        for msg in records:
+            tp = TopicPartition(msg.topic, msg.partition)
+            ends[tp] = max(ends.get(tp, 0), msg.offset + 1)
+            self.metrics.events_in.labels(topic=msg.topic).inc()
+            try:
+                write = decode_memory_write(msg.value, self.limits, msg.key)
+            except Rejected as rej:
+                self._dead.send(msg, rej.reason, rej.detail)
+                self.own.decisions.labels(decision="invalid").inc()
+                continue
+            j = self.judge.judge(write)
+            judged.append(j)
+            out = j.output
+            topic = self.config.lifecycle_topic if isinstance(out, MemoryRecord) else self.rejected_topic
+            futures.append(await self._producer.send(topic, out.to_bytes(), key=out.key))
+        if futures:
+            await asyncio.gather(*futures)
+        await self._dead.flush()
+        for j in judged:  # counted once acknowledged
+            self.own.decisions.labels(decision=j.label).inc()
+            self.own.rpe.observe(j.decision.rpe)
+            self.own.estimates.labels(estimate=j.decision.estimate).inc()
+        self.own.clusters.set(self.judge.estimator.n_clusters)
+        self.judged += len(judged)
+        self.positions.update(ends)
+        await self._commit(ends)
+        return judged
+
+    @property
+    def rejected_topic(self) -> str:
+        return str(self.topics.memory_writes_rejected.name)
+
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        owned = self._consumer.assignment() if self._consumer else set()
+        offsets = {tp: off for tp, off in offsets.items() if tp in owned}
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except Exception as exc:  # a rebalance in progress: the next owner judges again, same memory ids
+            log.info("writes: commit skipped: %r", exc)
+
+    async def rewind(self) -> None:
+        """Read every owned partition again from its committed offset (after a failed batch)."""
+        c = self._consumer
+        if c is None:
+            return
+        with contextlib.suppress(Exception):
+            assert self._dead is not None
+            await self._dead.flush()
+        for tp in c.assignment():
+            offset = await c.committed(tp)
+            if offset is None:
+                await c.seek_to_beginning(tp)
+            else:
+                c.seek(tp, offset)
+            self.positions.pop(tp, None)
+
+    def _export_lag(self) -> None:
+        c = self._consumer
+        if c is None:
+            return
+        lag = 0
+        for tp in c.assignment():
+            hw = c.highwater(tp)
+            if hw is not None:
+                lag += max(0, hw - self.positions.get(tp, hw))
+        self.metrics.consumer_lag.labels(topic=self.topics.memory_writes.name).set(lag)
+
+    def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.own.partitions_owned.set(len(assigned))
+        for tp in set(self.positions) - assigned:
+            self.positions.pop(tp, None)
+        log.info("writes: assigned partitions %s", sorted(tp.partition for tp in assigned))
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
+    def __init__(self, service: WriteGateService) -> None:
+        self.service = service
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Nothing to flush: each batch is committed before the next fetch, where rebalances happen."""
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.service.on_assigned(set(assigned))
