@@ -14,6 +14,7 @@ from typing import Any
 from topics.events import decode_retrieval_event
 from topics.feedback import decode_llm_feedback
 from topics.labels import decode_active_learning_sample, decode_human_label
+from topics.lifecycle import decode_memory_record
 
 SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
 
@@ -61,6 +62,7 @@ class Topics:
     rating_pairs: TopicSpec
     control: TopicSpec
     epoch: TopicSpec
+    memory_lifecycle: TopicSpec
     prefix: str = ""
 
     @classmethod
@@ -109,6 +111,12 @@ class Topics:
             # One marker message, written when the topics are created: an empty epoch topic
             # means the cluster lost everything (an embedded broker restarted).
             epoch=spec("epoch", 1, {"cleanup.policy": "compact"}, "internal: cluster epoch marker"),
+            # Contract 1.3. Compacted: the newest record of each memory id is what counts.
+            # One partition: the learner assigns slots in the topic's order, so a replay
+            # assigns the same slots (docs/contract.md §9.1).
+            memory_lifecycle=spec(
+                "memory-lifecycle", 1, {"cleanup.policy": "compact"}, "memory stores: MemoryRecord (add/update/remove)"
+            ),
             prefix=prefix,
         )
 
@@ -125,11 +133,12 @@ class Topics:
             self.rating_pairs,
             self.control,
             self.epoch,
+            self.memory_lifecycle,
         ]
 
     def inputs(self) -> list[TopicSpec]:
         """The topics users write to."""
-        return [self.retrieval_events, self.llm_feedback, self.human_labels]
+        return [self.retrieval_events, self.llm_feedback, self.human_labels, self.memory_lifecycle]
 
     def by_short_name(self, short: str) -> TopicSpec:
         """Look a topic up by its unprefixed name, e.g. ``"llm-feedback"``."""
@@ -146,4 +155,5 @@ DECODERS: dict[str, Callable[..., Any]] = {
     "llm-feedback": decode_llm_feedback,
     "human-labels": decode_human_label,
     "active-learning": decode_active_learning_sample,
+    "memory-lifecycle": decode_memory_record,
 }
