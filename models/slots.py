@@ -5,7 +5,9 @@ The policy scores *slots* (rows of its output layer); a memory store names memor
 reuses a tombstoned slot only once ``grace_s`` of event time has passed since the removal
 (events still in flight for the removed memory are then long joined or expired, so none
 of its feedback reaches the row's next owner). The clock is the largest ``ts`` of the
-records applied, never the wall clock: the same records in the same order give the same
+changes made (a rejected or repeated record moves nothing), never the wall clock; each
+change carries the clock as its ``ts``, so the newest change of each slot (the published
+map) gives the clock back after a restart: the same records in the same order give the same
 slots, which is what makes a replay after a restart assign what the first run assigned.
 
 Order of choice: never-used slots first, lowest first; then the tombstone removed longest
@@ -55,7 +57,7 @@ class SlotChange:
     memory_id: str
     slot: int
     live: bool
-    ts: float
+    ts: float  # the allocator's clock at the change: max(previous clock, the record's ts)
     reused: bool = False
 
 
@@ -93,23 +95,24 @@ class SlotAllocator:
 
         Raises :class:`SlotsFull` when every slot is live or in its grace period.
         """
-        self._tick(ts)
         if memory_id in self.live:
             return None
-        slot, reused = self._take(memory_id)
+        now = max(self.clock, float(ts))
+        slot, reused = self._take(memory_id, now)
+        self.clock = now
         self.live[memory_id] = slot
         self.owner[slot] = memory_id
-        return SlotChange(memory_id, slot, True, ts, reused)
+        return SlotChange(memory_id, slot, True, now, reused)
 
     def remove(self, memory_id: str, ts: float) -> SlotChange:
         """Tombstone ``memory_id``'s slot; raises :class:`UnknownMemory` when it is not live."""
         slot = self.live.pop(memory_id, None)
         if slot is None:
             raise UnknownMemory(f"{memory_id!r} is not a live memory")
-        self._tick(ts)
+        self.clock = max(self.clock, float(ts))
         del self.owner[slot]
         self._tombstone(slot, memory_id, self.clock)
-        return SlotChange(memory_id, slot, False, ts)
+        return SlotChange(memory_id, slot, False, self.clock)
 
     def check_live(self, memory_id: str) -> int:
         """The slot of a live ``memory_id`` (an update's target); raises :class:`UnknownMemory`."""
@@ -135,14 +138,11 @@ class SlotAllocator:
             else:
                 self._tombstone(c.slot, c.memory_id, c.ts)
 
-    def _tick(self, ts: float) -> None:
-        self.clock = max(self.clock, float(ts))
-
     def _tombstone(self, slot: int, memory_id: str, ts: float) -> None:
         self.tombstones[slot] = (memory_id, ts)
         heapq.heappush(self._reusable, (ts, slot))
 
-    def _take(self, memory_id: str) -> tuple[int, bool]:
+    def _take(self, memory_id: str, now: float) -> tuple[int, bool]:
         if self._fresh < self.slots:
             self._fresh += 1
             return self._fresh - 1, False
@@ -151,7 +151,7 @@ class SlotAllocator:
             if self.tombstones.get(slot, (None, None))[1] != removed_ts:
                 heapq.heappop(self._reusable)  # a stale entry: the slot was restored or reused since
                 continue
-            if removed_ts + self.grace_s > self.clock:
+            if removed_ts + self.grace_s > now:
                 break
             heapq.heappop(self._reusable)
             del self.tombstones[slot]
