@@ -348,9 +348,8 @@ class Learner(Service, ControlCommands):
     def _accept(self, msg: Any) -> None:
         exp: Experience | None = None
         try:
-            exp = decode_experience(msg.value, self.config.connection.limits)
-            if self.memories is not None:
-                exp = self.memories.translate(exp)  # events naming memories by id (contract 1.3)
+            decoded = decode_experience(msg.value, self.config.connection.limits)
+            exp = self.memories.translate(decoded) if self.memories is not None else decoded  # ids → slots (1.3)
         except Rejected as rej:
             assert self._dead is not None
             self._dead.send(msg, rej.reason, rej.detail)
