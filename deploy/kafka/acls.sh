@@ -6,7 +6,8 @@
 # not granted here is refused.
 #
 #   role       writes                                     reads
-#   service    retrieval-events, llm-feedback             policy-checkpoints
+#   service    retrieval-events, llm-feedback,            policy-checkpoints, memory-lifecycle
+#              memory-lifecycle (its memories by id)
 #   labeler    human-labels                               active-learning, human-labels (its own answers)
 #   operator   control (reset, rollback), epoch marker;   every product topic (status, evaluate)
 #              creates the topics (init-topics)
@@ -14,8 +15,8 @@
 #              rating-pairs, dead-letter, control          outcomes, rating-pairs
 #              (the drift stage's reset); its faust
 #              changelog topics (<prefix>causalmem-worker-*)
-#   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints
-#              dead-letter
+#   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints,
+#              dead-letter                                memory-lifecycle
 #   evaluator  llm-feedback, dead-letter                  retrieval-events
 #
 # Every role may describe every product topic and read the epoch topic: processes check
@@ -52,7 +53,7 @@ EVALUATOR="${EVALUATOR_PRINCIPAL:-User:causalmem-evaluator}"
 
 # The product's topics (topics/names.py), under the prefix.
 TOPICS=(retrieval-events llm-feedback human-labels active-learning policy-checkpoints dead-letter
-    experiences outcomes rating-pairs control epoch)
+    experiences outcomes rating-pairs control epoch memory-lifecycle)
 
 # allow "PRINCIPAL..." topic|group literal|prefixed "NAME..." OPERATION...
 # (one kafka-acls.sh call: every principal gets every operation on every name)
@@ -85,8 +86,8 @@ EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER $EVALUA
 topics "$EVERYONE" "${TOPICS[*]}" Describe
 topics "$EVERYONE" epoch Read
 
-topics "${SERVICES[*]}" "retrieval-events llm-feedback" Write
-topics "${SERVICES[*]}" policy-checkpoints Read
+topics "${SERVICES[*]}" "retrieval-events llm-feedback memory-lifecycle" Write
+topics "${SERVICES[*]}" "policy-checkpoints memory-lifecycle" Read
 
 topics "${LABELERS[*]}" human-labels Write Read
 topics "${LABELERS[*]}" active-learning Read
@@ -104,7 +105,7 @@ allow "$WORKER" group literal "${P}causalmem-join ${P}causalmem-worker" Read
 # faust's own topics (table changelogs, the assignor's leader topic) start with its app id
 allow "$WORKER" topic prefixed "${P}causalmem-worker" All
 
-topics "$LEARNER" "experiences control policy-checkpoints" Read
+topics "$LEARNER" "experiences control policy-checkpoints memory-lifecycle" Read
 topics "$LEARNER" "policy-checkpoints dead-letter" Write
 allow "$LEARNER" group literal "${P}causalmem-learner-${POLICY}" Read
 
