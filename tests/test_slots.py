@@ -245,6 +245,24 @@ def test_the_map_goes_out_as_records_of_the_next_version_and_a_restart_restores_
     assert bank2.allocator.add("c", BASE_TS + 6).slot == 2  # type: ignore[union-attr]
 
 
+def test_after_a_rollback_memories_given_a_slot_later_get_fresh_rows_and_are_published_again() -> None:
+    t, bank = trainer(), MemoryBank(conn(), S, grace_s=0)
+    feed(bank, t, add("old"))
+    bank.since, bank.pending = {0: 2}, {}  # "old" shipped with v2
+    feed(bank, t, add("new"))
+    bank.since[1], bank.pending = 5, {}  # "new" shipped with v5
+    feed(bank, t, add("newest"))  # not yet shipped
+    with torch.no_grad():
+        t.net.out.bias.fill_(4.0)  # the weights of v3, as a rollback loads them
+    assert bank.rows_from(3, t) == [1, 2]
+    bias = t.net.out.bias.detach()
+    assert float(bias[0]) == 4.0 and float(bias[1]) == pytest.approx(NEUTRAL_BIAS) == float(bias[2])
+    assert [(r.slot, r.memory_id, r.live, r.since) for r in bank.records(9)] == [
+        (1, "new", True, 9),
+        (2, "newest", True, 9),
+    ]
+
+
 # --------------------------------------------------------------------------- the map as clients read it
 
 

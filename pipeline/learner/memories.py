@@ -262,6 +262,27 @@ class MemoryBank:
         )
         return len(records)
 
+    def rows_from(self, version: int, trainer: PolicyTrainer) -> list[int]:
+        """The trainer now holds the weights of ``version`` (a rollback, a cut-over to a judged version).
+
+        Memories whose slot was given after ``version`` (published or not) would serve the
+        rows of the slot's earlier owner: they get fresh rows, and their records go out
+        again with the next checkpoint (whose version is then the first to hold the row).
+        Returns those slots.
+        """
+        owner = self.allocator.owner
+        later = {s for s, since in self.since.items() if since > version and s in owner}
+        slots = sorted(later | {s for s, c in self.pending.items() if c.live})
+        if not slots:
+            return []
+        init_rows(trainer, slots, self.seed)
+        clock = self.allocator.clock
+        for slot in slots:
+            self.pending[slot] = SlotChange(self.allocator.owner[slot], slot, True, clock)
+            self.since.pop(slot, None)
+        self.changes += 1
+        return slots
+
     # ------------------------------------------------------------------ restore
     async def restore(self, bootstrap: str, restored: Restored | None, trainer: PolicyTrainer) -> bool:
         """Rebuild the map from the model topic and resume after the restored checkpoint's lifecycle offset.
