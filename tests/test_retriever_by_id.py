@@ -117,3 +117,16 @@ def test_slot_numbered_retrievers_are_unchanged_and_refuse_ids() -> None:
         r.add_memory("x", unit(1, 0, 0, 0))
     with pytest.raises(TypeError):
         MemoryFollower("127.0.0.1:1", r)
+
+
+async def test_the_subscriber_keeps_the_map_of_its_policy_and_rejects_bad_records() -> None:
+    from pipeline.client.subscriber import PolicySubscriber
+
+    sub = PolicySubscriber("127.0.0.1:1", "default", Settings(embedding_dim=D, slots=S))
+    mine = SlotRecord("default", 3, "doc", True, 2, 2, BASE_TS)
+    other = SlotRecord("other", 4, "doc", True, 2, 2, BASE_TS)
+    await sub.handle(0, mine.key.encode(), mine.to_bytes())
+    await sub.handle(1, other.key.encode(), other.to_bytes())
+    await sub.handle(2, b"default/slot/5", mine.to_bytes())  # a key that is not the record's
+    assert sub.slots.slot_of("doc", 2) == 3 and len(sub.slots) == 1
+    assert [off for off, _ in sub.rejections] == [2] and sub.current is None

@@ -218,7 +218,7 @@ class PolicySubscriber(Service):
     async def handle(self, offset: int, key: bytes | None, value: bytes | None) -> None:
         """Process one model-topic message (public so tests can feed crafted messages)."""
         kind, manifest = self.index.observe(offset, key, value)
-        if kind == "unknown" and key is not None:
+        if key is not None and parse_slot_key(key.decode("utf-8", "replace")) is not None:
             self._slot_record(offset, key, value)
             return
         if kind == "rejected":
@@ -254,7 +254,7 @@ class PolicySubscriber(Service):
         """A slot-map record (docs/contract.md §9.1): applies to every version it names, loaded or to come."""
         parsed = parse_slot_key(key.decode("utf-8", "replace"))
         if parsed is None or parsed[0] != self.policy or value is None:
-            return
+            return  # another policy's map, or a compaction tombstone (the learner never deletes a record)
         try:
             self.slots.apply(decode_slot_record(value, key=key))
         except Rejected as exc:
