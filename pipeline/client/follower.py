@@ -116,7 +116,7 @@ class MemoryFollower(Service):
         if value is None:
             return
         try:
-            record = decode_memory_record(value, self.conn.limits, key=key if key is not None else None)
+            record = decode_memory_record(value, self.conn.limits, key=key)
             self.apply(record)
         except (Rejected, ValueError) as exc:
             why = f"{exc.reason}: {exc.detail}" if isinstance(exc, Rejected) else str(exc)

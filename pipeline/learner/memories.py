@@ -141,7 +141,7 @@ class MemoryBank:
         if value is None:  # a compaction tombstone of the topic itself: nothing to apply
             return None
         try:
-            record = decode_memory_record(value, self.limits, key=key if key is not None else None)
+            record = decode_memory_record(value, self.limits, key=key)
         except Rejected as rej:
             return rej
         return self.apply(record, trainer)
