@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from models.trainer import PolicyTrainer
 from pipeline.client.follower import MemoryFollower
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.learner.loop import Learner
+from pipeline.learner.memories import MemoryBank
+from pipeline.learner.publishing import Progress
+from pipeline.learner.restore import Restored
 from pipeline.metrics import Metrics
 from tests.helpers import until
 from topics.events import Features, RetrievalEvent
@@ -94,6 +98,15 @@ async def test_a_memory_added_by_id_is_assigned_published_served_and_removed(top
             for i in range(5):
                 assert "m-a" not in (retriever.retrieve(unit(8, 0), query_id=f"r{i}").event.candidate_ids or [])
             await until(lambda: sub.current is not None and sub.current.slot_of("m-a") is None, 20, "tombstone")
+
+            # A restart rebuilds the map from the model topic alone (the published map is the saved state).
+            await until(lambda: not learner.dirty and not learner.memories.pending, 20, "published")  # type: ignore[union-attr]
+            bank = MemoryBank(s.connection(), s.slots, s.lifecycle_grace_s)
+            resumed = Restored("test", learner.version, Progress(), None, learner.input_offsets())
+            assert not await bank.restore(s.bootstrap, resumed, PolicyTrainer(s.trainer()))  # no rows ahead
+            ours = learner.memories
+            assert ours is not None and bank.allocator.live == ours.allocator.live == {"m-b": 1, "m-c": 2}
+            assert bank.allocator.tombstones == ours.allocator.tombstones and bank.position == ours.position == 5
 
             # A reader of contract 1.2 (the minimal consumer) skips the slot-map keys.
             spec = importlib.util.spec_from_file_location("contract_consumer", CONSUMER)
