@@ -321,3 +321,32 @@ def test_candidate_ids_are_optional_and_checked(ids: Any) -> None:
     else:
         with pytest.raises(Rejected):
             decode_retrieval_event(encode(obj), limits)
+
+
+class FakeConsumer:
+    def __init__(self) -> None:
+        self.hw: int | None = None
+        self._paused: set[Any] = set()
+
+    def highwater(self, tp: Any) -> int | None:
+        return self.hw
+
+    def paused(self) -> set[Any]:
+        return set(self._paused)
+
+    def pause(self, *tps: Any) -> None:
+        self._paused |= set(tps)
+
+    def resume(self, *tps: Any) -> None:
+        self._paused -= set(tps)
+
+
+def test_experiences_wait_until_the_lifecycle_is_read_so_an_event_never_names_a_memory_not_yet_added() -> None:
+    t, bank, consumer = trainer(), MemoryBank(conn(), S), FakeConsumer()
+    assert bank.hold_experiences(consumer, "exp") and consumer.paused() == {"exp"}  # high watermark not known yet
+    consumer.hw = 2
+    assert bank.hold_experiences(consumer, "exp")  # two lifecycle records to read first
+    feed(bank, t, add("a"), add("b"))
+    assert not bank.hold_experiences(consumer, "exp") and consumer.paused() == set()
+    bank._unknown_since, consumer.hw = -1e9, None  # the lifecycle's watermark never came: do not wait forever
+    assert not bank.hold_experiences(consumer, "exp")

@@ -318,6 +318,8 @@ class Learner(Service, ControlCommands):
     # ------------------------------------------------------------------ training loop
     async def step(self) -> None:
         """One poll of the inputs, then whatever updates and publishing are due."""
+        if self.memories is not None:  # events by id wait until the lifecycle is read
+            self.memories.hold_experiences(self._input, self.exp_tp)
         try:
             batch = await self._input.getmany(timeout_ms=100, max_records=16 * self.config.batch_size)
         except Exception as exc:
@@ -326,8 +328,7 @@ class Learner(Service, ControlCommands):
             return
         if batch:
             self._last_input = time.monotonic()
-        # Lifecycle records first: an event read with them may name the memories they add.
-        for tp, msgs in sorted(batch.items(), key=lambda item: item[0] != self.life_tp):
+        for tp, msgs in sorted(batch.items(), key=lambda item: item[0] != self.life_tp):  # lifecycle first
             for msg in msgs:
                 if tp == self.life_tp and self.memories is not None:
                     self.dirty = self.memories.on_message(msg, self.trainer, self._dead) or self.dirty

@@ -25,11 +25,13 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from aiokafka import TopicPartition
 
 from models.policy import NEUTRAL_BIAS, NEUTRAL_WEIGHT_SCALE
 from models.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
@@ -44,6 +46,8 @@ from topics.lifecycle import MemoryRecord, decode_memory_record
 from topics.slotmap import SlotRecord, decode_slot_record, parse_slot_key
 
 log = logging.getLogger(__name__)
+
+HOLD_UNKNOWN_S = 5.0  # experiences wait at most this long for the lifecycle's first high watermark
 
 
 def init_rows(trainer: PolicyTrainer, slots: Sequence[int], seed: int = 0) -> None:
@@ -103,6 +107,8 @@ class MemoryBank:
         self.embeddings: dict[int, np.ndarray] = {}  # live slot -> its memory's embedding, when given
         self.version = 0  # the newest version whose map is published
         self.changes = 0  # slot changes applied (a checkpoint is due when it grows)
+        self.tp = TopicPartition(self.topic, 0)
+        self._unknown_since: float | None = None
 
     @classmethod
     def of(cls, config: LearnerConfig) -> MemoryBank | None:
@@ -176,6 +182,29 @@ class MemoryBank:
         self.pending[added.slot] = added
         self.changes += 1
         return None
+
+    def hold_experiences(self, consumer: Any, experiences: TopicPartition) -> bool:
+        """Pause ``experiences`` on ``consumer`` while the lifecycle is behind its high watermark.
+
+        An experience may name a memory whose ``add`` is further down the lifecycle topic (a
+        learner restoring with a lifecycle backlog, a fresh one reading it from the
+        beginning): read first, the experience would be dead-lettered as ``unknown_memory``.
+        Until the first fetch reports the lifecycle's high watermark, experiences wait at
+        most ``HOLD_UNKNOWN_S``. Returns whether experiences are held.
+        """
+        hw = consumer.highwater(self.tp)
+        now = time.monotonic()
+        if hw is None:
+            self._unknown_since = self._unknown_since or now
+            behind = now - self._unknown_since < HOLD_UNKNOWN_S
+        else:
+            behind = self.position < hw
+        paused = experiences in consumer.paused()
+        if behind and not paused:
+            consumer.pause(experiences)
+        elif not behind and paused:
+            consumer.resume(experiences)
+        return behind
 
     # ------------------------------------------------------------------ events by id
     def translate(self, exp: Experience) -> Experience:
