@@ -216,6 +216,7 @@ def test_events_by_id_are_translated_to_the_learners_slots_and_unknown_ids_rejec
     assert err.value.reason == "unknown_memory"
     plain = Experience("e2", "feedback", dataclasses.replace(ev, candidate_ids=None), 0.5)
     assert bank.translate(plain) is plain  # slot-numbered events pass unchanged
+    assert bank.known([exp, plain]) == [plain]  # a restore's warm-up material: only what maps
 
 
 def test_the_map_goes_out_as_records_of_the_next_version_and_a_restart_restores_it() -> None:

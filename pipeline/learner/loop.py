@@ -283,7 +283,7 @@ class Learner(Service, ControlCommands):
         history = await read_history(self.bootstrap, conn, end, self.config.replay_max, self.config.dedupe_horizon_s)
         for ident, ts in history.ids:
             self.inbox.mark_seen(ident, ts)
-        self.replay.extend(history.experiences)
+        self.replay.extend(self.memories.known(history.experiences) if self.memories else history.experiences)
         log.info(
             "learner: active from %s at version %d (epoch %d), offsets %s",
             self.restored_from,

@@ -252,6 +252,17 @@ class MemoryBank:
             slot_effects=effects,
         )
 
+    def known(self, experiences: Sequence[Experience]) -> list[Experience]:
+        """``experiences`` translated by :meth:`translate`, without those naming a memory not live
+        (the warm-up material a restore re-reads: never trained on a slot's next owner)."""
+        out = []
+        for exp in experiences:
+            try:
+                out.append(self.translate(exp))
+            except Rejected:
+                continue
+        return out
+
     # ------------------------------------------------------------------ the published map
     def records(self, version: int) -> list[SlotRecord]:
         """The pending changes as slot-map records of ``version`` (the checkpoint about to be published)."""
