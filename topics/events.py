@@ -116,7 +116,7 @@ class RetrievalEvent(WireValue):
     answer_text: str | None = None  # contract 1.1: the answer given (or a reference), for the evaluator
     # Contract 1.3: the memory id of each candidate (parallel to ``candidates``). When set, the
     # slot numbers of the event are the event's own labels for those memories, and the learner
-    # replaces them with the slots its id → slot map gives (docs/contract.md §9.2).
+    # replaces them with the slots its id → slot map gives (docs/contract.md §9.3).
     candidate_ids: list[str] | None = None
 
 
