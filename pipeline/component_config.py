@@ -159,6 +159,9 @@ class LearnerConfig:
     # re-read after a takeover (up to another join window) plus the clock skew allowed.
     dedupe_horizon_s: float = 2 * 600.0 + 300.0
     signing_key: bytes | None = field(default=None, repr=False)  # HMAC-SHA256 key for manifests
+    # Contract 1.3: follow memory-lifecycle, assign slots by memory id (docs/contract.md §9.1).
+    memory_lifecycle: bool = True
+    lifecycle_grace_s: float = 3600.0  # event time a removed memory's slot stays tombstoned before reuse
 
     @property
     def policy(self) -> str:

@@ -121,6 +121,7 @@ class Settings:
     warmup_epochs: int = 2
     warmup_half_life_s: float = 86400.0  # event-time age at which a warm-up experience counts half
     replay_max: int = 50_000
+    lifecycle_grace_s: float = 3600.0  # contract 1.3: event time a removed memory's slot waits before reuse
     # limits
     max_message_bytes: int = 256 * 1024
     # durability (docs/operations.md, "Durability"): 1 suits the embedded broker's one node
@@ -211,7 +212,7 @@ class Settings:
     def writes(self) -> WritesConfig:
         return WritesConfig(
             connection=self.connection(),
-            lifecycle_topic=f"{self.topic_prefix}memory-lifecycle",
+            lifecycle_topic=self.topics().memory_lifecycle.name,
             group_id=f"{self.topic_prefix}causalmem-writes",
             theta=self.writes_theta,
             prior=self.writes_prior,
@@ -268,6 +269,7 @@ class Settings:
             max_future_skew_s=self.max_future_skew_s,
             dedupe_horizon_s=2 * self.join_window_s + self.max_future_skew_s,
             signing_key=self.signing_key(),
+            lifecycle_grace_s=self.lifecycle_grace_s,
         )
 
     def ui(self, **options: Any) -> UiConfig:

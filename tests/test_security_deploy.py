@@ -106,6 +106,7 @@ def test_who_may_write_what(prefix: str) -> None:
     # agents propose memories; only the write gate keeps the rejected ones
     assert writers(g, t.memory_writes.name) == {r["service"]}
     assert writers(g, t.memory_writes_rejected.name) == {r["writes"]}
+    assert writers(g, t.memory_lifecycle.name) == {r["service"], r["writes"]}, "memory stores and the write gate"
     # topics are created by operators (init-topics) only
     creators = {who for who, ops in g.items() if topics_with(ops, "Create")}
     assert creators == {r["operator"]}

@@ -89,6 +89,7 @@ class RetrievalEvent(WireValue):
         "candidate_masks",
         "candidate_probs",
         "memory_texts",
+        "candidate_ids",
     )
     NESTED = ("features", "memory_texts")
 
@@ -113,6 +114,10 @@ class RetrievalEvent(WireValue):
     candidate_masks: np.ndarray | None = None  # m_i of each kept candidate
     candidate_probs: np.ndarray | None = None  # first-draw probabilities over kept candidates
     answer_text: str | None = None  # contract 1.1: the answer given (or a reference), for the evaluator
+    # Contract 1.3: the memory id of each candidate (parallel to ``candidates``). When set, the
+    # slot numbers of the event are the event's own labels for those memories, and the learner
+    # replaces them with the slots its id → slot map gives (docs/contract.md §9.3).
+    candidate_ids: list[str] | None = None
 
 
 def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
@@ -164,6 +169,8 @@ def _fast_retrieval_event(
     try:
         if obj.get("schema") != schema or obj.get("memory_texts") is not None or obj.get("answer_text") is not None:
             return None
+        if obj.get("candidate_ids") is not None:
+            return None  # contract 1.3: ids are checked by the full validator
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
             return None
@@ -302,6 +309,7 @@ def _validated_retrieval_event(
         answer_text=f.str_("answer_text", required=False, max_len=limits.max_text_len, empty_ok=True),
     )
     n = len(candidates)
+    event.candidate_ids = read_candidate_ids(f, n)
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
         arr = f.floats_(name, required=False, lo=lo)
         if arr is not None:
@@ -309,3 +317,34 @@ def _validated_retrieval_event(
                 raise Rejected("inconsistent", f"{name} and candidates differ in length")
             setattr(event, name, arr)
     return event
+
+
+def read_candidate_ids(f: Fields, n: int) -> list[str] | None:
+    """Contract 1.3's optional ``candidate_ids``: ``n`` distinct, non-empty memory ids, or None.
+
+    >>> from topics.fields import Fields, Limits
+    >>> read_candidate_ids(Fields({"candidate_ids": ["a", "b"]}, Limits()), 2)
+    ['a', 'b']
+    >>> try:
+    ...     read_candidate_ids(Fields({"candidate_ids": ["a", "a"]}, Limits()), 2)
+    ... except Rejected as e:
+    ...     print(e.reason)
+    inconsistent
+    """
+    items = f.list_("candidate_ids", required=False, max_len=f.limits.max_candidates)
+    if items is None:
+        return None
+    ids: list[str] = []
+    for item in items:
+        if type(item) is not str:
+            raise Rejected("wrong_type", "candidate_ids[] must be strings")
+        if not item:
+            raise Rejected("out_of_range", "candidate_ids[] is empty")
+        if len(item) > f.limits.max_id_len:
+            raise Rejected("oversize", f"candidate_ids[] longer than {f.limits.max_id_len}")
+        ids.append(item)
+    if len(ids) != n:
+        raise Rejected("inconsistent", "candidate_ids and candidates differ in length")
+    if len(set(ids)) != n:
+        raise Rejected("inconsistent", "candidate_ids repeats a memory id")
+    return ids

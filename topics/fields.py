@@ -54,6 +54,11 @@ REASONS: tuple[str, ...] = (
     "key_mismatch",  # Kafka key is not the value's query_id (breaks co-partitioning)
     "ts_in_future",  # ts beyond the receiver's wall clock + its allowed skew (checked by the join, not the codec)
 )
+# Contract 1.3: reasons the learner gives (memories by id), never a decoder of the input topics.
+LEARNER_REASONS: tuple[str, ...] = (
+    "unknown_memory",  # a memory id that is not live (an event's candidate, an update or remove)
+    "slots_full",  # an added memory finds no free slot (every slot live or in its grace period)
+)
 
 SCHEMA_RETRIEVAL = "retrieval_event/v1"
 SCHEMA_FEEDBACK = "llm_feedback/v1"
@@ -76,7 +81,7 @@ class Rejected(ValueError):
     """A message that must not reach the model; ``reason`` is one of :data:`REASONS`."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
-        assert reason in REASONS, reason
+        assert reason in REASONS or reason in LEARNER_REASONS, reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail

@@ -88,14 +88,14 @@ def decode_memory_record(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) ->
         if got != memory_id:
             raise Rejected("key_mismatch", f"key {got!r} != memory_id {memory_id!r}")
     text = f.str_("text", required=op != "remove", max_len=limits.max_text_len)
-    items = f.list_("embedding", required=False, max_len=max(limits.embedding_dim, 1))
-    embedding = None if items is None else float_array(items, "embedding", limits.max_abs_value)
-    if embedding is not None:
+    items = f.list_("embedding", required=False, max_len=max(limits.embedding_dim, 1) * 4)
+    embedding = None
+    if items is not None:
         if op == "remove":
             raise Rejected("inconsistent", "a remove carries no embedding")
-        if embedding.shape[0] != limits.embedding_dim:
-            raise Rejected("out_of_range", f"embedding: {embedding.shape[0]} values, not {limits.embedding_dim}")
-        embedding = embedding.astype(np.float32)
+        if len(items) != limits.embedding_dim:  # the reason a query embedding of the wrong size gets
+            raise Rejected("embedding_length", f"embedding: {len(items)} values, not {limits.embedding_dim}")
+        embedding = float_array(items, "embedding", limits.max_abs_value).astype(np.float32)
     kind = f.str_("kind", required=False)
     if kind is not None and kind not in KINDS:
         raise Rejected("out_of_range", f"kind {kind!r} (expected one of {', '.join(KINDS)})")

@@ -14,6 +14,7 @@ from typing import Any
 from topics.events import decode_retrieval_event
 from topics.feedback import decode_llm_feedback
 from topics.labels import decode_active_learning_sample, decode_human_label
+from topics.lifecycle import decode_memory_record
 from topics.writes import decode_memory_write
 
 SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
@@ -64,6 +65,7 @@ class Topics:
     epoch: TopicSpec
     memory_writes: TopicSpec
     memory_writes_rejected: TopicSpec
+    memory_lifecycle: TopicSpec
     prefix: str = ""
 
     @classmethod
@@ -122,6 +124,12 @@ class Topics:
                 {"cleanup.policy": "compact,delete", "retention.ms": str(rejected_writes_retention_ms)},
                 "write gate: RejectedWrite, kept for review",
             ),
+            # Contract 1.3. Compacted: the newest record of each memory id is what counts.
+            # One partition: the learner assigns slots in the topic's order, so a replay
+            # assigns the same slots (docs/contract.md §9.1).
+            memory_lifecycle=spec(
+                "memory-lifecycle", 1, {"cleanup.policy": "compact"}, "memory stores: MemoryRecord (add/update/remove)"
+            ),
             prefix=prefix,
         )
 
@@ -140,11 +148,12 @@ class Topics:
             self.epoch,
             self.memory_writes,
             self.memory_writes_rejected,
+            self.memory_lifecycle,
         ]
 
     def inputs(self) -> list[TopicSpec]:
         """The topics users write to."""
-        return [self.retrieval_events, self.llm_feedback, self.human_labels]
+        return [self.retrieval_events, self.llm_feedback, self.human_labels, self.memory_lifecycle]
 
     def by_short_name(self, short: str) -> TopicSpec:
         """Look a topic up by its unprefixed name, e.g. ``"llm-feedback"``."""
@@ -162,4 +171,5 @@ DECODERS: dict[str, Callable[..., Any]] = {
     "human-labels": decode_human_label,
     "active-learning": decode_active_learning_sample,
     "memory-writes": decode_memory_write,
+    "memory-lifecycle": decode_memory_record,
 }

@@ -6,7 +6,8 @@
 # not granted here is refused.
 #
 #   role       writes                                     reads
-#   service    retrieval-events, llm-feedback             policy-checkpoints
+#   service    retrieval-events, llm-feedback,            policy-checkpoints, memory-lifecycle
+#              memory-lifecycle (its memories by id)
 #   labeler    human-labels                               active-learning, human-labels (its own answers)
 #   operator   control (reset, rollback), epoch marker;   every product topic (status, evaluate)
 #              creates the topics (init-topics)
@@ -14,8 +15,8 @@
 #              rating-pairs, dead-letter, control          outcomes, rating-pairs
 #              (the drift stage's reset); its faust
 #              changelog topics (<prefix>causalmem-worker-*)
-#   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints
-#              dead-letter
+#   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints,
+#              dead-letter                                memory-lifecycle
 #   evaluator  llm-feedback, dead-letter                  retrieval-events
 #   writes     memory-writes-rejected, dead-letter        memory-writes
 #              (the write gate; its adds to memory-lifecycle: see the lifecycle topic's grants)
@@ -57,7 +58,7 @@ WRITES="${WRITES_PRINCIPAL:-User:causalmem-writes}"
 
 # The product's topics (topics/names.py), under the prefix.
 TOPICS=(retrieval-events llm-feedback human-labels active-learning policy-checkpoints dead-letter
-    experiences outcomes rating-pairs control epoch memory-writes memory-writes-rejected)
+    experiences outcomes rating-pairs control epoch memory-writes memory-writes-rejected memory-lifecycle)
 
 # allow "PRINCIPAL..." topic|group literal|prefixed "NAME..." OPERATION...
 # (one kafka-acls.sh call: every principal gets every operation on every name)
@@ -90,8 +91,8 @@ EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER $EVALUA
 topics "$EVERYONE" "${TOPICS[*]}" Describe
 topics "$EVERYONE" epoch Read
 
-topics "${SERVICES[*]}" "retrieval-events llm-feedback memory-writes" Write
-topics "${SERVICES[*]}" policy-checkpoints Read
+topics "${SERVICES[*]}" "retrieval-events llm-feedback memory-writes memory-lifecycle" Write
+topics "${SERVICES[*]}" "policy-checkpoints memory-lifecycle" Read
 
 topics "${LABELERS[*]}" human-labels Write Read
 topics "${LABELERS[*]}" active-learning Read
@@ -109,7 +110,7 @@ allow "$WORKER" group literal "${P}causalmem-join ${P}causalmem-worker" Read
 # faust's own topics (table changelogs, the assignor's leader topic) start with its app id
 allow "$WORKER" topic prefixed "${P}causalmem-worker" All
 
-topics "$LEARNER" "experiences control policy-checkpoints" Read
+topics "$LEARNER" "experiences control policy-checkpoints memory-lifecycle" Read
 topics "$LEARNER" "policy-checkpoints dead-letter" Write
 allow "$LEARNER" group literal "${P}causalmem-learner-${POLICY}" Read
 
@@ -120,5 +121,5 @@ allow "$EVALUATOR" group literal "${P}causalmem-evaluator" Read
 
 # causalmem writes: the write gate judges proposed memories; keeps the rejected ones
 topics "$WRITES" memory-writes Read
-topics "$WRITES" "memory-writes-rejected dead-letter" Write
+topics "$WRITES" "memory-writes-rejected memory-lifecycle dead-letter" Write
 allow "$WRITES" group literal "${P}causalmem-writes" Read

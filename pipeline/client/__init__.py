@@ -6,6 +6,7 @@ Each takes a :class:`~pipeline.component_config.Connection` (or a whole ``Settin
 taken). Needs none of faust, matplotlib, rich or yaml.
 """
 
+from pipeline.client.follower import MemoryFollower
 from pipeline.client.publisher import EventPublisher, SyncEventPublisher
 from pipeline.client.retriever import CausalRetriever, RetrievalResult
 from pipeline.client.subscriber import LoadedPolicy, PolicySubscriber, fetch_checkpoint
@@ -16,6 +17,7 @@ __all__ = [
     "Connection",
     "EventPublisher",
     "LoadedPolicy",
+    "MemoryFollower",
     "PolicySubscriber",
     "RetrievalResult",
     "SyncEventPublisher",

@@ -19,12 +19,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import faiss
 import numpy as np
 
 from models.serving import ServingParams
 from models.serving_rule import DYNAMIC_DROP_RATIO, revive_dropped
+from pipeline.client.memory_index import IdIndex
 from pipeline.client.serving import draw, keep_flags, policy_masks
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import Connection
@@ -36,11 +38,33 @@ log = logging.getLogger(__name__)
 FallbackFn = Callable[[str | None, np.ndarray, int], list[int]]
 
 
+NEUTRAL_MASK = 1.0  # softplus(NEUTRAL_BIAS): the mask of a fresh row (models/policy.py neutral_out)
+
+
 @dataclass
 class RetrievalResult:
-    slots: list[int]
+    slots: list[int]  # by id: the event's labels of the selected memories (see ``ids``)
     texts: list[str] | None
     event: RetrievalEvent
+    ids: list[str] | None = None  # the selected memories' ids, when memories are named by id
+
+
+def event_labels(known: list[int | None]) -> list[int]:
+    """Distinct slot numbers for an event's memories: the known slot, else the smallest unused number.
+
+    >>> event_labels([7, None, 0, None])
+    [7, 1, 0, 2]
+    """
+    used = {s for s in known if s is not None}
+    out, nxt = [], 0
+    for s in known:
+        if s is None:
+            while nxt in used:
+                nxt += 1
+            s = nxt
+            used.add(s)
+        out.append(s)
+    return out
 
 
 class BM25Fallback:
@@ -83,6 +107,14 @@ class CausalRetriever:
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
     :class:`~pipeline.component_config.Connection` or ``Settings``), when given, also checks the
     memories against the pipeline's limits (dimension, number of slots).
+
+    *Memories by id* (contract 1.3, docs/contract.md §9): with ``memory_ids`` (one per row of
+    ``embeddings``; may be empty) the retriever names memories by id, and
+    :meth:`add_memory`/:meth:`remove_memory` (called by a
+    :class:`~pipeline.client.follower.MemoryFollower`) change its index at any time. A
+    memory's mask comes from the loaded policy when that version holds its row
+    (``LoadedPolicy.slot_of``), else it is neutral (1, a fresh row's). Events then carry
+    ``candidate_ids``; their slot numbers are labels (the slot when known).
     """
 
     def __init__(
@@ -100,19 +132,28 @@ class CausalRetriever:
         explore_temperature: float | None = None,
         conn: Connection | Settings | None = None,
         explore_revive: float = 0.1,
+        memory_ids: Sequence[str] | None = None,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.conn = Connection.of(conn) if conn is not None else None
+        self.memories: IdIndex | None = None
+        if memory_ids is not None:
+            if len(memory_ids) != self.embeddings.shape[0]:
+                raise ValueError(f"{len(memory_ids)} memory ids for {self.embeddings.shape[0]} embeddings")
+            self.memories = IdIndex(self.embeddings.shape[1])
+            self.memories.add_many(list(memory_ids), self.embeddings, texts)
+            texts = None  # kept by id in the index
         if self.conn is not None:
             n, dim = self.embeddings.shape
             if dim != self.conn.limits.embedding_dim:
                 raise ValueError(
                     f"memories have dimension {dim}; the pipeline expects {self.conn.limits.embedding_dim}"
                 )
-            if n > self.conn.limits.slots:
+            if n > self.conn.limits.slots and self.memories is None:
                 raise ValueError(f"{n} memories for {self.conn.limits.slots} slots")
         self.index = faiss.IndexFlatIP(self.embeddings.shape[1])
-        self.index.add(self.embeddings)
+        if self.memories is None:
+            self.index.add(self.embeddings)
         self.texts = list(texts) if texts is not None else None
         self.k = k
         self.n_candidates = n_candidates
@@ -131,7 +172,7 @@ class CausalRetriever:
         self.drop_ratio = DYNAMIC_DROP_RATIO
         if fallback is None and self.texts is not None:
             fallback = BM25Fallback(self.texts)
-        if fallback is None:
+        if fallback is None and self.memories is None:
             log.warning("CausalRetriever without texts or a fallback: an empty hard drop returns nothing")
         self.fallback = fallback
         self.policy_name = policy or (self.conn.policy if self.conn is not None else "default")
@@ -146,9 +187,26 @@ class CausalRetriever:
         # dropped memory can be read, and relearnt, again (docs/contract.md §6, step 3b).
         self.explore_revive = explore_revive
 
+    @classmethod
+    def by_id(cls, dim: int, **kwargs: Any) -> CausalRetriever:
+        """A retriever of memories named by id, empty until memories are added (e.g. by a MemoryFollower)."""
+        return cls(np.zeros((0, dim), np.float32), memory_ids=[], **kwargs)
+
+    def add_memory(self, memory_id: str, embedding: np.ndarray, text: str | None = None) -> None:
+        """Add (or replace) a memory named by id: searchable at once (memories by id only)."""
+        if self.memories is None:
+            raise TypeError("this retriever numbers its memories by slot: construct it with memory_ids")
+        self.memories.add(memory_id, embedding, text)
+
+    def remove_memory(self, memory_id: str) -> bool:
+        """Remove a memory named by id; False when it was not there."""
+        if self.memories is None:
+            raise TypeError("this retriever numbers its memories by slot: construct it with memory_ids")
+        return self.memories.remove(memory_id)
+
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """Swap the policy in (use as PolicySubscriber's ``on_update``)."""
-        if policy is not None and policy.net.arch.slots < self.embeddings.shape[0]:
+        if policy is not None and self.memories is None and policy.net.arch.slots < self.embeddings.shape[0]:
             raise ValueError(f"policy has {policy.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
         self.policy = policy
         if policy is not None and policy.serving is not None:
@@ -189,8 +247,14 @@ class CausalRetriever:
         with_texts: bool = True,
     ) -> RetrievalResult:
         q = np.ascontiguousarray(query_embedding, dtype=np.float32)
-        slots, scores = self.search(q, self.n_candidates)
-        masks = self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
+        ids: list[str] | None = None
+        fb_ids: list[str] = []
+        if self.memories is None:
+            slots, scores = self.search(q, self.n_candidates)
+            masks = self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
+        else:
+            ids, scores = self.memories.search(q, self.n_candidates)
+            slots, masks = self._by_id(ids, q, last_step_loss, last_step_entropy)
         keep = keep_flags(masks, self.drop, self.drop_ratio)
         explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
         temperature = self.explore_temperature if explore else self.temperature
@@ -199,7 +263,19 @@ class CausalRetriever:
         kept, kept_scores, kept_masks = slots[keep], scores[keep], masks[keep]
         alpha = self.policy.alpha if self.policy is not None else 0.0
         version = self.policy.version if self.policy is not None else 0
-        if len(kept) == 0:
+        candidates: list[int]
+        id_of: dict[int, str] = {}  # event label -> memory id (memories by id)
+        if len(kept) == 0 and ids is not None:
+            assert self.memories is not None
+            fb_ids = self.memories.text_search(query_text, self.k)[: self.k]
+            # One labelling for the found (all dropped) and the fallback's memories.
+            everyone = ids + [i for i in fb_ids if i not in set(ids)]
+            labels = event_labels([self.policy.slot_of(i) if self.policy is not None else None for i in everyone])
+            id_of = dict(zip(labels, everyone, strict=True))
+            slots = np.array(labels[: len(ids)], dtype=np.int64)
+            selected, logprob, probs = [labels[everyone.index(i)] for i in fb_ids], 0.0, None
+            candidates, cand_scores, cand_masks, fallback = [], np.zeros(0), None, True
+        elif len(kept) == 0:
             fb = self.fallback(query_text, q, self.k) if self.fallback is not None else []
             selected, logprob, probs = [int(s) for s in fb][: self.k], 0.0, None
             candidates, cand_scores, cand_masks, fallback = [], np.zeros(0), None, True
@@ -207,10 +283,16 @@ class CausalRetriever:
             d = draw(kept_scores, kept_masks, alpha, temperature, self.k, self.rng)
             selected, logprob, probs = [int(kept[p]) for p in d.positions], d.logprob, d.probs
             candidates, cand_scores, cand_masks, fallback = [int(s) for s in kept], kept_scores, kept_masks, False
-        memory_texts = None
-        if with_texts and self.texts is not None:
-            shown = set(selected) | set(candidates[:10])
-            memory_texts = {s: self.texts[s] for s in shown}
+            if ids is not None:
+                id_of = dict(zip(slots.tolist(), ids, strict=True))
+        memory_texts: dict[int, str] | None = None
+        if ids is not None:
+            assert self.memories is not None
+            if with_texts:
+                shown = {s: self.memories.text(id_of[s]) for s in set(selected) | set(candidates[:10])}
+                memory_texts = {s: t for s, t in shown.items() if t is not None} or None
+        elif with_texts and self.texts is not None:
+            memory_texts = {s: self.texts[s] for s in set(selected) | set(candidates[:10])}
         event = RetrievalEvent(
             event_id=uuid.uuid4().hex,
             query_id=query_id,
@@ -231,6 +313,24 @@ class CausalRetriever:
             dropped=[int(s) for s in slots[~keep]],
             candidate_masks=cand_masks,
             candidate_probs=probs,
+            candidate_ids=[id_of[s] for s in candidates] if ids is not None else None,
         )
+        if ids is not None:
+            assert self.memories is not None
+            selected_ids = [id_of[s] for s in selected]
+            found = [self.memories.text(i) or "" for i in selected_ids]
+            return RetrievalResult(slots=selected, texts=found, event=event, ids=selected_ids)
         texts = [self.texts[s] for s in selected] if self.texts is not None else None
         return RetrievalResult(slots=selected, texts=texts, event=event)
+
+    def _by_id(self, ids: list[str], q: np.ndarray, loss: float, entropy: float) -> tuple[np.ndarray, np.ndarray]:
+        """Event labels and masks of memories named by id: the policy's where it holds their row, else neutral."""
+        policy = self.policy
+        known = [policy.slot_of(i) if policy is not None else None for i in ids]
+        if policy is None:
+            return np.array(event_labels(known), dtype=np.int64), np.zeros(len(ids))
+        masks = np.full(len(ids), NEUTRAL_MASK)
+        rows = [j for j, s in enumerate(known) if s is not None]
+        if rows:
+            masks[rows] = policy_masks(policy, q, loss, entropy, np.array([known[j] for j in rows], dtype=np.int64))
+        return np.array(event_labels(known), dtype=np.int64), masks

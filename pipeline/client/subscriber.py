@@ -32,7 +32,9 @@ from pipeline.component_config import Connection
 from pipeline.config import Settings
 from pipeline.modeltopic import ModelTopicIndex, fetch_blob, model_topic
 from pipeline.service import Service
+from topics.fields import Rejected
 from topics.manifest import CheckpointError, Manifest, parse_key, validate_policy_name
+from topics.slotmap import SlotTable, decode_slot_record, parse_slot_key
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +63,16 @@ class LoadedPolicy:
 
     manifest: Manifest
     net: PolicyNetwork
+    slots: SlotTable | None = None  # contract 1.3: the id → slot map the subscriber follows
 
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    def slot_of(self, memory_id: str) -> int | None:
+        """The slot whose row this version holds for ``memory_id``; None when it holds none yet
+        (a memory added since: serve it with a neutral mask) or no longer (removed)."""
+        return self.slots.slot_of(memory_id, self.version) if self.slots is not None else None
 
     @property
     def alpha(self) -> float:
@@ -137,6 +145,7 @@ class PolicySubscriber(Service):
         self.current: LoadedPolicy | None = None
         self.rejections: list[tuple[int, str]] = []
         self.index = ModelTopicIndex(signing_key=signing_key)
+        self.slots = SlotTable()  # contract 1.3: "{policy}/slot/{slot}" records, newest per slot
         self._recent: dict[int, dict[int, bytes]] = {}  # version -> {chunk index: bytes}
         self._consumer: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -201,6 +210,7 @@ class PolicySubscriber(Service):
             self.current.version if self.current else "-",
         )
         self.index = ModelTopicIndex(signing_key=self.signing_key)
+        self.slots = SlotTable()  # the loaded policy keeps the old map until the next one loads
         self._recent.clear()
         self._after_reset = True
         await self._consumer.seek_to_beginning(tp)
@@ -208,6 +218,9 @@ class PolicySubscriber(Service):
     async def handle(self, offset: int, key: bytes | None, value: bytes | None) -> None:
         """Process one model-topic message (public so tests can feed crafted messages)."""
         kind, manifest = self.index.observe(offset, key, value)
+        if key is not None and parse_slot_key(key.decode("utf-8", "replace")) is not None:
+            self._slot_record(offset, key, value)
+            return
         if kind == "rejected":
             self._reject(offset, self.index.rejected[-1][1])
             return
@@ -237,6 +250,16 @@ class PolicySubscriber(Service):
         async with self._changed:
             self._changed.notify_all()
 
+    def _slot_record(self, offset: int, key: bytes, value: bytes | None) -> None:
+        """A slot-map record (docs/contract.md §9.1): applies to every version it names, loaded or to come."""
+        parsed = parse_slot_key(key.decode("utf-8", "replace"))
+        if parsed is None or parsed[0] != self.policy or value is None:
+            return  # another policy's map, or a compaction tombstone (the learner never deletes a record)
+        try:
+            self.slots.apply(decode_slot_record(value, key=key))
+        except Rejected as exc:
+            self._reject(offset, f"slot-map record: {exc.reason}: {exc.detail}")
+
     def _keep_chunk(self, key: bytes, value: bytes | None) -> None:
         """Keep the bytes of a recent version's chunk, so that its manifest needs no re-read."""
         _, policy, version, i = parse_key(key.decode("utf-8", "replace"))
@@ -264,7 +287,7 @@ class PolicySubscriber(Service):
             tensors = await fetch_checkpoint(self.bootstrap, self.conn, self.index, manifest, self.topic)
         net = PolicyNetwork.from_tensors(tensors)
         net.eval()
-        return LoadedPolicy(manifest=manifest, net=net)
+        return LoadedPolicy(manifest=manifest, net=net, slots=self.slots)
 
     def _reject(self, offset: int, why: str) -> None:
         self.rejections.append((offset, why))

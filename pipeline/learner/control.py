@@ -21,6 +21,7 @@ from pipeline.component_config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Inbox
+from pipeline.learner.memories import MemoryBank
 from pipeline.learner.publishing import Progress
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import find_version
@@ -47,6 +48,7 @@ class ControlCommands:
     progress: Progress
     version: int
     dirty: bool
+    memories: MemoryBank | None
     _dead: DeadLetterWriter | None
 
     if TYPE_CHECKING:  # what the learner provides (declared for the type checker only)
@@ -99,6 +101,7 @@ class ControlCommands:
             tensors = await find_version(self.bootstrap, conn, self.store, self.arch, version, self.config.signing_key)
             if tensors is not None:
                 self.trainer.load(tensors, self.trainer.baseline.state())
+                self._rows_of(version)
         self.dirty = True
         await self.publish(CUTOVER_COMMAND, extra={"cutover_reason": reason, "cutover": details})
 
@@ -116,6 +119,11 @@ class ControlCommands:
         await self.publish(SUPPRESS_COMMAND, extra={"suppress_reason": reason, "suppressed_now": now})
         log.warning("learner: memories %s suppressed (%s), now serving as v%d", now, reason, self.version)
 
+    def _rows_of(self, version: int) -> None:
+        """The trainer now holds the weights of ``version``: memories given a slot later get fresh rows."""
+        if self.memories is not None:
+            self.memories.rows_from(version, self.trainer)
+
     async def rollback(self, version: int, reason: str = "") -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
 
@@ -132,6 +140,7 @@ class ControlCommands:
             return False
         await self._apply_pending(force=True)
         self.trainer.load(tensors, self.trainer.baseline.state())
+        self._rows_of(version)
         self.dirty = True
         await self.publish("rollback", extra={"rolled_back_to": version, "rollback_reason": reason})
         log.warning("learner: rolled back to the weights of v%d, now serving as v%d", version, self.version)

@@ -45,6 +45,7 @@ from pipeline.learner.election import Election
 from pipeline.learner.fence import Fence, Fenced
 from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Inbox
+from pipeline.learner.memories import MemoryBank
 from pipeline.learner.publishing import Progress, Publishing, manifest_metrics
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import (
@@ -88,6 +89,8 @@ class Learner(Service, ControlCommands):
         self.trainer = PolicyTrainer(t)
         self.exp_tp = TopicPartition(conn.topics.experiences.name, 0)
         self.ctl_tp = TopicPartition(conn.topics.control.name, 0)
+        self.life_tp = TopicPartition(conn.topics.memory_lifecycle.name, 0)
+        self.memories = MemoryBank.of(config)  # memory ids → slots (contract 1.3); None when off
         self.store = LocalStore(local_dir(config.state_dir, bootstrap, conn.topics.prefix, conn.policy))
         self.inbox = Inbox(
             self.exp_tp.topic,
@@ -246,6 +249,8 @@ class Learner(Service, ControlCommands):
         await publisher.claim(epoch, self.fence.writer)
         await self.fence.check()
         restored = await from_topic(self.bootstrap, conn, index, self.trainer, self.store, self.arch)
+        if self.memories is not None:  # the id → slot map, from the model topic (contract 1.3)
+            self.dirty = await self.memories.restore(self.bootstrap, restored, self.trainer) or self.dirty
         offsets: dict[str, int] = {}
         if restored is not None:
             self._resume(restored)
@@ -278,7 +283,7 @@ class Learner(Service, ControlCommands):
         history = await read_history(self.bootstrap, conn, end, self.config.replay_max, self.config.dedupe_horizon_s)
         for ident, ts in history.ids:
             self.inbox.mark_seen(ident, ts)
-        self.replay.extend(history.experiences)
+        self.replay.extend(self.memories.known(history.experiences) if self.memories else history.experiences)
         log.info(
             "learner: active from %s at version %d (epoch %d), offsets %s",
             self.restored_from,
@@ -296,7 +301,9 @@ class Learner(Service, ControlCommands):
 
     async def _seek(self, offsets: dict[str, int]) -> None:
         tps = [self.exp_tp, self.ctl_tp]
-        self._input.assign(tps)
+        self._input.assign(tps + ([self.life_tp] if self.memories is not None else []))
+        if self.memories is not None:
+            self._input.seek(self.life_tp, self.memories.position)
         positions = []
         for tp in tps:
             off = offsets.get(f"{tp.topic}:{tp.partition}")
@@ -311,6 +318,8 @@ class Learner(Service, ControlCommands):
     # ------------------------------------------------------------------ training loop
     async def step(self) -> None:
         """One poll of the inputs, then whatever updates and publishing are due."""
+        if self.memories is not None:  # events by id wait until the lifecycle is read
+            self.memories.hold_experiences(self._input, self.exp_tp)
         try:
             batch = await self._input.getmany(timeout_ms=100, max_records=16 * self.config.batch_size)
         except Exception as exc:
@@ -319,9 +328,11 @@ class Learner(Service, ControlCommands):
             return
         if batch:
             self._last_input = time.monotonic()
-        for tp, msgs in batch.items():
+        for tp, msgs in sorted(batch.items(), key=lambda item: item[0] != self.life_tp):  # lifecycle first
             for msg in msgs:
-                if tp == self.ctl_tp:
+                if tp == self.life_tp and self.memories is not None:
+                    self.dirty = self.memories.on_message(msg, self.trainer, self._dead) or self.dirty
+                elif tp == self.ctl_tp:
                     # Commands apply between batches: everything read before comes first.
                     self.inbox.release(force=True)
                     await self._apply_pending(force=True)
@@ -338,7 +349,8 @@ class Learner(Service, ControlCommands):
     def _accept(self, msg: Any) -> None:
         exp: Experience | None = None
         try:
-            exp = decode_experience(msg.value, self.config.connection.limits)
+            decoded = decode_experience(msg.value, self.config.connection.limits)
+            exp = self.memories.translate(decoded) if self.memories is not None else decoded  # ids → slots (1.3)
         except Rejected as rej:
             assert self._dead is not None
             self._dead.send(msg, rej.reason, rej.detail)
@@ -394,7 +406,8 @@ class Learner(Service, ControlCommands):
     # ------------------------------------------------------------------ checkpoints
     def input_offsets(self) -> dict[str, int]:
         """The offsets a checkpoint taken now records (unapplied input comes again)."""
-        return self.inbox.input_offsets()
+        memories = self.memories.offsets() if self.memories is not None else {}
+        return {**self.inbox.input_offsets(), **memories}
 
     async def maybe_publish(self) -> None:
         if time.monotonic() - self.last_publish < self.config.checkpoint_interval_s:
@@ -419,6 +432,8 @@ class Learner(Service, ControlCommands):
             metrics = manifest_metrics(
                 self.trainer, self.progress, self.inbox.applied_key, self.config.batch_size, extra
             )
+            if self.memories is not None:  # the map's changes go just before the manifest that holds them
+                await self.memories.publish(self.publishing.publisher)
             published = await self.publishing.publish(
                 self.trainer, reason=reason, metrics=metrics, input_offsets=self.input_offsets()
             )
