@@ -7,7 +7,10 @@ with exact GELU and LayerNorm eps 1e-5. The tensor names are the checkpoint cont
 Only the candidate slots of a retrieval ever matter (the hard drop and the Plackett–Luce
 rule look at candidates alone), so :meth:`PolicyNetwork.candidate_masks` computes the
 output layer for those rows only: with S=1024 and ~20 candidates that is ~50× less work
-than the full mask, with the same values and gradients.
+than the full mask, with the same values. Its gradient on ``out`` is row-sparse (a
+sparse COO tensor over the candidate rows), so training cost does not grow with S
+(models/row_adam.py). The network records which output rows were written
+(:class:`RowTracker`), for delta checkpoints.
 
 >>> import torch
 >>> net = PolicyNetwork(embedding_dim=4, slots=6, hidden=8)
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,6 +94,70 @@ def neutral_out(out: nn.Linear) -> None:
         out.bias.fill_(NEUTRAL_BIAS)
 
 
+def neutral_rows(n: int, hidden: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` fresh output rows as :func:`neutral_out` makes them: weight [n, H] (small,
+    random) and bias [n] (mask 1).
+
+    >>> w, b = neutral_rows(3, 4)
+    >>> tuple(w.shape), bool((w.abs() <= NEUTRAL_WEIGHT_SCALE / 2).all()), round(float(b[0]), 4)
+    ((3, 4), True, 0.5413)
+    """
+    bound = 1.0 / hidden**0.5
+    w = torch.empty(n, hidden).uniform_(-bound, bound, generator=generator) * NEUTRAL_WEIGHT_SCALE
+    return w, torch.full((n,), NEUTRAL_BIAS)
+
+
+class RowTracker:
+    """The output rows written since the last :meth:`take` (all of them at first).
+
+    >>> t = RowTracker(5)
+    >>> t.take().tolist(), t.take().tolist()
+    ([0, 1, 2, 3, 4], [])
+    >>> t.mark([3, 1, 3]); t.take().tolist()
+    [1, 3]
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.all = True
+        self._mask = np.zeros(slots, bool)
+
+    def mark(self, rows: Any) -> None:
+        self._mask[np.asarray(rows, np.int64)] = True
+
+    def mark_all(self) -> None:
+        self.all = True
+
+    def take(self) -> np.ndarray:
+        """The changed rows (int64, sorted, unique); clears the record."""
+        rows = np.arange(self.slots, dtype=np.int64) if self.all else np.flatnonzero(self._mask).astype(np.int64)
+        self.all = False
+        self._mask[rows] = False
+        return rows
+
+
+class _GatherRows(torch.autograd.Function):
+    """``(weight[slots], bias[slots])`` with row-sparse gradients: the backward pass writes
+    a sparse COO gradient over the gathered rows instead of a dense [S, H] one."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor) -> Any:
+        ctx.save_for_backward(slots)
+        ctx.size = tuple(weight.shape)
+        flat = slots.reshape(-1)
+        w = weight.index_select(0, flat).reshape(*slots.shape, weight.shape[1])
+        return w, bias.index_select(0, flat).reshape(slots.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_w: torch.Tensor, grad_b: torch.Tensor) -> Any:
+        (slots,) = ctx.saved_tensors
+        s, h = ctx.size
+        idx = slots.reshape(1, -1)
+        gw = torch.sparse_coo_tensor(idx, grad_w.reshape(-1, h), (s, h), check_invariants=False)
+        gb = torch.sparse_coo_tensor(idx, grad_b.reshape(-1), (s,), check_invariants=False)
+        return gw, gb, None
+
+
 class PolicyNetwork(nn.Module):
     """Linear(D+2, H) → GELU → Linear(H, S) → softplus, with LayerNorm on the embedding."""
 
@@ -100,6 +169,7 @@ class PolicyNetwork(nn.Module):
         self.out = nn.Linear(hidden, slots)
         self.alpha = nn.Parameter(torch.tensor([float(alpha)]))
         neutral_out(self.out)
+        self.changed = RowTracker(slots)  # output rows written since the last take()
 
     def features(self, embedding: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """The hidden representation h = gelu(hidden(x)) of shape [B, H]."""
@@ -111,12 +181,19 @@ class PolicyNetwork(nn.Module):
         return F.softplus(self.out(self.features(embedding, loss, entropy)))
 
     def candidate_masks(self, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """m for the given slots only: ``h`` [B, H], ``slots`` [B, C] (long) → [B, C]."""
-        # embedding() is a gather whose backward is a dense scatter-add, ~3× faster than
-        # the index_put behind plain fancy indexing.
-        w = F.embedding(slots, self.out.weight)  # [B, C, H]
-        b = self.out.bias.gather(0, slots.reshape(-1)).reshape(slots.shape)  # [B, C]
+        """m for the given slots only: ``h`` [B, H], ``slots`` [B, C] (long) → [B, C].
+
+        The gradient on ``out.weight`` and ``out.bias`` is a sparse tensor over these rows.
+        """
+        w, b = _GatherRows.apply(self.out.weight, self.out.bias, slots)  # type: ignore[no-untyped-call]
         return F.softplus(torch.einsum("bh,bch->bc", h, w) + b)
+
+    def set_rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """Write output rows (``rows`` [n] long, ``weight`` [n, H], ``bias`` [n]) and mark them changed."""
+        with torch.no_grad():
+            self.out.weight.index_copy_(0, rows, weight.to(self.out.weight))
+            self.out.bias.index_copy_(0, rows, bias.to(self.out.bias))
+        self.changed.mark(rows.cpu().numpy())
 
     def suppress(self, slots: list[int], bias: float = SUPPRESSED_BIAS) -> None:
         """Pin the masks of ``slots`` near 0 ("do not use"): a zero row and a very negative bias.
@@ -134,18 +211,17 @@ class PolicyNetwork(nn.Module):
         with torch.no_grad():
             self.out.weight[idx] = 0.0
             self.out.bias[idx] = bias
+        self.changed.mark(idx.numpy())
 
     def reset_last_layer(self, generator: torch.Generator | None = None) -> None:
         """Re-initialise ``out`` (drift reset, seed 000 §4.3 level 3); keep everything else."""
+        # In place, nn.Linear's own initialisation: a fresh layer at S = 10^6 would be 2 GB more.
         with torch.no_grad():
-            fresh = nn.Linear(self.arch.hidden, self.arch.slots)
-            if generator is not None:
-                bound = 1.0 / self.arch.hidden**0.5
-                fresh.weight.uniform_(-bound, bound, generator=generator)
-                fresh.bias.uniform_(-bound, bound, generator=generator)
-            neutral_out(fresh)
-            self.out.weight.copy_(fresh.weight)
-            self.out.bias.copy_(fresh.bias)
+            bound = 1.0 / self.arch.hidden**0.5
+            self.out.weight.uniform_(-bound, bound, generator=generator)
+            self.out.bias.uniform_(-bound, bound, generator=generator)
+        neutral_out(self.out)
+        self.changed.mark_all()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The contract's named float32 tensors (detached, contiguous, on CPU)."""
@@ -158,6 +234,7 @@ class PolicyNetwork(nn.Module):
             if tuple(tensors[name].shape) != expected[name]:
                 raise ValueError(f"{name}: shape {tuple(tensors[name].shape)} != {expected[name]}")
         self.load_state_dict({k: tensors[k] for k in TENSOR_NAMES}, strict=True)
+        self.changed.mark_all()
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
