@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from topics.fields import MAX_SLOTS
+
 TENSOR_NAMES = ("norm.weight", "norm.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias", "alpha")
 LAST_LAYER = ("out.weight", "out.bias")
 INITIAL_ALPHA = 0.5
@@ -45,6 +47,12 @@ class Arch:
     embedding_dim: int
     slots: int
     hidden: int = 512
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"slots (S) must be in [1, {MAX_SLOTS:,}], got {self.slots:,}")
+        if self.embedding_dim < 1 or self.hidden < 1:
+            raise ValueError("embedding_dim and hidden must be at least 1")
 
     @property
     def input_dim(self) -> int:
@@ -152,9 +160,13 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx: Any, grad_w: torch.Tensor, grad_b: torch.Tensor) -> Any:
         (slots,) = ctx.saved_tensors
         s, h = ctx.size
-        idx = slots.reshape(1, -1)
-        gw = torch.sparse_coo_tensor(idx, grad_w.reshape(-1, h), (s, h), check_invariants=False)
-        gb = torch.sparse_coo_tensor(idx, grad_b.reshape(-1), (s,), check_invariants=False)
+        gw_rows, gb_rows = grad_w.reshape(-1, h), grad_b.reshape(-1)
+        # Entries without any gradient (padding of a batch's candidate lists, masked out of
+        # the loss) are left out: lazy Adam must neither step nor mark those rows.
+        keep = (gw_rows != 0).any(dim=1) | (gb_rows != 0)
+        idx = slots.reshape(1, -1)[:, keep]
+        gw = torch.sparse_coo_tensor(idx, gw_rows[keep], (s, h), check_invariants=False)
+        gb = torch.sparse_coo_tensor(idx, gb_rows[keep], (s,), check_invariants=False)
         return gw, gb, None
 
 

@@ -82,9 +82,22 @@ class Rejected(ValueError):
         self.detail = detail
 
 
+MAX_SLOTS = 10_000_000  # the largest S a policy may have (docs/contract.md §1); benchmarked up to 10^6
+
+
 @dataclass(frozen=True)
 class Limits:
-    """What validation accepts; D and S come from the deployment's configuration."""
+    """What validation accepts; D and S come from the deployment's configuration.
+
+    ``slots`` is at least 1; a policy's S is at most :data:`MAX_SLOTS` (checked where a
+    policy is built, models/policy.py), while a reader that accepts any slot number (the
+    labeling queue) may set more.
+
+    >>> Limits(slots=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: Limits: embedding_dim and slots must be at least 1 (got 384, 0)
+    """
 
     embedding_dim: int = 384
     slots: int = 1024
@@ -93,6 +106,12 @@ class Limits:
     max_id_len: int = 256
     max_text_len: int = 16 * 1024
     max_abs_value: float = 1e6
+
+    def __post_init__(self) -> None:
+        if self.embedding_dim < 1 or self.slots < 1:
+            raise ValueError(
+                f"Limits: embedding_dim and slots must be at least 1 (got {self.embedding_dim}, {self.slots})"
+            )
 
 
 # --------------------------------------------------------------------------- encoding
