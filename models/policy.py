@@ -197,7 +197,12 @@ class PolicyNetwork(nn.Module):
 
         The gradient on ``out.weight`` and ``out.bias`` is a sparse tensor over these rows.
         """
-        w, b = _GatherRows.apply(self.out.weight, self.out.bias, slots)  # type: ignore[no-untyped-call]
+        if torch.is_grad_enabled() and self.out.weight.requires_grad:
+            w, b = _GatherRows.apply(self.out.weight, self.out.bias, slots)  # type: ignore[no-untyped-call]
+        else:  # serving: a plain gather, without the autograd Function's overhead
+            flat = slots.reshape(-1)
+            w = self.out.weight.index_select(0, flat).reshape(*slots.shape, self.arch.hidden)
+            b = self.out.bias.index_select(0, flat).reshape(slots.shape)
         return F.softplus(torch.einsum("bh,bch->bc", h, w) + b)
 
     def set_rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:

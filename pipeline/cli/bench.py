@@ -1,4 +1,4 @@
-"""``causalmem bench throughput|learning|soak|evaluator|gate``: the benchmarks, one subcommand each with its own flags.
+"""``causalmem bench throughput|learning|soak|evaluator|gate|scale``: the benchmarks, one subcommand each with its own flags.
 
 Each benchmark is a module of :mod:`pipeline.lab.bench` with ``add_options(parser)`` and
 ``main(args)``; only the chosen one is imported (they pull in torch), and only when its
@@ -21,6 +21,7 @@ HELP = {
     "soak": "a steady input rate with lag and memory sampled; then the maximum sustainable rate",
     "evaluator": "evaluations/s and tokens/s of the evaluator's LM scoring (attribution rates, batch sizes)",
     "gate": "the promotion gate's calibration on the simulator: coverage, false and missed promotions",
+    "scale": "learner step rate and RSS, policy+faiss vs plain faiss latency at S = 10^3, 10^5, 10^6",
 }
 
 

@@ -6,6 +6,8 @@
 - ``soak``: a steady input rate for a set time, with lag and memory sampled;
 - ``evaluator``: evaluations/s and tokens/s of the evaluator's LM scoring, and of the service.
 - ``gate``: the promotion gate's calibration on the simulator (coverage, false and missed promotions).
+- ``scale``: the learner's step rate and RSS, and retrieval latency with the policy against plain
+  faiss, at S = 1,024, 100,000 and 1,000,000 memories.
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -19,4 +21,5 @@ BENCHES = {
     "soak": "pipeline.lab.bench.soak",
     "evaluator": "pipeline.lab.bench.evaluator",
     "gate": "pipeline.lab.bench.gate",
+    "scale": "pipeline.lab.bench.scale",
 }
