@@ -160,13 +160,21 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx: Any, grad_w: torch.Tensor, grad_b: torch.Tensor) -> Any:
         (slots,) = ctx.saved_tensors
         s, h = ctx.size
-        gw_rows, gb_rows = grad_w.reshape(-1, h), grad_b.reshape(-1)
-        # Entries without any gradient (padding of a batch's candidate lists, masked out of
-        # the loss) are left out: lazy Adam must neither step nor mark those rows.
-        keep = (gw_rows != 0).any(dim=1) | (gb_rows != 0)
-        idx = slots.reshape(1, -1)[:, keep]
-        gw = torch.sparse_coo_tensor(idx, gw_rows[keep], (s, h), check_invariants=False)
-        gb = torch.sparse_coo_tensor(idx, gb_rows[keep], (s,), check_invariants=False)
+        # Summed per distinct row here (one pass), so the optimizer gets a coalesced gradient.
+        rows, inverse = torch.unique(slots.reshape(-1), return_inverse=True)
+        gw_rows = grad_w.new_zeros(len(rows), h).index_add_(0, inverse, grad_w.reshape(-1, h))
+        gb_rows = grad_b.new_zeros(len(rows)).index_add_(0, inverse, grad_b.reshape(-1))
+        # Rows without gradient (the padding of a batch's candidate lists, masked out of the
+        # loss) are left out: lazy Adam must neither step nor mark them. The bias gradient
+        # says it: it is the sum of the row's logit gradients, of which the weight's are
+        # multiples (h · ∂L/∂logit), so a row with a zero bias gradient has no signal but
+        # for exact cancellations.
+        keep = gb_rows != 0
+        if not bool(keep.all()):
+            rows, gw_rows, gb_rows = rows[keep], gw_rows[keep], gb_rows[keep]
+        idx = rows.unsqueeze(0)
+        gw = torch.sparse_coo_tensor(idx, gw_rows, (s, h), is_coalesced=True, check_invariants=False)
+        gb = torch.sparse_coo_tensor(idx, gb_rows, (s,), is_coalesced=True, check_invariants=False)
         return gw, gb, None
 
 
@@ -229,6 +237,31 @@ class PolicyNetwork(nn.Module):
             self.out.weight[idx] = 0.0
             self.out.bias[idx] = bias
         self.changed.mark(idx.numpy())
+
+    def reinitialise(self, seed: int) -> None:
+        """Every parameter as :func:`init_policy` with ``seed`` makes them, in place.
+
+        A drift reset at S = 10^6 would otherwise hold a second 2 GB network while the old
+        one and its optimizer are still referenced.
+
+        >>> net = init_policy(4, 6, 8, seed=1)
+        >>> _ = net.changed.take()
+        >>> net.reinitialise(seed=2)
+        >>> fresh = init_policy(4, 6, 8, seed=2).tensors()
+        >>> all(torch.equal(t, fresh[name]) for name, t in net.tensors().items())
+        True
+        >>> len(net.changed.take())
+        6
+        """
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            # the order in which the constructor draws: hidden, then out
+            self.norm.reset_parameters()
+            self.hidden.reset_parameters()
+            self.out.reset_parameters()
+            self.alpha.fill_(INITIAL_ALPHA)
+            neutral_out(self.out)
+        self.changed.mark_all()
 
     def reset_last_layer(self, generator: torch.Generator | None = None) -> None:
         """Re-initialise ``out`` (drift reset, seed 000 §4.3 level 3); keep everything else."""

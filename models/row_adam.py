@@ -107,12 +107,16 @@ class LazyRowAdam:
         if g is None:
             return 0.0
         _, vw, vb = g
-        return float(vw.double().pow(2).sum() + vb.double().pow(2).sum())
+        return float(torch.linalg.vector_norm(vw)) ** 2 + float(torch.linalg.vector_norm(vb)) ** 2
 
     def scale_grad_(self, factor: float) -> None:
         for p in (self.weight, self.bias):
             if p.grad is not None:
-                p.grad = p.grad.coalesce() * factor if p.grad.is_sparse else p.grad * factor
+                if p.grad.is_sparse:
+                    p.grad = p.grad.coalesce()
+                    p.grad._values().mul_(factor)
+                else:
+                    p.grad.mul_(factor)
 
     def zero_grad(self) -> None:
         self.weight.grad = None
@@ -132,20 +136,22 @@ class LazyRowAdam:
         stepd = step.double()
         bc1 = 1.0 - torch.pow(b1, stepd)
         bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, stepd))
-        step_size = (lr / bc1).to(gw.dtype)  # [U]
-        bc2_sqrt = bc2_sqrt.to(gw.dtype)
+        # lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps) = (lr·sqrt(bc2)/bc1) · m / (sqrt(v) + eps·sqrt(bc2)):
+        # one pass fewer over the gathered rows
+        step_size = (lr * bc2_sqrt / bc1).to(gw.dtype).unsqueeze(1)  # [U, 1]
+        row_eps = (eps * bc2_sqrt).to(gw.dtype).unsqueeze(1)
         for p, m_all, v_all, grad in (
             (self.weight, self.exp_avg, self.exp_avg_sq, gw),
-            (self.bias, self.bias_avg, self.bias_avg_sq, gb),
+            (self.bias, self.bias_avg.unsqueeze(1), self.bias_avg_sq.unsqueeze(1), gb.unsqueeze(1)),
         ):
-            shape = (-1,) + (1,) * (grad.dim() - 1)
             m = m_all.index_select(0, rows).lerp_(grad, 1 - b1)
             v = v_all.index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            denom = (v.sqrt() / bc2_sqrt.view(shape)).add_(eps)
-            new = p.index_select(0, rows).addcdiv_(m * step_size.view(shape), denom, value=-1.0)
             m_all.index_copy_(0, rows, m)
             v_all.index_copy_(0, rows, v)
-            p.index_copy_(0, rows, new)
+            # torch.optim.Adam's update: p -= lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps), in place
+            # on the gathered copies, then added to the rows in one pass
+            update = m.mul_(step_size).div_(v.sqrt_().add_(row_eps))
+            p.view(len(p), -1).index_add_(0, rows, update, alpha=-1.0)
         return rows.cpu().numpy().astype(np.int64, copy=False)
 
     def touched(self) -> bool:
@@ -236,7 +242,7 @@ class RowSparseAdam:
         sq = self.rows.grad_sq_norm()
         for p in self.dense_params:
             if p.grad is not None:
-                sq += float(p.grad.detach().double().pow(2).sum())
+                sq += float(torch.linalg.vector_norm(p.grad.detach())) ** 2
         total = math.sqrt(sq)
         if not math.isfinite(total):
             return total

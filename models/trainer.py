@@ -324,8 +324,9 @@ class PolicyTrainer:
         if self.config.reset_scope != "network":
             raise ValueError(f"unknown reset_scope {self.config.reset_scope!r} (network, last_layer)")
         c = self.config
-        self.net = init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed + 1000 + self.updates).to(c.device)
-        self._new_optimizers()  # the fresh network's rows all count as changed (RowTracker)
+        # In place (no second network at S = 10^6); every row counts as changed (RowTracker).
+        self.net.reinitialise(seed=c.seed + 1000 + self.updates)
+        self._new_optimizers()
         return self._warm_up(replay, epochs, batch_size, half_life_s)
 
     def reset_last_layer(

@@ -28,7 +28,7 @@ def test_the_client_bench_times_plain_faiss_and_the_retriever_on_one_index() -> 
     b.burst(10)
     r = b.report()
     assert r["queries"] == 10 and r["index"] == "IVFFlat nlist=4 nprobe=2"
-    assert 0 < r["faiss_p50_ms"] <= r["faiss_p99_ms"] and r["policy_p50_ms"] > 0
+    assert 0 < r["faiss_p50_ms"] <= r["faiss_p99_ms"] and r["policy_p50_ms"] > 0 and r["masks_p50_ms"] > 0
     assert b.retriever.policy is not None and b.retriever.index is b.index
 
 
@@ -44,6 +44,7 @@ def _report() -> dict[str, Any]:
             "policy_p50_ms": lat,
             "policy_p99_ms": 3.0,
             "ratio_p50": lat / 1.0,
+            "masks_p50_ms": 0.1,
             "client_rss_gb": 1.0,
         }
         for s, rate, rss, lat in ((1024, 100.0, 0.4, 1.2), (1_000_000, 70.0, 6.5, 1.8))
@@ -55,7 +56,7 @@ def test_table_and_verdict() -> None:
     report = _report()
     text = scale.table(report, extra={1024: {"delta B / full B": "1.2%"}, 1_000_000: {"delta B / full B": "0.01%"}})
     lines = text.splitlines()
-    assert lines[0].endswith("| delta B / full B |") and lines[1].count("|---") == 10
+    assert lines[0].endswith("| delta B / full B |") and lines[1].count("|---") == 11
     assert "| 1,000,000 | 70.0 | 70% | 6.50 (7.00) |" in lines[3] and lines[3].endswith("| 0.01% |")
     v = scale.verdict(report)
     assert "70% of the smallest's (target ≥ 80%: MISSED)" in v

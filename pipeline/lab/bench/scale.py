@@ -148,6 +148,7 @@ class ClientBench:
 
         from models.policy import init_policy
         from pipeline.client.retriever import CausalRetriever
+        from pipeline.client.serving import policy_masks
         from pipeline.client.subscriber import LoadedPolicy
         from topics.manifest import Manifest
 
@@ -174,13 +175,16 @@ class ClientBench:
         self.retriever = CausalRetriever(np.zeros((1, dim), np.float32), k=3, n_candidates=self.k, fallback=_empty)
         self.retriever.index = index  # type: ignore[assignment]  # the same IVF index for both
         self.retriever.set_policy(policy)
+        self.policy_masks = policy_masks
         self.queries = unit_vectors(opts["queries"] + 50, dim, seed=4)
         self.plain: list[float] = []
         self.with_policy: list[float] = []
+        self.masks: list[float] = []  # the policy's part alone: its masks for the found candidates
         self.done = 0
         self.burst(50)  # warm caches up, untimed
         self.plain.clear()
         self.with_policy.clear()
+        self.masks.clear()
 
     def burst(self, n: int) -> None:
         for _ in range(n):
@@ -191,8 +195,13 @@ class ClientBench:
             t = time.perf_counter()
             self.retriever.retrieve(q, f"q{self.done}", with_texts=False)
             b = time.perf_counter() - t
+            found = self.retriever.search(q, self.k)[0]
+            t = time.perf_counter()
+            self.policy_masks(self.retriever.policy, q, 0.0, 0.0, found)
+            c = time.perf_counter() - t
             self.plain.append(a)
             self.with_policy.append(b)
+            self.masks.append(c)
             self.done += 1
 
     def report(self) -> dict[str, Any]:
@@ -210,6 +219,7 @@ class ClientBench:
             "policy_p99_ms": float(np.percentile(w, 99)),
             "ratio_p50": float(np.percentile(w, 50) / np.percentile(p, 50)),
             "ratio_p99": float(np.percentile(w, 99) / np.percentile(p, 99)),
+            "masks_p50_ms": float(np.percentile(np.array(self.masks) * 1e3, 50)),
             "client_rss_gb": rss,
             "client_peak_rss_gb": peak,
         }
@@ -310,9 +320,9 @@ def table(report: dict[str, Any], extra: Mapping[int, Mapping[str, str]] | None 
     titles = list(next(iter(extra.values())).keys()) if extra else []
     head = (
         "| S | learner steps/s | vs first S | learner RSS GB (peak) | faiss p50/p99 ms | policy+faiss p50/p99 ms "
-        "| ratio p50 | policy adds p50 ms | client RSS GB |"
+        "| ratio p50 | policy adds p50 ms | policy masks alone p50 ms | client RSS GB |"
     )
-    lines = [head + "".join(f" {t} |" for t in titles), "|---" * (9 + len(titles)) + "|"]
+    lines = [head + "".join(f" {t} |" for t in titles), "|---" * (10 + len(titles)) + "|"]
     base = report["rows"][0]["steps_per_s"]
     for r in report["rows"]:
         cells = [
@@ -324,6 +334,7 @@ def table(report: dict[str, Any], extra: Mapping[int, Mapping[str, str]] | None 
             f"{r['policy_p50_ms']:.3f} / {r['policy_p99_ms']:.3f}",
             f"{r['ratio_p50']:.2f}×",
             f"{r['policy_p50_ms'] - r['faiss_p50_ms']:.3f}",
+            f"{r['masks_p50_ms']:.3f}",
             f"{r['client_rss_gb']:.2f}",
         ] + [str((extra or {}).get(r["slots"], {}).get(t, "")) for t in titles]
         lines.append("| " + " | ".join(cells) + " |")
