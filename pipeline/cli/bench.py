@@ -1,4 +1,4 @@
-"""``causalmem bench throughput|learning|soak|evaluator|gate|scale``: the benchmarks, one subcommand each with its own flags.
+"""``causalmem bench throughput|learning|soak|evaluator|gate|scale``: the benchmarks, one subcommand each.
 
 Each benchmark is a module of :mod:`pipeline.lab.bench` with ``add_options(parser)`` and
 ``main(args)``; only the chosen one is imported (they pull in torch), and only when its
