@@ -98,6 +98,7 @@ class LearnerBench:
         rows = self.trainer.optimizer.rows
         for moment in (rows.exp_avg, rows.exp_avg_sq, rows.bias_avg, rows.bias_avg_sq):
             moment.add_(0.0)  # commit every page: the steady state, once every memory has been a candidate
+        self.trainer.take_changed_rows()  # from here on: the rows the timed steps write
         self.times: list[float] = []
 
     def burst(self, n: int) -> None:
@@ -122,7 +123,7 @@ class LearnerBench:
             "step_ms_p50": 1e3 * statistics.median(self.times),
             "step_ms_p90": 1e3 * float(np.percentile(self.times, 90)),
             "timed_steps": len(self.times),
-            "changed_rows": changed,
+            "changed_rows": changed,  # distinct output rows the timed steps wrote (a delta's rows)
             "optimizer_state_ms": 1e3 * state_s,
             "optimizer_state_gb": sum(v.numel() * v.element_size() for v in state.values()) / 1e9,
             "learner_rss_gb": rss,
