@@ -91,7 +91,7 @@ class LearnerBench:
         t0 = time.perf_counter()
         self.trainer = PolicyTrainer(TrainerConfig(embedding_dim=opts["dim"], slots=slots, hidden=opts["hidden"]))
         self.build_s = time.perf_counter() - t0
-        pool = experiences(self.batch * 16, slots, opts["dim"], opts["candidates"], seed=1)
+        pool = experiences(self.batch * 64, slots, opts["dim"], opts["candidates"], seed=1)  # 64 batches, cycled
         self.batches = [pool[i : i + self.batch] for i in range(0, len(pool), self.batch)]
         for b in self.batches[:3]:  # first-call allocations
             self.trainer.update(b)
