@@ -19,7 +19,7 @@ baseline's ``state()``, so it is checkpointed and restored with it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,12 @@ class SlotBaseline:
         b = self._mean.get(slot, 0.0)
         self._mean[slot] = b + max(self.fading_factor, 1.0 / n) * (float(effect) - b)
         self._n[slot] = n
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Drop what was learnt about ``slots`` (a slot given to a new memory starts at b = 0)."""
+        for s in slots:
+            self._mean.pop(int(s), None)
+            self._n.pop(int(s), None)
 
     def means(self, slots: np.ndarray) -> np.ndarray:
         """The current means of an array of slots (0 for slots never credited)."""

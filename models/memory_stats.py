@@ -55,6 +55,12 @@ class MemoryStats:
         self.mean = np.zeros(slots, np.float64)
         self._m2 = np.zeros(slots, np.float64)
 
+    def forget(self, slots: Iterable[int]) -> None:
+        """Zero the statistics of ``slots``: a slot reused by a new memory starts unread."""
+        idx = np.array([int(s) for s in slots if 0 <= int(s) < self.slots], np.int64)
+        for arr in (self.reads, self.n, self.mean, self._m2):
+            arr[idx] = 0
+
     def update(self, selected: Iterable[int], slot_effects: Mapping[int, float] | None = None) -> None:
         """Count a read of each selected slot; fold each finite measured effect in."""
         sel = [int(s) for s in selected if 0 <= int(s) < self.slots]

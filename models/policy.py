@@ -7,7 +7,10 @@ with exact GELU and LayerNorm eps 1e-5. The tensor names are the checkpoint cont
 Only the candidate slots of a retrieval ever matter (the hard drop and the Plackett–Luce
 rule look at candidates alone), so :meth:`PolicyNetwork.candidate_masks` computes the
 output layer for those rows only: with S=1024 and ~20 candidates that is ~50× less work
-than the full mask, with the same values and gradients.
+than the full mask, with the same values. Its gradient on ``out`` is row-sparse (a
+sparse COO tensor over the candidate rows), so training cost does not grow with S
+(models/row_adam.py). The network records which output rows were written
+(:class:`RowTracker`), for delta checkpoints.
 
 >>> import torch
 >>> net = PolicyNetwork(embedding_dim=4, slots=6, hidden=8)
@@ -20,10 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from topics.fields import MAX_SLOTS
 
 TENSOR_NAMES = ("norm.weight", "norm.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias", "alpha")
 LAST_LAYER = ("out.weight", "out.bias")
@@ -40,6 +47,12 @@ class Arch:
     embedding_dim: int
     slots: int
     hidden: int = 512
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"slots (S) must be in [1, {MAX_SLOTS:,}], got {self.slots:,}")
+        if self.embedding_dim < 1 or self.hidden < 1:
+            raise ValueError("embedding_dim and hidden must be at least 1")
 
     @property
     def input_dim(self) -> int:
@@ -89,6 +102,82 @@ def neutral_out(out: nn.Linear) -> None:
         out.bias.fill_(NEUTRAL_BIAS)
 
 
+def neutral_rows(n: int, hidden: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` fresh output rows as :func:`neutral_out` makes them: weight [n, H] (small,
+    random) and bias [n] (mask 1).
+
+    >>> w, b = neutral_rows(3, 4)
+    >>> tuple(w.shape), bool((w.abs() <= NEUTRAL_WEIGHT_SCALE / 2).all()), round(float(b[0]), 4)
+    ((3, 4), True, 0.5413)
+    """
+    bound = 1.0 / hidden**0.5
+    w = torch.empty(n, hidden).uniform_(-bound, bound, generator=generator) * NEUTRAL_WEIGHT_SCALE
+    return w, torch.full((n,), NEUTRAL_BIAS)
+
+
+class RowTracker:
+    """The output rows written since the last :meth:`take` (all of them at first).
+
+    >>> t = RowTracker(5)
+    >>> t.take().tolist(), t.take().tolist()
+    ([0, 1, 2, 3, 4], [])
+    >>> t.mark([3, 1, 3]); t.take().tolist()
+    [1, 3]
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.all = True
+        self._mask = np.zeros(slots, bool)
+
+    def mark(self, rows: Any) -> None:
+        self._mask[np.asarray(rows, np.int64)] = True
+
+    def mark_all(self) -> None:
+        self.all = True
+
+    def take(self) -> np.ndarray:
+        """The changed rows (int64, sorted, unique); clears the record."""
+        rows = np.arange(self.slots, dtype=np.int64) if self.all else np.flatnonzero(self._mask).astype(np.int64)
+        self.all = False
+        self._mask[rows] = False
+        return rows
+
+
+class _GatherRows(torch.autograd.Function):
+    """``(weight[slots], bias[slots])`` with row-sparse gradients: the backward pass writes
+    a sparse COO gradient over the gathered rows instead of a dense [S, H] one."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor) -> Any:
+        ctx.save_for_backward(slots)
+        ctx.size = tuple(weight.shape)
+        flat = slots.reshape(-1)
+        w = weight.index_select(0, flat).reshape(*slots.shape, weight.shape[1])
+        return w, bias.index_select(0, flat).reshape(slots.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_w: torch.Tensor, grad_b: torch.Tensor) -> Any:
+        (slots,) = ctx.saved_tensors
+        s, h = ctx.size
+        # Summed per distinct row here (one pass), so the optimizer gets a coalesced gradient.
+        rows, inverse = torch.unique(slots.reshape(-1), return_inverse=True)
+        gw_rows = grad_w.new_zeros(len(rows), h).index_add_(0, inverse, grad_w.reshape(-1, h))
+        gb_rows = grad_b.new_zeros(len(rows)).index_add_(0, inverse, grad_b.reshape(-1))
+        # Rows without gradient (the padding of a batch's candidate lists, masked out of the
+        # loss) are left out: lazy Adam must neither step nor mark them. The bias gradient
+        # says it: it is the sum of the row's logit gradients, of which the weight's are
+        # multiples (h · ∂L/∂logit), so a row with a zero bias gradient has no signal but
+        # for exact cancellations.
+        keep = gb_rows != 0
+        if not bool(keep.all()):
+            rows, gw_rows, gb_rows = rows[keep], gw_rows[keep], gb_rows[keep]
+        idx = rows.unsqueeze(0)
+        gw = torch.sparse_coo_tensor(idx, gw_rows, (s, h), is_coalesced=True, check_invariants=False)
+        gb = torch.sparse_coo_tensor(idx, gb_rows, (s,), is_coalesced=True, check_invariants=False)
+        return gw, gb, None
+
+
 class PolicyNetwork(nn.Module):
     """Linear(D+2, H) → GELU → Linear(H, S) → softplus, with LayerNorm on the embedding."""
 
@@ -100,6 +189,7 @@ class PolicyNetwork(nn.Module):
         self.out = nn.Linear(hidden, slots)
         self.alpha = nn.Parameter(torch.tensor([float(alpha)]))
         neutral_out(self.out)
+        self.changed = RowTracker(slots)  # output rows written since the last take()
 
     def features(self, embedding: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """The hidden representation h = gelu(hidden(x)) of shape [B, H]."""
@@ -111,12 +201,24 @@ class PolicyNetwork(nn.Module):
         return F.softplus(self.out(self.features(embedding, loss, entropy)))
 
     def candidate_masks(self, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """m for the given slots only: ``h`` [B, H], ``slots`` [B, C] (long) → [B, C]."""
-        # embedding() is a gather whose backward is a dense scatter-add, ~3× faster than
-        # the index_put behind plain fancy indexing.
-        w = F.embedding(slots, self.out.weight)  # [B, C, H]
-        b = self.out.bias.gather(0, slots.reshape(-1)).reshape(slots.shape)  # [B, C]
+        """m for the given slots only: ``h`` [B, H], ``slots`` [B, C] (long) → [B, C].
+
+        The gradient on ``out.weight`` and ``out.bias`` is a sparse tensor over these rows.
+        """
+        if torch.is_grad_enabled() and self.out.weight.requires_grad:
+            w, b = _GatherRows.apply(self.out.weight, self.out.bias, slots)  # type: ignore[no-untyped-call]
+        else:  # serving: a plain gather, without the autograd Function's overhead
+            flat = slots.reshape(-1)
+            w = self.out.weight.index_select(0, flat).reshape(*slots.shape, self.arch.hidden)
+            b = self.out.bias.index_select(0, flat).reshape(slots.shape)
         return F.softplus(torch.einsum("bh,bch->bc", h, w) + b)
+
+    def set_rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """Write output rows (``rows`` [n] long, ``weight`` [n, H], ``bias`` [n]) and mark them changed."""
+        with torch.no_grad():
+            self.out.weight.index_copy_(0, rows, weight.to(self.out.weight))
+            self.out.bias.index_copy_(0, rows, bias.to(self.out.bias))
+        self.changed.mark(rows.cpu().numpy())
 
     def suppress(self, slots: list[int], bias: float = SUPPRESSED_BIAS) -> None:
         """Pin the masks of ``slots`` near 0 ("do not use"): a zero row and a very negative bias.
@@ -134,18 +236,42 @@ class PolicyNetwork(nn.Module):
         with torch.no_grad():
             self.out.weight[idx] = 0.0
             self.out.bias[idx] = bias
+        self.changed.mark(idx.numpy())
+
+    def reinitialise(self, seed: int) -> None:
+        """Every parameter as :func:`init_policy` with ``seed`` makes them, in place.
+
+        A drift reset at S = 10^6 would otherwise hold a second 2 GB network while the old
+        one and its optimizer are still referenced.
+
+        >>> net = init_policy(4, 6, 8, seed=1)
+        >>> _ = net.changed.take()
+        >>> net.reinitialise(seed=2)
+        >>> fresh = init_policy(4, 6, 8, seed=2).tensors()
+        >>> all(torch.equal(t, fresh[name]) for name, t in net.tensors().items())
+        True
+        >>> len(net.changed.take())
+        6
+        """
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            # the order in which the constructor draws: hidden, then out
+            self.norm.reset_parameters()
+            self.hidden.reset_parameters()
+            self.out.reset_parameters()
+            self.alpha.fill_(INITIAL_ALPHA)
+            neutral_out(self.out)
+        self.changed.mark_all()
 
     def reset_last_layer(self, generator: torch.Generator | None = None) -> None:
         """Re-initialise ``out`` (drift reset, seed 000 §4.3 level 3); keep everything else."""
+        # In place, nn.Linear's own initialisation: a fresh layer at S = 10^6 would be 2 GB more.
         with torch.no_grad():
-            fresh = nn.Linear(self.arch.hidden, self.arch.slots)
-            if generator is not None:
-                bound = 1.0 / self.arch.hidden**0.5
-                fresh.weight.uniform_(-bound, bound, generator=generator)
-                fresh.bias.uniform_(-bound, bound, generator=generator)
-            neutral_out(fresh)
-            self.out.weight.copy_(fresh.weight)
-            self.out.bias.copy_(fresh.bias)
+            bound = 1.0 / self.arch.hidden**0.5
+            self.out.weight.uniform_(-bound, bound, generator=generator)
+            self.out.bias.uniform_(-bound, bound, generator=generator)
+        neutral_out(self.out)
+        self.changed.mark_all()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The contract's named float32 tensors (detached, contiguous, on CPU)."""
@@ -158,6 +284,7 @@ class PolicyNetwork(nn.Module):
             if tuple(tensors[name].shape) != expected[name]:
                 raise ValueError(f"{name}: shape {tuple(tensors[name].shape)} != {expected[name]}")
         self.load_state_dict({k: tensors[k] for k in TENSOR_NAMES}, strict=True)
+        self.changed.mark_all()
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> PolicyNetwork:

@@ -20,7 +20,7 @@ benchmarks and tests drive it directly.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,19 +29,13 @@ import torch
 
 from models.baseline import make_baseline
 from models.memory_stats import MemoryStats
-from models.policy import PolicyNetwork, init_policy
+from models.policy import PolicyNetwork, init_policy, neutral_rows
 from models.reinforce import credit_loss, importance_weights, label_loss, reinforce_loss
+from models.row_adam import LazyRowAdam, RowSparseAdam, adam
 from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
 from topics.internal import Experience
 
-
-def adam(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Adam:
-    """Adam with the fused kernel (CPU and CUDA): ~10× faster steps for this network."""
-    plist = list(params)
-    try:
-        return torch.optim.Adam(plist, lr=lr, fused=True)
-    except (RuntimeError, TypeError):  # a device without the fused kernel
-        return torch.optim.Adam(plist, lr=lr)
+__all__ = ["Batch", "PolicyTrainer", "TrainerConfig", "UpdateStats", "adam", "make_batch"]
 
 
 @dataclass(frozen=True)
@@ -172,7 +166,9 @@ def _label_usable(e: Experience) -> bool:
 class PolicyTrainer:
     """Network + Adam + baseline; one call per micro-batch.
 
-    ``net`` (optional) starts from given weights instead of ``config.seed``'s.
+    ``net`` (optional) starts from given weights instead of ``config.seed``'s. The output
+    layer learns with row-sparse, lazy Adam (models/row_adam.py): a step costs the same at
+    S = 10^3 and 10^6. :meth:`take_changed_rows` says which output rows were written.
     """
 
     def __init__(self, config: TrainerConfig, net: PolicyNetwork | None = None) -> None:
@@ -180,8 +176,8 @@ class PolicyTrainer:
         self.device = c.device
         self.net = (net or init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed)).to(c.device)
         self.baseline = make_baseline(c.baseline, c.baseline_fading)
-        self.optimizer = adam(self.net.parameters(), c.lr)
-        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], c.label_lr)
+        self._new_optimizers()
+        self._row_generator = torch.Generator().manual_seed(c.seed + 2000)  # neutral rows of init_rows
         self.updates = 0
         self.experiences = 0
         self.labels_applied = 0
@@ -228,7 +224,7 @@ class PolicyTrainer:
         stats.weights = w.tolist()
         stats.advantages = adv.tolist()
         self.experiences += len(experiences)
-        if not self._step(loss, self.optimizer, list(net.parameters()), stats):
+        if not self._step(loss, self.optimizer, stats):
             # A skipped batch leaves no trace, the baseline included: one non-finite value
             # must not poison every later advantage.
             self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, before)
@@ -260,22 +256,29 @@ class PolicyTrainer:
             self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]))
         return loss
 
-    def _step(
-        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], stats: UpdateStats
-    ) -> bool:
+    def _new_optimizers(self) -> None:
+        """Fresh optimizers: the backbone dense, the output layer row-sparse (models/row_adam.py)."""
+        net, c = self.net, self.config
+        backbone = [p for name, p in net.named_parameters() if not name.startswith("out.")]
+        self.optimizer = RowSparseAdam(backbone, net.out.weight, net.out.bias, c.lr)
+        # Labels train the output layer alone; its moments are committed only for labelled rows.
+        self.label_optimizer = RowSparseAdam([], net.out.weight, net.out.bias, c.label_lr)
+
+    def _step(self, loss: torch.Tensor, optimizer: RowSparseAdam, stats: UpdateStats) -> bool:
         stats.loss = float(loss.detach())
         if not math.isfinite(stats.loss):
             stats.skipped_non_finite = 1
             return False
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         torch.autograd.backward(loss)  # (Tensor.backward is untyped for mypy)
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+        norm = optimizer.clip_grad_norm_(self.config.grad_clip)
         stats.grad_norm = norm
         if not math.isfinite(norm):
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             stats.skipped_non_finite = 1
             return False
-        optimizer.step()
+        self.net.changed.mark(optimizer.step())
+        optimizer.zero_grad()  # the sparse gradients are not kept between steps
         return True
 
     # ------------------------------------------------------------------ labels
@@ -288,7 +291,6 @@ class PolicyTrainer:
             return stats
         batch = make_batch(usable, self.device, with_target=True)
         assert batch.target is not None
-        params = [self.net.out.weight, self.net.out.bias]
         for _ in range(steps):
             with torch.no_grad():  # backbone frozen: no gradient reaches it
                 h = self.net.features(batch.embedding, batch.loss, batch.entropy)
@@ -296,7 +298,7 @@ class PolicyTrainer:
             m = self.net.candidate_masks(h, batch.slots)
             z = adjusted_logits_torch(batch.scores, m, alpha, batch.temperature)
             loss = label_loss(z, batch.valid, batch.target, batch.harmful)
-            if not self._step(loss, self.label_optimizer, params, stats):
+            if not self._step(loss, self.label_optimizer, stats):
                 return stats
         stats.applied = len(usable)
         self.labels_applied += len(usable)
@@ -322,9 +324,9 @@ class PolicyTrainer:
         if self.config.reset_scope != "network":
             raise ValueError(f"unknown reset_scope {self.config.reset_scope!r} (network, last_layer)")
         c = self.config
-        self.net = init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed + 1000 + self.updates).to(c.device)
-        self.optimizer = adam(self.net.parameters(), c.lr)
-        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], c.label_lr)
+        # In place (no second network at S = 10^6); every row counts as changed (RowTracker).
+        self.net.reinitialise(seed=c.seed + 1000 + self.updates)
+        self._new_optimizers()
         return self._warm_up(replay, epochs, batch_size, half_life_s)
 
     def reset_last_layer(
@@ -337,9 +339,9 @@ class PolicyTrainer:
         """Re-initialise ``out``, clear its optimizer state, then warm up (:meth:`_warm_up`)."""
         gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
         self.net.reset_last_layer(gen)
-        for p in (self.net.out.weight, self.net.out.bias):
-            self.optimizer.state.pop(p, None)
-            self.label_optimizer.state.pop(p, None)
+        out = self.net.out
+        self.optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.lr)
+        self.label_optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.label_lr)
         return self._warm_up(replay, epochs, batch_size, half_life_s)
 
     def _warm_up(
@@ -386,33 +388,61 @@ class PolicyTrainer:
 
     def load(self, tensors: dict[str, torch.Tensor], baseline_state: dict[str, Any] | None = None) -> None:
         self.net.load_tensors({k: v.to(self.device) for k, v in tensors.items()})
-        self.optimizer = adam(self.net.parameters(), self.config.lr)
-        self.label_optimizer = adam([self.net.out.weight, self.net.out.bias], self.config.label_lr)
+        self._new_optimizers()
         self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, baseline_state)
 
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
-        """Adam moments by parameter name (kept in the learner's local state directory)."""
-        out: dict[str, torch.Tensor] = {}
-        names = dict(self.net.named_parameters())
-        for prefix, opt in (("main", self.optimizer), ("label", self.label_optimizer)):
-            for name, p in names.items():
-                st = opt.state.get(p)
-                if not st:
-                    continue
-                out[f"{prefix}.{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
-                out[f"{prefix}.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
-                out[f"{prefix}.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+        """Adam moments (kept in the learner's local state directory): the backbone's by
+        parameter name (``main.hidden.weight.exp_avg``, ...), the output layer's for its
+        touched rows only (``main.out.rows``, ``main.out.step``, ``main.out.weight.exp_avg``
+        [n, H], ...; models/row_adam.py)."""
+        names: dict[torch.Tensor, str] = {p: name for name, p in self.net.named_parameters()}
+        out = self.optimizer.state_tensors("main", names)
+        out.update(self.label_optimizer.state_tensors("label", names))
         return out
 
     def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        names = dict(self.net.named_parameters())
-        for prefix, opt in (("main", self.optimizer), ("label", self.label_optimizer)):
-            for name, p in names.items():
-                key = f"{prefix}.{name}"
-                if f"{key}.exp_avg" not in tensors:
-                    continue
-                opt.state[p] = {
-                    "step": torch.tensor(float(tensors[f"{key}.step"][0])),
-                    "exp_avg": tensors[f"{key}.exp_avg"].to(self.device).clone(),
-                    "exp_avg_sq": tensors[f"{key}.exp_avg_sq"].to(self.device).clone(),
-                }
+        """The inverse of :meth:`optimizer_tensors`; also reads the dense layout of earlier versions."""
+        names: dict[torch.Tensor, str] = {p: name for name, p in self.net.named_parameters()}
+        self.optimizer.load_state_tensors("main", names, tensors)
+        self.label_optimizer.load_state_tensors("label", names, tensors)
+
+    # ------------------------------------------------------------------ rows
+    def init_rows(
+        self, slots: Sequence[int], weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> None:
+        """Re-initialise the output rows of ``slots``: to ``weight`` [n, H] and ``bias`` [n]
+        (e.g. a cold start from similar memories), else to neutral rows (mask ≈ 1,
+        :func:`models.policy.neutral_rows`); forget their Adam moments; mark them changed.
+
+        >>> t = PolicyTrainer(TrainerConfig(embedding_dim=4, slots=6, hidden=8))
+        >>> _ = t.take_changed_rows()
+        >>> t.init_rows([4, 1], torch.ones(2, 8), torch.zeros(2))
+        >>> t.take_changed_rows().tolist(), float(t.net.out.weight[4, 0])
+        ([1, 4], 1.0)
+        """
+        idx = [int(s) for s in slots]
+        if not idx:
+            return
+        if len(set(idx)) != len(idx) or min(idx) < 0 or max(idx) >= self.config.slots:
+            raise ValueError(f"init_rows: slots must be distinct and in [0, {self.config.slots})")
+        n, h = len(idx), self.config.hidden
+        if weight is None or bias is None:
+            fresh_w, fresh_b = neutral_rows(n, h, self._row_generator)
+            weight = fresh_w if weight is None else weight
+            bias = fresh_b if bias is None else bias
+        if tuple(weight.shape) != (n, h) or tuple(bias.shape) != (n,):
+            raise ValueError(f"init_rows: weight must be [{n}, {h}] and bias [{n}]")
+        rows = torch.tensor(idx, dtype=torch.long, device=self.net.out.weight.device)
+        self.net.set_rows(rows, weight, bias)
+        self.optimizer.rows.reset_rows(rows)
+        self.label_optimizer.rows.reset_rows(rows)
+        # A reused slot holds a new memory: its predecessor's reads, effects and baseline go too.
+        self.memory_stats.forget(idx)
+        self.baseline.slots.forget(idx)
+
+    def take_changed_rows(self) -> np.ndarray:
+        """The output rows written since the last call (int64, sorted, unique): by updates,
+        fine-tunes, :meth:`init_rows`, suppression; a reset or a load marks all of them, and
+        so does a new trainer (its first call returns every row)."""
+        return self.net.changed.take()

@@ -136,19 +136,15 @@ def test_an_add_reinitialises_its_row_and_clears_its_adam_moments() -> None:
     with torch.no_grad():
         out.weight.fill_(3.0)
         out.bias.fill_(2.0)
-    for opt in (t.optimizer,):  # moments as training leaves them
-        opt.state[out.weight] = {
-            "step": torch.tensor(1.0),
-            "exp_avg": torch.ones_like(out.weight),
-            "exp_avg_sq": torch.ones_like(out.weight),
-        }
+    rows = t.optimizer.rows  # the output layer's lazy Adam: moments as training leaves them
+    for moment in (rows.exp_avg, rows.exp_avg_sq):
+        moment.fill_(1.0)
+    rows.step_count.fill_(1)
     assert feed(bank, t, add("doc-a")) == [None]
     assert float(out.bias.detach()[0]) == pytest.approx(NEUTRAL_BIAS)
     assert float(out.weight.detach()[0].abs().max()) < 0.01
-    assert float(t.optimizer.state[out.weight]["exp_avg"][0].abs().sum()) == 0.0
-    assert (
-        float(out.bias.detach()[1]) == 2.0 and float(t.optimizer.state[out.weight]["exp_avg"][1].sum()) == H
-    )  # untouched
+    assert float(rows.exp_avg[0].abs().sum()) == 0.0 and int(rows.step_count[0]) == 0
+    assert float(out.bias.detach()[1]) == 2.0 and float(rows.exp_avg[1].sum()) == H  # untouched
 
 
 def test_a_reused_slot_gets_a_fresh_row_not_the_removed_memorys() -> None:

@@ -55,10 +55,9 @@ REASONS: tuple[str, ...] = (
     "ts_in_future",  # ts beyond the receiver's wall clock + its allowed skew (checked by the join, not the codec)
 )
 # Contract 1.3: reasons the learner gives (memories by id), never a decoder of the input topics.
-LEARNER_REASONS: tuple[str, ...] = (
-    "unknown_memory",  # a memory id that is not live (an event's candidate, an update or remove)
-    "slots_full",  # an added memory finds no free slot (every slot live or in its grace period)
-)
+# unknown_memory: an id that is not live (an event's candidate, an update or remove);
+# slots_full: an added memory finds no free slot (every slot live or in its grace period).
+LEARNER_REASONS: tuple[str, ...] = ("unknown_memory", "slots_full")
 
 SCHEMA_RETRIEVAL = "retrieval_event/v1"
 SCHEMA_FEEDBACK = "llm_feedback/v1"
@@ -75,6 +74,7 @@ SCHEMA_EPOCH = "epoch/v1"
 LABEL_KINDS = ("rating", "verdict", "memory_choice")
 # "cutover" (contract 1.2): the learner's answer to shadow mode's cut-over command.
 CHECKPOINT_REASONS = ("init", "periodic", "reset", "label", "shutdown", "rollback", "cutover", "suppress")
+MAX_SLOTS = 10_000_000  # the largest S a policy may have (docs/contract.md §1); benchmarked up to 10^6
 
 
 class Rejected(ValueError):
@@ -89,7 +89,17 @@ class Rejected(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """What validation accepts; D and S come from the deployment's configuration."""
+    """What validation accepts; D and S come from the deployment's configuration.
+
+    ``slots`` is at least 1; a policy's S is at most :data:`MAX_SLOTS` (checked where a
+    policy is built, models/policy.py), while a reader that accepts any slot number (the
+    labeling queue) may set more.
+
+    >>> Limits(slots=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: Limits: embedding_dim and slots must be at least 1 (got 384, 0)
+    """
 
     embedding_dim: int = 384
     slots: int = 1024
@@ -98,6 +108,12 @@ class Limits:
     max_id_len: int = 256
     max_text_len: int = 16 * 1024
     max_abs_value: float = 1e6
+
+    def __post_init__(self) -> None:
+        if self.embedding_dim < 1 or self.slots < 1:
+            raise ValueError(
+                f"Limits: embedding_dim and slots must be at least 1 (got {self.embedding_dim}, {self.slots})"
+            )
 
 
 # --------------------------------------------------------------------------- encoding

@@ -1,5 +1,5 @@
-"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart``: the benchmarks, one subcommand each
-with its own flags.
+"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale``: the benchmarks, one
+subcommand each with its own flags.
 
 Each benchmark is a module of :mod:`pipeline.lab.bench` with ``add_options(parser)`` and
 ``main(args)``; only the chosen one is imported (they pull in torch), and only when its
@@ -23,6 +23,7 @@ HELP = {
     "evaluator": "evaluations/s and tokens/s of the evaluator's LM scoring (attribution rates, batch sizes)",
     "gate": "the promotion gate's calibration on the simulator: coverage, false and missed promotions",
     "coldstart": "learner steps a new helpful memory needs to enter the served top-k: kNN rows vs fresh rows",
+    "scale": "learner step rate and RSS, policy+faiss vs plain faiss latency at S = 10^3, 10^5, 10^6",
 }
 
 

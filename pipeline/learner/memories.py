@@ -24,16 +24,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from aiokafka import TopicPartition
 
-from models.policy import NEUTRAL_BIAS, NEUTRAL_WEIGHT_SCALE
+from models.cold_start import knn_rows
 from models.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
 from models.trainer import PolicyTrainer
 from pipeline import kafka
@@ -50,35 +48,6 @@ log = logging.getLogger(__name__)
 HOLD_UNKNOWN_S = 5.0  # experiences wait at most this long for the lifecycle's first high watermark
 
 
-def init_rows(trainer: PolicyTrainer, slots: Sequence[int], seed: int = 0) -> None:
-    """Neutral output rows for ``slots`` (mask ≈ 1), with their Adam moments cleared.
-
-    The same rows a fresh policy starts with (``models.policy.neutral_out``): small random
-    weights, deterministic for (seed, slot), and the bias that makes softplus equal 1.
-    ``PolicyTrainer.init_rows`` replaces this once it exists (it also marks the rows changed).
-    """
-    if not slots:
-        return
-    out = trainer.net.out
-    hidden = out.weight.shape[1]
-    bound = 1.0 / math.sqrt(hidden)
-    idx = torch.tensor(sorted(set(slots)), dtype=torch.long, device=out.weight.device)
-    rows = torch.empty(len(idx), hidden)
-    for i, slot in enumerate(idx.tolist()):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + slot)
-        rows[i].uniform_(-bound, bound, generator=gen)
-    with torch.no_grad():
-        out.weight[idx] = (rows * NEUTRAL_WEIGHT_SCALE).to(out.weight.device)
-        out.bias[idx] = NEUTRAL_BIAS
-    for opt in (trainer.optimizer, trainer.label_optimizer):
-        for p in (out.weight, out.bias):
-            state = opt.state.get(p)
-            if state:
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    if moment in state:
-                        state[moment][idx] = 0.0
-
-
 class MemoryBank:
     """Slots for memory ids, fed by the lifecycle topic; the learner's single source of the map.
 
@@ -90,17 +59,14 @@ class MemoryBank:
         S, the policy's number of slots.
     grace_s
         Event time a removed memory's slot stays tombstoned before reuse.
-    seed
-        Seeds the re-initialised rows.
     """
 
-    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0, seed: int = 0) -> None:
+    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0) -> None:
         self.conn = conn
         self.policy = conn.policy
         self.topic = conn.topics.memory_lifecycle.name
         self.limits: Limits = conn.limits
         self.allocator = SlotAllocator(slots, grace_s)
-        self.seed = seed
         self.position = 0  # the next lifecycle offset to read
         self.pending: dict[int, SlotChange] = {}  # slot -> newest change not yet published
         self.since: dict[int, int] = {}  # live slot -> the first version with its row
@@ -115,8 +81,7 @@ class MemoryBank:
         """The learner's bank; None when ``config.memory_lifecycle`` is off (slot-numbered events only)."""
         if not config.memory_lifecycle:
             return None
-        t = config.trainer
-        return cls(config.connection, t.slots, config.lifecycle_grace_s, t.seed)
+        return cls(config.connection, config.trainer.slots, config.lifecycle_grace_s)
 
     @property
     def offset_key(self) -> str:
@@ -176,7 +141,7 @@ class MemoryBank:
             if record.embedding is not None:
                 self.embeddings[a.live[record.memory_id]] = record.embedding
             return None
-        init_rows(trainer, [added.slot], self.seed)
+        self._cold_start(trainer, added.slot, record.embedding)
         if record.embedding is not None:
             self.embeddings[added.slot] = record.embedding
         self.pending[added.slot] = added
@@ -302,6 +267,19 @@ class MemoryBank:
         )
         return len(records)
 
+    def _cold_start(self, trainer: PolicyTrainer, slot: int, embedding: np.ndarray | None) -> None:
+        """The new memory's row: from its nearest live memories' rows when its embedding is
+        known (``models.cold_start.knn_rows``), else a neutral row; its Adam moments cleared."""
+        known = [s for s in self.embeddings if s != slot]
+        if embedding is None or not known:
+            trainer.init_rows([slot])
+            return
+        slots = np.array(known, np.int64)
+        embs = np.stack([self.embeddings[s] for s in known]).astype(np.float32)
+        out = trainer.net.out
+        w, b = knn_rows(out.weight.detach(), out.bias.detach(), embs, slots, embedding[None].astype(np.float32))
+        trainer.init_rows([slot], w, b)
+
     def rows_from(self, version: int, trainer: PolicyTrainer) -> list[int]:
         """The trainer now holds the weights of ``version`` (a rollback, a cut-over to a judged version).
 
@@ -315,7 +293,7 @@ class MemoryBank:
         slots = sorted(later | {s for s, c in self.pending.items() if c.live})
         if not slots:
             return []
-        init_rows(trainer, slots, self.seed)
+        trainer.init_rows(sorted(set(slots)))
         clock = self.allocator.clock
         for slot in slots:
             self.pending[slot] = SlotChange(self.allocator.owner[slot], slot, True, clock)
@@ -363,7 +341,7 @@ class MemoryBank:
         if ahead:
             # Published, but the checkpoint holding their rows never was: the restored rows
             # may be a previous owner's. Fresh rows, and the records go out again.
-            init_rows(trainer, [r.slot for r in ahead], self.seed)
+            trainer.init_rows(sorted({r.slot for r in ahead}))
             for r in ahead:
                 self.pending[r.slot] = SlotChange(r.memory_id, r.slot, r.live, r.ts)
                 if r.live:

@@ -7,6 +7,8 @@
 - ``evaluator``: evaluations/s and tokens/s of the evaluator's LM scoring, and of the service.
 - ``gate``: the promotion gate's calibration on the simulator (coverage, false and missed promotions).
 - ``coldstart``: learner steps a new helpful memory needs to enter the served top-k, kNN vs fresh rows.
+- ``scale``: the learner's step rate and RSS, and retrieval latency with the policy against plain
+  faiss, at S = 1,024, 100,000 and 1,000,000 memories.
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -21,4 +23,5 @@ BENCHES = {
     "evaluator": "pipeline.lab.bench.evaluator",
     "gate": "pipeline.lab.bench.gate",
     "coldstart": "pipeline.lab.bench.coldstart",
+    "scale": "pipeline.lab.bench.scale",
 }

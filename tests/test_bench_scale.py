@@ -1,0 +1,69 @@
+"""``causalmem bench scale`` (pipeline/lab/bench/scale.py): its measurements at tiny S, in
+process, the table (with the delta checkpoints' extra columns) and the verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pipeline.cli as cli
+from pipeline.lab.bench import scale
+
+OPTS: dict[str, Any] = dict(
+    dim=16, hidden=16, batch=8, candidates=6, steps=4, threads=1, queries=20, nlist=4, nprobe=2, rounds=2
+)
+
+
+def test_the_learner_bench_runs_the_real_update_and_reports_rss() -> None:
+    b = scale.LearnerBench(300, OPTS)
+    b.burst(3)
+    r = b.report()
+    assert r["slots"] == 300 and r["timed_steps"] == 3 and r["steps_per_s"] > 0
+    assert 0 < r["changed_rows"] <= 3 * 8 * 6  # the rows the timed steps wrote, not every row
+    assert r["learner_rss_gb"] > 0.05 and r["learner_peak_rss_gb"] >= r["learner_rss_gb"]
+    assert r["optimizer_state_gb"] > 0
+
+
+def test_the_client_bench_times_plain_faiss_and_the_retriever_on_one_index() -> None:
+    b = scale.ClientBench(500, OPTS)
+    b.burst(10)
+    r = b.report()
+    assert r["queries"] == 10 and r["index"] == "IVFFlat nlist=4 nprobe=2"
+    assert 0 < r["faiss_p50_ms"] <= r["faiss_p99_ms"] and r["policy_p50_ms"] > 0 and r["masks_p50_ms"] > 0
+    assert b.retriever.policy is not None and b.retriever.index is b.index
+
+
+def _report() -> dict[str, Any]:
+    rows = [
+        {
+            "slots": s,
+            "steps_per_s": rate,
+            "learner_rss_gb": rss,
+            "learner_peak_rss_gb": rss + 0.5,
+            "faiss_p50_ms": 1.0,
+            "faiss_p99_ms": 2.0,
+            "policy_p50_ms": lat,
+            "policy_p99_ms": 3.0,
+            "ratio_p50": lat / 1.0,
+            "masks_p50_ms": 0.1,
+            "client_rss_gb": 1.0,
+        }
+        for s, rate, rss, lat in ((1024, 100.0, 0.4, 1.2), (1_000_000, 70.0, 6.5, 1.8))
+    ]
+    return {"rows": rows, "step_rate_ratio": 0.7, "latency_ratio": 1.8, "learner_rss_gb": 6.5, "seconds": 9.0}
+
+
+def test_table_and_verdict() -> None:
+    report = _report()
+    text = scale.table(report, extra={1024: {"delta B / full B": "1.2%"}, 1_000_000: {"delta B / full B": "0.01%"}})
+    lines = text.splitlines()
+    assert lines[0].endswith("| delta B / full B |") and lines[1].count("|---") == 11
+    assert "| 1,000,000 | 70.0 | 70% | 6.50 (7.00) |" in lines[3] and lines[3].endswith("| 0.01% |")
+    v = scale.verdict(report)
+    assert "70% of the smallest's (target ≥ 80%: MISSED)" in v
+    assert "1.80× plain faiss (target ≤ 1.5×: MISSED)" in v and "6.50 GB (target ≤ 8 GB: met)" in v
+
+
+def test_cli_flags() -> None:
+    argv = ["bench", "scale", "--sizes", "1024,4096", "--steps", "10", "--nprobe", "8", "--out", "s.json"]
+    a = cli.build_parser(argv).parse_args(argv)
+    assert (a.which, a.sizes, a.steps, a.nprobe, a.out, a.rounds) == ("scale", "1024,4096", 10, 8, "s.json", 10)
