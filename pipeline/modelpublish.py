@@ -66,6 +66,7 @@ class CheckpointPublisher:
         self.protected: set[int] = set()  # versions that must stay (the serving one)
         self.delta_live: dict[int, int] = {}  # delta version -> chunk count, not yet tombstoned
         self.head: tuple[int, str] | None = None  # the serving link (version, id): deltas' base
+        self.adoptions = 0  # times adopt() ran (a takeover: the learner's state came from the topic)
         self.last_version = 0
         self.epoch: int | None = None  # set by claim()
         self.writer = ""
@@ -84,6 +85,7 @@ class CheckpointPublisher:
 
     def adopt(self, index: ModelTopicIndex) -> None:
         """Continue after what the topic already holds (versions and live chunks)."""
+        self.adoptions += 1
         self.last_version = max(self.last_version, index.max_version(self.policy))
         for (policy, version), chunks in index.chunk_offsets.items():
             if policy == self.policy:

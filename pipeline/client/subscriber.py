@@ -24,23 +24,25 @@ from typing import Any
 import torch
 from aiokafka import TopicPartition
 
+from models.delta import apply_delta, state_sha256
 from models.policy import Arch, PolicyNetwork
 from models.serving import ServingParams
 from models.weights import verify_and_load
 from pipeline import kafka
+from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.component_config import Connection
 from pipeline.config import Settings
-from pipeline.modeltopic import ModelTopicIndex, fetch_blob, model_topic
+from pipeline.modeltopic import ModelTopicIndex, model_topic
 from pipeline.service import Service
+from topics.delta import DeltaManifest, link_id
 from topics.manifest import CheckpointError, Manifest, parse_key, validate_policy_name
 
 log = logging.getLogger(__name__)
 
 
-def arch_of(manifest: Manifest) -> Arch:
-    """The architecture a manifest declares."""
-    a = manifest.arch
-    return Arch(embedding_dim=int(a["embedding_dim"]), slots=int(a["slots"]), hidden=int(a["hidden"]))
+__all__ = ["LoadedPolicy", "PolicySubscriber", "arch_of", "fetch_checkpoint"]
+
+STATE_CHECK_BYTES = 64 * 1024 * 1024  # states up to this size are re-hashed after every delta
 
 
 async def fetch_checkpoint(
@@ -50,9 +52,12 @@ async def fetch_checkpoint(
     manifest: Manifest,
     topic: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fetch a manifest's chunks, then verify and load them; raises :class:`CheckpointError`."""
-    blob = await fetch_blob(bootstrap, conn, index, manifest, topic)
-    return verify_and_load(blob, manifest.sha256, manifest.size, arch_of(manifest))
+    """Fetch a manifest's chunks, then verify and load them; raises :class:`CheckpointError`.
+
+    A delta's version (contract 1.3) is rebuilt from its chain's full snapshot
+    (``pipeline.client.chain.fetch_state``).
+    """
+    return await fetch_state(bootstrap, conn, index, manifest, topic)
 
 
 @dataclass
@@ -110,6 +115,14 @@ class PolicySubscriber(Service):
         signed manifests are rejected. Default: ``Settings``' key when ``conn`` is one
         (``CAUSALMEM_CHECKPOINT_SIGNING_KEY`` or its file), else none.
 
+    state_check_bytes
+        Delta checkpoints (contract 1.3): a state of at most this many bytes is copied,
+        updated and re-hashed against the delta's ``state_sha256`` before it is swapped in; a
+        larger one is updated in place (the policy object stays the same), relying on the
+        chain's checks (the delta blob's sha256, its base's id). A delta whose base is not the
+        policy held (a missed link), or that fails a check, makes the subscriber load the
+        last full snapshot and replay the chain to it.
+
     Rejections are logged and kept in :attr:`rejections`.
     """
 
@@ -122,8 +135,11 @@ class PolicySubscriber(Service):
         expected_arch: Arch | None = None,
         keep_recent: int = 2,
         signing_key: bytes | None = None,
+        state_check_bytes: int = STATE_CHECK_BYTES,
     ) -> None:
         super().__init__()
+        self.state_check_bytes = state_check_bytes
+        self.replays = 0  # times a delta was reached by replaying its chain (a missed link, a failed check)
         if signing_key is None and isinstance(conn, Settings):
             signing_key = conn.signing_key()
         self.signing_key = signing_key
@@ -211,10 +227,10 @@ class PolicySubscriber(Service):
         if kind == "rejected":
             self._reject(offset, self.index.rejected[-1][1])
             return
-        if kind == "chunk" and key is not None:
+        if kind in ("chunk", "delta_chunk") and key is not None:
             self._keep_chunk(key, value)
             return
-        if kind != "serving" or manifest is None or manifest.policy != self.policy:
+        if kind not in ("serving", "delta") or manifest is None or manifest.policy != self.policy:
             return
         if self.current is not None and manifest.version <= self.current.version and not self._after_reset:
             if manifest.version < self.current.version:
@@ -257,13 +273,48 @@ class PolicySubscriber(Service):
         if expected is not None and arch != expected:
             raise CheckpointError("arch_mismatch", f"{arch} != {expected}")
         parts = self._recent.get(manifest.version, {})
-        if all(i in parts for i in range(manifest.chunks)):
-            blob = b"".join(parts[i] for i in range(manifest.chunks))
+        blob = b"".join(parts[i] for i in range(manifest.chunks)) if len(parts) >= manifest.chunks else None
+        if isinstance(manifest, DeltaManifest):
+            return await self._load_delta(manifest, blob)
+        if blob is not None:
             tensors = verify_and_load(blob, manifest.sha256, manifest.size, arch)
         else:
             tensors = await fetch_checkpoint(self.bootstrap, self.conn, self.index, manifest, self.topic)
         net = PolicyNetwork.from_tensors(tensors)
         net.eval()
+        return LoadedPolicy(manifest=manifest, net=net)
+
+    async def _load_delta(self, manifest: DeltaManifest, blob: bytes | None) -> LoadedPolicy:
+        """Apply a delta onto the policy held when it is its base; else replay its chain from the full snapshot."""
+        current = self.current
+        if current is not None and (current.version, link_id(current.manifest)) == (
+            manifest.base_version,
+            manifest.base_sha256,
+        ):
+            try:
+                delta = await fetch_delta(self.bootstrap, self.conn, self.index, manifest, self.topic, blob)
+                return self._apply(current, manifest, delta)
+            except CheckpointError as exc:
+                log.warning("subscriber: delta v%d failed (%s); replaying its chain", manifest.version, exc)
+        self.replays += 1
+        tensors = await fetch_state(self.bootstrap, self.conn, self.index, manifest, self.topic)
+        net = PolicyNetwork.from_tensors(tensors)
+        net.eval()
+        return LoadedPolicy(manifest=manifest, net=net)
+
+    def _apply(self, current: LoadedPolicy, manifest: DeltaManifest, delta: Any) -> LoadedPolicy:
+        """The held policy with ``delta`` applied: on a checked copy when small, else in place."""
+        net = current.net
+        a = net.arch
+        if 4 * a.slots * (a.hidden + 1) <= self.state_check_bytes:
+            tensors = {k: v.clone() for k, v in net.tensors().items()}
+            apply_delta(tensors, delta)
+            if state_sha256(tensors) != manifest.state_sha256:
+                raise CheckpointError("state_mismatch", f"v{manifest.version}")
+            net = PolicyNetwork.from_tensors(tensors)
+            net.eval()
+        else:
+            apply_delta(net.state_dict(), delta)  # shares the parameters' storage
         return LoadedPolicy(manifest=manifest, net=net)
 
     def _reject(self, offset: int, why: str) -> None:
