@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -307,12 +308,11 @@ class PolicySubscriber(Service):
         net = current.net
         a = net.arch
         if 4 * a.slots * (a.hidden + 1) <= self.state_check_bytes:
-            tensors = {k: v.clone() for k, v in net.tensors().items()}
+            net = copy.deepcopy(net)
+            tensors = net.state_dict()  # shares the copy's storage
             apply_delta(tensors, delta)
             if state_sha256(tensors) != manifest.state_sha256:
                 raise CheckpointError("state_mismatch", f"v{manifest.version}")
-            net = PolicyNetwork.from_tensors(tensors)
-            net.eval()
         else:
             apply_delta(net.state_dict(), delta)  # shares the parameters' storage
         return LoadedPolicy(manifest=manifest, net=net)
