@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import time
 from typing import Any
 
@@ -52,7 +53,7 @@ def expected_changed_rows(slots: int, rate: float, cadence_s: float, candidates:
     """
     n = rate * cadence_s
     c = min(candidates, slots)
-    return round(slots * (1.0 - (1.0 - c / slots) ** n))
+    return round(slots * (1.0 - math.pow(1.0 - c / slots, n)))
 
 
 class _Log:
