@@ -46,7 +46,7 @@ class DeltaPlanner:
         self.publisher = publisher
         self.arch = arch
         self.full_every = full_every
-        self.max_share = max_share
+        self.max_share = min(max_share, 1.0)  # a delta is never larger than a full snapshot (readers bound sizes)
         self.since_full = 0  # deltas published since the last full snapshot
         self.tracked_from: int | None = None  # the first version published since this learner took over
         self.rows: dict[int, np.ndarray] = {}  # version -> rows written up to it since the version before
