@@ -95,7 +95,9 @@ def full_bytes(arch: Arch) -> int:
     return delta_bytes(0, arch) + 4 * arch.slots * (arch.hidden + 1)
 
 
-def decode_delta(blob: bytes, sha256: str, size: int, arch: Arch, base_sha256: str) -> Delta:
+def decode_delta(
+    blob: bytes | memoryview, sha256: str, size: int, arch: Arch, base_sha256: str, digest: str | None = None
+) -> Delta:
     """Check a delta blob against its manifest and architecture; raises :class:`CheckpointError`.
 
     Checks: size, sha256, safetensors, the metadata's base equals ``base_sha256``, every
@@ -104,7 +106,7 @@ def decode_delta(blob: bytes, sha256: str, size: int, arch: Arch, base_sha256: s
     """
     if len(blob) != size:
         raise CheckpointError("size_mismatch", f"{len(blob)} bytes, manifest says {size}")
-    if sha256_hex(blob) != sha256:
+    if (digest or sha256_hex(blob)) != sha256:  # digest: hashed by the caller as the bytes arrived
         raise CheckpointError("sha256_mismatch")
     try:
         t, meta = read_safetensors(blob)
@@ -145,7 +147,7 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def read_safetensors(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(blob: bytes | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors blob's tensors *without copying them* (views of ``blob``) and its metadata.
 
     Strict like safetensors itself: the header is a JSON object; each tensor's dtype is
@@ -159,7 +161,7 @@ def read_safetensors(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
     n = int.from_bytes(blob[:8], "little")
     if len(blob) < 8 or n <= 0 or n > len(blob) - 8:
         raise ValueError("bad safetensors header length")
-    header = json.loads(blob[8 : 8 + n])
+    header = json.loads(bytes(blob[8 : 8 + n]))
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not an object")
     meta = header.pop("__metadata__", None) or {}

@@ -294,6 +294,23 @@ async def test_a_delta_with_a_wrong_state_hash_is_rejected(tmp_path: Path, monke
     assert any("state_mismatch" in why for _, why in sub.rejections) and sub.replays == 1
 
 
+async def test_a_tampered_delta_chunk_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p, t = learner(tmp_path, full_every=10)
+    log = p.publisher.producer.log
+    await publish(p, t, "init")
+    held = {k: v.clone() for k, v in t.tensors().items()}
+    train(t, [3])
+    await publish(p, t)
+    i = next(i for i, (_, k, _) in enumerate(log) if k == b"default/delta/2/0")
+    value = bytearray(log[i][2] or b"")
+    value[-1] ^= 1
+    log[i] = (log[i][0], log[i][1], bytes(value))
+    sub = subscriber(log, monkeypatch)
+    await feed(sub, log)
+    assert sub.current is not None and sub.current.version == 1 and same(sub.current.net.tensors(), held)
+    assert any("sha256_mismatch" in why for _, why in sub.rejections)
+
+
 async def test_large_states_are_updated_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above ``state_check_bytes`` the served network is updated in place, checked by the chain alone."""
     p, t = learner(tmp_path, full_every=10)

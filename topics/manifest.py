@@ -107,7 +107,7 @@ def validate_policy_name(name: str) -> str:
     return name
 
 
-def sha256_hex(blob: bytes) -> str:
+def sha256_hex(blob: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 

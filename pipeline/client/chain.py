@@ -58,12 +58,16 @@ async def fetch_delta(
     index: ModelTopicIndex,
     manifest: DeltaManifest,
     topic: str | None = None,
-    blob: bytes | None = None,
+    blob: bytes | memoryview | None = None,
+    digest: str | None = None,
 ) -> Delta:
-    """A delta's blob (``blob`` when the caller already holds it, else fetched), verified and decoded."""
+    """A delta's blob (``blob`` when the caller already holds it, else fetched), verified and decoded.
+
+    ``digest``: the sha256 the caller computed over exactly these bytes as they arrived.
+    """
     if blob is None:
-        blob = await fetch_blob(bootstrap, conn, index, manifest, topic)
-    return decode_delta(blob, manifest.sha256, manifest.size, arch_of(manifest), manifest.base_sha256)
+        blob, digest = await fetch_blob(bootstrap, conn, index, manifest, topic), None
+    return decode_delta(blob, manifest.sha256, manifest.size, arch_of(manifest), manifest.base_sha256, digest)
 
 
 async def fetch_state(

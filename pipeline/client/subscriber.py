@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -159,6 +160,8 @@ class PolicySubscriber(Service):
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Condition()
         self._after_reset = False
+        self._buffer = bytearray()  # delta chunks are assembled here (see _assemble)
+        self._digests: dict[int, tuple[int, Any]] = {}  # delta version -> (chunks hashed, running sha256)
 
     async def _start(self) -> None:
         self._consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
@@ -229,7 +232,7 @@ class PolicySubscriber(Service):
             self._reject(offset, self.index.rejected[-1][1])
             return
         if kind in ("chunk", "delta_chunk") and key is not None:
-            self._keep_chunk(key, value)
+            self._keep_chunk(key, value, delta=kind == "delta_chunk")
             return
         if kind not in ("serving", "delta") or manifest is None or manifest.policy != self.policy:
             return
@@ -254,19 +257,30 @@ class PolicySubscriber(Service):
         async with self._changed:
             self._changed.notify_all()
 
-    def _keep_chunk(self, key: bytes, value: bytes | None) -> None:
-        """Keep the bytes of a recent version's chunk, so that its manifest needs no re-read."""
+    def _keep_chunk(self, key: bytes, value: bytes | None, delta: bool = False) -> None:
+        """Keep the bytes of a recent version's chunk, so that its manifest needs no re-read.
+
+        A delta's chunks are also hashed as they arrive, in order (a chunk out of order
+        drops that running hash): its manifest then only has the digest to compare.
+        """
         _, policy, version, i = parse_key(key.decode("utf-8", "replace"))
         if policy != self.policy or version is None or i is None:
             return
         if value is None:
             self._recent.get(version, {}).pop(i, None)
+            self._digests.pop(version, None)
             return
         if self.current is not None and version <= self.current.version and not self._after_reset:
             return
         self._recent.setdefault(version, {})[i] = value
+        running = self._digests.pop(version, None)
+        if delta and (i == 0 or (running is not None and running[0] == i)):
+            hasher = hashlib.sha256() if i == 0 or running is None else running[1]
+            hasher.update(value)
+            self._digests[version] = (i + 1, hasher)
         for old in sorted(self._recent)[: -self.keep_recent]:
             del self._recent[old]  # bytes dropped; offsets stay in the index for a re-fetch
+        self._digests = {v: d for v, d in self._digests.items() if v in self._recent}
 
     async def _load(self, manifest: Manifest) -> LoadedPolicy:
         arch = arch_of(manifest)
@@ -274,18 +288,36 @@ class PolicySubscriber(Service):
         if expected is not None and arch != expected:
             raise CheckpointError("arch_mismatch", f"{arch} != {expected}")
         parts = self._recent.get(manifest.version, {})
-        blob = b"".join(parts[i] for i in range(manifest.chunks)) if len(parts) >= manifest.chunks else None
+        have = all(i in parts for i in range(manifest.chunks))
         if isinstance(manifest, DeltaManifest):
-            return await self._load_delta(manifest, blob)
-        if blob is not None:
-            tensors = verify_and_load(blob, manifest.sha256, manifest.size, arch)
+            running = self._digests.pop(manifest.version, None)
+            digest = running[1].hexdigest() if have and running and running[0] == manifest.chunks else None
+            blob = self._assemble(parts, manifest.chunks) if have else None
+            return await self._load_delta(manifest, blob, digest)
+        joined = b"".join(parts[i] for i in range(manifest.chunks)) if have else None
+        if joined is not None:
+            tensors = verify_and_load(joined, manifest.sha256, manifest.size, arch)
         else:
             tensors = await fetch_checkpoint(self.bootstrap, self.conn, self.index, manifest, self.topic)
         net = PolicyNetwork.from_tensors(tensors)
         net.eval()
         return LoadedPolicy(manifest=manifest, net=net)
 
-    async def _load_delta(self, manifest: DeltaManifest, blob: bytes | None) -> LoadedPolicy:
+    def _assemble(self, parts: dict[int, bytes], chunks: int) -> memoryview:
+        """A delta's chunks in one buffer, reused from delta to delta (a fresh one costs page faults each time)."""
+        total = sum(len(parts[i]) for i in range(chunks))
+        if len(self._buffer) < total:
+            self._buffer = bytearray(total)
+        view = memoryview(self._buffer)
+        pos = 0
+        for i in range(chunks):
+            view[pos : pos + len(parts[i])] = parts[i]
+            pos += len(parts[i])
+        return view[:total]
+
+    async def _load_delta(
+        self, manifest: DeltaManifest, blob: memoryview | None, digest: str | None = None
+    ) -> LoadedPolicy:
         """Apply a delta onto the policy held when it is its base; else replay its chain from the full snapshot."""
         current = self.current
         if current is not None and (current.version, link_id(current.manifest)) == (
@@ -293,7 +325,7 @@ class PolicySubscriber(Service):
             manifest.base_sha256,
         ):
             try:
-                delta = await fetch_delta(self.bootstrap, self.conn, self.index, manifest, self.topic, blob)
+                delta = await fetch_delta(self.bootstrap, self.conn, self.index, manifest, self.topic, blob, digest)
                 return self._apply(current, manifest, delta)
             except CheckpointError as exc:
                 log.warning("subscriber: delta v%d failed (%s); replaying its chain", manifest.version, exc)
