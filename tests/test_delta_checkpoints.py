@@ -400,3 +400,53 @@ async def test_broker_learner_publishes_full_and_deltas_and_a_subscriber_follows
             assert same(loaded.net.tensors(), t.tensors())
     finally:
         await producer.stop()
+
+
+async def test_a_delta_candidate_is_promoted_under_the_delta_key_while_its_base_serves() -> None:
+    from pipeline.modelpublish import CheckpointPublisher
+
+    producer = RecordingProducer()
+    pub = CheckpointPublisher(producer, "t", "default")
+    net = init_policy(ARCH.embedding_dim, ARCH.slots, hidden=ARCH.hidden)
+    full = to_safetensors(net.tensors())
+    m1 = await pub.publish(full, alpha=0.5, reason="init", arch=ARCH.to_dict(), baseline=0.0)
+    assert pub.head == (1, m1.sha256)
+    blob = encode_delta(net.tensors(), np.array([1]), m1.sha256)
+    delta = {"base_version": 1, "base_sha256": m1.sha256, "state_sha256": m1.sha256, "rows": 1}
+    c2 = await pub.publish(
+        blob, alpha=0.5, reason="periodic", arch=ARCH.to_dict(), baseline=0.0, delta=delta, candidate=True
+    )
+    assert producer.log[-1][1] == b"default/delta/candidate" and pub.head == (1, m1.sha256)
+    c3 = await pub.publish(
+        blob, alpha=0.5, reason="periodic", arch=ARCH.to_dict(), baseline=0.0, delta=delta, candidate=True
+    )
+    await pub.promote(c3)
+    assert producer.log[-1][1] == b"default/delta" and pub.head == (3, c3.sha256)
+    sent = len(producer.log)
+    await pub.promote(c2)  # its base (v1) no longer serves: clients would refuse it
+    assert len(producer.log) == sent and pub.head == (3, c3.sha256)
+
+
+async def test_the_learner_restores_a_delta_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.learner.restore import from_topic
+
+    p, t = learner(tmp_path / "a", full_every=10)
+    log = p.publisher.producer.log
+    await publish(p, t, "init")
+    for rows in ([1], [2, 3]):
+        train(t, rows)
+        await publish(p, t)
+    subscriber(log, monkeypatch)  # re-fetches read the log
+    index = ModelTopicIndex()
+    for offset, key, value in log:
+        index.observe(offset, key, value)
+    fresh = PolicyTrainer(TrainerConfig(ARCH.embedding_dim, ARCH.slots, hidden=ARCH.hidden))
+    conn = Connection.of(None)
+    restored = await from_topic("127.0.0.1:1", conn, index, fresh, LocalStore(tmp_path / "b"), ARCH)
+    assert restored is not None and (restored.version, restored.source) == (3, "topic v3")
+    assert same(fresh.tensors(), t.tensors())
+    # the chain is broken on the topic (v2's chunk gone): the local copy of v3 (its full state) serves
+    index.delta_chunk_offsets.pop(("default", 2))
+    other = PolicyTrainer(TrainerConfig(ARCH.embedding_dim, ARCH.slots, hidden=ARCH.hidden))
+    restored = await from_topic("127.0.0.1:1", conn, index, other, p.store, ARCH)
+    assert restored is not None and restored.source == "local v3" and same(other.tensors(), t.tensors())
