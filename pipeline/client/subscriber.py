@@ -8,6 +8,11 @@ the size allows are rejected before anything is fetched, and with a signing key 
 unsigned or wrongly signed manifests (``pipeline.modeltopic.ModelTopicIndex``). No pickle anywhere: bytes from the
 network are parsed by safetensors and orjson only.
 
+Delta checkpoints (contract 1.3, docs/contract.md §7.1) under ``"{policy}/delta"`` are
+followed too: a delta based on the policy held is checked and applied; any other, or one
+that fails a check, is reached by replaying its chain from its full snapshot
+(``pipeline.client.chain``).
+
     async with PolicySubscriber("127.0.0.1:19092", on_update=retriever.set_policy) as sub:
         await sub.wait_for_policy()
 """

@@ -5,7 +5,9 @@ A delta's base is always the *serving* link, the one clients hold
 what clients have. Its rows are every output row written since that base: the union of the
 trainer's hints (``PolicyTrainer.take_changed_rows()``, passed as ``changed_rows``) since
 the serving version, or, without hints, the rows that differ from the serving version's
-tensors (compared row-wise, :func:`models.delta.changed_rows`).
+tensors (compared row-wise, :func:`models.delta.changed_rows`); that needs a copy of the
+serving version's tensors and of the newest candidates' (``KEEP_STATES`` copies of the state
+at most), which hints do not.
 
 A full snapshot is published instead when
 
