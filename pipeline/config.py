@@ -72,6 +72,8 @@ class Settings:
     # checkpoints
     checkpoint_interval_s: float = 10.0
     keep_versions: int = 3
+    checkpoint_full_every: int = 1  # contract 1.3: >1 publishes deltas between full snapshots (docs/operations.md)
+    checkpoint_delta_max_share: float = 0.25  # a delta above this share of a full snapshot's bytes: full instead
     gate: bool = True  # publish candidates; promote only what the gate accepts (pipeline/learner/gate.py)
     gate_window: int = 2000
     gate_epsilon: float = 0.02
@@ -261,6 +263,8 @@ class Settings:
             reorder_s=self.reorder_s,
             checkpoint_interval_s=self.checkpoint_interval_s,
             keep_versions=self.keep_versions,
+            full_every=self.checkpoint_full_every,
+            delta_max_share=self.checkpoint_delta_max_share,
             replay_window_s=self.drift_window_days * 86400.0,
             replay_max=self.replay_max,
             warmup_epochs=self.warmup_epochs,

@@ -2,14 +2,16 @@
 
 The wire format (chunk keys, the manifest) is in docs/contract.md and ``topics/manifest.py``.
 
-- :class:`CheckpointPublisher` (learner side): chunks, then the manifest; tombstones for
-  versions beyond the last few. It takes the safetensors bytes; the caller serializes.
+- :class:`CheckpointPublisher` (learner side, in ``pipeline.modelpublish``, re-exported
+  here): chunks, then the manifest; tombstones for versions beyond the last few.
 - :class:`ModelTopicIndex`: what the topic holds (manifests, and the *offsets* of chunks,
   not their bytes, so that scanning a long topic needs little memory). It applies the
   readers' rules of contract 1.2: a manifest or epoch claim of an older epoch than the
   newest seen is ignored, and so are version and epoch jumps beyond
   ``MAX_VERSION_JUMP``/``MAX_EPOCH_JUMP``, chunks of a version whose manifest came
   already (a fenced writer's late chunks) and, with a signing key, anything unsigned.
+  Delta manifests and their chunks (contract 1.3, ``topics/delta.py``) are indexed apart,
+  under the same rules; :meth:`ModelTopicIndex.serving_head` is the newest serving link.
 - :func:`scan_model_topic` reads the topic once into an index; :func:`fetch_blob` seeks to
   a version's chunks and assembles them, checked against the manifest's size and sha256.
 
@@ -26,9 +28,7 @@ rollback commands can read the topic cheaply.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,189 +37,24 @@ from aiokafka import TopicPartition
 from pipeline import kafka
 from pipeline.component_config import Connection
 from pipeline.config import Settings
-from topics.fields import Rejected, encode
+from pipeline.modelpublish import CheckpointPublisher
+from topics.delta import DeltaManifest, decode_delta_manifest
+from topics.fields import Rejected
 from topics.manifest import (
     MAX_EPOCH_JUMP,
     MAX_VERSION_JUMP,
     CheckpointError,
     EpochClaim,
     Manifest,
-    candidate_key,
-    chunk_key,
     decode_epoch_claim,
     decode_manifest,
-    epoch_key,
     parse_key,
-    serving_key,
     sha256_hex,
-    split_chunks,
-    validate_policy_name,
 )
 
+__all__ = ["CheckpointPublisher", "ModelTopicIndex", "check_blob", "fetch_blob", "read_range", "scan_model_topic"]
+
 RANGE_FETCH_BYTES = 1024 * 1024  # read_range's fetch size: above the largest message (a 512 KiB chunk)
-
-# --------------------------------------------------------------------------- publishing
-
-
-class CheckpointPublisher:
-    """Publishes checkpoints of one policy; versions strictly increase.
-
-    ``producer`` is a started aiokafka producer (``kafka.producer``); the publisher never
-    starts or stops it. With ``signing_key`` manifests and epoch claims are signed; after
-    :meth:`claim` every manifest carries the writer's epoch, and ``before_send`` (when set)
-    is awaited immediately before the chunks and again before the manifest: it raises to
-    stop a writer that no longer owns the policy (the learner's fence).
-    """
-
-    def __init__(
-        self,
-        producer: Any,
-        topic: str,
-        policy: str,
-        keep_versions: int = 3,
-        signing_key: bytes | None = None,
-        before_send: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        self.producer = producer
-        self.topic = topic
-        self.policy = validate_policy_name(policy)
-        self.keep_versions = max(1, keep_versions)
-        self.signing_key = signing_key
-        self.before_send = before_send
-        self.live: dict[int, int] = {}  # version -> chunk count, not yet tombstoned
-        self.protected: set[int] = set()  # versions that must stay (the serving one)
-        self.last_version = 0
-        self.epoch: int | None = None  # set by claim()
-        self.writer = ""
-
-    async def claim(self, epoch: int, writer: str) -> int:
-        """Write an epoch claim (``"{policy}/epoch"``); returns its offset once acknowledged."""
-        value = EpochClaim(self.policy, epoch, writer, time.time()).to_bytes(self.signing_key)
-        fut = await self.producer.send(self.topic, value, key=epoch_key(self.policy).encode(), partition=0)
-        record = await fut
-        self.epoch, self.writer = epoch, writer
-        return int(record.offset)
-
-    async def _fence(self) -> None:
-        if self.before_send is not None:
-            await self.before_send()
-
-    def adopt(self, index: ModelTopicIndex) -> None:
-        """Continue after what the topic already holds (versions and live chunks)."""
-        self.last_version = max(self.last_version, index.max_version(self.policy))
-        for (policy, version), chunks in index.chunk_offsets.items():
-            if policy == self.policy:
-                self.live[version] = max(self.live.get(version, 0), len(chunks))
-        serving = index.serving.get(self.policy)
-        if serving:
-            self.protected = {serving.version}
-
-    def next_version(self) -> int:
-        return self.last_version + 1
-
-    async def publish(
-        self,
-        blob: bytes,
-        *,
-        alpha: float,
-        reason: str,
-        arch: dict[str, int],
-        baseline: float,
-        metrics: dict[str, Any] | None = None,
-        input_offsets: dict[str, int] | None = None,
-        candidate: bool = False,
-        version: int | None = None,
-        prepare: Callable[[Manifest], None] | None = None,
-        serving: dict[str, Any] | None = None,
-    ) -> Manifest:
-        """Publish a checkpoint's chunks then its manifest; wait until the broker acknowledged all.
-
-        Parameters
-        ----------
-        blob
-            The policy's safetensors bytes (``models.weights.to_safetensors``).
-        alpha, baseline
-            The policy's α and the learner's baseline, copied into the manifest.
-        reason
-            Why this checkpoint exists (one of the contract's checkpoint reasons).
-        arch
-            ``{"input_dim", "hidden", "slots", "embedding_dim"}`` (``Arch.to_dict()``).
-        metrics, input_offsets
-            Free-form learner metrics; the input positions this checkpoint has consumed.
-        candidate
-            Publish under the candidate key (awaiting the promotion gate) instead of serving.
-        version
-            An explicit version (above every earlier one); default: the next.
-        prepare
-            Called with the manifest before anything is sent (the learner saves its local
-            copy there, so a published version always has its local state).
-        serving
-            How clients serve it (``ServingParams.to_wire()``), the manifest's optional ``serving``.
-        """
-        version = version if version is not None else self.next_version()
-        if version <= self.last_version:
-            raise ValueError(f"version {version} is not above {self.last_version}")
-        chunks = split_chunks(blob)
-        metrics = dict(metrics or {})
-        if self.writer:
-            metrics["writer"] = self.writer
-        manifest = Manifest(
-            policy=self.policy,
-            version=version,
-            created_ts=time.time(),
-            reason=reason,
-            arch={k: int(v) for k, v in arch.items()},
-            alpha=float(alpha),
-            baseline=float(baseline),
-            sha256=sha256_hex(blob),
-            size=len(blob),
-            chunks=len(chunks),
-            metrics=metrics,
-            input_offsets=input_offsets or {},
-            epoch=self.epoch,
-            serving=serving,
-        ).signed(self.signing_key)
-        if prepare is not None:
-            prepare(manifest)
-        key = candidate_key(self.policy) if candidate else serving_key(self.policy)
-        await self._fence()
-        futures = [
-            await self.producer.send(self.topic, chunk, key=chunk_key(self.policy, version, i).encode(), partition=0)
-            for i, chunk in enumerate(chunks)
-        ]
-        await asyncio.gather(*futures)  # chunks acknowledged before the manifest is decided on
-        await self._fence()
-        futures.append(await self.producer.send(self.topic, encode(manifest.to_dict()), key=key.encode(), partition=0))
-        await asyncio.gather(*futures)
-        self.last_version = version
-        self.live[version] = len(chunks)
-        if not candidate:
-            self.protected = {version}
-        await self._tombstone_old()
-        return manifest
-
-    async def promote(self, manifest: Manifest) -> None:
-        """Republish a candidate's manifest under the serving key (its chunks are there)."""
-        await self._fence()
-        fut = await self.producer.send(
-            self.topic, encode(manifest.to_dict()), key=serving_key(self.policy).encode(), partition=0
-        )
-        await fut
-        self.protected = {manifest.version}
-        await self._tombstone_old()
-
-    async def _tombstone_old(self) -> None:
-        keep = set(sorted(self.live)[-self.keep_versions :]) | self.protected
-        futures = []
-        for version in sorted(self.live):
-            if version in keep:
-                continue
-            for i in range(self.live.pop(version)):
-                key = chunk_key(self.policy, version, i).encode()
-                futures.append(await self.producer.send(self.topic, None, key=key, partition=0))
-        if futures:
-            await asyncio.gather(*futures)
-
 
 # --------------------------------------------------------------------------- reading
 
@@ -238,13 +73,26 @@ class ModelTopicIndex:
     epochs: dict[str, int] = field(default_factory=dict)  # the newest epoch seen per policy
     claims: dict[str, EpochClaim] = field(default_factory=dict)  # the newest epoch claim per policy
     claim_offsets: dict[str, int] = field(default_factory=dict)
+    # contract 1.3, delta checkpoints (topics/delta.py): every accepted delta manifest, the
+    # newest serving and candidate one per policy, the versions published or promoted under
+    # the serving delta key (the chain clients follow), and their chunks' offsets
+    deltas: dict[tuple[str, int], DeltaManifest] = field(default_factory=dict)
+    delta_serving: dict[str, DeltaManifest] = field(default_factory=dict)
+    delta_candidate: dict[str, DeltaManifest] = field(default_factory=dict)
+    served_deltas: set[tuple[str, int]] = field(default_factory=set)
+    delta_chunk_offsets: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
 
     def _reject(self, offset: int, why: str) -> tuple[str, None]:
         self.rejected.append((offset, why))
         return "rejected", None
 
     def _newest_version(self, policy: str) -> int:
-        return max((v for (p, v) in self.manifests if p == policy), default=0)
+        return max((v for (p, v) in [*self.manifests, *self.deltas] if p == policy), default=0)
+
+    def offsets_of(self, manifest: Manifest) -> dict[int, int]:
+        """The chunk offsets of a manifest's version (a delta's chunks have keys of their own)."""
+        table = self.delta_chunk_offsets if isinstance(manifest, DeltaManifest) else self.chunk_offsets
+        return table.get((manifest.policy, manifest.version), {})
 
     def observe(self, offset: int, key: bytes | None, value: bytes | None) -> tuple[str, Manifest | None]:
         """Record one message; returns its kind and, for a valid manifest, the manifest.
@@ -256,22 +104,29 @@ class ModelTopicIndex:
         if key is None:
             return "unknown", None
         kind, policy, version, index = parse_key(key.decode("utf-8", "replace"))
-        if kind == "chunk":
+        if kind in ("chunk", "delta_chunk"):
             assert version is not None and index is not None
+            table, seen = (
+                (self.chunk_offsets, self.manifests) if kind == "chunk" else (self.delta_chunk_offsets, self.deltas)
+            )
             if value is None:  # tombstone
-                self.chunk_offsets.get((policy, version), {}).pop(index, None)
-            elif (policy, version) in self.manifests:
+                table.get((policy, version), {}).pop(index, None)
+            elif (policy, version) in seen:
                 return "ignored", None  # a manifest's chunks come before it: these are a fenced writer's
             elif version > self._newest_version(policy) + MAX_VERSION_JUMP:
                 return "ignored", None
             else:
-                self.chunk_offsets.setdefault((policy, version), {})[index] = offset
+                table.setdefault((policy, version), {})[index] = offset
             return kind, None
         if kind == "epoch" and value is not None:
             return self._observe_claim(offset, policy, value)
-        if kind in ("serving", "candidate") and value is not None:
+        if kind in ("serving", "candidate", "delta", "delta_candidate") and value is not None:
             try:
-                manifest = decode_manifest(value, signing_key=self.signing_key)
+                manifest = (
+                    decode_manifest(value, signing_key=self.signing_key)
+                    if kind in ("serving", "candidate")
+                    else decode_delta_manifest(value, signing_key=self.signing_key)
+                )
             except Rejected as exc:
                 return self._reject(offset, f"bad manifest: {exc.reason}: {exc.detail}")
             if manifest.policy != policy:
@@ -284,8 +139,19 @@ class ModelTopicIndex:
                 return self._reject(offset, f"version {manifest.version} jumps beyond {newest} + {MAX_VERSION_JUMP}")
             if manifest.epoch is not None:
                 self.epochs[policy] = max(self.epochs.get(policy, 0), manifest.epoch)
-            self.manifests[(policy, manifest.version)] = manifest
-            target = self.serving if kind == "serving" else self.candidate
+            if isinstance(manifest, DeltaManifest):
+                self.deltas[(policy, manifest.version)] = manifest
+                if kind == "delta":
+                    self.served_deltas.add((policy, manifest.version))
+            else:
+                self.manifests[(policy, manifest.version)] = manifest
+            tables: dict[str, dict[str, Any]] = {
+                "serving": self.serving,
+                "candidate": self.candidate,
+                "delta": self.delta_serving,
+                "delta_candidate": self.delta_candidate,
+            }
+            target = tables[kind]
             current = target.get(policy)
             # Serving versions only grow; an older manifest after a newer one is ignored.
             if current is None or manifest.version > current.version:
@@ -329,13 +195,18 @@ class ModelTopicIndex:
         return self.claims.get(policy)
 
     def max_version(self, policy: str) -> int:
-        versions = [v for (p, v) in self.manifests if p == policy]
-        versions += [v for (p, v) in self.chunk_offsets if p == policy]
-        return max(versions, default=0)
+        keys = [*self.manifests, *self.chunk_offsets, *self.deltas, *self.delta_chunk_offsets]
+        return max((v for (p, v) in keys if p == policy), default=0)
 
     def newest(self, policy: str) -> Manifest | None:
-        """The newest manifest of a policy, serving or candidate (what the learner resumes)."""
-        options = [m for m in (self.serving.get(policy), self.candidate.get(policy)) if m is not None]
+        """The newest manifest of a policy, serving or candidate, full or delta (what the learner resumes)."""
+        tables = (self.serving, self.candidate, self.delta_serving, self.delta_candidate)
+        options = [m for m in (t.get(policy) for t in tables) if m is not None]
+        return max(options, key=lambda m: m.version, default=None)
+
+    def serving_head(self, policy: str) -> Manifest | None:
+        """The newest serving link of a policy, a full snapshot or a delta (what clients hold)."""
+        options = [m for m in (self.serving.get(policy), self.delta_serving.get(policy)) if m is not None]
         return max(options, key=lambda m: m.version, default=None)
 
 
@@ -392,7 +263,7 @@ async def fetch_blob(
     """
     conn = Connection.of(conn)
     topic = topic or model_topic(conn)
-    offsets = index.chunk_offsets.get((manifest.policy, manifest.version), {})
+    offsets = index.offsets_of(manifest)
     missing = [i for i in range(manifest.chunks) if i not in offsets]
     if missing:
         raise CheckpointError("missing_chunk", f"version {manifest.version} lacks chunks {missing[:5]}")

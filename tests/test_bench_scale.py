@@ -67,3 +67,14 @@ def test_cli_flags() -> None:
     argv = ["bench", "scale", "--sizes", "1024,4096", "--steps", "10", "--nprobe", "8", "--out", "s.json"]
     a = cli.build_parser(argv).parse_args(argv)
     assert (a.which, a.sizes, a.steps, a.nprobe, a.out, a.rounds) == ("scale", "1024,4096", 10, 8, "s.json", 10)
+
+
+def test_delta_columns_measure_the_rows_the_learner_wrote() -> None:
+    report = {"rows": [{"slots": 256, "changed_rows": 16}, {"slots": 4096, "changed_rows": 16}]}
+    extra = scale.delta_columns(report, {"hidden": 16, "dim": 8}, checkpoints=3)
+    assert set(extra) == {256, 4096}
+    small, large = report["deltas"]
+    assert small["client_equals_learner"] and large["client_equals_learner"]
+    # the same 16 changed rows are a smaller share of the bigger policy's full snapshot
+    assert large["share"] < small["share"] < 1.0
+    assert extra[4096]["delta / full"] == f"{large['share']:.1%}"

@@ -29,7 +29,7 @@ import hashlib
 import hmac
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -38,7 +38,7 @@ from topics.fields import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Fields, Limits, R
 MAX_CHUNK_BYTES = 512 * 1024
 MIN_CHUNK_BYTES = 1024  # every chunk but the last holds at least this much (bounds ``chunks``)
 HEADER_BYTES = 1024 * 1024  # allowance on top of the tensors' bytes (the safetensors header needs < 1 KiB)
-MAX_BLOB_BYTES = 1024**3  # whatever the arch claims: at most 1 GiB, so at most 1 Mi chunks
+MAX_BLOB_BYTES = 32 * 1024**3  # whatever the arch claims: 32 GiB (S = 10^7 at H = 512 needs 20.5 GB)
 MAX_VERSION = 2**53  # versions stay exact in every JSON reader
 MAX_VERSION_JUMP = 1_000_000  # a manifest further above the newest accepted one is ignored
 MAX_EPOCH_JUMP = 1_000  # an epoch further above the newest one seen is ignored
@@ -46,6 +46,7 @@ CANDIDATE_SUFFIX = "/candidate"
 EPOCH_SUFFIX = "/epoch"
 SCHEMA_EPOCH_CLAIM = "writer_epoch/v1"
 SIGNATURE_PREFIX = "hmac-sha256:"
+DELTA = "delta"  # contract 1.3: the key segment of delta checkpoints ("{policy}/delta", ...)
 
 
 class CheckpointError(ValueError):
@@ -73,7 +74,14 @@ def epoch_key(policy: str) -> str:
 
 
 def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
-    """Classify a model-topic key: ``('chunk'|'serving'|'candidate'|'epoch'|'unknown', policy, version, index)``."""
+    """Classify a model-topic key: ``(kind, policy, version, index)``.
+
+    ``kind`` is ``'chunk'``, ``'serving'``, ``'candidate'``, ``'epoch'``, (contract 1.3)
+    ``'delta'``, ``'delta_candidate'``, ``'delta_chunk'``, or ``'unknown'``.
+
+    >>> parse_key("default/delta"), parse_key("default/delta/9/0")
+    (('delta', 'default', None, None), ('delta_chunk', 'default', 9, 0))
+    """
     parts = key.split("/")
     if len(parts) == 1:
         return ("serving", parts[0], None, None)
@@ -83,6 +91,13 @@ def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
         return ("epoch", parts[0], None, None)
     if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
         return ("chunk", parts[0], int(parts[1]), int(parts[2]))
+    if len(parts) >= 2 and parts[1] == DELTA:  # contract 1.3: delta checkpoints (topics/delta.py)
+        if len(parts) == 2:
+            return ("delta", parts[0], None, None)
+        if len(parts) == 3 and parts[2] == "candidate":
+            return ("delta_candidate", parts[0], None, None)
+        if len(parts) == 4 and parts[2].isdigit() and parts[3].isdigit():
+            return ("delta_chunk", parts[0], int(parts[2]), int(parts[3]))
     return ("unknown", key, None, None)
 
 
@@ -92,7 +107,7 @@ def validate_policy_name(name: str) -> str:
     return name
 
 
-def sha256_hex(blob: bytes) -> str:
+def sha256_hex(blob: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -212,7 +227,7 @@ class Manifest(WireValue):
     """
 
     SCHEMA = SCHEMA_MANIFEST
-    FIELDS = (
+    FIELDS: ClassVar[tuple[str, ...]] = (
         "policy",
         "version",
         "created_ts",
@@ -269,6 +284,11 @@ def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes
     f = open_value(raw, limits, SCHEMA_MANIFEST)
     if signing_key is not None and not verify_signature(f.obj, signing_key):
         raise Rejected("inconsistent", "signature missing or not the configured key's")
+    return Manifest(**manifest_fields(f))
+
+
+def manifest_fields(f: Fields) -> dict[str, Any]:
+    """A manifest's fields from its opened JSON object, validated (shared with delta manifests, ``topics.delta``)."""
     reason = f.str_("reason")
     if reason not in CHECKPOINT_REASONS:
         raise Rejected("out_of_range", f"reason {reason!r}")
@@ -282,9 +302,7 @@ def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes
     }
     if arch_d["input_dim"] != arch_d["embedding_dim"] + 2:
         raise Rejected("inconsistent", "arch.input_dim != embedding_dim + 2")
-    sha = f.str_("sha256")
-    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-        raise Rejected("wrong_type", "sha256 must be 64 lowercase hex digits")
+    sha = hex64(f, "sha256")
     metrics = f.obj.get("metrics") or {}
     offsets = f.obj.get("input_offsets") or {}
     if not isinstance(metrics, dict) or not isinstance(offsets, dict):
@@ -299,23 +317,31 @@ def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes
     chunks = f.int_("chunks", 1, max_chunks(size))
     if chunks < -(-size // MAX_CHUNK_BYTES):
         raise Rejected("inconsistent", f"{chunks} chunks cannot hold {size} bytes")
-    return Manifest(
-        policy=f.str_("policy"),
-        version=f.int_("version", 0, MAX_VERSION),
-        created_ts=f.float_("created_ts", 0.0, 1e11),
-        reason=reason,
-        arch=arch_d,
-        alpha=f.float_("alpha"),
-        baseline=f.float_("baseline"),
-        sha256=sha,
-        size=size,
-        chunks=chunks,
-        metrics=metrics,
-        input_offsets=clean_offsets,
-        epoch=f.int_("epoch", 0, MAX_VERSION, required=False),
-        signature=f.str_("signature", required=False, empty_ok=True),
-        serving=serving,
-    )
+    return {
+        "policy": f.str_("policy"),
+        "version": f.int_("version", 0, MAX_VERSION),
+        "created_ts": f.float_("created_ts", 0.0, 1e11),
+        "reason": reason,
+        "arch": arch_d,
+        "alpha": f.float_("alpha"),
+        "baseline": f.float_("baseline"),
+        "sha256": sha,
+        "size": size,
+        "chunks": chunks,
+        "metrics": metrics,
+        "input_offsets": clean_offsets,
+        "epoch": f.int_("epoch", 0, MAX_VERSION, required=False),
+        "signature": f.str_("signature", required=False, empty_ok=True),
+        "serving": serving,
+    }
+
+
+def hex64(f: Fields, name: str) -> str:
+    """A sha256 field: 64 lowercase hex digits."""
+    sha = f.str_(name)
+    if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise Rejected("wrong_type", f"{name} must be 64 lowercase hex digits")
+    return sha
 
 
 SERVING_DROPS = ("dynamic", "fixed", "none")

@@ -8,6 +8,11 @@ the size allows are rejected before anything is fetched, and with a signing key 
 unsigned or wrongly signed manifests (``pipeline.modeltopic.ModelTopicIndex``). No pickle anywhere: bytes from the
 network are parsed by safetensors and orjson only.
 
+Delta checkpoints (contract 1.3, docs/contract.md §7.1) under ``"{policy}/delta"`` are
+followed too: a delta based on the policy held is checked and applied; any other, or one
+that fails a check, is reached by replaying its chain from its full snapshot
+(``pipeline.client.chain``).
+
     async with PolicySubscriber("127.0.0.1:19092", on_update=retriever.set_policy) as sub:
         await sub.wait_for_policy()
 """
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,14 +31,17 @@ from typing import Any
 import torch
 from aiokafka import TopicPartition
 
+from models.delta import apply_delta, state_sha256
 from models.policy import Arch, PolicyNetwork
 from models.serving import ServingParams
 from models.weights import verify_and_load
 from pipeline import kafka
+from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.component_config import Connection
 from pipeline.config import Settings
-from pipeline.modeltopic import ModelTopicIndex, fetch_blob, model_topic
+from pipeline.modeltopic import ModelTopicIndex, model_topic
 from pipeline.service import Service
+from topics.delta import DeltaManifest, link_id
 from topics.fields import Rejected
 from topics.manifest import CheckpointError, Manifest, parse_key, validate_policy_name
 from topics.slotmap import SlotTable, decode_slot_record, parse_slot_key
@@ -39,10 +49,9 @@ from topics.slotmap import SlotTable, decode_slot_record, parse_slot_key
 log = logging.getLogger(__name__)
 
 
-def arch_of(manifest: Manifest) -> Arch:
-    """The architecture a manifest declares."""
-    a = manifest.arch
-    return Arch(embedding_dim=int(a["embedding_dim"]), slots=int(a["slots"]), hidden=int(a["hidden"]))
+__all__ = ["LoadedPolicy", "PolicySubscriber", "arch_of", "fetch_checkpoint"]
+
+STATE_CHECK_BYTES = 64 * 1024 * 1024  # states up to this size are re-hashed after every delta
 
 
 async def fetch_checkpoint(
@@ -52,9 +61,12 @@ async def fetch_checkpoint(
     manifest: Manifest,
     topic: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fetch a manifest's chunks, then verify and load them; raises :class:`CheckpointError`."""
-    blob = await fetch_blob(bootstrap, conn, index, manifest, topic)
-    return verify_and_load(blob, manifest.sha256, manifest.size, arch_of(manifest))
+    """Fetch a manifest's chunks, then verify and load them; raises :class:`CheckpointError`.
+
+    A delta's version (contract 1.3) is rebuilt from its chain's full snapshot
+    (``pipeline.client.chain.fetch_state``).
+    """
+    return await fetch_state(bootstrap, conn, index, manifest, topic)
 
 
 @dataclass
@@ -118,6 +130,14 @@ class PolicySubscriber(Service):
         signed manifests are rejected. Default: ``Settings``' key when ``conn`` is one
         (``CAUSALMEM_CHECKPOINT_SIGNING_KEY`` or its file), else none.
 
+    state_check_bytes
+        Delta checkpoints (contract 1.3): a state of at most this many bytes is copied,
+        updated and re-hashed against the delta's ``state_sha256`` before it is swapped in; a
+        larger one is updated in place (the policy object stays the same), relying on the
+        chain's checks (the delta blob's sha256, its base's id). A delta whose base is not the
+        policy held (a missed link), or that fails a check, makes the subscriber load the
+        last full snapshot and replay the chain to it.
+
     Rejections are logged and kept in :attr:`rejections`.
     """
 
@@ -130,8 +150,11 @@ class PolicySubscriber(Service):
         expected_arch: Arch | None = None,
         keep_recent: int = 2,
         signing_key: bytes | None = None,
+        state_check_bytes: int = STATE_CHECK_BYTES,
     ) -> None:
         super().__init__()
+        self.state_check_bytes = state_check_bytes
+        self.replays = 0  # times a delta was reached by replaying its chain (a missed link, a failed check)
         if signing_key is None and isinstance(conn, Settings):
             signing_key = conn.signing_key()
         self.signing_key = signing_key
@@ -151,6 +174,8 @@ class PolicySubscriber(Service):
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Condition()
         self._after_reset = False
+        self._buffer = bytearray()  # delta chunks are assembled here (see _assemble)
+        self._digests: dict[int, tuple[int, Any]] = {}  # delta version -> (chunks hashed, running sha256)
 
     async def _start(self) -> None:
         self._consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
@@ -224,10 +249,10 @@ class PolicySubscriber(Service):
         if kind == "rejected":
             self._reject(offset, self.index.rejected[-1][1])
             return
-        if kind == "chunk" and key is not None:
-            self._keep_chunk(key, value)
+        if kind in ("chunk", "delta_chunk") and key is not None:
+            self._keep_chunk(key, value, delta=kind == "delta_chunk")
             return
-        if kind != "serving" or manifest is None or manifest.policy != self.policy:
+        if kind not in ("serving", "delta") or manifest is None or manifest.policy != self.policy:
             return
         if self.current is not None and manifest.version <= self.current.version and not self._after_reset:
             if manifest.version < self.current.version:
@@ -260,19 +285,30 @@ class PolicySubscriber(Service):
         except Rejected as exc:
             self._reject(offset, f"slot-map record: {exc.reason}: {exc.detail}")
 
-    def _keep_chunk(self, key: bytes, value: bytes | None) -> None:
-        """Keep the bytes of a recent version's chunk, so that its manifest needs no re-read."""
+    def _keep_chunk(self, key: bytes, value: bytes | None, delta: bool = False) -> None:
+        """Keep the bytes of a recent version's chunk, so that its manifest needs no re-read.
+
+        A delta's chunks are also hashed as they arrive, in order (a chunk out of order
+        drops that running hash): its manifest then only has the digest to compare.
+        """
         _, policy, version, i = parse_key(key.decode("utf-8", "replace"))
         if policy != self.policy or version is None or i is None:
             return
         if value is None:
             self._recent.get(version, {}).pop(i, None)
+            self._digests.pop(version, None)
             return
         if self.current is not None and version <= self.current.version and not self._after_reset:
             return
         self._recent.setdefault(version, {})[i] = value
+        running = self._digests.pop(version, None)
+        if delta and (i == 0 or (running is not None and running[0] == i)):
+            hasher = hashlib.sha256() if i == 0 or running is None else running[1]
+            hasher.update(value)
+            self._digests[version] = (i + 1, hasher)
         for old in sorted(self._recent)[: -self.keep_recent]:
             del self._recent[old]  # bytes dropped; offsets stay in the index for a re-fetch
+        self._digests = {v: d for v, d in self._digests.items() if v in self._recent}
 
     async def _load(self, manifest: Manifest) -> LoadedPolicy:
         arch = arch_of(manifest)
@@ -280,13 +316,65 @@ class PolicySubscriber(Service):
         if expected is not None and arch != expected:
             raise CheckpointError("arch_mismatch", f"{arch} != {expected}")
         parts = self._recent.get(manifest.version, {})
-        if all(i in parts for i in range(manifest.chunks)):
-            blob = b"".join(parts[i] for i in range(manifest.chunks))
-            tensors = verify_and_load(blob, manifest.sha256, manifest.size, arch)
+        have = all(i in parts for i in range(manifest.chunks))
+        if isinstance(manifest, DeltaManifest):
+            running = self._digests.pop(manifest.version, None)
+            digest = running[1].hexdigest() if have and running and running[0] == manifest.chunks else None
+            blob = self._assemble(parts, manifest.chunks) if have else None
+            return await self._load_delta(manifest, blob, digest)
+        joined = b"".join(parts[i] for i in range(manifest.chunks)) if have else None
+        if joined is not None:
+            tensors = verify_and_load(joined, manifest.sha256, manifest.size, arch)
         else:
             tensors = await fetch_checkpoint(self.bootstrap, self.conn, self.index, manifest, self.topic)
         net = PolicyNetwork.from_tensors(tensors)
         net.eval()
+        return LoadedPolicy(manifest=manifest, net=net, slots=self.slots)
+
+    def _assemble(self, parts: dict[int, bytes], chunks: int) -> memoryview:
+        """A delta's chunks in one buffer, reused from delta to delta (a fresh one costs page faults each time)."""
+        total = sum(len(parts[i]) for i in range(chunks))
+        if len(self._buffer) < total:
+            self._buffer = bytearray(total)
+        view = memoryview(self._buffer)
+        pos = 0
+        for i in range(chunks):
+            view[pos : pos + len(parts[i])] = parts[i]
+            pos += len(parts[i])
+        return view[:total]
+
+    async def _load_delta(
+        self, manifest: DeltaManifest, blob: memoryview | None, digest: str | None = None
+    ) -> LoadedPolicy:
+        """Apply a delta onto the policy held when it is its base; else replay its chain from the full snapshot."""
+        current = self.current
+        if current is not None and (current.version, link_id(current.manifest)) == (
+            manifest.base_version,
+            manifest.base_sha256,
+        ):
+            try:
+                delta = await fetch_delta(self.bootstrap, self.conn, self.index, manifest, self.topic, blob, digest)
+                return self._apply(current, manifest, delta)
+            except CheckpointError as exc:
+                log.warning("subscriber: delta v%d failed (%s); replaying its chain", manifest.version, exc)
+        self.replays += 1
+        tensors = await fetch_state(self.bootstrap, self.conn, self.index, manifest, self.topic)
+        net = PolicyNetwork.from_tensors(tensors)
+        net.eval()
+        return LoadedPolicy(manifest=manifest, net=net, slots=self.slots)
+
+    def _apply(self, current: LoadedPolicy, manifest: DeltaManifest, delta: Any) -> LoadedPolicy:
+        """The held policy with ``delta`` applied: on a checked copy when small, else in place."""
+        net = current.net
+        a = net.arch
+        if 4 * a.slots * (a.hidden + 1) <= self.state_check_bytes:
+            net = copy.deepcopy(net)
+            tensors = net.state_dict()  # shares the copy's storage
+            apply_delta(tensors, delta)
+            if state_sha256(tensors) != manifest.state_sha256:
+                raise CheckpointError("state_mismatch", f"v{manifest.version}")
+        else:
+            apply_delta(net.state_dict(), delta)  # shares the parameters' storage
         return LoadedPolicy(manifest=manifest, net=net, slots=self.slots)
 
     def _reject(self, offset: int, why: str) -> None:

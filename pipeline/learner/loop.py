@@ -17,8 +17,7 @@ only when the policy changed. Reset and rollback commands arrive on ``control``.
   dedupe, micro-batches;
 - :mod:`~pipeline.learner.replay`: the kept experiences (drift warm-up, gate window);
 - :mod:`~pipeline.learner.publishing` and :mod:`~pipeline.learner.gate`: checkpoints,
-  candidates and promotion;
-- :mod:`~pipeline.learner.store`: the local copy of its checkpoints.
+  candidates and promotion; :mod:`~pipeline.learner.store`: their local copy.
 
 Long work (a drift reset's warm-up, decoding the history, loading a checkpoint) runs in
 a worker thread, so the event loop keeps the group membership alive meanwhile.
@@ -434,8 +433,9 @@ class Learner(Service, ControlCommands):
             )
             if self.memories is not None:  # the map's changes go just before the manifest that holds them
                 await self.memories.publish(self.publishing.publisher)
+            rows = self.trainer.take_changed_rows()  # what a delta checkpoint ships
             published = await self.publishing.publish(
-                self.trainer, reason=reason, metrics=metrics, input_offsets=self.input_offsets()
+                self.trainer, reason=reason, metrics=metrics, input_offsets=self.input_offsets(), changed_rows=rows
             )
             self.version = published.manifest.version
             self.dirty = False

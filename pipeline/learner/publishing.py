@@ -13,28 +13,37 @@ restore by :meth:`Progress.from_metrics` and :func:`applied_through`.
 :func:`label_rule`: promoted also when the gate lacks the logged decisions to judge them,
 refused only when the gate had the data and refused, so that in a quiet deployment the
 answers still reach clients (docs/learning.md).
+
+*Delta checkpoints* (contract 1.3): with ``full_every`` > 1, checkpoints between full
+snapshots are published as deltas of the serving version (``pipeline.learner.deltas``).
+Only their keys differ: a delta is a candidate or served at once like a full checkpoint,
+and the gate promotes it the same way (under ``"{policy}/delta"``). The local copy of
+every version is its full state.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import torch
 
+from models.delta import encode_delta
 from models.policy import Arch
 from models.trainer import PolicyTrainer
 from models.weights import to_safetensors
 from pipeline.component_config import LearnerConfig
+from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Key
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.internal import Experience
-from topics.manifest import Manifest
+from topics.manifest import Manifest, sha256_hex, split_chunks
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +146,7 @@ class Publishing:
         self.gate = (
             PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving) if config.gate else None
         )
+        self.deltas = DeltaPlanner(self.publisher, arch, config.full_every, config.delta_max_share)
 
     def is_candidate(self, reason: str) -> bool:
         # A drift reset is served at once: the detector has just shown that the serving
@@ -145,18 +155,37 @@ class Publishing:
         return self.gate is not None and reason not in SERVED_AT_ONCE
 
     async def publish(
-        self, trainer: PolicyTrainer, *, reason: str, metrics: dict[str, Any], input_offsets: dict[str, int]
+        self,
+        trainer: PolicyTrainer,
+        *,
+        reason: str,
+        metrics: dict[str, Any],
+        input_offsets: dict[str, int],
+        changed_rows: np.ndarray | None = None,
     ) -> Published:
-        """Publish the trainer's state and save it locally; :meth:`settle` then hands it to the gate."""
+        """Publish the trainer's state and save it locally; :meth:`settle` then hands it to the gate.
+
+        ``changed_rows``: the output rows written since the last publish
+        (``PolicyTrainer.take_changed_rows()``); without it a delta's rows are found by
+        comparing with the serving version's tensors.
+        """
         tensors = trainer.tensors()
         candidate = self.is_candidate(reason)
-        blob = to_safetensors(tensors)
+        full = to_safetensors(tensors)
+        rows = self.deltas.plan(tensors, reason, changed_rows)
+        delta: dict[str, Any] | None = None
+        blob = full
+        if rows is not None and self.publisher.head is not None:
+            base_version, base_sha = self.publisher.head
+            blob = encode_delta(tensors, rows, base_sha)
+            delta = {"base_version": base_version, "base_sha256": base_sha, "state_sha256": sha256_hex(full)}
+            delta["rows"] = len(rows)
         optimizer = trainer.optimizer_tensors()
         baseline_state = trainer.baseline.state()
 
         def save_locally(manifest: Manifest) -> None:
-            # Before anything is sent: every published version has its local copy and moments.
-            self.store.save(manifest, tensors, optimizer, baseline_state, blob)
+            # Before anything is sent: every published version has its local copy (full) and moments.
+            self.store.save(full_manifest(manifest, full), tensors, optimizer, baseline_state, full)
 
         manifest = await self.publisher.publish(
             blob,
@@ -169,7 +198,9 @@ class Publishing:
             candidate=candidate,
             prepare=save_locally,
             serving=self.serving.to_wire(),
+            delta=delta,
         )
+        self.deltas.record(manifest.version, tensors, delta is not None, changed_rows)
         role = "candidate" if candidate else "serving"
         m = self.metrics
         m.checkpoint_publishes.labels(reason=reason).inc()
@@ -177,10 +208,11 @@ class Publishing:
         m.checkpoint_timestamp.labels(role=role).set(manifest.created_ts)
         m.checkpoint_bytes.set(manifest.size)
         log.info(
-            "learner: published v%d (%s%s) after %d updates",
+            "learner: published v%d (%s%s%s) after %d updates",
             manifest.version,
             reason,
             ", candidate" if candidate else "",
+            f", delta of {delta['rows']} rows on v{delta['base_version']}" if delta else "",
             trainer.updates,
         )
         return Published(manifest, tensors, candidate)
@@ -223,3 +255,20 @@ class Published:
     manifest: Manifest
     tensors: dict[str, torch.Tensor]
     candidate: bool
+
+
+def full_manifest(manifest: Manifest, full: bytes) -> Manifest:
+    """The manifest of a version's full state: itself for a full snapshot; for a delta, a plain
+    manifest naming the full blob (what the local copy holds and a restore checks).
+
+    >>> from topics.delta import DeltaManifest
+    >>> d = DeltaManifest("p", 2, 0.0, "periodic", {}, 0.5, 0.0, "a" * 64, 9, 1, base_version=1)
+    >>> m = full_manifest(d, b"full")
+    >>> type(m).__name__, m.sha256 == sha256_hex(b"full"), m.size
+    ('Manifest', True, 4)
+    """
+    if type(manifest) is Manifest:
+        return manifest
+    base = {f.name: getattr(manifest, f.name) for f in fields(Manifest)}
+    base.update(sha256=sha256_hex(full), size=len(full), chunks=len(split_chunks(full)), signature=None)
+    return Manifest(**base)

@@ -20,6 +20,10 @@ the ids seen within the dedupe horizon (so a duplicate delivered after the resta
 skipped) and the last experiences (warm-up material for a drift reset, the gate's
 window). Every read is bounded by an offset known at the start (the resume offset, a
 chunk's offset), never "to the end": the cost does not grow with the backlog behind.
+
+A delta version (contract 1.3) counts like any other: its state is its local copy (the
+full state, checked against the delta's ``state_sha256``) or, from the topic, its chain's
+full snapshot with the deltas replayed (``pipeline.client.chain.fetch_state``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pipeline.learner.inbox import Key
 from pipeline.learner.publishing import Progress, applied_through
 from pipeline.learner.store import LocalCheckpoint, LocalStore
 from pipeline.modeltopic import ModelTopicIndex, read_range, scan_model_topic
+from topics.delta import DeltaManifest
 from topics.fields import Rejected
 from topics.internal import Experience, decode_experience
 from topics.manifest import CheckpointError, Manifest
@@ -84,8 +89,18 @@ def load_checkpoint(
 
 
 def policy_versions(index: ModelTopicIndex, policy: str) -> list[int]:
-    """The versions of a policy with an accepted manifest on the topic, newest first."""
-    return sorted((v for (p, v) in index.manifests if p == policy), reverse=True)
+    """The versions of a policy with an accepted manifest on the topic (full or delta), newest first."""
+    return sorted((v for (p, v) in [*index.manifests, *index.deltas] if p == policy), reverse=True)
+
+
+def manifest_of(index: ModelTopicIndex, policy: str, version: int) -> Manifest | None:
+    """A version's accepted manifest, full or delta."""
+    return index.manifests.get((policy, version)) or index.deltas.get((policy, version))
+
+
+def state_sha(manifest: Manifest) -> str:
+    """The sha256 of a version's full state (what its local copy holds)."""
+    return manifest.state_sha256 if isinstance(manifest, DeltaManifest) else manifest.sha256
 
 
 async def from_topic(
@@ -102,20 +117,21 @@ async def from_topic(
     has the manifest's sha256 (the topic may have tombstoned or lost them).
     """
     for version in policy_versions(index, conn.policy):
-        manifest = index.manifests[(conn.policy, version)]
+        manifest = manifest_of(index, conn.policy, version)
+        assert manifest is not None
         source = f"topic v{version}"
         try:
             tensors = await fetch_checkpoint(bootstrap, conn, index, manifest)
         except (CheckpointError, ValueError) as exc:
             local = store.verified(version, arch)
-            if local is None or local[0]["manifest"].get("sha256") != manifest.sha256:
+            if local is None or local[0]["manifest"].get("sha256") != state_sha(manifest):
                 log.error(
                     "learner: checkpoint v%d unverifiable (%s) and no local copy; trying an older one", version, exc
                 )
                 continue
             log.warning("learner: checkpoint v%d unverifiable on the topic (%s); using the local copy", version, exc)
             tensors, source = local[1], f"local v{version}"
-        optimizer = store.optimizer_of(version, manifest.sha256)
+        optimizer = store.optimizer_of(version, state_sha(manifest))
         progress, applied = await asyncio.to_thread(load_checkpoint, trainer, manifest.to_dict(), tensors, optimizer)
         return Restored(source, version, progress, applied, manifest.input_offsets)
     return None
@@ -142,7 +158,7 @@ async def serving_checkpoint(
     bootstrap: str, conn: Connection, index: ModelTopicIndex
 ) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
     """The policy clients serve (the gate compares candidates with it), if it is readable."""
-    serving = index.serving.get(conn.policy)
+    serving = index.serving_head(conn.policy)
     if serving is None:
         return None
     try:
@@ -221,7 +237,7 @@ async def find_version(
     The local directory keeps more versions than the topic, which tombstones old ones.
     """
     index = await scan_model_topic(bootstrap, conn, signing_key=signing_key)
-    manifest = index.manifests.get((conn.policy, version))
+    manifest = manifest_of(index, conn.policy, version)
     if manifest is not None:
         try:
             return await fetch_checkpoint(bootstrap, conn, index, manifest)

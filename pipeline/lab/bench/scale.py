@@ -19,7 +19,9 @@ alike):
 
 Targets (issue 16): step rate at 10^6 ≥ 80% of the rate at 1,024; policy + faiss ≤ 1.5× plain
 faiss at 10^6; learner RSS ≤ 8 GB. The delta-checkpoint figures (bytes per delta against a full
-snapshot, client delta-apply p50/p99) come from the delta checkpoints' own measurement and are
+snapshot, client delta-apply p50/p99) come from :func:`pipeline.lab.bench.scale_delta.measure_deltas`,
+run after the learner and client measurements with the rows the timed learner steps wrote
+(``changed_rows``: at ~20 steps/s, 200 steps are about one 10 s checkpoint interval), and are
 added to this table as extra columns (:func:`table`'s ``extra``).
 """
 
@@ -369,7 +371,26 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=10, help="interleaved bursts the steps and queries are split into")
     p.add_argument("--nlist", type=int, default=1024, help="IVF lists (fewer for small S)")
     p.add_argument("--nprobe", type=int, default=16)
+    p.add_argument("--delta-checkpoints", type=int, default=5, help="deltas measured per S (0: skip them)")
     p.add_argument("--out", help="write the report as JSON here")
+
+
+def delta_columns(report: dict[str, Any], opts: dict[str, Any], checkpoints: int) -> dict[int, dict[str, str]]:
+    """Each S's delta checkpoint with the rows its timed steps wrote: size against a full snapshot, apply latency."""
+    from pipeline.lab.bench.scale_delta import measure_deltas
+
+    extra: dict[int, dict[str, str]] = {}
+    report["deltas"] = []
+    for r in report["rows"]:
+        d = measure_deltas(r["slots"], opts["hidden"], opts["dim"], int(r["changed_rows"]), checkpoints)
+        report["deltas"].append(d)
+        extra[r["slots"]] = {
+            "delta / full": f"{d['share']:.1%}",
+            "delta apply p50 / p99 ms (CPU p99)": (
+                f"{d['apply_ms_p50']:.1f} / {d['apply_ms_p99']:.1f} ({d['apply_cpu_ms_p99']:.1f})"
+            ),
+        }
+    return extra
 
 
 def main(args: argparse.Namespace) -> int:
@@ -380,7 +401,8 @@ def main(args: argparse.Namespace) -> int:
         sizes = [256, 4096]
         opts.update(dim=32, hidden=32, batch=16, steps=20, queries=100, nlist=16, rounds=2)
     report = run(sizes, opts)
-    print(table(report))
+    extra = delta_columns(report, opts, args.delta_checkpoints) if args.delta_checkpoints > 0 else None
+    print(table(report, extra))
     print(verdict(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
