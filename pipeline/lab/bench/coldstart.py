@@ -166,10 +166,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
             rows, bias = knn_rows(w, b, bank.memory[: bank.n_live], live, new_emb, k=args.neighbours)
         else:
             rows, bias = neutral_rows(len(bank.new_slots), w.shape[1], torch.Generator().manual_seed(seed))
-        with torch.no_grad():  # rows that never had a gradient: their Adam moments are zero
-            idx = torch.as_tensor(bank.new_slots)
-            w[idx] = rows.to(w.dtype)
-            b[idx] = bias.to(b.dtype)
+        # the learner's own path for a new memory's row (its Adam state and statistics cleared)
+        trainer.init_rows(bank.new_slots.tolist(), rows.to(w.dtype).detach(), bias.to(b.dtype).detach())
         r = retriever(bank, s, len(bank.order))
         curve = [measure(trainer, r, bank, evals, s.k)]
         for step, _ in enumerate(traffic(world, bank, r, trainer, args.queries, cfg), start=1):
