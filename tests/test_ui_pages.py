@@ -6,6 +6,8 @@ recorded); the topic views are fed decoded values directly.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import re
 from pathlib import Path
@@ -376,6 +378,21 @@ def test_memories_table_sorts_probably_harmful_first_and_marks_do_not_use(tmp_pa
             "do-not-use:5",
         )
         assert c.get("/memories/999").status_code == 404
+
+
+def test_memory_pages_leave_out_events_that_name_memories_by_id(tmp_path: Path) -> None:
+    """Slot numbers of a by-id event are labels (contract 1.3): counting them would mix memories,
+    and "do not use" on such a number would suppress another memory."""
+    feeds = fed()
+    view = feeds.memories
+    before = view.detail(5)
+    ev = dataclasses.replace(event("qid", 0, [5], [], BASE_TS + 5000), candidate_ids=["doc-a", "doc-b", "doc-c"])
+    view.observe_event(ev)
+    view.observe_experience(Experience(id=ev.event_id, kind="feedback", event=ev, utility=3.0))
+    assert view.detail(5) == before and view.by_id == 1
+    with client_for(tmp_path, Pool([]), feeds) as c:
+        login(c)
+        assert "1 retrievals named their memories by id" in c.get("/memories").text
 
 
 def test_health_page_shows_the_band_its_advice_and_the_trends(tmp_path: Path) -> None:

@@ -103,6 +103,10 @@ class MemoryView:
         self.events = 0
         self.experiences = 0
         self.per_memory_credit = 0  # experiences whose feedback carried per-memory effects
+        # Contract 1.3: an event with candidate_ids numbers its memories with labels of its own,
+        # not slots; counting them by number would mix memories (and "do not use" would
+        # suppress another memory), so these pages leave such events out and say how many.
+        self.by_id = 0
 
     def _memory(self, slot: int) -> Memory:
         m = self.memories.get(slot)
@@ -111,6 +115,9 @@ class MemoryView:
         return m
 
     def observe_event(self, ev: RetrievalEvent) -> None:
+        if ev.candidate_ids is not None:
+            self.by_id += 1
+            return
         self.events += 1
         texts = ev.memory_texts or {}
         for how, slots in (("read", ev.selected), ("dropped", ev.dropped or [])):
@@ -125,7 +132,7 @@ class MemoryView:
                 m.recent.appendleft(Recent(ev.query_id, ev.step, ev.ts, how, ev.query_text))
 
     def observe_experience(self, exp: Experience) -> None:
-        if exp.kind != "feedback":
+        if exp.kind != "feedback" or exp.event.candidate_ids is not None:
             return
         self.experiences += 1
         ev = exp.event

@@ -69,6 +69,7 @@ async def memories_page(request: Request, who: str, form: Any) -> Response:
         events=view.events,
         experiences=view.experiences,
         credit=view.per_memory_credit,
+        by_id=view.by_id,
     )
 
 
