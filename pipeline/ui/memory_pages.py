@@ -6,8 +6,8 @@ per memory and labeler: marking twice is one label, and no queued sample's answe
 taken) and the query id and step of the newest retrieval step that read or dropped the
 memory. The worker's labels stage passes it to the learner as a ``suppress`` command, and
 the learner pins the memory's mask near 0 (a strong negative: the hard drop removes it).
-Removing a memory from the bank needs a lifecycle topic, which the contract does not have
-yet; the page says so.
+Removing a memory is the memory store's own act, a ``remove`` record on ``memory-lifecycle``
+(contract 1.3); the page says so.
 """
 
 from __future__ import annotations
