@@ -6,9 +6,8 @@ recorded); the topic views are fed decoded values directly.
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import re
 from pathlib import Path
 from types import SimpleNamespace
