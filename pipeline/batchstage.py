@@ -81,7 +81,7 @@ class BatchStage(Service, abc.ABC):
         self.input_topic = input_topic
         self.topics = config.connection.topics
         self.limits = config.connection.limits
-        self._partitions_owned = partitions_owned
+        self.partitions_owned = partitions_owned
         self._batch_seconds = batch_seconds
         self.positions: dict[TopicPartition, int] = {}  # next offset to read, per owned partition
         self.ready = asyncio.Event()
@@ -200,7 +200,7 @@ class BatchStage(Service, abc.ABC):
         self.metrics.consumer_lag.labels(topic=self.input_topic).set(lag)
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._partitions_owned.set(len(assigned))
+        self.partitions_owned.set(len(assigned))
         for tp in set(self.positions) - assigned:
             self.positions.pop(tp, None)
         log.info("%s: assigned partitions %s", self.name, sorted(tp.partition for tp in assigned))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 
 from pipeline.cli.common import (
@@ -15,9 +14,10 @@ from pipeline.cli.common import (
     settings_from,
     start_metrics,
 )
+from pipeline.cli.stage import serve_stage, watch_stage
 from pipeline.evaluator.service import Evaluator
 from pipeline.metrics import Metrics
-from pipeline.probes import Probes, Progress, total
+from pipeline.probes import Probes
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -77,36 +77,13 @@ def run(args: argparse.Namespace) -> int:
         )
         evaluator = Evaluator(config, bootstrap, metrics, scorer)
         watch_evaluator(probes, metrics, evaluator)
-        heartbeat = asyncio.create_task(probes.run())
-        await evaluator.start()
-        task = asyncio.create_task(evaluator.run())
-        probes.vital("evaluation", task)
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
-        failed = task.done() and not stop.is_set()  # run() never returns on its own: it crashed
-        if failed:
-            print(f"causalmem evaluator: the scoring task ended: {task.exception()!r}", file=sys.stderr)
-        print("evaluator: stopping", flush=True)
-        await evaluator.stop()
-        for t in (task, heartbeat, stopped):
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        return 1 if failed else 0
+        return await serve_stage(evaluator, probes, stop, "evaluator", "scoring")
 
     return run_until_signal(main)
 
 
 def watch_evaluator(probes: Probes, metrics: Metrics, evaluator: Evaluator) -> None:
     """Ready: owns input partitions, caught up within a bound and not stale (like the worker's join)."""
-    topic = evaluator.topics.retrieval_events.name
-
-    def owns_partitions() -> str | None:
-        if total(evaluator.own.partitions_owned) > 0:
-            return None
-        return "no input partitions assigned (rebalance pending, or more replicas than partitions)"
-
-    probes.check(owns_partitions)
-    probes.check(
-        Progress("evaluator", lambda: total(metrics.consumer_lag, topic=topic), lambda: total(metrics.events_in))
+    watch_stage(
+        probes, metrics, evaluator, "no input partitions assigned (rebalance pending, or more replicas than partitions)"
     )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import sys
 
 from pipeline.cli.common import (
     metrics_port,
@@ -15,8 +13,9 @@ from pipeline.cli.common import (
     settings_from,
     start_metrics,
 )
+from pipeline.cli.stage import serve_stage, watch_stage
 from pipeline.metrics import Metrics
-from pipeline.probes import Probes, Progress, total
+from pipeline.probes import Probes
 from pipeline.writes.service import WriteGateService
 
 
@@ -66,34 +65,16 @@ def run(args: argparse.Namespace) -> int:
         )
         service = WriteGateService(config, bootstrap, metrics)
         watch_writes(probes, metrics, service)
-        heartbeat = asyncio.create_task(probes.run())
-        await service.start()
-        task = asyncio.create_task(service.run())
-        probes.vital("judging", task)
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
-        failed = task.done() and not stop.is_set()  # run() never returns on its own: it crashed
-        if failed:
-            print(f"causalmem writes: the judging task ended: {task.exception()!r}", file=sys.stderr)
-        print("writes: stopping", flush=True)
-        await service.stop()
-        for t in (task, heartbeat, stopped):
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        return 1 if failed else 0
+        return await serve_stage(service, probes, stop, "writes", "judging")
 
     return run_until_signal(main)
 
 
 def watch_writes(probes: Probes, metrics: Metrics, service: WriteGateService) -> None:
     """Ready: owns input partitions, caught up within a bound and not stale (like the evaluator)."""
-    topic = service.topics.memory_writes.name
-
-    def owns_partitions() -> str | None:
-        if total(service.own.partitions_owned) > 0:
-            return None
-        return "no memory-writes partitions assigned (rebalance pending, or more replicas than partitions)"
-
-    probes.check(owns_partitions)
-    probes.check(Progress("writes", lambda: total(metrics.consumer_lag, topic=topic), lambda: total(metrics.events_in)))
+    watch_stage(
+        probes,
+        metrics,
+        service,
+        "no memory-writes partitions assigned (rebalance pending, or more replicas than partitions)",
+    )
