@@ -14,12 +14,21 @@ import pytest
 from faust.exceptions import ProducerSendError
 from faust.types import TP
 
+from pipeline.config import Settings
+from pipeline.metrics import Metrics
 from pipeline.worker import store as store_module
 from pipeline.worker.delivery import AckedProducer, Unacked, WorkerApp
+from pipeline.worker.join import JoinStage, _BatchTally
+from pipeline.worker.outcomes import OutcomesStage
 from pipeline.worker.records import QueryUtility
 from pipeline.worker.recovery import WatermarkConsumer, corrected
 from pipeline.worker.store import CLEAN_SUFFIX, WorkerStore
-from pipeline.worker.tables import STORE_URLS, drop_unclean
+from pipeline.worker.tables import STORE_URLS, Outputs, Tables, drop_unclean
+from topics.convert import sample_id_for
+from topics.internal import Outcome, decode_outcomes, outcomes_bytes
+
+from .helpers import feedback, retrieval_event
+from .join_fakes import FakeTopic
 
 
 async def test_a_commit_waits_for_every_send_and_fails_when_one_failed() -> None:
@@ -91,3 +100,30 @@ def test_recovery_reads_to_the_fetched_end_not_to_the_last_batch_start() -> None
     tp = TP("t-changelog", 0)
     assert corrected({tp: 41}, {tp: 64}) == {tp: 64}
     assert corrected({tp: 41}, {}) == {tp: 41}  # no fetch answer: faust's own value
+
+
+async def test_a_sample_already_on_the_topic_is_recorded_not_sent_again() -> None:
+    # Killed after the broker acknowledged a sample but before its al-sent record reached
+    # the changelog: the restarted stage finds the sample id on the topic.
+    s = Settings(embedding_dim=8, slots=32, partitions=4)
+    reads = 0
+
+    async def on_topic() -> set[str]:
+        nonlocal reads
+        reads += 1
+        return {sample_id_for("q1", 0)}
+
+    tables = Tables(**{name: {} for name in Tables.__dataclass_fields__})
+    outputs = Outputs(**{name: FakeTopic() for name in Outputs.__dataclass_fields__})
+    stage = OutcomesStage(tables, outputs, Metrics(), s.limits(), sent_before=on_topic)
+    join = JoinStage(s.join(), "127.0.0.1:9", Metrics())
+    recs: list[Outcome] = []
+    for qid in ("q1", "q2"):
+        out: dict[int, list[Outcome]] = {}
+        join._emit(retrieval_event(s, qid, ts=1_767_225_600), feedback(qid, utility=-0.8), [], out, _BatchTally(), 0)
+        recs += decode_outcomes(outcomes_bytes(out[0]), s.limits()).records
+    for rec in recs:
+        await stage.emit_sample(rec.query_id, rec.step, rec.sample or "", "uncertain", rec.ts)
+    assert [m["key"] for m in outputs.active_learning.sent] == [b"q2"]  # q1's was already there
+    assert tables.al_sent[b"q1"].steps == [0] and sample_id_for("q1", 0) in tables.al_samples[b"q1"].samples
+    assert reads == 1  # read once per process
