@@ -81,7 +81,9 @@ async def test_a_table_is_vouched_for_only_by_a_clean_stop_with_its_changelog_ac
     assert isinstance(store, WorkerStore)
     store._db_for_partition(0).put(b"q", b"{}")
     pending = asyncio.get_running_loop().create_future()
-    app.producer.unacked.track(pending)  # a changelog write still in flight
+    producer = app.producer
+    assert isinstance(producer, AckedProducer)
+    producer.unacked.track(pending)  # a changelog write still in flight
     await store.stop()
     assert not store.clean_marker().exists()
     assert drop_unclean(tmp_path / "slot") == ["qu"]  # the next start rebuilds it from the changelog
