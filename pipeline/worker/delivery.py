@@ -12,8 +12,8 @@ crash").
 
 :class:`AckedProducer` keeps every send it was handed (buffered or direct) until the
 broker answers, and its ``flush`` waits for all of them. A send that failed makes the
-flush raise, so faust's commit fails and the worker stops instead of committing past a
-lost write. Nothing else waits: each record is still sent asynchronously, and only the
+flush raise, so faust's commit fails (its commit task crashes) instead of committing past
+a lost write. Nothing else waits: each record is still sent asynchronously, and only the
 periodic commit waits for the acknowledgements of what was sent before it.
 
 :class:`WorkerApp` is a faust app with this producer and the consumer of
