@@ -247,6 +247,8 @@ async def test_worker_state_is_on_disk_and_resumes_from_its_offset(settings: Set
     assert keys == {f"q{i}".encode() for i in range(n)}
     # Each database knows how far into the changelog it is: a restart reads from there on.
     assert persisted == last
+    # ... and the clean stop vouched for it (a crash would leave no marker: rebuilt instead).
+    assert (slot / "query-utility.clean").exists()
 
     # Restarted (killed this time), the worker takes its slot back and goes on from its state.
     worker = Child("worker", s.bootstrap, env, log_path=tmp_path / "worker-2.log")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from typing import IO, Any
 
@@ -36,11 +37,13 @@ from pipeline.component_config import WorkerConfig
 from pipeline.kafka import ClusterWatch, faust_credentials, read_all
 from pipeline.metrics import Metrics
 from pipeline.service import restart_process
+from pipeline.worker.delivery import WorkerApp
 from pipeline.worker.drift import DriftStage
 from pipeline.worker.join import JoinStage
 from pipeline.worker.labels import LabelsStage
-from pipeline.worker.outcomes import OutcomesStage
-from pipeline.worker.tables import STORE_URLS, Outputs, Tables, claim_slot, match_epoch, raw_topic
+from pipeline.worker.outcomes import OutcomesStage, sent_sample_ids
+from pipeline.worker.recovery import fetched_highwaters
+from pipeline.worker.tables import STORE_URLS, Outputs, Tables, claim_slot, drop_unclean, match_epoch, raw_topic
 from pipeline.worker.upkeep import HEALTH_INTERVAL_S, PRUNE_INTERVAL_S, Upkeep
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,8 @@ class Worker:
         self.tables = Tables.declare(self.app, config.partitions)
         self.outputs = Outputs.declare(self.app, self.topics)
         limits = config.connection.limits
-        self.outcomes = OutcomesStage(self.tables, self.outputs, metrics, limits)
+        sent_before = functools.partial(sent_sample_ids, bootstrap, config.connection)
+        self.outcomes = OutcomesStage(self.tables, self.outputs, metrics, limits, sent_before)
         self.labels = LabelsStage(self.tables, self.outputs, metrics, self.outcomes, self.topics, limits)
         self.drift = DriftStage(config.drift, self.tables, self.outputs, metrics, limits)
         t = self.topics
@@ -99,8 +103,11 @@ class Worker:
 
     def _app(self, web_port: int | None) -> faust.App:
         c = self.config
-        return faust.App(
+        # The producer waits for acknowledgements before faust commits (delivery.py); table
+        # recovery reads each changelog to the end a fetch reports (recovery.py).
+        return WorkerApp(
             c.app_id,
+            fetch_highwaters=functools.partial(fetched_highwaters, self.bootstrap, c.connection),
             broker=[f"kafka://{b}" for b in self.bootstrap.split(",")],
             broker_credentials=faust_credentials(c.connection.security),
             store=STORE_URLS[c.store],
@@ -145,12 +152,15 @@ class Worker:
     def table_dir(self, marker: bytes | None) -> None:
         """Take a table directory of this app (RocksDB store), emptied if ``marker`` is another cluster's.
 
-        Called once, before the faust worker starts (it opens the databases there).
+        Tables whose last run did not stop cleanly are dropped and rebuilt from their
+        changelogs (:func:`pipeline.worker.tables.drop_unclean`). Called once, before the
+        faust worker starts (it opens the databases there).
         """
         if self.config.store != "rocksdb" or self._slot_lock is not None:
             return
         slot, self._slot_lock = claim_slot(self.config.state_dir / "tables" / self.config.app_id)
         match_epoch(slot, marker)
+        drop_unclean(slot)  # after a crash a database may be ahead of its changelog
         self.app.conf.tabledir = slot
         log.info("worker tables in %s", slot)
 

@@ -13,8 +13,13 @@ Samples and rating pairs are sent from here, for this stage and the labels stage
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
+
+from pipeline import kafka
+from pipeline.component_config import Connection
 from pipeline.metrics import Metrics
 from pipeline.worker.active_learning import first_send, hold, on_candidate
 from pipeline.worker.records import MAX_STEPS_PER_QUERY, QueryUtility, Rating, StoredSamples
@@ -51,11 +56,23 @@ def counted(q: QueryUtility | None, recs: list[Outcome]) -> tuple[QueryUtility, 
 class OutcomesStage:
     """The ``outcomes`` agent and the senders of samples and rating pairs."""
 
-    def __init__(self, tables: Tables, outputs: Outputs, metrics: Metrics, limits: Limits) -> None:
+    def __init__(
+        self,
+        tables: Tables,
+        outputs: Outputs,
+        metrics: Metrics,
+        limits: Limits,
+        sent_before: Callable[[], Awaitable[set[str]]] | None = None,
+    ) -> None:
         self.tables = tables
         self.outputs = outputs
         self.metrics = metrics
         self.limits = limits
+        # The sample ids already on ``active-learning`` when this process started (read once,
+        # at the first sample): a sample acknowledged just before a crash whose ``al-sent``
+        # write was lost is recorded, not sent again. None: not checked (unit tests).
+        self._sent_before = sent_before
+        self._on_topic: set[str] | None = None
 
     async def agent(self, stream: Any) -> None:
         async for value in stream:
@@ -101,16 +118,25 @@ class OutcomesStage:
         sent = first_send(self.tables.al_sent.get(qk), step, ts)
         if sent is None:
             return
-        # Recorded only once the broker has the sample: a worker killed in between sends it
-        # again (the same deterministic sample_id), never loses it. Recorded first, the
-        # record could reach the changelog without the sample reaching the topic.
-        ack = await self.outputs.active_learning.send(key=qk, value=sample.encode())
-        await ack
+        sid = sample_id_for(qid, step)
+        # Recorded only once the broker has the sample: recorded first, the record could
+        # reach the changelog without the sample reaching the topic. A worker killed in
+        # between finds the sample on the topic at its next start (``sent_before``).
+        if not await self._already_on_topic(sid):
+            ack = await self.outputs.active_learning.send(key=qk, value=sample.encode())
+            await ack
+            self.metrics.al_samples.labels(reason=reason).inc()
         self.tables.al_sent[qk] = sent
         stored: StoredSamples | None = self.tables.al_samples.get(qk)
-        samples = {**(stored.samples if stored is not None else {}), sample_id_for(qid, step): sample}
+        samples = {**(stored.samples if stored is not None else {}), sid: sample}
         self.tables.al_samples[qk] = StoredSamples(samples=samples, ts=max(ts, stored.ts if stored else ts))
-        self.metrics.al_samples.labels(reason=reason).inc()
+
+    async def _already_on_topic(self, sid: str) -> bool:
+        if self._sent_before is None:
+            return False
+        if self._on_topic is None:
+            self._on_topic = await self._sent_before()
+        return sid in self._on_topic
 
     async def emit_pair(self, qid: str, q: QueryUtility, rating: Rating) -> None:
         """Send the query's (U_query, rating) pair to the drift stage and mark the rating paired."""
@@ -118,3 +144,29 @@ class OutcomesStage:
         self.tables.ratings[qk] = Rating(rating=rating.rating, ts=rating.ts, paired=True)
         pair = RatingPair(id=qid, t=q.ts, u_query=q.u_query, rating=float(rating.rating))
         await self.outputs.rating_pairs.send(key=qk, value=encode(pair.to_dict()), partition=0)
+
+
+SENT_TAIL = 500  # the last samples per partition read at start: far more than a crash leaves unrecorded
+
+
+async def sent_sample_ids(bootstrap: str, conn: Connection, tail: int = SENT_TAIL) -> set[str]:
+    """The ``sample_id`` of the last ``tail`` samples of each ``active-learning`` partition.
+
+    A sample's ``al-sent`` record is written after the broker acknowledged the sample, so a
+    crash can lose the record of the last few sent (those whose changelog write was still
+    in flight), never more than a producer batch or so.
+    """
+    spec = conn.topics.active_learning
+    ids: set[str] = set()
+    for p in range(spec.partitions):
+        end = await kafka.high_watermark(bootstrap, conn, spec.name, p)
+        if end == 0:
+            continue
+        for m in await kafka.read_all(bootstrap, conn, spec.name, partitions=[p], start={p: max(0, end - tail)}):
+            try:
+                sid = orjson.loads(m.value).get("sample_id")
+            except (orjson.JSONDecodeError, AttributeError, TypeError):
+                continue  # not a sample: the labeling queue dead-letters it
+            if isinstance(sid, str):
+                ids.add(sid)
+    return ids

@@ -17,11 +17,17 @@ few per-query entries for every joined step:
   its back (changelog recovery, standby updates) and on every rebalance.
 
 Reads outside an event (the upkeep's prune iterates raw items) take faust's path.
+
+A database is trusted at start only if the last run stopped cleanly with every changelog
+write acknowledged (its ``<table>.clean`` marker); after a crash it is rebuilt from the
+changelog (:func:`pipeline.worker.tables.drop_unclean`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import rocksdict
@@ -31,6 +37,10 @@ from faust.streams import current_event
 CACHE_ENTRIES = 10_000  # decoded values kept per table by default (~5 MB of small records)
 CACHE_OPTION = "decoded_cache_entries"  # a table's own size, in its store options
 SCHEME = "causalmem-rocksdb"  # registered with faust's store registry by pipeline.worker.tables
+CLEAN_SUFFIX = ".clean"  # <table>.clean next to its databases: written by a clean stop
+STOP_SETTLE_S = 10.0  # how long a stopping store waits for its changelog writes' acknowledgements
+
+log = logging.getLogger(__name__)
 
 
 class WorkerStore(RocksDBStore):
@@ -96,9 +106,12 @@ class WorkerStore(RocksDBStore):
                     return db, value
         return super()._get_bucket_for_key(key)
 
-    # -- no write-ahead log: the changelog topic is the log. A crash loses at most the
-    # unflushed writes, and the database's persisted offset is in the same flushed
-    # prefix, so recovery replays the changelog from there. A clean stop flushes.
+    # -- no write-ahead log: the changelog topic is the log. A crash loses unflushed
+    # writes, but a flushed database can also hold writes whose changelog send was never
+    # acknowledged: it is ahead of its changelog, and a stage re-reading the input would
+    # take the update as already applied. So only a clean stop vouches for a database
+    # (its marker, CLEAN_SUFFIX); after any other, the worker drops it and rebuilds it
+    # from the changelog (tables.drop_unclean).
     def _open_for_partition(self, partition: int) -> Any:
         db = super()._open_for_partition(partition)
         options = rocksdict.WriteOptions()
@@ -109,7 +122,23 @@ class WorkerStore(RocksDBStore):
     async def stop(self) -> None:
         for db in self._dbs.values():
             db.flush()
+        # Written also when no database was opened: the files are then as the start found them.
+        if await self._changelog_acknowledged():
+            self.clean_marker().touch()
         await super().stop()
+
+    def clean_marker(self) -> Path:
+        """The file saying that this table's databases hold nothing their changelog lacks."""
+        return self.path / f"{self.basename}{CLEAN_SUFFIX}"
+
+    async def _changelog_acknowledged(self) -> bool:
+        unacked = getattr(self.app.producer, "unacked", None)  # delivery.AckedProducer's
+        if unacked is None:
+            return False
+        if await unacked.settle(timeout=STOP_SETTLE_S):
+            return True
+        log.warning("table %s: changelog writes unacknowledged at stop; rebuilt at the next start", self.basename)
+        return False
 
     # -- writes faust makes without the mapping interface: forget what was decoded
     def apply_changelog_batch(self, batch: Any, to_key: Any, to_value: Any) -> None:

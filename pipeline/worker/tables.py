@@ -211,3 +211,36 @@ def match_epoch(slot: Path, marker: bytes | None) -> bool:
     if old != stamp:
         path.write_text(stamp + "\n")
     return emptied
+
+
+def drop_unclean(slot: Path) -> list[str]:
+    """Delete the databases of every table in ``slot`` whose last run did not stop cleanly.
+
+    Returns the tables dropped (faust then rebuilds them from their changelogs). Every
+    marker is removed: from here on, only this run's clean stop vouches for the tables.
+    A database written without a write-ahead log may, after a crash, hold an update whose
+    changelog write was never acknowledged; kept, it would stay ahead of its changelog and
+    hide that update from the stage re-reading its input (docs/architecture.md, "Nothing
+    lost on a crash").
+
+    >>> import tempfile
+    >>> slot = Path(tempfile.mkdtemp())
+    >>> for name in ("a-0.db", "a-1.db", "b-0.db"): (slot / name).mkdir()
+    >>> _ = (slot / ("a" + store.CLEAN_SUFFIX)).touch()
+    >>> drop_unclean(slot), sorted(p.name for p in slot.iterdir())
+    (['b'], ['a-0.db', 'a-1.db'])
+    >>> drop_unclean(slot), sorted(p.name for p in slot.iterdir())
+    (['a'], [])
+    """
+    clean = {p.name[: -len(store.CLEAN_SUFFIX)] for p in slot.glob(f"*{store.CLEAN_SUFFIX}")}
+    dropped: set[str] = set()
+    for db in slot.glob("*.db"):
+        table = db.stem.rsplit("-", 1)[0]  # <table>-<partition>.db
+        if table not in clean:
+            shutil.rmtree(db) if db.is_dir() else db.unlink()
+            dropped.add(table)
+    for table in clean:
+        (slot / f"{table}{store.CLEAN_SUFFIX}").unlink()
+    if dropped:
+        log.warning("worker tables %s in %s: no clean stop, rebuilt from their changelogs", sorted(dropped), slot)
+    return sorted(dropped)
