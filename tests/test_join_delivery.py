@@ -14,7 +14,8 @@ table recovery on the embedded broker stopped at the first record of a changelog
 batch, and a sample whose ``al-sent`` record was still in flight was sent again
 (docs/architecture.md, "Nothing lost on a crash"; the parts: tests/test_worker_delivery.py).
 Killed earlier (as soon as the join has joined, before the stage sent a sample), 1 of 3
-runs still lost one outcomes message: open, described there.
+runs still lost one outcomes message: open, described there; that test reports an xfail
+with what was missing when it happens, and passes otherwise.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ async def _u_query(s: Settings) -> dict[str, dict]:
     return latest
 
 
-async def _burst_through_the_worker(settings: Settings, tmp_path: Path, kill: bool) -> None:
+async def _burst_through_the_worker(settings: Settings, tmp_path: Path, kill: str | None) -> None:
+    """``kill``: None, ``"stage"`` (once the outcomes stage sent a sample) or ``"joined"`` (once the join joined)."""
     s = settings.replace(topic_prefix=f"b{uuid.uuid4().hex[:6]}.", partitions=2, join_window_s=86400.0)
     env = {**settings_env(s), "CAUSALMEM_LABEL_WINDOW_S": str(10 * 86400), "CAUSALMEM_DRIFT_RESET": "0"}
     await kafka.create_topics(s.bootstrap, s)
@@ -146,10 +148,13 @@ async def _burst_through_the_worker(settings: Settings, tmp_path: Path, kill: bo
         async with EventPublisher(s.bootstrap, s) as pub:
             for fb in _burst(events):
                 await pub.publish(fb)
-        if kill:  # SIGKILL once the outcomes stage is mid-burst: outputs, table writes, commits in flight
+        if kill == "stage":  # SIGKILL once the outcomes stage is mid-burst: outputs, table writes, commits in flight
             await until(
                 lambda: metric(worker.metrics(), "causalmem_al_samples_total", reason="error") > 0, 60, "stage started"
             )
+        elif kill == "joined":  # SIGKILL as soon as the join has the burst, before the stage sent a sample
+            await until(lambda: metric(worker.metrics(), "causalmem_joins_total") > 0, 60, "the burst joined")
+        if kill is not None:
             worker.kill()
             worker = Child("worker", s.bootstrap, env, log_path=tmp_path / "worker-2.log")
 
@@ -174,6 +179,8 @@ async def _burst_through_the_worker(settings: Settings, tmp_path: Path, kill: bo
         # The stream stages' part: U_query and active learning, each step once.
         deadline = time.monotonic() + 90
         while gap := await missing():
+            if time.monotonic() > deadline and kill == "joined":
+                pytest.xfail(f"an outcomes message was lost across the early SIGKILL (open, see the module): {gap}")
             assert time.monotonic() < deadline, f"{gap}; worker log:\n{worker.log_tail(3000)}"
             assert worker.alive(), worker.log_tail(3000)
             await asyncio.sleep(1.0)
@@ -191,10 +198,17 @@ async def _burst_through_the_worker(settings: Settings, tmp_path: Path, kill: bo
 @pytest.mark.broker
 @pytest.mark.slow
 async def test_a_feedback_burst_reaches_u_query_and_active_learning_once(settings: Settings, tmp_path: Path) -> None:
-    await _burst_through_the_worker(settings, tmp_path, kill=False)
+    await _burst_through_the_worker(settings, tmp_path, kill=None)
 
 
 @pytest.mark.broker
 @pytest.mark.slow
 async def test_a_worker_sigkilled_mid_burst_loses_no_step_and_repeats_none(settings: Settings, tmp_path: Path) -> None:
-    await _burst_through_the_worker(settings, tmp_path, kill=True)
+    await _burst_through_the_worker(settings, tmp_path, kill="stage")
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+async def test_a_worker_sigkilled_as_soon_as_the_burst_joined_loses_no_step(settings: Settings, tmp_path: Path) -> None:
+    """The earlier kill point: 1 of 3 runs lost one outcomes message (open: an xfail that says what was missing)."""
+    await _burst_through_the_worker(settings, tmp_path, kill="joined")
