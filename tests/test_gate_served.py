@@ -147,3 +147,15 @@ def test_similarity_only_is_plain_top_k_not_a_draw_at_the_serving_temperature() 
     assert est["gain"].low > 0.1  # better than the neutral policy as served ...
     assert est["gain_similarity"].high < -0.1  # ... and worse than similarity-only
     assert decision == "refused", reason
+
+
+def test_the_serving_policy_is_judged_as_its_own_manifest_serves_it() -> None:
+    # A fresh first policy is published to be served as plain top-k (pipeline/learner/publishing.py,
+    # first_serving); the gate judges it so, not at the candidates' serving temperature.
+    neutral = net_with(helpful=0.0, harmful=0.0, irrelevant=0.0)
+    log = tied_log(neutral, 2000, temperature=1.0, seed=5)
+    greedy = ServingParams(temperature=0.005)
+    _, _, est = judge(log, neutral, neutral, epsilon=0.02, min_ess=50, serving_params=greedy)
+    _, _, at_t = judge(log, neutral, neutral, epsilon=0.02, min_ess=50)
+    assert at_t["serving"].high < 0.5 < est["serving"].low  # at T = 0.05 ≈ +0.18; top-k ≈ +0.9
+    assert est["gain"].high < -0.2  # the same network drawn at T = 0.05 is worse than it served as top-k

@@ -253,6 +253,7 @@ class PromotionGate:
         self.pending: tuple[Manifest, PolicyNetwork] | None = None  # a candidate awaiting data
         self.decisions: list[GateDecision] = []
         self.moments = MomentCache()  # the logging moments of the steps already judged on
+        self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest = manifest
@@ -260,16 +261,18 @@ class PromotionGate:
 
     async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> GateDecision:
         candidate = PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
-        return await self._decide(manifest, candidate)
+        async with self._deciding:
+            return await self._decide_now(manifest, candidate)
 
     async def reconsider(self) -> GateDecision | None:
         """Look again at a candidate that lacked data (called at the checkpoint cadence)."""
-        if self.pending is None:
-            return None
-        manifest, candidate = self.pending
-        return await self._decide(manifest, candidate)
+        async with self._deciding:  # the pending candidate as it is once no other judgement runs
+            if self.pending is None:
+                return None
+            manifest, candidate = self.pending
+            return await self._decide_now(manifest, candidate)
 
-    async def _decide(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
+    async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         est: dict[str, Estimate] = {}
         if self.serving_net is None or self.serving_manifest is None:
             decision, reason = "promoted", "no serving policy yet"
