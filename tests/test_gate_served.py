@@ -17,6 +17,7 @@ from models.serving_rule import (
     sample_plackett_luce,
 )
 from pipeline.learner.gate import judge
+from pipeline.learner.publishing import FRESH_TEMPERATURE
 
 D, S, K = 4, 12, 2
 HELPFUL, HARMFUL, IRRELEVANT = range(0, 4), range(4, 8), range(8, 12)
@@ -154,7 +155,7 @@ def test_the_serving_policy_is_judged_as_its_own_manifest_serves_it() -> None:
     # first_serving); the gate judges it so, not at the candidates' serving temperature.
     neutral = net_with(helpful=0.0, harmful=0.0, irrelevant=0.0)
     log = tied_log(neutral, 2000, temperature=1.0, seed=5)
-    greedy = ServingParams(temperature=0.005)
+    greedy = ServingParams(temperature=FRESH_TEMPERATURE)
     _, _, est = judge(log, neutral, neutral, epsilon=0.02, min_ess=50, serving_params=greedy)
     _, _, at_t = judge(log, neutral, neutral, epsilon=0.02, min_ess=50)
     assert at_t["serving"].high < 0.5 < est["serving"].low  # at T = 0.05 ≈ +0.18; top-k ≈ +0.9

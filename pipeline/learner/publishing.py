@@ -44,14 +44,14 @@ SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress")  # reasons
 # is served at this temperature, as plain top-k, until the gate promotes a candidate: drawn
 # at the serving temperature it reads near-tied candidates almost at random, below
 # similarity-only (docs/learning.md, "The promotion gate"). Exploration is unchanged.
-FRESH_TEMPERATURE = 0.005
+FRESH_TEMPERATURE = 0.001
 
 
 def first_serving(serving: ServingParams, gated: bool, reason: str, updates: int) -> ServingParams:
     """The serving parameters a checkpoint is published with.
 
     >>> first_serving(ServingParams(), True, "init", 0).temperature
-    0.005
+    0.001
     >>> first_serving(ServingParams(), True, "init", 12).temperature  # restored, trained: as configured
     0.05
     >>> first_serving(ServingParams(), False, "init", 0).temperature  # no gate: as configured
