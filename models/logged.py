@@ -8,8 +8,9 @@ serving rule over the *logged* candidates: z_i = score_i·(1 + α·m_i)/T with t
 :class:`~models.policy.PolicyNetwork` target also applies its own hard drop (m_i <
 0.01·max m over the logged candidates): when it drops a slot the log selected, its
 probability of that selection is 0 (log −inf, weight 0). ``"similarity"`` is the rule with
-m = 0 (z = score/T) and ``"uniform"`` draws k of the n candidates uniformly in order,
-π = (n−k)!/n!.
+m = 0 (z = score/T), ``"topk"`` plain top-k by similarity (what the benchmarks call
+similarity-only: no draw, no exploration, :func:`topk_logits`) and ``"uniform"`` draws k of
+the n candidates uniformly in order, π = (n−k)!/n!.
 
 >>> d = LoggedDecisions.from_lists([[1, 2]], [[0.9, 0.1]], [[2]], [1.0], [np.log(0.5)], [1.0])
 >>> round(float(np.exp(log_weights(d, "uniform")[0])), 6)  # (1/2) / 0.5
@@ -30,6 +31,8 @@ from models.serving_rule import DYNAMIC_DROP_RATIO, plackett_luce_logprob_torch
 from topics.internal import Experience
 
 BLOCK_ELEMENTS = 1 << 22  # elements per bootstrap / sampling block (bounds memory)
+TOPK = "topk"  # plain top-k by similarity: what a client without a policy's intervention serves
+RANK_GAP = 40.0  # topk's logit step between ranks: deterministic order, no underflow
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,8 @@ def component_logits(
     """
     base, params = target.policy, target.params
     uniform = isinstance(base, str) and base == "uniform"
+    if isinstance(base, str) and base == TOPK:
+        return [(1.0, *topk_logits(decisions), False)]
     if isinstance(base, PolicyNetwork):
         masks = candidate_masks(base, decisions, batch_size)
         if params.drop == "dynamic":
@@ -254,8 +259,29 @@ def component_logits(
         kept = decisions.valid.copy()
         adjusted = np.where(kept, decisions.scores, 0.0) if base == "similarity" else np.zeros(kept.shape)
     else:
-        raise ValueError(f"unknown policy {base!r}: expected a PolicyNetwork, 'similarity' or 'uniform'")
+        raise ValueError(f"unknown policy {base!r}: expected a PolicyNetwork, 'similarity', 'topk' or 'uniform'")
     return [(w, adjusted / t, kept, uniform) for w, t in params.components()]
+
+
+def topk_logits(decisions: LoggedDecisions) -> tuple[np.ndarray, np.ndarray]:
+    """(z, kept) of plain top-k by similarity: only each row's k most similar candidates are
+    kept (k = the event's number of selections), drawn in score order.
+
+    Plackett–Luce over the kept slots with logits −RANK_GAP·rank draws them in rank order
+    with probability 1 − O(e^−RANK_GAP), and no probability underflows to 0.
+
+    >>> d = LoggedDecisions.from_lists([[1, 2, 3]], [[0.1, 0.3, 0.2]], [[2, 3]], [1.0], [-1.0], [0.0])
+    >>> z, kept = topk_logits(d)
+    >>> kept.tolist(), bool(z[0, 1] > z[0, 2])
+    ([[False, True, True]], True)
+    """
+    scores = np.where(decisions.valid, decisions.scores, -np.inf)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :].repeat(order.shape[0], 0), axis=1)
+    kept = decisions.valid & (rank < decisions.n_selected[:, None])
+    z = np.where(kept, -RANK_GAP * rank.astype(np.float64), 0.0)
+    return z, kept
 
 
 def resolve_target(policy: TargetPolicy, decisions: LoggedDecisions) -> tuple[PolicyNetwork | str, np.ndarray]:

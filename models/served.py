@@ -35,7 +35,16 @@ from models.estimators import (
 )
 from models.logged import LoggedDecisions, Served, component_logits, logprob_from_logits
 from models.reward_model import AdditiveRewardModel, SlotRewardModel
-from models.slate import achievable_range, behaviour_moments, slate_terms, slot_spread, target_inclusion
+from models.slate import (
+    MomentCache,
+    achievable_range,
+    behaviour_moments,
+    pinv_selected,
+    selected_mask,
+    slate_terms,
+    slot_spread,
+    target_inclusion,
+)
 
 RANGE_SHRINKAGE = 0.5  # the achievable range's reward model: nearly the least-squares fit
 
@@ -59,14 +68,21 @@ class SlateLog:
     seed: int = 0
     cache: dict[tuple[Served, str], Parts] = field(default_factory=dict)  # served_parts, per target and method
     theta: dict[Served, np.ndarray] = field(default_factory=dict)  # target_inclusion, per target
+    pinv_s: np.ndarray | None = None  # Γ^†1_S of the logging moments, computed on first use
 
     @classmethod
     def prepare(
-        cls, decisions: LoggedDecisions, prior_quantile: float | None = None, seed: int = 0, moments: bool = True
+        cls,
+        decisions: LoggedDecisions,
+        prior_quantile: float | None = None,
+        seed: int = 0,
+        moments: bool = True,
+        cache: MomentCache | None = None,
     ) -> SlateLog:
-        """``moments=False``: every decision kept, without the logging moments (for ``ips``/``snips`` only)."""
+        """``moments=False``: every decision kept, without the logging moments (for ``ips``/``snips`` only);
+        ``cache`` keeps each step's logging moments across logs (:class:`~models.slate.MomentCache`)."""
         if moments:
-            usable, q, g = behaviour_moments(decisions, seed=seed)
+            usable, q, g = behaviour_moments(decisions, seed=seed, cache=cache)
         else:
             n, c = decisions.valid.shape
             usable, q, g = np.ones(n, bool), np.zeros((n, c)), np.zeros((n, 0, 0))
@@ -116,7 +132,9 @@ def _served_parts(log: SlateLog, target: Served, method: str, clip: float | None
     if target not in log.theta:
         log.theta[target] = target_inclusion(d, target, seed=log.seed)
     theta = log.theta[target]
-    terms, w = slate_terms(d, theta, log.q_mu, log.gamma, method, log.phi, log.pred)
+    if log.pinv_s is None:
+        log.pinv_s = pinv_selected(log.gamma, selected_mask(d))
+    terms, w = slate_terms(d, theta, log.q_mu, log.gamma, method, log.phi, log.pred, pinv_s=log.pinv_s)
     return Parts(terms, np.ones_like(terms), np.abs(w), 0.0)
 
 

@@ -200,12 +200,44 @@ def target_inclusion(decisions: LoggedDecisions, target: Served, seed: int = 0) 
     return theta
 
 
-def behaviour_moments(decisions: LoggedDecisions, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+class MomentCache:
+    """Per logged step and temperature, the inclusion moments of the logging policy.
+
+    The behaviour side of a step never changes; only the window's temperature shares do.
+    The promotion gate keeps one across judgements, so that a sliding window computes the
+    moments of its new steps only. Keyed by the step's first-draw probabilities, T and k;
+    the oldest entries go first beyond ``size``.
+    """
+
+    def __init__(self, size: int = 20_000) -> None:
+        self.size = size
+        self.rows: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self.hits = 0
+
+    def moments(self, p: np.ndarray, k: int, keys: list[bytes], seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(q, Γ) of Plackett–Luce top-k on rows ``p``, computed for the rows not cached."""
+        missing = [i for i, key in enumerate(keys) if key not in self.rows]
+        self.hits += len(keys) - len(missing)
+        if missing:
+            qq, gg = inclusion(p[missing], k, seed=seed)
+            for j, i in enumerate(missing):
+                self.rows[keys[i]] = (qq[j], gg[j])
+        q = np.stack([self.rows[key][0] for key in keys])
+        g = np.stack([self.rows[key][1] for key in keys])
+        for key in list(self.rows)[: max(0, len(self.rows) - self.size)]:
+            del self.rows[key]
+        return q, g
+
+
+def behaviour_moments(
+    decisions: LoggedDecisions, seed: int = 0, cache: MomentCache | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(usable [N], q_μ [N, C], Γ_μ [N, C, C]) of the logging mixture over the window's temperatures.
 
     Each event's first-draw probabilities give its logits up to a constant, times its T:
     log p·T = score·(1 + α·m) + const, so the same policy at another temperature T' is
-    softmax(log p·T/T'). Events without ``candidate_probs`` are not usable.
+    softmax(log p·T/T'). Events without ``candidate_probs`` are not usable. ``cache``
+    keeps each step's moments for later calls (:class:`MomentCache`).
     """
     n, c = decisions.valid.shape
     usable = np.zeros(n, bool)
@@ -225,7 +257,12 @@ def behaviour_moments(decisions: LoggedDecisions, seed: int = 0) -> tuple[np.nda
         p = _softmax_rows(base / t, drawable)
         for k in np.unique(ks[usable]):
             rows = usable & (ks == k)
-            qq, gg = inclusion(p[rows], int(k), seed=seed)
+            if cache is None:
+                qq, gg = inclusion(p[rows], int(k), seed=seed)
+            else:
+                tag = f"{t!r}/{int(k)}/{c}/".encode()
+                keys = [tag + fp[i].tobytes() + decisions.temperature[i].tobytes() for i in np.flatnonzero(rows)]
+                qq, gg = cache.moments(p[rows], int(k), keys, seed)
             q[rows] += share * qq
             g[rows] += share * gg
     return usable, q, g
@@ -240,9 +277,22 @@ def pi_weights(theta: np.ndarray, gamma: np.ndarray, selected_mask: np.ndarray) 
     """
     if theta.shape[0] == 0:
         return np.zeros(0)
-    pinv = np.linalg.pinv(gamma, rcond=PINV_RCOND, hermitian=True)
-    w: np.ndarray = np.einsum("nc,ncd,nd->n", theta, pinv, selected_mask.astype(np.float64))
+    w: np.ndarray = np.einsum("nc,nc->n", theta, pinv_selected(gamma, selected_mask))
     return w
+
+
+def pinv_selected(gamma: np.ndarray, selected_mask: np.ndarray) -> np.ndarray:
+    """Γ_i^† 1_{S_i}, [N, C]: the behaviour's half of the PI weights, the same for every target
+    (computed once per log; the pseudo-inverse is most of a judgement's cost).
+
+    >>> pinv_selected(np.array([[[0.5, 0.0], [0.0, 0.5]]]), np.array([[True, False]])).tolist()
+    [[2.0, 0.0]]
+    """
+    if gamma.shape[0] == 0:
+        return np.zeros(selected_mask.shape)
+    pinv = np.linalg.pinv(gamma, rcond=PINV_RCOND, hermitian=True)
+    out: np.ndarray = np.einsum("ncd,nd->nc", pinv, selected_mask.astype(np.float64))
+    return out
 
 
 def selected_mask(decisions: LoggedDecisions) -> np.ndarray:
@@ -310,15 +360,19 @@ def slate_terms(
     method: str,
     phi: np.ndarray | None = None,
     pred: np.ndarray | None = None,
+    pinv_s: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-decision terms of ``"pi"`` or ``"dr"`` (see the module docstring) and the PI weights.
 
     ``dr`` needs the reward model's slot values ``phi`` [N, C] over each decision's
     candidates and its prediction ``pred`` [N] of the logged selection (cross-fitted:
-    from a model that did not see the decision, see :class:`SlateLog`).
+    from a model that did not see the decision, see :class:`SlateLog`). ``pinv_s``: a
+    precomputed :func:`pinv_selected` of ``gamma``.
     """
     mask = selected_mask(decisions)
-    w = pi_weights(theta, gamma, mask)
+    if pinv_s is None:
+        pinv_s = pinv_selected(gamma, mask)
+    w = np.einsum("nc,nc->n", theta, pinv_s) if theta.shape[0] else np.zeros(0)
     u = decisions.utility
     if method == "pi":
         return w * u, w

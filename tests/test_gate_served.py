@@ -17,6 +17,7 @@ from models.serving_rule import (
     sample_plackett_luce,
 )
 from pipeline.learner.gate import judge
+from pipeline.learner.publishing import FRESH_TEMPERATURE
 
 D, S, K = 4, 12, 2
 HELPFUL, HARMFUL, IRRELEVANT = range(0, 4), range(4, 8), range(8, 12)
@@ -107,3 +108,55 @@ def test_events_without_candidate_probs_fall_back_to_standard_ips(exploratory_lo
     bare = LoggedDecisions(**{**exploratory_log.__dict__, "first_probs": None})
     decision, reason, _ = judge(bare, GREEDY_TRAP, SERVING, epsilon=0.02, min_ess=1)
     assert "lack candidate_probs" in reason and decision in ("refused", "insufficient")
+
+
+def tied_log(net: PolicyNetwork, n: int, temperature: float, seed: int = 0) -> LoggedDecisions:
+    """Like :func:`served_log`, with near-tied similarity scores (as real embeddings give): the
+    helpful pair is the most similar by a hair, so plain top-k reads it and a draw at T = 0.05
+    reads almost anything."""
+    rng = np.random.default_rng(seed)
+    cands, scores, sel, lps, probs, utils = [], [], [], [], [], []
+    alpha = float(net.alpha.detach()[0])
+    for _ in range(n):
+        c = np.concatenate([rng.choice(list(g), 2, replace=False) for g in (HELPFUL, HARMFUL, IRRELEVANT)])
+        sc = np.array([0.53, 0.52, 0.51, 0.505, 0.50, 0.495])
+        with torch.no_grad():
+            m = net.candidate_masks(torch.zeros(1, net.arch.hidden), torch.from_numpy(c[None]))[0].double().numpy()
+        z = adjusted_logits(sc, m, alpha, temperature)
+        pos = sample_plackett_luce(z, K, rng)
+        chosen = [int(c[p]) for p in pos]
+        cands.append(c.tolist())
+        scores.append(sc)
+        sel.append(chosen)
+        lps.append(plackett_luce_logprob(z, pos))
+        probs.append(first_draw_probs(z))
+        utils.append(float(np.mean([VALUE[s] for s in chosen]) + 0.1 * rng.normal()))
+    return LoggedDecisions.from_lists(
+        cands, scores, sel, [temperature] * n, lps, utils, embedding=np.zeros((n, D)), first_probs=probs
+    )
+
+
+def test_similarity_only_is_plain_top_k_not_a_draw_at_the_serving_temperature() -> None:
+    # The real-LM bench's failure: the gate compared candidates with similarity drawn at
+    # T = 0.05, which on near-tied scores is far below plain top-k (what similarity-only
+    # serves), and promoted candidates better than that draw but below top-k.
+    neutral = net_with(helpful=0.0, harmful=0.0, irrelevant=0.0)  # the same mask everywhere: +0.18 as served
+    halfway = net_with(helpful=0.2, harmful=0.0, irrelevant=0.0)  # leans to the helpful pair: +0.50 as served
+    log = tied_log(neutral, 2000, temperature=1.0, seed=4)
+    decision, reason, est = judge(log, halfway, neutral, epsilon=0.02, min_ess=50)
+    assert est["similarity"].low <= 1.0 <= est["similarity"].high  # top-2 reads the helpful pair: +1
+    assert est["gain"].low > 0.1  # better than the neutral policy as served ...
+    assert est["gain_similarity"].high < -0.1  # ... and worse than similarity-only
+    assert decision == "refused", reason
+
+
+def test_the_serving_policy_is_judged_as_its_own_manifest_serves_it() -> None:
+    # A fresh first policy is published to be served as plain top-k (pipeline/learner/publishing.py,
+    # first_serving); the gate judges it so, not at the candidates' serving temperature.
+    neutral = net_with(helpful=0.0, harmful=0.0, irrelevant=0.0)
+    log = tied_log(neutral, 2000, temperature=1.0, seed=5)
+    greedy = ServingParams(temperature=FRESH_TEMPERATURE)
+    _, _, est = judge(log, neutral, neutral, epsilon=0.02, min_ess=50, serving_params=greedy)
+    _, _, at_t = judge(log, neutral, neutral, epsilon=0.02, min_ess=50)
+    assert at_t["serving"].high < 0.5 < est["serving"].low  # at T = 0.05 ≈ +0.18; top-k ≈ +0.9
+    assert est["gain"].high < -0.2  # the same network drawn at T = 0.05 is worse than it served as top-k

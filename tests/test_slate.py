@@ -10,9 +10,12 @@ from models.reward_model import AdditiveRewardModel, SlotRewardModel
 from models.served import SlateLog, evaluate_served
 from models.serving import ServingParams
 from models.slate import (
+    MomentCache,
     achievable_range,
+    behaviour_moments,
     inclusion,
     pi_weights,
+    pinv_selected,
     selected_mask,
     slate_terms,
     target_inclusion,
@@ -141,3 +144,36 @@ def test_served_mixture_inclusion_is_the_mixture_of_its_temperatures() -> None:
     warm = target_inclusion(d, Served("similarity", ServingParams(1.0, 0.0, 1.0)))
     assert np.allclose(theta, 0.75 * cold + 0.25 * warm)
     assert selected_mask(d).tolist() == [[True, True, False]]
+
+
+def test_moment_cache_gives_the_same_moments_and_computes_only_new_steps() -> None:
+    rng = np.random.default_rng(5)
+    n = 40
+    probs = [rng.dirichlet(np.ones(5)) for _ in range(n)]
+    temps = [0.05 if i % 10 else 0.25 for i in range(n)]
+    d = LoggedDecisions.from_lists(
+        [[1, 2, 3, 4, 5]] * n,
+        [[0.5, 0.4, 0.3, 0.2, 0.1]] * n,
+        [[1, 2]] * n,
+        temps,
+        [-1.0] * n,
+        [0.0] * n,
+        first_probs=probs,
+    )
+    cache = MomentCache()
+    plain = behaviour_moments(d)
+    first = behaviour_moments(d.subset(np.arange(30)), cache=cache)
+    assert cache.hits == 0 and all(np.allclose(a, b[:30]) for a, b in zip(first, plain, strict=True))
+    later = behaviour_moments(d, cache=cache)  # a window that slid on by 10 steps
+    assert cache.hits == 2 * 30  # each old step, at each of the window's two temperatures
+    assert all(np.allclose(a, b) for a, b in zip(later, plain, strict=True))
+
+
+def test_pi_weights_from_the_cached_pseudo_inverse_are_the_same() -> None:
+    d = _log([[1, 2], [2, 3], [1, 3]], [1.0, 0.0, 0.5], [0.5, 0.3, 0.2])
+    log = SlateLog.prepare(d)
+    theta = np.array([[0.9, 0.6, 0.5]] * 3)
+    mask = selected_mask(log.decisions)
+    direct = pi_weights(theta, log.gamma, mask)
+    cached = slate_terms(log.decisions, theta, log.q_mu, log.gamma, "pi", pinv_s=pinv_selected(log.gamma, mask))[1]
+    assert cached.tolist() == pytest.approx(direct.tolist())

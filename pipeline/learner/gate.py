@@ -28,6 +28,7 @@ docs/learning.md ("The promotion gate") says how much traffic a decision takes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -37,10 +38,11 @@ from typing import Any
 import torch
 
 from models.estimators import Estimate
-from models.logged import LoggedDecisions, Served
+from models.logged import TOPK, LoggedDecisions, Served
 from models.policy import PolicyNetwork
 from models.served import SlateLog, evaluate_served, gain_served
 from models.serving import ServingParams
+from models.slate import MomentCache
 from pipeline.component_config import GateConfig
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
@@ -127,24 +129,32 @@ def judge(
     n_boot: int = 200,
     seed: int = 0,
     params: ServingParams | None = None,
+    cache: MomentCache | None = None,
+    serving_params: ServingParams | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """The gate's rule on a log, without Kafka: ``(decision, reason, estimates)``.
 
     Every policy is judged as served by ``params`` (default: :class:`ServingParams`'s
-    defaults). ``estimates`` holds ``gain`` (over serving), ``gain_similarity``,
-    ``candidate``, ``serving`` and ``similarity``.
+    defaults), the serving policy by its own manifest's ``serving_params`` where given;
+    similarity-only is plain top-k (``"topk"``, :func:`models.logged.topk_logits`).
+    ``estimates`` holds ``gain`` (over serving), ``gain_similarity``, ``candidate``,
+    ``serving`` and ``similarity``. ``cache`` keeps the logging moments of each step
+    for the next judgement (:class:`~models.slate.MomentCache`).
     """
     params = params or ServingParams()
     if len(decisions) == 0:
         return "insufficient", "no logged decisions yet", {}
     note = ""
-    slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=method in ("pi", "dr", "dr-pi"))
+    moments = method in ("pi", "dr", "dr-pi")
+    slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=moments, cache=cache)
     if 2 * len(slog) < len(decisions):
         # Events from clients that do not log candidate_probs: only the standard slate IPS
         # (the logged propensity of the ordered selection) can judge them.
         method, note = "ips", f" [ips: {slog.left_out} of {len(decisions)} events lack candidate_probs]"
         slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=False)
-    decision, reason, estimates = judge_log(slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed)
+    decision, reason, estimates = judge_log(
+        slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed, serving_params
+    )
     return decision, reason + note, estimates
 
 
@@ -158,10 +168,14 @@ def judge_log(
     params: ServingParams,
     n_boot: int = 200,
     seed: int = 0,
+    serving_params: ServingParams | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """:func:`judge` on a prepared log (the benchmark judges many candidates on one)."""
-    targets = {name: Served(p, params) for name, p in (("candidate", candidate), ("serving", serving))}
-    targets["similarity"] = Served("similarity", params)
+    targets = {"candidate": Served(candidate, params), "serving": Served(serving, serving_params or params)}
+    # Similarity-only is plain top-k, as a client without the policy serves it, not similarity
+    # drawn at the serving temperature: on near-tied similarity scores (real embeddings) a
+    # draw at T = 0.05 is far below top-k, and a candidate above it may still be below top-k.
+    targets["similarity"] = Served(TOPK, params)
     # "dr-pi": DR's estimates with intervals widened to contain PI's as well (either one alone
     # under-covers on some logs, docs/benchmarks.md "Promotion gate calibration").
     methods = ("dr", "pi") if method == "dr-pi" else (method,)
@@ -195,6 +209,8 @@ def judge_window(
     config: GateConfig,
     n_boot: int = 200,
     params: ServingParams | None = None,
+    cache: MomentCache | None = None,
+    serving_params: ServingParams | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """:func:`judge` on the last ``config.window`` of ``experiences`` (the gate's window)."""
     decisions = LoggedDecisions.from_experiences(list(experiences)[-config.window :])
@@ -207,6 +223,8 @@ def judge_window(
         method=config.method,
         n_boot=n_boot,
         params=params,
+        cache=cache,
+        serving_params=serving_params,
     )
 
 
@@ -234,6 +252,8 @@ class PromotionGate:
         self.serving_manifest: Manifest | None = None
         self.pending: tuple[Manifest, PolicyNetwork] | None = None  # a candidate awaiting data
         self.decisions: list[GateDecision] = []
+        self.moments = MomentCache()  # the logging moments of the steps already judged on
+        self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest = manifest
@@ -241,22 +261,37 @@ class PromotionGate:
 
     async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> GateDecision:
         candidate = PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
-        return await self._decide(manifest, candidate)
+        async with self._deciding:
+            return await self._decide_now(manifest, candidate)
 
     async def reconsider(self) -> GateDecision | None:
         """Look again at a candidate that lacked data (called at the checkpoint cadence)."""
-        if self.pending is None:
-            return None
-        manifest, candidate = self.pending
-        return await self._decide(manifest, candidate)
+        async with self._deciding:  # the pending candidate as it is once no other judgement runs
+            if self.pending is None:
+                return None
+            manifest, candidate = self.pending
+            return await self._decide_now(manifest, candidate)
 
-    async def _decide(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
+    async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         est: dict[str, Estimate] = {}
         if self.serving_net is None or self.serving_manifest is None:
             decision, reason = "promoted", "no serving policy yet"
         else:
-            decision, reason, est = judge_window(
-                self.window(), candidate, self.serving_net, self.config, params=self.params
+            # A judgement takes seconds (docs/benchmarks.md, "Promotion gate calibration"): it runs
+            # in a worker thread on a copy of the window, so that the learner's loop (consuming,
+            # heartbeats, the supervisor) keeps running meanwhile.
+            window = list(self.window())[-self.config.window :]
+            decision, reason, est = await asyncio.to_thread(
+                judge_window,
+                window,
+                candidate,
+                self.serving_net,
+                self.config,
+                params=self.params,
+                cache=self.moments,
+                serving_params=ServingParams.from_wire(self.serving_manifest.serving)
+                if self.serving_manifest.serving is not None
+                else None,
             )
         serving_version = self.serving_manifest.version if self.serving_manifest else 0
         result = GateDecision(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ import torch
 
 from models.delta import encode_delta
 from models.policy import Arch
+from models.serving import ServingParams
 from models.trainer import PolicyTrainer
 from models.weights import to_safetensors
 from pipeline.component_config import LearnerConfig
@@ -48,6 +49,26 @@ from topics.manifest import Manifest, sha256_hex, split_chunks
 log = logging.getLogger(__name__)
 
 SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress")  # reasons whose checkpoints skip the gate
+# With the gate on, a fresh first policy (the same mask for every memory: similarity search)
+# is served at this temperature, as plain top-k, until the gate promotes a candidate: drawn
+# at the serving temperature it reads near-tied candidates almost at random, below
+# similarity-only (docs/learning.md, "The promotion gate"). Exploration is unchanged.
+FRESH_TEMPERATURE = 0.001
+
+
+def first_serving(serving: ServingParams, gated: bool, reason: str, updates: int) -> ServingParams:
+    """The serving parameters a checkpoint is published with.
+
+    >>> first_serving(ServingParams(), True, "init", 0).temperature
+    0.001
+    >>> first_serving(ServingParams(), True, "init", 12).temperature  # restored, trained: as configured
+    0.05
+    >>> first_serving(ServingParams(), False, "init", 0).temperature  # no gate: as configured
+    0.05
+    """
+    if gated and reason == "init" and updates == 0 and serving.temperature > FRESH_TEMPERATURE:
+        return replace(serving, temperature=FRESH_TEMPERATURE)
+    return serving
 
 
 def label_rule(decision: str) -> bool:
@@ -197,7 +218,7 @@ class Publishing:
             input_offsets=input_offsets,
             candidate=candidate,
             prepare=save_locally,
-            serving=self.serving.to_wire(),
+            serving=first_serving(self.serving, self.gate is not None, reason, trainer.updates).to_wire(),
             delta=delta,
         )
         self.deltas.record(manifest.version, tensors, delta is not None, changed_rows)

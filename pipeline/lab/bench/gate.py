@@ -21,7 +21,8 @@ gate's rule (:func:`pipeline.learner.gate.judge_log`), and the bench reports per
 estimator and log: the coverage of the 95% intervals of the candidate's value and of its
 gain over serving, the false-promotion rate (true gain < −ε and promoted; target ≤ 5%),
 the missed-promotion rate (true gain > ε, not below similarity-only, and not promoted)
-and the share left undecided. docs/benchmarks.md records the figures.
+and the share left undecided. docs/benchmarks.md records the figures. ``--cost`` times
+one judgement instead.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.logged import LoggedDecisions, Served, component_logits
+from models.logged import TOPK, LoggedDecisions, Served, component_logits
 from models.policy import PolicyNetwork
 from models.served import SlateLog
 from models.serving import ServingParams
 from models.serving_rule import plackett_luce_logprob
-from models.slate import inclusion
+from models.slate import MomentCache, inclusion
 from pipeline.lab.roles import HARMFUL, HELPFUL
 from pipeline.lab.simulator import Environment, Scenario
-from pipeline.learner.gate import PESSIMISM, judge_log
+from pipeline.learner.gate import PESSIMISM, judge, judge_log
 
 METHODS = ("ips", "snips", "pi", "dr", "dr-pi")
 LOGS = {"exploratory": ServingParams(temperature=1.0, explore_rate=0.0), "near-greedy": ServingParams()}
@@ -202,7 +203,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cands = [
         (name, policy_with(b, args.dim)) for name, b in candidate_biases(world, serving_bias, rng, args.candidates)
     ]
-    truth = {"serving": value_of(serving, served, full, phi), "similarity": value_of("similarity", served, full, phi)}
+    # similarity-only: plain top-k, as the gate compares with (pipeline/learner/gate.py)
+    truth = {"serving": value_of(serving, served, full, phi), "similarity": value_of(TOPK, served, full, phi)}
     greedy_t1 = ServingParams(temperature=1.0, explore_rate=0.0)
     serving_t1 = value_of(serving, greedy_t1, full, phi)
     best_k = float((np.sort(phi, axis=1)[:, ::-1][:, : scenario.k].sum(axis=1) / scenario.k).mean())
@@ -356,6 +358,31 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the report as JSON here")
     p.add_argument("--plot", help="write the calibration plot (PNG) here")
+    p.add_argument("--cost", action="store_true", help="only time one judgement on a near-greedy --window log")
+
+
+def judgement_cost(args: argparse.Namespace, runs: int = 3) -> str:
+    """CPU seconds of one gate judgement (:func:`pipeline.learner.gate.judge`) on a near-greedy
+    log of ``--window`` steps: the first on a window, and one after an earlier judgement
+    filled the moment cache (as the learner's gate judges its sliding window)."""
+    world = World(Scenario(embedding_dim=args.dim, slots=512, drift_day=None, seed=args.seed))
+    rng = np.random.default_rng(args.seed)
+    best = world.bias_best()
+    serving = policy_with(np.where(rng.random(best.size) < 0.5, best, 0.0), args.dim)
+    candidate = policy_with(0.5 * best, args.dim)
+    d = make_log(world, serving, LOGS["near-greedy"], args.window, rng, 0.0)
+
+    def cpu(cache: MomentCache | None) -> float:
+        t0 = time.process_time()
+        judge(d, candidate, serving, args.epsilon, args.min_ess, cache=cache)
+        return time.process_time() - t0
+
+    cpu(None)  # warm-up
+    first = sorted(cpu(None) for _ in range(runs))[runs // 2]
+    cache = MomentCache()
+    cpu(cache)
+    again = sorted(cpu(cache) for _ in range(runs))[runs // 2]
+    return f"one judgement, {args.window} steps: {first:.2f} s CPU; with the moments cached: {again:.2f} s CPU"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -365,6 +392,9 @@ def main(args: argparse.Namespace) -> int:
         args.min_ess = Settings().gate_min_ess
     if args.quick:
         args.window, args.candidates, args.repeats, args.truth_queries, args.boot = 400, 8, 1, 500, 100
+    if args.cost:
+        print(judgement_cost(args))
+        return 0
     report = run(args)
     print(table(report))
     print(

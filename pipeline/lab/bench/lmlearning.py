@@ -65,9 +65,9 @@ def measure(
 ) -> dict[str, float]:
     """Mean utility, gold-fact read rate and harmful leak of a policy as clients serve it.
 
-    ``policy`` (a LoadedPolicy) is served by a :class:`CausalRetriever` with its defaults
-    (T = 0.05, dynamic hard drop) and no exploration, ``draws`` times per question;
-    ``None`` is similarity-only: plain top-k.
+    ``policy`` (a LoadedPolicy) is served by a :class:`CausalRetriever` as its manifest's
+    ``serving`` says (T = 0.05 by default, dynamic hard drop) and no exploration, ``draws``
+    times per question; ``None`` is similarity-only: plain top-k.
     """
     from pipeline.client.retriever import CausalRetriever
 
@@ -76,7 +76,11 @@ def measure(
         texts=data.texts,
         k=u.k,
         n_candidates=u.candidates.shape[1],
-        temperature=0.05 if policy is not None else 1e-4,  # similarity-only: the draw is the ranking
+        # A policy at its manifest's serving temperature (T = 0.05 unless the learner says
+        # otherwise: a fresh first policy under the gate is served as top-k); similarity-only:
+        # the draw is the ranking.
+        temperature=None if policy is not None else 1e-4,
+        explore_rate=0.0,  # as its docstring says: no exploration (the manifest's would apply)
         seed=seed,
     )
     retriever.set_policy(policy)
