@@ -2,8 +2,9 @@
 
 Like an offline-evaluation report: for the last ``--window`` joined experiences, the
 estimated mean utility — with a 95% bootstrap interval and the effective sample size —
-of the serving policy, the latest candidate, similarity-only retrieval (m = 0) and
-uniform random choice over the candidates, each **as clients serve it** (the serving
+of the serving policy, the latest candidate, similarity-only retrieval (plain top-k, as a
+client without the policy serves it) and uniform random choice over the candidates, the
+policies **as clients serve them** (the serving
 parameters recorded in the serving manifest, else the defaults: :mod:`models.serving`),
 by standard slate IPS, its self-normalised form, the pseudo-inverse estimator and slate
 doubly robust estimation (:mod:`models.served`), as the promotion gate sees them. The
@@ -19,7 +20,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from models.logged import LoggedDecisions, Served
+from models.logged import TOPK, LoggedDecisions, Served
 from models.policy import PolicyNetwork
 from models.served import SLATE_METHODS, SlateLog, evaluate_served
 from models.serving import ServingParams
@@ -82,7 +83,7 @@ async def evaluate_window(
         tensors = await fetch_checkpoint(bootstrap, conn, index, manifest, topic)
         policies[role] = PolicyNetwork.from_tensors(tensors).eval()
         versions[role] = manifest.version
-    policies["similarity-only"] = "similarity"
+    policies["similarity-only"] = TOPK  # plain top-k, as the gate compares (docs/learning.md)
     policies["uniform"] = "uniform"
     report: dict[str, Any] = {
         "policy": conn.policy,
