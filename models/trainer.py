@@ -30,7 +30,7 @@ import torch
 from models.baseline import make_baseline
 from models.memory_stats import MemoryStats
 from models.policy import PolicyNetwork, init_policy
-from models.reinforce import credit_loss, importance_weights, label_loss, reinforce_loss
+from models.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
 from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
 from topics.internal import Experience
 
@@ -62,6 +62,10 @@ class TrainerConfig:
     baseline_fading: float = 0.01
     label_lr: float = 1e-2
     reset_scope: str = "network"  # a drift reset re-initialises: network | last_layer
+    # Once per-memory credit has arrived, steps without it get imputed effects (per-slot
+    # means + a share of the residual; docs/learning.md). False: the step reward there.
+    credit_impute: bool = True
+    credit_weight: float = 1.0  # importance of a step with measured effects against one without
     device: str = "cpu"
     seed: int = 0
 
@@ -220,7 +224,10 @@ class PolicyTrainer:
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
-        if batch.has_effect.any():
+        if self.config.credit_weight != 1.0 and batch.has_effect.any():
+            credited = torch.from_numpy(batch.has_effect.any(axis=1)).to(self.device)
+            w = torch.where(credited, w * self.config.credit_weight, w)
+        if batch.has_effect.any() or (self.config.credit_impute and len(self.baseline.slots)):
             loss = self._credit_loss(batch, terms, dists, step_adv, w)
             stats.credited = int(batch.has_effect.sum())
         else:
@@ -245,17 +252,27 @@ class PolicyTrainer:
     ) -> torch.Tensor:
         """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated."""
         slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
+        selected, sel_valid = batch.selected.cpu().numpy(), batch.selected_valid.cpu().numpy()
+        effect, has = batch.effect, batch.has_effect
+        if self.config.credit_impute and len(self.baseline.slots):
+            # Doubly robust: the positions without a measured effect get an imputed one.
+            base = self.baseline.slots
+            chosen = np.take_along_axis(slot_base, selected, axis=1).astype(np.float64)
+            imputed = impute_effects(batch.utility, chosen, sel_valid, base.residual)
+            for r in batch.utility - (chosen * sel_valid).sum(axis=1):
+                base.update_residual(float(r))
+            effect, has = np.where(has, effect, imputed), has | sel_valid
         loss = credit_loss(
             terms,
             dists,
             batch.selected,
             step_adv,
-            torch.from_numpy(batch.effect.astype(np.float32)).to(self.device),
-            torch.from_numpy(batch.has_effect).to(self.device),
+            torch.from_numpy(effect.astype(np.float32)).to(self.device),
+            torch.from_numpy(has).to(self.device),
             torch.from_numpy(slot_base.astype(np.float32)).to(self.device),
             w,
         )
-        sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), batch.selected.cpu().numpy(), axis=1)
+        sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), selected, axis=1)
         for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
             self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]))
         return loss
