@@ -65,7 +65,6 @@ class TrainerConfig:
     # Once per-memory credit has arrived, steps without it get imputed effects (per-slot
     # means + a share of the residual; docs/learning.md). False: the step reward there.
     credit_impute: bool = True
-    credit_weight: float = 1.0  # importance of a step with measured effects against one without
     device: str = "cpu"
     seed: int = 0
 
@@ -224,9 +223,6 @@ class PolicyTrainer:
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
-        if self.config.credit_weight != 1.0 and batch.has_effect.any():
-            credited = torch.from_numpy(batch.has_effect.any(axis=1)).to(self.device)
-            w = torch.where(credited, w * self.config.credit_weight, w)
         if batch.has_effect.any() or (self.config.credit_impute and len(self.baseline.slots)):
             loss = self._credit_loss(batch, terms, dists, step_adv, w)
             stats.credited = int(batch.has_effect.sum())
