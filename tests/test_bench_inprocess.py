@@ -49,3 +49,10 @@ def test_table_lists_seeds_then_the_mean() -> None:
     assert "| x | 0.0% / 2.0% → **1.0%** | 90.0% / 90.0% → **90.0%** | +0.800 / +0.800 → **+0.800** |" in text
     assert "| y | 100.0% → **100.0%** | 90.0% → **90.0%** | 90.0% → **90.0%** |" in text
 
+
+def test_the_flag_selects_the_in_process_bench() -> None:
+    import pipeline.cli as cli
+
+    argv = ["bench", "learning", "--in-process", "--seeds", "0,1", "--rows", "credit25", "--lr", "3e-4"]
+    a = cli.build_parser(argv).parse_args(argv)
+    assert (a.which, a.in_process, a.seeds, a.rows, a.lr) == ("learning", True, "0,1", "credit25", 3e-4)
