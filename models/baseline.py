@@ -53,6 +53,10 @@ class SlotBaseline:
         self.fading_factor = fading_factor
         self._mean: dict[int, float] = {}
         self._n: dict[int, int] = {}
+        # The moving mean of the residual u − Σ b̂(σ_j) of imputed credit (models/reinforce.py
+        # impute_effects), with the same running-then-fading rule as a slot's mean.
+        self.residual = 0.0
+        self.residual_n = 0
 
     def get(self, slot: int) -> float:
         return self._mean.get(slot, 0.0)
@@ -72,6 +76,10 @@ class SlotBaseline:
             self._mean.pop(int(s), None)
             self._n.pop(int(s), None)
 
+    def update_residual(self, r: float) -> None:
+        self.residual_n += 1
+        self.residual += max(self.fading_factor, 1.0 / self.residual_n) * (float(r) - self.residual)
+
     def means(self, slots: np.ndarray) -> np.ndarray:
         """The current means of an array of slots (0 for slots never credited)."""
         get = self._mean.get
@@ -82,11 +90,14 @@ class SlotBaseline:
 
     def state(self) -> dict[str, list[float] | list[int]]:
         slots = sorted(self._n, key=lambda s: -self._n[s])[:MAX_SAVED_SLOTS]
-        return {
+        out: dict[str, list[float] | list[int]] = {
             "slot": slots,
             "mean": [round(self._mean[s], 6) for s in slots],
             "n": [self._n[s] for s in slots],
         }
+        if self.residual_n:
+            out["residual"] = [round(self.residual, 6), float(self.residual_n)]
+        return out
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any] | None, fading_factor: float = 0.01) -> SlotBaseline:
@@ -95,6 +106,8 @@ class SlotBaseline:
             for s, m, n in zip(state.get("slot", []), state.get("mean", []), state.get("n", []), strict=False):
                 b._mean[int(s)] = float(m)
                 b._n[int(s)] = int(n)
+            if state.get("residual"):
+                b.residual, b.residual_n = float(state["residual"][0]), int(state["residual"][1])
         return b
 
 
@@ -106,6 +119,9 @@ class NoSlotBaseline(SlotBaseline):
 
     def means(self, slots: np.ndarray) -> np.ndarray:
         return np.zeros(slots.shape, np.float32)
+
+    def update_residual(self, r: float) -> None:
+        self.residual_n += 1  # b = 0 here: the residual's baseline stays 0 too
 
 
 class MovingBaseline:

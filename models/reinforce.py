@@ -18,11 +18,14 @@ weight is a constant in the gradient (no gradient flows through it).
 With per-memory credit (:func:`credit_loss`) each draw j of the Plackett–Luce order gets
 its own advantage ``A_j = e(σ_j) − b̂(σ_j)`` against the slot's moving mean effect b̂,
 plus the analytic term ``Σ_{i∈R_j} π_j(i)·b̂_i`` that keeps the estimate unbiased
-(docs/learning.md, "Per-memory credit").
+(docs/learning.md, "Per-memory credit"). On steps without measured effects,
+:func:`impute_effects` fills each read memory's effect from its per-slot mean plus an
+equal share of the step's unexplained residual (a doubly robust credit).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -78,6 +81,37 @@ def credit_loss(
     analytic = (dists * slot_baselines.unsqueeze(1)).sum(dim=2) * has_effect
     surrogate = (adv.detach() * terms + analytic).sum(dim=1)
     return -(weights * surrogate).mean()
+
+
+def impute_effects(
+    utility: np.ndarray,
+    chosen_means: np.ndarray,
+    selected_valid: np.ndarray,
+    residual_baseline: float,
+) -> np.ndarray:
+    """Imputed per-memory effects for steps without measured ones (docs/learning.md).
+
+    ``ê_j = b̂(σ_j) + (u − c − Σ_j' b̂(σ_j')) / K``: each read memory gets its own mean
+    effect so far (the direct model) plus an equal share of what the model does not
+    explain, ``K`` the row's number of read memories and ``c`` the residual's moving mean.
+    In :func:`credit_loss` the advantage becomes ``ê_j − b̂(σ_j) = r / K`` and the analytic
+    term ``Σ_i π_j(i)·b̂_i`` carries what is known about every candidate, on every step.
+    With every b̂ = 0 it is the step reward, shared out: ``(u − c) / K``.
+
+    ``utility`` [B], ``chosen_means`` [B, K] b̂ of each read memory, ``selected_valid``
+    [B, K]; returns [B, K] (0 at padding).
+
+    Hand-computed: u = 1, c = 0.2, two memories read with b̂ = 0.5 and −0.1: r = 1 − 0.2 −
+    0.4 = 0.4, a share of 0.2 each.
+
+    >>> e = impute_effects(np.array([1.0]), np.array([[0.5, -0.1, 9.0]]), np.array([[True, True, False]]), 0.2)
+    >>> e.round(6).tolist()
+    [[0.7, 0.1, 0.0]]
+    """
+    b = np.where(selected_valid, chosen_means, 0.0)
+    k = np.maximum(selected_valid.sum(axis=1), 1)
+    share = (utility - residual_baseline - b.sum(axis=1)) / k
+    return np.where(selected_valid, b + share[:, None], 0.0)
 
 
 def label_loss(

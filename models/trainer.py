@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from models.baseline import make_baseline
+from models.batch import Batch, make_batch
 from models.memory_stats import MemoryStats
 from models.policy import PolicyNetwork, init_policy, neutral_rows
-from models.reinforce import credit_loss, importance_weights, label_loss, reinforce_loss
+from models.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
 from models.row_adam import LazyRowAdam, RowSparseAdam, adam
 from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
 from topics.internal import Experience
@@ -56,92 +57,11 @@ class TrainerConfig:
     baseline_fading: float = 0.01
     label_lr: float = 1e-2
     reset_scope: str = "network"  # a drift reset re-initialises: network | last_layer
+    # Once per-memory credit has arrived, steps without it get imputed effects (per-slot
+    # means + a share of the residual; docs/learning.md). False: the step reward there.
+    credit_impute: bool = True
     device: str = "cpu"
     seed: int = 0
-
-
-@dataclass
-class Batch:
-    """Experiences as padded tensors (C = most candidates, K = most selections)."""
-
-    embedding: torch.Tensor  # [B, D]
-    loss: torch.Tensor  # [B]
-    entropy: torch.Tensor  # [B]
-    slots: torch.Tensor  # [B, C] long (padding: 0)
-    valid: torch.Tensor  # [B, C] bool
-    scores: torch.Tensor  # [B, C]
-    selected: torch.Tensor  # [B, K] positions into C
-    selected_valid: torch.Tensor  # [B, K] bool
-    temperature: torch.Tensor  # [B]
-    logged_logprob: torch.Tensor  # [B]
-    utility: np.ndarray  # [B] float64
-    effect: np.ndarray  # [B, K] float64: each selected memory's measured effect (per-memory credit)
-    has_effect: np.ndarray  # [B, K] bool: positions whose memory has an effect
-    target: torch.Tensor | None = None  # [B, C] bool: labelled slots (label batches)
-    harmful: torch.Tensor | None = None  # [B, C] bool: slots the labeler marked harmful (label batches)
-
-
-def make_batch(experiences: Sequence[Experience], device: str = "cpu", with_target: bool = False) -> Batch:
-    b = len(experiences)
-    c = max(len(e.event.candidates) for e in experiences)
-    k = max(max(len(e.event.selected) for e in experiences), 1)
-    slots = np.zeros((b, c), np.int64)
-    valid = np.zeros((b, c), bool)
-    scores = np.zeros((b, c), np.float32)
-    selected = np.zeros((b, k), np.int64)
-    selected_valid = np.zeros((b, k), bool)
-    effect = np.zeros((b, k), np.float64)
-    has_effect = np.zeros((b, k), bool)
-    target = np.zeros((b, c), bool) if with_target else None
-    harmful = np.zeros((b, c), bool) if with_target else None
-    for i, e in enumerate(experiences):
-        ev = e.event
-        n = len(ev.candidates)
-        slots[i, :n] = ev.candidates
-        valid[i, :n] = True
-        scores[i, :n] = ev.scores
-        pos = {s: j for j, s in enumerate(ev.candidates)}
-        sel = [pos[s] for s in ev.selected]
-        selected[i, : len(sel)] = sel
-        selected_valid[i, : len(sel)] = True
-        if e.slot_effects:
-            for j, s in enumerate(ev.selected):
-                if s in e.slot_effects and math.isfinite(e.slot_effects[s]):
-                    effect[i, j] = e.slot_effects[s]
-                    has_effect[i, j] = True
-        if target is not None and e.correct_memories:
-            for s in e.correct_memories:
-                if s in pos:
-                    target[i, pos[s]] = True
-        if harmful is not None and e.harmful_memories:
-            for s in e.harmful_memories:
-                if s in pos:
-                    harmful[i, pos[s]] = True
-    emb = np.stack([e.event.features.query_embedding for e in experiences]).astype(np.float32, copy=False)
-    feats = np.array(
-        [(e.event.features.last_step_loss, e.event.features.last_step_entropy) for e in experiences], np.float32
-    )
-
-    def t(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(x).to(device)
-
-    return Batch(
-        embedding=t(emb),
-        loss=t(np.ascontiguousarray(feats[:, 0])),
-        entropy=t(np.ascontiguousarray(feats[:, 1])),
-        slots=t(slots),
-        valid=t(valid),
-        scores=t(scores),
-        selected=t(selected),
-        selected_valid=t(selected_valid),
-        temperature=t(np.array([e.event.temperature for e in experiences], np.float32)),
-        logged_logprob=t(np.array([e.event.logprob for e in experiences], np.float32)),
-        utility=np.array([e.utility for e in experiences], np.float64),
-        effect=effect,
-        has_effect=has_effect,
-        target=t(target) if target is not None else None,
-        harmful=t(harmful) if harmful is not None else None,
-    )
 
 
 @dataclass
@@ -216,7 +136,7 @@ class PolicyTrainer:
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
-        if batch.has_effect.any():
+        if batch.has_effect.any() or (self.config.credit_impute and len(self.baseline.slots)):
             loss = self._credit_loss(batch, terms, dists, step_adv, w)
             stats.credited = int(batch.has_effect.sum())
         else:
@@ -241,17 +161,27 @@ class PolicyTrainer:
     ) -> torch.Tensor:
         """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated."""
         slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
+        selected, sel_valid = batch.selected.cpu().numpy(), batch.selected_valid.cpu().numpy()
+        effect, has = batch.effect, batch.has_effect
+        if self.config.credit_impute and len(self.baseline.slots):
+            # Doubly robust: the positions without a measured effect get an imputed one.
+            base = self.baseline.slots
+            chosen = np.take_along_axis(slot_base, selected, axis=1).astype(np.float64)
+            imputed = impute_effects(batch.utility, chosen, sel_valid, base.residual)
+            for r in batch.utility - (chosen * sel_valid).sum(axis=1):
+                base.update_residual(float(r))
+            effect, has = np.where(has, effect, imputed), has | sel_valid
         loss = credit_loss(
             terms,
             dists,
             batch.selected,
             step_adv,
-            torch.from_numpy(batch.effect.astype(np.float32)).to(self.device),
-            torch.from_numpy(batch.has_effect).to(self.device),
+            torch.from_numpy(effect.astype(np.float32)).to(self.device),
+            torch.from_numpy(has).to(self.device),
             torch.from_numpy(slot_base.astype(np.float32)).to(self.device),
             w,
         )
-        sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), batch.selected.cpu().numpy(), axis=1)
+        sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), selected, axis=1)
         for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
             self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]))
         return loss

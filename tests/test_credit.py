@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from models.baseline import SlotBaseline, make_baseline
-from models.reinforce import credit_loss, reinforce_loss
+from models.batch import make_batch
+from models.reinforce import credit_loss, impute_effects, reinforce_loss
 from models.serving_rule import plackett_luce_logprob, plackett_luce_terms_torch
-from models.trainer import make_batch
 from tests.test_trainer import event, fb, params, trainer
 from topics.internal import Experience
 
@@ -229,3 +229,61 @@ def test_simulator_attribution_rate_zero_keeps_the_stream_and_one_measures_each_
     assert effects == pytest.approx({s: c.effect(0, s) for s in sel}, abs=1e-9)  # noise-free scenario
     assert sum(effects.values()) == pytest.approx(true_u)  # the effects add up to the utility
     assert effects[sel[0]] > 0 > effects[sel[2]]
+
+
+# ---------------------------------------------------------------- imputed credit (doubly robust)
+
+
+def test_imputed_effects_share_the_residual_and_keep_known_means() -> None:
+    u = np.array([1.0, 0.2])
+    means = np.array([[0.5, -0.1, 0.3], [0.0, 0.0, 0.0]])
+    valid = np.array([[True, True, False], [True, True, True]])
+    e = impute_effects(u, means, valid, residual_baseline=0.2)
+    # Row 0: r = 1 − 0.2 − 0.4 = 0.4 → +0.2 each; row 1 (nothing known): (0.2 − 0.2) / 3 = 0.
+    assert e.round(9).tolist() == [[0.7, 0.1, 0.0], [0.0, 0.0, 0.0]]
+    # The imputed effects add up to the utility less the residual's mean.
+    assert float(e[0].sum()) == pytest.approx(1.0 - 0.2)
+
+
+def test_a_step_without_credit_moves_away_from_a_memory_known_to_hurt() -> None:
+    """Issue 14 at partial attribution: a bad step without nll_without_slot blamed every
+    memory it read alike. Once slot 3 is known to hurt (b̂ = −1) and the step's utility is
+    what that explains (residual 0), the imputed credit lowers slot 3 and raises slot 7."""
+    ev = event(0, candidates=[3, 7, 11, 20, 31], selected=[7, 3])
+
+    def masks(t: object) -> torch.Tensor:
+        net = t.net  # type: ignore[attr-defined]
+        return net.candidate_masks(net.features(*_feats(ev)), torch.tensor([ev.candidates])).detach()[0]
+
+    t = trainer()
+    t.baseline.slots.update(3, -1.0)
+    m0 = masks(t)
+    t.update([Experience("e0", "feedback", ev, -1.0)])
+    m1 = masks(t)
+    assert float(m1[0] - m0[0]) < 0 < float(m1[1] - m0[1])  # slot 3 down, slot 7 up
+    assert t.baseline.slots.n(3) == 1  # imputed effects never feed the per-slot means
+    # With imputation off, the step reward (A = −1) pushes both memories it read down.
+    off = trainer(credit_impute=False)
+    off.baseline.slots.update(3, -1.0)
+    off.update([Experience("e0", "feedback", ev, -1.0)])
+    m2 = masks(off)
+    assert float(m2[0] - m0[0]) < 0 and float(m2[1] - m0[1]) < 0
+
+
+def test_without_any_credit_seen_the_step_reward_is_unchanged() -> None:
+    a, b = trainer(), trainer(credit_impute=False)
+    for i in range(3):
+        a.update([fb(i, 0.5 * i)])
+        b.update([fb(i, 0.5 * i)])
+    assert all(torch.equal(v, params(b)[k]) for k, v in params(a).items())
+
+
+def test_the_residual_baseline_follows_the_unexplained_utility_and_is_saved() -> None:
+    t = trainer()
+    t.update([Experience("e0", "feedback", event(0, selected=[7, 3]), 0.3, slot_effects={7: 1.0, 3: -0.5})])
+    t.update([Experience("e1", "feedback", event(1, selected=[7, 3]), 0.9)])
+    slots = t.baseline.slots
+    # The second batch's residual: u − (b̂_7 + b̂_3) = 0.9 − 0.5 = 0.4, its first value.
+    assert (slots.residual_n, slots.residual) == (1, pytest.approx(0.4))
+    restored = make_baseline("moving", 0.01, t.baseline.state()).slots
+    assert (restored.residual_n, restored.residual) == (1, pytest.approx(0.4))

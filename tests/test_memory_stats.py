@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from models.batch import make_batch
 from models.memory_stats import MemoryStats
-from models.trainer import make_batch
 from pipeline.metrics import Metrics
 from pipeline.promtext import parse
 from pipeline.status.live import learner_view, memory_view

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from models.batch import make_batch
 from models.policy import LAST_LAYER, TENSOR_NAMES
 from models.serving_rule import (
     adjusted_logits,
@@ -15,7 +16,7 @@ from models.serving_rule import (
     plackett_luce_logprob,
     plackett_luce_logprob_torch,
 )
-from models.trainer import PolicyTrainer, TrainerConfig, make_batch
+from models.trainer import PolicyTrainer, TrainerConfig
 from topics.events import Features, RetrievalEvent
 from topics.internal import Experience
 

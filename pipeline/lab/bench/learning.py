@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.extras import require
-from pipeline.lab.bench import lmlearning
+from pipeline.lab.bench import inprocess, lmlearning
 from pipeline.lab.simrun import RunResult, RunSpec, run_scenario
 from pipeline.lab.simulator import DAY, Scenario
 
@@ -412,11 +412,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--seeds", help="several seeds side by side, e.g. 0,1,2 (rows are the means; overrides --seed; --lm: 0,1,2)"
     )
     lmlearning.add_options(p)  # --lm and its flags: the real-LM bench
+    p.add_argument("--in-process", action="store_true", help="the rows in one process, without Kafka (--lr applies)")
 
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "lm", False):
         return lmlearning.main(args)
+    if getattr(args, "in_process", False):
+        return inprocess.main(args)
     for module in ("yaml", "rich", *(["matplotlib"] if args.out else [])):  # before any process starts
         require(module, "lab")
     report = asyncio.run(run(args))

@@ -50,6 +50,16 @@ ROWS: dict[str, LMRow] = {
     "step": LMRow(RunSpec("step reward, no gate", labels=False, pipeline_env=NO_GATE)),
     "credit": LMRow(RunSpec("per-memory credit (100%), no gate", labels=False, pipeline_env=NO_GATE), 1.0),
     "credit25": LMRow(RunSpec("per-memory credit (25%), no gate", labels=False, pipeline_env=NO_GATE), 0.25),
+    # The learning rate issue 14 found better for real utilities, beside the default 1e-3.
+    "step_lr3e4": LMRow(
+        RunSpec("step reward, lr 3e-4, no gate", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_LR": "3e-4"})
+    ),
+    "credit25_lr3e4": LMRow(
+        RunSpec(
+            "per-memory credit (25%), lr 3e-4, no gate", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_LR": "3e-4"}
+        ),
+        0.25,
+    ),
     "step_gated": LMRow(RunSpec("step reward, gated (default gate)", labels=False)),
     "credit_gated": LMRow(RunSpec("per-memory credit (100%), gated (default gate)", labels=False), 1.0),
 }

@@ -37,10 +37,11 @@ import numpy as np
 import orjson
 import torch
 
+from models.batch import make_batch
 from models.policy import init_policy
 from models.reinforce import importance_weights, reinforce_loss
 from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
-from models.trainer import adam, make_batch
+from models.trainer import adam
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.lab.procs import Child

@@ -1,0 +1,58 @@
+"""``causalmem bench learning --in-process`` (pipeline/lab/bench/inprocess.py): its rows, its
+configuration of the trainer, its measures and its table, on a tiny scenario."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pipeline.lab.bench import inprocess
+from tests.test_lab_offline import TINY
+
+
+def test_rows_set_the_trainers_imputation() -> None:
+    cfg = inprocess._Config(hidden=16, credit_impute=False)
+    assert cfg.trainer(TINY).credit_impute is False
+    assert inprocess._Config(hidden=16).trainer(TINY).credit_impute is True
+    assert not inprocess.ROWS["credit25_plain"].credit_impute and inprocess.ROWS["credit25"].credit_impute
+    with pytest.raises(ValueError, match="unknown in-process rows"):
+        inprocess.run(argparse.Namespace(seeds="0", seed=0, rows="nope", lr=None, quick=True))
+
+
+def test_measures_as_served_and_for_a_drift() -> None:
+    scenario = dataclasses.replace(TINY, attribution_rate=0.25)
+    cfg = inprocess._Config(hidden=16, refresh_every=40, drift_min_pairs=20, page_hinkley=False, batch_size=16)
+    res = inprocess.run_offline(scenario, cfg)
+    drift = inprocess.measure(res, scenario)
+    assert set(drift) == {"before", "last_day", "ratio", "resets"} and 0.0 <= drift["last_day"] <= 1.0  # type: ignore[operator]
+    flat = dataclasses.replace(scenario, drift_day=None, days=1.0)
+    m = inprocess.measure(inprocess.run_offline(flat, cfg), flat)
+    assert 0.0 <= m["leak"] <= 1.0 and 0.0 <= m["recall"] <= 1.0  # type: ignore[operator]
+    assert m["steps_to_90pct_recall"] is None or m["steps_to_90pct_recall"] >= 300
+
+
+def test_table_lists_seeds_then_the_mean() -> None:
+    sim = {"leak": 0.0, "recall": 0.9, "utility": 0.8, "steps_to_90pct_recall": 1200.0}
+    report = {
+        "rows": {
+            "credit25": {"name": "x", "per_seed": [sim, {**sim, "leak": 0.02}], "mean": {**sim, "leak": 0.01}},
+            "reset": {
+                "name": "y",
+                "per_seed": [{"before": 1.0, "last_day": 0.9, "ratio": 0.9}],
+                "mean": {"before": 1.0, "last_day": 0.9, "ratio": 0.9},
+            },
+        }
+    }
+    text = inprocess.table(report)
+    assert "| x | 0.0% / 2.0% → **1.0%** | 90.0% / 90.0% → **90.0%** | +0.800 / +0.800 → **+0.800** |" in text
+    assert "| y | 100.0% → **100.0%** | 90.0% → **90.0%** | 90.0% → **90.0%** |" in text
+
+
+def test_the_flag_selects_the_in_process_bench() -> None:
+    import pipeline.cli as cli
+
+    argv = ["bench", "learning", "--in-process", "--seeds", "0,1", "--rows", "credit25", "--lr", "3e-4"]
+    a = cli.build_parser(argv).parse_args(argv)
+    assert (a.which, a.in_process, a.seeds, a.rows, a.lr) == ("learning", True, "0,1", "credit25", 3e-4)
