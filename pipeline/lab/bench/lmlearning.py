@@ -62,6 +62,8 @@ ROWS: dict[str, LMRow] = {
     ),
     "step_gated": LMRow(RunSpec("step reward, gated (default gate)", labels=False)),
     "credit_gated": LMRow(RunSpec("per-memory credit (100%), gated (default gate)", labels=False), 1.0),
+    # The product's defaults: the evaluator's 25% attribution, imputed credit between, the gate on.
+    "credit25_gated": LMRow(RunSpec("per-memory credit (25%), gated (the defaults)", labels=False), 0.25),
 }
 QUICK_ROWS = (SIMILARITY, "credit")
 TARGET_GAP = 0.5
