@@ -229,7 +229,7 @@ class PolicyNetwork(nn.Module):
         >>> net = PolicyNetwork(embedding_dim=2, slots=3, hidden=4)
         >>> net.suppress([1])
         >>> m = net.candidate_masks(torch.ones(1, 4), torch.tensor([[0, 1, 2]]))
-        >>> float(m[0, 1]) < 1e-12
+        >>> float(m[0, 1].detach()) < 1e-12
         True
         """
         idx = torch.tensor(sorted(set(slots)), dtype=torch.long)
