@@ -25,14 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.policy import NEUTRAL_BIAS, NEUTRAL_WEIGHT_SCALE
-
-
-def neutral_rows(m: int, hidden: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m`` fresh rows as :func:`models.policy.neutral_out` makes them (small weights, mask ≈ 1)."""
-    bound = 1.0 / max(hidden, 1) ** 0.5
-    weight = (torch.rand(m, hidden, generator=generator) * 2 - 1) * bound * NEUTRAL_WEIGHT_SCALE
-    return weight, torch.full((m,), NEUTRAL_BIAS)
+from models.policy import neutral_rows
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

@@ -224,8 +224,8 @@ class MomentCache:
                 self.rows[keys[i]] = (qq[j], gg[j])
         q = np.stack([self.rows[key][0] for key in keys])
         g = np.stack([self.rows[key][1] for key in keys])
-        for key in list(self.rows)[: max(0, len(self.rows) - self.size)]:
-            del self.rows[key]
+        while len(self.rows) > self.size:  # oldest first (dicts keep insertion order)
+            del self.rows[next(iter(self.rows))]
         return q, g
 
 

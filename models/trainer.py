@@ -376,3 +376,15 @@ class PolicyTrainer:
         fine-tunes, :meth:`init_rows`, suppression; a reset or a load marks all of them, and
         so does a new trainer (its first call returns every row)."""
         return self.net.changed.take()
+
+    def keep_changed_rows(self, rows: np.ndarray) -> None:
+        """Give back rows taken by :meth:`take_changed_rows` whose checkpoint was not published,
+        so that the next delta still ships them.
+
+        >>> t = PolicyTrainer(TrainerConfig(embedding_dim=4, slots=6, hidden=8))
+        >>> _ = t.take_changed_rows()
+        >>> t.init_rows([2]); rows = t.take_changed_rows()
+        >>> t.keep_changed_rows(rows); t.take_changed_rows().tolist()
+        [2]
+        """
+        self.net.changed.mark(rows)

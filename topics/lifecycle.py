@@ -84,7 +84,7 @@ def decode_memory_record(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) ->
         raise Rejected("out_of_range", f"op {op!r} (expected one of {', '.join(OPS)})")
     memory_id = f.str_("memory_id")
     if key is not NO_KEY_CHECK:
-        got = key.decode() if isinstance(key, bytes | bytearray) else key
+        got = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
         if got != memory_id:
             raise Rejected("key_mismatch", f"key {got!r} != memory_id {memory_id!r}")
     text = f.str_("text", required=op != "remove", max_len=limits.max_text_len)

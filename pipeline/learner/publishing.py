@@ -208,19 +208,24 @@ class Publishing:
             # Before anything is sent: every published version has its local copy (full) and moments.
             self.store.save(full_manifest(manifest, full), tensors, optimizer, baseline_state, full)
 
-        manifest = await self.publisher.publish(
-            blob,
-            alpha=float(tensors["alpha"].reshape(-1)[0]),
-            reason=reason,
-            arch=self.arch.to_dict(),
-            baseline=trainer.baseline.get(),
-            metrics=metrics,
-            input_offsets=input_offsets,
-            candidate=candidate,
-            prepare=save_locally,
-            serving=first_serving(self.serving, self.gate is not None, reason, trainer.updates).to_wire(),
-            delta=delta,
-        )
+        try:
+            manifest = await self.publisher.publish(
+                blob,
+                alpha=float(tensors["alpha"].reshape(-1)[0]),
+                reason=reason,
+                arch=self.arch.to_dict(),
+                baseline=trainer.baseline.get(),
+                metrics=metrics,
+                input_offsets=input_offsets,
+                candidate=candidate,
+                prepare=save_locally,
+                serving=first_serving(self.serving, self.gate is not None, reason, trainer.updates).to_wire(),
+                delta=delta,
+            )
+        except BaseException:  # not published: the next checkpoint must still ship these rows
+            if changed_rows is not None:
+                trainer.keep_changed_rows(changed_rows)
+            raise
         self.deltas.record(manifest.version, tensors, delta is not None, changed_rows)
         role = "candidate" if candidate else "serving"
         m = self.metrics

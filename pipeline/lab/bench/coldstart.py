@@ -7,7 +7,7 @@ memories are not in the index, so their output rows never receive a gradient. Th
 are added (the bank and the index gain them, as ``memory-lifecycle`` adds do) and their
 rows are initialised two ways, from the same trained policy and with the same traffic:
 
-* **fresh**: neutral rows (:func:`models.cold_start.neutral_rows`, mask ≈ 1), what a
+* **fresh**: neutral rows (:func:`models.policy.neutral_rows`, mask ≈ 1), what a
   new slot gets today;
 * **knn**: :func:`models.cold_start.knn_rows`, the similarity-weighted mean of the rows
   of the ``k`` nearest live memories (by memory embedding).
@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.cold_start import knn_rows, neutral_rows
+from models.cold_start import knn_rows
+from models.policy import neutral_rows
 from models.serving_rule import adjusted_logits, keep_dynamic
 from models.trainer import PolicyTrainer
 from pipeline.client.retriever import CausalRetriever
