@@ -175,7 +175,7 @@ def test_bad_lifecycle_records_are_dead_lettered_with_a_reason_and_change_nothin
     raw = orjson.dumps({"schema": "memory_lifecycle/v1", "op": "add", "memory_id": "k", "ts": 1.0, "text": "t"})
     assert bank.handle(10, b"other-key", raw, t).reason == "key_mismatch"  # type: ignore[union-attr]
     assert bank.handle(11, b"\xff\xfe", raw, t).reason == "key_mismatch"  # type: ignore[union-attr]  # not UTF-8
-    assert bank.pending == {} and bank.allocator.live == {} and bank.position == 11
+    assert bank.pending == {} and bank.allocator.live == {} and bank.position == 12
     assert all(torch.equal(before[k], v) for k, v in t.tensors().items())
 
 
