@@ -220,6 +220,24 @@ async def test_a_failing_supervised_task_is_reported_and_a_cancelled_one_is_not(
     assert [type(f) for f in failures] == [ValueError]
 
 
+async def test_a_task_returning_while_stopping_is_not_a_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """The learner's training loop returns once stopped: no CRITICAL "ended" line at every stop."""
+    failures: list[BaseException] = []
+    stopping = asyncio.Event()
+
+    async def returns() -> None:
+        await asyncio.sleep(0)
+
+    stopping.set()
+    supervise(asyncio.create_task(returns()), failures.append, "training", stopping=stopping.is_set)
+    await asyncio.sleep(0.05)
+    assert failures == [] and not [r for r in caplog.records if r.levelname == "CRITICAL"]
+    stopping.clear()  # the same return while not stopping is a failure
+    supervise(asyncio.create_task(returns()), failures.append, "training", stopping=stopping.is_set)
+    await asyncio.sleep(0.05)
+    assert [type(f) for f in failures] == [RuntimeError]
+
+
 # --------------------------------------------------------------------------- local restores
 
 

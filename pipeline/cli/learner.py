@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 stop.set()
 
         task, heartbeat = await start_watched(learner, probes, metrics)
-        supervise(task, failed, "training")
+        supervise(task, failed, "training", stopping=stop.is_set)
         # After a cluster reset (an embedded broker restart) a fresh start restores from the
         # local checkpoint, republishes it and reads every input from the beginning.
         watch = kafka.ClusterWatch(

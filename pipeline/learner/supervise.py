@@ -32,14 +32,26 @@ log = logging.getLogger(__name__)
 T = TypeVar("T", bound="asyncio.Task[Any]")
 
 
-def supervise(task: T, on_failure: Callable[[BaseException], None], name: str = "") -> T:
-    """Call ``on_failure`` when ``task`` raises or returns (cancelling it is a normal stop)."""
+def supervise(
+    task: T,
+    on_failure: Callable[[BaseException], None],
+    name: str = "",
+    stopping: Callable[[], bool] | None = None,
+) -> T:
+    """Call ``on_failure`` when ``task`` raises or returns (cancelling it is a normal stop).
+
+    ``stopping`` tells whether the process is stopping: a task that returns then has ended
+    as asked (the learner's training loop returns once :meth:`stop` is called), not failed.
+    """
     what = name or task.get_name()
 
     def done(t: asyncio.Task[Any]) -> None:
         if t.cancelled():
             return
         exc = t.exception()
+        if exc is None and stopping is not None and stopping():
+            log.debug("supervisor: task %s ended with the stop", what)
+            return
         if exc is None:
             exc = RuntimeError(f"task {what} ended although it should run until stopped")
             log.critical("supervisor: %s", exc)
