@@ -93,3 +93,77 @@ def knn_rows(
     out_w[where] = rows
     out_b[where] = biases
     return out_w, out_b
+
+
+class SlotEmbeddings:
+    """The live memories' unit embeddings by slot, in one matrix.
+
+    A new memory's nearest live memories are then one matrix–vector product over the bank
+    (≈ 0.4 GFLOP at 10^6 memories of D = 384), instead of gathering every embedding anew
+    for each added memory. Rows grow by doubling up to ``capacity`` (the policy's slots).
+
+    >>> bank = SlotEmbeddings(capacity=8)
+    >>> bank.set(5, np.array([1.0, 0.0], np.float32)); bank.set(2, np.array([0.0, 3.0], np.float32))
+    >>> slots, rows = bank.nearest(np.array([0.6, 0.8], np.float32), k=1)
+    >>> slots.tolist(), rows.tolist()
+    ([2], [[0.0, 1.0]])
+    >>> bank.drop(2); bank.nearest(np.array([0.6, 0.8], np.float32), k=3, exclude=5)[0].tolist()
+    []
+    >>> len(bank), 5 in bank
+    (1, True)
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._rows = np.zeros((0, 0), np.float32)
+        self._known = np.zeros(0, bool)
+
+    def __len__(self) -> int:
+        return int(self._known.sum())
+
+    def __contains__(self, slot: object) -> bool:
+        return isinstance(slot, int) and 0 <= slot < self._known.size and bool(self._known[slot])
+
+    def set(self, slot: int, embedding: np.ndarray) -> None:
+        """Record (or replace) ``slot``'s embedding."""
+        if not 0 <= slot < self.capacity:
+            raise ValueError(f"slot {slot} outside [0, {self.capacity})")
+        e = _unit(np.asarray(embedding, np.float32).ravel())
+        if self._rows.shape[1] not in (0, e.size):
+            raise ValueError(f"embedding sizes differ: bank {self._rows.shape[1]}, new {e.size}")
+        if slot >= self._known.size or self._rows.shape[1] == 0:
+            size = min(self.capacity, max(slot + 1, 2 * self._known.size, 64))
+            rows = np.zeros((size, e.size), np.float32)
+            known = np.zeros(size, bool)
+            if self._rows.size:
+                rows[: self._rows.shape[0]] = self._rows
+                known[: self._known.size] = self._known
+            self._rows, self._known = rows, known
+        self._rows[slot] = e
+        self._known[slot] = True
+
+    def drop(self, slot: int) -> None:
+        """Forget ``slot``'s embedding (a removed memory)."""
+        if 0 <= slot < self._known.size:
+            self._known[slot] = False
+
+    def clear(self) -> None:
+        self._rows = np.zeros((0, 0), np.float32)
+        self._known = np.zeros(0, bool)
+
+    def nearest(self, embedding: np.ndarray, k: int, exclude: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` known slots most similar to ``embedding`` (cosine), and their unit rows.
+
+        Order is unspecified; fewer than ``k`` when fewer are known.
+        """
+        known = self._known.copy()
+        if exclude is not None and 0 <= exclude < known.size:
+            known[exclude] = False
+        slots = np.flatnonzero(known)
+        if slots.size == 0 or k < 1:
+            return slots, np.zeros((0, self._rows.shape[1]), np.float32)
+        sims = self._rows @ _unit(np.asarray(embedding, np.float32).ravel())
+        sims[~known] = -np.inf
+        kk = min(k, slots.size)
+        top = np.argpartition(-sims, kk - 1)[:kk]
+        return top.astype(np.int64), self._rows[top]

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from models.cold_start import knn_rows
 from models.policy import NEUTRAL_BIAS
 from models.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
 from models.trainer import PolicyTrainer, TrainerConfig
@@ -158,6 +159,35 @@ def test_a_reused_slot_gets_a_fresh_row_not_the_removed_memorys() -> None:
     assert feed(bank, t, add("new", BASE_TS + 61)) == [None]
     assert bank.allocator.slot_of("new") == 0
     assert float(t.net.out.bias.detach()[0]) == pytest.approx(NEUTRAL_BIAS)
+
+
+def test_a_new_memory_starts_from_its_nearest_live_memories_and_not_from_removed_or_updated_away_ones() -> None:
+    """The bank's kNN cold start equals knn_rows over every live embedding (as it did before it kept a matrix)."""
+    t, bank = trainer(), MemoryBank(conn(), S, grace_s=0)
+    rng = np.random.default_rng(0)
+    embs = {f"m{i}": rng.normal(size=D).astype(np.float32) for i in range(7)}
+    feed(bank, t, *(add(m, embedding=e) for m, e in embs.items()))
+    with torch.no_grad():  # what learning gave the live memories
+        t.net.out.weight.copy_(torch.randn(S, H))
+        t.net.out.bias.copy_(torch.randn(S))
+    moved = rng.normal(size=D).astype(np.float32)
+    assert feed(
+        bank,
+        t,
+        MemoryRecord("remove", "m3", BASE_TS + 1),  # gone: no neighbour any more
+        MemoryRecord("update", "m5", BASE_TS + 1, text="moved", embedding=moved),
+    ) == [None, None]
+    embs["m5"] = moved
+    del embs["m3"]
+    live = {m: bank.allocator.slot_of(m) for m in embs}
+    w0, b0 = t.net.out.weight.detach().clone(), t.net.out.bias.detach().clone()
+    new = embs["m1"] + 0.1 * rng.normal(size=D).astype(np.float32)
+    assert feed(bank, t, add("new", BASE_TS + 2, embedding=new)) == [None]
+    slot = bank.allocator.slot_of("new")
+    want_w, want_b = knn_rows(w0, b0, np.stack(list(embs.values())), np.array(list(live.values())), new[None], k=5)
+    assert torch.allclose(t.net.out.weight.detach()[slot], want_w[0], atol=1e-6)
+    assert float(t.net.out.bias.detach()[slot]) == pytest.approx(float(want_b[0]), abs=1e-6)
+    assert len(bank.embeddings) == len(embs) + 1
 
 
 def test_bad_lifecycle_records_are_dead_lettered_with_a_reason_and_change_nothing() -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from aiokafka import TopicPartition
 
-from models.cold_start import knn_rows
+from models.cold_start import SlotEmbeddings, knn_rows
 from models.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
 from models.trainer import PolicyTrainer
 from pipeline import kafka
@@ -46,6 +46,7 @@ from topics.slotmap import SlotRecord, decode_slot_record, parse_slot_key
 log = logging.getLogger(__name__)
 
 HOLD_UNKNOWN_S = 5.0  # experiences wait at most this long for the lifecycle's first high watermark
+K_NEAREST = 5  # neighbours a new memory's row is made from (models.cold_start.knn_rows)
 
 
 class MemoryBank:
@@ -70,7 +71,7 @@ class MemoryBank:
         self.position = 0  # the next lifecycle offset to read
         self.pending: dict[int, SlotChange] = {}  # slot -> newest change not yet published
         self.since: dict[int, int] = {}  # live slot -> the first version with its row
-        self.embeddings: dict[int, np.ndarray] = {}  # live slot -> its memory's embedding, when given
+        self.embeddings = SlotEmbeddings(slots)  # live slots' memory embeddings, when given
         self.version = 0  # the newest version whose map is published
         self.changes = 0  # slot changes applied (a checkpoint is due when it grows)
         self.tp = TopicPartition(self.topic, 0)
@@ -123,14 +124,14 @@ class MemoryBank:
         try:
             if record.op == "remove":
                 change = a.remove(record.memory_id, record.ts)
-                self.embeddings.pop(change.slot, None)
+                self.embeddings.drop(change.slot)
                 self.pending[change.slot] = change
                 self.changes += 1
                 return None
             if record.op == "update":
                 slot = a.check_live(record.memory_id)
                 if record.embedding is not None:
-                    self.embeddings[slot] = record.embedding
+                    self.embeddings.set(slot, record.embedding)
                 return None
             added = a.add(record.memory_id, record.ts)
         except UnknownMemory as exc:
@@ -139,11 +140,11 @@ class MemoryBank:
             return Rejected("slots_full", str(exc))
         if added is None:  # an add of a live memory: a repeat, or an update by another name
             if record.embedding is not None:
-                self.embeddings[a.live[record.memory_id]] = record.embedding
+                self.embeddings.set(a.live[record.memory_id], record.embedding)
             return None
         self._cold_start(trainer, added.slot, record.embedding)
         if record.embedding is not None:
-            self.embeddings[added.slot] = record.embedding
+            self.embeddings.set(added.slot, record.embedding)
         self.pending[added.slot] = added
         self.changes += 1
         return None
@@ -270,14 +271,17 @@ class MemoryBank:
     def _cold_start(self, trainer: PolicyTrainer, slot: int, embedding: np.ndarray | None) -> None:
         """The new memory's row: from its nearest live memories' rows when its embedding is
         known (``models.cold_start.knn_rows``), else a neutral row; its Adam moments cleared."""
-        known = [s for s in self.embeddings if s != slot]
-        if embedding is None or not known:
+        if embedding is None:
             trainer.init_rows([slot])
             return
-        slots = np.array(known, np.int64)
-        embs = np.stack([self.embeddings[s] for s in known]).astype(np.float32)
+        slots, embs = self.embeddings.nearest(embedding, K_NEAREST, exclude=slot)
+        if slots.size == 0:
+            trainer.init_rows([slot])
+            return
         out = trainer.net.out
-        w, b = knn_rows(out.weight.detach(), out.bias.detach(), embs, slots, embedding[None].astype(np.float32))
+        w, b = knn_rows(
+            out.weight.detach(), out.bias.detach(), embs, slots, embedding[None].astype(np.float32), k=K_NEAREST
+        )
         trainer.init_rows([slot], w, b)
 
     def rows_from(self, version: int, trainer: PolicyTrainer) -> list[int]:
