@@ -226,8 +226,8 @@ class _NoKeyCheck:
 NO_KEY_CHECK: Any = _NoKeyCheck()
 
 
-def check_key(key: bytes | str | None, query_id: str) -> None:
-    """A message read from a keyed topic must be keyed by its query_id (co-partitioning).
+def check_key(key: bytes | str | None, value: str, name: str = "query_id") -> None:
+    """A message read from a keyed topic must be keyed by its ``name`` field (co-partitioning).
 
     >>> check_key(NO_KEY_CHECK, "q1"); check_key(b"q1", "q1")
     >>> try:
@@ -239,10 +239,10 @@ def check_key(key: bytes | str | None, query_id: str) -> None:
     if key is NO_KEY_CHECK:
         return
     if key is None:
-        raise Rejected("key_mismatch", "the message has no key; it must be the query_id")
+        raise Rejected("key_mismatch", f"the message has no key; it must be the {name}")
     k = key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else key
-    if k != query_id:
-        raise Rejected("key_mismatch", f"key {k[:64]!r} != query_id {query_id[:64]!r}")
+    if k != value:
+        raise Rejected("key_mismatch", f"key {k[:64]!r} != {name} {value[:64]!r}")
 
 
 class Fields:

@@ -313,7 +313,7 @@ def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> R
     """
     f = open_value(raw, limits, SCHEMA_RATING_PAIR)
     pair_id = f.str_("id")
-    check_key(key, pair_id)
+    check_key(key, pair_id, "pair_id")
     return RatingPair(
         id=pair_id, t=f.float_("t", 0.0, 1e11), u_query=f.float_("u_query"), rating=f.float_("rating", 0.0, 5.0)
     )

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from topics.fields import NO_KEY_CHECK, Limits, Rejected, WireValue, encode, float_array, open_value
+from topics.fields import NO_KEY_CHECK, Fields, Limits, Rejected, WireValue, check_key, encode, float_array, open_value
 
 SCHEMA_LIFECYCLE = "memory_lifecycle/v1"
 OPS = ("add", "update", "remove")
@@ -73,6 +73,20 @@ class MemoryRecord(WireValue):
         return self.memory_id.encode()
 
 
+def memory_embedding(f: Fields, name: str, limits: Limits) -> np.ndarray | None:
+    """The optional embedding field ``name``: float32 [D], or None when absent.
+
+    A list of the wrong size is ``embedding_length`` (the reason a query embedding of the
+    wrong size gets); a list far too long is ``oversize`` before it is read.
+    """
+    items = f.list_(name, required=False, max_len=max(limits.embedding_dim, 1) * 4)
+    if items is None:
+        return None
+    if len(items) != limits.embedding_dim:
+        raise Rejected("embedding_length", f"{name}: {len(items)} values, not {limits.embedding_dim}")
+    return float_array(items, name, limits.max_abs_value).astype(np.float32)
+
+
 def decode_memory_record(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> MemoryRecord:
     """A ``memory-lifecycle`` value, validated; the key, when checked, must be its ``memory_id``.
 
@@ -83,19 +97,11 @@ def decode_memory_record(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) ->
     if op not in OPS:
         raise Rejected("out_of_range", f"op {op!r} (expected one of {', '.join(OPS)})")
     memory_id = f.str_("memory_id")
-    if key is not NO_KEY_CHECK:
-        got = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
-        if got != memory_id:
-            raise Rejected("key_mismatch", f"key {got!r} != memory_id {memory_id!r}")
+    check_key(key, memory_id, "memory_id")
     text = f.str_("text", required=op != "remove", max_len=limits.max_text_len)
-    items = f.list_("embedding", required=False, max_len=max(limits.embedding_dim, 1) * 4)
-    embedding = None
-    if items is not None:
-        if op == "remove":
-            raise Rejected("inconsistent", "a remove carries no embedding")
-        if len(items) != limits.embedding_dim:  # the reason a query embedding of the wrong size gets
-            raise Rejected("embedding_length", f"embedding: {len(items)} values, not {limits.embedding_dim}")
-        embedding = float_array(items, "embedding", limits.max_abs_value).astype(np.float32)
+    embedding = memory_embedding(f, "embedding", limits)
+    if embedding is not None and op == "remove":
+        raise Rejected("inconsistent", "a remove carries no embedding")
     kind = f.str_("kind", required=False)
     if kind is not None and kind not in KINDS:
         raise Rejected("out_of_range", f"kind {kind!r} (expected one of {', '.join(KINDS)})")

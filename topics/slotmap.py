@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from topics.fields import Limits, Rejected, WireValue, encode, open_value
+from topics.fields import Limits, Rejected, WireValue, check_key, encode, open_value
 
 SCHEMA_SLOT = "slot_map/v1"
 SLOT_KEY_PART = "slot"
@@ -90,9 +90,7 @@ def decode_slot_record(raw: bytes, key: Any = None, limits: Limits | None = None
     if record.since > record.version:
         raise Rejected("inconsistent", "since is above version")
     if key is not None:
-        got = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
-        if got != record.key:
-            raise Rejected("key_mismatch", f"key {got!r} != {record.key!r}")
+        check_key(key, record.key, "slot-map key")
     return record
 
 

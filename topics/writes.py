@@ -31,7 +31,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from topics.fields import NO_KEY_CHECK, Fields, Limits, Rejected, WireValue, encode, float_array, open_value
+from topics.fields import NO_KEY_CHECK, Fields, Limits, Rejected, WireValue, check_key, encode, open_value
+from topics.lifecycle import memory_embedding
 
 SCHEMA_WRITE = "memory_write/v1"
 SCHEMA_WRITE_REJECTED = "memory_write_rejected/v1"
@@ -97,28 +98,10 @@ class RejectedWrite(WireValue):
         return self.write_id.encode()
 
 
-def _embedding(f: Fields, name: str, limits: Limits) -> np.ndarray | None:
-    items = f.list_(name, required=False, max_len=max(limits.embedding_dim, 1) + 1)
-    if items is None:
-        return None
-    arr = float_array(items, name, limits.max_abs_value)
-    if arr.shape[0] != limits.embedding_dim:
-        raise Rejected("embedding_length", f"{name}: {arr.shape[0]} values, not {limits.embedding_dim}")
-    return arr.astype(np.float32)
-
-
-def _check_key(key: Any, write_id: str) -> None:
-    if key is NO_KEY_CHECK:
-        return
-    got = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
-    if got != write_id:
-        raise Rejected("key_mismatch", f"key {str(got)[:64]!r} != write_id {write_id[:64]!r}")
-
-
 def write_from_fields(f: Fields, limits: Limits, key: Any = NO_KEY_CHECK) -> MemoryWrite:
     """A :class:`MemoryWrite` from an opened object (also the ``write`` inside a kept rejection)."""
     write_id = f.str_("write_id")
-    _check_key(key, write_id)
+    check_key(key, write_id, "write_id")
     return MemoryWrite(
         write_id=write_id,
         ts=f.float_("ts", 0.0, 1e11),
@@ -127,8 +110,8 @@ def write_from_fields(f: Fields, limits: Limits, key: Any = NO_KEY_CHECK) -> Mem
         step=f.int_("step", 0),
         reward=f.float_("reward"),
         expected_reward=f.float_("expected_reward", required=False),
-        embedding=_embedding(f, "embedding", limits),
-        query_embedding=_embedding(f, "query_embedding", limits),
+        embedding=memory_embedding(f, "embedding", limits),
+        query_embedding=memory_embedding(f, "query_embedding", limits),
         policy=f.str_("policy", required=False),
         source=f.str_("source", required=False),
     )
@@ -155,7 +138,7 @@ def decode_rejected_write(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -
     """
     f = open_value(raw, limits, SCHEMA_WRITE_REJECTED)
     write_id = f.str_("write_id")
-    _check_key(key, write_id)
+    check_key(key, write_id, "write_id")
     estimate = f.str_("estimate")
     if estimate not in ESTIMATES:
         raise Rejected("out_of_range", f"estimate {estimate!r} (expected one of {', '.join(ESTIMATES)})")
