@@ -260,6 +260,7 @@ class UiConfig:
     worker_urls: tuple[str, ...] = ()  # Prometheus endpoints for the health page
     learner_urls: tuple[str, ...] = ()
     shadow_window: int = 0  # >0: the health page shows shadow mode's estimate over the last N joined steps
+    shadow_every_s: float = 60.0  # that estimate reads the window and judges it again at most this often
 
     def __post_init__(self) -> None:
         if self.overlap < 1:

@@ -570,3 +570,36 @@ def test_sasl_logins_are_checked_by_the_broker_and_labels_use_the_labelers_crede
         assert ann_producer.stopped and "ann" not in pool.producers
     with pytest.raises(ValueError, match="labelers"):
         create_app(S.replace(state_dir=str(tmp_path)).ui(), "127.0.0.1:1", pool=Pool([]), feeds=Feeds())
+
+
+async def test_shadow_estimate_is_judged_again_at_most_every_shadow_every_s(tmp_path: Path) -> None:
+    """It re-reads and re-judges a window of steps: at every 5 s refresh it was most of the UI's work."""
+    from dataclasses import replace
+
+    from pipeline.ui.feeds import Feeds as TopicFeeds
+
+    config = replace(Settings(state_dir=str(tmp_path)).ui(), shadow_window=100, shadow_every_s=3600.0)
+    feeds = TopicFeeds("127.0.0.1:1", config)
+    calls: list[int] = []
+
+    async def shadow() -> dict[str, object]:
+        calls.append(1)
+        return {"mode": "shadow", "line": f"estimate {len(calls)}"}
+
+    async def nothing() -> set[str]:
+        return set()
+
+    async def snapshot() -> dict[str, object]:
+        return {"ts": BASE_TS}
+
+    async def estimates() -> list[object]:
+        return []
+
+    feeds._shadow, feeds._existing, feeds._gate_estimates = shadow, nothing, estimates  # type: ignore[method-assign]
+    feeds.status.snapshot = snapshot  # type: ignore[method-assign]
+    for _ in range(3):
+        await feeds.refresh()
+    assert len(calls) == 1 and feeds.snapshot is not None and feeds.snapshot["shadow"]["line"] == "estimate 1"
+    feeds._shadow_last = (feeds._shadow_last[0] - 3601.0, None)  # type: ignore[index]  # an hour on
+    await feeds.refresh()
+    assert len(calls) == 2 and feeds.snapshot["shadow"]["line"] == "estimate 2"

@@ -21,6 +21,7 @@ import base64
 import binascii
 import contextlib
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -130,6 +131,8 @@ class Feeds(Service):
         self.book = LabelBook()
         self.manifests: dict[int, dict[str, Any]] = {}
         self.snapshot: dict[str, Any] | None = None
+        # Shadow mode's estimate re-reads and re-judges a window of steps: not at every refresh.
+        self._shadow_last: tuple[float, dict[str, Any] | None] | None = None
         self.followers = {
             "events": TopicFollower(t.retrieval_events.name),
             "experiences": TopicFollower(t.experiences.name, [0]),
@@ -180,7 +183,10 @@ class Feeds(Service):
         snapshot = await self.status.snapshot()
         snapshot["gate_estimates"] = await self._gate_estimates()
         if self.config.shadow_window > 0:
-            snapshot["shadow"] = await self._shadow()
+            now = time.monotonic()
+            if self._shadow_last is None or now - self._shadow_last[0] >= self.config.shadow_every_s:
+                self._shadow_last = (now, await self._shadow())
+            snapshot["shadow"] = self._shadow_last[1]
         self.snapshot = snapshot
         self.refreshed.set()
 
