@@ -50,3 +50,27 @@ def test_text_search_follows_adds_and_never_returns_a_removed_memory() -> None:
     assert sorted(idx.text_search("freedonia", 5)) == ["a", "c"]  # rebuilt after the change
     idx.remove("a")
     assert idx.text_search("freedonia", 5) == ["c"]
+
+
+def test_an_ivf_base_keeps_its_nprobe_with_tombstones_and_a_wrong_base_is_refused() -> None:
+    import faiss
+    import pytest
+
+    rng = np.random.default_rng(1)
+    x = _unit(rng, 2000, 8)
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(8), 8, 32, faiss.METRIC_INNER_PRODUCT)
+    ivf.train(x)
+    ivf.nprobe = 32  # every list: the IVF answers exactly, tombstones or not
+    idx = IdIndex(8, base=ivf)
+    idx.add_many([f"m{i}" for i in range(2000)], x)
+    for i in range(0, 2000, 7):
+        idx.remove(f"m{i}")
+    assert idx._dead  # some not yet compacted: searched with an IVF selector
+    live = [i for i in range(2000) if i % 7]
+    for q in _unit(rng, 10, 8):
+        want = [f"m{live[j]}" for j in np.argsort(-(x[live] @ q))[:5]]
+        assert idx.search(q, 5)[0] == want
+    with pytest.raises(ValueError, match="trained, empty inner-product"):
+        IdIndex(8, base=faiss.IndexFlatL2(8))
+    with pytest.raises(ValueError):
+        IdIndex(4, base=ivf)

@@ -37,11 +37,34 @@ COMPACT_SHARE = 0.1  # ... and they are this share of the index's vectors
 
 
 class IdIndex:
-    """Memory id → (vector, text), searchable by inner product; safe to change while searched."""
+    """Memory id → (vector, text), searchable by inner product; safe to change while searched.
 
-    def __init__(self, dim: int) -> None:
+    ``base``: the faiss index the vectors go in (default: exact ``IndexFlatIP``). For a
+    million memories, an approximate one: a trained, empty inner-product index such as
+    ``IndexIVFFlat`` (its ``nprobe`` is kept for every search).
+
+    >>> import faiss
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(400, 4)).astype(np.float32)
+    >>> x /= np.linalg.norm(x, axis=1, keepdims=True)
+    >>> ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(4), 4, 8, faiss.METRIC_INNER_PRODUCT)
+    >>> ivf.train(x); ivf.nprobe = 8  # every list: exact here
+    >>> idx = IdIndex(4, base=ivf)
+    >>> idx.add_many([f"m{i}" for i in range(400)], x)
+    >>> best = idx.search(x[7], 1)[0]
+    >>> idx.remove("m7"), best, "m7" in idx.search(x[7], 3)[0]
+    (True, ['m7'], False)
+    """
+
+    def __init__(self, dim: int, base: Any = None) -> None:
         self.dim = dim
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        if base is None:
+            base = faiss.IndexFlatIP(dim)
+        elif base.d != dim or not base.is_trained or base.ntotal or base.metric_type != faiss.METRIC_INNER_PRODUCT:
+            raise ValueError("base must be a trained, empty inner-product faiss index of dimension " + str(dim))
+        self._nprobe: int | None = getattr(base, "nprobe", None)  # an IVF index: searched with its nprobe
+        self._index = faiss.IndexIDMap2(base)
+        self._base = base  # the map does not own it: kept alive here
         self._key_of: dict[str, int] = {}
         self._id_of: dict[int, str] = {}
         self._texts: dict[str, str] = {}
@@ -104,7 +127,16 @@ class IdIndex:
         if self._skip is None:
             batch = faiss.IDSelectorBatch(np.fromiter(self._dead, dtype=np.int64, count=len(self._dead)))
             not_dead = faiss.IDSelectorNot(batch)
-            self._skip = (faiss.SearchParameters(sel=not_dead), not_dead, batch)  # type: ignore[call-arg]  # the selectors live as long
+            params: Any
+            if self._nprobe is not None:
+                params = faiss.SearchParametersIVF(sel=not_dead, nprobe=self._nprobe)  # type: ignore[call-arg]
+            else:
+                params = faiss.SearchParameters(sel=not_dead)  # type: ignore[call-arg]
+            self._skip = (
+                params,
+                not_dead,
+                batch,
+            )  # the selectors live as long as the parameters  # the selectors live as long
         return self._skip[0]
 
     def text(self, memory_id: str) -> str | None:
