@@ -89,14 +89,19 @@ class AdapterConfig:
     requests in a logged random order, until the cut-over. ``early_exit_below``: skip the
     search when the policy's largest mask over every mapped slot is below it.
     ``difficulty_scaling`` β: the drop threshold times (1 + β·(1 − top score)).
+
+    ``temperature``, ``drop``, ``explore_rate``, ``explore_temperature``: None (the default)
+    follows the loaded checkpoint's manifest ``serving`` (as ``CausalRetriever`` does), and
+    before one says otherwise T = 0.05, dynamic drop, no exploration, explore T = 0.25; a
+    value set here wins (``pipeline.client.serving.follow``).
     """
 
     k: int = 4
     n_candidates: int = 20
-    temperature: float = 0.05
-    drop: str | float = "dynamic"
-    explore_rate: float = 0.0  # policy mode: share served at explore_temperature (docs/learning.md)
-    explore_temperature: float = 0.25
+    temperature: float | None = None
+    drop: str | float | None = None
+    explore_rate: float | None = None  # policy mode: share served at explore_temperature (docs/learning.md)
+    explore_temperature: float | None = None
     shadow: bool = False
     shadow_explore_rate: float = 0.05
     conflict_threshold: float = -0.2  # memory_conflict when the step's expected utility is below it

@@ -68,9 +68,12 @@ def train(trainer: PolicyTrainer, rows: list[int], step: float = 0.1) -> None:
     net.out.bias[rows] -= step
     net.hidden.weight.add_(step / 10)
     net.alpha.add_(0.01)
+    net.changed.mark(np.asarray(rows, dtype=np.int64))  # what the trainer's own writes record
 
 
 async def publish(p: Publishing, t: PolicyTrainer, reason: str = "periodic", **kw: Any) -> Manifest:
+    """Publish as the learner's loop does: with the rows written since the last checkpoint."""
+    kw.setdefault("changed_rows", t.take_changed_rows())
     return (await p.publish(t, reason=reason, metrics={}, input_offsets={}, **kw)).manifest
 
 
@@ -345,6 +348,38 @@ async def test_changed_rows_hint_accumulates_since_the_serving_version(tmp_path:
     m4 = await publish(p, t, changed_rows=np.array([7]))
     assert isinstance(m3, DeltaManifest) and isinstance(m4, DeltaManifest)
     assert m4.base_version == 2 and m4.rows == 2  # rows 5 and 7
+
+
+async def test_a_delta_publish_hashes_the_full_state_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full blob's sha256 is the delta's ``state_sha256`` and its local copy's: computed once."""
+    from pipeline.learner import publishing
+
+    p, t = learner(tmp_path, full_every=10)
+    await publish(p, t, "init")
+    train(t, [4])
+    full_size = len(to_safetensors(t.tensors()))
+    sizes: list[int] = []
+    real = publishing.sha256_hex
+
+    def counting(data: bytes) -> str:
+        sizes.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(publishing, "sha256_hex", counting)
+    m = await publish(p, t)
+    assert isinstance(m, DeltaManifest) and sizes.count(full_size) == 1
+    local = p.store.verified(m.version, ARCH)
+    assert local is not None and local[0]["manifest"]["sha256"] == m.state_sha256
+
+
+def test_the_planner_needs_the_written_rows() -> None:
+    """Deltas ship the rows the trainer recorded; there is no row-diffing path to fall back on."""
+    import inspect
+
+    from pipeline.learner.deltas import DeltaPlanner
+
+    assert inspect.signature(DeltaPlanner.plan).parameters["changed_rows"].default is inspect.Parameter.empty
+    assert inspect.signature(Publishing.publish).parameters["changed_rows"].default is inspect.Parameter.empty
 
 
 async def test_too_large_a_delta_is_a_full_snapshot(tmp_path: Path) -> None:
