@@ -151,12 +151,12 @@ class LearnerConfig:
     state_dir: Path = Path("~/.causalmem")  # the learner keeps its local checkpoints below it
     batch_size: int = 64
     reorder_s: float = 0.0  # >0: apply in event-time order, after this much reordering slack
-    checkpoint_interval_s: float = 10.0
+    checkpoint_interval_s: float = 2.0
     keep_versions: int = 3  # checkpoint versions left on the model topic
     # Delta checkpoints (contract 1.3, pipeline/learner/deltas.py): a full snapshot at least
     # every ``full_every`` versions (1: every checkpoint is full, no deltas) and whenever a
     # delta would exceed ``delta_max_share`` of a full snapshot's bytes.
-    full_every: int = 1
+    full_every: int = 50
     delta_max_share: float = 0.25
     replay_window_s: float = 7 * 86400.0  # event time of experience kept for warm-ups and the gate
     replay_max: int = 50_000  # experiences kept at most

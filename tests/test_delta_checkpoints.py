@@ -395,7 +395,14 @@ def test_settings_map_the_cadence() -> None:
     s = Settings.from_env({"CAUSALMEM_CHECKPOINT_FULL_EVERY": "20", "CAUSALMEM_CHECKPOINT_DELTA_MAX_SHARE": "0.1"})
     config = s.learner()
     assert (config.full_every, config.delta_max_share) == (20, 0.1)
-    assert Settings().learner().full_every == 1  # deltas are off unless configured
+    off = Settings.from_env({"CAUSALMEM_CHECKPOINT_FULL_EVERY": "1"}).learner()
+    assert off.full_every == 1  # every checkpoint full: deltas off
+
+
+def test_deltas_are_on_by_default_at_a_short_cadence() -> None:
+    """The defaults (docs/operations.md): deltas between full snapshots every 50 versions, a 2 s cadence."""
+    config = Settings().learner()
+    assert (config.full_every, config.checkpoint_interval_s, config.delta_max_share) == (50, 2.0, 0.25)
 
 
 # --------------------------------------------------------------------------- with a broker
