@@ -28,6 +28,8 @@ def test_summary_counts_never_fresh_pairs_in_the_quantiles() -> None:
     s = run.summary()
     assert s["never_fresh_share"] == 0.4 and s["median_s"] == 3.0 and s["p90_s"] is None  # None: never fresh
     assert s["median_s_with_warmup"] == 1.0 and s["pairs_per_s"] == 2.0
+    assert s["median_s_covered"] == 2.0 and s["p90_s_covered"] == 3.0  # among the pairs a checkpoint served
+    assert s["freshness_s"][-1] is None and s["warmup_pairs"] == 0
     assert "never" in freshness.table([run])
 
 

@@ -14,8 +14,11 @@ the client has loaded a serving checkpoint that covers it, i.e. whose manifest's
 ``input_offsets`` for the experiences topic are past the offset of the pair's joined
 experience (read back from the experiences topic at the end). A pair no serving checkpoint
 covered by the end of the run (``tail`` seconds after the traffic stops) counts as never
-fresh: its freshness is infinite, which the median and p90 include. With the gate on, only
-promoted candidates (and checkpoints served at once) serve: pairs wait for a promotion.
+fresh: its freshness is infinite, which the median and p90 include (``median_s_covered``
+and ``p90_s_covered`` leave them out: how fresh a pair is when a checkpoint covering it does
+serve). With the gate on, only promoted candidates (and checkpoints served at once) serve:
+pairs wait for a promotion, and once the policy has converged the gate may hold every
+candidate (no evidence that it is better), so that later pairs are never served.
 
 The first ``warmup`` seconds of traffic are left out of the figures (the gate's window is
 filling and its first decisions lack data); the report also gives them over every pair.
@@ -84,12 +87,17 @@ class Run:
             else None,
             "median_s": q(self.freshness_s, 50),
             "p90_s": q(self.freshness_s, 90),
+            # among the pairs some serving checkpoint covered: how fresh when the gate promotes
+            "median_s_covered": q([v for v in self.freshness_s if math.isfinite(v)], 50),
+            "p90_s_covered": q([v for v in self.freshness_s if math.isfinite(v)], 90),
             "median_s_with_warmup": q(self.all_freshness_s, 50),
             "p90_s_with_warmup": q(self.all_freshness_s, 90),
             "serving_loads": len(self.loads),
             "delta_loads": sum(1 for x in self.loads if x["delta"]),
             "checkpoints_published": self.checkpoints,
             "gate_decisions": self.gate_decisions,
+            "freshness_s": [v if math.isfinite(v) else None for v in self.all_freshness_s],  # None: never
+            "warmup_pairs": len(self.all_freshness_s) - len(self.freshness_s),
         }
 
 
@@ -238,7 +246,8 @@ def table(runs: list[Run]) -> str:
         return f"{v:.2f}" if v is not None else "never"
 
     lines = [
-        "config       gate  cadence  full_every  pairs/s  median s  p90 s  never  (with warm-up: median  p90)  loads",
+        "config       gate  cadence  full_every  pairs/s  median s  p90 s  never  covered: median  p90  "
+        "(with warm-up: median  p90)  loads",
     ]
     for r in runs:
         x = r.summary()
@@ -247,6 +256,7 @@ def table(runs: list[Run]) -> str:
             f"{r.name:<12} {'on' if r.gate else 'off':<5} {r.interval_s:>5.1f} s  {r.full_every:>10}  "
             f"{x['pairs_per_s'] or 0:>7.1f}  "
             f"{s(x['median_s']):>8}  {s(x['p90_s']):>5}  {(never or 0):>5.1%}  "
+            f"{s(x['median_s_covered']):>15}  {s(x['p90_s_covered']):>4}  "
             f"{s(x['median_s_with_warmup']):>22}  {s(x['p90_s_with_warmup']):>4}  {x['serving_loads']:>5}"
         )
     return "\n".join(lines)
