@@ -11,7 +11,10 @@ The wire format (chunk keys, the manifest) is in docs/contract.md and ``topics/m
   ``MAX_VERSION_JUMP``/``MAX_EPOCH_JUMP``, chunks of a version whose manifest came
   already (a fenced writer's late chunks) and, with a signing key, anything unsigned.
   Delta manifests and their chunks (contract 1.3, ``topics/delta.py``) are indexed apart,
-  under the same rules; :meth:`ModelTopicIndex.serving_head` is the newest serving link.
+  under the same rules; :meth:`ModelTopicIndex.serving_head` is the newest serving link,
+  :meth:`~ModelTopicIndex.candidate_head` the newest candidate, and
+  :meth:`~ModelTopicIndex.chain_to` / :meth:`~ModelTopicIndex.rebuildable` walk a delta's
+  chain back to its full snapshot (every reader finds versions through these).
 - :func:`scan_model_topic` reads the topic once into an index; :func:`fetch_blob` seeks to
   a version's chunks and assembles them, checked against the manifest's size and sha256.
 
