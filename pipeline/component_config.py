@@ -89,14 +89,19 @@ class AdapterConfig:
     requests in a logged random order, until the cut-over. ``early_exit_below``: skip the
     search when the policy's largest mask over every mapped slot is below it.
     ``difficulty_scaling`` β: the drop threshold times (1 + β·(1 − top score)).
+
+    ``temperature``, ``drop``, ``explore_rate``, ``explore_temperature``: None (the default)
+    follows the loaded checkpoint's manifest ``serving`` (as ``CausalRetriever`` does), and
+    before one says otherwise T = 0.05, dynamic drop, no exploration, explore T = 0.25; a
+    value set here wins (``pipeline.client.serving.follow``).
     """
 
     k: int = 4
     n_candidates: int = 20
-    temperature: float = 0.05
-    drop: str | float = "dynamic"
-    explore_rate: float = 0.0  # policy mode: share served at explore_temperature (docs/learning.md)
-    explore_temperature: float = 0.25
+    temperature: float | None = None
+    drop: str | float | None = None
+    explore_rate: float | None = None  # policy mode: share served at explore_temperature (docs/learning.md)
+    explore_temperature: float | None = None
     shadow: bool = False
     shadow_explore_rate: float = 0.05
     conflict_threshold: float = -0.2  # memory_conflict when the step's expected utility is below it
@@ -146,12 +151,12 @@ class LearnerConfig:
     state_dir: Path = Path("~/.causalmem")  # the learner keeps its local checkpoints below it
     batch_size: int = 64
     reorder_s: float = 0.0  # >0: apply in event-time order, after this much reordering slack
-    checkpoint_interval_s: float = 10.0
+    checkpoint_interval_s: float = 2.0
     keep_versions: int = 3  # checkpoint versions left on the model topic
     # Delta checkpoints (contract 1.3, pipeline/learner/deltas.py): a full snapshot at least
     # every ``full_every`` versions (1: every checkpoint is full, no deltas) and whenever a
     # delta would exceed ``delta_max_share`` of a full snapshot's bytes.
-    full_every: int = 1
+    full_every: int = 50
     delta_max_share: float = 0.25
     replay_window_s: float = 7 * 86400.0  # event time of experience kept for warm-ups and the gate
     replay_max: int = 50_000  # experiences kept at most

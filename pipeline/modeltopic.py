@@ -11,7 +11,10 @@ The wire format (chunk keys, the manifest) is in docs/contract.md and ``topics/m
   ``MAX_VERSION_JUMP``/``MAX_EPOCH_JUMP``, chunks of a version whose manifest came
   already (a fenced writer's late chunks) and, with a signing key, anything unsigned.
   Delta manifests and their chunks (contract 1.3, ``topics/delta.py``) are indexed apart,
-  under the same rules; :meth:`ModelTopicIndex.serving_head` is the newest serving link.
+  under the same rules; :meth:`ModelTopicIndex.serving_head` is the newest serving link,
+  :meth:`~ModelTopicIndex.candidate_head` the newest candidate, and
+  :meth:`~ModelTopicIndex.chain_to` / :meth:`~ModelTopicIndex.rebuildable` walk a delta's
+  chain back to its full snapshot (every reader finds versions through these).
 - :func:`scan_model_topic` reads the topic once into an index; :func:`fetch_blob` seeks to
   a version's chunks and assembles them, checked against the manifest's size and sha256.
 
@@ -38,7 +41,7 @@ from pipeline import kafka
 from pipeline.component_config import Connection
 from pipeline.config import Settings
 from pipeline.modelpublish import CheckpointPublisher
-from topics.delta import DeltaManifest, decode_delta_manifest
+from topics.delta import DeltaManifest, decode_delta_manifest, link_id
 from topics.fields import Rejected
 from topics.manifest import (
     MAX_EPOCH_JUMP,
@@ -54,6 +57,7 @@ from topics.manifest import (
 
 __all__ = ["CheckpointPublisher", "ModelTopicIndex", "check_blob", "fetch_blob", "read_range", "scan_model_topic"]
 
+MAX_CHAIN = 100_000  # links walked at most (a chain is as long as the versions between full snapshots)
 RANGE_FETCH_BYTES = 1024 * 1024  # read_range's fetch size: above the largest message (a 512 KiB chunk)
 
 # --------------------------------------------------------------------------- reading
@@ -208,6 +212,55 @@ class ModelTopicIndex:
         """The newest serving link of a policy, a full snapshot or a delta (what clients hold)."""
         options = [m for m in (self.serving.get(policy), self.delta_serving.get(policy)) if m is not None]
         return max(options, key=lambda m: m.version, default=None)
+
+    # Every reader finds versions through these, full or delta (contract 1.3): clients,
+    # ``causalmem evaluate``, ``evaluate --shadow``, ``rollback``, ``status`` and the web UI.
+
+    def candidate_head(self, policy: str) -> Manifest | None:
+        """The newest candidate of a policy (awaiting the promotion gate), a full snapshot or a delta."""
+        options = [m for m in (self.candidate.get(policy), self.delta_candidate.get(policy)) if m is not None]
+        return max(options, key=lambda m: m.version, default=None)
+
+    def version(self, policy: str, version: int) -> Manifest | None:
+        """A version's accepted manifest, full or delta."""
+        return self.manifests.get((policy, version)) or self.deltas.get((policy, version))
+
+    def links(self, policy: str) -> list[Manifest]:
+        """Every accepted manifest of a policy, full and delta, oldest first."""
+        found = [m for (p, _), m in [*self.manifests.items(), *self.deltas.items()] if p == policy]
+        return sorted(found, key=lambda m: m.version)
+
+    def chain_to(self, manifest: DeltaManifest) -> tuple[Manifest, list[DeltaManifest]]:
+        """The full snapshot ``manifest``'s chain starts from, and the deltas from it to ``manifest`` (in order).
+
+        Every base must be a full snapshot or a delta published under the serving delta key,
+        with the id the next link names. Raises :class:`CheckpointError` (``missing_link``).
+        """
+        links = [manifest]
+        link = manifest
+        for _ in range(MAX_CHAIN):
+            where = (link.policy, link.base_version)
+            full = self.manifests.get(where)
+            if full is not None and link_id(full) == link.base_sha256 and full.arch == manifest.arch:
+                return full, links[::-1]
+            base = self.deltas.get(where)
+            if base is None or where not in self.served_deltas or link_id(base) != link.base_sha256:
+                why = f"v{link.version}'s base v{link.base_version} is not on the topic"
+                raise CheckpointError("missing_link", why)
+            links.append(base)
+            link = base
+        raise CheckpointError("missing_link", f"v{manifest.version}: chain longer than {MAX_CHAIN}")
+
+    def rebuildable(self, manifest: Manifest) -> bool:
+        """Whether the topic still holds every chunk that rebuilding ``manifest``'s state needs (its chain's too)."""
+        links: list[Manifest] = [manifest]
+        if isinstance(manifest, DeltaManifest):
+            try:
+                full, deltas = self.chain_to(manifest)
+            except CheckpointError:
+                return False
+            links = [full, *deltas]
+        return all(all(i in self.offsets_of(m) for i in range(m.chunks)) for m in links)
 
 
 def model_topic(conn: Connection | Settings | None) -> str:

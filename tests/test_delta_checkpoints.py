@@ -68,9 +68,12 @@ def train(trainer: PolicyTrainer, rows: list[int], step: float = 0.1) -> None:
     net.out.bias[rows] -= step
     net.hidden.weight.add_(step / 10)
     net.alpha.add_(0.01)
+    net.changed.mark(np.asarray(rows, dtype=np.int64))  # what the trainer's own writes record
 
 
 async def publish(p: Publishing, t: PolicyTrainer, reason: str = "periodic", **kw: Any) -> Manifest:
+    """Publish as the learner's loop does: with the rows written since the last checkpoint."""
+    kw.setdefault("changed_rows", t.take_changed_rows())
     return (await p.publish(t, reason=reason, metrics={}, input_offsets={}, **kw)).manifest
 
 
@@ -347,6 +350,38 @@ async def test_changed_rows_hint_accumulates_since_the_serving_version(tmp_path:
     assert m4.base_version == 2 and m4.rows == 2  # rows 5 and 7
 
 
+async def test_a_delta_publish_hashes_the_full_state_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full blob's sha256 is the delta's ``state_sha256`` and its local copy's: computed once."""
+    from pipeline.learner import publishing
+
+    p, t = learner(tmp_path, full_every=10)
+    await publish(p, t, "init")
+    train(t, [4])
+    full_size = len(to_safetensors(t.tensors()))
+    sizes: list[int] = []
+    real = publishing.sha256_hex
+
+    def counting(data: bytes) -> str:
+        sizes.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(publishing, "sha256_hex", counting)
+    m = await publish(p, t)
+    assert isinstance(m, DeltaManifest) and sizes.count(full_size) == 1
+    local = p.store.verified(m.version, ARCH)
+    assert local is not None and local[0]["manifest"]["sha256"] == m.state_sha256
+
+
+def test_the_planner_needs_the_written_rows() -> None:
+    """Deltas ship the rows the trainer recorded; there is no row-diffing path to fall back on."""
+    import inspect
+
+    from pipeline.learner.deltas import DeltaPlanner
+
+    assert inspect.signature(DeltaPlanner.plan).parameters["changed_rows"].default is inspect.Parameter.empty
+    assert inspect.signature(Publishing.publish).parameters["changed_rows"].default is inspect.Parameter.empty
+
+
 async def test_too_large_a_delta_is_a_full_snapshot(tmp_path: Path) -> None:
     p, t = learner(tmp_path, full_every=10, delta_max_share=0.6)  # up to 13 of the 32 rows
     await publish(p, t, "init")
@@ -360,7 +395,14 @@ def test_settings_map_the_cadence() -> None:
     s = Settings.from_env({"CAUSALMEM_CHECKPOINT_FULL_EVERY": "20", "CAUSALMEM_CHECKPOINT_DELTA_MAX_SHARE": "0.1"})
     config = s.learner()
     assert (config.full_every, config.delta_max_share) == (20, 0.1)
-    assert Settings().learner().full_every == 1  # deltas are off unless configured
+    off = Settings.from_env({"CAUSALMEM_CHECKPOINT_FULL_EVERY": "1"}).learner()
+    assert off.full_every == 1  # every checkpoint full: deltas off
+
+
+def test_deltas_are_on_by_default_at_a_short_cadence() -> None:
+    """The defaults (docs/operations.md): deltas between full snapshots every 50 versions, a 2 s cadence."""
+    config = Settings().learner()
+    assert (config.full_every, config.checkpoint_interval_s, config.delta_max_share) == (50, 2.0, 0.25)
 
 
 # --------------------------------------------------------------------------- with a broker

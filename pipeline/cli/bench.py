@@ -1,4 +1,4 @@
-"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale``: the benchmarks, one
+"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale|freshness``: the benchmarks, one
 subcommand each with its own flags.
 
 Each benchmark is a module of :mod:`pipeline.lab.bench` with ``add_options(parser)`` and
@@ -24,6 +24,7 @@ HELP = {
     "gate": "the promotion gate's calibration on the simulator: coverage, false and missed promotions",
     "coldstart": "learner steps a new helpful memory needs to enter the served top-k: kNN rows vs fresh rows",
     "scale": "learner step rate and RSS, policy+faiss vs plain faiss latency at S = 10^3, 10^5, 10^6",
+    "freshness": "seconds from a pair's publication to a serving checkpoint covering it, loaded by a client",
 }
 
 

@@ -30,7 +30,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--checkpoint-interval",
         dest="checkpoint_interval_s",
         type=float,
-        help="seconds between checkpoints at most (default 10)",
+        help="seconds between checkpoints at most (default 2)",
     )
     p.add_argument("--device", help="cpu, cuda, or auto (default)")
     p.add_argument("--seed", type=int, help="seed of the initial policy")

@@ -34,7 +34,7 @@ import numpy as np
 
 from pipeline.client.idmap import IdSlotMap
 from pipeline.client.outbox import Outbox
-from pipeline.client.serving import draw, keep_flags, policy_masks
+from pipeline.client.serving import FOLLOWED, draw, follow, keep_flags, policy_masks
 from pipeline.client.shadow import Decision, ShadowMode, uniform_draw
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import AdapterConfig, Connection
@@ -125,6 +125,11 @@ class CausalServing(Outbox, Generic[D]):
             shadow = ShadowMode(self.config.shadow_explore_rate)
         self.shadow = shadow
         self.policy: LoadedPolicy | None = None
+        # Serving parameters: the config's explicit values, else the manifest's ``serving`` (set_policy).
+        self.explicit = {
+            name: getattr(self.config, name) for name in FOLLOWED if getattr(self.config, name) is not None
+        }
+        self.params = follow(None, self.explicit)
         self.rng = np.random.default_rng(self.config.seed)
         self.search_latency_s: float | None = None  # running mean of the wrapped search
         self.saved_latency_s = 0.0
@@ -132,10 +137,15 @@ class CausalServing(Outbox, Generic[D]):
 
     # ------------------------------------------------------------------ policy
     def set_policy(self, policy: LoadedPolicy | None) -> None:
-        """Swap the policy in (use as ``PolicySubscriber``'s ``on_update``); sees shadow mode's cut-over."""
+        """Swap the policy in (use as ``PolicySubscriber``'s ``on_update``); sees shadow mode's cut-over.
+
+        Serves by the manifest's ``serving`` parameters where the config sets none.
+        """
         if policy is not None and policy.net.arch.slots < self.idmap.slots:
             raise ValueError(f"policy has {policy.net.arch.slots} slots; the id map {self.idmap.slots}")
         self.policy = policy
+        if policy is not None and policy.serving is not None:
+            self.params = follow(policy.serving, self.explicit)
         if self.shadow is not None:
             self.shadow.observe(policy)
 
@@ -237,7 +247,8 @@ class CausalServing(Outbox, Generic[D]):
         pool = list(seen.values())
         scores = np.array([c.score for c in pool], dtype=np.float64)
         masks = policy_masks(self.policy, q, loss, entropy, slots) if len(slots) else np.zeros(0)
-        temperature, logprob, probs, fallback = cfg.temperature, 0.0, None, False
+        serving = self.params
+        temperature, logprob, probs, fallback = serving.temperature, 0.0, None, False
         kept_pos: list[int] = list(range(len(pool)))
         cand_masks: np.ndarray | None = masks
         dropped: list[int] = []
@@ -254,15 +265,16 @@ class CausalServing(Outbox, Generic[D]):
             probs = np.full(len(pool), 1.0 / len(pool)) if pool else None
         else:
             ratio_scale = self._threshold_scale(float(scores.max())) if len(scores) else 1.0
-            drop: str | float = cfg.drop
+            drop: str | float = serving.drop
             if not isinstance(drop, str):
                 drop = float(drop) * ratio_scale
-            keep = keep_flags(masks, drop, ratio=0.01 * ratio_scale) if len(masks) else np.zeros(0, bool)
+            ratio = serving.drop_ratio * ratio_scale
+            keep = keep_flags(masks, drop, ratio=ratio) if len(masks) else np.zeros(0, bool)
             kept_pos = [int(i) for i in np.flatnonzero(keep)]
             dropped = [int(s) for s in slots[~keep]]
             cand_masks = masks[keep]
-            explore = cfg.explore_rate > 0 and self.rng.random() < cfg.explore_rate
-            temperature = cfg.explore_temperature if explore else cfg.temperature
+            explore = serving.explore_rate > 0 and self.rng.random() < serving.explore_rate
+            temperature = serving.explore_temperature if explore else serving.temperature
             if kept_pos:
                 alpha = self.policy.alpha if self.policy is not None else 0.0
                 d = draw(scores[keep], masks[keep], alpha, temperature, cfg.k, self.rng)
@@ -324,7 +336,7 @@ class CausalServing(Outbox, Generic[D]):
             candidates=[int(slots[p]) for p in kept_pos],
             scores=scores[kept_pos] if kept_pos else np.zeros(0),
             selected=chosen_slots,
-            temperature=self.config.temperature,
+            temperature=self.params.temperature,
             logprob=0.0,
             fallback=False,
             policy=self.conn.policy,

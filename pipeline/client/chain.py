@@ -19,10 +19,8 @@ from models.weights import verify_and_load
 from pipeline.component_config import Connection
 from pipeline.config import Settings
 from pipeline.modeltopic import ModelTopicIndex, fetch_blob
-from topics.delta import DeltaManifest, link_id
+from topics.delta import DeltaManifest
 from topics.manifest import CheckpointError, Manifest
-
-MAX_CHAIN = 100_000  # links walked at most (a chain is as long as the versions between full snapshots)
 
 
 def arch_of(manifest: Manifest) -> Arch:
@@ -32,24 +30,9 @@ def arch_of(manifest: Manifest) -> Arch:
 
 
 def chain_to(index: ModelTopicIndex, manifest: DeltaManifest) -> tuple[Manifest, list[DeltaManifest]]:
-    """The full snapshot ``manifest``'s chain starts from, and the deltas from it to ``manifest`` (in order).
-
-    Every base must be a full snapshot or a delta published under the serving delta key,
-    with the id the next link names. Raises :class:`CheckpointError` (``missing_link``).
-    """
-    links = [manifest]
-    link = manifest
-    for _ in range(MAX_CHAIN):
-        where = (link.policy, link.base_version)
-        full = index.manifests.get(where)
-        if full is not None and link_id(full) == link.base_sha256 and full.arch == manifest.arch:
-            return full, links[::-1]
-        base = index.deltas.get(where)
-        if base is None or where not in index.served_deltas or link_id(base) != link.base_sha256:
-            raise CheckpointError("missing_link", f"v{link.version}'s base v{link.base_version} is not on the topic")
-        links.append(base)
-        link = base
-    raise CheckpointError("missing_link", f"v{manifest.version}: chain longer than {MAX_CHAIN}")
+    """The full snapshot ``manifest``'s chain starts from, and the deltas from it to ``manifest``
+    (:meth:`ModelTopicIndex.chain_to`). Raises :class:`CheckpointError` (``missing_link``)."""
+    return index.chain_to(manifest)
 
 
 async def fetch_delta(

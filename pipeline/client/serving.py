@@ -5,7 +5,10 @@ index; the adapters for LangChain and LlamaIndex get them from the user's retrie
 then do the same three things, written once here over :mod:`models.serving_rule`: the
 policy's mask over the candidate slots (:func:`policy_masks`), the hard drop
 (:func:`keep_flags`) and the Plackett–Luce draw with its true log-probability
-(:func:`draw`).
+(:func:`draw`). Which serving parameters are in force is decided here too
+(:func:`follow`): an explicit value wins, else the loaded checkpoint's manifest ``serving``
+(what the learner was configured with and the promotion gate judged the policy under),
+else :data:`UNSERVED`.
 
 >>> import numpy as np
 >>> keep_flags(np.array([1.0, 0.001, 0.5]), "dynamic").tolist()
@@ -17,11 +20,14 @@ policy's mask over the candidate slots (:func:`policy_masks`), the hard drop
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from models.serving import ServingParams
 from models.serving_rule import (
     DYNAMIC_DROP_RATIO,
     adjusted_logits,
@@ -32,6 +38,42 @@ from models.serving_rule import (
     sample_plackett_luce,
 )
 from pipeline.client.subscriber import LoadedPolicy
+
+FOLLOWED = ("temperature", "drop", "explore_rate", "explore_temperature")  # what an explicit value can fix
+UNSERVED = ServingParams(explore_rate=0.0)  # before a manifest says otherwise: T 0.05, no exploration, dynamic drop
+
+
+@dataclass(frozen=True)
+class ServingValues:
+    """The serving parameters a client applies: ``drop`` as ``keep_flags`` takes it, and the dynamic drop's ratio."""
+
+    temperature: float
+    drop: str | float
+    drop_ratio: float
+    explore_rate: float
+    explore_temperature: float
+
+
+def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> ServingValues:
+    """The values in force: ``explicit`` ones (among :data:`FOLLOWED`) win, the rest come from ``params``
+    (a manifest's ``serving``; None: :data:`UNSERVED`).
+
+    >>> v = follow(ServingParams(temperature=0.2, explore_rate=0.1, drop="fixed", drop_ratio=0.3), {"temperature": 1.0})
+    >>> v.temperature, v.drop, v.explore_rate
+    (1.0, 0.3, 0.1)
+    >>> p = ServingParams(drop_ratio=0.05)
+    >>> follow(p, {}).drop_ratio, follow(p, {"drop": "dynamic"}).drop_ratio  # an explicit drop keeps its own ratio
+    (0.05, 0.01)
+    """
+    p = params if params is not None else UNSERVED
+    given = {k: v for k, v in explicit.items() if k in FOLLOWED and v is not None}
+    return ServingValues(
+        temperature=float(given.get("temperature", p.temperature)),
+        drop=given.get("drop", p.drop_spec),
+        drop_ratio=DYNAMIC_DROP_RATIO if "drop" in given else p.drop_ratio,
+        explore_rate=float(given.get("explore_rate", p.explore_rate)),
+        explore_temperature=float(given.get("explore_temperature", p.explore_temperature)),
+    )
 
 
 def policy_masks(

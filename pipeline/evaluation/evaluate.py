@@ -5,7 +5,8 @@ estimated mean utility — with a 95% bootstrap interval and the effective sampl
 of the serving policy, the latest candidate, similarity-only retrieval (plain top-k, as a
 client without the policy serves it) and uniform random choice over the candidates, the
 policies **as clients serve them** (the serving
-parameters recorded in the serving manifest, else the defaults: :mod:`models.serving`),
+parameters recorded in the serving manifest, else the defaults: :mod:`models.serving`);
+the serving and candidate versions are full snapshots or deltas (rebuilt from their chain),
 by standard slate IPS, its self-normalised form, the pseudo-inverse estimator and slate
 doubly robust estimation (:mod:`models.served`), as the promotion gate sees them. The
 logged (on-policy) mean utility is shown for reference.
@@ -69,12 +70,13 @@ async def evaluate_window(
     index = await scan_model_topic(bootstrap, conn, topic)
     policies: dict[str, Any] = {}
     versions: dict[str, int | None] = {}
-    serving_manifest = index.serving.get(conn.policy)
+    # Full snapshots or deltas (contract 1.3): a delta's version is rebuilt from its chain.
+    serving_manifest = index.serving_head(conn.policy)
     if params is None:
         params = ServingParams.from_wire(serving_manifest.serving if serving_manifest is not None else None)
     for role, manifest in (
-        ("serving", index.serving.get(conn.policy)),
-        ("candidate", index.candidate.get(conn.policy)),
+        ("serving", serving_manifest),
+        ("candidate", index.candidate_head(conn.policy)),
     ):
         if manifest is None or (
             role == "candidate" and "serving" in versions and manifest.version <= (versions["serving"] or 0)

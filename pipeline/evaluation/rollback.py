@@ -3,8 +3,9 @@
 The learner is the single writer of the policy, so the verb asks it, over the ``control``
 topic, to republish the weights of VERSION as a new serving version (reason
 ``rollback``; serving versions only grow, so clients take it like any other update) and
-to continue training from them. The weights come from the model topic or, once the topic
-has tombstoned that version, from the learner's local directory. The verb waits until the
+to continue training from them. The weights come from the model topic (a delta version is
+rebuilt from its chain) or, once the topic has tombstoned that version, from the learner's
+local directory. The verb waits until the
 rollback checkpoint is on the model topic.
 """
 
@@ -36,9 +37,9 @@ async def rollback(bootstrap: str, conn: Connection | Settings, version: int, re
     if version >= newest.version or version < 1:
         print(f"version {version} is not an earlier checkpoint (newest is v{newest.version})")
         return 1
-    have = index.chunk_offsets.get((policy, version), {})
-    known = index.manifests.get((policy, version))
-    where = "on the model topic" if known and len(have) >= known.chunks else "not on the model topic any more"
+    known = index.version(policy, version)  # a full snapshot or a delta (rebuilt from its chain)
+    rebuildable = known is not None and index.rebuildable(known)
+    where = "on the model topic" if rebuildable else "not on the model topic any more"
     print(f"rolling policy {policy!r} back to v{version} ({where}; the learner also keeps recent versions locally)")
     ctl = Control(
         command="rollback",
@@ -57,7 +58,7 @@ async def rollback(bootstrap: str, conn: Connection | Settings, version: int, re
     while time.monotonic() < deadline:
         await asyncio.sleep(1.0)
         index = await scan_model_topic(bootstrap, conn, topic)
-        serving = index.serving.get(policy)
+        serving = index.serving_head(policy)
         if (
             serving is not None
             and serving.reason == "rollback"

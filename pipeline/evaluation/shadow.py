@@ -72,9 +72,10 @@ class CutoverRule:
 
 
 def cutover_manifest(index: ModelTopicIndex, policy: str) -> Any:
-    """The newest checkpoint of ``policy`` with reason ``cutover``, or None (still in shadow mode)."""
-    found = [m for (p, _), m in index.manifests.items() if p == policy and m.reason == CUTOVER_COMMAND]
-    return max(found, key=lambda m: m.version) if found else None
+    """The newest checkpoint of ``policy`` with reason ``cutover`` (a full snapshot or a delta), or None
+    (still in shadow mode)."""
+    found = [m for m in index.links(policy) if m.reason == CUTOVER_COMMAND]
+    return found[-1] if found else None
 
 
 async def shadow_report(
@@ -86,7 +87,7 @@ async def shadow_report(
     topic = conn.topics.policy_checkpoints.name
     index = await scan_model_topic(bootstrap, conn, topic)
     cut = cutover_manifest(index, conn.policy)
-    serving = index.serving.get(conn.policy)
+    serving = index.serving_head(conn.policy)  # a full snapshot or a delta (rebuilt from its chain)
     exps = await experiences_tail(bootstrap, conn, window)
     report: dict[str, Any] = {
         "policy": conn.policy,

@@ -3,15 +3,12 @@
 A delta's base is always the *serving* link, the one clients hold
 (``CheckpointPublisher.head``), so a delta candidate the gate promotes later applies onto
 what clients have. Its rows are every output row written since that base: the union of the
-trainer's hints (``PolicyTrainer.take_changed_rows()``, passed as ``changed_rows``) since
-the serving version, or, without hints, the rows that differ from the serving version's
-tensors (compared row-wise, :func:`models.delta.changed_rows`); that needs a copy of the
-serving version's tensors and of the newest candidates' (``KEEP_STATES`` copies of the state
-at most), which hints do not.
+trainer's record of written rows (``PolicyTrainer.take_changed_rows()``, passed as
+``changed_rows`` with every checkpoint) since the serving version.
 
 A full snapshot is published instead when
 
-- deltas are off (``full_every`` ≤ 1, the default: see docs/operations.md);
+- deltas are off (``full_every`` ≤ 1; the default is on: see docs/operations.md);
 - there is no serving link yet, or this learner has not published since it took over (it
   does not know what changed since the serving version);
 - the reason is ``init``, ``reset`` or ``rollback`` (the whole state may change);
@@ -22,23 +19,20 @@ A full snapshot is published instead when
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from models.delta import changed_rows as diff_rows
 from models.delta import delta_bytes, full_bytes
 from models.policy import Arch
 from pipeline.modelpublish import CheckpointPublisher
 
 FULL_REASONS = ("init", "reset", "rollback")  # checkpoints that are always full snapshots
-KEEP_STATES = 3  # published states kept for row diffs (the serving one and the candidates that may follow it)
+KEEP_LINKS = 3  # versions whose rows are kept apart (older ones are merged: a safe over-approximation)
 
 
 class DeltaPlanner:
     """Decides, checkpoint by checkpoint, between a full snapshot and a delta (see the module's docstring).
 
-    >>> from models.policy import init_policy
     >>> p = DeltaPlanner(CheckpointPublisher(None, "t", "p"), Arch(4, 6, 8), full_every=1)
-    >>> p.plan(init_policy(4, 6, hidden=8).tensors(), "periodic") is None  # deltas off
+    >>> p.plan("periodic", np.array([1, 2])) is None  # deltas off
     True
     """
 
@@ -52,51 +46,38 @@ class DeltaPlanner:
         self.since_full = 0  # deltas published since the last full snapshot
         self.tracked_from: int | None = None  # the first version published since this learner took over
         self.rows: dict[int, np.ndarray] = {}  # version -> rows written up to it since the version before
-        self.states: dict[int, dict[str, torch.Tensor]] = {}  # version -> its tensors (when no hints come)
         self._adoptions = publisher.adoptions
 
-    def plan(
-        self, tensors: dict[str, torch.Tensor], reason: str, changed_rows: np.ndarray | None = None
-    ) -> np.ndarray | None:
-        """The rows of a delta for this checkpoint, or None for a full snapshot."""
+    def plan(self, reason: str, changed_rows: np.ndarray) -> np.ndarray | None:
+        """The rows of a delta for this checkpoint, or None for a full snapshot.
+
+        ``changed_rows``: the output rows written since the last published checkpoint.
+        """
         if self.publisher.adoptions != self._adoptions:  # a takeover: what changed since the head is unknown
             self._adoptions = self.publisher.adoptions
-            self.tracked_from, self.rows, self.states = None, {}, {}
+            self.tracked_from, self.rows = None, {}
         head = self.publisher.head
         if self.full_every <= 1 or reason in FULL_REASONS or head is None:
             return None
         if self.tracked_from is None or head[0] < self.tracked_from or self.since_full + 1 >= self.full_every:
             return None
-        if changed_rows is not None:
-            parts = [r for v, r in self.rows.items() if v > head[0]] + [np.asarray(changed_rows, dtype=np.int64)]
-            rows = np.unique(np.concatenate(parts))
-        else:
-            base = self.states.get(head[0])
-            if base is None:
-                return None
-            rows = diff_rows(tensors, base)
+        parts = [r for v, r in self.rows.items() if v > head[0]] + [np.asarray(changed_rows, dtype=np.int64)]
+        rows = np.unique(np.concatenate(parts))
         if delta_bytes(len(rows), self.arch) > self.max_share * full_bytes(self.arch):
             return None
         return rows
 
-    def record(
-        self, version: int, tensors: dict[str, torch.Tensor], delta: bool, changed_rows: np.ndarray | None = None
-    ) -> None:
-        """Note a published checkpoint (``delta``: published as a delta)."""
+    def record(self, version: int, delta: bool, changed_rows: np.ndarray) -> None:
+        """Note a published checkpoint (``delta``: published as a delta) and the rows written up to it."""
         if self.full_every <= 1:
             return
         if self.tracked_from is None:
             self.tracked_from = version
         self.since_full = self.since_full + 1 if delta else 0
         head = self.publisher.head[0] if self.publisher.head else 0
-        if changed_rows is not None:
-            self.rows = {v: r for v, r in self.rows.items() if v > head}
-            self.rows[version] = np.asarray(changed_rows, dtype=np.int64)
-            if len(self.rows) > KEEP_STATES:  # merge the oldest under the newest of them: a safe over-approximation
-                old = sorted(self.rows)[: -KEEP_STATES + 1]
-                merged = np.unique(np.concatenate([self.rows.pop(v) for v in old]))
-                self.rows[old[-1]] = merged
-        else:
-            keep = {head, *sorted(self.states)[-(KEEP_STATES - 1) :]}
-            self.states = {v: s for v, s in self.states.items() if v in keep and v >= head}
-            self.states[version] = {k: t.detach().clone() for k, t in tensors.items()}
+        self.rows = {v: r for v, r in self.rows.items() if v > head}
+        self.rows[version] = np.asarray(changed_rows, dtype=np.int64)
+        if len(self.rows) > KEEP_LINKS:  # merge the oldest under the newest of them
+            old = sorted(self.rows)[: -KEEP_LINKS + 1]
+            merged = np.unique(np.concatenate([self.rows.pop(v) for v in old]))
+            self.rows[old[-1]] = merged

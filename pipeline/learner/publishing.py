@@ -43,6 +43,7 @@ from pipeline.learner.inbox import Key
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
+from topics.delta import DeltaManifest
 from topics.internal import Experience
 from topics.manifest import Manifest, sha256_hex, split_chunks
 
@@ -182,23 +183,24 @@ class Publishing:
         reason: str,
         metrics: dict[str, Any],
         input_offsets: dict[str, int],
-        changed_rows: np.ndarray | None = None,
+        changed_rows: np.ndarray,
     ) -> Published:
         """Publish the trainer's state and save it locally; :meth:`settle` then hands it to the gate.
 
         ``changed_rows``: the output rows written since the last publish
-        (``PolicyTrainer.take_changed_rows()``); without it a delta's rows are found by
-        comparing with the serving version's tensors.
+        (``PolicyTrainer.take_changed_rows()``): a delta ships them and those of the
+        versions since its base.
         """
         tensors = trainer.tensors()
         candidate = self.is_candidate(reason)
         full = to_safetensors(tensors)
-        rows = self.deltas.plan(tensors, reason, changed_rows)
+        rows = self.deltas.plan(reason, changed_rows)
         delta: dict[str, Any] | None = None
         blob = full
         if rows is not None and self.publisher.head is not None:
             base_version, base_sha = self.publisher.head
             blob = encode_delta(tensors, rows, base_sha)
+            # The full blob is hashed once, here; its local copy's manifest reuses the hash (full_manifest).
             delta = {"base_version": base_version, "base_sha256": base_sha, "state_sha256": sha256_hex(full)}
             delta["rows"] = len(rows)
         optimizer = trainer.optimizer_tensors()
@@ -223,10 +225,9 @@ class Publishing:
                 delta=delta,
             )
         except BaseException:  # not published: the next checkpoint must still ship these rows
-            if changed_rows is not None:
-                trainer.keep_changed_rows(changed_rows)
+            trainer.keep_changed_rows(changed_rows)
             raise
-        self.deltas.record(manifest.version, tensors, delta is not None, changed_rows)
+        self.deltas.record(manifest.version, delta is not None, changed_rows)
         role = "candidate" if candidate else "serving"
         m = self.metrics
         m.checkpoint_publishes.labels(reason=reason).inc()
@@ -285,16 +286,18 @@ class Published:
 
 def full_manifest(manifest: Manifest, full: bytes) -> Manifest:
     """The manifest of a version's full state: itself for a full snapshot; for a delta, a plain
-    manifest naming the full blob (what the local copy holds and a restore checks).
+    manifest naming the full blob (what the local copy holds and a restore checks), whose
+    sha256 is the delta's ``state_sha256`` (the full blob is not hashed again).
 
     >>> from topics.delta import DeltaManifest
-    >>> d = DeltaManifest("p", 2, 0.0, "periodic", {}, 0.5, 0.0, "a" * 64, 9, 1, base_version=1)
+    >>> d = DeltaManifest("p", 2, 0.0, "periodic", {}, 0.5, 0.0, "a" * 64, 9, 1, base_version=1,
+    ...                   state_sha256=sha256_hex(b"full"))
     >>> m = full_manifest(d, b"full")
     >>> type(m).__name__, m.sha256 == sha256_hex(b"full"), m.size
     ('Manifest', True, 4)
     """
-    if type(manifest) is Manifest:
+    if not isinstance(manifest, DeltaManifest):
         return manifest
     base = {f.name: getattr(manifest, f.name) for f in fields(Manifest)}
-    base.update(sha256=sha256_hex(full), size=len(full), chunks=len(split_chunks(full)), signature=None)
+    base.update(sha256=manifest.state_sha256, size=len(full), chunks=len(split_chunks(full)), signature=None)
     return Manifest(**base)

@@ -126,15 +126,16 @@ class ModelTopicFollower:
 
 
 def checkpoint_view(index: ModelTopicIndex, policy: str, now: float) -> dict[str, Any]:
-    serving, candidate = index.serving.get(policy), index.candidate.get(policy)
-    mine = [m for (p, _), m in index.manifests.items() if p == policy]
+    # Full snapshots and deltas alike (contract 1.3): the newest serving and candidate versions.
+    serving, candidate = index.serving_head(policy), index.candidate_head(policy)
+    mine = index.links(policy)
     return {
         "policy": policy,
         "serving": manifest_view(serving, now) if serving else None,
         "candidate": manifest_view(candidate, now) if candidate else None,
         "update_rate": manifest_rate(mine),
         "manifests_seen": len(mine),
-        "other_policies": sorted({p for (p, _) in index.manifests if p != policy}),
+        "other_policies": sorted({p for (p, _) in [*index.manifests, *index.deltas] if p != policy}),
         "rejected_manifests": len(index.rejected),
     }
 

@@ -6,7 +6,7 @@ then from where it stopped, like ``causalmem status``) and feeds the views:
 - ``retrieval-events`` and ``experiences`` → :class:`~pipeline.ui.memories.MemoryView`
   and :class:`~pipeline.ui.health.Trends`;
 - ``human-labels`` and ``active-learning`` → :class:`LabelBook` (agreement and review);
-- the model topic → the candidate and serving versions (the gate's history);
+- the model topic → the candidate and serving versions, full snapshots or deltas (the gate's history);
 - :class:`~pipeline.status.collect.StatusCollector` → checkpoints, queue depth, dead
   letters and, with ``--worker``/``--learner``, the live health score and gate estimates.
 
@@ -36,6 +36,7 @@ from pipeline.service import Service
 from pipeline.status.collect import StatusCollector
 from pipeline.ui.health import Trends
 from pipeline.ui.memories import MemoryView
+from topics.delta import decode_delta_manifest
 from topics.events import decode_retrieval_event
 from topics.fields import Limits, Rejected
 from topics.internal import decode_experience
@@ -216,9 +217,10 @@ class Feeds(Service):
             self.book.add_sample(decode_active_learning_sample(msg.value, self.limits, msg.key, any_shape=True))
         elif name == "model" and msg.key is not None and msg.value is not None:
             kind, policy, _, _ = parse_key(msg.key.decode("utf-8", "replace"))
-            if kind not in ("serving", "candidate") or policy != self.conn.policy:
+            if kind not in ("serving", "candidate", "delta", "delta_candidate") or policy != self.conn.policy:
                 return
-            m = decode_manifest(msg.value)
+            # Delta checkpoints (contract 1.3) are versions like full snapshots: candidates and promotions alike.
+            m = decode_manifest(msg.value) if kind in ("serving", "candidate") else decode_delta_manifest(msg.value)
             row = self.manifests.setdefault(
                 m.version,
                 {
@@ -229,7 +231,7 @@ class Feeds(Service):
                     "served": False,
                 },
             )
-            row["candidate" if kind == "candidate" else "served"] = True
+            row["candidate" if kind in ("candidate", "delta_candidate") else "served"] = True
 
     async def _gate_estimates(self) -> dict[str, Any] | None:
         """The gate's latest estimates and decision counts, from the first learner endpoint that answers."""

@@ -9,6 +9,8 @@
 - ``coldstart``: learner steps a new helpful memory needs to enter the served top-k, kNN vs fresh rows.
 - ``scale``: the learner's step rate and RSS, and retrieval latency with the policy against plain
   faiss, at S = 1,024, 100,000 and 1,000,000 memories.
+- ``freshness``: seconds from a pair's publication to a serving checkpoint covering it loaded by a
+  client, at the previous and the current checkpoint defaults (worker, learner, client on a broker).
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -24,4 +26,5 @@ BENCHES = {
     "gate": "pipeline.lab.bench.gate",
     "coldstart": "pipeline.lab.bench.coldstart",
     "scale": "pipeline.lab.bench.scale",
+    "freshness": "pipeline.lab.bench.freshness",
 }
