@@ -46,7 +46,7 @@ from pipeline.lab.roles import HARMFUL, HELPFUL
 from pipeline.lab.simulator import Environment, Scenario
 from pipeline.learner.gate import PESSIMISM, judge, judge_log
 
-METHODS = ("ips", "snips", "pi", "dr", "dr-pi")
+METHODS = ("ips", "snips", "pi", "dr", "dr-pi", "set-ips", "set-snips", "set-dr", "dr-set", "auto")
 LOGS = {"exploratory": ServingParams(temperature=1.0, explore_rate=0.0), "near-greedy": ServingParams()}
 
 
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "plain": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep, moments=False),
             }
             for method in METHODS:
-                slog = slogs["moments" if method in ("pi", "dr", "dr-pi") else "plain"]
+                slog = slogs["plain" if method in ("ips", "snips") else "moments"]
                 for row, (_, net) in zip(rows, cands, strict=True):
                     decision, _, est = judge_log(
                         slog, net, serving, eps, args.min_ess, method, served, n_boot=args.boot, seed=rep
