@@ -8,10 +8,14 @@ experiences, the values of the candidate, the serving policy and similarity-only
 retrieval **as clients serve them** (the serving parameters of :mod:`models.serving`:
 the mixture of the serving and the exploration temperature, with the hard drop), not at
 each event's logged T; the logged T and logprob are the behaviour policy. The estimator is
-``dr-pi`` by default (:mod:`models.slate`, :mod:`models.served`): slate doubly robust —
-cross-fitted additive reward model, pseudo-inverse correction, per-slot correction where
-per-memory credit is present — with intervals widened to contain the pseudo-inverse
-estimator's, all clipped to the values a top-k can reach on the logged candidates.
+``auto`` by default (:func:`estimators`): on a log whose rewards are additive over the
+memories read, or where no query repeats so that it cannot be told, ``dr-pi``
+(:mod:`models.slate`, :mod:`models.served`): slate doubly robust — cross-fitted additive
+reward model, pseudo-inverse correction, per-slot correction where per-memory credit is
+present — with intervals widened to contain the pseudo-inverse estimator's; on a log whose
+repeated (query, set) rewards miss the additive model (LM utilities), ``dr-set``: widened
+to the set-level DR's instead (:mod:`models.setlevel`). All are clipped to the values a
+top-k can reach on the logged candidates.
 
 A candidate is
 
