@@ -4,8 +4,10 @@ The promotion gate and ``causalmem evaluate`` judge policies *as clients serve t
 (:class:`~models.logged.Served`: the serving parameters' mixture of temperatures and hard
 drop). A :class:`SlateLog` prepares a log once — the logging mixture's inclusion moments,
 the cross-fitted additive reward model, the achievable range — for any number of targets;
-the estimators are those of :mod:`models.slate` (``pi``, ``dr``) and OBP's standard slate
-IPS (``ips``, ``snips``) with the served mixture's probability of the logged selection.
+the estimators are those of :mod:`models.slate` (``pi``, ``dr``), the set-level ones of
+:mod:`models.setlevel` (``set-ips``, ``set-snips``, ``set-dr``: for rewards that depend on
+the set read, not additive) and OBP's standard slate IPS (``ips``, ``snips``) with the
+served mixture's probability of the logged selection.
 Every value is clipped to the achievable range and every gain to ± its width.
 
 >>> d = LoggedDecisions.from_lists([[1, 2, 3]] * 2, [[0.3, 0.2, 0.1]] * 2, [[1, 2], [2, 3]], [1.0] * 2,
@@ -35,6 +37,7 @@ from models.estimators import (
 )
 from models.logged import LoggedDecisions, Served, component_logits, logprob_from_logits
 from models.reward_model import AdditiveRewardModel, SlotRewardModel
+from models.setlevel import SET_METHODS, SetTable, logging_set_probability, set_terms
 from models.slate import (
     MomentCache,
     achievable_range,
@@ -48,7 +51,7 @@ from models.slate import (
 
 RANGE_SHRINKAGE = 0.5  # the achievable range's reward model: nearly the least-squares fit
 
-SLATE_METHODS = ("ips", "snips", "pi", "dr")
+SLATE_METHODS = ("ips", "snips", "pi", "dr", *SET_METHODS)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class SlateLog:
     cache: dict[tuple[Served, str], Parts] = field(default_factory=dict)  # served_parts, per target and method
     theta: dict[Served, np.ndarray] = field(default_factory=dict)  # target_inclusion, per target
     pinv_s: np.ndarray | None = None  # Γ^†1_S of the logging moments, computed on first use
+    sets: SetTable | None = None  # the set-level estimators' logged sets, built on first use
 
     @classmethod
     def prepare(
@@ -113,7 +117,8 @@ def served_parts(log: SlateLog, target: Served, method: str, clip: float | None 
     """Per-decision terms of a served target by ``method`` (``ips``: OBP's standard slate IPS
     with the mixture's probability of the logged ordered selection over the event's logged
     propensity, weights clipped at ``clip``; ``snips`` its self-normalised form; ``pi`` and
-    ``dr``: see :func:`slate_terms`)."""
+    ``dr``: see :func:`slate_terms`; ``set-ips``, ``set-snips``, ``set-dr``: see
+    :func:`models.setlevel.set_terms`)."""
     key = (target, method)
     if key not in log.cache:
         log.cache[key] = _served_parts(log, target, method, clip)
@@ -129,6 +134,17 @@ def _served_parts(log: SlateLog, target: Served, method: str, clip: float | None
             logw = np.logaddexp.reduce(np.stack(lps), axis=0) - d.logprob
         w, share = clipped_weights(logw, clip)
         return Parts(w * d.utility, w if method == "snips" else np.ones_like(w), w, share)
+    if method in SET_METHODS:
+        if log.sets is None:
+            _, mu = logging_set_probability(d)
+            log.sets = SetTable.build(d, log.phi, mu)
+        theta = None
+        if method == "set-dr":
+            if target not in log.theta:
+                log.theta[target] = target_inclusion(d, target, seed=log.seed)
+            theta = log.theta[target]
+        terms, w = set_terms(d, log.sets, target, method, theta=theta, phi=log.phi)
+        return Parts(terms, w if method == "set-snips" else np.ones_like(terms), np.abs(w), 0.0)
     if target not in log.theta:
         log.theta[target] = target_inclusion(d, target, seed=log.seed)
     theta = log.theta[target]

@@ -100,6 +100,13 @@ def _closed_form(p: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         rest = 1.0 - p[:, :, None] - p[:, None, :]
         rest = np.where(is_top[:, :, None], others[:, :, None] - p[:, None, :], rest)
         rest = np.where(is_top[:, None, :], others[:, :, None] - p[:, :, None], rest)
+        # The top two together: others − p_second cancels when they hold nearly all the mass
+        # (a target served at T = 0.001): sum the rest directly.
+        second = np.argsort(-p, axis=1, kind="stable")[:, 1]
+        is_second = np.arange(c)[None, :] == second[:, None]
+        others2 = np.where(is_top | is_second, 0.0, p).sum(axis=1)
+        pair = (is_top[:, :, None] & is_second[:, None, :]) | (is_second[:, :, None] & is_top[:, None, :])
+        rest = np.where(pair, others2[:, None, None], rest)
         m = np.where(off, np.minimum(s2 / np.maximum(rest, 1e-300), 1e150), 0.0)  # [N, a, c]
         x = p[:, None, :] * (m.sum(axis=2, keepdims=True) - m)  # X_ab = p_b·(Σ_c M_ac − M_ab)
         x = np.where(off, np.minimum(x, 1.0), 0.0)
@@ -143,6 +150,13 @@ def inclusion(
         q[rest], gg = _closed_form(p[rest], k)
         if second:
             g[rest] = gg
+        # Products of probabilities below ~1e-154 underflow (logits hundreds of nats apart: a
+        # target served at T = 0.001): such rows are enumerated instead, which stays exact.
+        bad = rest[(np.abs(q[rest].sum(axis=1) - k) > 1e-6) | (q[rest].max(axis=1) > 1.0 + 1e-9)]
+        if bad.size:
+            q[bad], gb = inclusion(p[bad], k, second=second, seed=seed, samples=samples, exact=True)
+            if second:
+                g[bad] = gb
         return q, g
     m = 1
     for j in range(k):

@@ -137,7 +137,7 @@ class GateConfig:
     window: int = 2000  # the last logged experiences a candidate is judged on
     epsilon: float = 0.02  # promote when the gain's lower bound is above −epsilon
     min_ess: float = 50.0  # effective sample size of the importance weights a decision needs
-    method: str = "dr-pi"  # dr-pi | dr | pi | snips | ips (models/slate.py)
+    method: str = "auto"  # auto | dr-pi | dr-set | dr | pi | set-dr | set-snips | set-ips | snips | ips (gate.py)
 
 
 @dataclass(frozen=True)

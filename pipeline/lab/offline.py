@@ -56,7 +56,7 @@ class OfflineConfig:
     replay_window_s: float = Settings.drift_window_days * DAY  # what the learner keeps (its default)
     learn: bool = True
     gate: bool = False
-    gate_method: str = "dr-pi"
+    gate_method: str = "auto"
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0

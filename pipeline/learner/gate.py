@@ -8,10 +8,14 @@ experiences, the values of the candidate, the serving policy and similarity-only
 retrieval **as clients serve them** (the serving parameters of :mod:`models.serving`:
 the mixture of the serving and the exploration temperature, with the hard drop), not at
 each event's logged T; the logged T and logprob are the behaviour policy. The estimator is
-``dr-pi`` by default (:mod:`models.slate`, :mod:`models.served`): slate doubly robust —
-cross-fitted additive reward model, pseudo-inverse correction, per-slot correction where
-per-memory credit is present — with intervals widened to contain the pseudo-inverse
-estimator's, all clipped to the values a top-k can reach on the logged candidates.
+``auto`` by default (:func:`estimators`): on a log whose rewards are additive over the
+memories read, or where no query repeats so that it cannot be told, ``dr-pi``
+(:mod:`models.slate`, :mod:`models.served`): slate doubly robust — cross-fitted additive
+reward model, pseudo-inverse correction, per-slot correction where per-memory credit is
+present — with intervals widened to contain the pseudo-inverse estimator's; on a log whose
+repeated (query, set) rewards miss the additive model (LM utilities), ``dr-set``: widened
+to the set-level DR's instead (:mod:`models.setlevel`). All are clipped to the values a
+top-k can reach on the logged candidates.
 
 A candidate is
 
@@ -42,6 +46,7 @@ from models.logged import TOPK, LoggedDecisions, Served
 from models.policy import PolicyNetwork
 from models.served import SlateLog, evaluate_served, gain_served
 from models.serving import ServingParams
+from models.setlevel import additivity
 from models.slate import MomentCache
 from pipeline.component_config import GateConfig
 from pipeline.metrics import Metrics
@@ -145,7 +150,7 @@ def judge(
     if len(decisions) == 0:
         return "insufficient", "no logged decisions yet", {}
     note = ""
-    moments = method in ("pi", "dr", "dr-pi")
+    moments = method not in ("ips", "snips")  # every other estimator needs candidate_probs
     slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=moments, cache=cache)
     if 2 * len(slog) < len(decisions):
         # Events from clients that do not log candidate_probs: only the standard slate IPS
@@ -176,9 +181,7 @@ def judge_log(
     # drawn at the serving temperature: on near-tied similarity scores (real embeddings) a
     # draw at T = 0.05 is far below top-k, and a candidate above it may still be below top-k.
     targets["similarity"] = Served(TOPK, params)
-    # "dr-pi": DR's estimates with intervals widened to contain PI's as well (either one alone
-    # under-covers on some logs, docs/benchmarks.md "Promotion gate calibration").
-    methods = ("dr", "pi") if method == "dr-pi" else (method,)
+    methods, note = estimators(slog, method, epsilon)
     values = widest(evaluate_served(slog, targets, m, n_boot=n_boot, seed=seed) for m in methods)
     g = widest(
         {"g": gain_served(slog, targets["candidate"], targets["serving"], m, n_boot=n_boot, seed=seed)} for m in methods
@@ -188,18 +191,43 @@ def judge_log(
         for m in methods
     )["g"]
     estimates = {"gain": g, "gain_similarity": gs, **values}
+    decision, reason = rule(g, gs, values["candidate"], epsilon, min_ess, len(slog))
+    return decision, reason + note, estimates
+
+
+def estimators(slog: SlateLog, method: str, epsilon: float) -> tuple[tuple[str, ...], str]:
+    """The estimators whose intervals a judgement takes the widest of, and a note for the reason.
+
+    ``dr-pi``: DR's estimates with intervals widened to contain PI's as well (either one alone
+    under-covers on some logs, docs/benchmarks.md "Promotion gate calibration"); ``dr-set``:
+    widened to the set-level DR's instead; ``auto``: ``dr-set`` where the log shows that
+    rewards are not additive over the memories read (:func:`models.setlevel.additivity`: the
+    same query read the same set repeatedly and its rewards miss the additive model), else
+    ``dr-pi``. Any other name is that estimator alone.
+    """
+    if method == "dr-pi":
+        return ("dr", "pi"), ""
+    if method == "dr-set":
+        return ("dr", "set-dr"), ""
+    if method == "auto":
+        fit = additivity(slog.decisions, slog.pred, epsilon)
+        return (("dr", "pi") if fit.additive else ("dr", "set-dr")), f" [{fit.describe()}]"
+    return (method,), ""
+
+
+def rule(g: Estimate, gs: Estimate, candidate: Estimate, epsilon: float, min_ess: float, n: int) -> tuple[str, str]:
+    """The decision on the gains over serving (``g``) and over similarity-only (``gs``)."""
     if g.ess < min_ess:
-        return "insufficient", f"ESS {g.ess:.0f} < {min_ess:.0f} needed ({len(slog)} logged decisions)", estimates
+        return "insufficient", f"ESS {g.ess:.0f} < {min_ess:.0f} needed ({n} logged decisions)"
     if g.high < -epsilon:
-        return "refused", f"gain over serving {g.value:+.4f}, upper bound {g.high:+.4f} < −ε", estimates
+        return "refused", f"gain over serving {g.value:+.4f}, upper bound {g.high:+.4f} < −ε"
     if gs.high < -epsilon:
-        return "refused", f"below similarity-only by {-gs.value:.4f} (upper bound {gs.high:+.4f} < −ε)", estimates
+        return "refused", f"below similarity-only by {-gs.value:.4f} (upper bound {gs.high:+.4f} < −ε)"
     if g.low > -epsilon and gs.low > -epsilon:
-        why = f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {values['candidate'].value:+.4f}"
-        return "promoted", why, estimates
+        return "promoted", f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {candidate.value:+.4f}"
     undecided = g if not g.low > -epsilon else gs
     what = "over serving" if undecided is g else "over similarity-only"
-    return "insufficient", f"{what}: {more_needed(undecided, epsilon)} (ESS {g.ess:.0f})", estimates
+    return "insufficient", f"{what}: {more_needed(undecided, epsilon)} (ESS {g.ess:.0f})"
 
 
 def judge_window(

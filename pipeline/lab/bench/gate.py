@@ -46,7 +46,8 @@ from pipeline.lab.roles import HARMFUL, HELPFUL
 from pipeline.lab.simulator import Environment, Scenario
 from pipeline.learner.gate import PESSIMISM, judge, judge_log
 
-METHODS = ("ips", "snips", "pi", "dr", "dr-pi")
+METHODS = ("ips", "snips", "pi", "dr", "dr-pi", "set-ips", "set-snips", "set-dr", "dr-set", "auto")
+DEFAULT = "auto"  # the gate's default estimator (Settings.gate_method)
 LOGS = {"exploratory": ServingParams(temperature=1.0, explore_rate=0.0), "near-greedy": ServingParams()}
 
 
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "plain": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep, moments=False),
             }
             for method in METHODS:
-                slog = slogs["moments" if method in ("pi", "dr", "dr-pi") else "plain"]
+                slog = slogs["plain" if method in ("ips", "snips") else "moments"]
                 for row, (_, net) in zip(rows, cands, strict=True):
                     decision, _, est = judge_log(
                         slog, net, serving, eps, args.min_ess, method, served, n_boot=args.boot, seed=rep
@@ -298,7 +299,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     logs = list(report["summary"])
-    fig, axes = plt.subplots(1, 1 + len(logs), figsize=(5 * (1 + len(logs)), 4))
+    fig, axes = plt.subplots(1, 1 + len(logs), figsize=(5 * (1 + len(logs)) + 3, 4.4))
     x = np.arange(len(METHODS))
     width = 0.2
     ax = axes[0]
@@ -310,12 +311,12 @@ def plot(report: dict[str, Any], path: str) -> None:
             ax.bar(x + (j * len(logs) + i - 2.5) * width / 1.4, vals, width / 1.4, label=f"{label} ({log})")
     ax.axhline(0.9, color="k", lw=0.5, ls="--")
     ax.axhline(0.05, color="r", lw=0.5, ls="--")
-    ax.set_xticks(x, METHODS)
+    ax.set_xticks(x, METHODS, rotation=45, ha="right", fontsize=8)
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=6)
     ax.set_title("calibration per estimator")
     for ax, log in zip(axes[1:], logs, strict=True):
-        rs = report["results"][log]["dr-pi"]
+        rs = report["results"][log][DEFAULT]
         tg = np.array([r["true_gain"] for r in rs])
         g = np.array([r["gain"] for r in rs])
         colors = {"promoted": "tab:green", "refused": "tab:red", "insufficient": "tab:gray"}
@@ -337,7 +338,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         ax.plot(lim, lim, "k-", lw=0.5)
         ax.axvline(-report["config"]["epsilon"], color="r", lw=0.5, ls="--")
         ax.set_xlabel("true gain over serving (as served)")
-        ax.set_ylabel("gate's estimate (dr-pi), 95% interval")
+        ax.set_ylabel(f"gate's estimate ({DEFAULT}), 95% interval")
         ax.set_title(f"the gate on the {log} log")
         ax.legend(fontsize=7)
     fig.tight_layout()
