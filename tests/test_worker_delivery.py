@@ -1,8 +1,9 @@
 """A worker killed mid-burst loses no table update (the faust side of issue 13, item 2).
 
 The broker test is tests/test_join_delivery.py (SIGKILL mid-burst); these check the parts:
-commits wait for acknowledgements, a table database is trusted only after a clean stop,
-and recovery reads a changelog to the end a fetch reports.
+commits wait for acknowledgements, never pass an input the stage did not process, a table
+database is trusted only after a clean stop, and recovery reads a changelog to the end a
+fetch reports.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from pathlib import Path
 import pytest
 from faust.exceptions import ProducerSendError
 from faust.types import TP
+from faust.types.tuples import ConsumerMessage
 
 from pipeline.config import Settings
 from pipeline.metrics import Metrics
 from pipeline.worker import store as store_module
+from pipeline.worker.commits import StageConsumer
 from pipeline.worker.delivery import AckedProducer, Unacked, WorkerApp
 from pipeline.worker.join import JoinStage, _BatchTally
 from pipeline.worker.outcomes import OutcomesStage
@@ -66,7 +69,91 @@ def _app(tmp_path: Path) -> WorkerApp:
 async def test_the_worker_app_uses_the_acknowledging_producer_and_the_watermark_consumer(tmp_path: Path) -> None:
     app = _app(tmp_path)
     assert isinstance(app.producer, AckedProducer)
-    assert isinstance(app.consumer, WatermarkConsumer)
+    assert isinstance(app.consumer, StageConsumer) and isinstance(app.consumer, WatermarkConsumer)
+
+
+class _Seeks:
+    """The broker side of a consumer's seeks: committed offsets, log starts, the seeks made."""
+
+    def __init__(self, committed: dict[TP, int | None], starts: dict[TP, int]) -> None:
+        self.committed, self.starts, self.seeks = committed, starts, []  # type: ignore[var-annotated]
+
+    def install(self, consumer: StageConsumer, monkeypatch: pytest.MonkeyPatch) -> None:
+        async def seek_to_committed(_: object) -> dict[TP, int | None]:
+            return dict(self.committed)  # aiokafka: seeks only offsets above 0 (none here)
+
+        async def earliest_offsets(*tps: TP) -> dict[TP, int]:
+            return {tp: self.starts[tp] for tp in tps}
+
+        async def seek_wait(partitions: dict[TP, int]) -> None:
+            self.seeks.append(dict(partitions))
+
+        monkeypatch.setattr(WatermarkConsumer, "seek_to_committed", seek_to_committed)
+        monkeypatch.setattr(consumer, "earliest_offsets", earliest_offsets)
+        monkeypatch.setattr(consumer, "seek_wait", seek_wait)
+        monkeypatch.setattr(consumer, "assignment", lambda: set(self.committed))
+
+
+def _ack(consumer: StageConsumer, tp: TP, *offsets: int) -> None:
+    for offset in offsets:
+        consumer.ack(ConsumerMessage(tp.topic, tp.partition, offset, 0.0, 0, None, b"k", b"v", None))
+
+
+def _commit(consumer: StageConsumer, tp: TP) -> int | None:
+    """What faust's commit would commit for ``tp`` now (and records it as committed)."""
+    offsets = consumer._filter_committable_offsets([tp])
+    consumer._committed_offset.update(offsets)
+    return offsets.get(tp)
+
+
+async def test_an_input_dropped_before_the_stage_is_read_again_and_never_committed_past(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker restarted after a SIGKILL, its outcomes stage had committed nothing: faust's
+    # fetcher (running for table recovery) fetched outcomes 0 and 1 before the "seek to
+    # committed", 0 reached the stage, 1 was in the stream's queue that resuming the flow
+    # empties. aiokafka had nothing to seek to, so 1 was never fetched again, and faust
+    # committed 1 then 4: that message's U_query steps and samples were lost for good.
+    app = _app(tmp_path)
+    consumer = app.consumer
+    assert isinstance(consumer, StageConsumer)
+    tp = TP("outcomes", 0)
+    app.topics.acking_topics.add(tp.topic)
+    broker = _Seeks(committed={tp: None}, starts={tp: 0})
+    broker.install(consumer, monkeypatch)
+    _ack(consumer, tp, 0)  # processed before the seek
+    assert _commit(consumer, tp) is None  # no base yet: nothing says 0 is where the partition starts
+    await consumer.perform_seek()
+    assert broker.seeks == [{tp: 0}]  # rewound to the start: 1 is fetched again
+    _ack(consumer, tp, 2, 3)  # a later fetch's 2, 3 reached the stage first
+    assert _commit(consumer, tp) == 1
+    assert _commit(consumer, tp) is None  # never past 1, which no stream processed
+    await asyncio.sleep(0)  # the rewind to the hole
+    assert broker.seeks[-1] == {tp: 1}
+    assert _commit(consumer, tp) is None and len(broker.seeks) == 2  # one rewind per hole
+    _ack(consumer, tp, 1, 2, 3)  # read again, processed (2 and 3 again: idempotent)
+    assert _commit(consumer, tp) == 4
+
+
+async def test_offsets_removed_by_retention_do_not_hold_commits_and_faust_gap_guesses_are_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = _app(tmp_path)
+    consumer = app.consumer
+    assert isinstance(consumer, StageConsumer)
+    tp = TP("outcomes", 1)
+    app.topics.acking_topics.add(tp.topic)
+    broker = _Seeks(committed={tp: 3}, starts={tp: 0})
+    broker.install(consumer, monkeypatch)
+    await consumer.perform_seek()
+    assert consumer._committed_offset[tp] == 3 and broker.seeks == []  # aiokafka seeks to 3 itself
+    await consumer._add_gap(tp, 4, 6)  # faust: "the fetch skipped 4 and 5, so they don't exist"
+    _ack(consumer, tp, 3, 6)
+    assert _commit(consumer, tp) == 4  # not 7: 4 and 5 were not processed
+    broker.starts[tp] = 10  # retention removed everything below 10
+    assert _commit(consumer, tp) is None
+    await asyncio.sleep(0)
+    assert consumer._committed_offset[tp] == 10 and broker.seeks == []  # nothing to read there
 
 
 async def test_a_table_is_vouched_for_only_by_a_clean_stop_with_its_changelog_acknowledged(

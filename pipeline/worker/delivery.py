@@ -17,7 +17,8 @@ a lost write. Nothing else waits: each record is still sent asynchronously, and 
 periodic commit waits for the acknowledgements of what was sent before it.
 
 :class:`WorkerApp` is a faust app with this producer and the consumer of
-:mod:`pipeline.worker.recovery`.
+:mod:`pipeline.worker.commits` (commits only over processed inputs) and
+:mod:`pipeline.worker.recovery` (recovery to a changelog's real end).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from faust.exceptions import ProducerSendError
 from faust.transport.drivers.aiokafka import Producer as AIOKafkaProducer
 from faust.types import ConsumerT, ProducerT
 
-from pipeline.worker.recovery import HighwaterFetch, WatermarkConsumer
+from pipeline.worker.commits import StageConsumer
+from pipeline.worker.recovery import HighwaterFetch
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +125,10 @@ class AckedProducer(AIOKafkaProducer):
 
 class WorkerApp(faust.App):
     """The worker's faust app: its producer waits for acknowledgements before a commit
-    (:class:`AckedProducer`), and its table recovery reads each changelog to the end a
-    fetch reports (:class:`pipeline.worker.recovery.WatermarkConsumer`, using
-    ``fetch_highwaters``; without it, faust's ``end_offsets``).
+    (:class:`AckedProducer`), its commits never pass an input not processed
+    (:class:`pipeline.worker.commits.StageConsumer`), and its table recovery reads each
+    changelog to the end a fetch reports (:class:`pipeline.worker.recovery.WatermarkConsumer`,
+    using ``fetch_highwaters``; without it, faust's ``end_offsets``).
     """
 
     def __init__(self, *args: Any, fetch_highwaters: HighwaterFetch | None = None, **kwargs: Any) -> None:
@@ -136,7 +139,7 @@ class WorkerApp(faust.App):
         return AckedProducer(self.transport, loop=self.loop, beacon=self.beacon)
 
     def _new_consumer(self) -> ConsumerT:
-        return WatermarkConsumer(
+        return StageConsumer(
             self.transport,
             loop=self.loop,
             callback=self.topics.on_message,
