@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.row_adam import take_rows
 from models.serving_rule import (
     DYNAMIC_DROP_RATIO,
     adjusted_logits,
@@ -32,7 +33,6 @@ from models.serving_rule import (
     plackett_luce_logprob,
     sample_plackett_luce,
 )
-from models.row_adam import take_rows
 from pipeline.client.subscriber import LoadedPolicy
 
 
