@@ -59,8 +59,8 @@ def policy_masks(
         w = take_rows(out.weight, rows)  # [C, H]
         z = torch.bmm(h.view(1, 1, -1), w.view(1, len(rows), -1).transpose(1, 2)).view(1, -1)
         m = F.softplus(z + take_rows(out.bias, rows).view(1, -1))
-    out: np.ndarray = m.numpy()[0].astype(np.float64)
-    return out
+    masks: np.ndarray = m.numpy()[0].astype(np.float64)
+    return masks
 
 
 def keep_flags(masks: np.ndarray, drop: str | float, ratio: float = DYNAMIC_DROP_RATIO) -> np.ndarray:
