@@ -21,6 +21,7 @@ def test_the_learner_bench_runs_the_real_update_and_reports_rss() -> None:
     r = b.report()
     assert r["slots"] == 300 and r["timed_steps"] == 3 and r["steps_per_s"] > 0
     assert r["step_cpu_ms_p50"] > 0 and r["steps_per_cpu_s"] == pytest.approx(1e3 / r["step_cpu_ms_p50"])
+    assert r["minor_faults_per_step"] >= 0
     assert 0 < r["changed_rows"] <= 3 * 8 * 6  # the rows the timed steps wrote, not every row
     assert r["learner_rss_gb"] > 0.05 and r["learner_peak_rss_gb"] >= r["learner_rss_gb"]
     assert r["optimizer_state_gb"] > 0

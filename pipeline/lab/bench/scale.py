@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -103,8 +104,10 @@ class LearnerBench:
         self.trainer.take_changed_rows()  # from here on: the rows the timed steps write
         self.times: list[float] = []
         self.cpu_times: list[float] = []  # the thread's CPU time (user + system) per step
+        self.faults = 0  # minor page faults in the timed steps (memory the allocator got back from the kernel)
 
     def burst(self, n: int) -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(n):
             b = self.batches[len(self.times) % len(self.batches)]
             t, c = time.perf_counter(), time.thread_time()
@@ -112,6 +115,7 @@ class LearnerBench:
             self.cpu_times.append(time.thread_time() - c)
             self.times.append(time.perf_counter() - t)
             assert stats.applied == self.batch
+        self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     def report(self) -> dict[str, Any]:
         changed = len(self.trainer.take_changed_rows())
@@ -129,6 +133,7 @@ class LearnerBench:
             # CPU time: what a step costs without the waits for a core on a shared machine
             "steps_per_cpu_s": 1.0 / statistics.median(self.cpu_times),
             "step_cpu_ms_p50": 1e3 * statistics.median(self.cpu_times),
+            "minor_faults_per_step": self.faults / len(self.times),
             "timed_steps": len(self.times),
             "changed_rows": changed,  # distinct output rows the timed steps wrote (a delta's rows)
             "optimizer_state_ms": 1e3 * state_s,
