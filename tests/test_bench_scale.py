@@ -3,6 +3,7 @@ process, the table (with the delta checkpoints' extra columns) and the verdict."
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -91,3 +92,10 @@ def test_delta_columns_measure_the_rows_the_learner_wrote() -> None:
     # the same 16 changed rows are a smaller share of the bigger policy's full snapshot
     assert large["share"] < small["share"] < 1.0
     assert extra[4096]["delta / full"] == f"{large['share']:.1%}"
+
+
+def test_each_measuring_process_runs_with_malloc_pinned() -> None:
+    """The thresholds reach the spawned process (glibc reads them as it starts) and only it."""
+    (r,) = scale.measure("learner", [300], OPTS, total=2, rounds=1)
+    assert r["malloc_pinned"] and r["timed_steps"] == 2 and r["minor_faults_per_step"] >= 0
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ

@@ -17,6 +17,11 @@ alike):
    client's RSS holding the index and the policy. Random unit vectors have no cluster
    structure, so IVF recall is lower than on real embeddings; the costs measured are the same.
 
+Every measuring process starts with glibc's malloc thresholds pinned (:data:`PINNED_MALLOC`), so
+that no S pays for its allocator giving a step's temporaries back to the kernel; the learner's
+CPU time per step is reported beside the wall time (on a shared machine it leaves out the
+waits for a core).
+
 Targets (issue 16): step rate at 10^6 ≥ 80% of the rate at 1,024; policy + faiss ≤ 1.5× plain
 faiss at 10^6; learner RSS ≤ 8 GB. The delta-checkpoint figures (bytes per delta against a full
 snapshot, client delta-apply p50/p99) come from :func:`pipeline.lab.bench.scale_delta.measure_deltas`,
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import resource
 import statistics
 import time
@@ -134,6 +140,7 @@ class LearnerBench:
             "steps_per_cpu_s": 1.0 / statistics.median(self.cpu_times),
             "step_cpu_ms_p50": 1e3 * statistics.median(self.cpu_times),
             "minor_faults_per_step": self.faults / len(self.times),
+            "malloc_pinned": all(os.environ.get(k) == v for k, v in PINNED_MALLOC.items()),
             "timed_steps": len(self.times),
             "changed_rows": changed,  # distinct output rows the timed steps wrote (a delta's rows)
             "optimizer_state_ms": 1e3 * state_s,
@@ -289,9 +296,24 @@ class Worker:
             self.proc.kill()
 
 
+# glibc's malloc, pinned in every measuring process. By default it hands blocks above a
+# threshold that it tunes as the process runs back to the kernel when they are freed, so a
+# step's multi-MB temporaries are mapped and faulted in again each time in some processes
+# and not in others: unpinned, the S = 1,024 learner took ~1,800 minor faults per step
+# (~3 ms of system time), the S = 10^6 one ~600 — noise that depends on each process's history.
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
+
+
 def measure(kind: str, sizes: list[int], opts: dict[str, Any], total: int, rounds: int) -> list[dict[str, Any]]:
-    """``total`` timed steps (or queries) per S, in ``rounds`` interleaved bursts."""
-    workers = [Worker(kind, s, opts) for s in sizes]
+    """``total`` timed steps (or queries) per S, in ``rounds`` interleaved bursts; each S's
+    process starts with glibc's malloc pinned (:data:`PINNED_MALLOC`)."""
+    saved = dict(os.environ)
+    os.environ.update(PINNED_MALLOC)  # read by each process as it starts (spawn)
+    try:
+        workers = [Worker(kind, s, opts) for s in sizes]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     try:
         for w in workers:
             w.ask("")  # wait until built
