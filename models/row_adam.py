@@ -10,7 +10,9 @@ and :class:`RowSparseAdam` puts the two together with one gradient-norm clip.
 Lazy semantics: a row that has no gradient in a step does not move and its moments do not
 decay (dense Adam would keep moving it along its momentum). Each row counts its own steps
 for the bias correction, so a row touched for the first time takes exactly Adam's first
-step. For a row touched in every step the update is dense Adam's, to float precision.
+step. The update itself is Adam's, bit for bit: the touched rows are gathered, grouped by
+step count and passed to torch's fused Adam kernel (the one ``torch.optim.Adam(fused=True)``
+runs), so a row touched in every step moves exactly as under dense fused Adam.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.zeros(5, 2)); b = torch.nn.Parameter(torch.zeros(5))
@@ -133,7 +135,9 @@ class LazyRowAdam:
 
     Both gradients must touch the same rows (they come from one gather). Per-row state:
     ``exp_avg``/``exp_avg_sq`` of the weight [S, H] and of the bias [S], and ``step`` [S]
-    (int64), allocated lazily (:func:`lazy_zeros`).
+    (int64), allocated lazily (:func:`lazy_zeros`; the weight's moments in huge pages with
+    ``huge_pages``). ``fused`` says whether steps run torch's fused kernel (else
+    :meth:`_step_unfused`, the same update to float precision).
     """
 
     def __init__(
