@@ -72,6 +72,15 @@ def lazy_zeros(shape: tuple[int, ...], device: torch.device, huge_pages: bool = 
     return torch.from_numpy(np.zeros(shape, np.float32))
 
 
+def _numpy_rows(rows: torch.Tensor) -> np.ndarray:
+    """``rows`` as numpy indices; negative ones are refused as torch refuses them (numpy
+    would count them from the end)."""
+    idx: np.ndarray = rows.numpy()
+    if len(idx) and idx.min() < 0:
+        raise IndexError(f"row index {int(idx.min())} is negative")
+    return idx
+
+
 def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``t.index_select(0, rows)``; on CPU through numpy, whose row gather is ~25% faster
     on rows spread over a large array (the same values: a copy).
@@ -80,7 +89,7 @@ def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     [[4.0, 5.0], [0.0, 1.0]]
     """
     if t.device.type == "cpu" and t.is_contiguous() and rows.device.type == "cpu":
-        return torch.from_numpy(np.take(t.detach().numpy(), rows.numpy(), axis=0))
+        return torch.from_numpy(np.take(t.detach().numpy(), _numpy_rows(rows), axis=0))
     return t.detach().index_select(0, rows)
 
 
@@ -92,7 +101,7 @@ def put_rows(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
     """
     if t.device.type == "cpu" and t.is_contiguous() and rows.device.type == "cpu" and values.device.type == "cpu":
-        t.detach().numpy()[rows.numpy()] = values.detach().numpy()
+        t.detach().numpy()[_numpy_rows(rows)] = values.detach().numpy()
     else:
         t.detach().index_copy_(0, rows, values)
 

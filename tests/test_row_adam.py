@@ -112,6 +112,11 @@ def test_take_and_put_rows_are_index_select_and_index_copy() -> None:
         put_rows(a, rows, values)
         c.index_copy_(0, rows, values)
         assert torch.equal(a, c)
+    for bad in (torch.tensor([3, -1]), torch.tensor([50])):  # out of range, as index_select says
+        with pytest.raises(IndexError):
+            take_rows(t, bad)
+        with pytest.raises(IndexError):
+            put_rows(t, bad, torch.zeros(len(bad)))
     strided = torch.randn(6, 8, generator=g)[:, ::2]  # not contiguous: torch's own operations
     assert torch.equal(take_rows(strided, torch.tensor([4, 1])), strided[[4, 1]])
 
