@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.row_adam import HUGE_PAGE_MIN_BYTES, lazy_zeros, take_rows
 from topics.fields import MAX_SLOTS
 
 TENSOR_NAMES = ("norm.weight", "norm.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias", "alpha")
@@ -115,6 +116,26 @@ def neutral_rows(n: int, hidden: int, generator: torch.Generator | None = None) 
     return w, torch.full((n,), NEUTRAL_BIAS)
 
 
+def output_layer(hidden: int, slots: int) -> nn.Linear:
+    """``nn.Linear(hidden, slots)``, the same values; a large weight (≥ 64 MB) lives in memory
+    advised for transparent huge pages (:func:`models.row_adam.lazy_zeros`).
+
+    Learning and serving read random rows of it (a memory's row whenever it is a candidate);
+    with 4 KB pages each row read at S = 10^6 is also a TLB miss.
+
+    >>> _ = torch.manual_seed(0); a = output_layer(4, 3)
+    >>> _ = torch.manual_seed(0); torch.equal(a.weight, nn.Linear(4, 3).weight)
+    True
+    """
+    if 4 * hidden * slots < HUGE_PAGE_MIN_BYTES:
+        return nn.Linear(hidden, slots)
+    layer = nn.Linear(hidden, slots, device="meta")
+    layer.weight = nn.Parameter(lazy_zeros((slots, hidden), torch.device("cpu"), huge_pages=True))
+    layer.bias = nn.Parameter(torch.empty(slots))
+    layer.reset_parameters()  # what nn.Linear's constructor draws, in the same order
+    return layer
+
+
 class RowTracker:
     """The output rows written since the last :meth:`take` (all of them at first).
 
@@ -153,8 +174,8 @@ class _GatherRows(torch.autograd.Function):
         ctx.save_for_backward(slots)
         ctx.size = tuple(weight.shape)
         flat = slots.reshape(-1)
-        w = weight.index_select(0, flat).reshape(*slots.shape, weight.shape[1])
-        return w, bias.index_select(0, flat).reshape(slots.shape)
+        w = take_rows(weight, flat).reshape(*slots.shape, weight.shape[1])
+        return w, take_rows(bias, flat).reshape(slots.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_w: torch.Tensor, grad_b: torch.Tensor) -> Any:
@@ -186,7 +207,7 @@ class PolicyNetwork(nn.Module):
         self.arch = Arch(embedding_dim, slots, hidden)
         self.norm = nn.LayerNorm(embedding_dim, eps=LAYER_NORM_EPS)
         self.hidden = nn.Linear(embedding_dim + 2, hidden)
-        self.out = nn.Linear(hidden, slots)
+        self.out = output_layer(hidden, slots)
         self.alpha = nn.Parameter(torch.tensor([float(alpha)]))
         neutral_out(self.out)
         self.changed = RowTracker(slots)  # output rows written since the last take()
@@ -209,8 +230,8 @@ class PolicyNetwork(nn.Module):
             w, b = _GatherRows.apply(self.out.weight, self.out.bias, slots)  # type: ignore[no-untyped-call]
         else:  # serving: a plain gather, without the autograd Function's overhead
             flat = slots.reshape(-1)
-            w = self.out.weight.index_select(0, flat).reshape(*slots.shape, self.arch.hidden)
-            b = self.out.bias.index_select(0, flat).reshape(slots.shape)
+            w = take_rows(self.out.weight, flat).reshape(*slots.shape, self.arch.hidden)
+            b = take_rows(self.out.bias, flat).reshape(slots.shape)
         return F.softplus(torch.einsum("bh,bch->bc", h, w) + b)
 
     def set_rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:

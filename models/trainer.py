@@ -190,7 +190,8 @@ class PolicyTrainer:
         """Fresh optimizers: the backbone dense, the output layer row-sparse (models/row_adam.py)."""
         net, c = self.net, self.config
         backbone = [p for name, p in net.named_parameters() if not name.startswith("out.")]
-        self.optimizer = RowSparseAdam(backbone, net.out.weight, net.out.bias, c.lr)
+        # Huge pages for the main moments: every candidate's rows are read and written each step.
+        self.optimizer = RowSparseAdam(backbone, net.out.weight, net.out.bias, c.lr, huge_pages=True)
         # Labels train the output layer alone; its moments are committed only for labelled rows.
         self.label_optimizer = RowSparseAdam([], net.out.weight, net.out.bias, c.label_lr)
 
@@ -270,7 +271,7 @@ class PolicyTrainer:
         gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
         self.net.reset_last_layer(gen)
         out = self.net.out
-        self.optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.lr)
+        self.optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.lr, huge_pages=True)
         self.label_optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.label_lr)
         return self._warm_up(replay, epochs, batch_size, half_life_s)
 

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from models.row_adam import take_rows
 from models.serving import ServingParams
 from models.serving_rule import (
     DYNAMIC_DROP_RATIO,
@@ -79,14 +81,28 @@ def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> Serving
 def policy_masks(
     policy: LoadedPolicy | None, query_embedding: np.ndarray, loss: float, entropy: float, slots: np.ndarray
 ) -> np.ndarray:
-    """m_i of each slot in ``slots`` (float64); zeros without a policy (similarity only)."""
+    """m_i of each slot in ``slots`` (float64); zeros without a policy (similarity only).
+
+    The network's own operations (``PolicyNetwork.features`` then ``candidate_masks``), called
+    directly: one query's masks are a dozen small operations, and the modules' calls, the
+    einsum's parsing and the tensors built per call cost as much as the arithmetic. The
+    values are the network's, bit for bit (tests/test_serving_masks.py).
+    """
     if policy is None:
         return np.zeros(len(slots))
     net = policy.net
+    norm, hidden, out = net.norm, net.hidden, net.out
     with torch.no_grad():
-        h = net.features(torch.from_numpy(query_embedding[None]), torch.tensor([loss]), torch.tensor([entropy]))
-        m = net.candidate_masks(h, torch.from_numpy(np.asarray(slots)[None].astype(np.int64)))
-    return m[0].double().numpy()
+        q = torch.from_numpy(np.ascontiguousarray(query_embedding, dtype=np.float32).reshape(1, -1))
+        extra = torch.from_numpy(np.array([[loss, entropy]], np.float32))
+        x = torch.cat([F.layer_norm(q, norm.normalized_shape, norm.weight, norm.bias, norm.eps), extra], dim=1)
+        h = F.gelu(F.linear(x, hidden.weight, hidden.bias))
+        rows = torch.from_numpy(np.asarray(slots, dtype=np.int64).reshape(-1))
+        w = take_rows(out.weight, rows)  # [C, H]
+        z = torch.bmm(h.view(1, 1, -1), w.view(1, len(rows), -1).transpose(1, 2)).view(1, -1)
+        m = F.softplus(z + take_rows(out.bias, rows).view(1, -1))
+    masks: np.ndarray = m.numpy()[0].astype(np.float64)
+    return masks
 
 
 def keep_flags(masks: np.ndarray, drop: str | float, ratio: float = DYNAMIC_DROP_RATIO) -> np.ndarray:
