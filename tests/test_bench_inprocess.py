@@ -1,15 +1,19 @@
 """``causalmem bench learning --in-process`` (pipeline/lab/bench/inprocess.py): its rows, its
-configuration of the trainer, its measures and its table, on a tiny scenario."""
+configuration of the trainer, its measures and its table, on a tiny scenario and a tiny LM world."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from pipeline.lab.bench import inprocess
 from tests.test_lab_offline import TINY
+from tests.test_lm_bench import small
 
 
 def test_rows_set_the_trainers_imputation() -> None:
@@ -56,3 +60,41 @@ def test_the_flag_selects_the_in_process_bench() -> None:
     argv = ["bench", "learning", "--in-process", "--seeds", "0,1", "--rows", "credit25", "--lr", "3e-4"]
     a = cli.build_parser(argv).parse_args(argv)
     assert (a.which, a.in_process, a.seeds, a.rows, a.lr) == ("learning", True, "0,1", "credit25", 3e-4)
+
+
+def test_steps_to_the_step_rewards_level_use_its_final_recall_on_the_same_seed() -> None:
+    # The step reward ends at 0.5 (level 0.45), the credit row at 1.0: on the common level the
+    # credit row is counted where it passes 0.45, not where it passes 90% of its own 1.0.
+    curves = {
+        "dynamic": {0: np.array([0.1, 0.3, 0.45, 0.5])},
+        "credit25": {0: np.array([0.2, 0.5, 0.8, 0.95])},
+        "reset": {0: np.array([0.0])},
+    }
+    sim = {"seed": 0, "leak": 0.0, "recall": 0.5, "utility": 0.5}
+    report: dict[str, Any] = {
+        "rows": {
+            "dynamic": {"per_seed": [{**sim, "final_recall_all": 0.5, "steps_to_90pct_recall": 302.0}]},
+            "credit25": {"per_seed": [{**sim, "final_recall_all": 1.0, "steps_to_90pct_recall": 303.0}]},
+            "reset": {"per_seed": [{"seed": 0, "before": 1.0}], "mean": {"before": 1.0}},
+        }
+    }
+    inprocess.at_step_reward_level(report, curves)
+    rows = report["rows"]
+    assert rows["dynamic"]["per_seed"][0]["steps_to_90pct_step_reward_final"] == 302.0
+    assert rows["credit25"]["per_seed"][0]["steps_to_90pct_step_reward_final"] == 301.0
+    assert rows["credit25"]["mean"]["steps_to_90pct_step_reward_final"] == 301.0
+    assert "steps_to_90pct_step_reward_final" not in rows["reset"]["per_seed"][0]
+    text = inprocess.table({"rows": {k: {"name": k, **rows[k]} for k in ("dynamic", "credit25")}})
+    assert "step reward's final recall |" in text and "| 301 → **301** |" in text
+
+
+def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Path) -> None:
+    data, u, _ = small(tmp_path)
+    runner = inprocess.LMRunner(data, u, events=150)
+    assert runner.oracle >= runner.similarity
+    cfg = inprocess._Config(hidden=16, refresh_every=50, batch_size=16)
+    m = runner.run(inprocess.ROWS["lm_credit25"], cfg)
+    assert set(m) == {"value", "gold", "leak", "gap_closed"} and 0.0 <= m["gold"] <= 1.0
+    assert m["gap_closed"] == pytest.approx((m["value"] - runner.similarity) / (runner.oracle - runner.similarity))
+    lm_rows = {k for k, r in inprocess.ROWS.items() if r.lm}
+    assert lm_rows == {"lm_step", "lm_credit25", "lm_credit25_plain", "lm_credit"}

@@ -26,6 +26,7 @@ from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import GateConfig
 from pipeline.config import Settings
+from pipeline.lab.lmworld import LMScenario
 from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, serve
 from pipeline.learner.gate import judge_window
 from pipeline.learner.replay import Replay
@@ -62,7 +63,7 @@ class OfflineConfig:
     gate_min_ess: float = 50.0
     seed: int = 0
 
-    def trainer(self, scenario: Scenario) -> TrainerConfig:
+    def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
         return TrainerConfig(
             scenario.embedding_dim,
             scenario.slots,
@@ -89,6 +90,7 @@ class OfflineResult:
     alpha: list[tuple[float, float]] = field(default_factory=list)  # (event time, α) at each refresh
     pairs: list[tuple[float, float, int]] = field(default_factory=list)  # (t, U_query, rating)
     gate: list[str] = field(default_factory=list)  # the gate's decision at each refresh
+    served: LoadedPolicy | None = None  # the policy the retriever serves at the end
 
 
 def _snapshot(trainer: PolicyTrainer, version: int) -> LoadedPolicy:
@@ -97,8 +99,15 @@ def _snapshot(trainer: PolicyTrainer, version: int) -> LoadedPolicy:
     return LoadedPolicy(manifest=manifest, net=net)
 
 
-def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) -> OfflineResult:
-    env = Environment(scenario)
+def run_offline(
+    scenario: Scenario | LMScenario, cfg: OfflineConfig, progress: Any = None, env: Any = None
+) -> OfflineResult:
+    """Run ``scenario``'s traffic through the loop; ``env`` (optional) is a world with the
+    simulator Environment's interface (e.g. :class:`pipeline.lab.lmworld.LMWorld` over an
+    :class:`~pipeline.lab.lmworld.LMScenario`), else ``Environment(scenario)``."""
+    if env is None:
+        assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
+        env = Environment(scenario)
     retriever = CausalRetriever(
         env.memory,
         texts=env.texts,
@@ -186,4 +195,5 @@ def run_offline(scenario: Scenario, cfg: OfflineConfig, progress: Any = None) ->
                 retriever.set_policy(_snapshot(trainer, version))
         if progress is not None:
             progress()
+    result.served = retriever.policy
     return result
