@@ -28,6 +28,7 @@ from models.serving import ServingParams
 from models.serving_rule import DYNAMIC_DROP_RATIO, revive_dropped
 from pipeline.client.memory_index import IdIndex
 from pipeline.client.serving import draw, keep_flags, policy_masks
+from pipeline.client.serving import follow as serving_in_force
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import Connection
 from pipeline.config import Settings
@@ -214,16 +215,9 @@ class CausalRetriever:
 
     def follow(self, params: ServingParams) -> None:
         """Serve by ``params`` except where the constructor was given an explicit value."""
-        for name, value in (
-            ("temperature", params.temperature),
-            ("drop", params.drop_spec),
-            ("explore_rate", params.explore_rate),
-            ("explore_temperature", params.explore_temperature),
-        ):
-            if name not in self.explicit:
-                setattr(self, name, value)
-        if "drop" not in self.explicit:
-            self.drop_ratio = params.drop_ratio
+        v = serving_in_force(params, self.explicit)  # the one rule, shared with the adapters
+        self.temperature, self.drop, self.drop_ratio = v.temperature, v.drop, v.drop_ratio
+        self.explore_rate, self.explore_temperature = v.explore_rate, v.explore_temperature
 
     def candidate_masks(
         self, query_embedding: np.ndarray, loss: float, entropy: float, slots: np.ndarray
