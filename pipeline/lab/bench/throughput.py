@@ -40,8 +40,8 @@ import torch
 from models.batch import make_batch
 from models.policy import init_policy
 from models.reinforce import importance_weights, reinforce_loss
+from models.row_adam import RowSparseAdam
 from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
-from models.trainer import adam
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.lab.procs import Child
@@ -212,7 +212,9 @@ class BareStep:
 
     def __init__(self, d: int, s: int, lr: float, seed: int = 0) -> None:
         self.net = init_policy(d, s, seed=seed)
-        self.opt = adam(self.net.parameters(), lr)
+        # The trainer's optimizer: the output layer's gradients are row-sparse (models/row_adam.py).
+        backbone = [p for name, p in self.net.named_parameters() if not name.startswith("out.")]
+        self.opt = RowSparseAdam(backbone, self.net.out.weight, self.net.out.bias, lr, huge_pages=True)
         self.b = 0.0
 
     def __call__(self, batch: Any) -> None:
@@ -223,10 +225,11 @@ class BareStep:
         z = adjusted_logits_torch(batch.scores, m, self.net.alpha, batch.temperature)
         logp = plackett_luce_logprob_torch(z, batch.valid, batch.selected, batch.selected_valid)
         loss = reinforce_loss(logp, adv, importance_weights(logp, batch.logged_logprob, 5.0))
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
         torch.autograd.backward(loss)
-        torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
+        self.opt.clip_grad_norm_(1.0)
         self.opt.step()
+        self.opt.zero_grad()
 
 
 def learner_vs_bare(settings: Settings, exps: list[Experience], rounds: int = 7) -> dict[str, float]:
