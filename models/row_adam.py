@@ -4,8 +4,7 @@ A step of REINFORCE or of a label fine-tune only reads the output rows of its ca
 slots (:meth:`models.policy.PolicyNetwork.candidate_masks`), so its gradient on
 ``out.weight`` [S, H] and ``out.bias`` [S] is row-sparse. :class:`LazyRowAdam` applies
 Adam to those rows alone: a step costs O(rows touched · H), whatever S is. The rest of
-the network (the backbone, a few hundred thousand numbers) keeps the fused dense Adam,
-and :class:`RowSparseAdam` puts the two together with one gradient-norm clip.
+the network (the backbone) keeps the fused dense Adam; :class:`RowSparseAdam` joins the two.
 
 Lazy semantics: a row that has no gradient in a step does not move and its moments do not
 decay (dense Adam would keep moving it along its momentum). Each row counts its own steps

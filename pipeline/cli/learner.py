@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 from pipeline import kafka
+from pipeline.allocator import pin_malloc
 from pipeline.cli.common import (
     model_options,
     prepare_cluster,
@@ -54,6 +55,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     bootstrap = resolve_bootstrap(settings)
+    pin_malloc()  # a step's large temporaries reused, not faulted in again (pipeline/allocator.py)
 
     async def main(stop: asyncio.Event) -> int:
         await prepare_cluster(bootstrap, settings, strict=False)

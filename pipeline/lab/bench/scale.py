@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.allocator import PINNED_MALLOC
+
 SIZES = (1_024, 100_000, 1_000_000)
 TARGET_STEP_RATE = 0.80  # step rate at the largest S / at the smallest
 TARGET_LATENCY = 1.5  # policy + faiss / plain faiss, p50, at the largest S
@@ -296,12 +298,9 @@ class Worker:
             self.proc.kill()
 
 
-# glibc's malloc, pinned in every measuring process. By default it hands blocks above a
-# threshold that it tunes as the process runs back to the kernel when they are freed, so a
-# step's multi-MB temporaries are mapped and faulted in again each time in some processes
-# and not in others: unpinned, the S = 1,024 learner took ~1,800 minor faults per step
-# (~3 ms of system time), the S = 10^6 one ~600 — noise that depends on each process's history.
-PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
+# glibc's malloc, pinned in every measuring process as the learner pins it (pipeline/allocator.py):
+# unpinned, the S = 1,024 learner took ~1,800 minor faults per step (~3 ms of system time), the
+# S = 10^6 one ~600 — noise that depends on each process's history.
 
 
 def measure(kind: str, sizes: list[int], opts: dict[str, Any], total: int, rounds: int) -> list[dict[str, Any]]:
