@@ -74,3 +74,27 @@ def test_an_ivf_base_keeps_its_nprobe_with_tombstones_and_a_wrong_base_is_refuse
         IdIndex(8, base=faiss.IndexFlatL2(8))
     with pytest.raises(ValueError):
         IdIndex(4, base=ivf)
+
+
+def test_a_retriever_searches_the_approximate_index_it_is_given_by_slot_and_by_id() -> None:
+    import faiss
+    import pytest
+
+    from pipeline.client.retriever import CausalRetriever
+
+    rng = np.random.default_rng(2)
+    x = _unit(rng, 500, 8)
+
+    def ivf() -> faiss.Index:
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(8), 8, 8, faiss.METRIC_INNER_PRODUCT)
+        index.train(x)
+        index.nprobe = 8
+        return index
+
+    by_slot = CausalRetriever(x, k=3, n_candidates=5, faiss_index=ivf())
+    assert isinstance(by_slot.index, faiss.IndexIVFFlat) and by_slot.index.ntotal == 500
+    assert by_slot.search(x[3], 1)[0].tolist() == [3]
+    by_id = CausalRetriever(x, k=3, n_candidates=5, memory_ids=[f"m{i}" for i in range(500)], faiss_index=ivf())
+    assert by_id.memories is not None and by_id.memories.search(x[3], 1)[0] == ["m3"]
+    with pytest.raises(ValueError, match="trained, empty"):
+        CausalRetriever(x, faiss_index=faiss.IndexFlatIP(4))

@@ -116,6 +116,10 @@ class CausalRetriever:
     memory's mask comes from the loaded policy when that version holds its row
     (``LoadedPolicy.slot_of``), else it is neutral (1, a fresh row's). Events then carry
     ``candidate_ids``; their slot numbers are labels (the slot when known).
+
+    ``faiss_index``: the index to search (default: exact ``IndexFlatIP``); for a large bank a
+    trained, empty approximate one (e.g. ``IndexIVFFlat`` with its ``nprobe``, inner
+    product), which the memories are added to.
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class CausalRetriever:
         conn: Connection | Settings | None = None,
         explore_revive: float = 0.1,
         memory_ids: Sequence[str] | None = None,
+        faiss_index: Any = None,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.conn = Connection.of(conn) if conn is not None else None
@@ -141,7 +146,7 @@ class CausalRetriever:
         if memory_ids is not None:
             if len(memory_ids) != self.embeddings.shape[0]:
                 raise ValueError(f"{len(memory_ids)} memory ids for {self.embeddings.shape[0]} embeddings")
-            self.memories = IdIndex(self.embeddings.shape[1])
+            self.memories = IdIndex(self.embeddings.shape[1], base=faiss_index)
             self.memories.add_many(list(memory_ids), self.embeddings, texts)
             texts = None  # kept by id in the index
         if self.conn is not None:
@@ -152,7 +157,13 @@ class CausalRetriever:
                 )
             if n > self.conn.limits.slots and self.memories is None:
                 raise ValueError(f"{n} memories for {self.conn.limits.slots} slots")
-        self.index = faiss.IndexFlatIP(self.embeddings.shape[1])
+        dim = self.embeddings.shape[1]
+        if self.memories is None and faiss_index is not None:
+            if faiss_index.d != dim or not faiss_index.is_trained or faiss_index.ntotal:
+                raise ValueError(f"faiss_index must be a trained, empty faiss index of dimension {dim}")
+            self.index = faiss_index
+        else:
+            self.index = faiss.IndexFlatIP(dim)
         if self.memories is None:
             self.index.add(self.embeddings)
         self.texts = list(texts) if texts is not None else None

@@ -195,7 +195,7 @@ class ClientBench:
             net=init_policy(dim, slots, opts["hidden"]).eval(),
         )
         self.retriever = CausalRetriever(np.zeros((1, dim), np.float32), k=3, n_candidates=self.k, fallback=_empty)
-        self.retriever.index = index  # type: ignore[assignment]  # the same IVF index for both
+        self.retriever.index = index  # the same IVF index for both
         self.retriever.set_policy(policy)
         self.policy_masks = policy_masks
         self.queries = unit_vectors(opts["queries"] + 50, dim, seed=4)
