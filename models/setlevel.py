@@ -56,7 +56,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from models.logged import LoggedDecisions, Served, component_logits
+from models.logged import LoggedDecisions, Served
+from models.slate import logging_components, target_components
 
 MAX_SET_K = 6  # k! orderings per set: 720 at k = 6; larger k are not supported (ValueError)
 PRIOR_WEIGHT = 0.5  # pseudo-count of the additive prediction in a logged set's mean reward
@@ -115,16 +116,6 @@ def set_probability(p: np.ndarray, members: np.ndarray) -> np.ndarray:
     return out
 
 
-def _softmax(z: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    zz = np.where(kept, z, -np.inf)
-    top = zz.max(axis=1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0)
-    e = np.where(kept, np.exp(zz - top), 0.0)
-    tot = e.sum(axis=1, keepdims=True)
-    out: np.ndarray = np.divide(e, tot, out=np.zeros_like(e), where=tot > 0)
-    return out
-
-
 def target_set_probability(
     decisions: LoggedDecisions, target: Served, rows: np.ndarray, members: np.ndarray
 ) -> np.ndarray:
@@ -144,8 +135,7 @@ def target_set_probability(
     if len(rows) == 0:
         return out
     ks = decisions.n_selected[rows]
-    for weight, z, kept, uniform in component_logits(decisions, target):
-        p = _softmax(np.zeros_like(z) if uniform else z, kept)
+    for weight, p in target_components(decisions, target):
         for k in np.unique(ks):
             sel = np.flatnonzero(ks == k)
             out[sel] += weight * set_probability(p[rows[sel]], members[sel, : int(k)])
@@ -166,21 +156,10 @@ def logging_set_probability(decisions: LoggedDecisions) -> tuple[np.ndarray, np.
     >>> usable.tolist(), round(float(pm[0]), 6)
     ([True], 0.514286)
     """
-    n = len(decisions)
-    usable = np.zeros(n, bool)
-    prob = np.zeros(n)
-    if decisions.first_probs is None or n == 0:
-        return usable, prob
-    fp = decisions.first_probs
-    usable = np.isfinite(fp).all(axis=1) & (fp.sum(axis=1) > 0)
-    temps, counts = np.unique(np.round(decisions.temperature[usable], 9), return_counts=True)
-    shares = counts / max(1, counts.sum())
-    drawable = usable[:, None] & (np.nan_to_num(fp) > 0)
-    with np.errstate(divide="ignore"):
-        base = np.where(drawable, np.log(np.where(drawable, fp, 1.0)) * decisions.temperature[:, None], 0.0)
+    usable, parts = logging_components(decisions)
+    prob = np.zeros(len(decisions))
     ks = decisions.n_selected
-    for t, share in zip(temps, shares, strict=True):
-        p = _softmax(base / t, drawable)
+    for _, share, p in parts:
         for k in np.unique(ks[usable]):
             rows = np.flatnonzero(usable & (ks == k))
             prob[rows] += share * set_probability(p[rows], decisions.selected[rows, : int(k)])

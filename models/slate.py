@@ -43,6 +43,7 @@ the worst and best top-k of the reward model's slot values among the logged cand
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from functools import lru_cache
 
 import numpy as np
@@ -64,7 +65,8 @@ def _prefixes(c: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return perms, inc
 
 
-def _softmax_rows(z: np.ndarray, kept: np.ndarray) -> np.ndarray:
+def softmax_rows(z: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of ``z`` over the ``kept`` entries (zeros elsewhere, and in rows with none)."""
     zz = np.where(kept, z, -np.inf)
     top = zz.max(axis=1, keepdims=True)
     top = np.where(np.isfinite(top), top, 0.0)
@@ -205,13 +207,38 @@ def target_inclusion(decisions: LoggedDecisions, target: Served, seed: int = 0) 
     """
     theta = np.zeros(decisions.valid.shape)
     ks = decisions.n_selected
-    for weight, z, kept, uniform in component_logits(decisions, target):
-        p = _softmax_rows(np.zeros_like(z) if uniform else z, kept)
+    for weight, p in target_components(decisions, target):
         for k in np.unique(ks):
             rows = ks == k
             q, _ = inclusion(p[rows], int(k), second=False, seed=seed)
             theta[rows] += weight * q
     return theta
+
+
+def target_components(decisions: LoggedDecisions, target: Served) -> Iterator[tuple[float, np.ndarray]]:
+    """``(weight, first-draw probabilities [N, C])`` of each component of the served target's mixture."""
+    for weight, z, kept, uniform in component_logits(decisions, target):
+        yield weight, softmax_rows(np.zeros_like(z) if uniform else z, kept)
+
+
+def logging_components(decisions: LoggedDecisions) -> tuple[np.ndarray, list[tuple[float, float, np.ndarray]]]:
+    """The steps whose logging policy can be rebuilt (they log ``candidate_probs``), and that
+    policy as a mixture over the logged temperatures: ``(T, share of the usable steps,
+    first-draw probabilities [N, C] at T)``, from each step's first-draw probabilities
+    raised back to logits (log p · T_logged, up to a constant per step).
+    """
+    n = len(decisions)
+    if decisions.first_probs is None or n == 0:
+        return np.zeros(n, bool), []
+    fp = decisions.first_probs
+    usable = np.isfinite(fp).all(axis=1) & (fp.sum(axis=1) > 0)
+    temps, counts = np.unique(np.round(decisions.temperature[usable], 9), return_counts=True)
+    shares = counts / max(1, counts.sum())
+    drawable = usable[:, None] & (np.nan_to_num(fp) > 0)
+    with np.errstate(divide="ignore"):
+        base = np.where(drawable, np.log(np.where(drawable, fp, 1.0)) * decisions.temperature[:, None], 0.0)
+    parts = [(float(t), float(share), softmax_rows(base / t, drawable)) for t, share in zip(temps, shares, strict=True)]
+    return usable, parts
 
 
 class MomentCache:
@@ -260,15 +287,9 @@ def behaviour_moments(
     if decisions.first_probs is None or n == 0:
         return usable, q, g
     fp = decisions.first_probs
-    usable = np.isfinite(fp).all(axis=1) & (fp.sum(axis=1) > 0)
-    temps, counts = np.unique(np.round(decisions.temperature[usable], 9), return_counts=True)
-    shares = counts / max(1, counts.sum())
-    drawable = usable[:, None] & (np.nan_to_num(fp) > 0)
-    with np.errstate(divide="ignore"):
-        base = np.where(drawable, np.log(np.where(drawable, fp, 1.0)) * decisions.temperature[:, None], 0.0)
+    usable, parts = logging_components(decisions)
     ks = decisions.n_selected
-    for t, share in zip(temps, shares, strict=True):
-        p = _softmax_rows(base / t, drawable)
+    for t, share, p in parts:
         for k in np.unique(ks[usable]):
             rows = usable & (ks == k)
             if cache is None:
