@@ -41,7 +41,7 @@ class IdIndex:
 
     ``base``: the faiss index the vectors go in (default: exact ``IndexFlatIP``). For a
     million memories, an approximate one: a trained, empty inner-product index such as
-    ``IndexIVFFlat`` (its ``nprobe`` is kept for every search).
+    ``IndexIVFFlat`` (searched with its ``nprobe``).
 
     >>> import faiss
     >>> rng = np.random.default_rng(0)
@@ -62,7 +62,6 @@ class IdIndex:
             base = faiss.IndexFlatIP(dim)
         elif base.d != dim or not base.is_trained or base.ntotal or base.metric_type != faiss.METRIC_INNER_PRODUCT:
             raise ValueError("base must be a trained, empty inner-product faiss index of dimension " + str(dim))
-        self._nprobe: int | None = getattr(base, "nprobe", None)  # an IVF index: searched with its nprobe
         self._index = faiss.IndexIDMap2(base)
         self._base = base  # the map does not own it: kept alive here
         self._key_of: dict[str, int] = {}
@@ -124,19 +123,16 @@ class IdIndex:
         """Search parameters that skip the tombstones (lock held); None when there are none."""
         if not self._dead:
             return None
-        if self._skip is None:
+        nprobe = getattr(self._base, "nprobe", None)  # an IVF base: searched with its nprobe as set now
+        if self._skip is None or self._skip[1] != nprobe:
             batch = faiss.IDSelectorBatch(np.fromiter(self._dead, dtype=np.int64, count=len(self._dead)))
             not_dead = faiss.IDSelectorNot(batch)
             params: Any
-            if self._nprobe is not None:
-                params = faiss.SearchParametersIVF(sel=not_dead, nprobe=self._nprobe)  # type: ignore[call-arg]
+            if nprobe is not None:
+                params = faiss.SearchParametersIVF(sel=not_dead, nprobe=nprobe)  # type: ignore[call-arg]
             else:
                 params = faiss.SearchParameters(sel=not_dead)  # type: ignore[call-arg]
-            self._skip = (
-                params,
-                not_dead,
-                batch,
-            )  # the selectors live as long as the parameters  # the selectors live as long
+            self._skip = (params, nprobe, not_dead, batch)  # the selectors live as long as the parameters
         return self._skip[0]
 
     def text(self, memory_id: str) -> str | None:
