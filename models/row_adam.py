@@ -124,7 +124,7 @@ def fused_kernel(device: torch.device) -> bool:
             amsgrad=False,
             maximize=False,
         )
-    except (RuntimeError, NotImplementedError, AttributeError):
+    except (RuntimeError, NotImplementedError, AttributeError):  # no such kernel here: LazyRowAdam's unfused step
         return False
     return True
 

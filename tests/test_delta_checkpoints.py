@@ -8,7 +8,9 @@ producer, and ``PolicySubscriber.handle`` reads its log; a client's re-fetch fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -408,25 +410,36 @@ def test_deltas_are_on_by_default_at_a_short_cadence() -> None:
 # --------------------------------------------------------------------------- with a broker
 
 
-@pytest.mark.broker
-async def test_broker_learner_publishes_full_and_deltas_and_a_subscriber_follows(
-    topics_ready: Settings, tmp_path: Path
-) -> None:
+@contextlib.asynccontextmanager
+async def delta_publishing(
+    settings: Settings, tmp_path: Path, full_every: int
+) -> AsyncIterator[tuple[Publishing, PolicyTrainer]]:
+    """A learner's publishing on the broker (no gate, deltas up to 90% of a full snapshot) and its trainer."""
     from pipeline import kafka
 
-    conn = topics_ready.connection()
-    producer = kafka.producer(topics_ready.bootstrap or "", conn)
+    conn = settings.connection()
+    producer = kafka.producer(settings.bootstrap or "", conn)
     await producer.start()
     try:
         config = LearnerConfig(
             connection=conn,
             trainer=TrainerConfig(ARCH.embedding_dim, ARCH.slots, hidden=ARCH.hidden),
             gate=None,
-            full_every=3,
+            full_every=full_every,
             delta_max_share=0.9,
         )
         p = Publishing(producer, config, LocalStore(tmp_path), ARCH, Metrics(), lambda: [])
-        t = PolicyTrainer(config.trainer)
+        yield p, PolicyTrainer(config.trainer)
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.broker
+async def test_broker_learner_publishes_full_and_deltas_and_a_subscriber_follows(
+    topics_ready: Settings, tmp_path: Path
+) -> None:
+    conn = topics_ready.connection()
+    async with delta_publishing(topics_ready, tmp_path, full_every=3) as (p, t):
         await publish(p, t, "init")
         async with PolicySubscriber(topics_ready.bootstrap or "", conn=conn) as sub:
             await sub.wait_for_policy(1, timeout=15)
@@ -441,8 +454,6 @@ async def test_broker_learner_publishes_full_and_deltas_and_a_subscriber_follows
         async with PolicySubscriber(topics_ready.bootstrap or "", conn=conn) as late:
             loaded = await late.wait_for_policy(5, timeout=15)
             assert same(loaded.net.tensors(), t.tensors())
-    finally:
-        await producer.stop()
 
 
 async def test_a_delta_candidate_is_promoted_under_the_delta_key_while_its_base_serves() -> None:

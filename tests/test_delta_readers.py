@@ -26,7 +26,7 @@ from pipeline.evaluation import evaluate, rollback, shadow
 from pipeline.modeltopic import ModelTopicIndex, check_blob, scan_model_topic
 from pipeline.status.collect import checkpoint_view
 from tests.adapter_fakes import CONN, hashed_embedding, policy
-from tests.test_delta_checkpoints import ARCH, learner, publish, same, train
+from tests.test_delta_checkpoints import delta_publishing, learner, publish, same, train
 from topics.delta import DeltaManifest
 from topics.manifest import CheckpointError, Manifest
 
@@ -212,31 +212,12 @@ def chain_candidate(key: str, score: float, text: str, item: str) -> Any:
 @pytest.mark.broker
 async def test_broker_evaluate_and_shadow_rebuild_a_delta_head(topics_ready: Settings, tmp_path: Path) -> None:
     """On a real broker: the learner publishes v1 full and v2, v3 deltas; both readers load v3 through its chain."""
-    from models.trainer import PolicyTrainer, TrainerConfig
-    from pipeline.component_config import LearnerConfig
-    from pipeline.learner.publishing import Publishing
-    from pipeline.learner.store import LocalStore
-    from pipeline.metrics import Metrics
-
     conn = topics_ready.connection()
-    producer = kafka.producer(topics_ready.bootstrap or "", conn)
-    await producer.start()
-    try:
-        config = LearnerConfig(
-            connection=conn,
-            trainer=TrainerConfig(ARCH.embedding_dim, ARCH.slots, hidden=ARCH.hidden),
-            gate=None,
-            full_every=10,
-            delta_max_share=0.9,
-        )
-        p = Publishing(producer, config, LocalStore(tmp_path), ARCH, Metrics(), lambda: [])
-        t = PolicyTrainer(config.trainer)
+    async with delta_publishing(topics_ready, tmp_path, full_every=10) as (p, t):
         await publish(p, t, "init")
         for rows in ([1], [2, 3]):
             train(t, rows)
             assert isinstance(await publish(p, t), DeltaManifest)
-    finally:
-        await producer.stop()
     bootstrap = topics_ready.bootstrap or ""
     report = await evaluate.evaluate_window(bootstrap, conn, 100, ("snips",))
     assert report["versions"] == {"serving": 3}

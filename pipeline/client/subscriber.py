@@ -28,7 +28,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from aiokafka import TopicPartition
 
 from models.delta import apply_delta, state_sha256
@@ -54,19 +53,9 @@ __all__ = ["LoadedPolicy", "PolicySubscriber", "arch_of", "fetch_checkpoint"]
 STATE_CHECK_BYTES = 64 * 1024 * 1024  # states up to this size are re-hashed after every delta
 
 
-async def fetch_checkpoint(
-    bootstrap: str,
-    conn: Connection | Settings,
-    index: ModelTopicIndex,
-    manifest: Manifest,
-    topic: str | None = None,
-) -> dict[str, torch.Tensor]:
-    """Fetch a manifest's chunks, then verify and load them; raises :class:`CheckpointError`.
-
-    A delta's version (contract 1.3) is rebuilt from its chain's full snapshot
-    (``pipeline.client.chain.fetch_state``).
-    """
-    return await fetch_state(bootstrap, conn, index, manifest, topic)
+# Fetch a manifest's chunks, verify and load them (a delta's version rebuilt from its chain's
+# full snapshot); raises CheckpointError. The name clients have used since contract 1.0.
+fetch_checkpoint = fetch_state
 
 
 @dataclass

@@ -22,12 +22,11 @@ import numpy as np
 from models.drift import DriftMonitor
 from models.serving import ServingParams
 from models.trainer import PolicyTrainer, TrainerConfig
-from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import GateConfig
 from pipeline.config import Settings
 from pipeline.lab.lmworld import LMScenario
-from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, serve
+from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
 from pipeline.learner.gate import judge_window
 from pipeline.learner.replay import Replay
 from topics.internal import Experience
@@ -108,14 +107,10 @@ def run_offline(
     if env is None:
         assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
         env = Environment(scenario)
-    retriever = CausalRetriever(
-        env.memory,
-        texts=env.texts,
-        k=scenario.k,
-        n_candidates=scenario.n_candidates,
-        temperature=scenario.temperature,
+    retriever = scenario_retriever(
+        env,
+        scenario,
         drop=cfg.drop,
-        seed=scenario.seed,
         explore_rate=scenario.explore_rate if cfg.explore_rate is None else cfg.explore_rate,
         explore_temperature=scenario.explore_temperature
         if cfg.explore_temperature is None

@@ -26,7 +26,7 @@ import torch
 from models.dmem import DMem
 from models.serving_rule import adjusted_logits, first_draw_probs
 from pipeline.extras import require
-from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, serve
+from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,6 @@ async def run_scenario(
     rich_progress = require("rich.progress", "lab")
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
-    from pipeline.client.retriever import CausalRetriever
     from pipeline.client.subscriber import PolicySubscriber
     from pipeline.config import Settings
     from pipeline.lab.procs import Child
@@ -200,17 +199,13 @@ async def run_scenario(
     learner = Child("learner", bootstrap, env_vars, log_path=logdir / "learner.log")
     env = env if env is not None else Environment(scenario)
     similarity_only = not spec.use_policy and not spec.dmem
-    retriever = CausalRetriever(
-        env.memory,
-        texts=env.texts,
-        k=scenario.k,
-        n_candidates=scenario.n_candidates,
+    retriever = scenario_retriever(
+        env,
+        scenario,
         # Similarity-only is plain top-k: a temperature so small that the draw is the ranking.
         temperature=1e-4 if similarity_only and spec.greedy else scenario.temperature,
         drop=spec.drop,
-        seed=scenario.seed,
         explore_rate=scenario.explore_rate if spec.explore and spec.use_policy else 0.0,
-        explore_temperature=scenario.explore_temperature,
         explore_revive=spec.explore_revive,
     )
     dmem = DMem() if spec.dmem else None

@@ -303,6 +303,23 @@ class Environment:
         return len(helpful & set(selected)) / min(self.s.k, len(helpful))
 
 
+def scenario_retriever(world: Any, scenario: Any, **overrides: Any) -> Any:
+    """A :class:`~pipeline.client.retriever.CausalRetriever` over ``world``'s memories, serving
+    as ``scenario`` says (k, candidates, temperatures, exploration, seed); ``overrides`` win."""
+    from pipeline.client.retriever import CausalRetriever
+
+    args: dict[str, Any] = {
+        "texts": world.texts,
+        "k": scenario.k,
+        "n_candidates": scenario.n_candidates,
+        "temperature": scenario.temperature,
+        "seed": scenario.seed,
+        "explore_rate": scenario.explore_rate,
+        "explore_temperature": scenario.explore_temperature,
+    }
+    return CausalRetriever(world.memory, **{**args, **overrides})
+
+
 def serve(retriever: Any, st: Step, **kwargs: Any) -> Any:
     """``CausalRetriever.retrieve`` for a simulated step: its features, text and event time."""
     return retriever.retrieve(

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import Settings
-from pipeline.lab.simulator import Scenario
+from pipeline.lab.simulator import Scenario, scenario_retriever
 
 OLD = {"checkpoint_interval_s": 10.0, "checkpoint_full_every": 1}  # the defaults before contract 1.3's deltas were on
 TARGET_MEDIAN_S = 5.0
@@ -131,7 +131,6 @@ async def one_run(
     """Worker + learner + client for ``seconds`` of traffic at ``rate`` pairs/s; fills ``run``."""
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
-    from pipeline.client.retriever import CausalRetriever
     from pipeline.client.subscriber import PolicySubscriber
     from pipeline.lab.procs import Child
     from pipeline.lab.simrun import RunSpec, pipeline_env
@@ -152,16 +151,7 @@ async def one_run(
     await kafka.create_topics(bootstrap, settings)
     exp_key = f"{settings.topics().experiences.name}:0"
     world = Environment(scenario)
-    retriever = CausalRetriever(
-        world.memory,
-        texts=world.texts,
-        k=scenario.k,
-        n_candidates=scenario.n_candidates,
-        temperature=scenario.temperature,
-        seed=scenario.seed,
-        explore_rate=scenario.explore_rate,
-        explore_temperature=scenario.explore_temperature,
-    )
+    retriever = scenario_retriever(world, scenario)
     loads: list[tuple[float, int]] = []
 
     def on_update(loaded: Any) -> None:
