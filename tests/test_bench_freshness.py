@@ -7,8 +7,12 @@ hand (docs/benchmarks.md, "Freshness"), not here.
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+import pytest
 
 import pipeline.cli as cli
+from pipeline.config import Settings
 from pipeline.lab.bench import freshness
 
 
@@ -37,3 +41,10 @@ def test_cli_flags() -> None:
     argv = ["bench", "freshness", "--seconds", "30", "--ungated", "--also-interval", "1", "--out", "f.json"]
     a = cli.build_parser(argv).parse_args(argv)
     assert (a.which, a.seconds, a.ungated, a.also_interval, a.rate) == ("freshness", 30.0, True, [1.0], 100.0)
+
+
+def test_logs_go_under_the_expanded_state_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "~/.causalmem" used to become a directory named "~" in the working directory.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    d = freshness.log_dir(Settings(state_dir="~/.causalmem"))
+    assert d.parent == tmp_path / ".causalmem" / "bench-freshness"

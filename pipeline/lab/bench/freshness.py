@@ -272,6 +272,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the report as JSON")
 
 
+def log_dir(settings: Settings) -> Path:
+    """This run's directory for the child processes' logs, under the (user-expanded) state directory."""
+    return settings.state_path() / "bench-freshness" / time.strftime("%Y%m%d-%H%M%S")
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -289,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
     configs += [(f"every {t:g} s", {**new, "checkpoint_interval_s": t}) for t in args.also_interval]
     gates = [True, False] if args.ungated else [True]
     scenario = Scenario(drift_day=None)  # no drift inside a short run
-    logdir = Path(base.state_dir) / "bench-freshness" / time.strftime("%Y%m%d-%H%M%S")
+    logdir = log_dir(base)
     bootstrap, broker = own_broker(getattr(args, "bootstrap", None), logdir / "broker.log")
     runs: list[Run] = []
     try:
