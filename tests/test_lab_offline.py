@@ -28,6 +28,11 @@ def test_a_gate_without_enough_data_keeps_the_first_policy() -> None:
     result = run_offline(TINY, cfg)
     assert result.gate and set(result.gate) == {"insufficient"}
     assert set(result.tally.version) == {1}
+    # Served as the learner serves a fresh first policy under the gate: the similarity
+    # ranking (T = 0.001), not drawn at the serving temperature, until a promotion.
+    assert result.served is not None and result.served.serving is not None
+    assert result.served.serving.temperature == 0.001
+    assert run_offline(TINY, OfflineConfig(hidden=16, refresh_every=40, reset=False)).served.serving is None  # type: ignore[union-attr]
 
 
 def test_keeps_what_the_learner_keeps() -> None:

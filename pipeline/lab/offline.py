@@ -14,7 +14,7 @@ learning`` runs the real pipeline; this is where its settings were explored firs
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from pipeline.config import Settings
 from pipeline.lab.lmworld import LMScenario
 from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
 from pipeline.learner.gate import judge_window
+from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
 from topics.internal import Experience
 from topics.manifest import Manifest
@@ -92,9 +93,12 @@ class OfflineResult:
     served: LoadedPolicy | None = None  # the policy the retriever serves at the end
 
 
-def _snapshot(trainer: PolicyTrainer, version: int) -> LoadedPolicy:
+def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | None = None) -> LoadedPolicy:
+    """The trainer's policy as a client would load it; ``serving``: the manifest's serving parameters."""
     net = copy.deepcopy(trainer.net).cpu().eval()
     manifest = Manifest("default", version, 0.0, "periodic", net.arch.to_dict(), 0.0, 0.0, "0" * 64, 1, 1)
+    if serving is not None:
+        manifest = replace(manifest, serving=serving.to_wire())
     return LoadedPolicy(manifest=manifest, net=net)
 
 
@@ -126,8 +130,14 @@ def run_offline(
         drop="fixed" if isinstance(cfg.drop, float) else cfg.drop,
         drop_ratio=cfg.drop if isinstance(cfg.drop, float) else 0.01,
     )
+    configured_t = retriever.temperature
+    current = serving_params  # how the policy clients hold is served
+    if gate is not None:
+        # As the learner publishes a fresh first policy under the gate (first_serving).
+        current = first_serving(serving_params, True, "init", 0)
+        retriever.temperature = current.temperature
     version = 1
-    retriever.set_policy(_snapshot(trainer, version))
+    retriever.set_policy(_snapshot(trainer, version, current if gate is not None else None))
     monitor = DriftMonitor(
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
     )
@@ -158,7 +168,7 @@ def run_offline(
             if steps % cfg.refresh_every == 0:
                 result.alpha.append((st.ts, float(trainer.net.alpha.detach()[0])))
                 version += 1
-                candidate = _snapshot(trainer, version)
+                candidate = _snapshot(trainer, version, serving_params if gate is not None else None)
                 if gate is not None and retriever.policy is not None:
                     decision, _, _ = judge_window(
                         replay.gate_window(),
@@ -167,10 +177,12 @@ def run_offline(
                         gate,
                         n_boot=100,
                         params=serving_params,  # judged as this loop serves
+                        serving_params=current,
                     )
                     result.gate.append(decision)
                     if decision != "promoted":
                         continue
+                retriever.temperature, current = configured_t, serving_params
                 retriever.set_policy(candidate)
 
         rating = env.rating(q.intent)
@@ -187,7 +199,8 @@ def run_offline(
                 )
                 result.resets.append(t)
                 version += 1
-                retriever.set_policy(_snapshot(trainer, version))
+                retriever.temperature, current = configured_t, serving_params  # a reset is served as configured
+                retriever.set_policy(_snapshot(trainer, version, serving_params if gate is not None else None))
         if progress is not None:
             progress()
     result.served = retriever.policy
