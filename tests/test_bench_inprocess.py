@@ -97,4 +97,11 @@ def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Pa
     assert set(m) == {"value", "gold", "leak", "gap_closed"} and 0.0 <= m["gold"] <= 1.0
     assert m["gap_closed"] == pytest.approx((m["value"] - runner.similarity) / (runner.oracle - runner.similarity))
     lm_rows = {k for k, r in inprocess.ROWS.items() if r.lm}
-    assert lm_rows == {"lm_step", "lm_credit25", "lm_credit25_plain", "lm_credit"}
+    assert lm_rows == {
+        "lm_step",
+        "lm_credit25",
+        "lm_credit25_plain",
+        "lm_credit",
+        "lm_credit25_gated",
+        "lm_credit25_gated_t1",
+    }

@@ -11,7 +11,11 @@ A serving policy (it knows half of the memories' roles) logs ``--window`` retrie
 two ways:
 
 * **exploratory**: every request at T = 1.0 (the issue's exploratory client);
-* **near-greedy**: as the default serving parameters do (T = 0.05, 10% at T = 0.25).
+* **near-greedy**: as the learner's serving parameters do (T = 0.05, 10% at T = 0.25 by
+  default; ``CAUSALMEM_SERVE_*`` variables change them, and candidates are judged as served
+  by the same parameters).
+
+``--methods`` and ``--logs`` run a subset of the estimators and kinds of logs.
 
 Candidates are many policies, better and worse: moves toward the true best, toward the
 harmful memories, noisy perturbations, and *greedy traps* (drop the harmful memories but
@@ -42,13 +46,28 @@ from models.served import SlateLog
 from models.serving import ServingParams
 from models.serving_rule import plackett_luce_logprob
 from models.slate import MomentCache, inclusion
+from pipeline.config import Settings
 from pipeline.lab.roles import HARMFUL, HELPFUL
 from pipeline.lab.simulator import Environment, Scenario
 from pipeline.learner.gate import PESSIMISM, judge, judge_log
 
 METHODS = ("ips", "snips", "pi", "dr", "dr-pi", "set-ips", "set-snips", "set-dr", "dr-set", "auto")
 DEFAULT = "auto"  # the gate's default estimator (Settings.gate_method)
-LOGS = {"exploratory": ServingParams(temperature=1.0, explore_rate=0.0), "near-greedy": ServingParams()}
+LOG_KINDS = ("exploratory", "near-greedy")
+
+
+def logs_for(served: ServingParams) -> dict[str, ServingParams]:
+    """The kinds of logs: every request at T = 1.0, and as ``served`` (near-greedy at the defaults).
+
+    >>> logs_for(ServingParams())["near-greedy"].components()
+    ((0.9, 0.05), (0.1, 0.25))
+    """
+    return {"exploratory": ServingParams(temperature=1.0, explore_rate=0.0), "near-greedy": served}
+
+
+def served_params() -> ServingParams:
+    """How the learner's configuration serves candidates: its defaults, or ``CAUSALMEM_SERVE_*``."""
+    return Settings.from_env().serving()
 
 
 class World:
@@ -191,8 +210,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     scenario = Scenario(embedding_dim=args.dim, slots=512, drift_day=None, seed=args.seed)
     world = World(scenario)
     rng = np.random.default_rng(args.seed)
-    served = ServingParams()
+    served = served_params()
+    all_logs = logs_for(served)
     eps = args.epsilon
+    methods = [m.strip() for m in (args.methods or ",".join(METHODS)).split(",") if m.strip()]
+    logs = [g.strip() for g in (args.logs or ",".join(LOG_KINDS)).split(",") if g.strip()]
+    unknown = sorted(set(methods) - set(METHODS)) + sorted(set(logs) - set(LOG_KINDS))
+    if unknown:
+        raise ValueError(f"unknown estimators or logs {unknown}; known: {list(METHODS)}, {list(LOG_KINDS)}")
     best = world.bias_best()
     known = rng.random(best.size) < 0.5
     serving_bias = np.where(known, best, 0.0)
@@ -214,15 +239,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         v = value_of(net, served, full, phi)
         v1 = value_of(net, greedy_t1, full, phi)
         rows.append({"name": name, "value": v, "gain": v - truth["serving"], "gain_t1": v1 - serving_t1})
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {log: {m: [] for m in METHODS} for log in LOGS}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {log: {m: [] for m in methods} for log in logs}
     for rep in range(args.repeats):
-        for log_name, log_params in LOGS.items():
+        for log_name in logs:
+            log_params = all_logs[log_name]
             d = make_log(world, serving, log_params, args.window, rng, args.effects)
             slogs = {
                 "moments": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep),
                 "plain": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep, moments=False),
             }
-            for method in METHODS:
+            for method in methods:
                 slog = slogs["plain" if method in ("ips", "snips") else "moments"]
                 for row, (_, net) in zip(rows, cands, strict=True):
                     decision, _, est = judge_log(
@@ -242,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         }
                     )
             print(f"bench gate: repeat {rep + 1}/{args.repeats}, {log_name} log done ({time.time() - t0:.0f} s)")
-    summary = {log: {m: summarise(results[log][m]) for m in METHODS} for log in LOGS}
+    summary = {log: {m: summarise(results[log][m]) for m in methods} for log in logs}
     traps = sum(1 for r in rows if r["gain"] < -eps and r["gain_t1"] > eps)
     return {
         "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
@@ -299,23 +325,27 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     logs = list(report["summary"])
-    fig, axes = plt.subplots(1, 1 + len(logs), figsize=(5 * (1 + len(logs)) + 3, 4.4))
-    x = np.arange(len(METHODS))
-    width = 0.2
+    methods = list(report["summary"][logs[0]])
+    shown = [log for log in logs if DEFAULT in report["results"][log]]
+    fig, axes = plt.subplots(1, 1 + len(shown), figsize=(5 * (1 + len(shown)) + 3, 4.4), squeeze=False)
+    axes = axes[0]
+    x = np.arange(len(methods))
+    width = 0.6 / len(logs)
     ax = axes[0]
     for j, (key, label) in enumerate(
         (("gain_coverage", "gain 95% coverage"), ("false_promotion", "false promotion"), ("missed_promotion", "missed"))
     ):
         for i, log in enumerate(logs):
-            vals = [report["summary"][log][m][key] for m in METHODS]
-            ax.bar(x + (j * len(logs) + i - 2.5) * width / 1.4, vals, width / 1.4, label=f"{label} ({log})")
+            vals = [report["summary"][log][m][key] for m in methods]
+            offset = j * len(logs) + i - (3 * len(logs) - 1) / 2
+            ax.bar(x + offset * width / 1.4, vals, width / 1.4, label=f"{label} ({log})")
     ax.axhline(0.9, color="k", lw=0.5, ls="--")
     ax.axhline(0.05, color="r", lw=0.5, ls="--")
-    ax.set_xticks(x, METHODS, rotation=45, ha="right", fontsize=8)
+    ax.set_xticks(x, methods, rotation=45, ha="right", fontsize=8)
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=6)
     ax.set_title("calibration per estimator")
-    for ax, log in zip(axes[1:], logs, strict=True):
+    for ax, log in zip(axes[1:], shown, strict=True):
         rs = report["results"][log][DEFAULT]
         tg = np.array([r["true_gain"] for r in rs])
         g = np.array([r["gain"] for r in rs])
@@ -347,6 +377,8 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a small run (used by the tests)")
+    p.add_argument("--methods", help=f"comma-separated estimators (default: all of {', '.join(METHODS)})")
+    p.add_argument("--logs", help=f"comma-separated kinds of logs (default: all of {', '.join(LOG_KINDS)})")
     p.add_argument("--window", type=int, default=2000, help="logged retrievals per log (the gate's window)")
     p.add_argument("--candidates", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3, help="fresh logs per kind of logging")
@@ -371,7 +403,7 @@ def judgement_cost(args: argparse.Namespace, runs: int = 3) -> str:
     best = world.bias_best()
     serving = policy_with(np.where(rng.random(best.size) < 0.5, best, 0.0), args.dim)
     candidate = policy_with(0.5 * best, args.dim)
-    d = make_log(world, serving, LOGS["near-greedy"], args.window, rng, 0.0)
+    d = make_log(world, serving, served_params(), args.window, rng, 0.0)
 
     def cpu(cache: MomentCache | None) -> float:
         t0 = time.process_time()

@@ -40,6 +40,8 @@ class InProcessRow:
     drift: bool = False
     credit_impute: bool = True
     lm: bool = False  # the real-LM world instead of the simulator
+    gate: bool = False  # the promotion gate on (the product's default): clients serve what it promotes
+    explore_temperature: float | None = None  # None: the scenario's (the learner's default)
 
 
 ROWS: dict[str, InProcessRow] = {
@@ -47,6 +49,16 @@ ROWS: dict[str, InProcessRow] = {
     "credit25": InProcessRow("per-memory credit on 25% of steps, imputed credit between", 0.25),
     "credit25_plain": InProcessRow("per-memory credit on 25% of steps, step reward between", 0.25, credit_impute=False),
     "credit": InProcessRow("per-memory credit on every step", 1.0),
+    "credit25_gated": InProcessRow("per-memory credit on 25%, imputed between, gated (the defaults)", 0.25, gate=True),
+    "credit25_gated_t1": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated, explored at T = 1.0",
+        0.25,
+        gate=True,
+        explore_temperature=1.0,
+    ),
+    "credit25_t1": InProcessRow(
+        "per-memory credit on 25%, imputed between, explored at T = 1.0", 0.25, explore_temperature=1.0
+    ),
     "reset": InProcessRow("drift, step reward", 0.0, drift=True),
     "reset_credit": InProcessRow("drift, per-memory credit on 25%, imputed between", 0.25, drift=True),
     "reset_credit_plain": InProcessRow(
@@ -59,6 +71,16 @@ ROWS: dict[str, InProcessRow] = {
         "real LM, per-memory credit on 25%, step reward between", 0.25, lm=True, credit_impute=False
     ),
     "lm_credit": InProcessRow("real LM, per-memory credit on every step", 1.0, lm=True),
+    "lm_credit25_gated": InProcessRow(
+        "real LM, per-memory credit on 25%, gated (the defaults)", 0.25, lm=True, gate=True
+    ),
+    "lm_credit25_gated_t1": InProcessRow(
+        "real LM, per-memory credit on 25%, gated, explored at T = 1.0",
+        0.25,
+        lm=True,
+        gate=True,
+        explore_temperature=1.0,
+    ),
 }
 DEFAULT_ROWS = ("dynamic", "credit25", "credit25_plain", "credit")
 
@@ -205,7 +227,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_seed: list[dict[str, Any]] = []
         for seed in seeds:
             t0 = time.monotonic()
-            cfg = _Config(lr=lr, batch_size=64, seed=seed, credit_impute=row.credit_impute)
+            cfg = _Config(
+                lr=lr,
+                batch_size=64,
+                seed=seed,
+                credit_impute=row.credit_impute,
+                gate=row.gate,
+                explore_temperature=row.explore_temperature,
+            )
             if row.lm:
                 assert lm is not None
                 per_seed.append({"seed": seed, **lm.run(row, cfg), "wall_s": time.monotonic() - t0})
