@@ -293,7 +293,11 @@ def main(args: argparse.Namespace) -> int:
     configs = [("previous", OLD), ("default", new)]
     configs += [(f"every {t:g} s", {**new, "checkpoint_interval_s": t}) for t in args.also_interval]
     gates = [True, False] if args.ungated else [True]
-    scenario = Scenario(drift_day=None)  # no drift inside a short run
+    # No drift inside a short run; the agent explores as the learner's serving settings say
+    # (CAUSALMEM_SERVE_EXPLORE_*), so that the gate judges the traffic the clients make.
+    scenario = Scenario(
+        drift_day=None, explore_rate=base.serve_explore_rate, explore_temperature=base.serve_explore_temperature
+    )
     logdir = log_dir(base)
     bootstrap, broker = own_broker(getattr(args, "bootstrap", None), logdir / "broker.log")
     runs: list[Run] = []
