@@ -14,7 +14,7 @@ from torch import nn
 
 import models.policy as policy_mod
 import models.row_adam as row_adam
-from models.row_adam import LazyRowAdam, lazy_zeros, put_rows, sqrt_floor, take_rows
+from models.row_adam import LazyRowAdam, fused_kernel, lazy_zeros, put_rows, sqrt_floor, take_rows
 
 S, H = 12, 5
 
@@ -148,3 +148,16 @@ def test_a_large_output_layer_has_nn_linears_values(monkeypatch: pytest.MonkeyPa
     ref = nn.Linear(16, 40)
     assert torch.equal(ours.weight, ref.weight) and torch.equal(ours.bias, ref.bias)
     assert ours.weight.is_contiguous() and ours.weight.requires_grad
+
+
+def test_the_fused_kernel_probe_says_no_where_torch_has_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert fused_kernel(cpu)  # torch 2.13 on CPU has it
+
+    def missing(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError("Could not run 'aten::_fused_adam_' with arguments from the 'Meta' backend")
+
+    monkeypatch.setattr(torch, "_fused_adam_", missing)
+    assert not fused_kernel(cpu)
+    monkeypatch.delattr(torch, "_fused_adam_")
+    assert not fused_kernel(cpu)
