@@ -99,6 +99,19 @@ def _ack(consumer: StageConsumer, tp: TP, *offsets: int) -> None:
         consumer.ack(ConsumerMessage(tp.topic, tp.partition, offset, 0.0, 0, None, b"k", b"v", None))
 
 
+def _stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: TP, committed: int | None, start: int
+) -> tuple[StageConsumer, _Seeks]:
+    """The worker's consumer on an acking ``tp``, over a broker that knows its committed and first offsets."""
+    app = _app(tmp_path)
+    consumer = app.consumer
+    assert isinstance(consumer, StageConsumer)
+    app.topics.acking_topics.add(tp.topic)
+    broker = _Seeks(committed={tp: committed}, starts={tp: start})
+    broker.install(consumer, monkeypatch)
+    return consumer, broker
+
+
 def _commit(consumer: StageConsumer, tp: TP) -> int | None:
     """What faust's commit would commit for ``tp`` now (and records it as committed)."""
     offsets = consumer._filter_committable_offsets([tp])
@@ -114,13 +127,8 @@ async def test_an_input_dropped_before_the_stage_is_read_again_and_never_committ
     # committed", 0 reached the stage, 1 was in the stream's queue that resuming the flow
     # empties. aiokafka had nothing to seek to, so 1 was never fetched again, and faust
     # committed 1 then 4: that message's U_query steps and samples were lost for good.
-    app = _app(tmp_path)
-    consumer = app.consumer
-    assert isinstance(consumer, StageConsumer)
     tp = TP("outcomes", 0)
-    app.topics.acking_topics.add(tp.topic)
-    broker = _Seeks(committed={tp: None}, starts={tp: 0})
-    broker.install(consumer, monkeypatch)
+    consumer, broker = _stage(tmp_path, monkeypatch, tp, committed=None, start=0)
     _ack(consumer, tp, 0)  # processed before the seek
     assert _commit(consumer, tp) is None  # no base yet: nothing says 0 is where the partition starts
     await consumer.perform_seek()
@@ -138,13 +146,8 @@ async def test_an_input_dropped_before_the_stage_is_read_again_and_never_committ
 async def test_offsets_removed_by_retention_do_not_hold_commits_and_faust_gap_guesses_are_ignored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = _app(tmp_path)
-    consumer = app.consumer
-    assert isinstance(consumer, StageConsumer)
     tp = TP("outcomes", 1)
-    app.topics.acking_topics.add(tp.topic)
-    broker = _Seeks(committed={tp: 3}, starts={tp: 0})
-    broker.install(consumer, monkeypatch)
+    consumer, broker = _stage(tmp_path, monkeypatch, tp, committed=3, start=0)
     await consumer.perform_seek()
     assert consumer._committed_offset[tp] == 3 and broker.seeks == []  # aiokafka seeks to 3 itself
     await consumer._add_gap(tp, 4, 6)  # faust: "the fetch skipped 4 and 5, so they don't exist"
