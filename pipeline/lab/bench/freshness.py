@@ -101,9 +101,7 @@ class Run:
         }
 
 
-def freshness(
-    published: list[tuple[float, int]], loads: list[tuple[float, int]], end: float | None = None
-) -> list[float]:
+def freshness(published: list[tuple[float, int]], loads: list[tuple[float, int]]) -> list[float]:
     """Per pair (publication time, experience offset): the time until the first load (time, covered
     offset: everything below it) at or after its publication that covers it; ``inf`` when none does.
 
