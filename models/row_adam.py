@@ -109,23 +109,11 @@ def fused_kernel(device: torch.device) -> bool:
     """Whether torch's fused Adam kernel runs on ``device``; where not, LazyRowAdam steps unfused."""
     if not hasattr(torch, "_fused_adam_"):
         return False
-    p = torch.zeros(1, device=device)
+    p, step = torch.zeros(1, device=device), torch.ones((), device=device)
+    g, m, v = p.clone(), p.clone(), p.clone()  # gradient, exp_avg, exp_avg_sq
+    hyper: dict[str, Any] = {"lr": 0.0, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8}
     try:
-        torch._fused_adam_(
-            [p],
-            [p.clone()],
-            [p.clone()],
-            [p.clone()],
-            [],
-            [torch.ones((), device=device)],
-            lr=0.0,
-            beta1=0.9,
-            beta2=0.999,
-            weight_decay=0.0,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
-        )
+        torch._fused_adam_([p], [g], [m], [v], [], [step], amsgrad=False, maximize=False, **hyper)
     except RuntimeError:  # torch's "no kernel for this device" (NotImplementedError is a RuntimeError)
         return False
     return True
