@@ -46,14 +46,20 @@ class ServingParams:
     explore_temperature: float = 0.25
     drop: str = "dynamic"
     drop_ratio: float = DYNAMIC_DROP_RATIO
+    # Contract 1.4: the share of requests on which clients serve the learner's canary (a
+    # pending candidate, models/canary.py), as its own manifest says it is served. Not part
+    # of this policy's served mixture: those requests are the canary's.
+    canary_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("temperature", "explore_temperature"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, not {v!r}")
-        if not 0.0 <= self.explore_rate <= 1.0:
-            raise ValueError(f"explore_rate must be in [0, 1], not {self.explore_rate!r}")
+        for name in ("explore_rate", "canary_rate"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], not {v!r}")
         if self.drop not in DROP_MODES:
             raise ValueError(f"drop must be one of {DROP_MODES}, not {self.drop!r}")
         if not (math.isfinite(self.drop_ratio) and self.drop_ratio >= 0):
@@ -81,6 +87,7 @@ class ServingParams:
             "explore_temperature": self.explore_temperature,
             "drop": self.drop,
             "drop_ratio": self.drop_ratio,
+            **({"canary_rate": self.canary_rate} if self.canary_rate > 0 else {}),
         }
 
     @classmethod
@@ -91,7 +98,8 @@ class ServingParams:
         """
         if obj is None:
             return cls()
-        known = {k: obj[k] for k in ("temperature", "explore_rate", "explore_temperature", "drop_ratio") if k in obj}
+        names = ("temperature", "explore_rate", "explore_temperature", "drop_ratio", "canary_rate")
+        known = {k: obj[k] for k in names if k in obj}
         values: dict[str, Any] = {k: float(v) for k, v in known.items()}
         if "drop" in obj:
             values["drop"] = str(obj["drop"])

@@ -18,6 +18,7 @@ from topics.fields import encode
 from topics.manifest import (
     EpochClaim,
     Manifest,
+    canary_key,
     candidate_key,
     chunk_key,
     epoch_key,
@@ -63,6 +64,7 @@ class CheckpointPublisher:
         self.signing_key = signing_key
         self.before_send = before_send
         self.live: dict[int, int] = {}  # version -> chunk count, not yet tombstoned
+        self.canary_version: int | None = None  # contract 1.4: the canary's chunks stay while it runs
         self.protected: set[int] = set()  # versions that must stay (the serving one)
         self.delta_live: dict[int, int] = {}  # delta version -> chunk count, not yet tombstoned
         self.head: tuple[int, str] | None = None  # the serving link (version, id): deltas' base
@@ -214,8 +216,22 @@ class CheckpointPublisher:
         self._serve(manifest)
         await self._tombstone_old()
 
+    async def set_canary(self, manifest: Manifest | None) -> None:
+        """Contract 1.4: make a full candidate the canary (republish its manifest under
+        ``"{policy}/canary"``; its chunks are kept while it runs), or end it (a tombstone)."""
+        if isinstance(manifest, DeltaManifest):
+            raise ValueError("a canary is a full snapshot: clients load it beside the serving policy")
+        await self._fence()
+        value = encode(manifest.to_dict()) if manifest is not None else None
+        fut = await self.producer.send(self.topic, value, key=canary_key(self.policy).encode(), partition=0)
+        await fut
+        self.canary_version = manifest.version if manifest is not None else None
+        await self._tombstone_old()
+
     async def _tombstone_old(self) -> None:
         keep = set(sorted(self.live)[-self.keep_versions :]) | self.protected
+        if self.canary_version is not None:
+            keep.add(self.canary_version)
         # Deltas are needed from the serving full snapshot on (a client replays them from it).
         chain_start = max(self.protected, default=0)
         doomed = [(v, chunk_key) for v in sorted(self.live) if v not in keep]

@@ -85,6 +85,8 @@ class ModelTopicIndex:
     delta_candidate: dict[str, DeltaManifest] = field(default_factory=dict)
     served_deltas: set[tuple[str, int]] = field(default_factory=set)
     delta_chunk_offsets: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
+    # contract 1.4: the canary per policy (a full candidate's manifest; None once a tombstone ended it)
+    canary: dict[str, Manifest | None] = field(default_factory=dict)
 
     def _reject(self, offset: int, why: str) -> tuple[str, None]:
         self.rejected.append((offset, why))
@@ -124,6 +126,8 @@ class ModelTopicIndex:
             return kind, None
         if kind == "epoch" and value is not None:
             return self._observe_claim(offset, policy, value)
+        if kind == "canary":
+            return self._observe_canary(offset, policy, value)
         if kind in ("serving", "candidate", "delta", "delta_candidate") and value is not None:
             try:
                 manifest = (
@@ -162,6 +166,21 @@ class ModelTopicIndex:
                 target[policy] = manifest
             return kind, manifest
         return kind, None
+
+    def _observe_canary(self, offset: int, policy: str, value: bytes | None) -> tuple[str, Manifest | None]:
+        """Contract 1.4: a full candidate's manifest under ``"{policy}/canary"``, or a tombstone ending it."""
+        if value is None:
+            self.canary[policy] = None
+            return "canary", None
+        try:
+            manifest = decode_manifest(value, signing_key=self.signing_key)
+        except Rejected as exc:
+            return self._reject(offset, f"bad canary manifest: {exc.reason}: {exc.detail}")
+        why = "manifest policy differs from its key" if manifest.policy != policy else self._fenced(manifest)
+        if why:
+            return self._reject(offset, why)
+        self.canary[policy] = manifest
+        return "canary", manifest
 
     def _fenced(self, manifest: Manifest) -> str:
         """Why a manifest's writer is fenced off (an older epoch, or not the epoch's claimant); "" if not."""

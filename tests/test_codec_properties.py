@@ -141,6 +141,8 @@ def valid_events(draw: st.DrawFn) -> dict[str, Any]:
         d["memory_texts"] = {str(s): draw(st.text(max_size=10)) for s in selected}
     if draw(st.booleans()):
         d["answer_text"] = draw(st.text(max_size=30))  # contract 1.1
+    if draw(st.booleans()):
+        d["canary"] = draw(st.booleans())  # contract 1.4
     return d
 
 
@@ -155,6 +157,7 @@ def test_generated_valid_events_decode_and_round_trip(d: dict[str, Any]) -> None
     np.testing.assert_array_equal(ev.scores, np.asarray(d["scores"], np.float64))
     np.testing.assert_array_equal(ev.features.query_embedding, np.asarray(d["features"]["query_embedding"], np.float32))
     assert ev.answer_text == d.get("answer_text")
+    assert ev.canary is (True if d.get("canary") else None)
     again = decode_retrieval_event(encode(ev.to_dict()), LIMITS_PROP, key=ev.query_id)
     assert_same(ev, again)
 

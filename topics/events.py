@@ -90,6 +90,7 @@ class RetrievalEvent(WireValue):
         "candidate_probs",
         "memory_texts",
         "candidate_ids",
+        "canary",
     )
     NESTED = ("features", "memory_texts")
 
@@ -118,6 +119,9 @@ class RetrievalEvent(WireValue):
     # slot numbers of the event are the event's own labels for those memories, and the learner
     # replaces them with the slots its id → slot map gives (docs/contract.md §9.3).
     candidate_ids: list[str] | None = None
+    # Contract 1.4: true when the client served the learner's canary (``policy_version`` is
+    # then the canary's); the draw's T, logprob and probabilities are the canary's.
+    canary: bool | None = None
 
 
 def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
@@ -169,8 +173,8 @@ def _fast_retrieval_event(
     try:
         if obj.get("schema") != schema or obj.get("memory_texts") is not None or obj.get("answer_text") is not None:
             return None
-        if obj.get("candidate_ids") is not None:
-            return None  # contract 1.3: ids are checked by the full validator
+        if obj.get("candidate_ids") is not None or obj.get("canary") is not None:
+            return None  # contract 1.3's ids and 1.4's canary flag: checked by the full validator
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
             return None
@@ -310,6 +314,7 @@ def _validated_retrieval_event(
     )
     n = len(candidates)
     event.candidate_ids = read_candidate_ids(f, n)
+    event.canary = True if f.bool_("canary", required=False) else None
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
         arr = f.floats_(name, required=False, lo=lo)
         if arr is not None:

@@ -6,6 +6,10 @@ messages keyed ``"{policy}/{version}/{i}"`` (raw bytes) and followed by one mani
 promotion gate). The manifest carries the blob's size and sha256, so a reader checks the
 reassembled chunks before it parses them (see ``models.weights.verify_and_load``).
 
+Contract 1.4 adds ``"{policy}/canary"``: a candidate's manifest republished there is the
+*canary* that clients serve on a share of their requests (``serving.canary_rate``); a
+tombstone (null value) ends it.
+
 Contract 1.2 adds, all optional (docs/contract.md §7): the writer's ``epoch`` on each
 manifest and the epoch claim a learner writes under ``"{policy}/epoch"`` when it takes
 over (fencing: readers ignore an older epoch), an HMAC-SHA256 ``signature`` over the
@@ -15,8 +19,8 @@ manifest, and bounds on ``size``, ``chunks`` and version jumps.
 'default/7/2'
 >>> parse_key("default/7/2"), parse_key("default"), parse_key("default/candidate")
 (('chunk', 'default', 7, 2), ('serving', 'default', None, None), ('candidate', 'default', None, None))
->>> parse_key("default/epoch")
-('epoch', 'default', None, None)
+>>> parse_key("default/epoch"), parse_key("default/canary")
+(('epoch', 'default', None, None), ('canary', 'default', None, None))
 >>> [len(c) for c in split_chunks(b"x" * 250, 100)]
 [100, 100, 50]
 >>> sha256_hex(b"")[:12]
@@ -44,6 +48,7 @@ MAX_VERSION_JUMP = 1_000_000  # a manifest further above the newest accepted one
 MAX_EPOCH_JUMP = 1_000  # an epoch further above the newest one seen is ignored
 CANDIDATE_SUFFIX = "/candidate"
 EPOCH_SUFFIX = "/epoch"
+CANARY_SUFFIX = "/canary"  # contract 1.4
 SCHEMA_EPOCH_CLAIM = "writer_epoch/v1"
 SIGNATURE_PREFIX = "hmac-sha256:"
 DELTA = "delta"  # contract 1.3: the key segment of delta checkpoints ("{policy}/delta", ...)
@@ -69,6 +74,10 @@ def candidate_key(policy: str) -> str:
     return policy + CANDIDATE_SUFFIX
 
 
+def canary_key(policy: str) -> str:
+    return policy + CANARY_SUFFIX
+
+
 def epoch_key(policy: str) -> str:
     return policy + EPOCH_SUFFIX
 
@@ -77,7 +86,8 @@ def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
     """Classify a model-topic key: ``(kind, policy, version, index)``.
 
     ``kind`` is ``'chunk'``, ``'serving'``, ``'candidate'``, ``'epoch'``, (contract 1.3)
-    ``'delta'``, ``'delta_candidate'``, ``'delta_chunk'``, or ``'unknown'``.
+    ``'delta'``, ``'delta_candidate'``, ``'delta_chunk'``, (contract 1.4) ``'canary'``, or
+    ``'unknown'``.
 
     >>> parse_key("default/delta"), parse_key("default/delta/9/0")
     (('delta', 'default', None, None), ('delta_chunk', 'default', 9, 0))
@@ -89,6 +99,8 @@ def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
         return ("candidate", parts[0], None, None)
     if len(parts) == 2 and parts[1] == "epoch":
         return ("epoch", parts[0], None, None)
+    if len(parts) == 2 and parts[1] == "canary":
+        return ("canary", parts[0], None, None)
     if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
         return ("chunk", parts[0], int(parts[1]), int(parts[2]))
     if len(parts) >= 2 and parts[1] == DELTA:  # contract 1.3: delta checkpoints (topics/delta.py)
@@ -367,9 +379,10 @@ def decode_serving(f: Fields | None) -> dict[str, Any] | None:
             if v <= 0:
                 raise Rejected("out_of_range", f"serving.{name} must be > 0")
             out[name] = v
-    rate = f.float_("explore_rate", 0.0, 1.0, required=False)
-    if rate is not None:
-        out["explore_rate"] = rate
+    for name in ("explore_rate", "canary_rate"):  # canary_rate: contract 1.4
+        rate = f.float_(name, 0.0, 1.0, required=False)
+        if rate is not None:
+            out[name] = rate
     drop = f.str_("drop", required=False)
     if drop is not None:
         if drop not in SERVING_DROPS:

@@ -7,7 +7,8 @@ it out. Memories are searchable as soon as their record is read; their mask come
 the policy once a loaded checkpoint holds their row (``LoadedPolicy.slot_of``).
 
     retriever = CausalRetriever.by_id(dim=384, conn=settings)
-    async with PolicySubscriber(bootstrap, conn=settings, on_update=retriever.set_policy), \\
+    async with PolicySubscriber(bootstrap, conn=settings, on_update=retriever.set_policy,
+                                on_canary=retriever.set_canary), \\
                MemoryFollower(bootstrap, retriever, conn=settings, embed=embed) as follower:
         await follower.wait_caught_up()
         result = retriever.retrieve(embed(question), query_id="q1", query_text=question)

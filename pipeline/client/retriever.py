@@ -7,7 +7,7 @@ memory texts) when the drop leaves nothing. Each call returns the memories and t
 RetrievalEvent to publish, with the true ``logprob`` of what it selected.
 
     retriever = CausalRetriever(embeddings, texts=texts)
-    async with PolicySubscriber(bootstrap, on_update=retriever.set_policy):
+    async with PolicySubscriber(bootstrap, on_update=retriever.set_policy, on_canary=retriever.set_canary):
         result = retriever.retrieve(query_vec, query_id="q1", step=0, query_text="...")
         await publisher.publish(result.event)
 """
@@ -27,7 +27,7 @@ import numpy as np
 from models.serving import ServingParams
 from models.serving_rule import DYNAMIC_DROP_RATIO, revive_dropped
 from pipeline.client.memory_index import IdIndex
-from pipeline.client.serving import draw, keep_flags, policy_masks
+from pipeline.client.serving import ServingValues, draw, keep_flags, policy_masks
 from pipeline.client.serving import follow as serving_in_force
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import Connection
@@ -117,6 +117,13 @@ class CausalRetriever:
     (``LoadedPolicy.slot_of``), else it is neutral (1, a fresh row's). Events then carry
     ``candidate_ids``; their slot numbers are labels (the slot when known).
 
+    *Canary* (contract 1.4): :meth:`set_canary` (a
+    :class:`~pipeline.client.subscriber.PolicySubscriber`'s ``on_canary``) holds the
+    learner's canary, a candidate the promotion gate judges on the requests it serves
+    itself. A share of requests (``canary_rate``: the serving manifest's unless given)
+    is then served by the canary, as its own manifest says; their events say
+    ``canary: true`` and carry the canary's version and probabilities.
+
     ``faiss_index``: the index to search (default: exact ``IndexFlatIP``); for a large bank a
     trained, empty approximate one (e.g. ``IndexIVFFlat`` with its ``nprobe``, inner
     product), which the memories are added to.
@@ -139,6 +146,7 @@ class CausalRetriever:
         explore_revive: float = 0.1,
         memory_ids: Sequence[str] | None = None,
         faiss_index: Any = None,
+        canary_rate: float | None = None,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.conn = Connection.of(conn) if conn is not None else None
@@ -176,6 +184,7 @@ class CausalRetriever:
                 ("drop", drop),
                 ("explore_rate", explore_rate),
                 ("explore_temperature", explore_temperature),
+                ("canary_rate", canary_rate),
             )
             if value is not None
         }
@@ -189,6 +198,8 @@ class CausalRetriever:
         self.fallback = fallback
         self.policy_name = policy or (self.conn.policy if self.conn is not None else "default")
         self.policy: LoadedPolicy | None = None
+        self.canary: LoadedPolicy | None = None  # contract 1.4: served on canary_rate of the requests
+        self.canary_rate = canary_rate if canary_rate is not None else 0.0
         self.rng = np.random.default_rng(seed)
         # Exploration: a share of requests is served at a higher temperature (logged on the
         # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
@@ -224,11 +235,26 @@ class CausalRetriever:
         if policy is not None and policy.serving is not None:
             self.follow(policy.serving)
 
+    def set_canary(self, canary: LoadedPolicy | None) -> None:
+        """Hold the learner's canary (None: it ended); use as PolicySubscriber's ``on_canary``."""
+        if canary is not None and self.memories is None and canary.net.arch.slots < self.embeddings.shape[0]:
+            raise ValueError(f"canary has {canary.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
+        self.canary = canary
+
     def follow(self, params: ServingParams) -> None:
         """Serve by ``params`` except where the constructor was given an explicit value."""
         v = serving_in_force(params, self.explicit)  # the one rule, shared with the adapters
         self.temperature, self.drop, self.drop_ratio = v.temperature, v.drop, v.drop_ratio
         self.explore_rate, self.explore_temperature = v.explore_rate, v.explore_temperature
+        self.canary_rate = v.canary_rate
+
+    def _arm(self) -> tuple[LoadedPolicy | None, ServingValues]:
+        """This request's policy and serving values: the canary, as its manifest says, on ``canary_rate`` of them."""
+        canary = self.canary
+        if canary is not None and self.canary_rate > 0 and self.rng.random() < self.canary_rate:
+            return canary, serving_in_force(canary.serving, self.explicit)
+        own = ServingValues(self.temperature, self.drop, self.drop_ratio, self.explore_rate, self.explore_temperature)
+        return self.policy, own
 
     def candidate_masks(
         self, query_embedding: np.ndarray, loss: float, entropy: float, slots: np.ndarray
@@ -254,20 +280,25 @@ class CausalRetriever:
         q = np.ascontiguousarray(query_embedding, dtype=np.float32)
         ids: list[str] | None = None
         fb_ids: list[str] = []
+        policy, v = self._arm()
         if self.memories is None:
             slots, scores = self.search(q, self.n_candidates)
-            masks = self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
+            masks = (
+                self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
+                if policy is self.policy
+                else policy_masks(policy, q, last_step_loss, last_step_entropy, slots)
+            )
         else:
             ids, scores = self.memories.search(q, self.n_candidates)
-            slots, masks = self._by_id(ids, q, last_step_loss, last_step_entropy)
-        keep = keep_flags(masks, self.drop, self.drop_ratio)
-        explore = self.explore_rate > 0 and self.rng.random() < self.explore_rate
-        temperature = self.explore_temperature if explore else self.temperature
+            slots, masks = self._by_id(ids, q, last_step_loss, last_step_entropy, policy)
+        keep = keep_flags(masks, v.drop, v.drop_ratio)
+        explore = v.explore_rate > 0 and self.rng.random() < v.explore_rate
+        temperature = v.explore_temperature if explore else v.temperature
         if explore and self.explore_revive > 0:
             keep = revive_dropped(keep, self.explore_revive, self.rng) & np.isfinite(masks)
         kept, kept_scores, kept_masks = slots[keep], scores[keep], masks[keep]
-        alpha = self.policy.alpha if self.policy is not None else 0.0
-        version = self.policy.version if self.policy is not None else 0
+        alpha = policy.alpha if policy is not None else 0.0
+        version = policy.version if policy is not None else 0
         candidates: list[int]
         id_of: dict[int, str] = {}  # event label -> memory id (memories by id)
         if len(kept) == 0 and ids is not None:
@@ -275,7 +306,7 @@ class CausalRetriever:
             fb_ids = self.memories.text_search(query_text, self.k)[: self.k]
             # One labelling for the found (all dropped) and the fallback's memories.
             everyone = ids + [i for i in fb_ids if i not in set(ids)]
-            labels = event_labels([self.policy.slot_of(i) if self.policy is not None else None for i in everyone])
+            labels = event_labels([policy.slot_of(i) if policy is not None else None for i in everyone])
             id_of = dict(zip(labels, everyone, strict=True))
             slots = np.array(labels[: len(ids)], dtype=np.int64)
             selected, logprob, probs = [labels[everyone.index(i)] for i in fb_ids], 0.0, None
@@ -319,6 +350,7 @@ class CausalRetriever:
             candidate_masks=cand_masks,
             candidate_probs=probs,
             candidate_ids=[id_of[s] for s in candidates] if ids is not None else None,
+            canary=True if policy is not None and policy is self.canary and policy is not self.policy else None,
         )
         if ids is not None:
             assert self.memories is not None
@@ -328,9 +360,10 @@ class CausalRetriever:
         texts = [self.texts[s] for s in selected] if self.texts is not None else None
         return RetrievalResult(slots=selected, texts=texts, event=event)
 
-    def _by_id(self, ids: list[str], q: np.ndarray, loss: float, entropy: float) -> tuple[np.ndarray, np.ndarray]:
+    def _by_id(
+        self, ids: list[str], q: np.ndarray, loss: float, entropy: float, policy: LoadedPolicy | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Event labels and masks of memories named by id: the policy's where it holds their row, else neutral."""
-        policy = self.policy
         known = [policy.slot_of(i) if policy is not None else None for i in ids]
         if policy is None:
             return np.array(event_labels(known), dtype=np.int64), np.zeros(len(ids))

@@ -42,6 +42,8 @@ from models.serving_rule import (
 from pipeline.client.subscriber import LoadedPolicy
 
 FOLLOWED = ("temperature", "drop", "explore_rate", "explore_temperature")  # what an explicit value can fix
+# Contract 1.4: CausalRetriever's explicit value fixes the canary's share too (the adapters serve no canary).
+CANARY_RATE = "canary_rate"
 UNSERVED = ServingParams(explore_rate=0.0)  # before a manifest says otherwise: T 0.05, no exploration, dynamic drop
 
 
@@ -54,6 +56,7 @@ class ServingValues:
     drop_ratio: float
     explore_rate: float
     explore_temperature: float
+    canary_rate: float = 0.0  # contract 1.4: the share of requests that serve the canary
 
 
 def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> ServingValues:
@@ -75,6 +78,7 @@ def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> Serving
         drop_ratio=DYNAMIC_DROP_RATIO if "drop" in given else p.drop_ratio,
         explore_rate=float(given.get("explore_rate", p.explore_rate)),
         explore_temperature=float(given.get("explore_temperature", p.explore_temperature)),
+        canary_rate=float(explicit[CANARY_RATE] if explicit.get(CANARY_RATE) is not None else p.canary_rate),
     )
 
 

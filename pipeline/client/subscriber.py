@@ -109,6 +109,10 @@ class PolicySubscriber(Service):
         ``Settings``, whose part is taken); default: the product's defaults.
     on_update
         Called (and awaited when it returns a coroutine) with each newly loaded policy.
+    on_canary
+        Contract 1.4: called the same way with the learner's canary when one is loaded,
+        and with None when it ends (e.g. ``CausalRetriever.set_canary``). The canary is a
+        second copy of the policy in memory while it runs.
     expected_arch
         Rejects a manifest for another architecture; without it, the first loaded
         checkpoint fixes the architecture.
@@ -140,8 +144,11 @@ class PolicySubscriber(Service):
         keep_recent: int = 2,
         signing_key: bytes | None = None,
         state_check_bytes: int = STATE_CHECK_BYTES,
+        on_canary: Callable[[LoadedPolicy | None], Any] | None = None,
     ) -> None:
         super().__init__()
+        self.on_canary = on_canary
+        self.canary: LoadedPolicy | None = None
         self.state_check_bytes = state_check_bytes
         self.replays = 0  # times a delta was reached by replaying its chain (a missed link, a failed check)
         if signing_key is None and isinstance(conn, Settings):
@@ -241,6 +248,9 @@ class PolicySubscriber(Service):
         if kind in ("chunk", "delta_chunk") and key is not None:
             self._keep_chunk(key, value, delta=kind == "delta_chunk")
             return
+        if kind == "canary" and key is not None and parse_key(key.decode("utf-8", "replace"))[1] == self.policy:
+            await self._canary(offset, manifest)
+            return
         if kind not in ("serving", "delta") or manifest is None or manifest.policy != self.policy:
             return
         if self.current is not None and manifest.version <= self.current.version and not self._after_reset:
@@ -248,11 +258,17 @@ class PolicySubscriber(Service):
                 self._reject(offset, f"older version {manifest.version} after {self.current.version}")
             return
         try:
-            loaded = await self._load(manifest)
+            held = self.canary
+            if held is not None and (held.version, held.manifest.sha256) == (manifest.version, manifest.sha256):
+                loaded = LoadedPolicy(manifest=manifest, net=held.net, slots=self.slots)  # the canary, promoted
+            else:
+                loaded = await self._load(manifest)
         except CheckpointError as exc:
             self._reject(offset, f"version {manifest.version}: {exc}")
             return
         self.current = loaded
+        if self.canary is not None and self.canary.version <= loaded.version:
+            await self._set_canary(None)  # served now, or older than what is served
         self._after_reset = False  # after a cluster reset, the first verified policy is the new base
         for old in [v for v in self._recent if v <= manifest.version]:
             del self._recent[old]
@@ -263,6 +279,31 @@ class PolicySubscriber(Service):
                 await result
         async with self._changed:
             self._changed.notify_all()
+
+    async def _canary(self, offset: int, manifest: Manifest | None) -> None:
+        """Contract 1.4: load the canary named under ``"{policy}/canary"``; a tombstone ends it."""
+        if manifest is None:
+            if self.canary is not None:
+                await self._set_canary(None)
+            return
+        if self.current is not None and manifest.version <= self.current.version:
+            return  # already served, or older than what is
+        if self.canary is not None and self.canary.version == manifest.version:
+            return
+        try:
+            loaded = await self._load(manifest)
+        except CheckpointError as exc:
+            self._reject(offset, f"canary version {manifest.version}: {exc}")
+            return
+        log.info("subscriber: canary %s v%d loaded", self.policy, manifest.version)
+        await self._set_canary(loaded)
+
+    async def _set_canary(self, canary: LoadedPolicy | None) -> None:
+        self.canary = canary
+        if self.on_canary is not None:
+            result = self.on_canary(canary)
+            if asyncio.iscoroutine(result):
+                await result
 
     def _slot_record(self, offset: int, key: bytes, value: bytes | None) -> None:
         """A slot-map record (docs/contract.md §9.1): applies to every version it names, loaded or to come."""

@@ -133,6 +133,7 @@ def checkpoint_view(index: ModelTopicIndex, policy: str, now: float) -> dict[str
         "policy": policy,
         "serving": manifest_view(serving, now) if serving else None,
         "candidate": manifest_view(candidate, now) if candidate else None,
+        "canary": manifest_view(canary, now) if (canary := index.canary.get(policy)) else None,  # contract 1.4
         "update_rate": manifest_rate(mine),
         "manifests_seen": len(mine),
         "other_policies": sorted({p for (p, _) in [*index.manifests, *index.deltas] if p != policy}),

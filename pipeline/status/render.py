@@ -99,7 +99,7 @@ def _checkpoints(ck: dict[str, Any]) -> Table:
         tbl.add_column(col, justify=just)  # type: ignore[arg-type]
     if ck.get("missing"):
         tbl.add_row("-", "", "topic missing", "", "", "", "", "")
-    for role in ("serving", "candidate"):
+    for role in ("serving", "candidate", "canary"):
         m = ck.get(role)
         if m:
             tbl.add_row(
