@@ -138,6 +138,7 @@ class GateConfig:
     epsilon: float = 0.02  # promote when the gain's lower bound is above −epsilon
     min_ess: float = 50.0  # effective sample size of the importance weights a decision needs
     method: str = "auto"  # auto | dr-pi | dr-set | dr | pi | set-dr | set-snips | set-ips | snips | ips (gate.py)
+    canary_max: int = 100  # canary decisions after which an undecided canary gives way (pipeline/learner/canary.py)
 
 
 @dataclass(frozen=True)

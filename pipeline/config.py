@@ -79,12 +79,14 @@ class Settings:
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
     gate_method: str = "auto"  # auto | dr-pi | dr-set | dr | pi | set-dr | set-snips | set-ips | snips | ips
+    gate_canary_max: int = 100  # canary decisions before an undecided canary gives way to a newer candidate
     # serving: how clients serve the policy, recorded in each manifest (models/serving.py)
     serve_temperature: float = 0.05
     serve_explore_rate: float = 0.1  # share of requests served at serve_explore_temperature
     serve_explore_temperature: float = 0.25
     serve_drop: str = "dynamic"  # dynamic | fixed | none
     serve_drop_ratio: float = 0.01  # dynamic: share of the largest mask; fixed: the threshold
+    serve_canary_rate: float = 0.2  # share of requests that serve the gate's canary (contract 1.4; 0: none)
     # join and stream stages
     join_window_s: float = 600.0  # event time
     join_batch: int = 2000
@@ -249,10 +251,13 @@ class Settings:
             explore_temperature=self.serve_explore_temperature,
             drop=self.serve_drop,
             drop_ratio=self.serve_drop_ratio,
+            canary_rate=self.serve_canary_rate,
         )
 
     def learner(self) -> LearnerConfig:
-        gate = GateConfig(self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method)
+        gate = GateConfig(
+            self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method, self.gate_canary_max
+        )
         return LearnerConfig(
             connection=self.connection(),
             trainer=self.trainer(),

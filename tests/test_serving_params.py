@@ -55,9 +55,13 @@ def test_settings_build_the_serving_params_from_the_environment() -> None:
     s = Settings.from_env(
         {"CAUSALMEM_SERVE_TEMPERATURE": "0.1", "CAUSALMEM_SERVE_EXPLORE_RATE": "0.2", "CAUSALMEM_SERVE_DROP": "none"}
     )
-    assert s.serving() == ServingParams(temperature=0.1, explore_rate=0.2, drop="none")
+    assert s.serving() == ServingParams(
+        temperature=0.1, explore_rate=0.2, drop="none", canary_rate=Settings.serve_canary_rate
+    )
     assert s.learner().serving == s.serving()
-    assert Settings().learner().serving == ServingParams()
+    # Manifests without canary_rate mean no canary (contract 1.4); the learner's default serves one.
+    assert Settings().learner().serving == ServingParams(canary_rate=Settings.serve_canary_rate)
+    assert Settings.from_env({"CAUSALMEM_SERVE_CANARY_RATE": "0"}).serving().canary_rate == 0.0
 
 
 def test_retriever_follows_the_manifest_unless_given_explicit_values() -> None:

@@ -91,6 +91,7 @@ SETTING_KEYS = (
     "serve_explore_rate",
     "serve_explore_temperature",
     "serve_drop",
+    "serve_canary_rate",
 )
 
 

@@ -50,6 +50,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--explore-temperature", dest="serve_explore_temperature", type=float, help="T of explored requests (0.25)"
     )
     p.add_argument("--serve-drop", choices=["dynamic", "fixed", "none"], help="hard drop rule (default dynamic)")
+    p.add_argument(
+        "--canary-rate", dest="serve_canary_rate", type=float, help="share of requests serving the canary (0.2; 0: off)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,6 +27,12 @@ A candidate is
 * **promoted** — republished under ``"{policy}"``, the key clients follow — when both
   gains' lower bounds are above −ε.
 
+A full candidate that the window cannot decide becomes the *canary* when the serving
+parameters give clients a ``canary_rate`` (contract 1.4, :mod:`pipeline.learner.canary`):
+clients serve it on that share of their requests, and it is promoted or refused on those
+requests' utilities against the serving policy's. Canary events stay out of the
+off-policy window (another behaviour policy drew them).
+
 docs/learning.md ("The promotion gate") says how much traffic a decision takes.
 """
 
@@ -49,8 +55,10 @@ from models.serving import ServingParams
 from models.setlevel import additivity
 from models.slate import MomentCache
 from pipeline.component_config import GateConfig
+from pipeline.learner.canary import CanaryRun, is_canary
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
+from topics.delta import DeltaManifest
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -58,6 +66,7 @@ log = logging.getLogger(__name__)
 
 PESSIMISM = 0.1  # the DR reward model's prior for rarely seen slots: this quantile of logged utility
 DECISIONS = ("promoted", "refused", "insufficient")
+CANARY_DECISION = {"promoted": "promoted", "refused": "refused", "retired": "insufficient"}
 
 
 @dataclass
@@ -282,6 +291,8 @@ class PromotionGate:
         self.decisions: list[GateDecision] = []
         self.moments = MomentCache()  # the logging moments of the steps already judged on
         self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
+        self.canary: CanaryRun | None = None  # contract 1.4: the candidate clients serve on canary_rate
+        self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest = manifest
@@ -300,15 +311,81 @@ class PromotionGate:
             manifest, candidate = self.pending
             return await self._decide_now(manifest, candidate)
 
+    async def serve_at_once(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+        """A checkpoint served without the gate (init, reset, rollback): it ends any canary."""
+        await self.end_canary()
+        self.set_serving(manifest, tensors)
+
+    async def end_canary(self) -> None:
+        """Tell clients to stop serving the canary (also one left by an earlier learner run)."""
+        if self.canary is not None or not self._canary_cleared:
+            await self.publisher.set_canary(None)
+            self.metrics.checkpoint_version.labels(role="canary").set(0)
+        self.canary, self._canary_cleared = None, True
+
+    async def _judge_canary(self) -> None:
+        """The running canary's verdict on the arms so far; a decided one ends."""
+        run = self.canary
+        if run is None:
+            return
+        serving_version = self.serving_manifest.version if self.serving_manifest else 0
+        decided: str | None
+        gain: Estimate | None
+        if run.serving_version != serving_version:  # served at once, or a label promoted, meanwhile
+            decided, gain = "retired", None
+        else:
+            window = list(self.window())
+            decided, gain = await asyncio.to_thread(run.judge, window, self.config.epsilon)
+        if decided is None:
+            return
+        reason = run.describe(gain)
+        decision = CANARY_DECISION[decided]
+        if decided == "promoted":
+            await self.publisher.promote(run.manifest)
+            self.serving_manifest, self.serving_net = run.manifest, run.net
+            if self.pending is not None and self.pending[0].version <= run.version:
+                self.pending = None
+            self.metrics.checkpoint_version.labels(role="serving").set(run.version)
+            self.metrics.checkpoint_timestamp.labels(role="serving").set(run.manifest.created_ts)
+            log.info("gate: promoted %s", reason)
+        else:
+            log.info("gate: %s %s", decided, reason)
+        self.metrics.gate_decisions.labels(decision=decision).inc()
+        result = GateDecision(decision, run.version, serving_version, f"{decided}: {reason}", gain)
+        result.ess = gain.ess if gain is not None else None
+        self.decisions = [*self.decisions[-99:], result]
+        await self.end_canary()
+
+    async def _start_canary(self, manifest: Manifest, candidate: PolicyNetwork, window: list[Experience]) -> None:
+        if self.canary is not None or self.params.canary_rate <= 0 or self.serving_manifest is None:
+            return
+        if isinstance(manifest, DeltaManifest):
+            return  # a canary is a full snapshot: clients hold it beside the serving policy
+        self.canary = CanaryRun(
+            manifest, candidate, self.serving_manifest.version, window, self.params.canary_rate, self.config.canary_max
+        )
+        await self.publisher.set_canary(manifest)
+        self._canary_cleared = True
+        self.metrics.checkpoint_version.labels(role="canary").set(manifest.version)
+        log.info(
+            "gate: v%d is the canary, served on %.0f%% of requests", manifest.version, 100 * self.params.canary_rate
+        )
+
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         est: dict[str, Estimate] = {}
-        if self.serving_net is None or self.serving_manifest is None:
+        if not self._canary_cleared:
+            await self.end_canary()
+        await self._judge_canary()
+        window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
+        if self.serving_manifest is not None and manifest.version <= self.serving_manifest.version:
+            # A canary newer than this candidate was promoted just now: nothing left to judge.
+            decision, reason = "refused", f"superseded by the serving v{self.serving_manifest.version}"
+        elif self.serving_net is None or self.serving_manifest is None:
             decision, reason = "promoted", "no serving policy yet"
         else:
             # A judgement takes seconds (docs/benchmarks.md, "Promotion gate calibration"): it runs
             # in a worker thread on a copy of the window, so that the learner's loop (consuming,
             # heartbeats, the supervisor) keeps running meanwhile.
-            window = list(self.window())[-self.config.window :]
             decision, reason, est = await asyncio.to_thread(
                 judge_window,
                 window,
@@ -345,6 +422,7 @@ class PromotionGate:
             if e is not None:
                 m.gate_estimate.labels(policy=name).set(e.value)
         if decision == "promoted":
+            await self.end_canary()
             await self.publisher.promote(manifest)
             self.serving_manifest, self.serving_net, self.pending = manifest, candidate, None
             m.checkpoint_version.labels(role="serving").set(manifest.version)
@@ -356,5 +434,7 @@ class PromotionGate:
         else:
             self.pending = (manifest, candidate)
             log.info("gate: v%d waits: %s", manifest.version, reason)
+            if self.serving_net is not None:
+                await self._start_canary(manifest, candidate, window)
         self.decisions = [*self.decisions[-99:], result]  # recorded once the decision took effect
         return result

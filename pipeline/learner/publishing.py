@@ -253,7 +253,7 @@ class Publishing:
             if published.manifest.reason == "label":
                 await self._apply_label_rule(published, decision)
         else:
-            self.gate.set_serving(published.manifest, published.tensors)
+            await self.gate.serve_at_once(published.manifest, published.tensors)
 
     async def _apply_label_rule(self, published: Published, decision: Any) -> None:
         assert self.gate is not None

@@ -1,0 +1,104 @@
+"""The learner's canary: a pending candidate judged on the requests it serves itself.
+
+Off-policy estimates cannot judge what the logs do not cover: once the policy has
+converged, its successors read sets that near-greedy traffic hardly ever read, and on LM
+utilities (not additive over the memories read) the slate estimators' reward model is
+wrong where they would need it (docs/learning.md, "The promotion gate"). So when the gate
+cannot decide on a full candidate, it makes it the *canary* (contract 1.4): its manifest
+is republished under ``"{policy}/canary"``, and clients serve it, as its manifest says,
+on ``serving.canary_rate`` of their requests, marking their events ``canary: true``.
+
+:class:`CanaryRun` reads the arms back from the learner's replay — the canary's events,
+and the serving policy's events that arrived since the canary started — and judges
+the difference of their mean utilities with a time-uniform interval
+(:mod:`models.canary`), each utility adjusted by what earlier traffic says of its query.
+The gate's rule applies: promoted when the lower bound is above −ε, refused when the
+upper bound is below −ε; an undecided canary gives way to a newer candidate after
+``canary_max`` canary decisions (or after the serving decisions that many canary
+decisions should have come with, if clients do not serve canaries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models.canary import CanaryArms
+from models.estimators import Estimate
+from models.policy import PolicyNetwork
+from topics.internal import Experience
+from topics.manifest import Manifest
+
+
+def is_canary(e: Experience) -> bool:
+    """An experience of a request that a canary served (not the serving policy's behaviour)."""
+    return bool(e.event.canary)
+
+
+@dataclass
+class CanaryRun:
+    """One canary: the candidate, since when it runs, and its arms read from the replay.
+
+    ``before`` (the gate's window when it started, canary events left out) is the
+    covariate's reference; ``since`` the newest event time in it, so that only the
+    serving policy's events after the start count as its arm.
+    """
+
+    manifest: Manifest
+    net: PolicyNetwork
+    serving_version: int
+    before: Sequence[Experience]
+    rate: float
+    max_decisions: int
+    since: float = field(init=False)
+    arms: CanaryArms = field(init=False)
+    _seen: set[str] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        base = [e for e in self.before if e.kind == "feedback" and not is_canary(e)]
+        self.since = max((e.event.ts for e in base), default=0.0)
+        emb = [e.event.features.query_embedding for e in base]
+        self.arms = CanaryArms(
+            np.stack(emb) if emb else np.zeros((0, 1), np.float32), np.array([e.utility for e in base], float)
+        )
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    def observe(self, experiences: Sequence[Experience]) -> None:
+        """Add the arms' new decisions (each event once) from the learner's replay."""
+        for e in experiences:
+            ev = e.event
+            if e.kind != "feedback" or ev.event_id in self._seen:
+                continue
+            canary = is_canary(e) and ev.policy_version == self.version
+            serving = not is_canary(e) and ev.policy_version == self.serving_version and ev.ts > self.since
+            if canary or serving:
+                self._seen.add(ev.event_id)
+                self.arms.add(canary, e.utility, ev.features.query_embedding)
+
+    def judge(self, replay: Sequence[Experience], epsilon: float) -> tuple[str | None, Estimate | None]:
+        """:meth:`observe` the replay, then :meth:`verdict`."""
+        self.observe(replay)
+        return self.verdict(epsilon)
+
+    def verdict(self, epsilon: float) -> tuple[str | None, Estimate | None]:
+        """``("promoted" | "refused" | "retired" | None, gain)``: None keeps it running."""
+        gain = self.arms.gain(epsilon)
+        decided = self.arms.verdict(epsilon, self.max_decisions)
+        # Clients that do not serve canaries (older ones, or canary_rate 0 where they are
+        # configured) leave the canary arm empty: retire after the serving decisions that
+        # ``max_decisions`` canary decisions come with at the configured rate, twice over.
+        expected = 2.0 * self.max_decisions * (1.0 - self.rate) / max(self.rate, 1e-9)
+        if decided is None and len(self.arms.serving) >= expected:
+            decided = "retired"
+        return decided, gain
+
+    def describe(self, gain: Estimate | None) -> str:
+        n = f"{len(self.arms.canary)} canary / {len(self.arms.serving)} serving decisions"
+        if gain is None:
+            return f"canary v{self.version}: {n}"
+        return f"canary v{self.version}: gain {gain.value:+.4f} in [{gain.low:+.4f}, {gain.high:+.4f}] on {n}"
