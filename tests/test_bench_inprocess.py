@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pipeline.config import Settings
 from pipeline.lab.bench import inprocess
 from tests.test_lab_offline import TINY
 from tests.test_lm_bench import small
@@ -94,7 +95,9 @@ def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Pa
     assert runner.oracle >= runner.similarity
     cfg = inprocess._Config(hidden=16, refresh_every=50, batch_size=16)
     m = runner.run(inprocess.ROWS["lm_credit25"], cfg)
-    assert set(m) == {"value", "gold", "leak", "gap_closed"} and 0.0 <= m["gold"] <= 1.0
+    promotions = {"promoted", "canary_promoted", "canary_share", "canary_utility", "all_utility"}
+    assert set(m) == {"value", "gold", "leak", "gap_closed"} | promotions and 0.0 <= m["gold"] <= 1.0
+    assert m["canary_share"] == 0.0 and m["canary_utility"] is None  # ungated: no canary
     assert m["gap_closed"] == pytest.approx((m["value"] - runner.similarity) / (runner.oracle - runner.similarity))
     lm_rows = {k for k, r in inprocess.ROWS.items() if r.lm}
     assert lm_rows == {
@@ -104,4 +107,9 @@ def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Pa
         "lm_credit",
         "lm_credit25_gated",
         "lm_credit25_gated_t1",
+        "lm_credit25_gated_nocanary",
+        "lm_credit25_gated_canary10",
+        "lm_credit25_gated_canary20",
     }
+    assert inprocess.ROWS["lm_credit25_gated"].canary()["canary_rate"] == Settings.serve_canary_rate
+    assert inprocess.ROWS["lm_credit25"].canary() == {"canary_rate": 0.0}

@@ -39,3 +39,26 @@ def test_keeps_what_the_learner_keeps() -> None:
     assert OfflineConfig().replay_window_s == Settings().learner().replay_window_s
     assert OfflineConfig().gate_config() is None
     assert OfflineConfig(gate=True).gate_config() == Settings().learner().gate
+
+
+def test_a_canary_serves_the_pending_candidate_on_its_share_and_is_judged_on_it() -> None:
+    cfg = OfflineConfig(
+        hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9, canary_rate=0.3, canary_max=15
+    )
+    result = run_offline(TINY, cfg)
+    assert set(result.gate) == {"insufficient"}  # the off-policy gate never decides here
+    # Undecided canaries give way to newer candidates after 15 canary decisions or are judged.
+    assert result.canary and all(v.split()[0] in ("promoted", "refused", "retired") for v in result.canary)
+    n = len(result.tally.utility)
+    assert 0.15 * n < len(result.canary_utility) < 0.35 * n
+    # Canary requests are measured apart from the policy as served, like exploration.
+    assert sum(result.tally.explore) >= len(result.canary_utility)
+    promoted = [v for v in result.canary if v.startswith("promoted")]
+    assert (max(result.tally.version) > 1) == bool(promoted)
+
+
+def test_without_a_canary_share_nothing_is_canaried() -> None:
+    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9)
+    result = run_offline(TINY, cfg)
+    assert not result.canary and not result.canary_utility
+    assert set(result.tally.version) == {1}

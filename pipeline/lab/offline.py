@@ -27,6 +27,7 @@ from pipeline.component_config import GateConfig
 from pipeline.config import Settings
 from pipeline.lab.lmworld import LMScenario
 from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
+from pipeline.learner.canary import CanaryRun, is_canary
 from pipeline.learner.gate import judge_window
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
@@ -61,6 +62,8 @@ class OfflineConfig:
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
+    canary_rate: float = 0.0  # share of requests that serve the pending candidate (gate on; 0: no canary)
+    canary_max: int = 100  # canary decisions after which an undecided canary gives way to a newer candidate
     seed: int = 0
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -90,7 +93,9 @@ class OfflineResult:
     alpha: list[tuple[float, float]] = field(default_factory=list)  # (event time, α) at each refresh
     pairs: list[tuple[float, float, int]] = field(default_factory=list)  # (t, U_query, rating)
     gate: list[str] = field(default_factory=list)  # the gate's decision at each refresh
+    canary: list[str] = field(default_factory=list)  # the canary's verdicts, e.g. "promoted v7 (212 canary decisions)"
     served: LoadedPolicy | None = None  # the policy the retriever serves at the end
+    canary_utility: list[float] = field(default_factory=list)  # true utility of each canary request
 
 
 def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | None = None) -> LoadedPolicy:
@@ -100,6 +105,10 @@ def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | Non
     if serving is not None:
         manifest = replace(manifest, serving=serving.to_wire())
     return LoadedPolicy(manifest=manifest, net=net)
+
+
+def _loaded(run: CanaryRun) -> LoadedPolicy:
+    return LoadedPolicy(manifest=run.manifest, net=run.net)
 
 
 def run_offline(
@@ -120,9 +129,11 @@ def run_offline(
         if cfg.explore_temperature is None
         else cfg.explore_temperature,
         explore_revive=cfg.explore_revive,
+        canary_rate=cfg.canary_rate,
     )
     trainer = PolicyTrainer(cfg.trainer(scenario))
     gate = cfg.gate_config()
+    canary: CanaryRun | None = None  # the pending candidate clients serve on canary_rate of requests
     serving_params = ServingParams(
         temperature=retriever.temperature,
         explore_rate=retriever.explore_rate,
@@ -153,9 +164,13 @@ def run_offline(
             true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, res.slots)
             u = nll_without - nll_with
             q.utilities.append(u)
-            explore = res.event.temperature != retriever.temperature
+            # Canary requests are not the serving policy as served: measured apart, like exploration.
+            on_canary = bool(res.event.canary)
+            explore = on_canary or res.event.temperature != retriever.temperature
             served = retriever.policy.version if retriever.policy is not None else 0
             result.tally.record(env, q.intent, res.slots, true_u, st.ts, served, explore)
+            if on_canary:
+                result.canary_utility.append(true_u)
             if not res.event.fallback:
                 effects = {m: v - nll_with for m, v in (nll_without_slot or {}).items()} or None
                 pending.append(Experience(res.event.event_id, "feedback", res.event, u, slot_effects=effects))
@@ -170,8 +185,19 @@ def run_offline(
                 version += 1
                 candidate = _snapshot(trainer, version, serving_params if gate is not None else None)
                 if gate is not None and retriever.policy is not None:
+                    if canary is not None:
+                        verdict, _ = canary.judge(replay.gate_window(), cfg.gate_epsilon)
+                        if verdict is not None:
+                            n = len(canary.arms.canary)
+                            result.canary.append(f"{verdict} v{canary.version} ({n} canary decisions)")
+                            if verdict == "promoted":
+                                retriever.temperature, current = configured_t, serving_params
+                                retriever.set_policy(_loaded(canary))
+                            canary = None
+                            retriever.set_canary(None)
+                    window = [e for e in replay.gate_window() if not is_canary(e)]
                     decision, _, _ = judge_window(
-                        replay.gate_window(),
+                        window,
                         candidate.net,
                         retriever.policy.net,
                         gate,
@@ -181,7 +207,20 @@ def run_offline(
                     )
                     result.gate.append(decision)
                     if decision != "promoted":
+                        if decision == "insufficient" and canary is None and cfg.canary_rate > 0:
+                            # As the gate starts a canary (pipeline/learner/gate.py).
+                            canary = CanaryRun(
+                                candidate.manifest,
+                                candidate.net,
+                                retriever.policy.version,
+                                window[-gate.window :],
+                                cfg.canary_rate,
+                                cfg.canary_max,
+                            )
+                            retriever.set_canary(candidate)
                         continue
+                    canary = None
+                    retriever.set_canary(None)
                 retriever.temperature, current = configured_t, serving_params
                 retriever.set_policy(candidate)
 
@@ -200,6 +239,8 @@ def run_offline(
                 result.resets.append(t)
                 version += 1
                 retriever.temperature, current = configured_t, serving_params  # a reset is served as configured
+                canary = None
+                retriever.set_canary(None)
                 retriever.set_policy(_snapshot(trainer, version, serving_params if gate is not None else None))
         if progress is not None:
             progress()

@@ -264,7 +264,13 @@ async def run_scenario(
             "the worker's join stage to own partitions",
         )
         async with (
-            PolicySubscriber(bootstrap, settings.policy, settings, on_update=on_update) as sub,
+            PolicySubscriber(
+                bootstrap,
+                settings.policy,
+                settings,
+                on_update=on_update,
+                on_canary=retriever.set_canary if spec.use_policy else None,
+            ) as sub,
             EventPublisher(bootstrap, settings) as pub,
             LabelQueue(bootstrap, settings, "auto-labeler") as queue,
         ):
@@ -314,7 +320,8 @@ async def run_scenario(
                         q.utilities.append(u)
                         if dmem is not None:
                             dmem.update(selected, u)
-                        explore = event.temperature != retriever.temperature
+                        # Exploration and the canary's requests are not the serving policy as served.
+                        explore = bool(event.canary) or event.temperature != retriever.temperature
                         tally.record(env, q.intent, selected, true_u, st.ts, event.policy_version, explore)
                         await pub.publish(event)
                         await pub.publish(

@@ -170,7 +170,9 @@ async def one_run(
             if not child.alive():
                 raise RuntimeError(f"{child.verb} exited:\n{child.log_tail()}")
         async with (
-            PolicySubscriber(bootstrap, settings.policy, settings, on_update=on_update) as sub,
+            PolicySubscriber(
+                bootstrap, settings.policy, settings, on_update=on_update, on_canary=retriever.set_canary
+            ) as sub,
             EventPublisher(bootstrap, settings) as pub,
         ):
             await sub.wait_for_policy(timeout=90)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from models.trainer import TrainerConfig
+from pipeline.config import Settings
 from pipeline.lab.lmworld import LMScenario
 from pipeline.lab.offline import OfflineConfig, run_offline
 from pipeline.lab.simulator import DAY, Scenario
@@ -42,6 +43,17 @@ class InProcessRow:
     lm: bool = False  # the real-LM world instead of the simulator
     gate: bool = False  # the promotion gate on (the product's default): clients serve what it promotes
     explore_temperature: float | None = None  # None: the scenario's (the learner's default)
+    # The gate's canary (pipeline/learner/canary.py): the share of requests serving it and the
+    # canary decisions before an undecided one gives way; None: the learner's defaults.
+    canary_rate: float | None = None
+    canary_max: int | None = None
+
+    def canary(self) -> dict[str, Any]:
+        """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
+        if not self.gate:
+            return {"canary_rate": 0.0}
+        rate = Settings.serve_canary_rate if self.canary_rate is None else self.canary_rate
+        return {"canary_rate": rate, "canary_max": self.canary_max or Settings.gate_canary_max}
 
 
 ROWS: dict[str, InProcessRow] = {
@@ -55,9 +67,19 @@ ROWS: dict[str, InProcessRow] = {
         0.25,
         gate=True,
         explore_temperature=1.0,
+        canary_rate=0.0,  # measured before canaries (docs/learning.md)
     ),
     "credit25_t1": InProcessRow(
         "per-memory credit on 25%, imputed between, explored at T = 1.0", 0.25, explore_temperature=1.0
+    ),
+    "credit25_gated_nocanary": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated, no canary", 0.25, gate=True, canary_rate=0.0
+    ),
+    "credit25_gated_canary10": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated, canary on 10%", 0.25, gate=True, canary_rate=0.1
+    ),
+    "credit25_gated_canary20": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated, canary on 20%", 0.25, gate=True, canary_rate=0.2
     ),
     "reset": InProcessRow("drift, step reward", 0.0, drift=True),
     "reset_credit": InProcessRow("drift, per-memory credit on 25%, imputed between", 0.25, drift=True),
@@ -80,6 +102,16 @@ ROWS: dict[str, InProcessRow] = {
         lm=True,
         gate=True,
         explore_temperature=1.0,
+        canary_rate=0.0,  # measured before canaries (docs/learning.md)
+    ),
+    "lm_credit25_gated_nocanary": InProcessRow(
+        "real LM, per-memory credit on 25%, gated, no canary", 0.25, lm=True, gate=True, canary_rate=0.0
+    ),
+    "lm_credit25_gated_canary10": InProcessRow(
+        "real LM, per-memory credit on 25%, gated, canary on 10%", 0.25, lm=True, gate=True, canary_rate=0.1
+    ),
+    "lm_credit25_gated_canary20": InProcessRow(
+        "real LM, per-memory credit on 25%, gated, canary on 20%", 0.25, lm=True, gate=True, canary_rate=0.2
     ),
 }
 DEFAULT_ROWS = ("dynamic", "credit25", "credit25_plain", "credit")
@@ -156,6 +188,19 @@ def at_step_reward_level(report: dict[str, Any], curves: dict[str, dict[int, np.
         row["mean"] = mean_of(figures)
 
 
+def promotions(result: Any) -> dict[str, float | None]:
+    """Candidates promoted by the off-policy gate and by a canary's on-policy verdict, and
+    what the canary requests themselves were worth (true utility; None without a canary)."""
+    cu = result.canary_utility
+    return {
+        "promoted": float(sum(d == "promoted" for d in result.gate)),
+        "canary_promoted": float(sum(v.startswith("promoted") for v in result.canary)),
+        "canary_share": len(cu) / max(1, len(result.tally.utility)),
+        "canary_utility": float(np.mean(cu)) if cu else None,
+        "all_utility": float(np.mean(result.tally.utility)),
+    }
+
+
 def mean_of(per_seed: list[dict[str, Any]]) -> dict[str, float | None]:
     """The mean of each figure over seeds (over the seeds that have it).
 
@@ -193,7 +238,7 @@ class LMRunner:
         data = build_dataset()
         return cls(data, lm_utilities(data, cache_dir=Path(cache_dir) if cache_dir else None, model=model or ""))
 
-    def run(self, row: InProcessRow, cfg: OfflineConfig) -> dict[str, float]:
+    def run(self, row: InProcessRow, cfg: OfflineConfig) -> dict[str, float | None]:
         """One seed of an ``lm_*`` row: the final served policy on the held-out questions."""
         from pipeline.lab.bench import lmlearning
         from pipeline.lab.lmworld import LMScenario, LMWorld
@@ -201,7 +246,11 @@ class LMRunner:
         scenario = LMScenario(seed=cfg.seed, events=self.events, attribution_rate=row.attribution_rate)
         res = run_offline(scenario, cfg, env=LMWorld(scenario, self.data, self.u))
         m = lmlearning.measure(self.u, self.data, self.test, res.served, seed=cfg.seed)
-        return {**m, "gap_closed": lmlearning.gap_closed(m["value"], self.similarity, self.oracle)}
+        return {
+            **m,
+            "gap_closed": lmlearning.gap_closed(m["value"], self.similarity, self.oracle),
+            **promotions(res),
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -234,6 +283,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 credit_impute=row.credit_impute,
                 gate=row.gate,
                 explore_temperature=row.explore_temperature,
+                **row.canary(),
             )
             if row.lm:
                 assert lm is not None
@@ -244,7 +294,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             scenario = dataclasses.replace(base, attribution_rate=row.attribution_rate)
             res = run_offline(scenario, cfg)
             curves.setdefault(key, {})[seed] = rolling_recall(res)
-            per_seed.append({"seed": seed, **measure(res, scenario), "wall_s": time.monotonic() - t0})
+            per_seed.append(
+                {"seed": seed, **measure(res, scenario), **promotions(res), "wall_s": time.monotonic() - t0}
+            )
             print(f"{key} seed {seed}: {json.dumps(per_seed[-1])}", flush=True)
         figures = mean_of([{k: v for k, v in s.items() if k not in ("seed", "wall_s")} for s in per_seed])
         report["rows"][key] = {"name": row.name, **dataclasses.asdict(row), "per_seed": per_seed, "mean": figures}
