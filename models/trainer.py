@@ -349,7 +349,7 @@ class PolicyTrainer:
         >>> t = PolicyTrainer(TrainerConfig(embedding_dim=4, slots=6, hidden=8))
         >>> _ = t.take_changed_rows()
         >>> t.init_rows([4, 1], torch.ones(2, 8), torch.zeros(2))
-        >>> t.take_changed_rows().tolist(), float(t.net.out.weight[4, 0])
+        >>> t.take_changed_rows().tolist(), float(t.net.out.weight[4, 0].detach())
         ([1, 4], 1.0)
         """
         idx = [int(s) for s in slots]
