@@ -46,3 +46,19 @@ def test_claims_are_reported_side_by_side() -> None:
         learning.SEED_CLAIMS["baseline_speed"]: False,  # 2.5× < 3×
         learning.SEED_CLAIMS["drift_drop"]: False,  # 5% > 2.3%
     }
+
+
+def test_drift_rows_alone_plot_the_drift_only(tmp_path: Path) -> None:
+    """`--rows reset,...` has no curves: no empty curves plot, the drift plot is drawn."""
+    series = {"corr": [[86400.0, 0.5, 10], [2 * 86400.0, 0.6, 20]], "ts": [86400.0, 2 * 86400.0], "leak": [0.5, 0.1]}
+    report = {
+        "rows": {},
+        "curves": {},
+        "drift": {"reset": {"name": "drift, with reset"}},
+        "drift_series": {"reset": {**series, "resets": [{"ts": 1.5 * 86400.0}]}},
+        "drift_scenario": {"start_ts": 0.0, "drift_day": 1.2},
+    }
+    paths = learning.plot(report, str(tmp_path / "drift3"))
+    assert paths == [str(tmp_path / "drift3-drift.png")]
+    assert (tmp_path / "drift3-drift.png").stat().st_size > 10_000
+    assert not (tmp_path / "drift3-curves.png").exists()

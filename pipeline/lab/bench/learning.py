@@ -353,12 +353,7 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], out_prefix: str) -> list[str]:
-    matplotlib = require("matplotlib", "lab")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
+def _curves_plot(plt: Any, report: dict[str, Any], out_prefix: str) -> str:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for key, c in report.get("curves", {}).items():
         name = report["rows"][key]["name"]
@@ -374,7 +369,17 @@ def plot(report: dict[str, Any], out_prefix: str) -> list[str]:
     path = f"{out_prefix}-curves.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(path)
+    return path
+
+
+def plot(report: dict[str, Any], out_prefix: str) -> list[str]:
+    matplotlib = require("matplotlib", "lab")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    if report.get("curves"):  # only drift rows (--rows reset,...): no curves to draw, no empty plot
+        paths.append(_curves_plot(plt, report, out_prefix))
     if report.get("drift_series"):
         sc = report["drift_scenario"]
         fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
