@@ -7,12 +7,22 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from models.serving_rule import adjusted_logits, keep_dynamic, plackett_luce_logprob
+from pipeline.client import overlap
+from pipeline.client import retriever as retriever_module
 from pipeline.client.retriever import CausalRetriever
 
 N = 8
 MASKS = np.array([2.0, 1.5, 1e-4, 1.0, 1e-5, 0.8, 1e-4, 0.5])  # three below 1% of the max
+
+
+@pytest.fixture(autouse=True)
+def fixed_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy's masks are MASKS whatever the query: its features are not needed."""
+    monkeypatch.setattr(overlap, "policy_features", lambda *a: torch.zeros(1, 1))
+    monkeypatch.setattr(retriever_module, "masks_from_features", lambda policy, h, slots: MASKS[slots])
 
 
 def retriever(**kw: object) -> CausalRetriever:
@@ -20,7 +30,6 @@ def retriever(**kw: object) -> CausalRetriever:
     emb = rng.normal(size=(N, 4)).astype(np.float32)
     r = CausalRetriever(emb, k=3, n_candidates=N, seed=1, fallback=lambda *a: [], **kw)  # type: ignore[arg-type]
     r.policy = SimpleNamespace(alpha=0.5, version=3, net=None)  # type: ignore[assignment]
-    r.candidate_masks = lambda q, loss, ent, slots: MASKS[slots]  # type: ignore[method-assign]
     return r
 
 

@@ -23,11 +23,13 @@ from typing import Any
 
 import faiss
 import numpy as np
+import torch
 
 from models.serving import ServingParams
 from models.serving_rule import DYNAMIC_DROP_RATIO, revive_dropped
 from pipeline.client.memory_index import IdIndex
-from pipeline.client.serving import ServingValues, draw, keep_flags, policy_masks
+from pipeline.client.overlap import FeatureOverlap
+from pipeline.client.serving import ServingValues, draw, keep_flags, masks_from_features
 from pipeline.client.serving import follow as serving_in_force
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import Connection
@@ -127,6 +129,11 @@ class CausalRetriever:
     ``faiss_index``: the index to search (default: exact ``IndexFlatIP``); for a large bank a
     trained, empty approximate one (e.g. ``IndexIVFFlat`` with its ``nprobe``, inner
     product), which the memories are added to.
+
+    ``overlap_features``: compute the policy's query features on a worker thread while the
+    index searches (:mod:`pipeline.client.overlap`); None (default): while the searches take
+    1 ms or more (e.g. an IVF index over 10^6 memories), long enough to hide them.
+    :meth:`close` ends that thread.
     """
 
     def __init__(
@@ -147,6 +154,7 @@ class CausalRetriever:
         memory_ids: Sequence[str] | None = None,
         faiss_index: Any = None,
         canary_rate: float | None = None,
+        overlap_features: bool | None = None,
     ) -> None:
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.conn = Connection.of(conn) if conn is not None else None
@@ -209,6 +217,7 @@ class CausalRetriever:
         # Exploratory requests also give each dropped candidate this chance back, so a
         # dropped memory can be read, and relearnt, again (docs/contract.md §6, step 3b).
         self.explore_revive = explore_revive
+        self.features = FeatureOverlap(overlap_features)
 
     @classmethod
     def by_id(cls, dim: int, **kwargs: Any) -> CausalRetriever:
@@ -256,10 +265,9 @@ class CausalRetriever:
         own = ServingValues(self.temperature, self.drop, self.drop_ratio, self.explore_rate, self.explore_temperature)
         return self.policy, own
 
-    def candidate_masks(
-        self, query_embedding: np.ndarray, loss: float, entropy: float, slots: np.ndarray
-    ) -> np.ndarray:
-        return policy_masks(self.policy, query_embedding, loss, entropy, slots)
+    def close(self) -> None:
+        """End the features' worker thread if one was started; the retriever stays usable."""
+        self.features.close()
 
     def search(self, query_embedding: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         scores, ids = self.index.search(query_embedding[None], min(n, self.index.ntotal))
@@ -281,16 +289,17 @@ class CausalRetriever:
         ids: list[str] | None = None
         fb_ids: list[str] = []
         policy, v = self._arm()
+        features = self.features.start(policy, q, last_step_loss, last_step_entropy)  # may run during the search
+        started = time.perf_counter()
         if self.memories is None:
             slots, scores = self.search(q, self.n_candidates)
-            masks = (
-                self.candidate_masks(q, last_step_loss, last_step_entropy, slots)
-                if policy is self.policy
-                else policy_masks(policy, q, last_step_loss, last_step_entropy, slots)
-            )
+            self.features.observe(time.perf_counter() - started)
+            h = features()
+            masks = np.zeros(len(slots)) if policy is None or h is None else masks_from_features(policy, h, slots)
         else:
             ids, scores = self.memories.search(q, self.n_candidates)
-            slots, masks = self._by_id(ids, q, last_step_loss, last_step_entropy, policy)
+            self.features.observe(time.perf_counter() - started)
+            slots, masks = self._by_id(ids, features(), policy)
         keep = keep_flags(masks, v.drop, v.drop_ratio)
         explore = v.explore_rate > 0 and self.rng.random() < v.explore_rate
         temperature = v.explore_temperature if explore else v.temperature
@@ -361,14 +370,15 @@ class CausalRetriever:
         return RetrievalResult(slots=selected, texts=texts, event=event)
 
     def _by_id(
-        self, ids: list[str], q: np.ndarray, loss: float, entropy: float, policy: LoadedPolicy | None
+        self, ids: list[str], h: torch.Tensor | None, policy: LoadedPolicy | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Event labels and masks of memories named by id: the policy's where it holds their row, else neutral."""
+        """Event labels and masks of memories named by id: the policy's where it holds their row, else
+        neutral; ``h``: the query's features under ``policy``."""
         known = [policy.slot_of(i) if policy is not None else None for i in ids]
-        if policy is None:
+        if policy is None or h is None:
             return np.array(event_labels(known), dtype=np.int64), np.zeros(len(ids))
         masks = np.full(len(ids), NEUTRAL_MASK)
         rows = [j for j, s in enumerate(known) if s is not None]
         if rows:
-            masks[rows] = policy_masks(policy, q, loss, entropy, np.array([known[j] for j in rows], dtype=np.int64))
+            masks[rows] = masks_from_features(policy, h, np.array([known[j] for j in rows], dtype=np.int64))
         return np.array(event_labels(known), dtype=np.int64), masks

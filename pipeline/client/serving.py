@@ -87,20 +87,34 @@ def policy_masks(
 ) -> np.ndarray:
     """m_i of each slot in ``slots`` (float64); zeros without a policy (similarity only).
 
-    The network's own operations (``PolicyNetwork.features`` then ``candidate_masks``), called
-    directly: one query's masks are a dozen small operations, and the modules' calls, the
-    einsum's parsing and the tensors built per call cost as much as the arithmetic. The
-    values are the network's, bit for bit (tests/test_serving_masks.py).
+    :func:`policy_features` (the query's part) then :func:`masks_from_features` (the
+    candidates' part). The network's own operations (``PolicyNetwork.features`` then
+    ``candidate_masks``), called directly: one query's masks are a dozen small operations, and
+    the modules' calls, the einsum's parsing and the tensors built per call cost as much as
+    the arithmetic. The values are the network's, bit for bit (tests/test_serving_masks.py).
     """
     if policy is None:
         return np.zeros(len(slots))
+    return masks_from_features(policy, policy_features(policy, query_embedding, loss, entropy), slots)
+
+
+def policy_features(policy: LoadedPolicy, query_embedding: np.ndarray, loss: float, entropy: float) -> torch.Tensor:
+    """h [1, H] of one query: the part of the masks that does not depend on the candidates, so
+    that it can be computed while the index is searched (``CausalRetriever``, large indices)."""
     net = policy.net
-    norm, hidden, out = net.norm, net.hidden, net.out
-    with torch.no_grad():
+    norm, hidden = net.norm, net.hidden
+    with torch.inference_mode():  # no autograd bookkeeping at all: the same values, fewer steps per op
         q = torch.from_numpy(np.ascontiguousarray(query_embedding, dtype=np.float32).reshape(1, -1))
         extra = torch.from_numpy(np.array([[loss, entropy]], np.float32))
         x = torch.cat([F.layer_norm(q, norm.normalized_shape, norm.weight, norm.bias, norm.eps), extra], dim=1)
-        h = F.gelu(F.linear(x, hidden.weight, hidden.bias))
+        h: torch.Tensor = F.gelu(F.linear(x, hidden.weight, hidden.bias))
+    return h
+
+
+def masks_from_features(policy: LoadedPolicy, h: torch.Tensor, slots: np.ndarray) -> np.ndarray:
+    """m_i (float64) of each slot in ``slots`` from the query's :func:`policy_features` ``h``."""
+    out = policy.net.out
+    with torch.inference_mode():
         rows = torch.from_numpy(np.asarray(slots, dtype=np.int64).reshape(-1))
         w = take_rows(out.weight, rows)  # [C, H]
         z = torch.bmm(h.view(1, 1, -1), w.view(1, len(rows), -1).transpose(1, 2)).view(1, -1)

@@ -202,21 +202,22 @@ class ClientBench:
         self.plain: list[float] = []
         self.with_policy: list[float] = []
         self.masks: list[float] = []  # the policy's part alone: its masks for the found candidates
+        self.cpu: list[tuple[float, float]] = []  # CPU time of (plain search, retrieve)
         self.done = 0
         self.burst(50)  # warm caches up, untimed
-        self.plain.clear()
-        self.with_policy.clear()
-        self.masks.clear()
+        for timings in (self.plain, self.with_policy, self.masks, self.cpu):
+            timings.clear()
 
     def burst(self, n: int) -> None:
         for _ in range(n):
             q = self.queries[self.done % len(self.queries)]
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             self.index.search(q[None], self.k)
-            a = time.perf_counter() - t
-            t = time.perf_counter()
+            a, ca = time.perf_counter() - t, time.process_time() - c
+            c, t = time.process_time(), time.perf_counter()  # CPU of every thread: the overlapped features too
             self.retriever.retrieve(q, f"q{self.done}", with_texts=False)
-            b = time.perf_counter() - t
+            b, cb = time.perf_counter() - t, time.process_time() - c
+            self.cpu.append((ca, cb))
             found = self.retriever.search(q, self.k)[0]
             t = time.perf_counter()
             self.policy_masks(self.retriever.policy, q, 0.0, 0.0, found)
@@ -242,6 +243,8 @@ class ClientBench:
             "ratio_p50": float(np.percentile(w, 50) / np.percentile(p, 50)),
             "ratio_p99": float(np.percentile(w, 99) / np.percentile(p, 99)),
             "masks_p50_ms": float(np.percentile(np.array(self.masks) * 1e3, 50)),
+            "cpu_faiss_policy_mean_ms": [float(x) for x in np.array(self.cpu).mean(axis=0) * 1e3],
+            "features_overlapped": self.retriever.features.overlapping(),  # the retriever's own choice, at the end
             "client_rss_gb": rss,
             "client_peak_rss_gb": peak,
         }
