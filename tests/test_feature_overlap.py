@@ -94,3 +94,45 @@ def test_without_a_policy_nothing_is_started() -> None:
     o = FeatureOverlap(overlap=True)
     assert o.start(None, np.zeros(D, np.float32), 0.0, 0.0)() is None
     assert o._pool is None
+
+
+def test_a_request_finding_the_worker_busy_or_closed_computes_its_own_features() -> None:
+    policy = loaded()
+    q = np.ones(D, np.float32)
+    o = FeatureOverlap(overlap=True)
+    gate = threading.Event()
+    o.start(policy, q, 0.0, 0.0)  # starts the worker
+    o._pool.submit(gate.wait)  # type: ignore[union-attr]  # the worker busy with something else
+    o._busy = True
+    inline = o.start(policy, q, 0.0, 0.0)
+    assert torch.equal(inline(), o.start(policy, q, 0.0, 0.0)())  # computed on the caller's thread, same values
+    gate.set()
+    o._pool.shutdown(wait=True)  # type: ignore[union-attr]  # shut down under the retriever's feet
+    o._busy = False
+    assert o.start(policy, q, 0.0, 0.0)() is not None  # no "cannot schedule new futures after shutdown"
+    o.close()
+
+
+def test_many_threads_share_one_retriever() -> None:
+    rng = np.random.default_rng(1)
+    mem = rng.normal(size=(S, D)).astype(np.float32)
+    queries = rng.normal(size=(64, D)).astype(np.float32)
+    policy = loaded()
+    serial = CausalRetriever(mem, texts=[str(i) for i in range(S)], seed=0, overlap_features=False, drop="none")
+    serial.set_policy(policy)
+    want = {i: serial.retrieve(q, f"q{i}").event.candidate_masks for i, q in enumerate(queries)}
+    shared = CausalRetriever(mem, texts=[str(i) for i in range(S)], seed=0, overlap_features=True, drop="none")
+    shared.set_policy(policy)
+    got: dict[int, object] = {}
+
+    def run(part: range) -> None:
+        for i in part:
+            got[i] = shared.retrieve(queries[i], f"q{i}").event.candidate_masks
+
+    threads = [threading.Thread(target=run, args=(range(j, 64, 4),)) for j in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    shared.close()
+    assert all(np.array_equal(got[i], want[i]) for i in want)  # type: ignore[arg-type]

@@ -50,15 +50,20 @@ class FeatureOverlap:
 
     ``overlap``: True / False force it; None (default) overlaps while the searches
     (:meth:`observe`) take :data:`OVERLAP_MIN_SEARCH_S` or more on average. One worker
-    serves every request of a retriever (started on first use, ended by :meth:`close` or at
-    interpreter exit).
+    serves a retriever (started on first use, ended by :meth:`close` or at interpreter
+    exit); a request that finds it busy computes its features itself.
+
+    A delta applied in place while a request runs (the subscriber's path for large
+    policies) can mix the two versions' weights in that request's masks, as it could
+    before; overlapped, the window is the search's duration rather than microseconds.
     """
 
     def __init__(self, overlap: bool | None = None) -> None:
         self.overlap = overlap
         self.search_s = 0.0  # moving average of the searches' wall time
         self._pool: ThreadPoolExecutor | None = None
-        self._starting = threading.Lock()  # requests from several threads start one worker
+        self._starting = threading.Lock()  # guards the worker and its state across requests' threads
+        self._busy = False  # the worker holds a request's features
 
     def observe(self, search_s: float) -> None:
         """One search's wall time, in seconds."""
@@ -76,10 +81,23 @@ class FeatureOverlap:
         if not self.overlapping():
             return lambda: policy_features(policy, q, loss, entropy)
         with self._starting:
+            # A request while the worker is busy (requests from several threads) computes its own:
+            # queued behind another's features it would wait longer than it saves.
+            if self._busy:
+                return lambda: policy_features(policy, q, loss, entropy)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="causalmem-features")
-            pool = self._pool
-        return pool.submit(policy_features, policy, q, loss, entropy).result
+            try:
+                future = self._pool.submit(policy_features, policy, q, loss, entropy)
+            except RuntimeError:  # the interpreter is shutting down: no new threads
+                return lambda: policy_features(policy, q, loss, entropy)
+            self._busy = True
+        future.add_done_callback(self._done)
+        return future.result
+
+    def _done(self, _: object) -> None:
+        with self._starting:
+            self._busy = False
 
     def close(self) -> None:
         """End the worker thread (a later request starts a new one)."""

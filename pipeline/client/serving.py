@@ -100,7 +100,8 @@ def policy_masks(
 
 def policy_features(policy: LoadedPolicy, query_embedding: np.ndarray, loss: float, entropy: float) -> torch.Tensor:
     """h [1, H] of one query: the part of the masks that does not depend on the candidates, so
-    that it can be computed while the index is searched (``CausalRetriever``, large indices)."""
+    that it can be computed while the index is searched (``CausalRetriever``, large indices).
+    An inference tensor: for serving only (no autograd, no in-place updates)."""
     net = policy.net
     norm, hidden = net.norm, net.hidden
     with torch.inference_mode():  # no autograd bookkeeping at all: the same values, fewer steps per op
@@ -113,6 +114,8 @@ def policy_features(policy: LoadedPolicy, query_embedding: np.ndarray, loss: flo
 
 def masks_from_features(policy: LoadedPolicy, h: torch.Tensor, slots: np.ndarray) -> np.ndarray:
     """m_i (float64) of each slot in ``slots`` from the query's :func:`policy_features` ``h``."""
+    if len(slots) == 0:
+        return np.zeros(0)
     out = policy.net.out
     with torch.inference_mode():
         rows = torch.from_numpy(np.asarray(slots, dtype=np.int64).reshape(-1))
