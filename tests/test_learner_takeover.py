@@ -34,6 +34,8 @@ from .helpers import experience, until
 
 pytestmark = pytest.mark.broker
 
+PAUSE_S = 20.0  # how long the split-brain test blocks the first learner's loop
+
 
 async def _send(s: Settings, topic: str, values: list[bytes], key: bytes | None = None) -> None:
     p = kafka.producer(s.bootstrap, s)
@@ -102,10 +104,16 @@ async def test_a_paused_learner_publishes_nothing_after_a_takeover(topics_ready:
         await until(lambda: first.active.is_set() and first.version >= 2, 30, "first active")
         async with _running(second):
             await asyncio.sleep(3)  # the standby joins the group
-            loop_a.call_soon_threadsafe(time.sleep, 10.0)  # the first learner's loop stops
+            # The first learner's loop stops for longer than its session (6 s) and the rebalance
+            # the embedded broker holds (3 s), with room left for the standby to publish before it
+            # wakes: with 10 s the standby sometimes took over ~1 s before, and lost the partition
+            # again in the rebalance the waking learner set off, before publishing twice.
+            paused_at = time.monotonic()
+            loop_a.call_soon_threadsafe(time.sleep, PAUSE_S)
             await until(lambda: second.active.is_set(), 30, "the standby took over")
             await until(lambda: second.version >= first.version + 2, 20, "the standby published")
-            await asyncio.sleep(5)  # the first wakes up with unpublished updates (either may own it then)
+            # The first wakes up with unpublished updates (either may own it then).
+            await asyncio.sleep(max(0.0, paused_at + PAUSE_S + 5.0 - time.monotonic()))
     finally:
         stop.set()
         await feeder
