@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -101,7 +102,10 @@ def test_a_request_finding_the_worker_busy_or_closed_computes_its_own_features()
     q = np.ones(D, np.float32)
     o = FeatureOverlap(overlap=True)
     gate = threading.Event()
-    o.start(policy, q, 0.0, 0.0)  # starts the worker
+    o.start(policy, q, 0.0, 0.0)()  # starts the worker
+    deadline = time.monotonic() + 10
+    while o._busy and time.monotonic() < deadline:  # its done-callback may run just after the result
+        time.sleep(0.001)
     o._pool.submit(gate.wait)  # type: ignore[union-attr]  # the worker busy with something else
     o._busy = True
     inline = o.start(policy, q, 0.0, 0.0)

@@ -173,8 +173,11 @@ def _fast_retrieval_event(
     try:
         if obj.get("schema") != schema or obj.get("memory_texts") is not None or obj.get("answer_text") is not None:
             return None
-        if obj.get("candidate_ids") is not None or obj.get("canary") is not None:
-            return None  # contract 1.3's ids and 1.4's canary flag: checked by the full validator
+        if obj.get("candidate_ids") is not None:
+            return None  # contract 1.3's ids: checked by the full validator
+        canary = obj.get("canary")  # contract 1.4: on a fifth of the traffic by default, so decoded here too
+        if canary is not None and type(canary) is not bool:
+            return None
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
             return None
@@ -250,6 +253,7 @@ def _fast_retrieval_event(
         dropped=dropped,
         candidate_masks=extras.get("candidate_masks"),
         candidate_probs=extras.get("candidate_probs"),
+        canary=True if canary else None,
     )
 
 

@@ -207,6 +207,7 @@ class CausalRetriever:
         self.policy_name = policy or (self.conn.policy if self.conn is not None else "default")
         self.policy: LoadedPolicy | None = None
         self.canary: LoadedPolicy | None = None  # contract 1.4: served on canary_rate of the requests
+        self._canary_values: ServingValues | None = None  # how the canary is served (its manifest's), set with it
         self.canary_rate = canary_rate if canary_rate is not None else 0.0
         self.rng = np.random.default_rng(seed)
         # Exploration: a share of requests is served at a higher temperature (logged on the
@@ -248,6 +249,7 @@ class CausalRetriever:
         """Hold the learner's canary (None: it ended); use as PolicySubscriber's ``on_canary``."""
         if canary is not None and self.memories is None and canary.net.arch.slots < self.embeddings.shape[0]:
             raise ValueError(f"canary has {canary.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
+        self._canary_values = serving_in_force(canary.serving, self.explicit) if canary is not None else None
         self.canary = canary
 
     def follow(self, params: ServingParams) -> None:
@@ -257,13 +259,13 @@ class CausalRetriever:
         self.explore_rate, self.explore_temperature = v.explore_rate, v.explore_temperature
         self.canary_rate = v.canary_rate
 
-    def _arm(self) -> tuple[LoadedPolicy | None, ServingValues]:
-        """This request's policy and serving values: the canary, as its manifest says, on ``canary_rate`` of them."""
-        canary = self.canary
-        if canary is not None and self.canary_rate > 0 and self.rng.random() < self.canary_rate:
-            return canary, serving_in_force(canary.serving, self.explicit)
+    def _arm(self) -> tuple[LoadedPolicy | None, ServingValues, bool]:
+        """This request's policy, serving values and whether it is the canary's (``canary_rate`` of them)."""
+        canary, values = self.canary, self._canary_values
+        if canary is not None and values is not None and self.canary_rate > 0 and self.rng.random() < self.canary_rate:
+            return canary, values, canary is not self.policy
         own = ServingValues(self.temperature, self.drop, self.drop_ratio, self.explore_rate, self.explore_temperature)
-        return self.policy, own
+        return self.policy, own, False
 
     def close(self) -> None:
         """End the features' worker thread if one was started; the retriever stays usable."""
@@ -288,7 +290,7 @@ class CausalRetriever:
         q = np.ascontiguousarray(query_embedding, dtype=np.float32)
         ids: list[str] | None = None
         fb_ids: list[str] = []
-        policy, v = self._arm()
+        policy, v, on_canary = self._arm()
         features = self.features.start(policy, q, last_step_loss, last_step_entropy)  # may run during the search
         started = time.perf_counter()
         if self.memories is None:
@@ -359,7 +361,7 @@ class CausalRetriever:
             candidate_masks=cand_masks,
             candidate_probs=probs,
             candidate_ids=[id_of[s] for s in candidates] if ids is not None else None,
-            canary=True if policy is not None and policy is self.canary and policy is not self.policy else None,
+            canary=True if on_canary else None,
         )
         if ids is not None:
             assert self.memories is not None
