@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.row_adam import HUGE_PAGE_MIN_BYTES, lazy_zeros, take_rows
+from models.rows import HUGE_PAGE_MIN_BYTES, lazy_zeros, take_rows
 from topics.fields import MAX_SLOTS
 
 TENSOR_NAMES = ("norm.weight", "norm.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias", "alpha")
@@ -118,7 +118,7 @@ def neutral_rows(n: int, hidden: int, generator: torch.Generator | None = None) 
 
 def output_layer(hidden: int, slots: int) -> nn.Linear:
     """``nn.Linear(hidden, slots)``, the same values; a large weight (≥ 64 MB) lives in memory
-    advised for transparent huge pages (:func:`models.row_adam.lazy_zeros`).
+    advised for transparent huge pages (:func:`models.rows.lazy_zeros`).
 
     Learning and serving read random rows of it (a memory's row whenever it is a candidate);
     with 4 KB pages each row read at S = 10^6 is also a TLB miss.

@@ -4,7 +4,8 @@ A step of REINFORCE or of a label fine-tune only reads the output rows of its ca
 slots (:meth:`models.policy.PolicyNetwork.candidate_masks`), so its gradient on
 ``out.weight`` [S, H] and ``out.bias`` [S] is row-sparse. :class:`LazyRowAdam` applies
 Adam to those rows alone: a step costs O(rows touched · H), whatever S is. The rest of
-the network (the backbone) keeps the fused dense Adam; :class:`RowSparseAdam` joins the two.
+the network (the backbone) keeps the fused dense Adam; :class:`models.sparse_adam.RowSparseAdam`
+joins the two.
 
 Lazy semantics: a row that has no gradient in a step does not move and its moments do not
 decay (dense Adam would keep moving it along its momentum). Each row counts its own steps
@@ -25,84 +26,19 @@ runs), so a row touched in every step moves exactly as under dense fused Adam.
 from __future__ import annotations
 
 import math
-import mmap
-from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
-HUGE_PAGE_MIN_BYTES = 64 << 20  # below this the TLB covers an array well enough
+from models.rows import HUGE_PAGE_MIN_BYTES, RowMover, lazy_zeros, put_rows, take_rows
 
+__all__ = ["MOVE_ROWS_MIN_BYTES", "LazyRowAdam", "coalesced", "fused_kernel", "sqrt_floor"]
 
-def adam(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Adam:
-    """Adam with the fused kernel (CPU and CUDA): ~10× faster steps for this network."""
-    plist = list(params)
-    try:
-        return torch.optim.Adam(plist, lr=lr, fused=True)
-    except (RuntimeError, TypeError):  # a device without the fused kernel
-        return torch.optim.Adam(plist, lr=lr)
-
-
-def lazy_zeros(shape: tuple[int, ...], device: torch.device, huge_pages: bool = False) -> torch.Tensor:
-    """float32 zeros whose memory is only committed where written (CPU: calloc via numpy).
-
-    ``torch.zeros`` writes every byte, so 10^6 rows of moments would be resident from the
-    start; calloc'ed pages cost nothing until a row is first updated.
-
-    ``huge_pages`` (CPU, Linux, arrays of at least :data:`HUGE_PAGE_MIN_BYTES`): an anonymous
-    mapping advised for transparent huge pages, still zero and committed where written, but
-    in 2 MB pieces. A step at S = 10^6 reads and writes ~1,300 random rows of each moment;
-    with 4 KB pages each of those is also a TLB miss whose page-table entry is itself a
-    cache miss (a 2 GB array has 4 MB of them). Where the kernel gives no huge pages
-    (``/sys/kernel/mm/transparent_hugepage/enabled`` = never) this is plain zeroed memory.
-
-    >>> t = lazy_zeros((3, 2), torch.device("cpu"), huge_pages=True)
-    >>> t.shape, float(t.abs().sum())
-    (torch.Size([3, 2]), 0.0)
-    """
-    nbytes = 4 * math.prod(shape)
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    if huge_pages and nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(mmap.MADV_HUGEPAGE)
-        return torch.from_numpy(np.frombuffer(buf, np.float32).reshape(shape))
-    return torch.from_numpy(np.zeros(shape, np.float32))
-
-
-def _numpy_rows(rows: torch.Tensor) -> np.ndarray:
-    """``rows`` as numpy indices; negative ones are refused as torch refuses them (numpy
-    would count them from the end)."""
-    idx: np.ndarray = rows.numpy()
-    if len(idx) and idx.min() < 0:
-        raise IndexError(f"row index {int(idx.min())} is negative")
-    return idx
-
-
-def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``t.index_select(0, rows)``; on CPU through numpy, whose row gather is ~25% faster
-    on rows spread over a large array (the same values: a copy).
-
-    >>> take_rows(torch.arange(6.0).reshape(3, 2), torch.tensor([2, 0])).tolist()
-    [[4.0, 5.0], [0.0, 1.0]]
-    """
-    if t.device.type == "cpu" and t.is_contiguous() and rows.device.type == "cpu":
-        return torch.from_numpy(np.take(t.detach().numpy(), _numpy_rows(rows), axis=0))
-    return t.detach().index_select(0, rows)
-
-
-def put_rows(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """``t.index_copy_(0, rows, values)`` for distinct ``rows``; on CPU through numpy (as
-    :func:`take_rows`).
-
-    >>> t = torch.zeros(3, 2); put_rows(t, torch.tensor([2, 0]), torch.ones(2, 2)); t.tolist()
-    [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
-    """
-    if t.device.type == "cpu" and t.is_contiguous() and rows.device.type == "cpu" and values.device.type == "cpu":
-        t.detach().numpy()[_numpy_rows(rows)] = values.detach().numpy()
-    else:
-        t.detach().index_copy_(0, rows, values)
+# Below this a moment's rows stay in the CPU's caches and a handoff to the mover would cost
+# more than it hides (S = 1,024, H = 512: 2 MB).
+MOVE_ROWS_MIN_BYTES = HUGE_PAGE_MIN_BYTES
 
 
 def fused_kernel(device: torch.device) -> bool:
@@ -119,10 +55,33 @@ def fused_kernel(device: torch.device) -> bool:
     return True
 
 
+def coalesced(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse row gradient, coalesced; one whose rows are already strictly increasing is
+    only marked so (O(rows) on the indices, no sort, no copy of the values).
+
+    Autograd drops the flag: it stores a sparse gradient as a new tensor over the same
+    indices and values, so each ``coalesce()`` of it sorted and summed again — four times a
+    step (clip, scale, step), ~0.8 ms at S = 10^6.
+
+    >>> g = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), torch.ones(2, 3), (6, 3), check_invariants=True)
+    >>> g.is_coalesced(), coalesced(g).is_coalesced(), coalesced(g).values().data_ptr() == g._values().data_ptr()
+    (False, True, True)
+    >>> dup = torch.sparse_coo_tensor(torch.tensor([[4, 1, 4]]), torch.ones(3, 1), (6, 1), check_invariants=True)
+    >>> coalesced(dup).to_dense().flatten().tolist()
+    [0.0, 1.0, 0.0, 0.0, 2.0, 0.0]
+    """
+    if grad.is_coalesced():
+        return grad
+    idx = grad._indices()
+    if idx.shape[0] == 1 and (idx.shape[1] < 2 or bool((idx[0, 1:] > idx[0, :-1]).all())):
+        return grad._coalesced_(True)
+    return grad.coalesce()
+
+
 def _rows_and_values(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, summed gradient rows) of a sparse or dense row gradient."""
     if grad.is_sparse:
-        g = grad.coalesce()
+        g = coalesced(grad)
         return g.indices()[0], g.values()
     # A dense gradient (a full forward with gradients): every row is touched.
     return torch.arange(grad.shape[0], device=grad.device), grad
@@ -136,6 +95,13 @@ class LazyRowAdam:
     (int64), allocated lazily (:func:`lazy_zeros`; the weight's moments in huge pages with
     ``huge_pages``). ``fused`` says whether steps run torch's fused kernel (else
     :meth:`_step_unfused`, the same update to float precision).
+
+    ``move_rows`` (default: with ``huge_pages``, where each of the weight's moments takes
+    at least :data:`MOVE_ROWS_MIN_BYTES`; on CPU with the fused kernel only): the
+    weight moments' rows are gathered and scattered on a :class:`~models.rows.RowMover`
+    thread — gathered from :meth:`prefetch`, which the trainer calls with a batch's
+    candidate rows before its forward pass, and written back after :meth:`step` returns.
+    The values are the same; ``exp_avg``/``exp_avg_sq`` wait for the pending writes.
     """
 
     def __init__(
@@ -146,6 +112,7 @@ class LazyRowAdam:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         huge_pages: bool = False,
+        move_rows: bool | None = None,
     ) -> None:
         self.weight, self.bias = weight, bias
         self.fused = fused_kernel(weight.device)
@@ -153,15 +120,87 @@ class LazyRowAdam:
         self.param_groups: list[dict[str, Any]] = [{"lr": lr, "betas": betas, "eps": eps}]
         s, h = weight.shape
         dev = weight.device
-        self.exp_avg = lazy_zeros((s, h), dev, huge_pages)
-        self.exp_avg_sq = lazy_zeros((s, h), dev, huge_pages)
+        self._m = lazy_zeros((s, h), dev, huge_pages)
+        self._v = lazy_zeros((s, h), dev, huge_pages)
         self.bias_avg = lazy_zeros((s,), dev)
         self.bias_avg_sq = lazy_zeros((s,), dev)
         self.step_count = torch.zeros(s, dtype=torch.int64, device=dev)  # 8 MB at 10^6: written at once
+        if move_rows is None:
+            move_rows = huge_pages and 4 * s * h >= MOVE_ROWS_MIN_BYTES
+        self.mover = RowMover() if move_rows and dev.type == "cpu" and self.fused else None
+        self._writes = 0  # moment writes by this optimizer: a prefetch from before one is stale
+        self._prefetched: tuple[tuple[int, int], Future[tuple[torch.Tensor, list[torch.Tensor]]]] | None = None
 
     @property
     def slots(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        """The weight's first moment [S, H] (after any pending row writes)."""
+        self.sync()
+        return self._m
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        """The weight's second moment [S, H] (after any pending row writes)."""
+        self.sync()
+        return self._v
+
+    def sync(self) -> None:
+        """Wait for the row mover's pending writes (if any); raise an error it met."""
+        if self.mover is not None:
+            self.mover.sync()
+
+    def close(self) -> None:
+        """Finish pending writes and end the row mover's thread (idempotent)."""
+        if self.mover is not None:
+            self.mover.close()
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Start gathering the weight and moment rows of ``rows`` (the next step's candidate
+        slots, any shape, repeats allowed) on the row mover, in the order :meth:`step` uses
+        them; the weight first, which warms it for the forward pass. A no-op without a mover.
+
+        Used by the next :meth:`step` if nothing wrote the weight or the moments in between
+        (the weight's version counter and this optimizer's own count of writes say so).
+        """
+        self._prefetched = None
+        if self.mover is None or rows.numel() == 0:
+            return
+        rows = torch.unique(rows.reshape(-1)).to(self.step_count.device, torch.int64)  # sorted, as a step's rows
+        key = (self._writes, self.weight._version)
+        self._prefetched = (key, self.mover.submit(lambda: self._gather_in_step_order(rows)))
+
+    def _gather_in_step_order(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(rows in :meth:`_step_fused`'s order, [weight, m, v] rows): on the mover's thread."""
+        order = torch.argsort(take_rows(self.step_count, rows), stable=True)
+        rows = rows.index_select(0, order)
+        return rows, [take_rows(t, rows) for t in (self.weight, self._m, self._v)]
+
+    def _await_prefetch(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The pending prefetch's result if still current; waited for before a step writes
+        anything (the mover may still be reading)."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is None:
+            return None
+        key, future = pre
+        result = future.result()
+        return result if key == (self._writes, self.weight._version) else None
+
+    def _weight_rows(
+        self, rows: torch.Tensor, pre: tuple[torch.Tensor, list[torch.Tensor]] | None
+    ) -> list[torch.Tensor]:
+        """[weight, m, v] of ``rows`` (in this order): from the prefetch where it covers them."""
+        if pre is not None:
+            fetched, got = pre
+            if torch.equal(fetched, rows):
+                return got
+            keep = torch.isin(fetched, rows)  # rows without gradient (padding) were dropped
+            if torch.equal(fetched[keep], rows):
+                return [t[keep] for t in got]
+        self.sync()
+        return [take_rows(t, rows) for t in (self.weight, self._m, self._v)]
 
     def _grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         gw, gb = self.weight.grad, self.bias.grad
@@ -185,7 +224,7 @@ class LazyRowAdam:
         for p in (self.weight, self.bias):
             if p.grad is not None:
                 if p.grad.is_sparse:
-                    p.grad = p.grad.coalesce()
+                    p.grad = coalesced(p.grad)
                     p.grad._values().mul_(factor)
                 else:
                     p.grad.mul_(factor)
@@ -201,14 +240,16 @@ class LazyRowAdam:
         if g is None:
             return np.zeros(0, np.int64)
         rows, gw, gb = g
+        pre = self._await_prefetch()
         if len(rows) == 0:
             return np.zeros(0, np.int64)
         step = take_rows(self.step_count, rows).add_(1)
         put_rows(self.step_count, rows, step)
         if self.fused:
-            self._step_fused(rows, gw, gb, step)
+            self._step_fused(rows, gw, gb, step, pre)
         else:
             self._step_unfused(rows, gw, gb, step)
+        self._writes += 1
         return rows.cpu().numpy().astype(np.int64, copy=False)
 
     def _hyper(self) -> tuple[float, float, float, float]:
@@ -216,7 +257,14 @@ class LazyRowAdam:
         b1, b2 = group["betas"]
         return float(group["lr"]), float(b1), float(b2), float(group["eps"])
 
-    def _step_fused(self, rows: torch.Tensor, gw: torch.Tensor, gb: torch.Tensor, step: torch.Tensor) -> None:
+    def _step_fused(
+        self,
+        rows: torch.Tensor,
+        gw: torch.Tensor,
+        gb: torch.Tensor,
+        step: torch.Tensor,
+        pre: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+    ) -> None:
         """torch's fused Adam kernel (one pass over each row's weight, gradient and moments)
         on the gathered rows, grouped by their step count: each group is one tensor to the
         kernel, which takes one count per tensor. The update is dense fused Adam's, bit for
@@ -226,14 +274,11 @@ class LazyRowAdam:
         counts, sizes = torch.unique_consecutive(step.index_select(0, order), return_counts=True)
         rows = rows.index_select(0, order)
         split = sizes.tolist()
+        # [param, m, v] rows of the weight and of the bias, in step-count order
+        weight_rows = self._weight_rows(rows, pre)
+        bias_rows = [take_rows(t, rows) for t in (self.bias, self.bias_avg, self.bias_avg_sq)]
         groups: list[list[torch.Tensor]] = [[], [], [], []]
-        gathered = []
-        for full, grad in (
-            ((self.weight, self.exp_avg, self.exp_avg_sq), gw),
-            ((self.bias, self.bias_avg, self.bias_avg_sq), gb),
-        ):
-            parts = [take_rows(t, rows) for t in full]
-            gathered.append((full, parts))
+        for parts, grad in ((weight_rows, gw), (bias_rows, gb)):
             for i, t in enumerate((parts[0], grad.index_select(0, order), parts[1], parts[2])):
                 groups[i].extend(torch.split(t, split))
         steps = list(counts.to(torch.float32).unbind()) * 2
@@ -243,9 +288,14 @@ class LazyRowAdam:
             params, grads, avgs, avg_sqs, empty, steps,
             lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
-        for full, parts in gathered:
-            for t, part in zip(full, parts, strict=True):
-                put_rows(t, rows, part)
+        put_rows(self.weight, rows, weight_rows[0])  # read by the next forward: written now
+        for t, part in zip((self.bias, self.bias_avg, self.bias_avg_sq), bias_rows, strict=True):
+            put_rows(t, rows, part)
+        if self.mover is not None:  # read by the next step only, after its prefetch: in the background
+            self.mover.scatter((self._m, self._v), rows, weight_rows[1:])
+        else:
+            put_rows(self._m, rows, weight_rows[1])
+            put_rows(self._v, rows, weight_rows[2])
 
     def _step_unfused(self, rows: torch.Tensor, gw: torch.Tensor, gb: torch.Tensor, step: torch.Tensor) -> None:
         """The same update with plain tensor operations (a device without the fused kernel)."""
@@ -258,8 +308,9 @@ class LazyRowAdam:
         step_size = (lr * bc2_sqrt / bc1).to(gw.dtype).unsqueeze(1)  # [U, 1]
         row_eps = (eps * bc2_sqrt).to(gw.dtype).unsqueeze(1)
         v_floor = sqrt_floor(eps, b2)
+        self.sync()
         for p, m_all, v_all, grad in (
-            (self.weight, self.exp_avg, self.exp_avg_sq, gw),
+            (self.weight, self._m, self._v, gw),
             (self.bias, self.bias_avg.unsqueeze(1), self.bias_avg_sq.unsqueeze(1), gb.unsqueeze(1)),
         ):
             m = m_all.index_select(0, rows).lerp_(grad, 1 - b1)
@@ -277,7 +328,9 @@ class LazyRowAdam:
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Forget these rows' moments and step counts (a re-initialised row starts afresh)."""
-        for t in (self.exp_avg, self.exp_avg_sq, self.bias_avg, self.bias_avg_sq, self.step_count):
+        self.sync()
+        self._writes += 1
+        for t in (self._m, self._v, self.bias_avg, self.bias_avg_sq, self.step_count):
             t.index_fill_(0, rows, 0)
 
     # ------------------------------------------------------------------ state
@@ -291,7 +344,8 @@ class LazyRowAdam:
         if len(touched) == 0:
             return {}
         names = ("weight.exp_avg", "weight.exp_avg_sq", "bias.exp_avg", "bias.exp_avg_sq")
-        full = (self.exp_avg, self.exp_avg_sq, self.bias_avg, self.bias_avg_sq)
+        self.sync()
+        full = (self._m, self._v, self.bias_avg, self.bias_avg_sq)
         if len(touched) == self.slots:
             out = {f"{prefix}.{n}": t.detach().cpu() for n, t in zip(names, full, strict=True)}
             out[f"{prefix}.step"] = self.step_count.to(torch.float32).cpu()
@@ -316,106 +370,12 @@ class LazyRowAdam:
         if len(steps) == 1:  # the earlier dense layout: one count for the whole tensor
             steps = steps.expand(len(rows))
         names = ("weight.exp_avg", "weight.exp_avg_sq", "bias.exp_avg", "bias.exp_avg_sq")
-        full = (self.exp_avg, self.exp_avg_sq, self.bias_avg, self.bias_avg_sq)
+        self.sync()
+        self._writes += 1
+        full = (self._m, self._v, self.bias_avg, self.bias_avg_sq)
         for n, t in zip(names, full, strict=True):
             t.index_copy_(0, rows, tensors[f"{prefix}.{n}"].to(dev, torch.float32))
         self.step_count.index_copy_(0, rows, steps.contiguous())
-
-
-class RowSparseAdam:
-    """Dense fused Adam for ``dense`` parameters plus :class:`LazyRowAdam` for the output layer.
-
-    ``dense`` may be empty (the label fine-tune trains the output layer alone).
-    """
-
-    def __init__(
-        self,
-        dense: Sequence[torch.Tensor],
-        weight: torch.Tensor,
-        bias: torch.Tensor,
-        lr: float,
-        huge_pages: bool = False,
-    ) -> None:
-        self.dense_params = list(dense)
-        self.dense = adam(dense, lr) if dense else None
-        self.rows = LazyRowAdam(weight, bias, lr, huge_pages=huge_pages)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The dense part's group (if any), then the rows' group: ``lr`` may be changed."""
-        return (self.dense.param_groups if self.dense is not None else []) + self.rows.param_groups
-
-    @property
-    def state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per parameter, as ``torch.optim`` has it: the output layer's entries appear once a
-        row has state (a snapshot, for inspection)."""
-        out: dict[torch.Tensor, dict[str, torch.Tensor]] = dict(self.dense.state) if self.dense is not None else {}
-        r = self.rows
-        if r.touched():
-            out[r.weight] = {"step": r.step_count, "exp_avg": r.exp_avg, "exp_avg_sq": r.exp_avg_sq}
-            out[r.bias] = {"step": r.step_count, "exp_avg": r.bias_avg, "exp_avg_sq": r.bias_avg_sq}
-        return out
-
-    def zero_grad(self) -> None:
-        for p in self.dense_params:
-            p.grad = None
-        self.rows.zero_grad()
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """``torch.nn.utils.clip_grad_norm_`` over all parameters, sparse rows included."""
-        sq = self.rows.grad_sq_norm()
-        for p in self.dense_params:
-            if p.grad is not None:
-                sq += float(torch.linalg.vector_norm(p.grad.detach())) ** 2
-        total = math.sqrt(sq)
-        if not math.isfinite(total):
-            return total
-        coef = min(max_norm / (total + 1e-6), 1.0)
-        if coef < 1.0:
-            for p in self.dense_params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-            self.rows.scale_grad_(coef)
-        return total
-
-    def step(self) -> np.ndarray:
-        """One Adam step; the output rows it wrote (int64, sorted)."""
-        if self.dense is not None:
-            self.dense.step()
-        return self.rows.step()
-
-    def state_tensors(self, prefix: str, names: Mapping[torch.Tensor, str]) -> dict[str, torch.Tensor]:
-        """``{prefix}.{param name}.exp_avg|exp_avg_sq|step`` for the dense part (the layout
-        of earlier versions), ``{prefix}.out.*`` for the rows (:meth:`LazyRowAdam.state_tensors`)."""
-        out: dict[str, torch.Tensor] = {}
-        if self.dense is not None:
-            for p in self.dense_params:
-                st = self.dense.state.get(p)
-                if not st:
-                    continue
-                key = f"{prefix}.{names[p]}"
-                out[f"{key}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
-                out[f"{key}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
-                out[f"{key}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
-        out.update(self.rows.state_tensors(f"{prefix}.out"))
-        return out
-
-    def load_state_tensors(
-        self, prefix: str, names: Mapping[torch.Tensor, str], tensors: dict[str, torch.Tensor]
-    ) -> None:
-        if self.dense is not None:
-            for p in self.dense_params:
-                key = f"{prefix}.{names[p]}"
-                if f"{key}.exp_avg" not in tensors:
-                    continue
-                dev = p.device
-                step = torch.tensor(float(tensors[f"{key}.step"][0]), dtype=torch.float32, device=dev)
-                self.dense.state[p] = {
-                    "step": step,
-                    "exp_avg": tensors[f"{key}.exp_avg"].to(dev).clone(),
-                    "exp_avg_sq": tensors[f"{key}.exp_avg_sq"].to(dev).clone(),
-                }
-        self.rows.load_state_tensors(f"{prefix}.out", tensors)
 
 
 def sqrt_floor(eps: float, beta2: float) -> float:

@@ -32,8 +32,9 @@ from models.batch import Batch, make_batch
 from models.memory_stats import MemoryStats
 from models.policy import PolicyNetwork, init_policy, neutral_rows
 from models.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
-from models.row_adam import LazyRowAdam, RowSparseAdam, adam
+from models.row_adam import LazyRowAdam
 from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
+from models.sparse_adam import RowSparseAdam, adam
 from topics.internal import Experience
 
 __all__ = ["Batch", "PolicyTrainer", "TrainerConfig", "UpdateStats", "adam", "make_batch"]
@@ -127,6 +128,8 @@ class PolicyTrainer:
             self.experiences += len(experiences)
             return stats
         net = self.net
+        # At large S the candidates' moment rows are gathered while the forward pass runs.
+        self.optimizer.prefetch(batch.slots[batch.valid])
         h = net.features(batch.embedding, batch.loss, batch.entropy)
         m = net.candidate_masks(h, batch.slots)
         z = adjusted_logits_torch(batch.scores, m, net.alpha, batch.temperature)
@@ -190,6 +193,9 @@ class PolicyTrainer:
         """Fresh optimizers: the backbone dense, the output layer row-sparse (models/row_adam.py)."""
         net, c = self.net, self.config
         backbone = [p for name, p in net.named_parameters() if not name.startswith("out.")]
+        previous = getattr(self, "optimizer", None)
+        if isinstance(previous, RowSparseAdam):  # a reset or a load: its row mover's thread ends
+            previous.close()
         # Huge pages for the main moments: every candidate's rows are read and written each step.
         self.optimizer = RowSparseAdam(backbone, net.out.weight, net.out.bias, c.lr, huge_pages=True)
         # Labels train the output layer alone; its moments are committed only for labelled rows.
@@ -271,6 +277,7 @@ class PolicyTrainer:
         gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
         self.net.reset_last_layer(gen)
         out = self.net.out
+        self.optimizer.rows.close()
         self.optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.lr, huge_pages=True)
         self.label_optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.label_lr)
         return self._warm_up(replay, epochs, batch_size, half_life_s)

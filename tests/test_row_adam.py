@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import models.policy as policy_mod
-import models.row_adam as row_adam
-from models.row_adam import LazyRowAdam, fused_kernel, lazy_zeros, put_rows, sqrt_floor, take_rows
+import models.rows as rows_mod
+from models.row_adam import LazyRowAdam, fused_kernel, sqrt_floor
+from models.rows import lazy_zeros, put_rows, take_rows
 
 S, H = 12, 5
 
@@ -132,7 +133,7 @@ def test_huge_page_memory_is_zeroed_and_writable(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(mmap, "mmap", mapping)
     assert float(lazy_zeros((1000, 64), torch.device("cpu"), huge_pages=True).sum()) == 0.0
     assert maps == []  # 256 KB: below HUGE_PAGE_MIN_BYTES, plain calloc'ed memory
-    monkeypatch.setattr(row_adam, "HUGE_PAGE_MIN_BYTES", 0)
+    monkeypatch.setattr(rows_mod, "HUGE_PAGE_MIN_BYTES", 0)
     t = lazy_zeros((1000, 64), torch.device("cpu"), huge_pages=True)
     assert maps == [1000 * 64 * 4] and t.dtype == torch.float32 and float(t.abs().sum()) == 0.0
     t[7] = 3.0
@@ -141,7 +142,7 @@ def test_huge_page_memory_is_zeroed_and_writable(monkeypatch: pytest.MonkeyPatch
 
 def test_a_large_output_layer_has_nn_linears_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(policy_mod, "HUGE_PAGE_MIN_BYTES", 0)
-    monkeypatch.setattr(row_adam, "HUGE_PAGE_MIN_BYTES", 0)
+    monkeypatch.setattr(rows_mod, "HUGE_PAGE_MIN_BYTES", 0)
     torch.manual_seed(5)
     ours = policy_mod.output_layer(16, 40)
     torch.manual_seed(5)

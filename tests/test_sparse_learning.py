@@ -50,6 +50,9 @@ class DenseAdam:
         self.params, self.slots = params, slots
         self.opt = torch.optim.Adam(params, lr=lr)
 
+    def prefetch(self, rows: torch.Tensor) -> None:
+        pass  # dense: nothing to gather ahead
+
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 

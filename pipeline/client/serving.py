@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.row_adam import take_rows
+from models.rows import take_rows
 from models.serving import ServingParams
 from models.serving_rule import (
     DYNAMIC_DROP_RATIO,

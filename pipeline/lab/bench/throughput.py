@@ -40,8 +40,8 @@ import torch
 from models.batch import make_batch
 from models.policy import init_policy
 from models.reinforce import importance_weights, reinforce_loss
-from models.row_adam import RowSparseAdam
 from models.serving_rule import adjusted_logits_torch, plackett_luce_logprob_torch
+from models.sparse_adam import RowSparseAdam
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.lab.procs import Child
