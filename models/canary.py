@@ -27,6 +27,7 @@ the guarantee is asymptotic, as for the time-uniform CLT of Waudby-Smith et al. 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,17 +152,23 @@ class CanaryArms:
     serving_x: list[float] = field(default_factory=list)
 
     def add(self, on_canary: bool, utility: float, query: np.ndarray) -> None:
-        x = float(neighbour_covariate(self.before, self.before_u, np.asarray(query)[None])[0])
-        (self.canary if on_canary else self.serving).append(utility)
-        (self.canary_x if on_canary else self.serving_x).append(x)
+        self.extend([on_canary], [utility], np.asarray(query)[None])
+
+    def extend(self, on_canary: Sequence[bool], utilities: Sequence[float], queries: np.ndarray) -> None:
+        """Several decisions at once (``queries`` [n, D]): one covariate computation for all."""
+        xs = neighbour_covariate(self.before, self.before_u, queries)
+        for arm, u, x in zip(on_canary, utilities, xs.tolist(), strict=True):
+            (self.canary if arm else self.serving).append(u)
+            (self.canary_x if arm else self.serving_x).append(x)
 
     def gain(self, epsilon: float) -> Estimate | None:
         return on_policy_gain(
             self.canary, self.serving, epsilon, canary_x=np.array(self.canary_x), serving_x=np.array(self.serving_x)
         )
 
-    def verdict(self, epsilon: float, max_decisions: int) -> str | None:
-        g = self.gain(epsilon)
+    def verdict(self, epsilon: float, max_decisions: int, gain: Estimate | None = None) -> str | None:
+        """The rule on ``gain`` (computed here if not given: :meth:`gain`)."""
+        g = gain if gain is not None else self.gain(epsilon)
         if g is not None and g.low > -epsilon:
             return "promoted"
         if g is not None and g.high < -epsilon:

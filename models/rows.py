@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,18 @@ import torch
 HUGE_PAGE_MIN_BYTES = 64 << 20  # below this the TLB covers an array well enough
 
 T = TypeVar("T")
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform has one).
+
+    >>> available_cpus() >= 1
+    True
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def lazy_zeros(shape: tuple[int, ...], device: torch.device, huge_pages: bool = False) -> torch.Tensor:

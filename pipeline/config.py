@@ -79,7 +79,7 @@ class Settings:
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
     gate_method: str = "auto"  # auto | dr-pi | dr-set | dr | pi | set-dr | set-snips | set-ips | snips | ips
-    gate_canary_max: int = 100  # canary decisions before an undecided canary gives way to a newer candidate
+    gate_canary_max: int = GateConfig.canary_max  # canary decisions before an undecided canary gives way
     # serving: how clients serve the policy, recorded in each manifest (models/serving.py)
     serve_temperature: float = 0.05
     serve_explore_rate: float = 0.1  # share of requests served at serve_explore_temperature

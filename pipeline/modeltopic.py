@@ -129,22 +129,9 @@ class ModelTopicIndex:
         if kind == "canary":
             return self._observe_canary(offset, policy, value)
         if kind in ("serving", "candidate", "delta", "delta_candidate") and value is not None:
-            try:
-                manifest = (
-                    decode_manifest(value, signing_key=self.signing_key)
-                    if kind in ("serving", "candidate")
-                    else decode_delta_manifest(value, signing_key=self.signing_key)
-                )
-            except Rejected as exc:
-                return self._reject(offset, f"bad manifest: {exc.reason}: {exc.detail}")
-            if manifest.policy != policy:
-                return self._reject(offset, "manifest policy differs from its key")
-            why = self._fenced(manifest)
-            if why:
-                return self._reject(offset, why)
-            newest = self._newest_version(policy)
-            if newest and manifest.version > newest + MAX_VERSION_JUMP:
-                return self._reject(offset, f"version {manifest.version} jumps beyond {newest} + {MAX_VERSION_JUMP}")
+            manifest = self._followable(policy, value, delta=kind.startswith("delta"))
+            if isinstance(manifest, str):
+                return self._reject(offset, manifest)
             if manifest.epoch is not None:
                 self.epochs[policy] = max(self.epochs.get(policy, 0), manifest.epoch)
             if isinstance(manifest, DeltaManifest):
@@ -172,15 +159,30 @@ class ModelTopicIndex:
         if value is None:
             self.canary[policy] = None
             return "canary", None
-        try:
-            manifest = decode_manifest(value, signing_key=self.signing_key)
-        except Rejected as exc:
-            return self._reject(offset, f"bad canary manifest: {exc.reason}: {exc.detail}")
-        why = "manifest policy differs from its key" if manifest.policy != policy else self._fenced(manifest)
-        if why:
-            return self._reject(offset, why)
+        manifest = self._followable(policy, value, delta=False, what="canary manifest")
+        if isinstance(manifest, str):
+            return self._reject(offset, manifest)
         self.canary[policy] = manifest
         return "canary", manifest
+
+    def _followable(self, policy: str, value: bytes, delta: bool, what: str = "manifest") -> Manifest | str:
+        """The manifest under a ``policy`` key, or why it must not be followed: it does not
+        decode (or verify), names another policy, comes from a fenced writer, or jumps
+        beyond the newest version seen by more than :data:`MAX_VERSION_JUMP`."""
+        try:
+            decode = decode_delta_manifest if delta else decode_manifest
+            manifest: Manifest = decode(value, signing_key=self.signing_key)
+        except Rejected as exc:
+            return f"bad {what}: {exc.reason}: {exc.detail}"
+        if manifest.policy != policy:
+            return "manifest policy differs from its key"
+        why = self._fenced(manifest)
+        if why:
+            return why
+        newest = self._newest_version(policy)
+        if newest and manifest.version > newest + MAX_VERSION_JUMP:
+            return f"version {manifest.version} jumps beyond {newest} + {MAX_VERSION_JUMP}"
+        return manifest
 
     def _fenced(self, manifest: Manifest) -> str:
         """Why a manifest's writer is fenced off (an older epoch, or not the epoch's claimant); "" if not."""

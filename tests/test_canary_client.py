@@ -16,7 +16,7 @@ from pipeline.modelpublish import CheckpointPublisher
 from pipeline.modeltopic import ModelTopicIndex
 from pipeline.status.collect import checkpoint_view
 from topics.fields import encode
-from topics.manifest import Manifest, canary_key
+from topics.manifest import MAX_VERSION_JUMP, Manifest, canary_key
 
 from .test_delta_checkpoints import ARCH, RecordingProducer
 
@@ -70,6 +70,10 @@ async def test_the_publisher_names_a_canary_keeps_its_chunks_and_ends_it() -> No
     assert view["canary"]["version"] == 2 and view["canary"]["age_s"] == 5.0
     other = Manifest(**{**m2.__dict__, "policy": "other"})
     assert index.observe(99, canary_key("default").encode(), encode(other.to_dict()))[0] == "rejected"
+    # the serving and candidate manifests' checks, the version jump included
+    far = Manifest(**{**m2.__dict__, "version": 7 + MAX_VERSION_JUMP})
+    assert index.observe(100, canary_key("default").encode(), encode(far.to_dict()))[0] == "rejected"
+    assert "jumps beyond" in index.rejected[-1][1] and index.canary["default"] == m2
 
 
 async def test_a_subscriber_loads_the_canary_and_a_retriever_serves_it_on_its_share() -> None:

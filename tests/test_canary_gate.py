@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 
 from models.policy import init_policy
 from models.serving import ServingParams
 from pipeline.component_config import GateConfig
 from pipeline.learner import gate as gate_module
+from pipeline.learner.canary import CanaryRun
 from pipeline.learner.gate import PromotionGate
 from pipeline.metrics import Metrics
 from topics.internal import Experience
@@ -108,3 +110,23 @@ async def test_a_checkpoint_served_at_once_ends_the_canary_and_no_rate_starts_no
     quiet.set_serving(manifest(1), net.tensors())
     await quiet.consider(manifest(2), net.tensors())
     assert quiet.canary is None
+
+
+def test_the_canary_reads_only_what_is_new_in_the_replay_and_counts_each_event_once() -> None:
+    net = init_policy(D, S, H, seed=1)
+    base = log_of(net, 60, seed=4)
+    before = served(base, 1, 0.0)
+    later = served(base[:40], 1, 0.0, t0=1000.0) + served(base[:20], 2, 1.0, canary=True, t0=1000.0)
+    whole = CanaryRun(manifest(2), net, 1, before, 0.2, 100)
+    whole.observe(before + later)
+    parts = CanaryRun(manifest(2), net, 1, before, 0.2, 100)
+    replay = list(before)
+    for chunk in (later[:15], later[15:31], later[31:]):
+        replay += chunk
+        parts.observe(list(replay))
+        parts.observe(list(replay))  # again: nothing new
+    assert (len(parts.arms.canary), len(parts.arms.serving)) == (20, 40)
+    assert parts.arms.canary == whole.arms.canary and parts.arms.serving == whole.arms.serving
+    assert np.allclose(parts.arms.canary_x + parts.arms.serving_x, whole.arms.canary_x + whole.arms.serving_x)
+    parts.observe(later[10:] + served(base[:5], 2, 1.0, canary=True, t0=3000.0))  # trimmed past the last one seen
+    assert (len(parts.arms.canary), len(parts.arms.serving)) == (25, 40)

@@ -150,8 +150,9 @@ def test_put_rows_counts_as_an_in_place_write() -> None:
 
 
 def test_a_trainer_learns_the_same_with_its_rows_moved(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer's main optimizer moves rows from MOVE_ROWS_MIN_BYTES up (S = 10^6 by
-    default): forced on at a small S, its updates are those of the same trainer without."""
+    """The trainer's main optimizer moves rows from MOVE_ROWS_MIN_BYTES up (S ≥ 32,768 at
+    H = 512): forced on at a small S, its updates are those of the same trainer without."""
+    monkeypatch.setattr(row_adam, "available_cpus", lambda: 2)
     runs = []
     for threshold in (0, 1 << 62):
         monkeypatch.setattr(row_adam, "MOVE_ROWS_MIN_BYTES", threshold)
@@ -170,3 +171,16 @@ def test_a_trainer_learns_the_same_with_its_rows_moved(monkeypatch: pytest.Monke
         assert torch.equal(p, q), name
     assert torch.equal(moved.optimizer.rows.exp_avg_sq, plain.optimizer.rows.exp_avg_sq)
     moved.optimizer.close()
+
+
+def test_rows_are_moved_only_for_large_moments_and_with_a_second_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, b = layer()
+    monkeypatch.setattr(row_adam, "MOVE_ROWS_MIN_BYTES", 0)
+    monkeypatch.setattr(row_adam, "available_cpus", lambda: 2)
+    assert LazyRowAdam(w, b, lr=0.1, huge_pages=True).mover is not None
+    assert LazyRowAdam(w, b, lr=0.1).mover is None  # the label optimizer's (no huge pages)
+    monkeypatch.setattr(row_adam, "available_cpus", lambda: 1)  # one CPU: handoffs, no overlap
+    assert LazyRowAdam(w, b, lr=0.1, huge_pages=True).mover is None
+    monkeypatch.setattr(row_adam, "MOVE_ROWS_MIN_BYTES", 1 << 62)
+    monkeypatch.setattr(row_adam, "available_cpus", lambda: 8)
+    assert LazyRowAdam(w, b, lr=0.1, huge_pages=True).mover is None  # small moments stay in the caches

@@ -63,7 +63,7 @@ class OfflineConfig:
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
     canary_rate: float = 0.0  # share of requests that serve the pending candidate (gate on; 0: no canary)
-    canary_max: int = 100  # canary decisions after which an undecided canary gives way to a newer candidate
+    canary_max: int = GateConfig.canary_max  # canary decisions after which an undecided canary gives way
     seed: int = 0
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -105,10 +105,6 @@ def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | Non
     if serving is not None:
         manifest = replace(manifest, serving=serving.to_wire())
     return LoadedPolicy(manifest=manifest, net=net)
-
-
-def _loaded(run: CanaryRun) -> LoadedPolicy:
-    return LoadedPolicy(manifest=run.manifest, net=run.net)
 
 
 def run_offline(
@@ -153,6 +149,14 @@ def run_offline(
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
     )
     replay = Replay(cfg.replay_window_s)
+
+    def serve_as_configured(policy: LoadedPolicy) -> None:
+        """Clients serve ``policy`` with the configured parameters; a canary ends."""
+        nonlocal current, canary
+        retriever.temperature, current, canary = configured_t, serving_params, None
+        retriever.set_canary(None)
+        retriever.set_policy(policy)
+
     pending: list[Experience] = []
     result = OfflineResult(Tally())
     steps = 0
@@ -185,17 +189,17 @@ def run_offline(
                 version += 1
                 candidate = _snapshot(trainer, version, serving_params if gate is not None else None)
                 if gate is not None and retriever.policy is not None:
+                    full = replay.gate_window()
                     if canary is not None:
-                        verdict, _ = canary.judge(replay.gate_window(), cfg.gate_epsilon)
+                        verdict, _ = canary.judge(full, cfg.gate_epsilon)
                         if verdict is not None:
                             n = len(canary.arms.canary)
                             result.canary.append(f"{verdict} v{canary.version} ({n} canary decisions)")
                             if verdict == "promoted":
-                                retriever.temperature, current = configured_t, serving_params
-                                retriever.set_policy(_loaded(canary))
+                                serve_as_configured(LoadedPolicy(manifest=canary.manifest, net=canary.net))
                             canary = None
                             retriever.set_canary(None)
-                    window = [e for e in replay.gate_window() if not is_canary(e)]
+                    window = [e for e in full if not is_canary(e)]
                     decision, _, _ = judge_window(
                         window,
                         candidate.net,
@@ -219,10 +223,7 @@ def run_offline(
                             )
                             retriever.set_canary(candidate)
                         continue
-                    canary = None
-                    retriever.set_canary(None)
-                retriever.temperature, current = configured_t, serving_params
-                retriever.set_policy(candidate)
+                serve_as_configured(candidate)
 
         rating = env.rating(q.intent)
         if rating is not None:
@@ -237,11 +238,8 @@ def run_offline(
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
                 )
                 result.resets.append(t)
-                version += 1
-                retriever.temperature, current = configured_t, serving_params  # a reset is served as configured
-                canary = None
-                retriever.set_canary(None)
-                retriever.set_policy(_snapshot(trainer, version, serving_params if gate is not None else None))
+                version += 1  # a reset is served as configured
+                serve_as_configured(_snapshot(trainer, version, serving_params if gate is not None else None))
         if progress is not None:
             progress()
     result.served = retriever.policy

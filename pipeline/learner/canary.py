@@ -55,6 +55,7 @@ class CanaryRun:
     since: float = field(init=False)
     arms: CanaryArms = field(init=False)
     _seen: set[str] = field(init=False, default_factory=set)
+    _last: Experience | None = field(init=False, default=None)  # the newest one observed
 
     def __post_init__(self) -> None:
         base = [e for e in self.before if e.kind == "feedback" and not is_canary(e)]
@@ -69,8 +70,22 @@ class CanaryRun:
         return self.manifest.version
 
     def observe(self, experiences: Sequence[Experience]) -> None:
-        """Add the arms' new decisions (each event once) from the learner's replay."""
-        for e in experiences:
+        """Add the arms' new decisions (each event once) from the learner's replay.
+
+        The replay only grows at its end: what follows the newest experience observed last
+        time is new, found from the end (the whole replay is read only if it was trimmed
+        past that one, and ``_seen`` keeps an event from counting twice even then).
+        """
+        start = 0
+        if self._last is not None:
+            for i in range(len(experiences) - 1, -1, -1):
+                if experiences[i] is self._last:
+                    start = i + 1
+                    break
+        arms: list[bool] = []
+        utilities: list[float] = []
+        queries: list[np.ndarray] = []
+        for e in experiences[start:]:
             ev = e.event
             if e.kind != "feedback" or ev.event_id in self._seen:
                 continue
@@ -78,7 +93,13 @@ class CanaryRun:
             serving = not is_canary(e) and ev.policy_version == self.serving_version and ev.ts > self.since
             if canary or serving:
                 self._seen.add(ev.event_id)
-                self.arms.add(canary, e.utility, ev.features.query_embedding)
+                arms.append(canary)
+                utilities.append(e.utility)
+                queries.append(ev.features.query_embedding)
+        if experiences:
+            self._last = experiences[-1]
+        if arms:
+            self.arms.extend(arms, utilities, np.stack(queries))
 
     def judge(self, replay: Sequence[Experience], epsilon: float) -> tuple[str | None, Estimate | None]:
         """:meth:`observe` the replay, then :meth:`verdict`."""
@@ -88,7 +109,7 @@ class CanaryRun:
     def verdict(self, epsilon: float) -> tuple[str | None, Estimate | None]:
         """``("promoted" | "refused" | "retired" | None, gain)``: None keeps it running."""
         gain = self.arms.gain(epsilon)
-        decided = self.arms.verdict(epsilon, self.max_decisions)
+        decided = self.arms.verdict(epsilon, self.max_decisions, gain)
         # Clients that do not serve canaries (older ones, or canary_rate 0 where they are
         # configured) leave the canary arm empty: retire after the serving decisions that
         # ``max_decisions`` canary decisions come with at the configured rate, twice over.

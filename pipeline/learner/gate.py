@@ -265,6 +265,11 @@ def judge_window(
     )
 
 
+def network(tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
+    """A checkpoint's policy, on CPU, for judging."""
+    return PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
+
+
 class PromotionGate:
     """Owned by the learner; called with each new candidate checkpoint.
 
@@ -295,11 +300,27 @@ class PromotionGate:
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
-        self.serving_manifest = manifest
-        self.serving_net = PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
+        self.serving_manifest, self.serving_net = manifest, network(tensors)
+
+    async def promote(self, manifest: Manifest, net: PolicyNetwork) -> None:
+        """Publish ``manifest`` as the serving policy and judge later candidates against it."""
+        await self.publisher.promote(manifest)
+        self.serving_manifest, self.serving_net = manifest, net
+        if self.pending is not None and self.pending[0].version <= manifest.version:
+            self.pending = None
+        self.metrics.checkpoint_version.labels(role="serving").set(manifest.version)
+        self.metrics.checkpoint_timestamp.labels(role="serving").set(manifest.created_ts)
+
+    def _record(self, result: GateDecision) -> None:
+        """A decision that took effect: the metrics and the last 100 decisions (``status``)."""
+        m = self.metrics
+        m.gate_decisions.labels(decision=result.decision).inc()
+        for name in DECISIONS:
+            m.gate_last_decision.labels(decision=name).set(1.0 if name == result.decision else 0.0)
+        self.decisions = [*self.decisions[-99:], result]
 
     async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> GateDecision:
-        candidate = PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
+        candidate = network(tensors)
         async with self._deciding:
             return await self._decide_now(manifest, candidate)
 
@@ -339,21 +360,14 @@ class PromotionGate:
         if decided is None:
             return
         reason = run.describe(gain)
-        decision = CANARY_DECISION[decided]
         if decided == "promoted":
-            await self.publisher.promote(run.manifest)
-            self.serving_manifest, self.serving_net = run.manifest, run.net
-            if self.pending is not None and self.pending[0].version <= run.version:
-                self.pending = None
-            self.metrics.checkpoint_version.labels(role="serving").set(run.version)
-            self.metrics.checkpoint_timestamp.labels(role="serving").set(run.manifest.created_ts)
+            await self.promote(run.manifest, run.net)
             log.info("gate: promoted %s", reason)
         else:
             log.info("gate: %s %s", decided, reason)
-        self.metrics.gate_decisions.labels(decision=decision).inc()
-        result = GateDecision(decision, run.version, serving_version, f"{decided}: {reason}", gain)
+        result = GateDecision(CANARY_DECISION[decided], run.version, serving_version, f"{decided}: {reason}", gain)
         result.ess = gain.ess if gain is not None else None
-        self.decisions = [*self.decisions[-99:], result]
+        self._record(result)
         await self.end_canary()
 
     async def _start_canary(self, manifest: Manifest, candidate: PolicyNetwork, window: list[Experience]) -> None:
@@ -365,7 +379,6 @@ class PromotionGate:
             manifest, candidate, self.serving_manifest.version, window, self.params.canary_rate, self.config.canary_max
         )
         await self.publisher.set_canary(manifest)
-        self._canary_cleared = True
         self.metrics.checkpoint_version.labels(role="canary").set(manifest.version)
         log.info(
             "gate: v%d is the canary, served on %.0f%% of requests", manifest.version, 100 * self.params.canary_rate
@@ -412,9 +425,6 @@ class PromotionGate:
             ess_needed=self.config.min_ess,
         )
         m = self.metrics
-        m.gate_decisions.labels(decision=decision).inc()
-        for name in DECISIONS:
-            m.gate_last_decision.labels(decision=name).set(1.0 if name == decision else 0.0)
         m.gate_ess.set(result.ess if result.ess is not None else 0.0)
         m.gate_ess_needed.set(self.config.min_ess)
         for name in ("candidate", "serving", "similarity"):
@@ -423,10 +433,7 @@ class PromotionGate:
                 m.gate_estimate.labels(policy=name).set(e.value)
         if decision == "promoted":
             await self.end_canary()
-            await self.publisher.promote(manifest)
-            self.serving_manifest, self.serving_net, self.pending = manifest, candidate, None
-            m.checkpoint_version.labels(role="serving").set(manifest.version)
-            m.checkpoint_timestamp.labels(role="serving").set(manifest.created_ts)
+            await self.promote(manifest, candidate)
             log.info("gate: promoted v%d: %s", manifest.version, reason)
         elif decision == "refused":
             self.pending = None
@@ -436,5 +443,5 @@ class PromotionGate:
             log.info("gate: v%d waits: %s", manifest.version, reason)
             if self.serving_net is not None:
                 await self._start_canary(manifest, candidate, window)
-        self.decisions = [*self.decisions[-99:], result]  # recorded once the decision took effect
+        self._record(result)  # once the decision took effect
         return result

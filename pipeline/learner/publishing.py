@@ -38,7 +38,7 @@ from models.trainer import PolicyTrainer
 from models.weights import to_safetensors
 from pipeline.component_config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
-from pipeline.learner.gate import PromotionGate
+from pipeline.learner.gate import PromotionGate, network
 from pipeline.learner.inbox import Key
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
@@ -260,11 +260,7 @@ class Publishing:
         if decision.decision == "promoted" or not label_rule(decision.decision):
             return
         manifest = published.manifest
-        await self.publisher.promote(manifest)
-        self.gate.set_serving(manifest, published.tensors)
-        self.gate.pending = None
-        self.metrics.checkpoint_version.labels(role="serving").set(manifest.version)
-        self.metrics.checkpoint_timestamp.labels(role="serving").set(manifest.created_ts)
+        await self.gate.promote(manifest, network(published.tensors))
         log.info("learner: label fine-tune v%d promoted (gate: %s)", manifest.version, decision.reason)
 
     @property

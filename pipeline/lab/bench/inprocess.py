@@ -43,17 +43,16 @@ class InProcessRow:
     lm: bool = False  # the real-LM world instead of the simulator
     gate: bool = False  # the promotion gate on (the product's default): clients serve what it promotes
     explore_temperature: float | None = None  # None: the scenario's (the learner's default)
-    # The gate's canary (pipeline/learner/canary.py): the share of requests serving it and the
-    # canary decisions before an undecided one gives way; None: the learner's defaults.
+    # The gate's canary (pipeline/learner/canary.py): the share of requests serving it; None:
+    # the learner's default. An undecided canary gives way after the learner's gate_canary_max.
     canary_rate: float | None = None
-    canary_max: int | None = None
 
     def canary(self) -> dict[str, Any]:
         """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
         if not self.gate:
             return {"canary_rate": 0.0}
         rate = Settings.serve_canary_rate if self.canary_rate is None else self.canary_rate
-        return {"canary_rate": rate, "canary_max": self.canary_max or Settings.gate_canary_max}
+        return {"canary_rate": rate, "canary_max": Settings.gate_canary_max}
 
 
 ROWS: dict[str, InProcessRow] = {
