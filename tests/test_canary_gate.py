@@ -4,6 +4,7 @@ one, how it reads the arms, and how a canary ends."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from pipeline.component_config import GateConfig
 from pipeline.learner import gate as gate_module
 from pipeline.learner.canary import CanaryRun
 from pipeline.learner.gate import PromotionGate
+from pipeline.learner.publishing import Published, Publishing
 from pipeline.metrics import Metrics
 from topics.internal import Experience
 from topics.manifest import Manifest
@@ -130,3 +132,19 @@ def test_the_canary_reads_only_what_is_new_in_the_replay_and_counts_each_event_o
     assert np.allclose(parts.arms.canary_x + parts.arms.serving_x, whole.arms.canary_x + whole.arms.serving_x)
     parts.observe(later[10:] + served(base[:5], 2, 1.0, canary=True, t0=3000.0))  # trimmed past the last one seen
     assert (len(parts.arms.canary), len(parts.arms.serving)) == (25, 40)
+
+
+async def test_a_label_candidate_the_gate_cannot_judge_is_served_with_the_network_it_built() -> None:
+    net = init_policy(D, S, H, seed=1)
+    window = served(log_of(net, 80, seed=5), 1, 0.0)
+    pub = Publisher()
+    gate = PromotionGate(GateConfig(min_ess=1e9), pub, Metrics(), lambda: window)  # type: ignore[arg-type]
+    gate.set_serving(manifest(1), net.tensors())
+    label = dataclasses.replace(manifest(2), reason="label")
+    decision = await gate.consider(label, net.tensors())
+    assert decision.decision == "insufficient" and gate.pending is not None
+    built = gate.pending[1]
+    owner = SimpleNamespace(gate=gate)
+    await Publishing._apply_label_rule(owner, Published(label, net.tensors(), True), decision)  # type: ignore[arg-type]
+    assert pub.promoted == [2] and gate.serving_net is built and gate.pending is None
+    assert gate.serving_manifest is not None and gate.serving_manifest.version == 2

@@ -197,8 +197,9 @@ def run_offline(
                             result.canary.append(f"{verdict} v{canary.version} ({n} canary decisions)")
                             if verdict == "promoted":
                                 serve_as_configured(LoadedPolicy(manifest=canary.manifest, net=canary.net))
-                            canary = None
-                            retriever.set_canary(None)
+                            else:
+                                canary = None
+                                retriever.set_canary(None)
                     window = [e for e in full if not is_canary(e)]
                     decision, _, _ = judge_window(
                         window,

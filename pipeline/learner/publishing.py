@@ -259,8 +259,13 @@ class Publishing:
         assert self.gate is not None
         if decision.decision == "promoted" or not label_rule(decision.decision):
             return
-        manifest = published.manifest
-        await self.gate.promote(manifest, network(published.tensors))
+        manifest, pending = published.manifest, self.gate.pending
+        # The gate built this candidate's network to judge it (pending): not built twice (2 GB at S = 10^6).
+        if pending is not None and pending[0].version == manifest.version:
+            net = pending[1]
+        else:
+            net = network(published.tensors)
+        await self.gate.promote(manifest, net)
         log.info("learner: label fine-tune v%d promoted (gate: %s)", manifest.version, decision.reason)
 
     @property
