@@ -58,6 +58,11 @@ from pipeline.status.live import (
 )
 from topics.manifest import Manifest
 
+# An incremental read ends at the high watermark of its first fetch response, which comes
+# within the broker's fetch wait even when nothing is new; the idle limit is for a broker
+# that does not answer, long enough that a slow answer is not taken for an empty topic.
+READ_IDLE_S = 5.0
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -118,7 +123,7 @@ class ModelTopicFollower:
     async def update(self, bootstrap: str, conn: Connection, now: float) -> dict[str, Any]:
         topic = conn.topics.policy_checkpoints.name
         start = {0: self.next_offset} if self.next_offset else None
-        for msg in await kafka.read_all(bootstrap, conn, topic, partitions=[0], start=start, idle_s=0.5):
+        for msg in await kafka.read_all(bootstrap, conn, topic, partitions=[0], start=start, idle_s=READ_IDLE_S):
             if msg.offset >= self.next_offset:
                 self.index.observe(msg.offset, msg.key, msg.value)
                 self.next_offset = msg.offset + 1
@@ -212,7 +217,7 @@ class DeadLetterTally:
 
     async def update(self, bootstrap: str, conn: Connection, topic: str) -> dict[str, Any]:
         start = {0: self.next_offset} if self.next_offset else None
-        for msg in await kafka.read_all(bootstrap, conn, topic, partitions=[0], start=start, idle_s=0.5):
+        for msg in await kafka.read_all(bootstrap, conn, topic, partitions=[0], start=start, idle_s=READ_IDLE_S):
             if msg.offset < self.next_offset:
                 continue
             self.next_offset = msg.offset + 1
