@@ -166,11 +166,15 @@ class CanaryArms:
             self.canary, self.serving, epsilon, canary_x=np.array(self.canary_x), serving_x=np.array(self.serving_x)
         )
 
-    def verdict(self, epsilon: float, max_decisions: int, gain: Estimate | None = None) -> str | None:
-        """The rule on ``gain`` (computed here if not given: :meth:`gain`)."""
+    def verdict(
+        self, epsilon: float, max_decisions: int, gain: Estimate | None = None, decisions: int | None = None
+    ) -> str | None:
+        """The rule on ``gain`` (computed here if not given: :meth:`gain`); ``decisions``: the
+        canary decisions counted against ``max_decisions`` (default: the canary arm's)."""
         g = gain if gain is not None else self.gain(epsilon)
         if g is not None and g.low > -epsilon:
             return "promoted"
         if g is not None and g.high < -epsilon:
             return "refused"
-        return "retired" if len(self.canary) >= max_decisions else None
+        n = len(self.canary) if decisions is None else decisions
+        return "retired" if n >= max_decisions else None

@@ -50,6 +50,10 @@ class ServingParams:
     # pending candidate, models/canary.py), as its own manifest says it is served. Not part
     # of this policy's served mixture: those requests are the canary's.
     canary_rate: float = 0.0
+    # Contract 1.5: clients draw the canary's and the serving policy's slates on those requests
+    # with the same random numbers and serve the canary's on half of those where they differ
+    # (models/coupled.py); false: the canary serves every such request (1.4's A/B split).
+    canary_coupled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("temperature", "explore_temperature"):
@@ -88,6 +92,7 @@ class ServingParams:
             "drop": self.drop,
             "drop_ratio": self.drop_ratio,
             **({"canary_rate": self.canary_rate} if self.canary_rate > 0 else {}),
+            **({"canary_coupled": True} if self.canary_coupled and self.canary_rate > 0 else {}),
         }
 
     @classmethod
@@ -103,4 +108,6 @@ class ServingParams:
         values: dict[str, Any] = {k: float(v) for k, v in known.items()}
         if "drop" in obj:
             values["drop"] = str(obj["drop"])
+        if obj.get("canary_coupled") is True:  # contract 1.5
+            values["canary_coupled"] = True
         return cls(**values)

@@ -42,7 +42,9 @@ def keep_fixed(masks: np.ndarray, threshold: float) -> np.ndarray:
     return keep
 
 
-def revive_dropped(keep: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:
+def revive_dropped(
+    keep: np.ndarray, rate: float, rng: np.random.Generator, draws: np.ndarray | None = None
+) -> np.ndarray:
     """Keep-flags after giving each dropped candidate an independent ``rate`` chance back.
 
     Only exploratory requests call it (docs/contract.md §6, step 3b): without it a memory
@@ -60,8 +62,9 @@ def revive_dropped(keep: np.ndarray, rate: float, rng: np.random.Generator) -> n
     keep = np.asarray(keep, dtype=bool)
     if rate <= 0 or keep.all():
         return keep
-    draws = rng.random(keep.shape[0])
-    out: np.ndarray = keep | (draws < rate)
+    # ``draws``: the caller's uniforms, one per candidate (shared by a coupled canary's two draws).
+    u = rng.random(keep.shape[0]) if draws is None else np.asarray(draws)
+    out: np.ndarray = keep | (u < rate)
     return out
 
 
@@ -96,17 +99,28 @@ def first_draw_probs(z: np.ndarray) -> np.ndarray:
     return probs
 
 
-def sample_plackett_luce(z: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
+def sample_plackett_luce(
+    z: np.ndarray, k: int, rng: np.random.Generator | None, gumbel: np.ndarray | None = None
+) -> list[int]:
     """Draw k positions in order without replacement from softmax(z) (Gumbel-top-k).
 
     Adding independent Gumbel noise and sorting gives exactly the Plackett–Luce
-    distribution over ordered prefixes.
+    distribution over ordered prefixes. ``gumbel``: that noise, drawn by the caller (one
+    standard Gumbel per position of ``z``), so that two policies' draws can share it (a
+    coupled canary, :mod:`models.coupled`); else drawn from ``rng``.
+
+    >>> g = np.array([0.0, 2.0, 0.0])
+    >>> sample_plackett_luce(np.array([1.0, 0.0, 0.5]), 2, None, gumbel=g)
+    [1, 0]
     """
     z = np.asarray(z, dtype=np.float64)
     k = min(k, z.shape[0])
     if k <= 0:
         return []
-    keys = z + rng.gumbel(size=z.shape[0])
+    if gumbel is None:
+        assert rng is not None, "sample_plackett_luce needs rng or gumbel"
+        gumbel = np.asarray(rng.gumbel(size=z.shape[0]), dtype=np.float64)
+    keys = z + gumbel
     return [int(i) for i in np.argsort(-keys, kind="stable")[:k]]
 
 

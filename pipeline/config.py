@@ -87,6 +87,7 @@ class Settings:
     serve_drop: str = "dynamic"  # dynamic | fixed | none
     serve_drop_ratio: float = 0.01  # dynamic: share of the largest mask; fixed: the threshold
     serve_canary_rate: float = 0.2  # share of requests that serve the gate's canary (contract 1.4; 0: none)
+    serve_canary_coupled: bool = False  # contract 1.5: those requests draw both slates alike (True), or the 1.4 split
     # join and stream stages
     join_window_s: float = 600.0  # event time
     join_batch: int = 2000
@@ -252,6 +253,7 @@ class Settings:
             drop=self.serve_drop,
             drop_ratio=self.serve_drop_ratio,
             canary_rate=self.serve_canary_rate,
+            canary_coupled=self.serve_canary_coupled,
         )
 
     def learner(self) -> LearnerConfig:

@@ -1,6 +1,7 @@
 """The canary through a real broker (contract 1.4): the learner's gate makes an undecided
 candidate the canary, a client serves it on its share of requests, and the gate decides
-on those requests' utilities."""
+on those requests' utilities; coupled (contract 1.5), those requests draw both slates and
+the canary serves half of those where they differ."""
 
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ GOOD = set(range(16))  # the first half of the memories helps, the second half h
 
 
 @pytest.mark.broker
-async def test_the_gate_decides_a_canary_on_the_requests_it_served(topics_ready) -> None:
+@pytest.mark.parametrize("coupled", [False, True], ids=["ab", "coupled"])
+async def test_the_gate_decides_a_canary_on_the_requests_it_served(topics_ready, coupled: bool) -> None:
     s = topics_ready.replace(
         gate=True,
         gate_min_ess=1e9,  # the off-policy estimates never decide: only the canary can
-        serve_canary_rate=0.3,
-        gate_canary_max=40,
+        # Coupled: every request drawn (only those whose slates differ can serve the canary's),
+        # and a canary gives way after 30 of those.
+        serve_canary_rate=1.0 if coupled else 0.3,
+        serve_canary_coupled=coupled,
+        gate_canary_max=30 if coupled else 40,
         lr=1e-2,
         batch_size=16,
         checkpoint_interval_s=0.3,
@@ -67,10 +72,21 @@ async def test_the_gate_decides_a_canary_on_the_requests_it_served(topics_ready)
     assert loaded, "the client loaded a canary"
     flagged = [e for e in events if e.canary]
     assert flagged and {e.policy_version for e in flagged} <= {c.version for c in loaded}
-    share = len(flagged) / sum(1 for e in events if e.policy_version > 0 or e.canary)
-    assert 0.15 < share < 0.45, share
+    served = sum(1 for e in events if e.policy_version > 0 or e.canary)
+    drawn = [e for e in events if e.canary_arm is not None]
+    if not coupled:
+        assert not drawn
+        assert 0.15 < len(flagged) / served < 0.45, len(flagged) / served
+    else:
+        assert len(drawn) / served > 0.5, len(drawn) / served  # all but the requests between canaries
+        assert {e.canary_version for e in drawn} <= {c.version for c in loaded}
+        assert all(bool(e.canary) == (e.canary_arm == "canary") for e in drawn)
+        assert all(e.policy_version != e.canary_version for e in drawn if e.canary_arm != "canary")
+        differing = [e for e in drawn if e.canary_arm != "tie"]
+        assert differing and 0.3 < len(flagged) / len(differing) < 0.7, (len(flagged), len(differing))
     # Learning towards the helpful half, the canaries were better than the first policy.
     assert promoted, [d.reason for d in decided]
     assert promoted[0].gain is not None and promoted[0].gain.low > -s.gate_epsilon
+    assert promoted[0].gain.method == ("coupled" if coupled else "canary")
     index = await scan_model_topic(s.bootstrap, s)
     assert index.serving[s.policy].version >= promoted[0].candidate_version

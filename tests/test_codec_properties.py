@@ -143,6 +143,11 @@ def valid_events(draw: st.DrawFn) -> dict[str, Any]:
         d["answer_text"] = draw(st.text(max_size=30))  # contract 1.1
     if draw(st.booleans()):
         d["canary"] = draw(st.booleans())  # contract 1.4
+    if draw(st.booleans()):  # contract 1.5: a coupled request, its arm agreeing with canary
+        arm = "canary" if d.get("canary") else draw(st.sampled_from(["tie", "serving"]))
+        d["canary_arm"], d["canary_version"] = arm, draw(st.integers(0, 2**40))
+        if arm != "tie":
+            d["canary_other"] = draw(st.lists(st.integers(0, S_PROP - 1), min_size=1, max_size=4, unique=True))
     return d
 
 
@@ -158,6 +163,9 @@ def test_generated_valid_events_decode_and_round_trip(d: dict[str, Any]) -> None
     np.testing.assert_array_equal(ev.features.query_embedding, np.asarray(d["features"]["query_embedding"], np.float32))
     assert ev.answer_text == d.get("answer_text")
     assert ev.canary is (True if d.get("canary") else None)
+    assert (ev.canary_arm, ev.canary_version, ev.canary_other) == tuple(
+        d.get(k) for k in ("canary_arm", "canary_version", "canary_other")
+    )
     again = decode_retrieval_event(encode(ev.to_dict()), LIMITS_PROP, key=ev.query_id)
     assert_same(ev, again)
 
@@ -388,13 +396,21 @@ _PATHS = [
     "features.query_embedding",
     "features.last_step_loss",
     "features.last_step_entropy",
+    "canary",  # contracts 1.4 and 1.5: with the fields that must agree with it
+    "canary_arm",
+    "canary_version",
+    "canary_other",
 ]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(path=st.sampled_from(_PATHS), value=_JSON_VALUES, drop=st.booleans())
-def test_fast_path_never_accepts_what_the_full_validator_rejects(path: str, value: Any, drop: bool) -> None:
+@given(path=st.sampled_from(_PATHS), value=_JSON_VALUES, drop=st.booleans(), coupled=st.booleans())
+def test_fast_path_never_accepts_what_the_full_validator_rejects(
+    path: str, value: Any, drop: bool, coupled: bool
+) -> None:
     obj = retrieval_dict()
+    if coupled:  # contract 1.5: a coupled request that served the serving policy's slate
+        obj.update(canary_arm="serving", canary_version=3, canary_other=[1, 0])
     obj.pop("memory_texts", None)  # texts always take the full path
     target, _, leaf = path.rpartition(".")
     holder = obj[target] if target else obj

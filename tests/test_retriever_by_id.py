@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.policy import PolicyNetwork
+from models.serving import ServingParams
 from pipeline.client.follower import MemoryFollower
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
@@ -130,3 +131,26 @@ async def test_the_subscriber_keeps_the_map_of_its_policy_and_rejects_bad_record
     await sub.handle(2, b"default/slot/5", mine.to_bytes())  # a key that is not the record's
     assert sub.slots.slot_of("doc", 2) == 3 and len(sub.slots) == 1
     assert [off for off, _ in sub.rejections] == [2] and sub.current is None
+
+
+def test_a_coupled_canary_compares_slates_by_memory_id() -> None:
+    """Contract 1.5 with memories by id: the two versions label memories apart (v4 holds a row
+    v3 lacks), so a tie is the same memories by id, and no ``canary_other`` is logged."""
+    table = SlotTable()
+    table.apply(SlotRecord("default", 5, "a", True, version=3, since=3, ts=BASE_TS))
+    table.apply(SlotRecord("default", 1, "b", True, version=4, since=4, ts=BASE_TS))
+    coupled = ServingParams(explore_rate=0.0, canary_rate=1.0, canary_coupled=True).to_wire()  # no revival
+    serving, canary = policy(3, table), policy(4, table, suppressed=[5])  # v4 drops "a"
+    serving.manifest.serving = canary.manifest.serving = coupled
+    r = retriever()
+    r.set_policy(serving)
+    r.set_canary(canary)
+    events = [r.retrieve(unit(1, 0.1, 0, 0), query_id=f"q{i}", ts=BASE_TS).event for i in range(200)]
+    assert {e.canary_arm for e in events} <= {"tie", "canary", "serving"} and all(e.canary_version == 4 for e in events)
+    assert all(e.canary_other is None for e in events)
+    by_id = [[e.candidate_ids[e.candidates.index(s)] for s in e.selected] for e in events if e.candidate_ids]
+    differ = [e for e in events if e.canary_arm != "tie"]
+    assert differ, "v4 drops a memory v3 serves: their slates differ"
+    assert all("a" not in ids for ids, e in zip(by_id, events, strict=True) if e.canary)  # the canary's own slate
+    ties = [ids for ids, e in zip(by_id, events, strict=True) if e.canary_arm == "tie"]
+    assert all("a" not in ids for ids in ties)  # a tie is a slate both would serve

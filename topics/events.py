@@ -91,6 +91,9 @@ class RetrievalEvent(WireValue):
         "memory_texts",
         "candidate_ids",
         "canary",
+        "canary_arm",
+        "canary_version",
+        "canary_other",
     )
     NESTED = ("features", "memory_texts")
 
@@ -122,6 +125,16 @@ class RetrievalEvent(WireValue):
     # Contract 1.4: true when the client served the learner's canary (``policy_version`` is
     # then the canary's); the draw's T, logprob and probabilities are the canary's.
     canary: bool | None = None
+    # Contract 1.5: a request drawn into a *coupled* canary (docs/contract.md §7.2) says which
+    # policy's slate it served — "tie" (both drew the same slate), "canary" or "serving" (their
+    # slates differed) — and the canary's version (``policy_version`` is the served one's).
+    canary_arm: str | None = None
+    canary_version: int | None = None
+    # Contract 1.5: where the two slates differed, the other policy's (memories by slot only).
+    canary_other: list[int] | None = None
+
+
+CANARY_ARMS = ("tie", "canary", "serving")
 
 
 def decode_retrieval_event(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> RetrievalEvent:
@@ -177,6 +190,16 @@ def _fast_retrieval_event(
             return None  # contract 1.3's ids: checked by the full validator
         canary = obj.get("canary")  # contract 1.4: on a fifth of the traffic by default, so decoded here too
         if canary is not None and type(canary) is not bool:
+            return None
+        arm, arm_version = obj.get("canary_arm"), obj.get("canary_version")  # contract 1.5, as often as canaries
+        if (arm is not None and arm not in CANARY_ARMS) or (arm is None) != (arm_version is None):
+            return None
+        if arm_version is not None and (type(arm_version) is not int or not 0 <= arm_version <= 2**62):
+            return None
+        if arm is not None and (arm == "canary") != bool(canary):
+            return None
+        other = obj.get("canary_other")
+        if other is not None and (arm not in ("canary", "serving") or not _slot_list(other, limits) or not other):
             return None
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
@@ -254,6 +277,9 @@ def _fast_retrieval_event(
         candidate_masks=extras.get("candidate_masks"),
         candidate_probs=extras.get("candidate_probs"),
         canary=True if canary else None,
+        canary_arm=arm,
+        canary_version=arm_version,
+        canary_other=other,
     )
 
 
@@ -319,6 +345,7 @@ def _validated_retrieval_event(
     n = len(candidates)
     event.candidate_ids = read_candidate_ids(f, n)
     event.canary = True if f.bool_("canary", required=False) else None
+    read_canary_arm(f, event)
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
         arr = f.floats_(name, required=False, lo=lo)
         if arr is not None:
@@ -357,3 +384,35 @@ def read_candidate_ids(f: Fields, n: int) -> list[str] | None:
     if len(set(ids)) != n:
         raise Rejected("inconsistent", "candidate_ids repeats a memory id")
     return ids
+
+
+def read_canary_arm(f: Fields, event: RetrievalEvent) -> None:
+    """Contract 1.5's ``canary_arm`` and ``canary_version``: both or neither; the arm agrees with ``canary``.
+
+    >>> e = RetrievalEvent("e", "q", 0, 0.0, Features(np.zeros(1, np.float32), 0.0, 0.0), [1], np.zeros(1), [1],
+    ...                    0.05, 0.0, False)
+    >>> read_canary_arm(Fields({"canary_arm": "tie", "canary_version": 3}, Limits()), e)
+    >>> e.canary_arm, e.canary_version
+    ('tie', 3)
+    >>> read_canary_arm(Fields({"canary_arm": "canary", "canary_version": 3}, Limits()), e)
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: inconsistent: canary_arm "canary" without canary: true
+    """
+    arm = f.str_("canary_arm", required=False)
+    version = f.int_("canary_version", 0, 2**62, required=False)
+    other = f.slots_("canary_other", required=False)
+    if other is not None and (arm not in ("canary", "serving") or not other):
+        raise Rejected("inconsistent", "canary_other only on a coupled request whose slates differed")
+    if arm is None and version is None:
+        return
+    if arm not in CANARY_ARMS:
+        raise Rejected("out_of_range", f"canary_arm must be one of {', '.join(CANARY_ARMS)}")
+    if version is None:
+        raise Rejected("inconsistent", "canary_arm without canary_version")
+    if (arm == "canary") != bool(event.canary):
+        raise Rejected(
+            "inconsistent",
+            f'canary_arm "{arm}" without canary: true' if arm == "canary" else f'canary_arm "{arm}" with canary: true',
+        )
+    event.canary_arm, event.canary_version, event.canary_other = arm, version, other

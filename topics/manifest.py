@@ -391,4 +391,6 @@ def decode_serving(f: Fields | None) -> dict[str, Any] | None:
     ratio = f.float_("drop_ratio", 0.0, required=False)
     if ratio is not None:
         out["drop_ratio"] = ratio
+    if f.bool_("canary_coupled", required=False):  # contract 1.5
+        out["canary_coupled"] = True
     return out

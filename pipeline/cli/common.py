@@ -92,6 +92,7 @@ SETTING_KEYS = (
     "serve_explore_temperature",
     "serve_drop",
     "serve_canary_rate",
+    "serve_canary_coupled",
 )
 
 

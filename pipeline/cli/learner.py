@@ -53,6 +53,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--canary-rate", dest="serve_canary_rate", type=float, help="share of requests serving the canary (0.2; 0: off)"
     )
+    p.add_argument(
+        "--canary-coupled",
+        dest="serve_canary_coupled",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="canary requests draw both slates alike, the canary serving half of those that differ (default off)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,10 +26,11 @@ import numpy as np
 import torch
 
 from models.serving import ServingParams
-from models.serving_rule import DYNAMIC_DROP_RATIO, revive_dropped
+from models.serving_rule import DYNAMIC_DROP_RATIO
+from pipeline.client.choice import Choice, Noise, choose, coupled, event_labels
 from pipeline.client.memory_index import IdIndex
 from pipeline.client.overlap import FeatureOverlap
-from pipeline.client.serving import ServingValues, draw, keep_flags, masks_from_features
+from pipeline.client.serving import ServingValues, masks_from_features, policy_features
 from pipeline.client.serving import follow as serving_in_force
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import Connection
@@ -50,24 +51,6 @@ class RetrievalResult:
     texts: list[str] | None
     event: RetrievalEvent
     ids: list[str] | None = None  # the selected memories' ids, when memories are named by id
-
-
-def event_labels(known: list[int | None]) -> list[int]:
-    """Distinct slot numbers for an event's memories: the known slot, else the smallest unused number.
-
-    >>> event_labels([7, None, 0, None])
-    [7, 1, 0, 2]
-    """
-    used = {s for s in known if s is not None}
-    out, nxt = [], 0
-    for s in known:
-        if s is None:
-            while nxt in used:
-                nxt += 1
-            s = nxt
-            used.add(s)
-        out.append(s)
-    return out
 
 
 class BM25Fallback:
@@ -124,7 +107,10 @@ class CausalRetriever:
     learner's canary, a candidate the promotion gate judges on the requests it serves
     itself. A share of requests (``canary_rate``: the serving manifest's unless given)
     is then served by the canary, as its own manifest says; their events say
-    ``canary: true`` and carry the canary's version and probabilities.
+    ``canary: true`` and carry the canary's version and probabilities. Where the serving
+    manifest says ``canary_coupled`` (contract 1.5), those requests draw both slates with
+    the same random numbers instead and serve the canary's on half of those where the two
+    differ (:mod:`pipeline.client.choice`); their events carry ``canary_arm``.
 
     ``faiss_index``: the index to search (default: exact ``IndexFlatIP``); for a large bank a
     trained, empty approximate one (e.g. ``IndexIVFFlat`` with its ``nprobe``, inner
@@ -209,6 +195,7 @@ class CausalRetriever:
         self.canary: LoadedPolicy | None = None  # contract 1.4: served on canary_rate of the requests
         self._canary_values: ServingValues | None = None  # how the canary is served (its manifest's), set with it
         self.canary_rate = canary_rate if canary_rate is not None else 0.0
+        self.canary_coupled = False  # contract 1.5: both policies draw each canary request (the manifest says)
         self.rng = np.random.default_rng(seed)
         # Exploration: a share of requests is served at a higher temperature (logged on the
         # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
@@ -257,15 +244,19 @@ class CausalRetriever:
         v = serving_in_force(params, self.explicit)  # the one rule, shared with the adapters
         self.temperature, self.drop, self.drop_ratio = v.temperature, v.drop, v.drop_ratio
         self.explore_rate, self.explore_temperature = v.explore_rate, v.explore_temperature
-        self.canary_rate = v.canary_rate
+        self.canary_rate, self.canary_coupled = v.canary_rate, v.canary_coupled
 
-    def _arm(self) -> tuple[LoadedPolicy | None, ServingValues, bool]:
-        """This request's policy, serving values and whether it is the canary's (``canary_rate`` of them)."""
+    def _arm(self) -> tuple[LoadedPolicy | None, ServingValues, str]:
+        """This request's policy, serving values and arm: ``"serving"``, ``"canary"`` (an A/B
+        canary serves it, contract 1.4) or ``"coupled"`` (both draw, contract 1.5); the
+        canary's arms take ``canary_rate`` of the requests."""
         canary, values = self.canary, self._canary_values
-        if canary is not None and values is not None and self.canary_rate > 0 and self.rng.random() < self.canary_rate:
-            return canary, values, canary is not self.policy
         own = ServingValues(self.temperature, self.drop, self.drop_ratio, self.explore_rate, self.explore_temperature)
-        return self.policy, own, False
+        if canary is not None and values is not None and self.canary_rate > 0 and self.rng.random() < self.canary_rate:
+            if canary is self.policy:
+                return canary, values, "serving"
+            return (self.policy, own, "coupled") if self.canary_coupled else (canary, values, "canary")
+        return self.policy, own, "serving"
 
     def close(self) -> None:
         """End the features' worker thread if one was started; the retriever stays usable."""
@@ -289,8 +280,7 @@ class CausalRetriever:
     ) -> RetrievalResult:
         q = np.ascontiguousarray(query_embedding, dtype=np.float32)
         ids: list[str] | None = None
-        fb_ids: list[str] = []
-        policy, v, on_canary = self._arm()
+        policy, v, arm = self._arm()
         features = self.features.start(policy, q, last_step_loss, last_step_entropy)  # may run during the search
         started = time.perf_counter()
         if self.memories is None:
@@ -302,36 +292,18 @@ class CausalRetriever:
             ids, scores = self.memories.search(q, self.n_candidates)
             self.features.observe(time.perf_counter() - started)
             slots, masks = self._by_id(ids, features(), policy)
-        keep = keep_flags(masks, v.drop, v.drop_ratio)
-        explore = v.explore_rate > 0 and self.rng.random() < v.explore_rate
-        temperature = v.explore_temperature if explore else v.temperature
-        if explore and self.explore_revive > 0:
-            keep = revive_dropped(keep, self.explore_revive, self.rng) & np.isfinite(masks)
-        kept, kept_scores, kept_masks = slots[keep], scores[keep], masks[keep]
-        alpha = policy.alpha if policy is not None else 0.0
-        version = policy.version if policy is not None else 0
-        candidates: list[int]
-        id_of: dict[int, str] = {}  # event label -> memory id (memories by id)
-        if len(kept) == 0 and ids is not None:
-            assert self.memories is not None
-            fb_ids = self.memories.text_search(query_text, self.k)[: self.k]
-            # One labelling for the found (all dropped) and the fallback's memories.
-            everyone = ids + [i for i in fb_ids if i not in set(ids)]
-            labels = event_labels([policy.slot_of(i) if policy is not None else None for i in everyone])
-            id_of = dict(zip(labels, everyone, strict=True))
-            slots = np.array(labels[: len(ids)], dtype=np.int64)
-            selected, logprob, probs = [labels[everyone.index(i)] for i in fb_ids], 0.0, None
-            candidates, cand_scores, cand_masks, fallback = [], np.zeros(0), None, True
-        elif len(kept) == 0:
-            fb = self.fallback(query_text, q, self.k) if self.fallback is not None else []
-            selected, logprob, probs = [int(s) for s in fb][: self.k], 0.0, None
-            candidates, cand_scores, cand_masks, fallback = [], np.zeros(0), None, True
-        else:
-            d = draw(kept_scores, kept_masks, alpha, temperature, self.k, self.rng)
-            selected, logprob, probs = [int(kept[p]) for p in d.positions], d.logprob, d.probs
-            candidates, cand_scores, cand_masks, fallback = [int(s) for s in kept], kept_scores, kept_masks, False
-            if ids is not None:
-                id_of = dict(zip(slots.tolist(), ids, strict=True))
+        noise = Noise(self.rng, shared=arm == "coupled")
+        c = self._choose(policy, v, slots, masks, scores, noise, ids, query_text, q)
+        canary_arm, unserved, other, other_values = None, None, self.canary, self._canary_values
+        if arm == "coupled" and other is not None and other_values is not None:  # read once: another thread may end it
+            h = policy_features(other, q, last_step_loss, last_step_entropy)
+            if ids is None:
+                o_slots, o_masks = slots, masks_from_features(other, h, slots)
+            else:
+                o_slots, o_masks = self._by_id(ids, h, other)
+            o = self._choose(other, other_values, o_slots, o_masks, scores, noise, ids, query_text, q)
+            c, canary_arm, unserved = coupled(c, o, self.rng)
+        selected, candidates, id_of = c.selected, c.candidates, c.id_of
         memory_texts: dict[int, str] | None = None
         if ids is not None:
             assert self.memories is not None
@@ -347,21 +319,25 @@ class CausalRetriever:
             ts=time.time() if ts is None else ts,
             features=Features(q, float(last_step_loss), float(last_step_entropy)),
             candidates=candidates,
-            scores=cand_scores,
+            scores=c.cand_scores,
             selected=selected,
-            temperature=temperature,
-            logprob=float(logprob),
-            fallback=fallback,
+            temperature=c.temperature,
+            logprob=float(c.logprob),
+            fallback=c.fallback,
             policy=self.policy_name,
-            policy_version=version,
-            mask_max=float(masks.max()) if len(masks) and np.isfinite(masks).all() else None,
+            policy_version=c.version,
+            mask_max=float(c.masks.max()) if len(c.masks) and np.isfinite(c.masks).all() else None,
             query_text=query_text,
             memory_texts=memory_texts,
-            dropped=[int(s) for s in slots[~keep]],
-            candidate_masks=cand_masks,
-            candidate_probs=probs,
+            dropped=[int(s) for s in c.labels[~c.keep]],
+            candidate_masks=c.cand_masks,
+            candidate_probs=c.probs,
             candidate_ids=[id_of[s] for s in candidates] if ids is not None else None,
-            canary=True if on_canary else None,
+            canary=True if arm == "canary" or canary_arm == "canary" else None,
+            canary_arm=canary_arm,
+            canary_version=other.version if canary_arm is not None and other is not None else None,
+            # The other slate, for the learner's reward model (by slot: labels by id are each policy's own).
+            canary_other=(list(unserved.selected) or None) if unserved is not None and ids is None else None,
         )
         if ids is not None:
             assert self.memories is not None
@@ -370,6 +346,26 @@ class CausalRetriever:
             return RetrievalResult(slots=selected, texts=found, event=event, ids=selected_ids)
         texts = [self.texts[s] for s in selected] if self.texts is not None else None
         return RetrievalResult(slots=selected, texts=texts, event=event)
+
+    def _choose(
+        self,
+        policy: LoadedPolicy | None,
+        v: ServingValues,
+        labels: np.ndarray,
+        masks: np.ndarray,
+        scores: np.ndarray,
+        noise: Noise,
+        ids: list[str] | None,
+        query_text: str | None,
+        q: np.ndarray,
+    ) -> Choice:
+        def fallback() -> list[Any]:
+            if ids is not None:
+                assert self.memories is not None
+                return self.memories.text_search(query_text, self.k)[: self.k]
+            return self.fallback(query_text, q, self.k) if self.fallback is not None else []
+
+        return choose(policy, v, labels, masks, scores, self.k, noise, self.explore_revive, fallback, ids)
 
     def _by_id(
         self, ids: list[str], h: torch.Tensor | None, policy: LoadedPolicy | None

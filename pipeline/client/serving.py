@@ -57,6 +57,7 @@ class ServingValues:
     explore_rate: float
     explore_temperature: float
     canary_rate: float = 0.0  # contract 1.4: the share of requests that serve the canary
+    canary_coupled: bool = False  # contract 1.5: those requests draw both slates (models/coupled.py)
 
 
 def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> ServingValues:
@@ -79,6 +80,7 @@ def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> Serving
         explore_rate=float(given.get("explore_rate", p.explore_rate)),
         explore_temperature=float(given.get("explore_temperature", p.explore_temperature)),
         canary_rate=float(explicit[CANARY_RATE] if explicit.get(CANARY_RATE) is not None else p.canary_rate),
+        canary_coupled=p.canary_coupled,
     )
 
 
@@ -146,9 +148,15 @@ class Draw:
 
 
 def draw(
-    scores: np.ndarray, masks: np.ndarray, alpha: float, temperature: float, k: int, rng: np.random.Generator
+    scores: np.ndarray,
+    masks: np.ndarray,
+    alpha: float,
+    temperature: float,
+    k: int,
+    rng: np.random.Generator,
+    gumbel: np.ndarray | None = None,
 ) -> Draw:
-    """Plackett–Luce over ``z = score·(1+α·m)/T`` of the kept candidates."""
+    """Plackett–Luce over ``z = score·(1+α·m)/T`` of the kept candidates (``gumbel``: the noise, if shared)."""
     z = adjusted_logits(scores, masks, alpha, temperature)
-    pos = sample_plackett_luce(z, k, rng)
+    pos = sample_plackett_luce(z, k, rng, gumbel)
     return Draw(positions=pos, logprob=plackett_luce_logprob(z, pos), probs=first_draw_probs(z))

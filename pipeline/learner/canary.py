@@ -16,6 +16,12 @@ The gate's rule applies: promoted when the lower bound is above −ε, refused w
 upper bound is below −ε; an undecided canary gives way to a newer candidate after
 ``canary_max`` canary decisions (or after the serving decisions that many canary
 decisions should have come with, if clients do not serve canaries).
+
+Where the serving parameters say ``canary_coupled`` (contract 1.5), clients draw both
+slates on those requests instead, and the run judges the canary on them alone
+(:mod:`models.coupled`), predicting each slate with a reward model fit on the window
+before the canary started; a coupled canary gives way after ``canary_max`` requests
+whose two slates differed.
 """
 
 from __future__ import annotations
@@ -25,16 +31,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.canary import CanaryArms
+from models.canary import CanaryArms, neighbour_covariate
+from models.coupled import CoupledArms, prior_second_moment
 from models.estimators import Estimate
+from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
+from models.reward_model import AdditiveRewardModel
 from topics.internal import Experience
 from topics.manifest import Manifest
 
 
 def is_canary(e: Experience) -> bool:
-    """An experience of a request that a canary served (not the serving policy's behaviour)."""
-    return bool(e.event.canary)
+    """An experience of a request that a canary served or that a coupled canary drew
+    (contract 1.5): not the serving policy's behaviour alone."""
+    return bool(e.event.canary) or e.event.canary_arm is not None
 
 
 @dataclass
@@ -54,6 +64,8 @@ class CanaryRun:
     max_decisions: int
     since: float = field(init=False)
     arms: CanaryArms = field(init=False)
+    coupled: CoupledArms = field(init=False)  # contract 1.5: the requests that drew both slates
+    model: AdditiveRewardModel | None = field(init=False, default=None)  # predicts a coupled request's slates
     _seen: set[str] = field(init=False, default_factory=set)
     _last: Experience | None = field(init=False, default=None)  # the newest one observed
 
@@ -61,9 +73,12 @@ class CanaryRun:
         base = [e for e in self.before if e.kind == "feedback" and not is_canary(e)]
         self.since = max((e.event.ts for e in base), default=0.0)
         emb = [e.event.features.query_embedding for e in base]
-        self.arms = CanaryArms(
-            np.stack(emb) if emb else np.zeros((0, 1), np.float32), np.array([e.utility for e in base], float)
-        )
+        before_u = np.array([e.utility for e in base], float)
+        self.arms = CanaryArms(np.stack(emb) if emb else np.zeros((0, 1), np.float32), before_u)
+        self.coupled = CoupledArms(prior_second_moment(before_u))
+        decisions = LoggedDecisions.from_experiences(base)
+        if len(decisions):  # fit on what came before: independent of every coupled request's coin
+            self.model = AdditiveRewardModel().fit(decisions)
 
     @property
     def version(self) -> int:
@@ -85,12 +100,18 @@ class CanaryRun:
         arms: list[bool] = []
         utilities: list[float] = []
         queries: list[np.ndarray] = []
+        drawn: list[Experience] = []  # coupled
         for e in experiences[start:]:
             ev = e.event
             if e.kind != "feedback" or ev.event_id in self._seen:
                 continue
-            canary = is_canary(e) and ev.policy_version == self.version
-            serving = not is_canary(e) and ev.policy_version == self.serving_version and ev.ts > self.since
+            if ev.canary_arm is not None:
+                if ev.canary_version == self.version:
+                    self._seen.add(ev.event_id)
+                    drawn.append(e)
+                continue
+            canary = bool(ev.canary) and ev.policy_version == self.version
+            serving = not ev.canary and ev.policy_version == self.serving_version and ev.ts > self.since
             if canary or serving:
                 self._seen.add(ev.event_id)
                 arms.append(canary)
@@ -100,6 +121,21 @@ class CanaryRun:
             self._last = experiences[-1]
         if arms:
             self.arms.extend(arms, utilities, np.stack(queries))
+        if drawn:
+            self._extend_coupled(drawn)
+
+    def _extend_coupled(self, drawn: list[Experience]) -> None:
+        """Coupled requests' terms: predicted by the reward model where the event logs the other
+        slate, else by the query's covariate for both slates."""
+        q = np.stack([e.event.features.query_embedding for e in drawn])
+        served = neighbour_covariate(self.arms.before, self.arms.before_u, q)
+        other = served.copy()
+        if self.model is not None:
+            for i, e in enumerate(drawn):
+                if e.event.canary_other:
+                    served[i] = float(self.model.values(np.asarray(e.event.selected, np.int64)).mean())
+                    other[i] = float(self.model.values(np.asarray(e.event.canary_other, np.int64)).mean())
+        self.coupled.extend([str(e.event.canary_arm) for e in drawn], [e.utility for e in drawn], served, other)
 
     def judge(self, replay: Sequence[Experience], epsilon: float) -> tuple[str | None, Estimate | None]:
         """:meth:`observe` the replay, then :meth:`verdict`."""
@@ -107,19 +143,32 @@ class CanaryRun:
         return self.verdict(epsilon)
 
     def verdict(self, epsilon: float) -> tuple[str | None, Estimate | None]:
-        """``("promoted" | "refused" | "retired" | None, gain)``: None keeps it running."""
+        """``("promoted" | "refused" | "retired" | None, gain)``: None keeps it running.
+
+        Coupled requests (contract 1.5) decide once there are enough of them; until then,
+        and with clients that split requests the 1.4 way, the A/B arms do. A coupled canary
+        gives way after ``max_decisions`` requests on which its slate differed from serving's.
+        """
+        coupled = self.coupled.gain(epsilon)
+        if coupled is not None:
+            decided = self.arms.verdict(epsilon, self.max_decisions, coupled, self.coupled.differing)
+            return decided, coupled
         gain = self.arms.gain(epsilon)
         decided = self.arms.verdict(epsilon, self.max_decisions, gain)
         # Clients that do not serve canaries (older ones, or canary_rate 0 where they are
         # configured) leave the canary arm empty: retire after the serving decisions that
         # ``max_decisions`` canary decisions come with at the configured rate, twice over.
-        expected = 2.0 * self.max_decisions * (1.0 - self.rate) / max(self.rate, 1e-9)
-        if decided is None and len(self.arms.serving) >= expected:
+        # (At a rate of ½ or more, as many serving decisions as canary ones: a client may
+        # load the canary a moment later than the learner starts it.)
+        expected = 2.0 * self.max_decisions * max(1.0 - self.rate, 0.5) / max(self.rate, 1e-9)
+        if decided is None and not len(self.coupled) and len(self.arms.serving) >= expected:
             decided = "retired"
         return decided, gain
 
     def describe(self, gain: Estimate | None) -> str:
         n = f"{len(self.arms.canary)} canary / {len(self.arms.serving)} serving decisions"
+        if gain is not None and gain.method == "coupled":
+            n = f"{len(self.coupled)} coupled decisions, {self.coupled.differing} differing"
         if gain is None:
             return f"canary v{self.version}: {n}"
         return f"canary v{self.version}: gain {gain.value:+.4f} in [{gain.low:+.4f}, {gain.high:+.4f}] on {n}"

@@ -375,9 +375,9 @@ class PromotionGate:
             return
         if isinstance(manifest, DeltaManifest):
             return  # a canary is a full snapshot: clients hold it beside the serving policy
-        self.canary = CanaryRun(
-            manifest, candidate, self.serving_manifest.version, window, self.params.canary_rate, self.config.canary_max
-        )
+        serving, rate, most = self.serving_manifest.version, self.params.canary_rate, self.config.canary_max
+        # In a worker thread: it fits a reward model on the window.
+        self.canary = await asyncio.to_thread(CanaryRun, manifest, candidate, serving, window, rate, most)
         await self.publisher.set_canary(manifest)
         self.metrics.checkpoint_version.labels(role="canary").set(manifest.version)
         log.info(

@@ -1,0 +1,211 @@
+"""One request's choice of memories under one policy: the hard drop, exploration, the draw.
+
+:class:`~pipeline.client.retriever.CausalRetriever` makes it once per request, or twice
+with the same random draws (:class:`Noise` with ``shared``) when a coupled canary
+(contract 1.5, :mod:`models.coupled`) compares the canary's slate with the serving
+policy's on the same request: where the two policies agree, the shared draws give both
+the same slate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from models.coupled import CANARY_SHARE
+from models.serving_rule import adjusted_logits, plackett_luce_logprob, revive_dropped
+from pipeline.client.serving import ServingValues, draw, keep_flags
+from pipeline.client.subscriber import LoadedPolicy
+
+
+def event_labels(known: list[int | None]) -> list[int]:
+    """Distinct slot numbers for an event's memories: the known slot, else the smallest unused number.
+
+    >>> event_labels([7, None, 0, None])
+    [7, 1, 0, 2]
+    """
+    used = {s for s in known if s is not None}
+    out, nxt = [], 0
+    for s in known:
+        if s is None:
+            while nxt in used:
+                nxt += 1
+            s = nxt
+            used.add(s)
+        out.append(s)
+    return out
+
+
+@dataclass
+class Noise:
+    """A request's random draws, made on first use.
+
+    Unshared (one policy), each comes from ``rng`` where the serving rule asks for it, in
+    the order it always has. Shared (a coupled canary), the exploration coin, one revival
+    uniform per candidate and one Gumbel per candidate (by position in the search's
+    result) are drawn once and used by both policies.
+
+    >>> n = Noise(np.random.default_rng(0), shared=True)
+    >>> n.explore() == n.explore(), n.gumbel(np.array([2, 0]), 3).tolist() == n.gumbel(np.array([2, 0]), 3).tolist()
+    (True, True)
+    >>> Noise(np.random.default_rng(0)).gumbel(np.array([0]), 3) is None
+    True
+    """
+
+    rng: np.random.Generator
+    shared: bool = False
+    _explore: float | None = field(default=None, repr=False)
+    _revive: np.ndarray | None = field(default=None, repr=False)
+    _gumbel: np.ndarray | None = field(default=None, repr=False)
+
+    def explore(self) -> float:
+        if self._explore is None or not self.shared:
+            self._explore = float(self.rng.random())
+        return self._explore
+
+    def revive(self, n: int) -> np.ndarray | None:
+        """One uniform per candidate, shared; None: ``revive_dropped`` draws its own."""
+        if not self.shared:
+            return None
+        if self._revive is None:
+            self._revive = self.rng.random(n)
+        return self._revive
+
+    def gumbel(self, positions: np.ndarray, n: int) -> np.ndarray | None:
+        """The Gumbel noise of the candidates at ``positions``, shared; None: the draw makes its own."""
+        if not self.shared:
+            return None
+        if self._gumbel is None:
+            self._gumbel = self.rng.gumbel(size=n)
+        out: np.ndarray = self._gumbel[positions]
+        return out
+
+
+@dataclass
+class Choice:
+    """What one policy serves a request, and what its event logs."""
+
+    policy: LoadedPolicy | None
+    labels: np.ndarray  # the event's slot numbers of the searched candidates
+    masks: np.ndarray
+    keep: np.ndarray
+    temperature: float
+    selected: list[int]
+    logprob: float
+    probs: np.ndarray | None
+    candidates: list[int]
+    cand_scores: np.ndarray
+    cand_masks: np.ndarray | None
+    fallback: bool
+    id_of: dict[int, str]  # event label -> memory id (memories by id)
+    z: np.ndarray | None = None  # the draw's logits over ``candidates``
+
+    def logprob_of(self, read: tuple[int | str, ...]) -> float:
+        """log-probability that this policy's draw serves ``read`` (:meth:`read`'s form); −inf if it cannot."""
+        if self.fallback or self.z is None:
+            return 0.0 if read == self.read() else -math.inf
+        position = {(self.id_of[c] if self.id_of else c): i for i, c in enumerate(self.candidates)}
+        if any(m not in position for m in read):
+            return -math.inf
+        return plackett_luce_logprob(self.z, [position[m] for m in read])
+
+    @property
+    def version(self) -> int:
+        return self.policy.version if self.policy is not None else 0
+
+    def read(self) -> tuple[int | str, ...]:
+        """The memories served, in order, by id where they have one (two policies label them apart)."""
+        if self.id_of:
+            return tuple(self.id_of[s] for s in self.selected)
+        return tuple(self.selected)
+
+
+def choose(
+    policy: LoadedPolicy | None,
+    v: ServingValues,
+    labels: np.ndarray,
+    masks: np.ndarray,
+    scores: np.ndarray,
+    k: int,
+    noise: Noise,
+    revive: float,
+    fallback: Callable[[], list[Any]],
+    ids: list[str] | None = None,
+) -> Choice:
+    """The serving rule (docs/contract.md §6) for one request under ``policy`` served as ``v``.
+
+    ``labels``/``masks``/``scores``: the searched candidates'; ``ids``: their memory ids
+    (memories by id); ``fallback()``: what to serve when the hard drop keeps nothing (the
+    memory ids of a text search with ``ids``, else slots); ``revive``: the chance an
+    exploratory request gives each dropped candidate back.
+    """
+    keep = keep_flags(masks, v.drop, v.drop_ratio)
+    explore = v.explore_rate > 0 and noise.explore() < v.explore_rate
+    temperature = v.explore_temperature if explore else v.temperature
+    if explore and revive > 0:
+        keep = revive_dropped(keep, revive, noise.rng, noise.revive(len(keep))) & np.isfinite(masks)
+    kept = np.flatnonzero(keep)
+    empty = np.zeros(0)
+    if len(kept) == 0 and ids is not None:
+        fb_ids = fallback()
+        # One labelling for the found (all dropped) and the fallback's memories.
+        everyone = ids + [i for i in fb_ids if i not in set(ids)]
+        found = event_labels([policy.slot_of(i) if policy is not None else None for i in everyone])
+        id_of = dict(zip(found, everyone, strict=True))
+        selected = [found[everyone.index(i)] for i in fb_ids]
+        labels = np.array(found[: len(ids)], dtype=np.int64)
+        return Choice(policy, labels, masks, keep, temperature, selected, 0.0, None, [], empty, None, True, id_of)
+    if len(kept) == 0:
+        selected = [int(s) for s in fallback()][:k]
+        return Choice(policy, labels, masks, keep, temperature, selected, 0.0, None, [], empty, None, True, {})
+    alpha = policy.alpha if policy is not None else 0.0
+    d = draw(scores[kept], masks[kept], alpha, temperature, k, noise.rng, noise.gumbel(kept, len(masks)))
+    kept_labels = labels[kept]
+    id_of = dict(zip(labels.tolist(), ids, strict=True)) if ids is not None else {}
+    return Choice(
+        policy,
+        labels,
+        masks,
+        keep,
+        temperature,
+        [int(kept_labels[p]) for p in d.positions],
+        d.logprob,
+        d.probs,
+        [int(s) for s in kept_labels],
+        scores[kept],
+        masks[kept],
+        False,
+        id_of,
+        adjusted_logits(scores[kept], masks[kept], alpha, temperature),
+    )
+
+
+def coupled(serving: Choice, canary: Choice, rng: np.random.Generator) -> tuple[Choice, str, Choice | None]:
+    """The served choice of a coupled request, its arm and the choice not served: ``"tie"``
+    (none) when both read the same memories in the same order, else the canary's with
+    probability q = ``CANARY_SHARE``.
+
+    The served choice's ``logprob`` becomes the true probability of what was served: a
+    coupled request serves slate s with probability (1 − q)·π_serving(s) + q·π_canary(s)
+    (given the shared exploration coin), ties included, which is what the learner's
+    importance weights divide by (docs/contract.md §3).
+    """
+    if serving.read() == canary.read():
+        served, arm, other = serving, "tie", None
+    elif rng.random() < CANARY_SHARE:
+        served, arm, other = canary, "canary", serving
+    else:
+        served, arm, other = serving, "serving", canary
+    if not served.fallback:
+        read = served.read()
+        parts = [
+            (1.0 - CANARY_SHARE, serving.logprob_of(read)),
+            (CANARY_SHARE, canary.logprob_of(read)),
+        ]
+        served = dataclasses.replace(served, logprob=float(np.logaddexp.reduce([math.log(w) + lp for w, lp in parts])))
+    return served, arm, other
