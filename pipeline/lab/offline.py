@@ -64,6 +64,7 @@ class OfflineConfig:
     gate_min_ess: float = 50.0
     canary_rate: float = 0.0  # share of requests that serve the pending candidate (gate on; 0: no canary)
     canary_max: int = GateConfig.canary_max  # canary decisions after which an undecided canary gives way
+    canary_coupled: bool = False  # contract 1.5: canary requests draw both slates (models/coupled.py)
     seed: int = 0
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -136,6 +137,8 @@ def run_offline(
         explore_temperature=retriever.explore_temperature,
         drop="fixed" if isinstance(cfg.drop, float) else cfg.drop,
         drop_ratio=cfg.drop if isinstance(cfg.drop, float) else 0.01,
+        canary_rate=cfg.canary_rate,  # clients' share is set explicitly; the manifest says it too
+        canary_coupled=cfg.canary_coupled,
     )
     configured_t = retriever.temperature
     current = serving_params  # how the policy clients hold is served
@@ -193,7 +196,7 @@ def run_offline(
                     if canary is not None:
                         verdict, _ = canary.judge(full, cfg.gate_epsilon)
                         if verdict is not None:
-                            n = len(canary.arms.canary)
+                            n = len(canary.coupled) or len(canary.arms.canary)
                             result.canary.append(f"{verdict} v{canary.version} ({n} canary decisions)")
                             if verdict == "promoted":
                                 serve_as_configured(LoadedPolicy(manifest=canary.manifest, net=canary.net))

@@ -46,13 +46,15 @@ class InProcessRow:
     # The gate's canary (pipeline/learner/canary.py): the share of requests serving it; None:
     # the learner's default. An undecided canary gives way after the learner's gate_canary_max.
     canary_rate: float | None = None
+    coupled: bool | None = None  # contract 1.5's coupled canary; None: the learner's default
 
     def canary(self) -> dict[str, Any]:
         """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
         if not self.gate:
             return {"canary_rate": 0.0}
         rate = Settings.serve_canary_rate if self.canary_rate is None else self.canary_rate
-        return {"canary_rate": rate, "canary_max": Settings.gate_canary_max}
+        coupled = Settings.serve_canary_coupled if self.coupled is None else self.coupled
+        return {"canary_rate": rate, "canary_max": Settings.gate_canary_max, "canary_coupled": coupled}
 
 
 ROWS: dict[str, InProcessRow] = {
@@ -79,6 +81,16 @@ ROWS: dict[str, InProcessRow] = {
     ),
     "credit25_gated_canary20": InProcessRow(
         "per-memory credit on 25%, imputed between, gated, canary on 20%", 0.25, gate=True, canary_rate=0.2
+    ),
+    "credit25_gated_coupled": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated, coupled canary on 20%", 0.25, gate=True, coupled=True
+    ),
+    "credit25_gated_coupled100": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated, coupled canary on every request",
+        0.25,
+        gate=True,
+        canary_rate=1.0,
+        coupled=True,
     ),
     "reset": InProcessRow("drift, step reward", 0.0, drift=True),
     "reset_credit": InProcessRow("drift, per-memory credit on 25%, imputed between", 0.25, drift=True),
