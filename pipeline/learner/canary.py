@@ -132,7 +132,7 @@ class CanaryRun:
         other = served.copy()
         if self.model is not None:
             for i, e in enumerate(drawn):
-                if e.event.canary_other:
+                if e.event.canary_other and e.event.selected:  # (an empty fallback has no prediction)
                     served[i] = float(self.model.values(np.asarray(e.event.selected, np.int64)).mean())
                     other[i] = float(self.model.values(np.asarray(e.event.canary_other, np.int64)).mean())
         self.coupled.extend([str(e.event.canary_arm) for e in drawn], [e.utility for e in drawn], served, other)
