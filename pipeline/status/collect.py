@@ -58,9 +58,8 @@ from pipeline.status.live import (
 )
 from topics.manifest import Manifest
 
-# An incremental read ends at the high watermark of its first fetch response, which comes
-# within the broker's fetch wait even when nothing is new; the idle limit is for a broker
-# that does not answer, long enough that a slow answer is not taken for an empty topic.
+# An incremental read ends at its first fetch answer's high watermark (within the fetch wait even
+# when nothing is new); the limit is for a broker that does not answer, not for a slow answer.
 READ_IDLE_S = 5.0
 
 # --------------------------------------------------------------------------- helpers
