@@ -28,10 +28,10 @@ async def test_the_gate_decides_a_canary_on_the_requests_it_served(topics_ready,
         gate=True,
         gate_min_ess=1e9,  # the off-policy estimates never decide: only the canary can
         # Coupled: every request drawn (only those whose slates differ can serve the canary's),
-        # and a canary gives way after 30 of those.
+        # and a canary gives way after 100 of those.
         serve_canary_rate=1.0 if coupled else 0.3,
         serve_canary_coupled=coupled,
-        gate_canary_max=30 if coupled else 40,
+        gate_canary_max=100 if coupled else 40,
         lr=1e-2,
         batch_size=16,
         checkpoint_interval_s=0.3,
