@@ -166,7 +166,7 @@ def test_the_learner_reads_coupled_requests_of_its_canary_only() -> None:
     [
         ({"canary_arm": "maybe", "canary_version": 2}, "out_of_range"),
         ({"canary_arm": "tie"}, "inconsistent"),
-        ({"canary_version": 2}, "out_of_range"),
+        ({"canary_version": 2}, "inconsistent"),
         ({"canary_arm": "canary", "canary_version": 2}, "inconsistent"),
         ({"canary_arm": "serving", "canary_version": 2, "canary": True}, "inconsistent"),
         ({"canary_arm": "tie", "canary_version": -1}, "out_of_range"),

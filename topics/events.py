@@ -406,6 +406,8 @@ def read_canary_arm(f: Fields, event: RetrievalEvent) -> None:
         raise Rejected("inconsistent", "canary_other only on a coupled request whose slates differed")
     if arm is None and version is None:
         return
+    if arm is None:
+        raise Rejected("inconsistent", "canary_version without canary_arm")
     if arm not in CANARY_ARMS:
         raise Rejected("out_of_range", f"canary_arm must be one of {', '.join(CANARY_ARMS)}")
     if version is None:
