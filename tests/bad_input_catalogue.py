@@ -290,7 +290,11 @@ def bad_messages(g: Gen) -> list[Msg]:
 
     def inconsistent_r(b: dict, i: int) -> dict:
         c = b["candidates"]
-        kind = rng.randrange(7)
+        kind = rng.randrange(9)
+        if kind == 7:  # contract 1.5: the canary's arm on a request the canary did not serve
+            return {**b, "canary_arm": "canary", "canary_version": 2}
+        if kind == 8:  # contract 1.5: the other slate on a tie
+            return {**b, "canary_arm": "tie", "canary_version": 2, "canary_other": [c[0]]}
         if kind == 0:
             return {**b, "scores": [*b["scores"], 0.5]}
         if kind == 1:
