@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from models.coupled import CANARY_SHARE
-from models.serving_rule import adjusted_logits, plackett_luce_logprob, revive_dropped
+from models.serving_rule import plackett_luce_logprob, revive_dropped
 from pipeline.client.serving import ServingValues, draw, keep_flags
 from pipeline.client.subscriber import LoadedPolicy
 
@@ -181,7 +181,7 @@ def choose(
         masks[kept],
         False,
         id_of,
-        adjusted_logits(scores[kept], masks[kept], alpha, temperature),
+        d.z,
     )
 
 
@@ -195,17 +195,13 @@ def coupled(serving: Choice, canary: Choice, rng: np.random.Generator) -> tuple[
     (given the shared exploration coin), ties included, which is what the learner's
     importance weights divide by (docs/contract.md §3).
     """
-    if serving.read() == canary.read():
-        served, arm, other = serving, "tie", None
-    elif rng.random() < CANARY_SHARE:
-        served, arm, other = canary, "canary", serving
-    else:
-        served, arm, other = serving, "serving", canary
+    # The coin only where the slates differ (a tie draws nothing more).
+    arm = "tie" if serving.read() == canary.read() else "canary" if rng.random() < CANARY_SHARE else "serving"
+    served, unserved = (canary, serving) if arm == "canary" else (serving, canary)
     if not served.fallback:
-        read = served.read()
-        parts = [
-            (1.0 - CANARY_SHARE, serving.logprob_of(read)),
-            (CANARY_SHARE, canary.logprob_of(read)),
-        ]
-        served = dataclasses.replace(served, logprob=float(np.logaddexp.reduce([math.log(w) + lp for w, lp in parts])))
-    return served, arm, other
+        share = CANARY_SHARE if served is canary else 1.0 - CANARY_SHARE
+        mixture = np.logaddexp(
+            math.log(share) + served.logprob, math.log(1.0 - share) + unserved.logprob_of(served.read())
+        )
+        served = dataclasses.replace(served, logprob=float(mixture))
+    return served, arm, None if arm == "tie" else unserved

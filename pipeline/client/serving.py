@@ -140,11 +140,13 @@ def keep_flags(masks: np.ndarray, drop: str | float, ratio: float = DYNAMIC_DROP
 
 @dataclass(frozen=True)
 class Draw:
-    """Positions drawn (in order) from the kept candidates, log π of that order, first-draw probabilities."""
+    """Positions drawn (in order) from the kept candidates, log π of that order, first-draw
+    probabilities, and the logits z they were drawn from."""
 
     positions: list[int]
     logprob: float
     probs: np.ndarray
+    z: np.ndarray
 
 
 def draw(
@@ -159,4 +161,4 @@ def draw(
     """Plackett–Luce over ``z = score·(1+α·m)/T`` of the kept candidates (``gumbel``: the noise, if shared)."""
     z = adjusted_logits(scores, masks, alpha, temperature)
     pos = sample_plackett_luce(z, k, rng, gumbel)
-    return Draw(positions=pos, logprob=plackett_luce_logprob(z, pos), probs=first_draw_probs(z))
+    return Draw(positions=pos, logprob=plackett_luce_logprob(z, pos), probs=first_draw_probs(z), z=z)

@@ -127,14 +127,19 @@ class CanaryRun:
     def _extend_coupled(self, drawn: list[Experience]) -> None:
         """Coupled requests' terms: predicted by the reward model where the event logs the other
         slate, else by the query's covariate for both slates."""
-        q = np.stack([e.event.features.query_embedding for e in drawn])
-        served = neighbour_covariate(self.arms.before, self.arms.before_u, q)
-        other = served.copy()
-        if self.model is not None:
-            for i, e in enumerate(drawn):
-                if e.event.canary_other and e.event.selected:  # (an empty fallback has no prediction)
-                    served[i] = float(self.model.values(np.asarray(e.event.selected, np.int64)).mean())
-                    other[i] = float(self.model.values(np.asarray(e.event.canary_other, np.int64)).mean())
+        served, other = np.zeros(len(drawn)), np.zeros(len(drawn))
+        model = self.model
+        # (An empty fallback slate has nothing for the model to average.)
+        predicted = [model is not None and bool(e.event.canary_other) and bool(e.event.selected) for e in drawn]
+        for i, e in enumerate(drawn):
+            if predicted[i]:
+                assert model is not None and e.event.canary_other is not None
+                served[i] = float(model.values(np.asarray(e.event.selected, np.int64)).mean())
+                other[i] = float(model.values(np.asarray(e.event.canary_other, np.int64)).mean())
+        rest = [i for i, p in enumerate(predicted) if not p]
+        if rest:
+            q = np.stack([drawn[i].event.features.query_embedding for i in rest])
+            served[rest] = other[rest] = neighbour_covariate(self.arms.before, self.arms.before_u, q)
         self.coupled.extend([str(e.event.canary_arm) for e in drawn], [e.utility for e in drawn], served, other)
 
     def judge(self, replay: Sequence[Experience], epsilon: float) -> tuple[str | None, Estimate | None]:
