@@ -113,3 +113,42 @@ def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Pa
     }
     assert inprocess.ROWS["lm_credit25_gated"].canary()["canary_rate"] == Settings.serve_canary_rate
     assert inprocess.ROWS["lm_credit25"].canary() == {"canary_rate": 0.0}
+
+
+def test_a_freshness_row_records_each_version_its_learnt_steps_and_true_value() -> None:
+    from pipeline.lab.bench.staleness import freshness_steps, staleness, true_value
+    from pipeline.lab.offline import run_offline
+
+    scenario = dataclasses.replace(TINY, drift_day=None, days=2.0)
+    cfg = inprocess._Config(hidden=16, refresh_every=40, batch_size=16, gate=True, gate_window=200)
+    value = true_value(scenario, queries=60)
+    res = run_offline(scenario, cfg, value=value)
+    versions = np.asarray(res.tally.version)
+    assert set(res.created) == set(res.values) and set(versions) <= set(res.created)
+    assert res.created[1] == 0 and all(c % 16 == 0 for c in res.created.values())  # whole micro-batches only
+    assert [v for _, v, _ in res.refreshes] == sorted(res.created)[1:]
+    assert value(res.served.net) == pytest.approx(res.values[int(versions[-1])])  # type: ignore[union-attr]
+    fresh = freshness_steps(versions, res.created)
+    served_from = np.array([res.created[int(v)] for v in versions])
+    for i in range(0, len(versions), 37):  # a served policy has learnt from step i exactly at i + fresh[i]
+        j = i + fresh[i]
+        if np.isfinite(j):
+            assert served_from[int(j)] > i and (int(j) == i or served_from[int(j) - 1] <= i)
+    s = staleness(res, warmup=0, tail=0.5, end=80)
+    assert s["never_tail"] is not None and 0.0 <= s["never_tail"] <= 1.0
+    assert s["served_fall"] is not None and s["served_fall"] >= 0.0
+    assert s["served_value_final"] == pytest.approx(res.values[int(versions[-1])])
+    row = inprocess.ROWS["fresh_step_gated_lr3e4_eps05"]
+    assert (row.freshness, row.gate, row.lr, row.gate_epsilon, row.refresh_every) == (True, True, 3e-4, 0.05, 200)
+
+
+def test_the_freshness_table_says_never_and_every_candidate() -> None:
+    f: dict[str, Any] = {"median_steps": float("inf"), "never": 0.6, "never_tail": 1.0, "candidate_gain_tail": -0.04}
+    f |= {"served_value_final": 0.7, "served_fall": 0.02, "promoted": 3.0, "canary_promoted": 1.0}
+    sim: dict[str, Any] = {"leak": 0.0, "recall": 0.9, "utility": 0.8, "steps_to_90pct_recall": 1200.0}
+    rows: dict[str, Any] = {"fresh_step_gated": {"name": "g", "per_seed": [{**sim, **f}], "mean": {**sim, **f}}}
+    rows["fresh_step"] = {"name": "u", "per_seed": [{**sim, **f, "median_steps": 150.0}], "mean": {**sim, **f}}
+    text = inprocess.table({"rows": rows})
+    assert "| g | never → **never** | 60.0% → **60.0%** | 100.0% → **100.0%** | -0.040 → **-0.040** |" in text
+    assert "+0.700 (0.020) → **+0.700 (0.020)** | 4 → **4** |" in text
+    assert "| u | 150 → **never** |" in text and "| every candidate |" in text

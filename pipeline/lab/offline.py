@@ -14,12 +14,14 @@ learning`` runs the real pipeline; this is where its settings were explored firs
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from models.drift import DriftMonitor
+from models.policy import PolicyNetwork
 from models.serving import ServingParams
 from models.trainer import PolicyTrainer, TrainerConfig
 from pipeline.client.subscriber import LoadedPolicy
@@ -97,6 +99,12 @@ class OfflineResult:
     canary: list[str] = field(default_factory=list)  # the canary's verdicts, e.g. "promoted v7 (212 canary decisions)"
     served: LoadedPolicy | None = None  # the policy the retriever serves at the end
     canary_utility: list[float] = field(default_factory=list)  # true utility of each canary request
+    # Each policy version: the step whose experiences it has learnt from (all steps before
+    # it), and its true value where run_offline was given a ``value`` function.
+    created: dict[int, int] = field(default_factory=dict)
+    values: dict[int, float] = field(default_factory=dict)
+    # At each refresh: (step, the candidate's version, the version served before its judgement).
+    refreshes: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | None = None) -> LoadedPolicy:
@@ -109,11 +117,16 @@ def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | Non
 
 
 def run_offline(
-    scenario: Scenario | LMScenario, cfg: OfflineConfig, progress: Any = None, env: Any = None
+    scenario: Scenario | LMScenario,
+    cfg: OfflineConfig,
+    progress: Any = None,
+    env: Any = None,
+    value: Callable[[PolicyNetwork], float] | None = None,
 ) -> OfflineResult:
     """Run ``scenario``'s traffic through the loop; ``env`` (optional) is a world with the
     simulator Environment's interface (e.g. :class:`pipeline.lab.lmworld.LMWorld` over an
-    :class:`~pipeline.lab.lmworld.LMScenario`), else ``Environment(scenario)``."""
+    :class:`~pipeline.lab.lmworld.LMScenario`), else ``Environment(scenario)``. ``value``
+    (optional): a policy's true value, recorded for every version (``OfflineResult.values``)."""
     if env is None:
         assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
         env = Environment(scenario)
@@ -147,7 +160,19 @@ def run_offline(
         current = first_serving(serving_params, True, "init", 0)
         retriever.temperature = current.temperature
     version = 1
-    retriever.set_policy(_snapshot(trainer, version, current if gate is not None else None))
+    pending: list[Experience] = []
+    result = OfflineResult(Tally())
+    steps = 0
+
+    def snapshot(serving: ServingParams) -> LoadedPolicy:
+        """The trainer's policy as version ``version``, its learnt-from step and value recorded."""
+        policy = _snapshot(trainer, version, serving if gate is not None else None)
+        result.created[version] = steps - len(pending)  # the pending steps are not learnt yet
+        if value is not None:
+            result.values[version] = value(policy.net)
+        return policy
+
+    retriever.set_policy(snapshot(current))
     monitor = DriftMonitor(
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
     )
@@ -160,9 +185,6 @@ def run_offline(
         retriever.set_canary(None)
         retriever.set_policy(policy)
 
-    pending: list[Experience] = []
-    result = OfflineResult(Tally())
-    steps = 0
     for _ in range(scenario.total_queries):
         q = env.next_query()
         for step in range(q.steps):
@@ -190,7 +212,8 @@ def run_offline(
             if steps % cfg.refresh_every == 0:
                 result.alpha.append((st.ts, float(trainer.net.alpha.detach()[0])))
                 version += 1
-                candidate = _snapshot(trainer, version, serving_params if gate is not None else None)
+                candidate = snapshot(serving_params)
+                result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
                 if gate is not None and retriever.policy is not None:
                     full = replay.gate_window()
                     if canary is not None:
@@ -243,7 +266,7 @@ def run_offline(
                 )
                 result.resets.append(t)
                 version += 1  # a reset is served as configured
-                serve_as_configured(_snapshot(trainer, version, serving_params if gate is not None else None))
+                serve_as_configured(snapshot(serving_params))
         if progress is not None:
             progress()
     result.served = retriever.policy

@@ -29,6 +29,7 @@ import numpy as np
 
 from models.trainer import TrainerConfig
 from pipeline.config import Settings
+from pipeline.lab.bench.staleness import staleness, true_value
 from pipeline.lab.lmworld import LMScenario
 from pipeline.lab.offline import OfflineConfig, run_offline
 from pipeline.lab.simulator import DAY, Scenario
@@ -47,6 +48,14 @@ class InProcessRow:
     # the learner's default. An undecided canary gives way after the learner's gate_canary_max.
     canary_rate: float | None = None
     coupled: bool | None = None  # contract 1.5's coupled canary; None: the learner's default
+    # The freshness rows (pipeline/lab/bench/staleness.py): a candidate every ``refresh_every``
+    # steps over ``days`` of the default scenario, true values of every version, and settings
+    # of their own (None: the loop's and the learner's defaults).
+    freshness: bool = False
+    refresh_every: int | None = None
+    days: float | None = None
+    lr: float | None = None
+    gate_epsilon: float | None = None
 
     def canary(self) -> dict[str, Any]:
         """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
@@ -56,6 +65,8 @@ class InProcessRow:
         coupled = Settings.serve_canary_coupled if self.coupled is None else self.coupled
         return {"canary_rate": rate, "canary_max": Settings.gate_canary_max, "canary_coupled": coupled}
 
+
+_FRESH: dict[str, Any] = {"freshness": True, "refresh_every": 200, "days": 15.0}
 
 ROWS: dict[str, InProcessRow] = {
     "dynamic": InProcessRow("step reward", 0.0),
@@ -91,6 +102,22 @@ ROWS: dict[str, InProcessRow] = {
         gate=True,
         canary_rate=1.0,
         coupled=True,
+    ),
+    # The freshness bench's traffic in process: step reward, a candidate every 200 steps (its
+    # 2 s cadence at 100 pairs/s), 15 days (docs/benchmarks.md, "Freshness").
+    "fresh_step": InProcessRow("step reward, a candidate every 200 steps", 0.0, **_FRESH),
+    "fresh_step_gated": InProcessRow("step reward, gated, a candidate every 200 steps", 0.0, gate=True, **_FRESH),
+    "fresh_step_lr3e4": InProcessRow("step reward, lr 3e-4, a candidate every 200 steps", 0.0, lr=3e-4, **_FRESH),
+    "fresh_step_gated_lr3e4": InProcessRow(
+        "step reward, gated, lr 3e-4, a candidate every 200 steps", 0.0, gate=True, lr=3e-4, **_FRESH
+    ),
+    "fresh_step_gated_lr3e4_eps05": InProcessRow(
+        "step reward, gated (ε = 0.05), lr 3e-4, a candidate every 200 steps",
+        0.0,
+        gate=True,
+        lr=3e-4,
+        gate_epsilon=0.05,
+        **_FRESH,
     ),
     "reset": InProcessRow("drift, step reward", 0.0, drift=True),
     "reset_credit": InProcessRow("drift, per-memory credit on 25%, imputed between", 0.25, drift=True),
@@ -288,9 +315,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for seed in seeds:
             t0 = time.monotonic()
             cfg = _Config(
-                lr=lr,
+                lr=row.lr or lr,
                 batch_size=64,
                 seed=seed,
+                refresh_every=row.refresh_every or OfflineConfig.refresh_every,
+                gate_epsilon=row.gate_epsilon or OfflineConfig.gate_epsilon,
                 credit_impute=row.credit_impute,
                 gate=row.gate,
                 explore_temperature=row.explore_temperature,
@@ -303,10 +332,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             base = drift_scenario(args.quick, seed) if row.drift else learning_scenario(args.quick, False, seed)
             scenario = dataclasses.replace(base, attribution_rate=row.attribution_rate)
-            res = run_offline(scenario, cfg)
+            if row.days is not None and not args.quick:
+                scenario = dataclasses.replace(scenario, days=row.days)
+            res = run_offline(scenario, cfg, value=true_value(scenario) if row.freshness else None)
             curves.setdefault(key, {})[seed] = rolling_recall(res)
+            fresh = staleness(res, end=2 * cfg.refresh_every) if row.freshness else {}
             per_seed.append(
-                {"seed": seed, **measure(res, scenario), **promotions(res), "wall_s": time.monotonic() - t0}
+                {"seed": seed, **measure(res, scenario), **promotions(res), **fresh, "wall_s": time.monotonic() - t0}
             )
             print(f"{key} seed {seed}: {json.dumps(per_seed[-1])}", flush=True)
         figures = mean_of([{k: v for k, v in s.items() if k not in ("seed", "wall_s")} for s in per_seed])
@@ -319,7 +351,7 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:.1%}"
 
 
-def _cell(seeds: list[dict[str, Any]], mean: float | None, fmt: Any) -> str:
+def _cell(seeds: list[Any], mean: float | None, fmt: Any) -> str:
     return " / ".join("–" if s is None else fmt(s) for s in seeds) + f" → **{'–' if mean is None else fmt(mean)}**"
 
 
@@ -333,6 +365,11 @@ def table(report: dict[str, Any]) -> str:
     ]
     drift = ["| drift row | correct, last day before | correct, last day | last day / before |", "|---|---|---|---|"]
     lm = ["| real-LM row | gap closed (held out, as served) | gold read | harmful leak |", "|---|---|---|---|"]
+    fresh = [
+        "| freshness row | median freshness (steps) | never fresh | never fresh, last 30% "
+        "| candidates' true gain over served, last 30% | served value: final (fall from best) | promoted |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, row in report["rows"].items():
         ps, m = row["per_seed"], row["mean"]
         if ROWS[key].lm:
@@ -350,7 +387,34 @@ def table(report: dict[str, Any]) -> str:
                 at_ref = [s.get("steps_to_90pct_step_reward_final") for s in ps]
                 cells.append(_cell(at_ref, m.get("steps_to_90pct_step_reward_final"), lambda v: f"{v:,.0f}"))
             sim.append(f"| {row['name']} | " + " | ".join(cells) + " |")
-    return "\n\n".join("\n".join(t) for t in (sim, drift, lm) if len(t) > 2)
+            if ROWS[key].freshness:
+                fresh.append(f"| {row['name']} | " + " | ".join(_freshness_cells(ps, m, ROWS[key].gate)) + " |")
+    return "\n\n".join("\n".join(t) for t in (sim, drift, lm, fresh) if len(t) > 2)
+
+
+def _freshness_cells(ps: list[dict[str, Any]], m: dict[str, Any], gated: bool) -> list[str]:
+    """A freshness row's cells (pipeline/lab/bench/staleness.py), seeds then the mean."""
+
+    def steps(v: float) -> str:
+        return "never" if v == float("inf") else f"{v:,.0f}"
+
+    def fall(i: int | None) -> str:
+        s = m if i is None else ps[i]
+        if s.get("served_value_final") is None:
+            return "–"
+        return f"{s['served_value_final']:+.3f} ({s['served_fall']:.3f})"
+
+    value = " / ".join(fall(i) for i in range(len(ps))) + f" → **{fall(None)}**"
+    return [
+        _cell([s["median_steps"] for s in ps], m["median_steps"], steps),
+        _cell([s["never"] for s in ps], m["never"], _pct),
+        _cell([s["never_tail"] for s in ps], m["never_tail"], _pct),
+        _cell([s.get("candidate_gain_tail") for s in ps], m.get("candidate_gain_tail"), lambda v: f"{v:+.3f}"),
+        value,
+        _cell([s["promoted"] + s["canary_promoted"] for s in ps], m["promoted"] + m["canary_promoted"], "{:.0f}".format)
+        if gated
+        else "every candidate",
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
