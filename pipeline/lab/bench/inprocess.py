@@ -107,6 +107,9 @@ ROWS: dict[str, InProcessRow] = {
     # 2 s cadence at 100 pairs/s), 15 days (docs/benchmarks.md, "Freshness").
     "fresh_step": InProcessRow("step reward, a candidate every 200 steps", 0.0, **_FRESH),
     "fresh_step_gated": InProcessRow("step reward, gated, a candidate every 200 steps", 0.0, gate=True, **_FRESH),
+    "fresh_step_gated_eps05": InProcessRow(
+        "step reward, gated (ε = 0.05), a candidate every 200 steps", 0.0, gate=True, gate_epsilon=0.05, **_FRESH
+    ),
     "fresh_step_lr3e4": InProcessRow("step reward, lr 3e-4, a candidate every 200 steps", 0.0, lr=3e-4, **_FRESH),
     "fresh_step_gated_lr3e4": InProcessRow(
         "step reward, gated, lr 3e-4, a candidate every 200 steps", 0.0, gate=True, lr=3e-4, **_FRESH
