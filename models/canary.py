@@ -166,15 +166,24 @@ class CanaryArms:
             self.canary, self.serving, epsilon, canary_x=np.array(self.canary_x), serving_x=np.array(self.serving_x)
         )
 
-    def verdict(
-        self, epsilon: float, max_decisions: int, gain: Estimate | None = None, decisions: int | None = None
-    ) -> str | None:
-        """The rule on ``gain`` (computed here if not given: :meth:`gain`); ``decisions``: the
-        canary decisions counted against ``max_decisions`` (default: the canary arm's)."""
+    def verdict(self, epsilon: float, max_decisions: int, gain: Estimate | None = None) -> str | None:
+        """:func:`canary_verdict` on ``gain`` (computed here if not given: :meth:`gain`) and the canary arm."""
         g = gain if gain is not None else self.gain(epsilon)
-        if g is not None and g.low > -epsilon:
-            return "promoted"
-        if g is not None and g.high < -epsilon:
-            return "refused"
-        n = len(self.canary) if decisions is None else decisions
-        return "retired" if n >= max_decisions else None
+        return canary_verdict(g, epsilon, len(self.canary), max_decisions)
+
+
+def canary_verdict(gain: Estimate | None, epsilon: float, decisions: int, max_decisions: int) -> str | None:
+    """The gate's rule on a canary's ``gain``: promoted when its lower bound is above −ε,
+    refused when its upper bound is below −ε, else retired after ``max_decisions`` canary
+    decisions (None: keep serving it).
+
+    >>> canary_verdict(Estimate(0.0, -0.01, 0.01, 1.0, 1, "x", 0.0), 0.02, 5, 100)
+    'promoted'
+    >>> canary_verdict(None, 0.02, 100, 100)
+    'retired'
+    """
+    if gain is not None and gain.low > -epsilon:
+        return "promoted"
+    if gain is not None and gain.high < -epsilon:
+        return "refused"
+    return "retired" if decisions >= max_decisions else None

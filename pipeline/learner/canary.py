@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.canary import CanaryArms, neighbour_covariate
+from models.canary import CanaryArms, canary_verdict, neighbour_covariate
 from models.coupled import CoupledArms, prior_second_moment
 from models.estimators import Estimate
 from models.logged import LoggedDecisions
@@ -156,7 +156,7 @@ class CanaryRun:
         """
         coupled = self.coupled.gain(epsilon)
         if coupled is not None:
-            decided = self.arms.verdict(epsilon, self.max_decisions, coupled, self.coupled.differing)
+            decided = canary_verdict(coupled, epsilon, self.coupled.differing, self.max_decisions)
             return decided, coupled
         gain = self.arms.gain(epsilon)
         decided = self.arms.verdict(epsilon, self.max_decisions, gain)

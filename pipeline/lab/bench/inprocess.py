@@ -12,7 +12,10 @@ before the drift) and on the real-LM world (``lm_*``: :class:`pipeline.lab.lmwor
 utilities from the LM cache of ``causalmem bench learning --lm``, 3,000 steps; the share
 of the similarity → oracle gap that the final served policy closes on the held-out
 questions). They differ in the share of steps whose feedback carries per-memory credit
-and in whether steps without it get imputed credit (docs/learning.md).
+and in whether steps without it get imputed credit (docs/learning.md). The freshness rows
+(``fresh_*``: 15 days, a refresh every 200 steps, their own learning rate and gate margin)
+add :mod:`pipeline.lab.bench.staleness`'s figures: in-process freshness and every
+version's true value (docs/benchmarks.md, "Freshness").
 """
 
 from __future__ import annotations
