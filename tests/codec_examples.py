@@ -1,7 +1,7 @@
 """Valid example values of every wire type, their decoders, and comparison helpers.
 
-Shared by tests/test_codec.py (round trips), tests/test_codec_rejections.py (one rejection
-per reason) and tests/test_codec_properties.py (fuzzing, the fast path).
+Shared by tests/unit/topics/test_codec.py (round trips), tests/unit/topics/test_codec_rejections.py (one rejection
+per reason) and tests/unit/topics/test_codec_properties.py (fuzzing, the fast path).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ async def until(
 
 async def publish_tensors(pub: Any, tensors: dict[str, Any], *, arch: Any, **kwargs: Any) -> Any:
     """Serialize a policy's tensors and publish them with a CheckpointPublisher (as the learner does)."""
-    from models.weights import to_safetensors
+    from models.policy.weights import to_safetensors
 
     alpha = float(tensors["alpha"].reshape(-1)[0])
     return await pub.publish(to_safetensors(tensors), alpha=alpha, arch=arch.to_dict(), **kwargs)

@@ -1,7 +1,7 @@
 """Delta checkpoints on the model topic (contract 1.3, docs/contract.md §7.1): keys and the delta manifest.
 
 A *delta* carries what changed since its base: the output rows written since then and the
-small tensors in full (``models.delta``). It is published like a full checkpoint, under
+small tensors in full (``models.policy.delta``). It is published like a full checkpoint, under
 keys of its own that readers of contract 1.2 ignore:
 
 - chunks ``"{policy}/delta/{version}/{i}"``, then the manifest under ``"{policy}/delta"``

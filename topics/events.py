@@ -180,7 +180,7 @@ def _fast_retrieval_event(
     Returns None for anything unusual — a missing or null field, an integral float where an
     int is expected, texts, any doubt — and the caller then runs the full validator, which
     either accepts the value or says precisely why not. It never accepts what the full
-    validator would reject (tests/test_codec_properties.py checks the two agree).
+    validator would reject (tests/unit/topics/test_codec_properties.py checks the two agree).
     """
     big, n_max = limits.max_abs_value, limits.max_id_len
     try:

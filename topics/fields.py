@@ -92,7 +92,7 @@ class Limits:
     """What validation accepts; D and S come from the deployment's configuration.
 
     ``slots`` is at least 1; a policy's S is at most :data:`MAX_SLOTS` (checked where a
-    policy is built, models/policy.py), while a reader that accepts any slot number (the
+    policy is built, models/policy/network.py), while a reader that accepts any slot number (the
     labeling queue) may set more.
 
     >>> Limits(slots=0)

@@ -4,7 +4,7 @@ A checkpoint is safetensors bytes split into chunks of at most 512 KiB, publishe
 messages keyed ``"{policy}/{version}/{i}"`` (raw bytes) and followed by one manifest keyed
 ``"{policy}"`` (the serving checkpoint) or ``"{policy}/candidate"`` (awaiting the
 promotion gate). The manifest carries the blob's size and sha256, so a reader checks the
-reassembled chunks before it parses them (see ``models.weights.verify_and_load``).
+reassembled chunks before it parses them (see ``models.policy.weights.verify_and_load``).
 
 Contract 1.4 adds ``"{policy}/canary"``: a candidate's manifest republished there is the
 *canary* that clients serve on a share of their requests (``serving.canary_rate``); a
@@ -269,7 +269,7 @@ class Manifest(WireValue):
     input_offsets: dict[str, int] = field(default_factory=dict)
     epoch: int | None = None  # the writer's epoch (fencing); absent before contract 1.2
     signature: str | None = None  # "hmac-sha256:<hex>" when the learner has a signing key
-    serving: dict[str, Any] | None = None  # contract 1.2: how clients serve it (models.serving)
+    serving: dict[str, Any] | None = None  # contract 1.2: how clients serve it (models.serving.params)
 
     def signed(self, key: bytes | None) -> Manifest:
         """This manifest with its signature set (unchanged without a key)."""

@@ -1,7 +1,7 @@
 """``causalmem evaluate``: off-policy estimates of the serving, candidate, similarity and uniform policies as served.
 
 ``--shadow``: shadow mode's estimate of the policy's gain over the incumbent, and the
-optional automatic cut-over (:mod:`pipeline.evaluation.shadow`).
+optional automatic cut-over (:mod:`pipeline.policy_evaluation.shadow`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from pipeline.cli.common import resolve_bootstrap, settings_from
 from pipeline.config import Settings
-from pipeline.evaluation.evaluate import METHODS, evaluate_window, print_report
-from pipeline.evaluation.shadow import format_report, shadow_report, watch
+from pipeline.policy_evaluation.evaluate import METHODS, evaluate_window, print_report
+from pipeline.policy_evaluation.shadow import format_report, shadow_report, watch
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from pipeline.cli.common import (
     start_metrics,
 )
 from pipeline.cli.stage import serve_stage, watch_stage
-from pipeline.evaluator.service import Evaluator
+from pipeline.lm_evaluator.service import Evaluator
 from pipeline.metrics import Metrics
 from pipeline.probes import Probes
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args, **{k: getattr(args, k, None) for k in EVALUATOR_KEYS})
     config = settings.evaluator()  # a bad rate or batch size fails here, before the model loads
     try:
-        from pipeline.evaluator.scoring import AnswerScorer, ModelNotFound
+        from pipeline.lm_evaluator.scoring import AnswerScorer, ModelNotFound
     except ImportError as exc:  # the lm extra's packages are checked first (pipeline/cli/__init__.py)
         print(f"causalmem evaluator: {exc}", file=sys.stderr)
         return 2

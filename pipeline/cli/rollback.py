@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from pipeline.cli.common import resolve_bootstrap, settings_from
-from pipeline.evaluation.rollback import rollback
+from pipeline.policy_evaluation.rollback import rollback
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from pipeline.cli.common import resolve_bootstrap, settings_from
-from pipeline.evaluation.shadow import format_report, shadow_report
+from pipeline.policy_evaluation.shadow import format_report, shadow_report
 from pipeline.promtext import metrics_url
 from pipeline.status.collect import StatusCollector
 from pipeline.status.render import show

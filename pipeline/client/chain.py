@@ -6,16 +6,16 @@ against the next one's ``base_sha256``; :func:`fetch_state` loads that full snap
 replays the deltas in order, then checks the result against the last delta's
 ``state_sha256``. Clients use it when they miss a link or a check fails; the learner uses it
 to restore a delta version. The subscriber's fast path (one delta onto the policy it
-holds) is :func:`fetch_delta` plus ``models.delta.apply_delta``.
+holds) is :func:`fetch_delta` plus ``models.policy.delta.apply_delta``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from models.delta import Delta, apply_delta, decode_delta, state_sha256
-from models.policy import Arch
-from models.weights import verify_and_load
+from models.policy.delta import Delta, apply_delta, decode_delta, state_sha256
+from models.policy.network import Arch
+from models.policy.weights import verify_and_load
 from pipeline.component_config import Connection
 from pipeline.config import Settings
 from pipeline.modeltopic import ModelTopicIndex, fetch_blob

@@ -2,7 +2,7 @@
 
 :class:`~pipeline.client.retriever.CausalRetriever` makes it once per request, or twice
 with the same random draws (:class:`Noise` with ``shared``) when a coupled canary
-(contract 1.5, :mod:`models.coupled`) compares the canary's slate with the serving
+(contract 1.5, :mod:`models.offpolicy.coupled`) compares the canary's slate with the serving
 policy's on the same request: where the two policies agree, the shared draws give both
 the same slate.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from models.coupled import CANARY_SHARE
-from models.serving_rule import plackett_luce_logprob, revive_dropped
+from models.offpolicy.coupled import CANARY_SHARE
+from models.serving.rule import plackett_luce_logprob, revive_dropped
 from pipeline.client.serving import ServingValues, draw, keep_flags
 from pipeline.client.subscriber import LoadedPolicy
 

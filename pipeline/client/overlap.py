@@ -13,7 +13,7 @@ the same inputs.
 
 >>> import numpy as np
 >>> from pipeline.client.subscriber import LoadedPolicy
->>> from models.policy import init_policy
+>>> from models.policy.network import init_policy
 >>> from topics.manifest import Manifest
 >>> policy = LoadedPolicy(Manifest("p", 1, 0.0, "init", {}, 0.5, 0.0, "0" * 64, 1, 1), init_policy(4, 8, 16))
 >>> o = FeatureOverlap(overlap=True)

@@ -25,8 +25,8 @@ import faiss
 import numpy as np
 import torch
 
-from models.serving import ServingParams
-from models.serving_rule import DYNAMIC_DROP_RATIO
+from models.serving.params import ServingParams
+from models.serving.rule import DYNAMIC_DROP_RATIO
 from pipeline.client.choice import Choice, Noise, choose, coupled, event_labels
 from pipeline.client.memory_index import IdIndex
 from pipeline.client.overlap import FeatureOverlap
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 FallbackFn = Callable[[str | None, np.ndarray, int], list[int]]
 
 
-NEUTRAL_MASK = 1.0  # softplus(NEUTRAL_BIAS): the mask of a fresh row (models/policy.py neutral_out)
+NEUTRAL_MASK = 1.0  # softplus(NEUTRAL_BIAS): the mask of a fresh row (models/policy/network.py neutral_out)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 :class:`~pipeline.client.retriever.CausalRetriever` finds candidates in its own faiss
 index; the adapters for LangChain and LlamaIndex get them from the user's retriever. Both
-then do the same three things, written once here over :mod:`models.serving_rule`: the
+then do the same three things, written once here over :mod:`models.serving.rule`: the
 policy's mask over the candidate slots (:func:`policy_masks`), the hard drop
 (:func:`keep_flags`) and the Plackett–Luce draw with its true log-probability
 (:func:`draw`). Which serving parameters are in force is decided here too
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.rows import take_rows
-from models.serving import ServingParams
-from models.serving_rule import (
+from models.policy.rows import take_rows
+from models.serving.params import ServingParams
+from models.serving.rule import (
     DYNAMIC_DROP_RATIO,
     adjusted_logits,
     first_draw_probs,
@@ -57,7 +57,7 @@ class ServingValues:
     explore_rate: float
     explore_temperature: float
     canary_rate: float = 0.0  # contract 1.4: the share of requests that serve the canary
-    canary_coupled: bool = False  # contract 1.5: those requests draw both slates (models/coupled.py)
+    canary_coupled: bool = False  # contract 1.5: those requests draw both slates (models/offpolicy/coupled.py)
 
 
 def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> ServingValues:
@@ -93,7 +93,7 @@ def policy_masks(
     candidates' part). The network's own operations (``PolicyNetwork.features`` then
     ``candidate_masks``), called directly: one query's masks are a dozen small operations, and
     the modules' calls, the einsum's parsing and the tensors built per call cost as much as
-    the arithmetic. The values are the network's, bit for bit (tests/test_serving_masks.py).
+    the arithmetic. The values are the network's, bit for bit (tests/unit/models/serving/test_serving_masks.py).
     """
     if policy is None:
         return np.zeros(len(slots))

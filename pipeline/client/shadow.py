@@ -6,7 +6,7 @@ except for a small budget of requests (``explore_rate``, 5% by default) served i
 uniformly random order over the incumbent's candidates, with the *true* propensity of
 that order as the event's ``logprob`` (an ordered draw of k of n: log((n−k)!/n!)). The
 learner learns off-policy from those events, and ``causalmem evaluate --shadow``
-(:mod:`pipeline.evaluation.shadow`) estimates the policy's gain over the incumbent from
+(:mod:`pipeline.policy_evaluation.shadow`) estimates the policy's gain over the incumbent from
 them. Requests served by the incumbent are logged as ``fallback`` events (a different
 retriever served them): they carry utility to the metrics, never to the gradient or to the
 estimates, whose weights would be biased by a deterministic logging policy.
@@ -37,7 +37,7 @@ from typing import Literal
 import numpy as np
 import orjson
 
-from models.logged import uniform_logprob
+from models.offpolicy.logged import uniform_logprob
 from pipeline.client.idmap import write_atomically
 from pipeline.client.subscriber import LoadedPolicy
 from topics.internal import CUTOVER_COMMAND

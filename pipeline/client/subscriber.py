@@ -1,7 +1,7 @@
 """Client side: :class:`PolicySubscriber` follows the model topic and hot-swaps the policy.
 
 Only a checkpoint that passes verification is swapped in (size, sha256, tensor names,
-shapes, dtype, finiteness: ``models.weights.verify_and_load``); anything else is
+shapes, dtype, finiteness: ``models.policy.weights.verify_and_load``); anything else is
 rejected and logged, and the previous policy stays. Manifests of an older writer epoch,
 version jumps beyond ``topics.manifest.MAX_VERSION_JUMP`` and chunk counts beyond what
 the size allows are rejected before anything is fetched, and with a signing key so are
@@ -30,10 +30,10 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from models.delta import apply_delta, state_sha256
-from models.policy import Arch, PolicyNetwork
-from models.serving import ServingParams
-from models.weights import verify_and_load
+from models.policy.delta import apply_delta, state_sha256
+from models.policy.network import Arch, PolicyNetwork
+from models.policy.weights import verify_and_load
+from models.serving.params import ServingParams
 from pipeline import kafka
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.component_config import Connection

@@ -11,7 +11,7 @@ on ``serving.canary_rate`` of their requests, marking their events ``canary: tru
 :class:`CanaryRun` reads the arms back from the learner's replay — the canary's events,
 and the serving policy's events that arrived since the canary started — and judges
 the difference of their mean utilities with a time-uniform interval
-(:mod:`models.canary`), each utility adjusted by what earlier traffic says of its query.
+(:mod:`models.offpolicy.canary`), each utility adjusted by what earlier traffic says of its query.
 The gate's rule applies: promoted when the lower bound is above −ε, refused when the
 upper bound is below −ε; an undecided canary gives way to a newer candidate after
 ``canary_max`` canary decisions (or after the serving decisions that many canary
@@ -19,7 +19,7 @@ decisions should have come with, if clients do not serve canaries).
 
 Where the serving parameters say ``canary_coupled`` (contract 1.5), clients draw both
 slates on those requests instead, and the run judges the canary on them alone
-(:mod:`models.coupled`), predicting each slate with a reward model fit on the window
+(:mod:`models.offpolicy.coupled`), predicting each slate with a reward model fit on the window
 before the canary started; a coupled canary gives way after ``canary_max`` requests
 whose two slates differed.
 """
@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.canary import CanaryArms, canary_verdict, neighbour_covariate
-from models.coupled import CoupledArms, prior_second_moment
-from models.estimators import Estimate
-from models.logged import LoggedDecisions
-from models.policy import PolicyNetwork
-from models.reward_model import AdditiveRewardModel
+from models.offpolicy.canary import CanaryArms, canary_verdict, neighbour_covariate
+from models.offpolicy.coupled import CoupledArms, prior_second_moment
+from models.offpolicy.estimators import Estimate
+from models.offpolicy.logged import LoggedDecisions
+from models.offpolicy.reward_model import AdditiveRewardModel
+from models.policy.network import PolicyNetwork
 from topics.internal import Experience
 from topics.manifest import Manifest
 

@@ -15,13 +15,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from models.policy import Arch
-from models.trainer import PolicyTrainer
+from models.policy.network import Arch
+from models.policy.trainer import PolicyTrainer
 from pipeline.component_config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
-from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
+from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.publishing import Progress
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import find_version

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.delta import delta_bytes, full_bytes
-from models.policy import Arch
-from pipeline.modelpublish import CheckpointPublisher
+from models.policy.delta import delta_bytes, full_bytes
+from models.policy.network import Arch
+from pipeline.modeltopic.publisher import CheckpointPublisher
 
 FULL_REASONS = ("init", "reset", "rollback")  # checkpoints that are always full snapshots
 KEEP_LINKS = 3  # versions whose rows are kept apart (older ones are merged: a safe over-approximation)

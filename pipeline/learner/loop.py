@@ -1,7 +1,7 @@
 """The learner: the single writer of the policy (docs/architecture.md, docs/learning.md).
 
 Reads joined experiences (and labelled samples) from the one-partition ``experiences``
-topic in offset order, applies micro-batches with :class:`models.trainer.PolicyTrainer`,
+topic in offset order, applies micro-batches with :class:`models.policy.trainer.PolicyTrainer`,
 and publishes checkpoints on the model topic at most every ``checkpoint_interval_s`` and
 only when the policy changed. Reset and rollback commands arrive on ``control``.
 
@@ -16,7 +16,7 @@ only when the policy changed. Reset and rollback commands arrive on ``control``.
 - :mod:`~pipeline.learner.inbox`: pending and held experiences, positions, reorder mode,
   dedupe, micro-batches;
 - :mod:`~pipeline.learner.replay`: the kept experiences (drift warm-up, gate window);
-- :mod:`~pipeline.learner.publishing` and :mod:`~pipeline.learner.gate`: checkpoints,
+- :mod:`~pipeline.learner.publishing` and :mod:`~pipeline.learner.promotion_gate`: checkpoints,
   candidates and promotion; :mod:`~pipeline.learner.store`: their local copy.
 
 Long work (a drift reset's warm-up, decoding the history, loading a checkpoint) runs in
@@ -34,17 +34,17 @@ from typing import Any
 import torch
 from aiokafka import TopicPartition
 
-from models.policy import Arch
-from models.trainer import PolicyTrainer
+from models.policy.network import Arch
+from models.policy.trainer import PolicyTrainer
 from pipeline import kafka
 from pipeline.component_config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.control import ControlCommands
 from pipeline.learner.election import Election
 from pipeline.learner.fence import Fence, Fenced
-from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
+from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.publishing import Progress, Publishing, manifest_metrics
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import (

@@ -1,7 +1,7 @@
 """The learner's memories: the ``memory-lifecycle`` topic, slots, and the id → slot map it publishes.
 
 :class:`MemoryBank` applies lifecycle records in the topic's order (one partition): an
-``add`` gets a slot from :class:`models.slots.SlotAllocator` and a freshly initialised
+``add`` gets a slot from :class:`models.memory.slots.SlotAllocator` and a freshly initialised
 output row; an ``update`` of a live memory changes nothing the policy sees; a ``remove``
 tombstones the slot, reused only after the grace period. Every change waits in
 :attr:`MemoryBank.pending` until the next checkpoint, whose version it then names: its
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 from aiokafka import TopicPartition
 
-from models.cold_start import SlotEmbeddings, knn_rows
-from models.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
-from models.trainer import PolicyTrainer
+from models.memory.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
+from models.policy.cold_start import SlotEmbeddings, knn_rows
+from models.policy.trainer import PolicyTrainer
 from pipeline import kafka
 from pipeline.component_config import Connection, LearnerConfig
 from pipeline.learner.restore import Restored
@@ -46,7 +46,7 @@ from topics.slotmap import SlotRecord, decode_slot_record, parse_slot_key
 log = logging.getLogger(__name__)
 
 HOLD_UNKNOWN_S = 5.0  # experiences wait at most this long for the lifecycle's first high watermark
-K_NEAREST = 5  # neighbours a new memory's row is made from (models.cold_start.knn_rows)
+K_NEAREST = 5  # neighbours a new memory's row is made from (models.policy.cold_start.knn_rows)
 
 
 class MemoryBank:
@@ -270,7 +270,7 @@ class MemoryBank:
 
     def _cold_start(self, trainer: PolicyTrainer, slot: int, embedding: np.ndarray | None) -> None:
         """The new memory's row: from its nearest live memories' rows when its embedding is
-        known (``models.cold_start.knn_rows``), else a neutral row; its Adam moments cleared."""
+        known (``models.policy.cold_start.knn_rows``), else a neutral row; its Adam moments cleared."""
         if embedding is None:
             trainer.init_rows([slot])
             return

@@ -31,15 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.delta import encode_delta
-from models.policy import Arch
-from models.serving import ServingParams
-from models.trainer import PolicyTrainer
-from models.weights import to_safetensors
+from models.policy.delta import encode_delta
+from models.policy.network import Arch
+from models.policy.trainer import PolicyTrainer
+from models.policy.weights import to_safetensors
+from models.serving.params import ServingParams
 from pipeline.component_config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
-from pipeline.learner.gate import PromotionGate, network
 from pipeline.learner.inbox import Key
+from pipeline.learner.promotion_gate import PromotionGate, network
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher

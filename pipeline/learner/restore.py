@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from models.policy import Arch
-from models.trainer import PolicyTrainer
+from models.policy.network import Arch
+from models.policy.trainer import PolicyTrainer
 from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.component_config import Connection
 from pipeline.learner.inbox import Key

@@ -28,8 +28,8 @@ import orjson
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.policy import Arch
-from models.weights import to_safetensors, verify_and_load
+from models.policy.network import Arch
+from models.policy.weights import to_safetensors, verify_and_load
 from topics.manifest import CheckpointError, Manifest, sha256_hex
 
 log = logging.getLogger(__name__)

@@ -76,7 +76,7 @@ def render(s: dict[str, Any]) -> Group:
     if live.row_count:
         parts.append(live)
     parts.append(_queues(s.get("active_learning") or {}, s.get("dead_letter") or {}))
-    if s.get("shadow"):  # `status --shadow`: the line comes formatted (pipeline/evaluation/shadow.py)
+    if s.get("shadow"):  # `status --shadow`: the line comes formatted (pipeline/policy_evaluation/shadow.py)
         parts.append(Text(f"shadow: {s['shadow']['line']}"))
     parts.extend(Text(f"! {err}", style="red") for err in s.get("errors", []))
     return Group(*parts)

@@ -193,7 +193,7 @@ class Feeds(Service):
 
     async def _shadow(self) -> dict[str, Any] | None:
         """Shadow mode's mode and gain estimate, as `causalmem status --shadow` shows them."""
-        from pipeline.evaluation.shadow import format_report, shadow_report
+        from pipeline.policy_evaluation.shadow import format_report, shadow_report
 
         try:
             report = await shadow_report(self.bootstrap, self.conn, self.config.shadow_window)

@@ -1,7 +1,7 @@
 """The health page: the memory health score, its band and what the band asks, trends, gate and checkpoints.
 
 - **Score and band** — the workers' own health score (``causalmem_memory_health_score``,
-  :mod:`models.health`), the worst among the ``--worker`` endpoints, as ``causalmem
+  :mod:`models.memory.health`), the worst among the ``--worker`` endpoints, as ``causalmem
   status`` shows it. Without an endpoint the page computes the score from the topics it
   reads (no correlation known: that term counts 0.5) and says so.
 - **Trends** — per time bucket of event time: U_system (mean utility of the joined steps,
@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from models.health import band as health_band
-from models.health import health_score
+from models.memory.health import band as health_band
+from models.memory.health import health_score
 from topics.events import RetrievalEvent
 from topics.internal import Experience
 

@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.memory_stats import Z95, MemoryStats
+from models.memory.stats import Z95, MemoryStats
 from topics.events import RetrievalEvent
 from topics.internal import Experience
 
@@ -52,7 +52,7 @@ class Effect:
 
 class MemoryEffects:
     """Per-memory effect statistics, ``update(slot, value)`` and ``get(slot)``: the learner's own
-    :class:`models.memory_stats.MemoryStats` (Welford, 95% normal interval), so the UI and the
+    :class:`models.memory.stats.MemoryStats` (Welford, 95% normal interval), so the UI and the
     learner's metrics agree."""
 
     def __init__(self, slots: int) -> None:

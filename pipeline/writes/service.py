@@ -1,12 +1,12 @@
 """``causalmem writes``: proposed memories in, admitted memories out, by reward-prediction error.
 
 The write gate reads ``memory-writes`` in its own consumer group (partitions shared among
-the gates of a deployment) and judges each proposal (:mod:`models.write_gate`):
+the gates of a deployment) and judges each proposal (:mod:`models.memory.write_gate`):
 
 - ``|reward − expected reward| > θ``: admitted. An ``add`` record goes to
   ``memory-lifecycle`` with ``kind`` ``success`` (positive RPE) or ``pitfall``
   (negative), ``delta`` = RPE and ``source`` ``write-gate``, under the memory id
-  :func:`~models.write_gate.memory_id_for` derives from the ``write_id``: a proposal
+  :func:`~models.memory.write_gate.memory_id_for` derives from the ``write_id``: a proposal
   judged twice (a replay after a crash) names the same memory, and the compacted
   lifecycle topic keeps one record for it.
 - otherwise: rejected, and kept for review on ``memory-writes-rejected`` (compacted by
@@ -20,7 +20,7 @@ only after the broker acknowledged the batch's outputs (at-least-once; with the 
 memory ids, effectively once for admissions).
 
 The expected reward is the producer's when it sends one, else the gate's own running
-mean per query topic (:class:`~models.write_gate.RewardEstimator`). That estimate lives
+mean per query topic (:class:`~models.memory.write_gate.RewardEstimator`). That estimate lives
 in the process: a restarted gate starts again from ``writes_prior``, and a replayed
 proposal is judged against the estimate of the moment, so a replay after a crash may
 decide a borderline proposal differently (an admission is never duplicated).
@@ -36,7 +36,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from models.write_gate import Decision, RewardEstimator, WriteGate, memory_id_for
+from models.memory.write_gate import Decision, RewardEstimator, WriteGate, memory_id_for
 from pipeline.batchstage import BatchStage
 from pipeline.component_config import WritesConfig
 from pipeline.metrics import Metrics

@@ -1,0 +1,30 @@
+"""``causalmem bench``: benchmarks of the real code paths.
+
+- ``throughput``: raw aiokafka consumption vs the pipeline end to end (worker + learner
+  processes on the same broker), and the learner's update vs a bare torch step;
+- ``learning``: what each policy learns on a scenario with known ground truth;
+- ``soak``: a steady input rate for a set time, with lag and memory sampled;
+- ``evaluator``: evaluations/s and tokens/s of the evaluator's LM scoring, and of the service.
+- ``gate``: the promotion gate's calibration on the simulator (coverage, false and missed promotions).
+- ``coldstart``: learner steps a new helpful memory needs to enter the served top-k, kNN vs fresh rows.
+- ``scale``: the learner's step rate and RSS, and retrieval latency with the policy against plain
+  faiss, at S = 1,024, 100,000 and 1,000,000 memories.
+- ``freshness``: seconds from a pair's publication to a serving checkpoint covering it loaded by a
+  client, at the previous and the current checkpoint defaults (worker, learner, client on a broker).
+
+Figures are ratios measured side by side in one run, since absolute times on shared
+machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
+"""
+
+from __future__ import annotations
+
+BENCHES = {
+    "throughput": "causalmem_lab.bench.throughput",
+    "learning": "causalmem_lab.bench.learning",
+    "soak": "causalmem_lab.bench.soak",
+    "evaluator": "causalmem_lab.bench.evaluator",
+    "gate": "causalmem_lab.bench.gate",
+    "coldstart": "causalmem_lab.bench.coldstart",
+    "scale": "causalmem_lab.bench.scale",
+    "freshness": "causalmem_lab.bench.freshness",
+}

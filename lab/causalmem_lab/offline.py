@@ -1,0 +1,273 @@
+"""The learning loop in one process, without Kafka: for tuning and quick experiments.
+
+It wires the same pieces as the running system (Environment, CausalRetriever,
+PolicyTrainer, DriftMonitor) with the pipeline's delays emulated: the serving policy is
+refreshed from the learner every ``refresh_every`` steps (the checkpoint cadence), and
+the learner applies micro-batches in arrival order. The learner's own parts decide what
+it keeps and judges: :class:`~pipeline.learner.replay.Replay` (the kept window of event
+time, the drift warm-up and the gate's window) and
+:func:`~pipeline.learner.promotion_gate.judge_window` (the promotion rule). ``causalmem bench
+learning`` runs the real pipeline; this is where its settings were explored first
+(docs/learning.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from causalmem_lab.lmworld import LMScenario
+from causalmem_lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
+from models.drift import DriftMonitor
+from models.policy.network import PolicyNetwork
+from models.policy.trainer import PolicyTrainer, TrainerConfig
+from models.serving.params import ServingParams
+from pipeline.client.subscriber import LoadedPolicy
+from pipeline.component_config import GateConfig
+from pipeline.config import Settings
+from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.promotion_gate import judge_window
+from pipeline.learner.publishing import first_serving
+from pipeline.learner.replay import Replay
+from topics.internal import Experience
+from topics.manifest import Manifest
+
+
+@dataclass
+class OfflineConfig:
+    hidden: int = 512
+    lr: float = 1e-3
+    batch_size: int = 32
+    baseline: str = "moving"
+    baseline_fading: float = 0.01
+    importance_clip: float = 5.0
+    grad_clip: float = 1.0
+    refresh_every: int = 300
+    drop: str | float = "dynamic"
+    explore_rate: float | None = None  # None: the scenario's
+    explore_temperature: float | None = None
+    explore_revive: float = 0.1  # CausalRetriever's default
+    reset: bool = True
+    page_hinkley: bool = True
+    drift_min_pairs: int = 1000
+    drift_cooldown_s: float = 2 * 86400.0
+    warmup_epochs: int = 2
+    warmup_half_life_s: float = 86400.0
+    replay_window_s: float = Settings.drift_window_days * DAY  # what the learner keeps (its default)
+    learn: bool = True
+    gate: bool = False
+    gate_method: str = "auto"
+    gate_window: int = 2000
+    gate_epsilon: float = 0.02
+    gate_min_ess: float = 50.0
+    canary_rate: float = 0.0  # share of requests that serve the pending candidate (gate on; 0: no canary)
+    canary_max: int = GateConfig.canary_max  # canary decisions after which an undecided canary gives way
+    canary_coupled: bool = False  # contract 1.5: canary requests draw both slates (models/offpolicy/coupled.py)
+    seed: int = 0
+
+    def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
+        return TrainerConfig(
+            scenario.embedding_dim,
+            scenario.slots,
+            self.hidden,
+            lr=self.lr,
+            grad_clip=self.grad_clip,
+            importance_clip=self.importance_clip,
+            baseline=self.baseline,
+            baseline_fading=self.baseline_fading,
+            seed=self.seed,
+        )
+
+    def gate_config(self) -> GateConfig | None:
+        return (
+            GateConfig(self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method) if self.gate else None
+        )
+
+
+@dataclass
+class OfflineResult:
+    tally: Tally
+    resets: list[float] = field(default_factory=list)
+    corr: list[tuple[float, float, int]] = field(default_factory=list)
+    alpha: list[tuple[float, float]] = field(default_factory=list)  # (event time, α) at each refresh
+    pairs: list[tuple[float, float, int]] = field(default_factory=list)  # (t, U_query, rating)
+    gate: list[str] = field(default_factory=list)  # the gate's decision at each refresh
+    canary: list[str] = field(default_factory=list)  # the canary's verdicts, e.g. "promoted v7 (212 canary decisions)"
+    served: LoadedPolicy | None = None  # the policy the retriever serves at the end
+    canary_utility: list[float] = field(default_factory=list)  # true utility of each canary request
+    # Each policy version: the step whose experiences it has learnt from (all steps before
+    # it), and its true value where run_offline was given a ``value`` function.
+    created: dict[int, int] = field(default_factory=dict)
+    values: dict[int, float] = field(default_factory=dict)
+    # At each refresh: (step, the candidate's version, the version served before its judgement).
+    refreshes: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | None = None) -> LoadedPolicy:
+    """The trainer's policy as a client would load it; ``serving``: the manifest's serving parameters."""
+    net = copy.deepcopy(trainer.net).cpu().eval()
+    manifest = Manifest("default", version, 0.0, "periodic", net.arch.to_dict(), 0.0, 0.0, "0" * 64, 1, 1)
+    if serving is not None:
+        manifest = replace(manifest, serving=serving.to_wire())
+    return LoadedPolicy(manifest=manifest, net=net)
+
+
+def run_offline(
+    scenario: Scenario | LMScenario,
+    cfg: OfflineConfig,
+    progress: Any = None,
+    env: Any = None,
+    value: Callable[[PolicyNetwork], float] | None = None,
+) -> OfflineResult:
+    """Run ``scenario``'s traffic through the loop; ``env`` (optional) is a world with the
+    simulator Environment's interface (e.g. :class:`causalmem_lab.lmworld.LMWorld` over an
+    :class:`~causalmem_lab.lmworld.LMScenario`), else ``Environment(scenario)``. ``value``
+    (optional): a policy's true value, recorded for every version (``OfflineResult.values``)."""
+    if env is None:
+        assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
+        env = Environment(scenario)
+    retriever = scenario_retriever(
+        env,
+        scenario,
+        drop=cfg.drop,
+        explore_rate=scenario.explore_rate if cfg.explore_rate is None else cfg.explore_rate,
+        explore_temperature=scenario.explore_temperature
+        if cfg.explore_temperature is None
+        else cfg.explore_temperature,
+        explore_revive=cfg.explore_revive,
+        canary_rate=cfg.canary_rate,
+    )
+    trainer = PolicyTrainer(cfg.trainer(scenario))
+    gate = cfg.gate_config()
+    canary: CanaryRun | None = None  # the pending candidate clients serve on canary_rate of requests
+    serving_params = ServingParams(
+        temperature=retriever.temperature,
+        explore_rate=retriever.explore_rate,
+        explore_temperature=retriever.explore_temperature,
+        drop="fixed" if isinstance(cfg.drop, float) else cfg.drop,
+        drop_ratio=cfg.drop if isinstance(cfg.drop, float) else 0.01,
+        canary_rate=cfg.canary_rate,  # clients' share is set explicitly; the manifest says it too
+        canary_coupled=cfg.canary_coupled,
+    )
+    configured_t = retriever.temperature
+    current = serving_params  # how the policy clients hold is served
+    if gate is not None:
+        # As the learner publishes a fresh first policy under the gate (first_serving).
+        current = first_serving(serving_params, True, "init", 0)
+        retriever.temperature = current.temperature
+    version = 1
+    pending: list[Experience] = []
+    result = OfflineResult(Tally())
+    steps = 0
+
+    def snapshot(serving: ServingParams) -> LoadedPolicy:
+        """The trainer's policy as version ``version``, its learnt-from step and value recorded."""
+        policy = _snapshot(trainer, version, serving if gate is not None else None)
+        result.created[version] = steps - len(pending)  # the pending steps are not learnt yet
+        if value is not None:
+            result.values[version] = value(policy.net)
+        return policy
+
+    retriever.set_policy(snapshot(current))
+    monitor = DriftMonitor(
+        min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
+    )
+    replay = Replay(cfg.replay_window_s)
+
+    def serve_as_configured(policy: LoadedPolicy) -> None:
+        """Clients serve ``policy`` with the configured parameters; a canary ends."""
+        nonlocal current, canary
+        retriever.temperature, current, canary = configured_t, serving_params, None
+        retriever.set_canary(None)
+        retriever.set_policy(policy)
+
+    for _ in range(scenario.total_queries):
+        q = env.next_query()
+        for step in range(q.steps):
+            st = env.step_features(q, step)
+            res = serve(retriever, st, with_texts=False)
+            true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, res.slots)
+            u = nll_without - nll_with
+            q.utilities.append(u)
+            # Canary requests are not the serving policy as served: measured apart, like exploration.
+            on_canary = bool(res.event.canary)
+            explore = on_canary or res.event.temperature != retriever.temperature
+            served = retriever.policy.version if retriever.policy is not None else 0
+            result.tally.record(env, q.intent, res.slots, true_u, st.ts, served, explore)
+            if on_canary:
+                result.canary_utility.append(true_u)
+            if not res.event.fallback:
+                effects = {m: v - nll_with for m, v in (nll_without_slot or {}).items()} or None
+                pending.append(Experience(res.event.event_id, "feedback", res.event, u, slot_effects=effects))
+            if len(pending) >= cfg.batch_size:
+                if cfg.learn:
+                    trainer.update(pending)
+                replay.extend(pending)
+                pending = []
+            steps += 1
+            if steps % cfg.refresh_every == 0:
+                result.alpha.append((st.ts, float(trainer.net.alpha.detach()[0])))
+                version += 1
+                candidate = snapshot(serving_params)
+                result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
+                if gate is not None and retriever.policy is not None:
+                    full = replay.gate_window()
+                    if canary is not None:
+                        verdict, _ = canary.judge(full, cfg.gate_epsilon)
+                        if verdict is not None:
+                            n = len(canary.coupled) or len(canary.arms.canary)
+                            result.canary.append(f"{verdict} v{canary.version} ({n} canary decisions)")
+                            if verdict == "promoted":
+                                serve_as_configured(LoadedPolicy(manifest=canary.manifest, net=canary.net))
+                            else:
+                                canary = None
+                                retriever.set_canary(None)
+                    window = [e for e in full if not is_canary(e)]
+                    decision, _, _ = judge_window(
+                        window,
+                        candidate.net,
+                        retriever.policy.net,
+                        gate,
+                        n_boot=100,
+                        params=serving_params,  # judged as this loop serves
+                        serving_params=current,
+                    )
+                    result.gate.append(decision)
+                    if decision != "promoted":
+                        if decision == "insufficient" and canary is None and cfg.canary_rate > 0:
+                            # As the gate starts a canary (pipeline/learner/promotion_gate.py).
+                            canary = CanaryRun(
+                                candidate.manifest,
+                                candidate.net,
+                                retriever.policy.version,
+                                window[-gate.window :],
+                                cfg.canary_rate,
+                                cfg.canary_max,
+                            )
+                            retriever.set_canary(candidate)
+                        continue
+                serve_as_configured(candidate)
+
+        rating = env.rating(q.intent)
+        if rating is not None:
+            t = q.ts
+            result.pairs.append((t, float(np.mean(q.utilities)), rating))
+            fired = monitor.update(t, float(np.mean(q.utilities)), rating)
+            result.corr.append((t, monitor.window.get(), monitor.window.pairs))
+            if fired and cfg.reset:
+                # As the learner does on a reset command (pipeline/learner/loop.py).
+                warm = replay.after_drift(monitor.trigger.change_t)
+                trainer.reset(
+                    warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
+                )
+                result.resets.append(t)
+                version += 1  # a reset is served as configured
+                serve_as_configured(snapshot(serving_params))
+        if progress is not None:
+            progress()
+    result.served = retriever.policy
+    return result

@@ -1,0 +1,113 @@
+"""How clients serve a policy: temperature, exploration and hard drop (docs/learning.md).
+
+The same network served at T = 0.05 and at T = 1.0 are two different policies with two
+different values. :class:`ServingParams` is that part of a policy's configuration: the
+learner records it in each checkpoint manifest (the optional ``serving`` field,
+docs/contract.md §7), ``CausalRetriever`` follows it, and the promotion gate judges
+candidates as they will be served: the target policy is the mixture
+
+    π_served = (1 − ε)·π_T + ε·π_{T_explore}
+
+with ε = ``explore_rate``; each logged step's own T and logprob stay the behaviour
+policy's propensity.
+
+>>> p = ServingParams()
+>>> p.components()
+((0.9, 0.05), (0.1, 0.25))
+>>> ServingParams.from_wire(p.to_wire()) == p
+True
+>>> ServingParams.from_wire(None) == ServingParams()  # manifests before contract 1.2
+True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# models.serving.rule.DYNAMIC_DROP_RATIO, repeated: that module loads torch, and the
+# configuration (pipeline/config.py) builds ServingParams without it.
+DYNAMIC_DROP_RATIO = 0.01
+DROP_MODES = ("dynamic", "fixed", "none")
+
+
+@dataclass(frozen=True)
+class ServingParams:
+    """The serving part of a policy's configuration.
+
+    ``drop``: ``"dynamic"`` (drop m_i < ``drop_ratio``·max m, the contract's rule),
+    ``"fixed"`` (drop m_i < ``drop_ratio``, an absolute threshold) or ``"none"`` (never
+    drop). Raises ``ValueError`` on values a client could not serve.
+    """
+
+    temperature: float = 0.05
+    explore_rate: float = 0.1
+    explore_temperature: float = 0.25
+    drop: str = "dynamic"
+    drop_ratio: float = DYNAMIC_DROP_RATIO
+    # Contract 1.4: the share of requests on which clients serve the learner's canary (a
+    # pending candidate, models/offpolicy/canary.py), as its own manifest says it is served. Not part
+    # of this policy's served mixture: those requests are the canary's.
+    canary_rate: float = 0.0
+    # Contract 1.5: clients draw the canary's and the serving policy's slates on those requests
+    # with the same random numbers and serve the canary's on half of those where they differ
+    # (models/offpolicy/coupled.py); false: the canary serves every such request (1.4's A/B split).
+    canary_coupled: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "explore_temperature"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0, not {v!r}")
+        for name in ("explore_rate", "canary_rate"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], not {v!r}")
+        if self.drop not in DROP_MODES:
+            raise ValueError(f"drop must be one of {DROP_MODES}, not {self.drop!r}")
+        if not (math.isfinite(self.drop_ratio) and self.drop_ratio >= 0):
+            raise ValueError(f"drop_ratio must be finite and >= 0, not {self.drop_ratio!r}")
+
+    def components(self) -> tuple[tuple[float, float], ...]:
+        """The served mixture as (weight, temperature) pairs (weights sum to 1; zero weights left out).
+
+        >>> ServingParams(explore_rate=0.0).components()
+        ((1.0, 0.05),)
+        """
+        parts = ((1.0 - self.explore_rate, self.temperature), (self.explore_rate, self.explore_temperature))
+        return tuple((round(w, 12), t) for w, t in parts if w > 0)
+
+    @property
+    def drop_spec(self) -> str | float:
+        """The retriever's ``drop`` argument: ``"dynamic"``, ``"none"`` or the fixed threshold."""
+        return self.drop_ratio if self.drop == "fixed" else self.drop
+
+    def to_wire(self) -> dict[str, Any]:
+        """The manifest's ``serving`` object (docs/contract.md §7)."""
+        return {
+            "temperature": self.temperature,
+            "explore_rate": self.explore_rate,
+            "explore_temperature": self.explore_temperature,
+            "drop": self.drop,
+            "drop_ratio": self.drop_ratio,
+            **({"canary_rate": self.canary_rate} if self.canary_rate > 0 else {}),
+            **({"canary_coupled": True} if self.canary_coupled and self.canary_rate > 0 else {}),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any] | None) -> ServingParams:
+        """From a manifest's ``serving`` object; ``None`` (an older manifest) gives the defaults.
+
+        Missing keys take their defaults, so later additions stay optional.
+        """
+        if obj is None:
+            return cls()
+        names = ("temperature", "explore_rate", "explore_temperature", "drop_ratio", "canary_rate")
+        known = {k: obj[k] for k in names if k in obj}
+        values: dict[str, Any] = {k: float(v) for k, v in known.items()}
+        if "drop" in obj:
+            values["drop"] = str(obj["drop"])
+        if obj.get("canary_coupled") is True:  # contract 1.5
+            values["canary_coupled"] = True
+        return cls(**values)

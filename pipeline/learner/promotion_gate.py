@@ -1,0 +1,447 @@
+"""The promotion gate: counterfactual evaluation of every checkpoint before clients serve it.
+
+The Decision Service / Personalizer way of checking a new policy offline — estimate its
+mean utility from logged decisions and their probabilities — made an automatic step of
+the learner. A new checkpoint is published as a *candidate* (manifest keyed
+``"{policy}/candidate"``); the gate estimates, on the last ``gate_window`` logged
+experiences, the values of the candidate, the serving policy and similarity-only
+retrieval **as clients serve them** (the serving parameters of :mod:`models.serving.params`:
+the mixture of the serving and the exploration temperature, with the hard drop), not at
+each event's logged T; the logged T and logprob are the behaviour policy. The estimator is
+``auto`` by default (:func:`estimators`): on a log whose rewards are additive over the
+memories read, or where no query repeats so that it cannot be told, ``dr-pi``
+(:mod:`models.offpolicy.slate`, :mod:`models.offpolicy.served`): slate doubly robust — cross-fitted additive
+reward model, pseudo-inverse correction, per-slot correction where per-memory credit is
+present — with intervals widened to contain the pseudo-inverse estimator's; on a log whose
+repeated (query, set) rewards miss the additive model (LM utilities), ``dr-set``: widened
+to the set-level DR's instead (:mod:`models.offpolicy.setlevel`). All are clipped to the values a
+top-k can reach on the logged candidates.
+
+A candidate is
+
+* **insufficient** — kept, looked at again as data arrives — while the effective sample
+  size of its importance weights is below ``gate_min_ess``, or while the intervals of its
+  gains cannot decide (they straddle −ε); the reason says what is missing;
+* **refused** when its gain over the serving policy, or over similarity-only, is below
+  −ε with 95% confidence (upper bound < −ε);
+* **promoted** — republished under ``"{policy}"``, the key clients follow — when both
+  gains' lower bounds are above −ε.
+
+A full candidate that the window cannot decide becomes the *canary* when the serving
+parameters give clients a ``canary_rate`` (contract 1.4, :mod:`pipeline.learner.canary`):
+clients serve it on that share of their requests, and it is promoted or refused on those
+requests' utilities against the serving policy's. Canary events stay out of the
+off-policy window (another behaviour policy drew them).
+
+docs/learning.md ("The promotion gate") says how much traffic a decision takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from models.offpolicy.estimators import Estimate
+from models.offpolicy.logged import TOPK, LoggedDecisions, Served
+from models.offpolicy.served import SlateLog, evaluate_served, gain_served
+from models.offpolicy.setlevel import additivity
+from models.offpolicy.slate import MomentCache
+from models.policy.network import PolicyNetwork
+from models.serving.params import ServingParams
+from pipeline.component_config import GateConfig
+from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.metrics import Metrics
+from pipeline.modeltopic import CheckpointPublisher
+from topics.delta import DeltaManifest
+from topics.internal import Experience
+from topics.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+PESSIMISM = 0.1  # the DR reward model's prior for rarely seen slots: this quantile of logged utility
+DECISIONS = ("promoted", "refused", "insufficient")
+CANARY_DECISION = {"promoted": "promoted", "refused": "refused", "retired": "insufficient"}
+
+
+@dataclass
+class GateDecision:
+    decision: str  # "promoted" | "refused" | "insufficient"
+    candidate_version: int
+    serving_version: int
+    reason: str
+    gain: Estimate | None = None
+    candidate: Estimate | None = None
+    serving: Estimate | None = None
+    similarity: Estimate | None = None
+    ess: float | None = None  # the smaller effective sample size of the candidate's and serving's weights
+    ess_needed: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        def est(e: Estimate | None) -> dict[str, float] | None:
+            return None if e is None else {"value": e.value, "low": e.low, "high": e.high, "ess": e.ess}
+
+        return {
+            "decision": self.decision,
+            "candidate_version": self.candidate_version,
+            "serving_version": self.serving_version,
+            "reason": self.reason,
+            "ess": self.ess,
+            "ess_needed": self.ess_needed,
+            "gain": est(self.gain),
+            "candidate": est(self.candidate),
+            "serving": est(self.serving),
+            "similarity": est(self.similarity),
+        }
+
+
+def more_needed(g: Estimate, epsilon: float) -> str:
+    """What an undecided gain interval lacks: roughly how many times the data to exclude −ε.
+
+    The interval's half-width shrinks as 1/√n; deciding needs it below |gain + ε|.
+
+    >>> more_needed(Estimate(0.0, -0.04, 0.04, 100.0, 500, "dr-gain", 0.0), 0.02)
+    'gain +0.0000 in [-0.0400, +0.0400] straddles −ε (-0.0200): about 4× the decisions needed'
+    """
+    half = (g.high - g.low) / 2.0
+    margin = abs(g.value + epsilon)
+    factor = (half / margin) ** 2 if margin > 0 else math.inf
+    need = f"about {factor:.0f}× the decisions needed" if math.isfinite(factor) else "no amount of data decides"
+    return f"gain {g.value:+.4f} in [{g.low:+.4f}, {g.high:+.4f}] straddles −ε ({-epsilon:+.4f}): {need}"
+
+
+def widest(results: Iterable[dict[str, Estimate]]) -> dict[str, Estimate]:
+    """The first estimator's estimates, each interval widened to contain the others'.
+
+    >>> a = Estimate(1.0, 0.8, 1.2, 50.0, 9, "dr", 0.0)
+    >>> e = widest([{"x": a}, {"x": Estimate(0.9, 0.5, 1.1, 40.0, 9, "pi", 0.0)}])["x"]
+    >>> e.value, e.low, e.high, e.method
+    (1.0, 0.5, 1.2, 'dr|pi')
+    """
+    first, *rest = list(results)
+    out = dict(first)
+    for other in rest:
+        for name, e in other.items():
+            f = out[name]
+            low, high = min(f.low, e.low), max(f.high, e.high)
+            out[name] = Estimate(f.value, low, high, f.ess, f.n, f"{f.method}|{e.method}", f.clipped_share)
+    return out
+
+
+def judge(
+    decisions: LoggedDecisions,
+    candidate: PolicyNetwork,
+    serving: PolicyNetwork,
+    epsilon: float,
+    min_ess: float,
+    method: str = "dr-pi",
+    n_boot: int = 200,
+    seed: int = 0,
+    params: ServingParams | None = None,
+    cache: MomentCache | None = None,
+    serving_params: ServingParams | None = None,
+) -> tuple[str, str, dict[str, Estimate]]:
+    """The gate's rule on a log, without Kafka: ``(decision, reason, estimates)``.
+
+    Every policy is judged as served by ``params`` (default: :class:`ServingParams`'s
+    defaults), the serving policy by its own manifest's ``serving_params`` where given;
+    similarity-only is plain top-k (``"topk"``, :func:`models.offpolicy.logged.topk_logits`).
+    ``estimates`` holds ``gain`` (over serving), ``gain_similarity``, ``candidate``,
+    ``serving`` and ``similarity``. ``cache`` keeps the logging moments of each step
+    for the next judgement (:class:`~models.offpolicy.slate.MomentCache`).
+    """
+    params = params or ServingParams()
+    if len(decisions) == 0:
+        return "insufficient", "no logged decisions yet", {}
+    note = ""
+    moments = method not in ("ips", "snips")  # every other estimator needs candidate_probs
+    slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=moments, cache=cache)
+    if 2 * len(slog) < len(decisions):
+        # Events from clients that do not log candidate_probs: only the standard slate IPS
+        # (the logged propensity of the ordered selection) can judge them.
+        method, note = "ips", f" [ips: {slog.left_out} of {len(decisions)} events lack candidate_probs]"
+        slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=False)
+    decision, reason, estimates = judge_log(
+        slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed, serving_params
+    )
+    return decision, reason + note, estimates
+
+
+def judge_log(
+    slog: SlateLog,
+    candidate: PolicyNetwork,
+    serving: PolicyNetwork,
+    epsilon: float,
+    min_ess: float,
+    method: str,
+    params: ServingParams,
+    n_boot: int = 200,
+    seed: int = 0,
+    serving_params: ServingParams | None = None,
+) -> tuple[str, str, dict[str, Estimate]]:
+    """:func:`judge` on a prepared log (the benchmark judges many candidates on one)."""
+    targets = {"candidate": Served(candidate, params), "serving": Served(serving, serving_params or params)}
+    # Similarity-only is plain top-k, as a client without the policy serves it, not similarity
+    # drawn at the serving temperature: on near-tied similarity scores (real embeddings) a
+    # draw at T = 0.05 is far below top-k, and a candidate above it may still be below top-k.
+    targets["similarity"] = Served(TOPK, params)
+    methods, note = estimators(slog, method, epsilon)
+    values = widest(evaluate_served(slog, targets, m, n_boot=n_boot, seed=seed) for m in methods)
+    g = widest(
+        {"g": gain_served(slog, targets["candidate"], targets["serving"], m, n_boot=n_boot, seed=seed)} for m in methods
+    )["g"]
+    gs = widest(
+        {"g": gain_served(slog, targets["candidate"], targets["similarity"], m, n_boot=n_boot, seed=seed)}
+        for m in methods
+    )["g"]
+    estimates = {"gain": g, "gain_similarity": gs, **values}
+    decision, reason = rule(g, gs, values["candidate"], epsilon, min_ess, len(slog))
+    return decision, reason + note, estimates
+
+
+def estimators(slog: SlateLog, method: str, epsilon: float) -> tuple[tuple[str, ...], str]:
+    """The estimators whose intervals a judgement takes the widest of, and a note for the reason.
+
+    ``dr-pi``: DR's estimates with intervals widened to contain PI's as well (either one alone
+    under-covers on some logs, docs/benchmarks.md "Promotion gate calibration"); ``dr-set``:
+    widened to the set-level DR's instead; ``auto``: ``dr-set`` where the log shows that
+    rewards are not additive over the memories read (:func:`models.offpolicy.setlevel.additivity`: the
+    same query read the same set repeatedly and its rewards miss the additive model), else
+    ``dr-pi``. Any other name is that estimator alone.
+    """
+    if method == "dr-pi":
+        return ("dr", "pi"), ""
+    if method == "dr-set":
+        return ("dr", "set-dr"), ""
+    if method == "auto":
+        fit = additivity(slog.decisions, slog.pred, epsilon)
+        return (("dr", "pi") if fit.additive else ("dr", "set-dr")), f" [{fit.describe()}]"
+    return (method,), ""
+
+
+def rule(g: Estimate, gs: Estimate, candidate: Estimate, epsilon: float, min_ess: float, n: int) -> tuple[str, str]:
+    """The decision on the gains over serving (``g``) and over similarity-only (``gs``)."""
+    if g.ess < min_ess:
+        return "insufficient", f"ESS {g.ess:.0f} < {min_ess:.0f} needed ({n} logged decisions)"
+    if g.high < -epsilon:
+        return "refused", f"gain over serving {g.value:+.4f}, upper bound {g.high:+.4f} < −ε"
+    if gs.high < -epsilon:
+        return "refused", f"below similarity-only by {-gs.value:.4f} (upper bound {gs.high:+.4f} < −ε)"
+    if g.low > -epsilon and gs.low > -epsilon:
+        return "promoted", f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {candidate.value:+.4f}"
+    undecided = g if not g.low > -epsilon else gs
+    what = "over serving" if undecided is g else "over similarity-only"
+    return "insufficient", f"{what}: {more_needed(undecided, epsilon)} (ESS {g.ess:.0f})"
+
+
+def judge_window(
+    experiences: Sequence[Experience],
+    candidate: PolicyNetwork,
+    serving: PolicyNetwork,
+    config: GateConfig,
+    n_boot: int = 200,
+    params: ServingParams | None = None,
+    cache: MomentCache | None = None,
+    serving_params: ServingParams | None = None,
+) -> tuple[str, str, dict[str, Estimate]]:
+    """:func:`judge` on the last ``config.window`` of ``experiences`` (the gate's window)."""
+    decisions = LoggedDecisions.from_experiences(list(experiences)[-config.window :])
+    return judge(
+        decisions,
+        candidate,
+        serving,
+        config.epsilon,
+        config.min_ess,
+        method=config.method,
+        n_boot=n_boot,
+        params=params,
+        cache=cache,
+        serving_params=serving_params,
+    )
+
+
+def network(tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
+    """A checkpoint's policy, on CPU, for judging."""
+    return PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
+
+
+class PromotionGate:
+    """Owned by the learner; called with each new candidate checkpoint.
+
+    ``window`` returns the experiences that candidates may be judged on (the learner's
+    replay since the last drift reset); the gate takes the last ``config.window``.
+    """
+
+    def __init__(
+        self,
+        config: GateConfig,
+        publisher: CheckpointPublisher,
+        metrics: Metrics,
+        window: Callable[[], Sequence[Experience]],
+        serving: ServingParams | None = None,
+    ) -> None:
+        self.config = config
+        self.params = serving or ServingParams()  # how clients serve what the gate promotes
+        self.publisher = publisher
+        self.metrics = metrics
+        self.window = window
+        self.serving_net: PolicyNetwork | None = None
+        self.serving_manifest: Manifest | None = None
+        self.pending: tuple[Manifest, PolicyNetwork] | None = None  # a candidate awaiting data
+        self.decisions: list[GateDecision] = []
+        self.moments = MomentCache()  # the logging moments of the steps already judged on
+        self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
+        self.canary: CanaryRun | None = None  # contract 1.4: the candidate clients serve on canary_rate
+        self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
+
+    def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+        self.serving_manifest, self.serving_net = manifest, network(tensors)
+
+    async def promote(self, manifest: Manifest, net: PolicyNetwork) -> None:
+        """Publish ``manifest`` as the serving policy and judge later candidates against it."""
+        await self.publisher.promote(manifest)
+        self.serving_manifest, self.serving_net = manifest, net
+        if self.pending is not None and self.pending[0].version <= manifest.version:
+            self.pending = None
+        self.metrics.checkpoint_version.labels(role="serving").set(manifest.version)
+        self.metrics.checkpoint_timestamp.labels(role="serving").set(manifest.created_ts)
+
+    def _record(self, result: GateDecision) -> None:
+        """A decision that took effect: the metrics and the last 100 decisions (``status``)."""
+        m = self.metrics
+        m.gate_decisions.labels(decision=result.decision).inc()
+        for name in DECISIONS:
+            m.gate_last_decision.labels(decision=name).set(1.0 if name == result.decision else 0.0)
+        self.decisions = [*self.decisions[-99:], result]
+
+    async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> GateDecision:
+        candidate = network(tensors)
+        async with self._deciding:
+            return await self._decide_now(manifest, candidate)
+
+    async def reconsider(self) -> GateDecision | None:
+        """Look again at a candidate that lacked data (called at the checkpoint cadence)."""
+        async with self._deciding:  # the pending candidate as it is once no other judgement runs
+            if self.pending is None:
+                return None
+            manifest, candidate = self.pending
+            return await self._decide_now(manifest, candidate)
+
+    async def serve_at_once(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+        """A checkpoint served without the gate (init, reset, rollback): it ends any canary."""
+        await self.end_canary()
+        self.set_serving(manifest, tensors)
+
+    async def end_canary(self) -> None:
+        """Tell clients to stop serving the canary (also one left by an earlier learner run)."""
+        if self.canary is not None or not self._canary_cleared:
+            await self.publisher.set_canary(None)
+            self.metrics.checkpoint_version.labels(role="canary").set(0)
+        self.canary, self._canary_cleared = None, True
+
+    async def _judge_canary(self) -> None:
+        """The running canary's verdict on the arms so far; a decided one ends."""
+        run = self.canary
+        if run is None:
+            return
+        serving_version = self.serving_manifest.version if self.serving_manifest else 0
+        decided: str | None
+        gain: Estimate | None
+        if run.serving_version != serving_version:  # served at once, or a label promoted, meanwhile
+            decided, gain = "retired", None
+        else:
+            window = list(self.window())
+            decided, gain = await asyncio.to_thread(run.judge, window, self.config.epsilon)
+        if decided is None:
+            return
+        reason = run.describe(gain)
+        if decided == "promoted":
+            await self.promote(run.manifest, run.net)
+            log.info("gate: promoted %s", reason)
+        else:
+            log.info("gate: %s %s", decided, reason)
+        result = GateDecision(CANARY_DECISION[decided], run.version, serving_version, f"{decided}: {reason}", gain)
+        result.ess = gain.ess if gain is not None else None
+        self._record(result)
+        await self.end_canary()
+
+    async def _start_canary(self, manifest: Manifest, candidate: PolicyNetwork, window: list[Experience]) -> None:
+        if self.canary is not None or self.params.canary_rate <= 0 or self.serving_manifest is None:
+            return
+        if isinstance(manifest, DeltaManifest):
+            return  # a canary is a full snapshot: clients hold it beside the serving policy
+        serving, rate, most = self.serving_manifest.version, self.params.canary_rate, self.config.canary_max
+        # In a worker thread: it fits a reward model on the window.
+        self.canary = await asyncio.to_thread(CanaryRun, manifest, candidate, serving, window, rate, most)
+        await self.publisher.set_canary(manifest)
+        self.metrics.checkpoint_version.labels(role="canary").set(manifest.version)
+        log.info(
+            "gate: v%d is the canary, served on %.0f%% of requests", manifest.version, 100 * self.params.canary_rate
+        )
+
+    async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
+        est: dict[str, Estimate] = {}
+        if not self._canary_cleared:
+            await self.end_canary()
+        await self._judge_canary()
+        window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
+        if self.serving_manifest is not None and manifest.version <= self.serving_manifest.version:
+            # A canary newer than this candidate was promoted just now: nothing left to judge.
+            decision, reason = "refused", f"superseded by the serving v{self.serving_manifest.version}"
+        elif self.serving_net is None or self.serving_manifest is None:
+            decision, reason = "promoted", "no serving policy yet"
+        else:
+            # A judgement takes seconds (docs/benchmarks.md, "Promotion gate calibration"): it runs
+            # in a worker thread on a copy of the window, so that the learner's loop (consuming,
+            # heartbeats, the supervisor) keeps running meanwhile.
+            decision, reason, est = await asyncio.to_thread(
+                judge_window,
+                window,
+                candidate,
+                self.serving_net,
+                self.config,
+                params=self.params,
+                cache=self.moments,
+                serving_params=ServingParams.from_wire(self.serving_manifest.serving)
+                if self.serving_manifest.serving is not None
+                else None,
+            )
+        serving_version = self.serving_manifest.version if self.serving_manifest else 0
+        result = GateDecision(
+            decision,
+            manifest.version,
+            serving_version,
+            reason,
+            est.get("gain"),
+            est.get("candidate"),
+            est.get("serving"),
+            est.get("similarity"),
+            ess=est["gain"].ess if "gain" in est else None,
+            ess_needed=self.config.min_ess,
+        )
+        m = self.metrics
+        m.gate_ess.set(result.ess if result.ess is not None else 0.0)
+        m.gate_ess_needed.set(self.config.min_ess)
+        for name in ("candidate", "serving", "similarity"):
+            e = est.get(name)
+            if e is not None:
+                m.gate_estimate.labels(policy=name).set(e.value)
+        if decision == "promoted":
+            await self.end_canary()
+            await self.promote(manifest, candidate)
+            log.info("gate: promoted v%d: %s", manifest.version, reason)
+        elif decision == "refused":
+            self.pending = None
+            log.warning("gate: refused v%d, serving stays v%d: %s", manifest.version, serving_version, reason)
+        else:
+            self.pending = (manifest, candidate)
+            log.info("gate: v%d waits: %s", manifest.version, reason)
+            if self.serving_net is not None:
+                await self._start_canary(manifest, candidate, window)
+        self._record(result)  # once the decision took effect
+        return result

@@ -1,0 +1,391 @@
+"""Reading the model topic, without torch: index the topic, fetch a checkpoint's bytes.
+
+The wire format (chunk keys, the manifest) is in docs/contract.md and ``topics/manifest.py``.
+
+- :class:`ModelTopicIndex`: what the topic holds (manifests, and the *offsets* of chunks,
+  not their bytes, so that scanning a long topic needs little memory). It applies the
+  readers' rules of contract 1.2: a manifest or epoch claim of an older epoch than the
+  newest seen is ignored, and so are version and epoch jumps beyond
+  ``MAX_VERSION_JUMP``/``MAX_EPOCH_JUMP``, chunks of a version whose manifest came
+  already (a fenced writer's late chunks) and, with a signing key, anything unsigned.
+  Delta manifests and their chunks (contract 1.3, ``topics/delta.py``) are indexed apart,
+  under the same rules; :meth:`ModelTopicIndex.serving_head` is the newest serving link,
+  :meth:`~ModelTopicIndex.candidate_head` the newest candidate, and
+  :meth:`~ModelTopicIndex.chain_to` / :meth:`~ModelTopicIndex.rebuildable` walk a delta's
+  chain back to its full snapshot (every reader finds versions through these).
+- :func:`scan_model_topic` reads the topic once into an index; :func:`fetch_blob` seeks to
+  a version's chunks and assembles them, checked against the manifest's size and sha256.
+
+Turning bytes into tensors (and checking names, shapes, dtypes) is
+``pipeline.client.subscriber``'s job: this module imports no torch, so the status and
+rollback commands can read the topic cheaply.
+
+>>> index = ModelTopicIndex()
+>>> index.observe(0, b"default/1/0", b"chunk bytes")
+('chunk', None)
+>>> index.chunk_offsets, index.max_version("default"), index.end_offset
+({('default', 1): {0: 0}}, 1, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from pipeline import kafka
+from pipeline.component_config import Connection
+from pipeline.config import Settings
+from topics.delta import DeltaManifest, decode_delta_manifest, link_id
+from topics.fields import Rejected
+from topics.manifest import (
+    MAX_EPOCH_JUMP,
+    MAX_VERSION_JUMP,
+    CheckpointError,
+    EpochClaim,
+    Manifest,
+    decode_epoch_claim,
+    decode_manifest,
+    parse_key,
+    sha256_hex,
+)
+
+__all__ = ["ModelTopicIndex", "check_blob", "fetch_blob", "read_range", "scan_model_topic"]
+
+MAX_CHAIN = 100_000  # links walked at most (a chain is as long as the versions between full snapshots)
+RANGE_FETCH_BYTES = 1024 * 1024  # read_range's fetch size: above the largest message (a 512 KiB chunk)
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class ModelTopicIndex:
+    """Manifests and chunk offsets seen on the model topic (bytes are not kept)."""
+
+    serving: dict[str, Manifest] = field(default_factory=dict)  # newest serving manifest per policy
+    candidate: dict[str, Manifest] = field(default_factory=dict)
+    manifests: dict[tuple[str, int], Manifest] = field(default_factory=dict)  # every manifest seen
+    chunk_offsets: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (offset, reason)
+    end_offset: int = 0
+    signing_key: bytes | None = None  # set: unsigned or wrongly signed manifests are rejected
+    epochs: dict[str, int] = field(default_factory=dict)  # the newest epoch seen per policy
+    claims: dict[str, EpochClaim] = field(default_factory=dict)  # the newest epoch claim per policy
+    claim_offsets: dict[str, int] = field(default_factory=dict)
+    # contract 1.3, delta checkpoints (topics/delta.py): every accepted delta manifest, the
+    # newest serving and candidate one per policy, the versions published or promoted under
+    # the serving delta key (the chain clients follow), and their chunks' offsets
+    deltas: dict[tuple[str, int], DeltaManifest] = field(default_factory=dict)
+    delta_serving: dict[str, DeltaManifest] = field(default_factory=dict)
+    delta_candidate: dict[str, DeltaManifest] = field(default_factory=dict)
+    served_deltas: set[tuple[str, int]] = field(default_factory=set)
+    delta_chunk_offsets: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
+    # contract 1.4: the canary per policy (a full candidate's manifest; None once a tombstone ended it)
+    canary: dict[str, Manifest | None] = field(default_factory=dict)
+
+    def _reject(self, offset: int, why: str) -> tuple[str, None]:
+        self.rejected.append((offset, why))
+        return "rejected", None
+
+    def _newest_version(self, policy: str) -> int:
+        return max((v for (p, v) in [*self.manifests, *self.deltas] if p == policy), default=0)
+
+    def offsets_of(self, manifest: Manifest) -> dict[int, int]:
+        """The chunk offsets of a manifest's version (a delta's chunks have keys of their own)."""
+        table = self.delta_chunk_offsets if isinstance(manifest, DeltaManifest) else self.chunk_offsets
+        return table.get((manifest.policy, manifest.version), {})
+
+    def observe(self, offset: int, key: bytes | None, value: bytes | None) -> tuple[str, Manifest | None]:
+        """Record one message; returns its kind and, for a valid manifest, the manifest.
+
+        The kind is ``"rejected"`` (with the reason appended to :attr:`rejected`) for a
+        manifest or claim that must not be followed.
+        """
+        self.end_offset = max(self.end_offset, offset + 1)
+        if key is None:
+            return "unknown", None
+        kind, policy, version, index = parse_key(key.decode("utf-8", "replace"))
+        if kind in ("chunk", "delta_chunk"):
+            assert version is not None and index is not None
+            table, seen = (
+                (self.chunk_offsets, self.manifests) if kind == "chunk" else (self.delta_chunk_offsets, self.deltas)
+            )
+            if value is None:  # tombstone
+                table.get((policy, version), {}).pop(index, None)
+            elif (policy, version) in seen:
+                return "ignored", None  # a manifest's chunks come before it: these are a fenced writer's
+            elif version > self._newest_version(policy) + MAX_VERSION_JUMP:
+                return "ignored", None
+            else:
+                table.setdefault((policy, version), {})[index] = offset
+            return kind, None
+        if kind == "epoch" and value is not None:
+            return self._observe_claim(offset, policy, value)
+        if kind == "canary":
+            return self._observe_canary(offset, policy, value)
+        if kind in ("serving", "candidate", "delta", "delta_candidate") and value is not None:
+            manifest = self._followable(policy, value, delta=kind.startswith("delta"))
+            if isinstance(manifest, str):
+                return self._reject(offset, manifest)
+            if manifest.epoch is not None:
+                self.epochs[policy] = max(self.epochs.get(policy, 0), manifest.epoch)
+            if isinstance(manifest, DeltaManifest):
+                self.deltas[(policy, manifest.version)] = manifest
+                if kind == "delta":
+                    self.served_deltas.add((policy, manifest.version))
+            else:
+                self.manifests[(policy, manifest.version)] = manifest
+            tables: dict[str, dict[str, Any]] = {
+                "serving": self.serving,
+                "candidate": self.candidate,
+                "delta": self.delta_serving,
+                "delta_candidate": self.delta_candidate,
+            }
+            target = tables[kind]
+            current = target.get(policy)
+            # Serving versions only grow; an older manifest after a newer one is ignored.
+            if current is None or manifest.version > current.version:
+                target[policy] = manifest
+            return kind, manifest
+        return kind, None
+
+    def _observe_canary(self, offset: int, policy: str, value: bytes | None) -> tuple[str, Manifest | None]:
+        """Contract 1.4: a full candidate's manifest under ``"{policy}/canary"``, or a tombstone ending it."""
+        if value is None:
+            self.canary[policy] = None
+            return "canary", None
+        manifest = self._followable(policy, value, delta=False, what="canary manifest")
+        if isinstance(manifest, str):
+            return self._reject(offset, manifest)
+        self.canary[policy] = manifest
+        return "canary", manifest
+
+    def _followable(self, policy: str, value: bytes, delta: bool, what: str = "manifest") -> Manifest | str:
+        """The manifest under a ``policy`` key, or why it must not be followed: it does not
+        decode (or verify), names another policy, comes from a fenced writer, or jumps
+        beyond the newest version seen by more than :data:`MAX_VERSION_JUMP`."""
+        try:
+            decode = decode_delta_manifest if delta else decode_manifest
+            manifest: Manifest = decode(value, signing_key=self.signing_key)
+        except Rejected as exc:
+            return f"bad {what}: {exc.reason}: {exc.detail}"
+        if manifest.policy != policy:
+            return "manifest policy differs from its key"
+        why = self._fenced(manifest)
+        if why:
+            return why
+        newest = self._newest_version(policy)
+        if newest and manifest.version > newest + MAX_VERSION_JUMP:
+            return f"version {manifest.version} jumps beyond {newest} + {MAX_VERSION_JUMP}"
+        return manifest
+
+    def _fenced(self, manifest: Manifest) -> str:
+        """Why a manifest's writer is fenced off (an older epoch, or not the epoch's claimant); "" if not."""
+        epoch = manifest.epoch or 0
+        newest = self.epochs.get(manifest.policy, 0)
+        if epoch < newest:
+            return f"stale epoch {epoch} < {newest}"
+        if newest and epoch > newest + MAX_EPOCH_JUMP:
+            return f"epoch {epoch} jumps beyond {newest} + {MAX_EPOCH_JUMP}"
+        claim = self.claims.get(manifest.policy)
+        writer = manifest.metrics.get("writer")
+        if claim is not None and claim.epoch == epoch and writer is not None and writer != claim.writer:
+            return f"writer {writer!r} does not hold epoch {epoch}"
+        return ""
+
+    def _observe_claim(self, offset: int, policy: str, value: bytes) -> tuple[str, None]:
+        try:
+            claim = decode_epoch_claim(value, self.signing_key)
+        except Rejected as exc:
+            return self._reject(offset, f"bad epoch claim: {exc.reason}: {exc.detail}")
+        newest = self.epochs.get(policy, 0)
+        if claim.policy != policy:
+            return self._reject(offset, "epoch claim policy differs from its key")
+        if claim.epoch <= newest:
+            return self._reject(offset, f"epoch {claim.epoch} claimed after {newest}")
+        if newest and claim.epoch > newest + MAX_EPOCH_JUMP:
+            return self._reject(offset, f"epoch {claim.epoch} jumps beyond {newest} + {MAX_EPOCH_JUMP}")
+        self.epochs[policy] = claim.epoch
+        self.claims[policy] = claim
+        self.claim_offsets[policy] = offset
+        return "epoch", None
+
+    def owner(self, policy: str) -> EpochClaim | None:
+        """The newest accepted epoch claim of a policy (the writer that owns it now)."""
+        return self.claims.get(policy)
+
+    def max_version(self, policy: str) -> int:
+        keys = [*self.manifests, *self.chunk_offsets, *self.deltas, *self.delta_chunk_offsets]
+        return max((v for (p, v) in keys if p == policy), default=0)
+
+    def newest(self, policy: str) -> Manifest | None:
+        """The newest manifest of a policy, serving or candidate, full or delta (what the learner resumes)."""
+        tables = (self.serving, self.candidate, self.delta_serving, self.delta_candidate)
+        options = [m for m in (t.get(policy) for t in tables) if m is not None]
+        return max(options, key=lambda m: m.version, default=None)
+
+    def serving_head(self, policy: str) -> Manifest | None:
+        """The newest serving link of a policy, a full snapshot or a delta (what clients hold)."""
+        options = [m for m in (self.serving.get(policy), self.delta_serving.get(policy)) if m is not None]
+        return max(options, key=lambda m: m.version, default=None)
+
+    # Every reader finds versions through these, full or delta (contract 1.3): clients,
+    # ``causalmem evaluate``, ``evaluate --shadow``, ``rollback``, ``status`` and the web UI.
+
+    def candidate_head(self, policy: str) -> Manifest | None:
+        """The newest candidate of a policy (awaiting the promotion gate), a full snapshot or a delta."""
+        options = [m for m in (self.candidate.get(policy), self.delta_candidate.get(policy)) if m is not None]
+        return max(options, key=lambda m: m.version, default=None)
+
+    def version(self, policy: str, version: int) -> Manifest | None:
+        """A version's accepted manifest, full or delta."""
+        return self.manifests.get((policy, version)) or self.deltas.get((policy, version))
+
+    def links(self, policy: str) -> list[Manifest]:
+        """Every accepted manifest of a policy, full and delta, oldest first."""
+        found = [m for (p, _), m in [*self.manifests.items(), *self.deltas.items()] if p == policy]
+        return sorted(found, key=lambda m: m.version)
+
+    def chain_to(self, manifest: DeltaManifest) -> tuple[Manifest, list[DeltaManifest]]:
+        """The full snapshot ``manifest``'s chain starts from, and the deltas from it to ``manifest`` (in order).
+
+        Every base must be a full snapshot or a delta published under the serving delta key,
+        with the id the next link names. Raises :class:`CheckpointError` (``missing_link``).
+        """
+        links = [manifest]
+        link = manifest
+        for _ in range(MAX_CHAIN):
+            where = (link.policy, link.base_version)
+            full = self.manifests.get(where)
+            if full is not None and link_id(full) == link.base_sha256 and full.arch == manifest.arch:
+                return full, links[::-1]
+            base = self.deltas.get(where)
+            if base is None or where not in self.served_deltas or link_id(base) != link.base_sha256:
+                why = f"v{link.version}'s base v{link.base_version} is not on the topic"
+                raise CheckpointError("missing_link", why)
+            links.append(base)
+            link = base
+        raise CheckpointError("missing_link", f"v{manifest.version}: chain longer than {MAX_CHAIN}")
+
+    def rebuildable(self, manifest: Manifest) -> bool:
+        """Whether the topic still holds every chunk that rebuilding ``manifest``'s state needs (its chain's too)."""
+        links: list[Manifest] = [manifest]
+        if isinstance(manifest, DeltaManifest):
+            try:
+                full, deltas = self.chain_to(manifest)
+            except CheckpointError:
+                return False
+            links = [full, *deltas]
+        return all(all(i in self.offsets_of(m) for i in range(m.chunks)) for m in links)
+
+
+def model_topic(conn: Connection | Settings | None) -> str:
+    """The model topic's name for a connection (or settings)."""
+    return Connection.of(conn).topics.policy_checkpoints.name
+
+
+async def scan_model_topic(
+    bootstrap: str, conn: Connection | Settings, topic: str | None = None, signing_key: bytes | None = None
+) -> ModelTopicIndex:
+    """Read the whole model topic once, from the beginning, into an index.
+
+    The model topic has no retention limit and is read from offset 0 (docs/contract.md).
+    """
+    conn = Connection.of(conn)
+    index = ModelTopicIndex(signing_key=signing_key)
+    for msg in await kafka.read_all(bootstrap, conn, topic or model_topic(conn), partitions=[0]):
+        index.observe(msg.offset, msg.key, msg.value)
+    return index
+
+
+def check_blob(blob: bytes, manifest: Manifest) -> bytes:
+    """``blob`` when its size and sha256 are the manifest's; raises :class:`CheckpointError`.
+
+    >>> m = Manifest("p", 1, 0.0, "init", {}, 0.0, 0.0, sha256_hex(b"abc"), 3, 1)
+    >>> check_blob(b"abc", m)
+    b'abc'
+    >>> try:
+    ...     check_blob(b"abd", m)
+    ... except CheckpointError as exc:
+    ...     print(exc.reason)
+    sha256_mismatch
+    """
+    if len(blob) != manifest.size:
+        raise CheckpointError("size_mismatch", f"{len(blob)} bytes, manifest says {manifest.size}")
+    if sha256_hex(blob) != manifest.sha256:
+        raise CheckpointError("sha256_mismatch")
+    return blob
+
+
+async def fetch_blob(
+    bootstrap: str,
+    conn: Connection | Settings,
+    index: ModelTopicIndex,
+    manifest: Manifest,
+    topic: str | None = None,
+) -> bytes:
+    """Fetch a manifest's chunks by their offsets in ``index`` and assemble them.
+
+    The bytes are checked against the manifest's size and sha256 (:func:`check_blob`);
+    raises :class:`CheckpointError` (``missing_chunk``, ``size_mismatch``,
+    ``sha256_mismatch``). Turning them into tensors is ``verify_and_load``'s job.
+    """
+    conn = Connection.of(conn)
+    topic = topic or model_topic(conn)
+    offsets = index.offsets_of(manifest)
+    missing = [i for i in range(manifest.chunks) if i not in offsets]
+    if missing:
+        raise CheckpointError("missing_chunk", f"version {manifest.version} lacks chunks {missing[:5]}")
+    wanted = {offsets[i]: i for i in range(manifest.chunks)}
+    parts: dict[int, bytes] = {}
+    async for msg in read_range(bootstrap, conn, topic, min(wanted), max(wanted) + 1):
+        if msg.offset in wanted and msg.value is not None:
+            parts[wanted[msg.offset]] = msg.value
+    if len(parts) != manifest.chunks:
+        raise CheckpointError("missing_chunk", f"version {manifest.version}: read {len(parts)}/{manifest.chunks}")
+    return check_blob(b"".join(parts[i] for i in range(manifest.chunks)), manifest)
+
+
+async def read_range(
+    bootstrap: str, conn: Connection | Settings, topic: str, start: int, end: int, partition: int = 0
+) -> AsyncIterator[Any]:
+    """The records of one partition with ``start <= offset < end``, streamed (bounded memory).
+
+    Stops at ``end`` or at the partition's high watermark, whichever comes first: unlike
+    ``kafka.read_all`` it never reads what was appended after the range, so a restore's
+    cost does not grow with the backlog behind it.
+    """
+    if end <= start:
+        return
+    conn = Connection.of(conn)
+    tp = TopicPartition(topic, partition)
+    # Small fetches: what is fetched beyond ``end`` (at most one fetch) is the memory bound.
+    c = kafka.consumer(
+        bootstrap,
+        conn,
+        group_id=None,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=RANGE_FETCH_BYTES,
+        fetch_max_bytes=RANGE_FETCH_BYTES,
+    )
+    await c.start()
+    try:
+        c.assign([tp])
+        c.seek(tp, start)
+        idle = 0
+        while True:
+            batch = await c.getmany(tp, timeout_ms=200, max_records=500)
+            msgs = batch.get(tp, [])
+            for msg in msgs:
+                if msg.offset >= end:
+                    return
+                if msg.offset >= start:
+                    yield msg
+            idle = 0 if msgs else idle + 1
+            hw = c.highwater(tp)
+            if await c.position(tp) >= end or (hw is not None and await c.position(tp) >= hw) or idle > 25:
+                return
+    finally:
+        await c.stop()
