@@ -88,3 +88,40 @@ def test_architecture_opens_with_the_layout_and_it_matches_the_code() -> None:
             if rel.name not in words:
                 missing.append(str(Path(top) / rel))
     assert not missing, f"docs/architecture.md's layout does not mention: {sorted(set(missing))}"
+
+
+def test_benchmarks_page_has_a_section_per_bench_with_its_command() -> None:
+    """docs/benchmarks.md is the reference: each ``causalmem bench`` subcommand has its own
+    section, headed by its command, that shows a command line running it."""
+    from causalmem_lab.cli.bench import HELP
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    sections = dict(re.findall(r"^## [^\n]*`causalmem bench ([a-z]+)`\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S))
+    assert set(sections) == set(HELP), "one section per bench in docs/benchmarks.md"
+    for name, body in sections.items():
+        assert re.search(rf"^causalmem bench {name}\b", body, flags=re.M), f"the {name} section shows no command"
+
+
+def test_benchmark_pages_describe_changes_not_issue_numbers() -> None:
+    for name in ("benchmarks.md", "changelog.md"):
+        text = (ROOT / "docs" / name).read_text()
+        assert not re.search(r"\bissues? \d+", text, flags=re.I), f"docs/{name} names an issue number"
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_into_the_benchmark_pages_name_existing_headings() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    targets = {ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "changelog.md"}
+    anchors = {}
+    for page in targets:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        anchors[page] = {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    for page in pages:
+        for target, fragment in re.findall(r"\]\(([^)#:]*)#([^)]+)\)", page.read_text()):
+            path = (page.parent / target).resolve() if target else page
+            if path in anchors:
+                assert fragment in anchors[path], f"{page.name} links to missing #{fragment} in {path.name}"
