@@ -79,7 +79,7 @@ def decode_any_size(decode: Callable[[bytes, Limits], Any], raw: bytes, limits: 
         return decode(raw, limits)
     except Rejected as rej:
         n = embedding_length(raw) if rej.reason == "embedding_length" else None
-        if n is None:
+        if not n:  # no embedding to take the length of, or an empty one
             raise
         return decode(raw, replace(limits, embedding_dim=n))
 
@@ -179,7 +179,7 @@ class Feeds(Service):
             for msg in await follower.poll(self.bootstrap, self.conn):
                 try:
                     self._apply(name, msg)
-                except Rejected:
+                except Exception:  # whatever a parse raised: counted and passed over, never the rest of a batch
                     follower.unreadable += 1
         snapshot = await self.status.snapshot()
         snapshot["gate_estimates"] = await self._gate_estimates()
