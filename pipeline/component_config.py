@@ -263,6 +263,7 @@ class UiConfig:
     refresh_s: float = 5.0  # how often topics and metrics are read again
     max_events: int = 200_000  # retrieval steps remembered for the memory pages (older ones are forgotten)
     recent_per_memory: int = 20  # recent queries listed on a memory's page
+    memory_view_bytes: int = 64 * 1024 * 1024  # the memory pages' texts and recent queries, at most (estimated)
     worker_urls: tuple[str, ...] = ()  # Prometheus endpoints for the health page
     learner_urls: tuple[str, ...] = ()
     shadow_window: int = 0  # >0: the health page shows shadow mode's estimate over the last N joined steps

@@ -40,7 +40,7 @@ from topics.delta import decode_delta_manifest
 from topics.events import decode_retrieval_event
 from topics.fields import Limits, Rejected
 from topics.internal import decode_experience
-from topics.labels import ANY_SLOT, ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
+from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
 from topics.manifest import decode_manifest, parse_key
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,12 @@ class Feeds(Service):
         self.bootstrap = bootstrap
         self.config = config
         self.conn = config.connection
-        self.limits = replace(self.conn.limits, slots=ANY_SLOT)
+        # The deployment's slot count: a slot number beyond it is a rejected event, not one more memory to keep.
+        self.limits = self.conn.limits
         t = self.conn.topics
-        self.memories = MemoryView(config.max_events, config.recent_per_memory, config.connection.limits.slots)
+        self.memories = MemoryView(
+            config.max_events, config.recent_per_memory, self.limits.slots, max_bytes=config.memory_view_bytes
+        )
         self.trends = Trends()
         self.book = LabelBook()
         self.manifests: dict[int, dict[str, Any]] = {}
