@@ -255,6 +255,7 @@ class UiConfig:
     connection: Connection
     state_dir: Path  # the session-signing key lives here (ui-secret)
     host: str = "127.0.0.1"  # loopback unless asked otherwise
+    secure_cookie: bool | None = None  # Secure (HTTPS-only) session cookie; None: on unless host is loopback
     port: int = 8765
     labelers_file: Path | None = None  # TOML: [labelers.NAME] token = … or password_hash = …
     overlap: int = 1  # labelers per sample (1: each sample to one labeler)
