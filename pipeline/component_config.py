@@ -255,6 +255,7 @@ class UiConfig:
     connection: Connection
     state_dir: Path  # the session-signing key lives here (ui-secret)
     host: str = "127.0.0.1"  # loopback unless asked otherwise
+    secure_cookie: bool | None = None  # Secure (HTTPS-only) session cookie; None: on unless host is loopback
     port: int = 8765
     labelers_file: Path | None = None  # TOML: [labelers.NAME] token = … or password_hash = …
     overlap: int = 1  # labelers per sample (1: each sample to one labeler)
@@ -263,6 +264,7 @@ class UiConfig:
     refresh_s: float = 5.0  # how often topics and metrics are read again
     max_events: int = 200_000  # retrieval steps remembered for the memory pages (older ones are forgotten)
     recent_per_memory: int = 20  # recent queries listed on a memory's page
+    memory_view_bytes: int = 64 * 1024 * 1024  # the memory pages' texts and recent queries, at most (estimated)
     worker_urls: tuple[str, ...] = ()  # Prometheus endpoints for the health page
     learner_urls: tuple[str, ...] = ()
     shadow_window: int = 0  # >0: the health page shows shadow mode's estimate over the last N joined steps

@@ -177,6 +177,8 @@ def decode_active_learning_sample(
     if any_shape:
         embedding = features.obj.get("query_embedding")
         if isinstance(embedding, list):
+            if not embedding:  # any length, but not none: Limits needs D >= 1, and no model reads D = 0
+                raise Rejected("embedding_length", "query_embedding is empty")
             limits = replace(limits, embedding_dim=len(embedding))
             features = Fields(features.obj, limits, features.path)
     candidates = f.slots_("candidates")

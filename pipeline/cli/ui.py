@@ -14,6 +14,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
     p.add_argument(
+        "--secure-cookie",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mark the session cookie Secure (HTTPS only); default: on unless --host is loopback",
+    )
+    p.add_argument(
         "--labelers",
         type=Path,
         metavar="FILE.toml",
@@ -73,12 +79,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import uvicorn
 
-    from pipeline.ui.app import create_app
+    from pipeline.ui.app import LOOPBACK, create_app
 
     settings = settings_from(args)
     config = settings.ui(
         host=args.host,
         port=args.port,
+        secure_cookie=args.secure_cookie,
         labelers_file=args.labelers,
         overlap=args.overlap,
         lease_s=args.lease_s,
@@ -89,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         learner_urls=tuple(args.learner_urls),
     )
     app = create_app(config, resolve_bootstrap(settings))
-    if config.host not in ("127.0.0.1", "::1", "localhost"):
+    if config.host not in LOOPBACK:
         print(f"causalmem ui: listening on {config.host}, not loopback: put TLS in front", file=sys.stderr)
     print(f"causalmem ui: http://{config.host}:{config.port}/", file=sys.stderr)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

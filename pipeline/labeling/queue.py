@@ -115,9 +115,15 @@ def labeler_limits(limits: Limits) -> Limits:
 def read_sample(raw: bytes, limits: Any, key: Any) -> ActiveLearningSample:
     """A queued sample as a labeler reads it: validated, but with no model sizes checked.
 
-    Raises :class:`~topics.fields.Rejected` for a sample nobody could read.
+    Raises :class:`~topics.fields.Rejected` for a sample nobody could read, whatever the
+    decoder raised: a sample is dead-lettered, never a reason for a labeler to stop.
     """
-    return decode_active_learning_sample(raw, limits, key, any_shape=True)
+    try:
+        return decode_active_learning_sample(raw, limits, key, any_shape=True)
+    except Rejected:
+        raise
+    except Exception as exc:  # a decoder bug must not crash the queue nor skip the rest of a batch
+        raise Rejected("inconsistent", f"unreadable sample ({type(exc).__name__}: {str(exc)[:120]})") from exc
 
 
 async def dead_letter_sample(producer: Any, topic: str, tp: TopicPartition, msg: Any, rej: Rejected) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
@@ -26,12 +27,16 @@ from starlette.staticfiles import StaticFiles
 from pipeline.component_config import UiConfig
 from pipeline.ui import agreement, health_pages, labeling, memory_pages
 from pipeline.ui.auth import (
+    SESSION_MAX_AGE_S,
     Labeler,
     SaslLogin,
+    Sessions,
+    authenticate,
     csrf_ok,
+    csrf_token,
     current_labeler,
+    end_session,
     load_labelers,
-    log_in,
     session_secret,
     start_session,
 )
@@ -39,7 +44,20 @@ from pipeline.ui.feeds import Feeds
 from pipeline.ui.pool import SamplePool
 from pipeline.ui.web import HERE, UiState, error_page, render, state
 
-SESSION_MAX_AGE_S = 12 * 3600
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def secure_cookie(config: UiConfig) -> bool:
+    """Whether the session cookie is ``Secure`` (sent over HTTPS only): ``config.secure_cookie``, else
+    on unless the app listens on loopback (beyond it, TLS is in front: docs/operations.md).
+
+    >>> from pipeline.config import Settings
+    >>> secure_cookie(Settings().ui()), secure_cookie(Settings().ui(host="0.0.0.0"))
+    (False, True)
+    >>> secure_cookie(Settings().ui(secure_cookie=True)), secure_cookie(Settings().ui(host="::", secure_cookie=False))
+    (True, False)
+    """
+    return config.secure_cookie if config.secure_cookie is not None else config.host not in LOOPBACK
 
 
 def _safe_next(target: str | None) -> str:
@@ -54,23 +72,52 @@ def _safe_next(target: str | None) -> str:
 
 
 async def login_page(request: Request) -> Response:
-    return render(request, "login.html", next=_safe_next(request.query_params.get("next")), failed=False)
+    return _login_form(request, next=_safe_next(request.query_params.get("next")))
+
+
+def _login_form(request: Request, status_code: int = 200, **context: Any) -> Response:
+    """The login page, with this (anonymous) session's CSRF token: a login needs the page first."""
+    context.setdefault("failed", False)
+    return render(request, "login.html", status_code=status_code, csrf=csrf_token(request), **context)
+
+
+def _address(request: Request) -> str:
+    return request.client.host if request.client is not None else "unknown"
 
 
 async def login(request: Request) -> Response:
+    """Check a login: CSRF, then the throttle, then the password (off the event loop) or the broker.
+
+    A form without this browser's token is refused (a page on another site cannot log the
+    browser in); an attempt over the throttle is answered 429 with ``Retry-After`` and
+    checks nothing.
+    """
     form = await request.form()
     ui = state(request)
     target = _safe_next(str(form.get("next") or ""))
+    if not csrf_ok(request, form):
+        return _login_form(request, 403, next=target, stale=True)
     name, secret = str(form.get("name") or "").strip(), str(form.get("secret") or "")
+    address = _address(request)
+    verdict = ui.throttle.acquire(name, address)
+    if not verdict.allowed:
+        response = _login_form(request, 429, next=target, retry_after=verdict.retry_after)
+        response.headers["Retry-After"] = verdict.retry_after
+        return response
     if ui.sasl is not None:
         producer = await ui.sasl.log_in(name, secret)
         if producer is None:
-            return render(request, "login.html", status_code=401, next=target, failed=True)
+            return _login_form(request, 401, next=target, failed=True)
         await ui.pool.set_producer(name, producer)  # this labeler's labels go through it
         ui.labelers[name] = Labeler(name)
-        start_session(request, name)
-    elif not log_in(request, ui.labelers, name, secret):
-        return render(request, "login.html", status_code=401, next=target, failed=True)
+    else:
+        # PBKDF2 takes a few hundred milliseconds: in a worker thread, the pages stay responsive.
+        who = await run_in_threadpool(authenticate, ui.labelers, name, secret)
+        if who is None:
+            return _login_form(request, 401, next=target, failed=True)
+        name = who.name
+    ui.throttle.give_back(name, address)
+    start_session(request, name)
     return RedirectResponse(target, status_code=303)
 
 
@@ -86,7 +133,7 @@ async def logout(request: Request) -> Response:
             await ui.pool.flush(who, force=True)  # a held answer goes out with the labeler's credentials
             await ui.pool.set_producer(who, None)
             ui.labelers.pop(who, None)
-    request.session.clear()
+    end_session(request)  # the session id ends here: a copy of the cookie no longer logs anyone in
     return RedirectResponse("/login", status_code=303)
 
 
@@ -146,9 +193,10 @@ def create_app(
             session_cookie="causalmem_ui",
             max_age=SESSION_MAX_AGE_S,
             same_site="strict",
-            https_only=False,  # loopback by default; put TLS in front when exposing it
+            https_only=secure_cookie(config),
         )
     ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.ui = UiState(config, labelers, pool, feeds, sasl)
+    app.state.sessions = Sessions(SESSION_MAX_AGE_S)
     return app

@@ -40,7 +40,7 @@ from topics.delta import decode_delta_manifest
 from topics.events import decode_retrieval_event
 from topics.fields import Limits, Rejected
 from topics.internal import decode_experience
-from topics.labels import ANY_SLOT, ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
+from topics.labels import ActiveLearningSample, HumanLabel, decode_active_learning_sample, decode_human_label
 from topics.manifest import decode_manifest, parse_key
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def decode_any_size(decode: Callable[[bytes, Limits], Any], raw: bytes, limits: 
         return decode(raw, limits)
     except Rejected as rej:
         n = embedding_length(raw) if rej.reason == "embedding_length" else None
-        if n is None:
+        if not n:  # no embedding to take the length of, or an empty one
             raise
         return decode(raw, replace(limits, embedding_dim=n))
 
@@ -125,9 +125,12 @@ class Feeds(Service):
         self.bootstrap = bootstrap
         self.config = config
         self.conn = config.connection
-        self.limits = replace(self.conn.limits, slots=ANY_SLOT)
+        # The deployment's slot count: a slot number beyond it is a rejected event, not one more memory to keep.
+        self.limits = self.conn.limits
         t = self.conn.topics
-        self.memories = MemoryView(config.max_events, config.recent_per_memory, config.connection.limits.slots)
+        self.memories = MemoryView(
+            config.max_events, config.recent_per_memory, self.limits.slots, max_bytes=config.memory_view_bytes
+        )
         self.trends = Trends()
         self.book = LabelBook()
         self.manifests: dict[int, dict[str, Any]] = {}
@@ -179,7 +182,7 @@ class Feeds(Service):
             for msg in await follower.poll(self.bootstrap, self.conn):
                 try:
                     self._apply(name, msg)
-                except Rejected:
+                except Exception:  # whatever a parse raised: counted and passed over, never the rest of a batch
                     follower.unreadable += 1
         snapshot = await self.status.snapshot()
         snapshot["gate_estimates"] = await self._gate_estimates()

@@ -15,6 +15,12 @@ Per memory: the mean effect with a 95% interval (normal approximation), the prob
 that the memory is harmful (mean effect below 0), δ (the reward-prediction error: an
 exponentially weighted mean of ``effect − mean before it``; negative when a memory does
 worse than it used to) and a sparkline of its recent effects.
+
+The bound is in bytes (``max_bytes``): each memory is charged an estimate of what it keeps
+(its text, its recent queries with their texts, a fixed overhead), and past the budget the
+least recently seen memories are forgotten first (``evicted`` counts them; one seen again
+starts over). Slot numbers are the deployment's (the feeds decode with its slot count), so
+the effect statistics, one row per slot, are bounded by the configuration too.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from topics.internal import Experience
 
 DELTA_ALPHA = 0.1  # weight of the newest reward-prediction error in δ
 SPARK_POINTS = 40  # recent effects a sparkline shows
+# Estimated bytes beyond the texts: a Memory with its deques and sparkline, and one Recent.
+MEMORY_OVERHEAD = 1024
+RECENT_OVERHEAD = 200
 
 
 @dataclass(frozen=True)
@@ -89,15 +98,30 @@ class Memory:
     delta: float = 0.0
     spark: deque[float] = field(default_factory=lambda: deque(maxlen=SPARK_POINTS))
     recent: deque[Recent] = field(default_factory=deque)
+    size: int = MEMORY_OVERHEAD  # estimated bytes kept for this memory (charged to the view's budget)
+
+
+def recent_size(r: Recent) -> int:
+    """Bytes charged for one recent query (its text counted whole, though events' texts are shared)."""
+    return RECENT_OVERHEAD + len(r.query_id) + len(r.query_text or "")
 
 
 class MemoryView:
     """What the memory pages show, built incrementally from decoded events and experiences (bounded)."""
 
-    def __init__(self, max_events: int = 200_000, recent_per_memory: int = 20, slots: int = 1024) -> None:
+    def __init__(
+        self,
+        max_events: int = 200_000,
+        recent_per_memory: int = 20,
+        slots: int = 1024,
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
         self.max_events = max_events
         self.recent_per_memory = recent_per_memory
-        self.memories: dict[int, Memory] = {}
+        self.max_bytes = max_bytes
+        self.memories: OrderedDict[int, Memory] = OrderedDict()  # least recently seen first
+        self.bytes = 0  # estimated bytes the memories keep (Memory.size summed)
+        self.evicted = 0  # memories forgotten to stay within max_bytes
         self.effects = MemoryEffects(slots)
         self.utilities: OrderedDict[tuple[str, int], float] = OrderedDict()  # (query_id, step) → utility
         self.events = 0
@@ -111,8 +135,32 @@ class MemoryView:
     def _memory(self, slot: int) -> Memory:
         m = self.memories.get(slot)
         if m is None:
-            m = self.memories[slot] = Memory(slot, recent=deque(maxlen=self.recent_per_memory))
+            m = self.memories[slot] = Memory(slot, recent=deque())
+            self.bytes += m.size
+        else:
+            self.memories.move_to_end(slot)
         return m
+
+    def _charge(self, m: Memory, delta: int) -> None:
+        m.size += delta
+        self.bytes += delta
+
+    def _set_text(self, m: Memory, text: str) -> None:
+        self._charge(m, len(text) - len(m.text or ""))
+        m.text = text
+
+    def _add_recent(self, m: Memory, r: Recent) -> None:
+        m.recent.appendleft(r)
+        self._charge(m, recent_size(r))
+        while len(m.recent) > self.recent_per_memory:
+            self._charge(m, -recent_size(m.recent.pop()))
+
+    def _shrink(self) -> None:
+        """Forget the least recently seen memories until the view is within ``max_bytes``."""
+        while self.bytes > self.max_bytes and self.memories:
+            _, m = self.memories.popitem(last=False)
+            self.bytes -= m.size
+            self.evicted += 1
 
     def observe_event(self, ev: RetrievalEvent) -> None:
         if ev.candidate_ids is not None:
@@ -128,8 +176,9 @@ class MemoryView:
                 else:
                     m.drops += 1
                 if texts.get(slot):
-                    m.text = texts[slot]
-                m.recent.appendleft(Recent(ev.query_id, ev.step, ev.ts, how, ev.query_text))
+                    self._set_text(m, texts[slot])
+                self._add_recent(m, Recent(ev.query_id, ev.step, ev.ts, how, ev.query_text))
+        self._shrink()
 
     def observe_experience(self, exp: Experience) -> None:
         if exp.kind != "feedback" or exp.event.candidate_ids is not None:
@@ -151,6 +200,7 @@ class MemoryView:
                 m.delta = (1 - DELTA_ALPHA) * m.delta + DELTA_ALPHA * (value - before.mean)
             self.effects.update(slot, value)
             m.spark.append(value)
+        self._shrink()
 
     def row(self, m: Memory) -> dict[str, Any]:
         e = self.effects.get(m.slot)

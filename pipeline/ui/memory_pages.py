@@ -70,6 +70,7 @@ async def memories_page(request: Request, who: str, form: Any) -> Response:
         experiences=view.experiences,
         credit=view.per_memory_credit,
         by_id=view.by_id,
+        evicted=view.evicted,
     )
 
 

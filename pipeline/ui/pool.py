@@ -52,6 +52,9 @@ from topics.labels import ActiveLearningSample, HumanLabel, decode_human_label
 log = logging.getLogger(__name__)
 
 
+FETCH_ROUNDS = 4  # batches one page view reads at most while every sample it got was passed over
+
+
 class LabelError(ValueError):
     """A submission that writes nothing, with the message the page shows."""
 
@@ -72,9 +75,16 @@ class Entry:
     answers: dict[str, HumanLabel] = field(default_factory=dict)  # given (held for undo, or sent)
     sent: set[str] = field(default_factory=set)  # labelers whose answer the broker acknowledged
     leases: dict[str, Lease] = field(default_factory=dict)
+    # Labelers whose answer was on human-labels before this delivery (a redelivery after a
+    # restart or a rebalance): their answers count towards the overlap, as sent ones.
+    prior: frozenset[str] = frozenset()
 
     def open_slots(self, overlap: int) -> int:
-        return overlap - len(self.answers) - len(self.leases)
+        return overlap - len(self.answers) - len(self.leases) - len(self.prior)
+
+    def complete(self, overlap: int) -> bool:
+        """The sample has its ``overlap`` acknowledged answers (before this delivery or here)."""
+        return len(self.sent | self.prior) >= overlap
 
 
 @dataclass
@@ -126,6 +136,7 @@ class SamplePool(Service):
         self.answered: dict[str, set[str]] = {}  # labeler → sample ids answered (here or before)
         self.done: dict[str, int] = {}  # labeler → answers sent from this app
         self.unreadable = 0
+        self.repeats = 0  # samples delivered again with all their answers given already: committed, not held
         self._epoch = 0
         self._next: dict[TopicPartition, int] = {}  # per partition: the offset after the last fetched
         self._consumer: Any = None
@@ -218,8 +229,12 @@ class SamplePool(Service):
             lease.expires = self.clock() + self.lease_s
             return held, lease
         entry = self._free_for(labeler)
-        if entry is None and len(self.entries) < self.prefetch:
-            await self._fetch(wait_s)
+        # A batch may be all passed over (answered already) or dead-lettered: read on, a few batches at most.
+        for attempt in range(FETCH_ROUNDS):
+            if entry is not None or len(self.entries) >= self.prefetch:
+                break
+            if not await self._fetch(wait_s if attempt == 0 else 0.0):
+                break
             entry = self._free_for(labeler)
         if entry is None:
             return None
@@ -235,21 +250,46 @@ class SamplePool(Service):
                 return True
         return False
 
-    async def _fetch(self, wait_s: float) -> None:
+    async def _fetch(self, wait_s: float) -> int:
+        """Read a batch (waiting up to ``wait_s``); the number of records it had."""
         batch = await self._consumer.getmany(timeout_ms=int(wait_s * 1000), max_records=self.prefetch)
         for tp, msgs in batch.items():
+            consumed = False
             for msg in msgs:
-                self._next[tp] = msg.offset + 1
                 try:
-                    sample = read_sample(msg.value, self.limits, msg.key)
-                except Rejected as rej:
-                    await dead_letter_sample(self._producer, self.topics.dead_letter.name, tp, msg, rej)
-                    self.unreadable += 1
-                    await self._commit_done(tp)
-                    continue
-                if sample.sample_id in self.entries:
-                    continue  # delivered again (a commit that did not happen): one entry
-                self.entries[sample.sample_id] = Entry(sample, tp, msg.offset, self._epoch)
+                    consumed |= await self._take(tp, msg)
+                except Exception as exc:  # the dead-letter write failed: read this one again, commit nothing past it
+                    log.warning("ui: sample at %s:%d not handled yet: %r", tp, msg.offset, exc)
+                    self._consumer.seek(tp, msg.offset)
+                    break
+                self._next[tp] = msg.offset + 1  # handled: held, passed over or dead-lettered
+            if consumed:
+                await self._commit_done(tp)
+        return sum(len(msgs) for msgs in batch.values())
+
+    async def _take(self, tp: TopicPartition, msg: Any) -> bool:
+        """Hold one fetched sample for the labelers; True when it was consumed without being held.
+
+        A sample nobody can read goes to ``dead-letter`` (acknowledged) first. A sample
+        delivered again (the app restarted, or the partition came back after a rebalance)
+        whose answers were all given already is passed over; one answered by fewer than
+        ``overlap`` labelers is held for the others, its earlier answers counted.
+        """
+        try:
+            sample = read_sample(msg.value, self.limits, msg.key)
+        except Rejected as rej:
+            await dead_letter_sample(self._producer, self.topics.dead_letter.name, tp, msg, rej)
+            self.unreadable += 1
+            return True
+        sid = sample.sample_id
+        if sid in self.entries:
+            return False  # delivered again while held here (a commit that did not happen): one entry
+        prior = frozenset(who for who, ids in self.answered.items() if sid in ids)
+        if len(prior) >= self.overlap:
+            self.repeats += 1
+            return True
+        self.entries[sid] = Entry(sample, tp, msg.offset, self._epoch, prior=prior)
+        return False
 
     # ------------------------------------------------------------------ answers
     async def submit(
@@ -270,7 +310,9 @@ class SamplePool(Service):
             raise LabelError("Unknown sample: it is not in the queue here (answered by others, or moved).")
         self._expire()
         lease = entry.leases.get(labeler)
-        if lease is None or not secrets.compare_digest(lease.token, token) or entry.epoch != self._epoch:
+        # Bytes: compare_digest raises TypeError on non-ASCII str, and a form field may be anything.
+        same = lease is not None and secrets.compare_digest(lease.token.encode(), token.encode("utf-8", "replace"))
+        if lease is None or not same or entry.epoch != self._epoch:
             raise LabelError("Your lease on this sample has expired or moved to another labeler; nothing was sent.")
         offered = set(offered_slots(entry.sample))
         harmful = sorted(set(harmful or ()))
@@ -303,7 +345,7 @@ class SamplePool(Service):
         entry.sent.add(labeler)
         self.done[labeler] = self.done.get(labeler, 0) + 1
         sid = entry.sample.sample_id
-        if len(entry.sent) >= self.overlap and self.entries.get(sid) is entry:
+        if entry.complete(self.overlap) and self.entries.get(sid) is entry:
             del self.entries[sid]
             await self._commit_done(entry.tp)
 

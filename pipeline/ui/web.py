@@ -12,7 +12,7 @@ import datetime as dt
 import functools
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -25,6 +25,7 @@ from pipeline.component_config import UiConfig
 from pipeline.ui.auth import Labeler, SaslLogin, csrf_ok, csrf_token, current_labeler
 from pipeline.ui.feeds import Feeds
 from pipeline.ui.pool import SamplePool
+from pipeline.ui.throttle import LoginThrottle
 
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))
@@ -55,6 +56,7 @@ class UiState:
     pool: SamplePool
     feeds: Feeds
     sasl: SaslLogin | None = None  # labelers log in with their SASL principal (no labelers file)
+    throttle: LoginThrottle = field(default_factory=LoginThrottle)  # login attempts, by name and address
 
 
 def state(request: Request) -> UiState:
@@ -64,7 +66,7 @@ def state(request: Request) -> UiState:
 
 def render(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
     context.setdefault("labeler", current_labeler(request))
-    context["csrf"] = csrf_token(request) if context["labeler"] else ""
+    context.setdefault("csrf", csrf_token(request) if context["labeler"] else "")
     context.setdefault("page", name.split(".")[0])
     return templates.TemplateResponse(request, name, context, status_code=status_code)
 

@@ -129,6 +129,22 @@ async def test_an_unreadable_sample_goes_to_dead_letter_before_its_offset_is_com
     assert q._consumer.commits == [1, 2]
 
 
+async def test_causalmem_label_dead_letters_an_empty_embedding_and_passes_over_its_own_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: an empty embedding raised ValueError (Limits(embedding_dim=0)) out of next(),
+    stopping the labeler. A sample this labeler answered before is committed past, not shown."""
+    empty = orjson.loads(encoded(sample("empty")))
+    empty["features"]["query_embedding"] = []
+    q = await queue_of(monkeypatch, [orjson.dumps(empty), encoded(sample("mine")), encoded(sample("new"))])
+    q.answered.add("mine")
+    item = await q.next(timeout=1)
+    assert item is not None and item.sample.sample_id == "new"
+    ((topic, value, _),) = q._producer.sent
+    assert topic == LABELER.topics().dead_letter.name and orjson.loads(value)["reason"] == "embedding_length"
+    assert q.bad == 1 and q.repeats == 1 and q._consumer.commits == [1, 2]
+
+
 @pytest.mark.broker
 async def test_the_reported_loss_through_the_broker(topics_ready: Settings) -> None:
     """Six samples from a deployment with 8-dim embeddings and one that is not an object. A labeler

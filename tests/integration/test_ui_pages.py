@@ -133,15 +133,25 @@ def second_browser(c: TestClient) -> TestClient:
     return TestClient(c.app, base_url="http://127.0.0.1")
 
 
-def login(c: TestClient, name: str = "ann", secret: str = "ann-token-0123") -> None:
-    r = c.post("/login", data={"name": name, "secret": secret, "next": "/queue"}, follow_redirects=False)
-    assert r.status_code == 303, r.text
-
-
 def field(html: str, name: str) -> str:
     m = re.search(rf'name="{name}" value="([^"]*)"', html)
     assert m, f"no {name} field"
     return m.group(1)
+
+
+def login_csrf(c: TestClient) -> str:
+    """The login form's CSRF token: a login starts from the login page, as in a browser."""
+    return field(c.get("/login").text, "csrf")
+
+
+def try_login(c: TestClient, name: str, secret: str, **kw: Any) -> Any:
+    data = {"csrf": login_csrf(c), "name": name, "secret": secret, "next": "/queue"}
+    return c.post("/login", data=data, **kw)
+
+
+def login(c: TestClient, name: str = "ann", secret: str = "ann-token-0123") -> None:
+    r = try_login(c, name, secret, follow_redirects=False)
+    assert r.status_code == 303, r.text
 
 
 # --------------------------------------------------------------------------- login and CSRF
@@ -155,7 +165,7 @@ def test_every_page_needs_a_login_and_every_write_a_labeler(tmp_path: Path) -> N
             assert r.status_code == 303 and r.headers["location"].startswith("/login")
         r = c.post("/queue/answer", data={"sample_id": "s1", "lease": "x", "correct": "9"})
         assert r.status_code == 403 and "logged-in labeler" in r.text
-        r = c.post("/login", data={"name": "ann", "secret": "wrong"})
+        r = try_login(c, "ann", "wrong")
         assert r.status_code == 401 and "wrong password" in r.text
         login(c, "bob", "bob-pw")  # a password hash works too
         assert c.get("/queue").status_code == 200
@@ -173,6 +183,146 @@ def test_a_form_without_the_sessions_csrf_token_writes_nothing(tmp_path: Path) -
         r = c.post("/queue/answer", data=form)
         assert r.status_code == 403
     assert pool.fake_producer.sent == [] and pool.fake_consumer.commits == []
+
+
+def hash_spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Record each PBKDF2 (its iterations, and whether it ran on the event loop's thread)."""
+    from pipeline.ui import auth
+
+    calls: list[tuple[int, bool]] = []
+    real = auth._pbkdf2
+
+    def spy(password: str, salt: bytes, iterations: int) -> bytes:
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        calls.append((iterations, on_loop))
+        return real(password, salt, iterations) if iterations <= 1000 else b"\0" * 32  # the dummy never matches
+
+    monkeypatch.setattr(auth, "_pbkdf2", spy)
+    return calls
+
+
+def test_each_login_hashes_once_in_a_worker_thread_whoever_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: PBKDF2 ran on the event loop (8 guessers slowed every page to 1.1 s) and an unknown
+    name was answered without hashing (0.02 s against 0.20 s: names could be told apart)."""
+    from pipeline.ui.auth import PBKDF2_ITERATIONS
+
+    calls = hash_spy(monkeypatch)
+    with client_for(tmp_path, Pool([])) as c:
+        for name, secret, status in (("bob", "bob-pw", 303), ("nobody", "guess", 401), ("ann", "wrong", 401)):
+            before = len(calls)
+            assert try_login(second_browser(c), name, secret, follow_redirects=False).status_code == status
+            assert len(calls) == before + 1, name  # one hash per attempt, known name or not
+        assert [it for it, _ in calls] == [1000, PBKDF2_ITERATIONS, PBKDF2_ITERATIONS]  # unknown: a full-cost dummy
+        assert not any(on_loop for _, on_loop in calls)  # in a worker thread, never on the event loop
+
+
+def test_guesses_are_throttled_per_name_and_per_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: 54 guesses in a row, none refused."""
+    calls = hash_spy(monkeypatch)
+    with client_for(tmp_path, Pool([])) as c:
+        throttle = c.app.state.ui.throttle  # type: ignore[attr-defined]
+        now = [0.0]
+        throttle.clock = lambda: now[0]
+        for _ in range(5):
+            assert try_login(c, "ann", "wrong").status_code == 401
+        hashed = len(calls)
+        r = try_login(c, "ann", "ann-token-0123")  # the 6th attempt on ann: refused, even with her token
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 and "Too many login attempts" in r.text
+        assert len(calls) == hashed  # a refused attempt checks nothing
+        other = TestClient(c.app, base_url="http://127.0.0.1", client=("10.0.0.9", 5000))
+        assert try_login(other, "ann", "ann-token-0123").status_code == 429  # per name, from any address
+        login(c, "bob", "bob-pw")  # another name from the same address goes through
+        now[0] += 60.0  # one guess back per minute
+        login(other, "ann", "ann-token-0123")
+        # per address: one client trying many names
+        spray = TestClient(c.app, base_url="http://127.0.0.1", client=("10.0.0.7", 5000))
+        statuses = [try_login(spray, f"user{i}", "guess").status_code for i in range(21)]
+        assert statuses == [401] * 20 + [429]
+
+
+def test_sasl_logins_are_throttled_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the SASL-mode app was an unthrottled password oracle against the broker."""
+    from pipeline import kafka
+    from pipeline.component_config import KafkaSecurity
+
+    attempts: list[str | None] = []
+
+    class Refused(Producer):
+        async def start(self) -> None:
+            raise RuntimeError("SASL authentication failed")
+
+        async def stop(self) -> None:
+            return None
+
+    def producer(bootstrap: str, conn: Any, **kw: Any) -> Refused:
+        attempts.append(conn.security.sasl_password)
+        return Refused()
+
+    monkeypatch.setattr(kafka, "producer", producer)
+    sasl = S.replace(state_dir=str(tmp_path), security=KafkaSecurity("SASL_PLAINTEXT", "SCRAM-SHA-512", "ui", "pw"))
+    app = create_app(sasl.ui(), "127.0.0.1:1", pool=Pool([]), feeds=Feeds())
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        assert [try_login(c, "ann", f"guess{i}").status_code for i in range(6)] == [401] * 5 + [429]
+        assert len(attempts) == 5  # the broker was asked five times, not six
+
+
+def test_a_session_cookie_stops_working_after_logout(tmp_path: Path) -> None:
+    """Before: the signed cookie was the whole session, so a copy of it outlived the logout."""
+    with client_for(tmp_path, Pool([])) as c:
+        login(c)
+        cookie = c.cookies["causalmem_ui"]
+        copy = second_browser(c)
+        copy.cookies.set("causalmem_ui", cookie)
+        assert copy.get("/memories").status_code == 200
+        c.post("/logout", data={"csrf": field(c.get("/memories").text, "csrf")})
+        assert copy.get("/memories", follow_redirects=False).status_code == 303  # to the login page
+        r = copy.post("/queue/leave", data={"csrf": "x", "sample_id": "s1"})
+        assert r.status_code == 403
+
+
+def test_the_login_form_needs_its_csrf_token_and_a_non_ascii_token_is_refused(tmp_path: Path) -> None:
+    """Before: a page on another site could log the browser in (no token on the login form),
+    and a non-ASCII CSRF token answered 500."""
+    pool = Pool([sample("s1")])
+    with client_for(tmp_path, pool) as c:
+        # a cross-site form: the browser sends no cookie of ours (SameSite=Strict), so no token matches
+        r = c.post("/login", data={"name": "ann", "secret": "ann-token-0123", "next": "/queue"})
+        assert r.status_code == 403 and "out of date" in r.text
+        assert c.get("/queue", follow_redirects=False).status_code == 303  # not logged in
+        r = c.post("/login", data={"csrf": "é" * 8, "name": "ann", "secret": "ann-token-0123"})
+        assert r.status_code == 403
+        login(c)
+        page = c.get("/queue").text
+        form = {"sample_id": "s1", "lease": field(page, "lease"), "correct": "9", "csrf": "jeton-é"}
+        assert c.post("/queue/answer", data=form).status_code == 403
+        form = {**form, "csrf": field(page, "csrf"), "lease": "bail-é"}
+        assert c.post("/queue/answer", data=form).status_code == 409  # a stale lease, not a crash
+    assert pool.fake_producer.sent == []
+
+
+@pytest.mark.parametrize(
+    ("options", "secure"),
+    [
+        ({}, False),
+        ({"host": "0.0.0.0"}, True),
+        ({"secure_cookie": True}, True),
+        ({"host": "::", "secure_cookie": False}, False),
+    ],
+)
+def test_the_session_cookie_is_secure_unless_on_loopback_or_told(
+    tmp_path: Path, options: dict[str, Any], secure: bool
+) -> None:
+    """Before: https_only was hard-coded False, so behind TLS the cookie still went over plain HTTP."""
+    app = create_app(S.replace(state_dir=str(tmp_path)).ui(**options), "127.0.0.1:1", LABELERS, Pool([]), Feeds())
+    with TestClient(app, base_url="https://127.0.0.1") as c:
+        r = c.get("/login")
+        assert ("secure" in r.headers["set-cookie"].lower()) is secure
 
 
 # --------------------------------------------------------------------------- labeling
@@ -555,7 +705,7 @@ def test_sasl_logins_are_checked_by_the_broker_and_labels_use_the_labelers_crede
     pool = Pool([sample("s1")])
     app = create_app(sasl.ui(), "127.0.0.1:1", pool=pool, feeds=Feeds())
     with TestClient(app, base_url="http://127.0.0.1") as c:
-        r = c.post("/login", data={"name": "ann", "secret": "wrong", "next": "/queue"})
+        r = try_login(c, "ann", "wrong")
         assert r.status_code == 401 and made[-1][2].stopped  # refused by the broker; nothing kept
         assert c.get("/queue", follow_redirects=False).status_code == 303  # still logged out
         login(c, "ann", "ann-kafka-pw")

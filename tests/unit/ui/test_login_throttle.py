@@ -1,0 +1,53 @@
+"""The login throttle's decisions and the server-side session record, without an app."""
+
+from __future__ import annotations
+
+from pipeline.ui.auth import Sessions
+from pipeline.ui.throttle import LoginThrottle, Rate
+
+
+def test_a_name_gets_its_burst_then_one_guess_per_refill_and_a_success_costs_nothing() -> None:
+    now = [0.0]
+    t = LoginThrottle(per_name=Rate(3, 60.0), per_address=Rate(100, 1.0), clock=lambda: now[0])
+    assert [t.acquire("ann", "a").allowed for _ in range(4)] == [True, True, True, False]
+    refused = t.acquire("ANN ", "b")  # the same name, spelled otherwise, from elsewhere
+    assert not refused.allowed and refused.retry_after_s == 60.0 and refused.retry_after == "60"
+    assert t.refused == 2
+    now[0] = 30.0
+    assert t.acquire("ann", "a").retry_after == "30"
+    now[0] = 60.0
+    assert t.acquire("ann", "a").allowed  # one back after a minute
+    assert not t.acquire("ann", "a").allowed
+    now[0] = 120.0
+    assert t.acquire("ann", "a").allowed
+    t.give_back("ann", "a")  # that one logged in: the guess it took is returned
+    assert t.acquire("ann", "a").allowed
+
+
+def test_an_address_is_held_across_names_and_a_refused_attempt_takes_nothing() -> None:
+    t = LoginThrottle(per_name=Rate(5, 60.0), per_address=Rate(3, 10.0), clock=lambda: 0.0)
+    assert [t.acquire(f"u{i}", "10.0.0.1").allowed for i in range(4)] == [True, True, True, False]
+    assert t.acquire("u9", "10.0.0.2").allowed
+    for _ in range(3):
+        assert not t.acquire("u9", "10.0.0.1").allowed  # refused by the address: u9's bucket keeps its tokens
+    assert [t.acquire("u9", f"10.0.1.{i}").allowed for i in range(5)] == [True, True, True, True, False]
+
+
+def test_the_throttle_keeps_a_bounded_number_of_buckets() -> None:
+    t = LoginThrottle(max_keys=50, clock=lambda: 0.0)
+    for i in range(1000):
+        t.acquire(f"name{i}", f"addr{i}")
+    assert len(t._buckets) == 50
+
+
+def test_sessions_end_at_logout_expire_and_are_capped_per_labeler() -> None:
+    now = [0.0]
+    s = Sessions(max_age_s=100.0, per_labeler=2, clock=lambda: now[0])
+    a, b = s.start("ann"), s.start("ann")
+    assert s.valid(a, "ann") and not s.valid(a, "bob") and not s.valid(None, "ann")
+    c = s.start("ann")  # a third: the oldest ends
+    assert not s.valid(a, "ann") and s.valid(b, "ann") and s.valid(c, "ann")
+    s.end(b)
+    assert not s.valid(b, "ann")
+    now[0] = 101.0
+    assert not s.valid(c, "ann")
