@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -169,3 +170,31 @@ async def test_a_cutover_loads_the_judged_version_only_under_the_gate(gated: boo
     assert h.published == [(CUTOVER_COMMAND, {"cutover_reason": "shadow gain", "cutover": details})]
     assert h.looked_up == ([3] if gated else [])
     assert (float(h.trainer.net.out.bias[0].detach()) == 1.5) is gated
+
+
+def test_the_learner_package_imports_without_a_circle() -> None:
+    """The loop imports the control commands, never the other way (nor any other circle in the package)."""
+    root = Path(__file__).resolve().parents[3]
+    package = root / "pipeline" / "learner"
+    graph: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        graph[path.stem] = {n.split(".")[2] for n in names if n.startswith("pipeline.learner.")} - {path.stem}
+    assert "control" in graph["loop"] and "loop" not in graph["control"]
+
+    def circle_from(start: str, seen: tuple[str, ...]) -> tuple[str, ...] | None:
+        for nxt in sorted(graph.get(start, ())):
+            if nxt in seen:
+                return (*seen, nxt)
+            found = circle_from(nxt, (*seen, nxt))
+            if found:
+                return found
+        return None
+
+    assert [c for m in sorted(graph) if (c := circle_from(m, (m,)))] == []
