@@ -1,8 +1,11 @@
 """The learner: the single writer of the policy (see docs/architecture.md).
 
 ``from pipeline.learner.loop import Learner``; the loop composes the other modules:
-election (who trains), restore (from the model topic on election), inbox (pending and
-held experiences, positions, reorder, dedupe), replay (kept experiences: drift warm-up and
-the gate's window), publishing and gate (checkpoints, candidates, promotion) and store
-(the local copy). Inbox and replay are pure: tested without Kafka.
+election (who trains), fence (whether it still owns the policy), restore (from the model
+topic on election), inbox (pending and held experiences, positions, reorder, dedupe),
+replay (kept experiences: drift warm-up and the gate's window), memories (memory-lifecycle
+→ slots, the id → slot map), control (the ``control`` topic's commands, carried out by a
+``ControlHandler`` the loop hands what they change), publishing, deltas, gate and canary
+(checkpoints, candidates and promotion), store (the local copy) and supervise (a failed
+task ends the process). Inbox and replay are pure: tested without Kafka.
 """

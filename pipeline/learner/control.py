@@ -6,6 +6,13 @@ Commands apply between micro-batches, in offset order with the experiences. The 
 rejects, or a command that still cannot be carried out, goes to ``dead-letter`` with its
 reason and its offset is passed: a bad command never stops training (docs/architecture.md,
 "Failure model").
+
+:class:`ControlHandler` carries the commands out for the learner
+(:class:`pipeline.learner.loop.Learner`), which builds it and hands it what the commands
+read and change: the trainer, the memory bank, the replay, the checkpoints' counters, and
+callables for the rest (apply the experiences read before a command, find a version's
+weights, publish the changed policy, dead-letter a message). It never imports the loop.
+Which weights a cut-over serves is a pure decision (:func:`cutover_version`).
 """
 
 from __future__ import annotations
@@ -13,59 +20,110 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
-from models.policy.network import Arch
+import torch
+
 from models.policy.trainer import PolicyTrainer
 from pipeline.component_config import LearnerConfig
-from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
-from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.publishing import Progress
 from pipeline.learner.replay import Replay
-from pipeline.learner.restore import find_version
-from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from topics.fields import Rejected
 from topics.internal import CUTOVER_COMMAND, SUPPRESS_COMMAND, decode_control
-from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
+Tensors = dict[str, torch.Tensor]
 
-class ControlCommands:
-    """The learner's command handling (a part of :class:`pipeline.learner.loop.Learner`)."""
 
-    config: LearnerConfig
-    bootstrap: str
-    metrics: Metrics
-    trainer: PolicyTrainer
-    arch: Arch
-    store: LocalStore
-    inbox: Inbox
-    replay: Replay
-    progress: Progress
-    version: int
-    dirty: bool
-    memories: MemoryBank | None
-    _dead: DeadLetterWriter | None
+def cutover_version(details: dict[str, Any], gated: bool) -> int | None:
+    """The version whose weights a cut-over serves; None: the current weights.
 
-    if TYPE_CHECKING:  # what the learner provides (declared for the type checker only)
+    With the promotion gate on, the cut-over serves the version whose gain shadow mode
+    estimated (``details["serving_version"]``), never weights the gate has not judged;
+    without the gate every checkpoint serves anyway, so the current weights go out.
 
-        @property
-        def gate(self) -> PromotionGate | None: ...
+    >>> cutover_version({"serving_version": 7}, gated=True), cutover_version({"serving_version": 7}, gated=False)
+    (7, None)
+    >>> cutover_version({"serving_version": None}, gated=True) is None  # no estimate named a version
+    True
+    """
+    version = details.get("serving_version")
+    return version if gated and isinstance(version, int) else None
 
-        async def _apply_pending(self, force: bool = False) -> None: ...
 
-        async def publish(self, reason: str, extra: dict[str, Any] | None = None) -> Manifest | None: ...
+class ControlHandler:
+    """The learner's command handling: :meth:`handle` one ``control`` message.
 
-    async def _handle_control(self, msg: Any) -> None:
+    Parameters
+    ----------
+    config
+        The learner's configuration (limits, warm-up, whether the promotion gate is on).
+    trainer
+        The policy the commands change (the learner's own trainer, shared).
+    memories
+        The memory bank: memories given a slot after a loaded version get fresh rows.
+    replay
+        The kept experiences a drift reset warms up on.
+    progress
+        The counters checkpoints carry (resets, the suppressed memories).
+    inbox
+        Where command ids are remembered, so that a command delivered twice applies once.
+    metrics
+        The learner's metrics (``resets``).
+    apply_pending
+        Applies every experience read before the command (commands apply between batches).
+    find_version
+        A version's weights, from the model topic or else the local directory; None when neither has it.
+    local_dir
+        The local checkpoint directory (named when a rollback finds no weights).
+    publish_change
+        Marks the policy changed and publishes a checkpoint of that reason at once, with
+        these extra manifest metrics; returns the version published.
+    dead_letter
+        Sends a message to ``dead-letter`` with a reason and a detail.
+    """
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        *,
+        trainer: PolicyTrainer,
+        memories: MemoryBank,
+        replay: Replay,
+        progress: Progress,
+        inbox: Inbox,
+        metrics: Metrics,
+        apply_pending: Callable[[], Awaitable[None]],
+        find_version: Callable[[int], Awaitable[Tensors | None]],
+        local_dir: Path,
+        publish_change: Callable[[str, dict[str, Any]], Awaitable[int]],
+        dead_letter: Callable[[Any, str, str], None],
+    ) -> None:
+        self.config = config
+        self.trainer = trainer
+        self.memories = memories
+        self.replay = replay
+        self.progress = progress
+        self.inbox = inbox
+        self.metrics = metrics
+        self.apply_pending = apply_pending
+        self.find_version = find_version
+        self.local_dir = local_dir
+        self.publish_change = publish_change
+        self.dead_letter = dead_letter
+
+    async def handle(self, msg: Any) -> None:
+        """Carry out the command in ``msg`` (a consumer record), or dead-letter it."""
         try:
             ctl = decode_control(msg.value, self.config.connection.limits)
         except Rejected as rej:
-            assert self._dead is not None
-            self._dead.send(msg, rej.reason, rej.detail)
+            self.dead_letter(msg, rej.reason, rej.detail)
             return
         if ctl.id and self.inbox.seen_before(ctl.id):
             return
@@ -84,26 +142,21 @@ class ControlCommands:
             # The codec checks details; a command it let through and that still cannot be
             # carried out is dead-lettered, and its offset passed like any other.
             log.error("learner: control command %s at offset %d failed: %r", ctl.command, msg.offset, exc)
-            assert self._dead is not None
-            self._dead.send(msg, "inconsistent", f"{ctl.command} failed: {exc!r}")
+            self.dead_letter(msg, "inconsistent", f"{ctl.command} failed: {exc!r}")
 
     async def cutover(self, reason: str, details: dict[str, Any]) -> None:
         """Shadow mode's switch to the policy (docs/byo-retriever.md): a checkpoint of reason ``cutover``.
 
-        With the gate on, it serves the version whose gain was estimated (``serving_version``),
-        never weights the gate has not judged; without it every checkpoint serves anyway, so the
-        current weights go out.
+        It serves the weights :func:`cutover_version` names, when they are found, else the current ones.
         """
-        await self._apply_pending(force=True)
-        version = details.get("serving_version")
-        if self.gate is not None and isinstance(version, int):
-            conn = self.config.connection
-            tensors = await find_version(self.bootstrap, conn, self.store, self.arch, version, self.config.signing_key)
+        await self.apply_pending()
+        version = cutover_version(details, gated=self.config.gate is not None)
+        if version is not None:
+            tensors = await self.find_version(version)
             if tensors is not None:
                 self.trainer.load(tensors, self.trainer.baseline.state())
-                self._rows_of(version)
-        self.dirty = True
-        await self.publish(CUTOVER_COMMAND, extra={"cutover_reason": reason, "cutover": details})
+                self.memories.rows_from(version, self.trainer)
+        await self.publish_change(CUTOVER_COMMAND, {"cutover_reason": reason, "cutover": details})
 
     async def suppress(self, slots: list[int], reason: str = "") -> None:
         """A labeler's "do not use": pin these memories' masks near 0 and serve that at once.
@@ -111,18 +164,12 @@ class ControlCommands:
         The set is kept in the checkpoints' metrics and applied again after a drift reset,
         which re-initialises the last layer.
         """
-        await self._apply_pending(force=True)
+        await self.apply_pending()
         self.progress.suppressed = sorted(set(self.progress.suppressed) | set(slots))
         self.trainer.net.suppress(slots)
-        self.dirty = True
         now = sorted(set(slots))
-        await self.publish(SUPPRESS_COMMAND, extra={"suppress_reason": reason, "suppressed_now": now})
-        log.warning("learner: memories %s suppressed (%s), now serving as v%d", now, reason, self.version)
-
-    def _rows_of(self, version: int) -> None:
-        """The trainer now holds the weights of ``version``: memories given a slot later get fresh rows."""
-        if self.memories is not None:
-            self.memories.rows_from(version, self.trainer)
+        version = await self.publish_change(SUPPRESS_COMMAND, {"suppress_reason": reason, "suppressed_now": now})
+        log.warning("learner: memories %s suppressed (%s), now serving as v%d", now, reason, version)
 
     async def rollback(self, version: int, reason: str = "") -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
@@ -130,20 +177,20 @@ class ControlCommands:
         The weights come from the model topic when its chunks are still there, else from
         the local directory (which keeps more versions than the topic). Training goes on
         from them with a fresh optimizer: the policy that was rolled back is abandoned.
+        Memories given a slot after ``version`` get fresh rows (they would otherwise serve
+        the rows of the slot's earlier owner).
         """
-        conn = self.config.connection
-        tensors = await find_version(self.bootstrap, conn, self.store, self.arch, version, self.config.signing_key)
+        tensors = await self.find_version(version)
         if tensors is None:
             log.error(
-                "learner: rollback to v%d impossible: neither the model topic nor %s has it", version, self.store.root
+                "learner: rollback to v%d impossible: neither the model topic nor %s has it", version, self.local_dir
             )
             return False
-        await self._apply_pending(force=True)
+        await self.apply_pending()
         self.trainer.load(tensors, self.trainer.baseline.state())
-        self._rows_of(version)
-        self.dirty = True
-        await self.publish("rollback", extra={"rolled_back_to": version, "rollback_reason": reason})
-        log.warning("learner: rolled back to the weights of v%d, now serving as v%d", version, self.version)
+        self.memories.rows_from(version, self.trainer)
+        published = await self.publish_change("rollback", {"rolled_back_to": version, "rollback_reason": reason})
+        log.warning("learner: rolled back to the weights of v%d, now serving as v%d", version, published)
         return True
 
     async def reset(self, reason: str = "", details: dict[str, Any] | None = None) -> None:
@@ -174,5 +221,4 @@ class ControlCommands:
             len(warm),
             time.perf_counter() - t0,
         )
-        self.dirty = True
-        await self.publish("reset", extra={"warmup_experiences": stats.applied, "reset_details": details or {}})
+        await self.publish_change("reset", {"warmup_experiences": stats.applied, "reset_details": details or {}})

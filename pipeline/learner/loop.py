@@ -3,7 +3,8 @@
 Reads joined experiences (and labelled samples) from the one-partition ``experiences``
 topic in offset order, applies micro-batches with :class:`models.policy.trainer.PolicyTrainer`,
 and publishes checkpoints on the model topic at most every ``checkpoint_interval_s`` and
-only when the policy changed. Reset and rollback commands arrive on ``control``.
+only when the policy changed. Commands (drift reset, rollback, cut-over, "do not use")
+arrive on ``control``; memory ids arrive on ``memory-lifecycle`` (contract 1.3).
 
 :class:`Learner` composes the parts of this package:
 
@@ -16,8 +17,13 @@ only when the policy changed. Reset and rollback commands arrive on ``control``.
 - :mod:`~pipeline.learner.inbox`: pending and held experiences, positions, reorder mode,
   dedupe, micro-batches;
 - :mod:`~pipeline.learner.replay`: the kept experiences (drift warm-up, gate window);
+- :mod:`~pipeline.learner.control`: the commands, carried out by a
+  :class:`~pipeline.learner.control.ControlHandler` this loop builds and hands what they change;
+- :mod:`~pipeline.learner.memories`: the memory-lifecycle topic, slots for memory ids, the
+  id → slot map published with the checkpoints;
 - :mod:`~pipeline.learner.publishing` and :mod:`~pipeline.learner.promotion_gate`: checkpoints,
-  candidates and promotion; :mod:`~pipeline.learner.store`: their local copy.
+  candidates and promotion;
+- :mod:`~pipeline.learner.store`: the local copy of its checkpoints.
 
 Long work (a drift reset's warm-up, decoding the history, loading a checkpoint) runs in
 a worker thread, so the event loop keeps the group membership alive meanwhile.
@@ -39,17 +45,18 @@ from models.policy.trainer import PolicyTrainer
 from pipeline import kafka
 from pipeline.component_config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
-from pipeline.learner.control import ControlCommands
+from pipeline.learner.control import ControlHandler
 from pipeline.learner.election import Election
 from pipeline.learner.fence import Fence, Fenced
+from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
-from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.publishing import Progress, Publishing, manifest_metrics
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import (
     Restored,
     RestoreError,
+    find_version,
     from_local,
     from_topic,
     newest_local,
@@ -71,7 +78,7 @@ LINGER_S = 0.5  # apply a partial micro-batch after this long without new input
 FENCED_BACKOFF_S = 15.0  # after being fenced off, wait this long (> 2 session timeouts) before taking over again
 
 
-class Learner(Service, ControlCommands):
+class Learner(Service):
     """The learner process's core: ``start``, then ``run`` until ``stop``."""
 
     def __init__(self, config: LearnerConfig, bootstrap: str, metrics: Metrics | None = None) -> None:
@@ -89,7 +96,7 @@ class Learner(Service, ControlCommands):
         self.exp_tp = TopicPartition(conn.topics.experiences.name, 0)
         self.ctl_tp = TopicPartition(conn.topics.control.name, 0)
         self.life_tp = TopicPartition(conn.topics.memory_lifecycle.name, 0)
-        self.memories = MemoryBank.of(config)  # memory ids → slots (contract 1.3); None when off
+        self.memories = MemoryBank(conn, t.slots, config.lifecycle_grace_s)  # memory ids → slots (contract 1.3)
         self.store = LocalStore(local_dir(config.state_dir, bootstrap, conn.topics.prefix, conn.policy))
         self.inbox = Inbox(
             self.exp_tp.topic,
@@ -120,6 +127,20 @@ class Learner(Service, ControlCommands):
         self._run_done = asyncio.Event()  # set while run() is not executing
         self._run_done.set()
         self._final_published = False
+        self.control = ControlHandler(
+            config,
+            trainer=self.trainer,
+            memories=self.memories,
+            replay=self.replay,
+            progress=self.progress,
+            inbox=self.inbox,
+            metrics=self.metrics,
+            apply_pending=lambda: self._apply_pending(force=True),
+            find_version=self._find_version,
+            local_dir=self.store.root,
+            publish_change=self.publish_change,
+            dead_letter=self._dead_letter,
+        )
 
     @property
     def gate(self) -> PromotionGate | None:
@@ -248,8 +269,8 @@ class Learner(Service, ControlCommands):
         await publisher.claim(epoch, self.fence.writer)
         await self.fence.check()
         restored = await from_topic(self.bootstrap, conn, index, self.trainer, self.store, self.arch)
-        if self.memories is not None:  # the id → slot map, from the model topic (contract 1.3)
-            self.dirty = await self.memories.restore(self.bootstrap, restored, self.trainer) or self.dirty
+        # The id → slot map, from the model topic (contract 1.3).
+        self.dirty = await self.memories.restore(self.bootstrap, restored, self.trainer) or self.dirty
         offsets: dict[str, int] = {}
         if restored is not None:
             self._resume(restored)
@@ -282,7 +303,7 @@ class Learner(Service, ControlCommands):
         history = await read_history(self.bootstrap, conn, end, self.config.replay_max, self.config.dedupe_horizon_s)
         for ident, ts in history.ids:
             self.inbox.mark_seen(ident, ts)
-        self.replay.extend(self.memories.known(history.experiences) if self.memories else history.experiences)
+        self.replay.extend(self.memories.known(history.experiences))
         log.info(
             "learner: active from %s at version %d (epoch %d), offsets %s",
             self.restored_from,
@@ -300,9 +321,8 @@ class Learner(Service, ControlCommands):
 
     async def _seek(self, offsets: dict[str, int]) -> None:
         tps = [self.exp_tp, self.ctl_tp]
-        self._input.assign(tps + ([self.life_tp] if self.memories is not None else []))
-        if self.memories is not None:
-            self._input.seek(self.life_tp, self.memories.position)
+        self._input.assign([*tps, self.life_tp])
+        self._input.seek(self.life_tp, self.memories.position)
         positions = []
         for tp in tps:
             off = offsets.get(f"{tp.topic}:{tp.partition}")
@@ -317,8 +337,8 @@ class Learner(Service, ControlCommands):
     # ------------------------------------------------------------------ training loop
     async def step(self) -> None:
         """One poll of the inputs, then whatever updates and publishing are due."""
-        if self.memories is not None:  # events by id wait until the lifecycle is read
-            self.memories.hold_experiences(self._input, self.exp_tp)
+        # Events by id wait until the lifecycle is read (they may name memories it adds).
+        self.memories.hold_experiences(self._input, self.exp_tp)
         try:
             batch = await self._input.getmany(timeout_ms=100, max_records=16 * self.config.batch_size)
         except Exception as exc:
@@ -327,15 +347,16 @@ class Learner(Service, ControlCommands):
             return
         if batch:
             self._last_input = time.monotonic()
-        for tp, msgs in sorted(batch.items(), key=lambda item: item[0] != self.life_tp):  # lifecycle first
+        # Lifecycle records first: an event read with them may name the memories they add.
+        for tp, msgs in sorted(batch.items(), key=lambda item: item[0] != self.life_tp):
             for msg in msgs:
-                if tp == self.life_tp and self.memories is not None:
+                if tp == self.life_tp:
                     self.dirty = self.memories.on_message(msg, self.trainer, self._dead) or self.dirty
                 elif tp == self.ctl_tp:
                     # Commands apply between batches: everything read before comes first.
                     self.inbox.release(force=True)
                     await self._apply_pending(force=True)
-                    await self._handle_control(msg)
+                    await self.control.handle(msg)
                     self.inbox.control_position = msg.offset + 1
                 else:
                     self._accept(msg)
@@ -349,16 +370,21 @@ class Learner(Service, ControlCommands):
         exp: Experience | None = None
         try:
             decoded = decode_experience(msg.value, self.config.connection.limits)
-            exp = self.memories.translate(decoded) if self.memories is not None else decoded  # ids → slots (1.3)
+            # Events naming candidates by memory id (contract 1.3) are translated to the
+            # learner's slots; an id that is not live rejects the experience.
+            exp = self.memories.translate(decoded)
         except Rejected as rej:
-            assert self._dead is not None
-            self._dead.send(msg, rej.reason, rej.detail)
+            self._dead_letter(msg, rej.reason, rej.detail)
         skipped = self.inbox.accept(msg.offset, exp, now=time.time())
         if skipped is not None:
             self.metrics.learner_skipped.labels(reason=skipped).inc()
         if skipped == "ts_in_future":
-            assert self._dead is not None and exp is not None
-            self._dead.send(msg, "ts_in_future", f"ts {exp.event.ts} > now + {self.config.max_future_skew_s} s")
+            assert exp is not None
+            self._dead_letter(msg, "ts_in_future", f"ts {exp.event.ts} > now + {self.config.max_future_skew_s} s")
+
+    def _dead_letter(self, msg: Any, reason: str, detail: str) -> None:
+        assert self._dead is not None  # made in start(), before any input is read
+        self._dead.send(msg, reason, detail)
 
     async def _apply_pending(self, force: bool = False) -> None:
         for chunk in self.inbox.batches(force):
@@ -405,8 +431,7 @@ class Learner(Service, ControlCommands):
     # ------------------------------------------------------------------ checkpoints
     def input_offsets(self) -> dict[str, int]:
         """The offsets a checkpoint taken now records (unapplied input comes again)."""
-        memories = self.memories.offsets() if self.memories is not None else {}
-        return {**self.inbox.input_offsets(), **memories}
+        return {**self.inbox.input_offsets(), **self.memories.offsets()}
 
     async def maybe_publish(self) -> None:
         if time.monotonic() - self.last_publish < self.config.checkpoint_interval_s:
@@ -431,8 +456,8 @@ class Learner(Service, ControlCommands):
             metrics = manifest_metrics(
                 self.trainer, self.progress, self.inbox.applied_key, self.config.batch_size, extra
             )
-            if self.memories is not None:  # the map's changes go just before the manifest that holds them
-                await self.memories.publish(self.publishing.publisher)
+            # The map's changes go just before the manifest that holds them.
+            await self.memories.publish(self.publishing.publisher)
             rows = self.trainer.take_changed_rows()  # what a delta checkpoint ships
             published = await self.publishing.publish(
                 self.trainer, reason=reason, metrics=metrics, input_offsets=self.input_offsets(), changed_rows=rows
@@ -443,6 +468,17 @@ class Learner(Service, ControlCommands):
             self.last_publish = time.monotonic()
             await self.publishing.settle(published)
             return published.manifest
+
+    async def publish_change(self, reason: str, extra: dict[str, Any]) -> int:
+        """A command changed the policy: publish a checkpoint of ``reason`` now, whatever the
+        interval; returns its version."""
+        self.dirty = True  # the policy changed; publish() clears it once the checkpoint is out
+        await self.publish(reason, extra)
+        return self.version
+
+    async def _find_version(self, version: int) -> dict[str, torch.Tensor] | None:
+        conn = self.config.connection
+        return await find_version(self.bootstrap, conn, self.store, self.arch, version, self.config.signing_key)
 
     def _export_lag(self) -> None:
         hw = self._input.highwater(self.exp_tp)

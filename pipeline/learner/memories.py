@@ -35,7 +35,7 @@ from models.memory.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMem
 from models.policy.cold_start import SlotEmbeddings, knn_rows
 from models.policy.trainer import PolicyTrainer
 from pipeline import kafka
-from pipeline.component_config import Connection, LearnerConfig
+from pipeline.component_config import Connection
 from pipeline.learner.restore import Restored
 from pipeline.modeltopic import CheckpointPublisher
 from topics.fields import Limits, Rejected
@@ -76,13 +76,6 @@ class MemoryBank:
         self.changes = 0  # slot changes applied (a checkpoint is due when it grows)
         self.tp = TopicPartition(self.topic, 0)
         self._unknown_since: float | None = None
-
-    @classmethod
-    def of(cls, config: LearnerConfig) -> MemoryBank | None:
-        """The learner's bank; None when ``config.memory_lifecycle`` is off (slot-numbered events only)."""
-        if not config.memory_lifecycle:
-            return None
-        return cls(config.connection, config.trainer.slots, config.lifecycle_grace_s)
 
     @property
     def offset_key(self) -> str:

@@ -64,7 +64,10 @@ from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-PESSIMISM = 0.1  # the DR reward model's prior for rarely seen slots: this quantile of logged utility
+# The DR reward model's prior for slots the log rarely shows: this quantile of logged utility.
+# Pessimistic on purpose: a candidate that moves its reads there must earn the trust that
+# the serving policy's logged reads already have.
+PESSIMISM = 0.1
 DECISIONS = ("promoted", "refused", "insufficient")
 CANARY_DECISION = {"promoted": "promoted", "refused": "refused", "retired": "insufficient"}
 

@@ -91,7 +91,7 @@ async def test_the_learner_serves_a_suppression_at_once_and_keeps_it_after_a_res
             assert served.manifest.reason == SUPPRESS_COMMAND
             assert served.manifest.metrics["suppressed"] == [4]
             assert float(served.net.out.bias[4].detach()) < -20
-            await learner.reset("test")
+            await learner.control.reset("test")
             assert float(learner.trainer.net.out.bias[4].detach()) < -20  # a fresh last layer keeps it suppressed
         finally:
             await producer.stop()
