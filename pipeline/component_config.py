@@ -173,6 +173,8 @@ class LearnerConfig:
     # Contract 1.3: follow memory-lifecycle, assign slots by memory id (docs/contract.md §9.1).
     memory_lifecycle: bool = True
     lifecycle_grace_s: float = 3600.0  # event time a removed memory's slot stays tombstoned before reuse
+    suppress_max_slots: int = 8  # memories one suppress/unsuppress command may name (pipeline/learner/suppression.py)
+    suppress_checkpoints_per_hour: int = 4  # checkpoints those commands may force per hour
 
     @property
     def policy(self) -> str:
