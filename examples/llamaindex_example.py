@@ -27,6 +27,7 @@ import hashlib
 import json
 import re
 import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -103,8 +104,8 @@ async def run(bootstrap: str, prefix: str, state: Path, shadow: bool) -> dict[st
             shadow=ShadowMode(explore_rate=0.05, path=state / "shadow.json") if shadow else None,
         )
         async with PolicySubscriber(bootstrap, conn=conn, on_update=retriever.set_policy):
-            for n, question in enumerate(QUESTIONS):
-                qid = f"example-{n}"
+            for question in QUESTIONS:
+                qid = f"example-{uuid.uuid4().hex}"  # unique across restarts: the join drops an id seen before
                 found = await retriever.aretrieve_step(question, query_id=qid)
                 # ... the application answers with the nodes here (or a query engine uses the retriever) ...
                 await retriever.afeedback(qid, utility=usefulness(question, found))

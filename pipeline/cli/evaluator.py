@@ -32,6 +32,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         type=float,
         help="share of events also scored leave-one-out, for per-memory credit (default 0.25)",
     )
+    p.add_argument(
+        "--max-attributed",
+        dest="evaluator_max_attributed",
+        type=int,
+        help="leave-one-out prompts one event may cost at most; more selected memories: a hashed subset (default 16)",
+    )
     p.add_argument("--batch-size", dest="evaluator_batch_size", type=int, help="events per scoring call (default 16)")
     p.add_argument("--device", dest="evaluator_device", help="cpu, cuda, or auto (default)")
     p.add_argument("--threads", dest="evaluator_threads", type=int, help="torch CPU threads (default: torch's)")
@@ -45,6 +51,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 EVALUATOR_KEYS = (
     "evaluator_model",
     "evaluator_attribution_rate",
+    "evaluator_max_attributed",
     "evaluator_batch_size",
     "evaluator_device",
     "evaluator_threads",

@@ -1,5 +1,5 @@
-"""Commands on the ``control`` topic: drift reset, rollback, shadow mode's cut-over and "do not
-use" (``suppress``) (docs/operations.md).
+"""Commands on the ``control`` topic: drift reset, rollback, shadow mode's cut-over and an
+operator's "do not use" (``suppress``, undone by ``unsuppress``) (docs/operations.md).
 
 Commands apply between micro-batches, in offset order with the experiences. The codec
 (``topics.internal.decode_control``) checks each command's ``details``; a message it
@@ -32,9 +32,10 @@ from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
 from pipeline.learner.publishing import Progress
 from pipeline.learner.replay import Replay
+from pipeline.learner.suppression import AUDIT_KEEP, audit_entry, decide
 from pipeline.metrics import Metrics
 from topics.fields import Rejected
-from topics.internal import CUTOVER_COMMAND, SUPPRESS_COMMAND, decode_control
+from topics.internal import CUTOVER_COMMAND, SUPPRESS_COMMAND, UNSUPPRESS_COMMAND, Control, decode_control
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class ControlHandler:
     inbox
         Where command ids are remembered, so that a command delivered twice applies once.
     metrics
-        The learner's metrics (``resets``).
+        The learner's metrics (``resets``, ``suppressions``).
     apply_pending
         Applies every experience read before the command (commands apply between batches).
     find_version
@@ -136,8 +137,8 @@ class ControlHandler:
                 await self.rollback(int(ctl.details["to_version"]), ctl.reason)
             elif ctl.command == CUTOVER_COMMAND:
                 await self.cutover(ctl.reason, ctl.details)
-            elif ctl.command == SUPPRESS_COMMAND:
-                await self.suppress([int(s) for s in ctl.details["slots"]], ctl.reason)
+            elif ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
+                await self.change_suppression(ctl, msg)
         except (ValueError, TypeError, KeyError) as exc:
             # The codec checks details; a command it let through and that still cannot be
             # carried out is dead-lettered, and its offset passed like any other.
@@ -156,20 +157,65 @@ class ControlHandler:
             if tensors is not None:
                 self.trainer.load(tensors, self.trainer.baseline.state())
                 self.memories.rows_from(version, self.trainer)
+                self._keep_suppressed()
         await self.publish_change(CUTOVER_COMMAND, {"cutover_reason": reason, "cutover": details})
 
-    async def suppress(self, slots: list[int], reason: str = "") -> None:
-        """A labeler's "do not use": pin these memories' masks near 0 and serve that at once.
+    async def change_suppression(self, ctl: Control, msg: Any = None) -> str:
+        """An operator's ``suppress`` (pin the memories' masks near 0) or ``unsuppress`` (neutral
+        rows again), served at once in a checkpoint of reason ``suppress``; returns the verdict.
 
-        The set is kept in the checkpoints' metrics and applied again after a drift reset,
-        which re-initialises the last layer.
+        :func:`pipeline.learner.suppression.decide` rules: a command over ``suppress_max_slots``
+        or beyond ``suppress_checkpoints_per_hour`` is refused (dead-lettered with its reason,
+        ``msg`` being the control record) and changes nothing; one that changes nothing forces
+        no checkpoint. The set and the audit trail (who, when, which slots, why) are kept in the
+        checkpoints' metrics; the set is applied again after a drift reset, a rollback or a
+        cut-over, which load other weights.
         """
+        now = time.time()
+        by = str(ctl.details.get("by") or "")
+        decision = decide(
+            ctl.command,
+            [int(s) for s in ctl.details["slots"]],
+            self.progress.suppressed,
+            self.progress.suppression_audit,
+            now,
+            max_slots=self.config.suppress_max_slots,
+            per_hour=self.config.suppress_checkpoints_per_hour,
+        )
+        self.metrics.suppressions.labels(command=ctl.command, verdict=decision.verdict).inc()
+        if decision.verdict == "refused":
+            log.error("learner: %s %s by %r refused: %s", ctl.command, ctl.details["slots"], by, decision.reason)
+            if msg is not None:
+                self.dead_letter(msg, decision.reason.split(":")[0], f"{ctl.command} by {by!r}: {decision.reason}")
+            return decision.verdict
+        if decision.verdict == "unchanged":
+            log.info("learner: %s %s by %r changes nothing", ctl.command, ctl.details["slots"], by)
+            return decision.verdict
         await self.apply_pending()
-        self.progress.suppressed = sorted(set(self.progress.suppressed) | set(slots))
-        self.trainer.net.suppress(slots)
-        now = sorted(set(slots))
-        version = await self.publish_change(SUPPRESS_COMMAND, {"suppress_reason": reason, "suppressed_now": now})
-        log.warning("learner: memories %s suppressed (%s), now serving as v%d", now, reason, version)
+        changed = list(decision.changed)
+        if ctl.command == SUPPRESS_COMMAND:
+            self.trainer.net.suppress(changed)
+        else:
+            self.trainer.unsuppress(changed)
+        self.progress.suppressed = list(decision.suppressed)
+        entry = audit_entry(ctl.command, changed, by, ctl.reason, ctl.id, now)
+        self.progress.suppression_audit = [*self.progress.suppression_audit, entry][-AUDIT_KEEP:]
+        version = await self.publish_change(SUPPRESS_COMMAND, {"suppression": entry})
+        log.warning(
+            "learner: %s of memories %s by %r (%s), now serving as v%d; suppressed: %s",
+            ctl.command,
+            changed,
+            by,
+            ctl.reason,
+            version,
+            self.progress.suppressed,
+        )
+        return decision.verdict
+
+    def _keep_suppressed(self) -> None:
+        """Other weights were loaded: the memories operators suppressed stay suppressed."""
+        if self.progress.suppressed:
+            self.trainer.net.suppress(self.progress.suppressed)
 
     async def rollback(self, version: int, reason: str = "") -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
@@ -189,6 +235,7 @@ class ControlHandler:
         await self.apply_pending()
         self.trainer.load(tensors, self.trainer.baseline.state())
         self.memories.rows_from(version, self.trainer)
+        self._keep_suppressed()
         published = await self.publish_change("rollback", {"rolled_back_to": version, "rollback_reason": reason})
         log.warning("learner: rolled back to the weights of v%d, now serving as v%d", version, published)
         return True
@@ -211,8 +258,7 @@ class ControlHandler:
             batch_size=self.config.batch_size,
             half_life_s=self.config.warmup_half_life_s,
         )
-        if self.progress.suppressed:  # the fresh last layer must not bring them back
-            self.trainer.net.suppress(self.progress.suppressed)
+        self._keep_suppressed()  # the fresh last layer must not bring them back
         self.progress.resets += 1
         self.metrics.resets.inc()
         log.warning(

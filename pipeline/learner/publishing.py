@@ -41,6 +41,7 @@ from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.inbox import Key
 from pipeline.learner.promotion_gate import PromotionGate, network
 from pipeline.learner.store import LocalStore
+from pipeline.learner.suppression import read_audit
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -91,13 +92,15 @@ class Progress:
     """The learner's counters that checkpoints carry (besides the trainer's own).
 
     >>> Progress.from_metrics({"labels_applied_total": 5, "resets": 1})
-    Progress(labels_since_checkpoint=0, labels_total=5, resets=1, suppressed=[])
+    Progress(labels_since_checkpoint=0, labels_total=5, resets=1, suppressed=[], suppression_audit=[])
     """
 
     labels_since_checkpoint: int = 0
     labels_total: int = 0
     resets: int = 0
-    suppressed: list[int] = field(default_factory=list)  # memories marked "do not use"
+    suppressed: list[int] = field(default_factory=list)  # memories an operator suppressed ("do not use")
+    # who suppressed or restored which memories, when and why (pipeline.learner.suppression)
+    suppression_audit: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, Any]) -> Progress:
@@ -105,6 +108,7 @@ class Progress:
             labels_total=int(metrics.get("labels_applied_total", 0)),
             resets=int(metrics.get("resets", 0)),
             suppressed=[int(s) for s in metrics.get("suppressed") or []],
+            suppression_audit=read_audit(metrics.get("suppression_audit")),
         )
 
 
@@ -123,6 +127,7 @@ def manifest_metrics(
         "labels_applied_total": progress.labels_total,
         "resets": progress.resets,
         "suppressed": progress.suppressed,
+        "suppression_audit": progress.suppression_audit,
         "baseline_state": trainer.baseline.state(),
         "lr": trainer.config.lr,
         "batch_size": batch_size,

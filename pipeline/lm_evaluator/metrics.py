@@ -29,6 +29,12 @@ class EvaluatorMetrics:
             "Evaluations that also scored leave-one-out prompts (nll_without_slot)",
             registry=registry,
         )
+        self.attribution_capped = Counter(
+            "causalmem_evaluator_attribution_capped_total",
+            "Attributed evaluations that selected more memories than evaluator_max_attributed: "
+            "leave-one-out scored on a hashed subset of them",
+            registry=registry,
+        )
         self.skipped = Counter(
             "causalmem_evaluator_skipped_total",
             "Retrieval events not scored, by reason",

@@ -6,7 +6,12 @@ For an event with its query, the texts of its selected memories and an answer,
 - ``with``: the selected memories in draw order (:func:`~pipeline.lm_evaluator.scoring.build_prompt`);
 - ``without``: no memories;
 - on a deterministic share of events (:func:`attributed`), ``leave-one-out``: the selected
-  memories minus one, for each one (contract 1.1, ``nll_without_slot``).
+  memories minus one, for each one (contract 1.1, ``nll_without_slot``), or for at most
+  ``max_attributed`` of them (:func:`attributed_slots`): an event may select up to the
+  contract's 1,024 memories, and without a cap its leave-one-out prompts alone would cost
+  over a thousand times an ordinary event's. An event over the cap is attributed on a
+  deterministic subset (:attr:`Plan.capped`); its other memories get no per-memory credit,
+  which the contract allows.
 
 :func:`feedback` turns the scores into an :class:`~topics.feedback.LLMFeedback` with the
 event's ``ts`` (event time, not the wall clock: the join dead-letters inputs far ahead
@@ -18,17 +23,20 @@ id, which the join applies once.
 >>> e = RetrievalEvent(event_id="e1", query_id="q1", step=0, ts=5.0, features=Features(np.zeros(2), 0.0, 0.0),
 ...     candidates=[3, 7], scores=np.zeros(2), selected=[7, 3], temperature=1.0, logprob=-1.0,
 ...     fallback=False, query_text="Port?", memory_texts={3: "A", 7: "B"}, answer_text="19092")
->>> p = plan(e, attribution_rate=1.0)
+>>> p = plan(e, attribution_rate=1.0, max_attributed=16)
 >>> [pr.replace("\\n", " | ") for pr in p.prompts]
 ['Context: | - B | - A | Question: Port? | Answer:', 'Question: Port? | Answer:', \
 'Context: | - A | Question: Port? | Answer:', 'Context: | - B | Question: Port? | Answer:']
 >>> fb = feedback(p, [1.0, 3.0, 2.5, 1.5])
 >>> fb.event_id, fb.ts, fb.utility, fb.nll_without_slot
 ('fb-e1', 5.0, 2.0, {7: 2.5, 3: 1.5})
->>> plan(e, attribution_rate=0.0).loo_slots
+>>> plan(e, attribution_rate=0.0, max_attributed=16).loo_slots
 []
+>>> capped = plan(e, attribution_rate=1.0, max_attributed=1)
+>>> len(capped.loo_slots), capped.capped
+(1, True)
 >>> e.answer_text = " "
->>> plan(e, 1.0)
+>>> plan(e, 1.0, max_attributed=16)
 'no_answer'
 """
 
@@ -64,6 +72,29 @@ def attributed(event_id: str, rate: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < rate
 
 
+def attributed_slots(event_id: str, selected: Sequence[int], max_attributed: int) -> list[int]:
+    """The selected memories scored leave-one-out: all of them, or ``max_attributed`` chosen by a
+    hash of (event id, slot), in draw order (replays and replicas choose the same; which memories
+    get credit does not depend on their rank). ``max_attributed`` 0: none.
+
+    >>> attributed_slots("e1", [5, 9, 2], 16)
+    [5, 9, 2]
+    >>> sub = attributed_slots("e1", list(range(1024)), 16)
+    >>> len(sub), sub == sorted(sub), sub == attributed_slots("e1", list(range(1024)), 16)
+    (16, True, True)
+    >>> attributed_slots("e1", [5, 9, 2], 0)
+    []
+    """
+    if len(selected) <= max_attributed:
+        return list(selected)
+
+    def rank(slot: int) -> bytes:
+        return hashlib.blake2b(f"{event_id}\x00{slot}".encode(), digest_size=8).digest()
+
+    chosen = set(sorted(selected, key=rank)[: max(0, max_attributed)])
+    return [s for s in selected if s in chosen]
+
+
 def feedback_id(event_id: str) -> str:
     """``fb-<event id>``; a hash when that would exceed the contract's id length.
 
@@ -87,10 +118,14 @@ class Plan:
     prompts: list[str]
     loo_slots: list[int] = field(default_factory=list)
     index: list[int] = field(default_factory=list)  # with, without, *loo → row of prompts
+    capped: bool = False  # attributed on a subset: more memories selected than max_attributed
 
 
-def plan(event: RetrievalEvent, attribution_rate: float) -> Plan | str:
-    """The prompts to score for ``event``, or the reason it is skipped (one of :data:`SKIP_REASONS`)."""
+def plan(event: RetrievalEvent, attribution_rate: float, *, max_attributed: int) -> Plan | str:
+    """The prompts to score for ``event``, or the reason it is skipped (one of :data:`SKIP_REASONS`).
+
+    At most ``2 + max_attributed`` prompts, however many memories the event selected.
+    """
     if not (event.query_text or "").strip():
         return "no_query_text"
     answer = (event.answer_text or "").strip()
@@ -104,8 +139,13 @@ def plan(event: RetrievalEvent, attribution_rate: float) -> Plan | str:
     query = event.query_text or ""
     memories = [texts[s] for s in event.selected]
     roles = [build_prompt(query, memories), build_prompt(query, [])]
-    loo = list(event.selected) if attributed(event.event_id, attribution_rate) else []
-    for i in range(len(loo)):
+    loo: list[int] = []
+    capped = False
+    if attributed(event.event_id, attribution_rate):
+        loo = attributed_slots(event.event_id, event.selected, max_attributed)
+        capped = len(loo) < len(event.selected)
+    for slot in loo:
+        i = event.selected.index(slot)
         roles.append(build_prompt(query, memories[:i] + memories[i + 1 :]))
     prompts: list[str] = []
     rows: dict[str, int] = {}
@@ -115,7 +155,7 @@ def plan(event: RetrievalEvent, attribution_rate: float) -> Plan | str:
             rows[p] = len(prompts)
             prompts.append(p)
         index.append(rows[p])
-    return Plan(event, answer, prompts, loo, index)
+    return Plan(event, answer, prompts, loo, index, capped)
 
 
 def feedback(p: Plan, nlls: Sequence[float]) -> LLMFeedback:

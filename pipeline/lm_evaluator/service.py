@@ -104,7 +104,7 @@ class Evaluator(BatchStage):
             except Rejected as rej:
                 self._dead.send(msg, rej.reason, rej.detail)
                 continue
-            p = plan(event, self.config.attribution_rate)
+            p = plan(event, self.config.attribution_rate, max_attributed=self.config.max_attributed)
             if isinstance(p, str):
                 self.own.skipped.labels(reason=p).inc()
                 log.debug("evaluator: skipped %s: %s", event.event_id, p)
@@ -125,6 +125,8 @@ class Evaluator(BatchStage):
             )
             if pl.loo_slots:
                 self.own.attributed.inc()
+            if pl.capped:
+                self.own.attribution_capped.inc()
         if futures:
             await asyncio.gather(*futures)
         await self._dead.flush()

@@ -11,6 +11,8 @@ What it shows, and where each number comes from:
   labeler group's committed offset (``{prefix}causalmem-labelers``); high watermarks
   come from fetch responses, never from ``end_offsets`` (wrong on the embedded broker);
 - **dead letters** — the ``dead-letter`` topic, counted by ``reason`` (and source topic);
+- **do not use** — the memories operators suppressed and the audit trail (the newest
+  manifest), and labelers' open proposals (``human-labels``): :mod:`pipeline.status.suppression`;
 - **learner lag** — the experiences topic's end (fetch high watermark) minus the input
   offset recorded in the policy's newest manifest: what no checkpoint covers yet, read
   from the topics and not from the learner's own gauge (a learner whose training task
@@ -56,6 +58,7 @@ from pipeline.status.live import (
     strip_prefix,
     worker_view,
 )
+from pipeline.status.suppression import ProposalTally, suppression_view
 from topics.manifest import Manifest
 
 # An incremental read ends at its first fetch answer's high watermark (within the fetch wait even
@@ -322,6 +325,7 @@ class StatusCollector:
         self.rate_interval = rate_interval
         self.dead = DeadLetterTally(prefix=self.topics.prefix)
         self.model = ModelTopicFollower()
+        self.proposals = ProposalTally()
         self._prev: dict[str, tuple[float, dict[str, float]]] = {}
 
     async def _scrape_all(self) -> dict[str, tuple[float, dict[str, float]]]:
@@ -349,6 +353,7 @@ class StatusCollector:
         existing = await self._existing_topics()
         ckpt, depth, dead = await self._topics_view(now, errors, existing)
         lag = await self._learner_lag(now, errors, existing)
+        do_not_use = await self._do_not_use(errors, existing)
         workers, learners = await self._live_view(first, t_start, errors)
         return {
             "schema": "causalmem_status/v1",
@@ -360,6 +365,7 @@ class StatusCollector:
             "active_learning": depth,
             "dead_letter": dead,
             "learner_lag": lag,
+            "do_not_use": do_not_use,
             "health": health_summary(workers),
             "workers": workers,
             "learners": learners,
@@ -409,6 +415,20 @@ class StatusCollector:
             errors.append(f"learner-lag: {exc!r}")
             return None
         return learner_lag_view(self.model.index, self.conn.policy, topic, end, now, self.stall_after_s)
+
+    async def _do_not_use(self, errors: list[str], existing: set[str]) -> dict[str, Any]:
+        """Suppressed memories and their audit (after the model topic was read), and open proposals."""
+        view = suppression_view(self.model.index, self.conn.policy)
+        topic = self.topics.human_labels.name
+        if topic not in existing:
+            view["proposals"] = None
+            return view
+        try:
+            view["proposals"] = await self.proposals.update(self.bootstrap, self.conn, topic, view["suppressed"])
+        except Exception as exc:  # one failing source must not hide the others
+            errors.append(f"human-labels: {exc!r}")
+            view["proposals"] = None
+        return view
 
     async def _live_view(
         self, first: dict[str, tuple[float, dict[str, float]]], t_start: float, errors: list[str]

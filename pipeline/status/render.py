@@ -76,10 +76,33 @@ def render(s: dict[str, Any]) -> Group:
     if live.row_count:
         parts.append(live)
     parts.append(_queues(s.get("active_learning") or {}, s.get("dead_letter") or {}))
+    if s.get("do_not_use"):
+        parts.append(do_not_use_text(s["do_not_use"]))
     if s.get("shadow"):  # `status --shadow`: the line comes formatted (pipeline/policy_evaluation/shadow.py)
         parts.append(Text(f"shadow: {s['shadow']['line']}"))
     parts.extend(Text(f"! {err}", style="red") for err in s.get("errors", []))
     return Group(*parts)
+
+
+def do_not_use_text(d: dict[str, Any]) -> Text:
+    """Suppressed memories, the newest audit entry and open proposals, in one line each.
+
+    >>> print(do_not_use_text({"suppressed": [4], "audit": [{"command": "suppress", "slots": [4], "by": "ops",
+    ...     "ts": 0.0, "reason": "leaks"}], "proposals": {"open": 1, "memories": [{"slot": 9, "marks": 2,
+    ...     "labelers": 2, "last_ts": 0.0}]}}).plain.splitlines()[0])
+    do not use: suppressed [4]; last: suppress [4] by ops (leaks)
+    """
+    audit = d.get("audit") or []
+    last = audit[0] if audit else None
+    line = f"do not use: suppressed {d.get('suppressed') or 'none'}"
+    if last:
+        line += f"; last: {last['command']} {last['slots']} by {last['by'] or '?'}"
+        line += f" ({last['reason']})" if last.get("reason") else ""
+    proposals = d.get("proposals")
+    if proposals and proposals["open"]:
+        shown = ", ".join(f"{m['slot']} ({m['marks']} marks, {m['labelers']} labelers)" for m in proposals["memories"])
+        line += f"\nlabelers propose (causalmem suppress to act): {proposals['open']} memories: {shown}"
+    return Text(line)
 
 
 def _header(s: dict[str, Any]) -> Text:

@@ -33,7 +33,7 @@ BANDS: tuple[tuple[str, float, str], ...] = (
     (
         "warning",
         50.0,
-        "Look now: check the memories marked probably harmful (mark them “do not use”), label the queue, "
+        "Look now: check the memories marked probably harmful (propose “do not use”), label the queue, "
         "and check the gate's recent refusals.",
     ),
     (

@@ -4,8 +4,9 @@
 names the memory in ``harmful_memories``, with the sample id ``do-not-use:<slot>`` (one
 per memory and labeler: marking twice is one label, and no queued sample's answer is
 taken) and the query id and step of the newest retrieval step that read or dropped the
-memory. The worker's labels stage passes it to the learner as a ``suppress`` command, and
-the learner pins the memory's mask near 0 (a strong negative: the hard drop removes it).
+memory. It is a proposal: the worker counts it and ``causalmem status`` lists it, and only an
+operator's ``causalmem suppress`` makes the learner pin the memory's mask near 0
+(docs/operations.md, "Security").
 Removing a memory is the memory store's own act, a ``remove`` record on ``memory-lifecycle``
 (contract 1.3); the page says so.
 """

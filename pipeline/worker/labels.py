@@ -10,7 +10,11 @@ and by kind:
   :mod:`pipeline.worker.active_learning`);
 - ``memory_choice``: the answer to a sample this worker sent becomes a label experience
   for the learner (an answer to a sample already pruned is counted as expired); a "do not
-  use" (sample id ``do-not-use:<slot>``) becomes a ``suppress`` command on ``control``;
+  use" (sample id ``do-not-use:<slot>``) is a *proposal* only: counted
+  (``causalmem_do_not_use_proposals_total``) and logged, and listed by ``causalmem status``,
+  which reads it from ``human-labels``. Suppressing a memory is an operator's decision
+  (``causalmem suppress``, docs/operations.md "Security"): a labeler could otherwise switch
+  off every memory past the promotion gate and force a checkpoint per label;
 - a ``rating`` (its own kind, or riding along with an answer) pairs with the query's
   U_query for the drift stage.
 """
@@ -29,7 +33,7 @@ from pipeline.worker.records import Rating, SeenLabels, StoredSamples, Verdict
 from pipeline.worker.tables import Outputs, Tables
 from topics.convert import label_experience
 from topics.fields import Limits, Rejected, encode
-from topics.internal import SUPPRESS_COMMAND, Control, dead_letter_value
+from topics.internal import dead_letter_value
 from topics.labels import DO_NOT_USE_PREFIX, HumanLabel, decode_active_learning_sample, decode_human_label
 from topics.names import Topics
 
@@ -121,7 +125,7 @@ class LabelsStage:
 
     async def _on_answer(self, qk: bytes, label: HumanLabel) -> None:
         if (label.sample_id or "").startswith(DO_NOT_USE_PREFIX):
-            await self._suppress(label)
+            self._propose(label)
             return
         stored: StoredSamples | None = self.tables.al_samples.get(qk)
         sample_text = stored.samples.get(label.sample_id or "") if stored is not None else None
@@ -138,19 +142,16 @@ class LabelsStage:
         exp = label_experience(label, sample)
         await self.outputs.experiences.send(value=encode(exp.to_dict()), partition=0)
 
-    async def _suppress(self, label: HumanLabel) -> None:
-        """A labeler's "do not use": the learner pins these memories' masks near 0."""
+    def _propose(self, label: HumanLabel) -> None:
+        """A labeler's "do not use": a proposal for an operator, never a command (nothing is sent)."""
         if not label.harmful_memories:
             return
-        ctl = Control(
-            id=label.event_id,
-            command=SUPPRESS_COMMAND,
-            ts=label.ts,
-            reason=f"do not use ({label.labeler})",
-            details={"slots": list(label.harmful_memories), "labeler": label.labeler},
+        self.metrics.do_not_use_proposals.inc()
+        log.info(
+            "labels: %s proposes 'do not use' for memories %s (an operator decides: causalmem suppress)",
+            label.labeler,
+            label.harmful_memories[:32],
         )
-        await self.outputs.control.send(value=encode(ctl.to_dict()), partition=0)
-        log.warning("labels: %s marked memories %s 'do not use'", label.labeler, label.harmful_memories)
 
     async def _dead_letter(self, msg: Any, reason: str, detail: str) -> None:
         self.metrics.rejected.labels(topic=msg.topic, reason=reason).inc()

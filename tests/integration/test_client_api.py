@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -71,6 +71,57 @@ def test_readme_example_imports_and_defines_serve() -> None:
     exec(compile(block.group(1), "README.md", "exec"), namespace)
     assert asyncio.iscoroutinefunction(namespace["serve"])
     assert namespace["PolicySubscriber"] is PolicySubscriber
+
+
+class _Recorder:
+    """Stands in for ``PolicySubscriber`` and ``EventPublisher`` in the README's example."""
+
+    published: ClassVar[list[Any]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    async def __aenter__(self) -> _Recorder:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def publish(self, value: Any) -> None:
+        self.published.append(value)
+
+
+def test_readme_example_ids_stay_unique_across_a_restart() -> None:
+    """A service restarted within the join window must not reuse its ids (the join drops
+    an id it has seen): two runs of the README's ``serve`` share no query or event id."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Using it from a service\s+```python\n(.*?)```", readme, re.S)
+    assert block is not None
+    namespace: dict[str, Any] = {}
+    exec(compile(block.group(1), "README.md", "exec"), namespace)
+    namespace["PolicySubscriber"] = namespace["EventPublisher"] = _Recorder
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((6, 8)).astype(np.float32)
+
+    def run() -> tuple[set[str], set[str]]:
+        _Recorder.published = []
+        asyncio.run(
+            namespace["serve"](
+                vectors,
+                [f"m{i}" for i in range(6)],
+                ["a", "b", "c"],
+                lambda text: rng.standard_normal(8).astype(np.float32),
+                lambda question, texts: ("answer", 1.0, 1.5),
+            )
+        )
+        queries = {v.query_id for v in _Recorder.published}
+        ids = {v.event_id for v in _Recorder.published}
+        assert len(ids) == len(_Recorder.published) == 6 and len(queries) == 3
+        return queries, ids
+
+    first, second = run(), run()  # the second run is the same service after a restart
+    assert not first[0] & second[0], "query ids repeat after a restart"
+    assert not first[1] & second[1], "event ids repeat after a restart"
 
 
 @pytest.mark.parametrize("module", [pipeline.modeltopic, pipeline.config, pipeline.client])

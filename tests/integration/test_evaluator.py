@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.component_config import EvaluatorConfig, ScorerConfig
 from pipeline.config import Settings
-from pipeline.lm_evaluator.plan import SKIP_REASONS, Plan, attributed, feedback_id, plan
+from pipeline.lm_evaluator.plan import SKIP_REASONS, Plan, attributed, feedback, feedback_id, plan
 from pipeline.lm_evaluator.scoring import build_prompt
 from pipeline.lm_evaluator.service import Evaluator, score_plans
 from pipeline.metrics import Metrics
@@ -66,14 +66,14 @@ class FakeScorer:
 
 
 def test_with_and_without_prompts_keep_the_draw_order() -> None:
-    p = plan(_event([7, 3]), attribution_rate=0.0)
+    p = plan(_event([7, 3]), attribution_rate=0.0, max_attributed=16)
     assert isinstance(p, Plan)
     assert p.prompts == [build_prompt(QUESTION, [FACTS[7], FACTS[3]]), build_prompt(QUESTION, [])]
     assert p.loo_slots == [] and p.index == [0, 1] and p.answer == ANSWER
 
 
 def test_leave_one_out_prompts_drop_each_selected_memory_once() -> None:
-    p = plan(_event([9, 3, 7]), attribution_rate=1.0)
+    p = plan(_event([9, 3, 7]), attribution_rate=1.0, max_attributed=16)
     assert isinstance(p, Plan)
     assert p.loo_slots == [9, 3, 7]
     loo = [p.prompts[i] for i in p.index[2:]]
@@ -83,7 +83,7 @@ def test_leave_one_out_prompts_drop_each_selected_memory_once() -> None:
         build_prompt(QUESTION, [FACTS[9], FACTS[3]]),
     ]
     # one selected memory: its leave-one-out prompt is the one without memories, scored once
-    single = plan(_event([3]), attribution_rate=1.0)
+    single = plan(_event([3]), attribution_rate=1.0, max_attributed=16)
     assert isinstance(single, Plan)
     assert len(single.prompts) == 2 and single.index == [0, 1, 1]
 
@@ -115,12 +115,15 @@ def test_events_without_what_scoring_needs_are_skipped_with_a_reason(change: dic
     e = _event([3, 7])
     for k, v in change.items():
         setattr(e, k, v)
-    assert plan(e, attribution_rate=1.0) == reason
+    assert plan(e, attribution_rate=1.0, max_attributed=16) == reason
 
 
 def test_feedback_carries_the_event_time_the_pair_and_the_per_slot_nll() -> None:
     scorer = FakeScorer()
-    plans = [plan(_event([7, 3], event_id="a"), 1.0), plan(_event([7], event_id="b", query_id="q2"), 0.0)]
+    plans = [
+        plan(_event([7, 3], event_id="a"), 1.0, max_attributed=16),
+        plan(_event([7], event_id="b", query_id="q2"), 0.0, max_attributed=16),
+    ]
     fbs = score_plans(scorer, [p for p in plans if isinstance(p, Plan)])
     assert scorer.calls == [4 + 2], "one scoring call for the whole batch"
     a, b = fbs
@@ -142,7 +145,7 @@ def test_an_answer_that_scores_nan_yields_no_feedback() -> None:
         def nll(self, prompts: list[str], answers: list[str]) -> np.ndarray:
             return np.full(len(prompts), np.nan)
 
-    p = plan(_event([3]), 1.0)
+    p = plan(_event([3]), 1.0, max_attributed=16)
     assert isinstance(p, Plan)
     assert score_plans(NanScorer(), [p]) == [None]
 
@@ -319,7 +322,9 @@ def test_the_benchs_text_events_are_scored_on_the_real_path() -> None:
     from causalmem_lab.bench.evaluator import make_text_events, scoring_path
 
     events = make_text_events(20)
-    assert all(isinstance(plan(e, 1.0), Plan) for e in events), "every generated event has what scoring needs"
+    assert all(isinstance(plan(e, 1.0, max_attributed=16), Plan) for e in events), (
+        "every generated event has what scoring needs"
+    )
     assert len({e.query_text for e in events}) > 5 and all(len(e.selected) == 3 for e in events)
     scorer = FakeScorer()
     scorer.config = ScorerConfig()  # type: ignore[attr-defined]  # the bench sets its batch size
@@ -327,3 +332,90 @@ def test_the_benchs_text_events_are_scored_on_the_real_path() -> None:
     assert row["events"] == 20 and row["prompts_per_event"] == 5.0
     assert scorer.calls == [40, 40, 20], "8 events (5 prompts each) per scoring call"
     assert row["evaluations_per_s"] > 0 and row["tokens_per_s"] > 0
+
+
+def _wide_event(n: int, event_id: str = "wide") -> Any:
+    """An event that selected ``n`` memories (the contract allows up to 1,024)."""
+    e = _event([3], event_id=event_id)
+    e.selected = list(range(n))
+    e.candidates = list(range(n))
+    e.scores = np.full(n, 0.5)
+    e.memory_texts = {s: f"note {s}" for s in range(n)}
+    return e
+
+
+def test_one_event_costs_at_most_max_attributed_leave_one_out_prompts() -> None:
+    e = _wide_event(1024)
+    p = plan(e, 1.0, max_attributed=16)
+    assert isinstance(p, Plan)
+    assert p.capped and len(p.loo_slots) == 16 and len(p.prompts) == 2 + 16
+    assert p.loo_slots == [s for s in e.selected if s in set(p.loo_slots)], "draw order kept"
+    again = plan(_wide_event(1024), 1.0, max_attributed=16)
+    assert isinstance(again, Plan) and again.loo_slots == p.loo_slots, "replays and replicas choose the same"
+    other = plan(_wide_event(1024, event_id="wide-2"), 1.0, max_attributed=16)
+    assert isinstance(other, Plan) and other.loo_slots != p.loo_slots, "not always the same memories"
+    # each leave-one-out prompt leaves out the memory it is scored for
+    for slot, row in zip(p.loo_slots, p.index[2:], strict=True):
+        assert f"- note {slot}\n" not in p.prompts[row] and "- note 1023\n" in p.prompts[0]
+    fb = feedback(p, [1.0] * len(p.prompts))
+    assert sorted(fb.nll_without_slot or {}) == sorted(p.loo_slots)
+    # within the cap: every memory, not capped; a cap of 0: no leave-one-out at all
+    small = plan(_wide_event(16), 1.0, max_attributed=16)
+    assert isinstance(small, Plan) and small.loo_slots == list(range(16)) and not small.capped
+    off = plan(e, 1.0, max_attributed=0)
+    assert isinstance(off, Plan) and off.loo_slots == [] and len(off.prompts) == 2
+    with pytest.raises(ValueError, match="max attributed"):
+        EvaluatorConfig(connection=Settings().connection(), max_attributed=-1)
+
+
+async def test_the_service_counts_events_attributed_on_a_subset() -> None:
+    """An event over the cap is scored with 18 prompts and counted in attribution_capped_total."""
+    s = Settings(embedding_dim=8, slots=1024, evaluator_attribution_rate=1.0, evaluator_max_attributed=16)
+    assert s.evaluator().max_attributed == 16
+    metrics = Metrics(role="evaluator")
+
+    class FlatScorer(FakeScorer):
+        def nll(self, prompts: list[str], answers: list[str]) -> np.ndarray:
+            out: np.ndarray = np.maximum(super().nll(prompts, answers), 0.5)  # 1,023 context lines: a valid NLL
+            return out
+
+    scorer = FlatScorer()
+    ev = Evaluator(s.evaluator(), "127.0.0.1:1", metrics, scorer)
+    sent: list[bytes] = []
+
+    class Dead:
+        def send(self, msg: Any, reason: str, detail: str) -> None:
+            raise AssertionError(f"dead-lettered: {reason} {detail}")
+
+        async def flush(self) -> None:
+            return None
+
+    class Producer:
+        async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future[None]:
+            sent.append(value)
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+    async def commit(ends: Any) -> None:
+        return None
+
+    ev._dead = Dead()  # type: ignore[assignment]
+    ev._producer = Producer()
+    ev.commit = commit  # type: ignore[method-assign,assignment]
+
+    class Msg:
+        def __init__(self, offset: int, event: Any) -> None:
+            self.topic, self.partition, self.offset = s.topics().retrieval_events.name, 0, offset
+            self.key, self.value = event.query_id.encode(), encode(event.to_dict())
+
+    wide = _wide_event(1024)
+    wide.features.query_embedding = np.zeros(8, dtype=np.float32)
+    narrow = _event([7, 3], event_id="narrow")
+    narrow.features.query_embedding = np.zeros(8, dtype=np.float32)
+    assert await ev.process([Msg(0, wide), Msg(1, narrow)]) == 2
+    assert scorer.calls == [(2 + 16) + (2 + 2)], "the wide event costs 18 prompts, not 1,026"
+    assert total(ev.own.attribution_capped) == 1
+    assert total(ev.own.attributed) == 2
+    per_slot = decode_llm_feedback(sent[0], s.limits()).nll_without_slot
+    assert per_slot is not None and len(per_slot) == 16

@@ -65,6 +65,12 @@ async def _populate(s) -> list:
             value = dead_letter_value(b"{oops", reason, "test", t.retrieval_events.name, 0, i, time.time())
             futures.append(await producer.send(t.dead_letter.name, encode(value), key=b"q", partition=0))
         futures.append(await producer.send(t.dead_letter.name, b"not json at all", partition=0))
+        # a labeler's "do not use": a proposal that status lists for an operator
+        from topics.labels import DO_NOT_USE_PREFIX, HumanLabel
+
+        mark = HumanLabel("dnu-1", "q-dnu", time.time(), "ann", "memory_choice", sample_id=f"{DO_NOT_USE_PREFIX}5")
+        mark.correct_memories, mark.harmful_memories = [], [5]
+        futures.append(await producer.send(t.human_labels.name, encode(mark.to_dict()), key=b"q-dnu"))
         from topics.convert import make_sample
 
         for i in range(AL_SAMPLES):
@@ -154,6 +160,10 @@ def test_status_json_reports_checkpoints_queue_and_dead_letters(topics_ready, ca
     assert al["queued_total"] == AL_SAMPLES
     assert al["group"] == f"{s.topic_prefix}causalmem-labelers"
     assert len(al["partitions"]) == s.partitions
+
+    dnu = snap["do_not_use"]
+    assert dnu["suppressed"] == [] and dnu["audit"] == []
+    assert dnu["proposals"]["open"] == 1 and dnu["proposals"]["memories"][0]["slot"] == 5
 
     dl = snap["dead_letter"]
     assert dl["total"] == len(DEAD_REASONS) + 1

@@ -94,7 +94,9 @@ def scoring_path(scorer: Any, events: list[RetrievalEvent], rate: float, batch: 
     import dataclasses
 
     scorer.config = dataclasses.replace(scorer.config, batch_size=batch)
-    plans = [p for p in (plan(e, rate) for e in events) if isinstance(p, Plan)]
+    plans = [
+        p for p in (plan(e, rate, max_attributed=len(e.selected)) for e in events) if isinstance(p, Plan)
+    ]  # uncapped
     tokens0 = scorer.tokens_scored
     t0 = time.perf_counter()
     for start in range(0, len(plans), batch):
