@@ -63,6 +63,7 @@ PLUGIN_GROUP = "causalmem.verbs"
 # Verbs the source checkout's lab adds; named here only to say where they come from when absent.
 LAB_VERBS = ("demo", "bench")
 LAB_MISSING = "'{verb}' comes with the lab, which is not installed: from the source checkout, pip install -e ./lab"
+PLUGIN_NEEDS = "this needs {module}, which the lab requires: from the source checkout, pip install -e ./lab"
 
 
 def plugin_verbs() -> dict[str, str]:
@@ -104,7 +105,10 @@ def verb_module(name: str) -> Any:
         require(module, extra)
     if name in VERBS:
         return importlib.import_module(f"pipeline.cli.{VERBS[name][0]}")
-    return importlib.import_module(plugin_verbs()[name])
+    try:
+        return importlib.import_module(plugin_verbs()[name])
+    except ModuleNotFoundError as exc:
+        raise MissingExtra(PLUGIN_NEEDS.format(module=(exc.name or "?").split(".")[0])) from exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(verb_module(args.verb).run(args))
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        # A plugin's own dependency, imported when its verb runs: one line, as for an extra.
+        if args.verb not in plugin_verbs() or not exc.name:
+            raise
+        print(f"causalmem {args.verb}: {PLUGIN_NEEDS.format(module=exc.name.split('.')[0])}", file=sys.stderr)
+        return 1
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as exc:
         print(f"causalmem {args.verb}: {exc}", file=sys.stderr)
         return 1

@@ -8,8 +8,8 @@ import os
 import sys
 
 from pipeline.cli.common import resolve_bootstrap, settings_from
-from pipeline.policy_evaluation.suppress import change_suppression
 from pipeline.labeling.queue import labeler_identity, principal
+from pipeline.policy_evaluation.suppress import change_suppression
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

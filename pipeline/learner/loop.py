@@ -48,9 +48,9 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.control import ControlHandler
 from pipeline.learner.election import Election
 from pipeline.learner.fence import Fence, Fenced
-from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
+from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.publishing import Progress, Publishing, manifest_metrics
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import (

@@ -20,6 +20,7 @@ import pytest
 import pipeline.client
 import pipeline.config
 import pipeline.modeltopic
+import pipeline.modeltopic.reader
 from models.policy.network import init_policy
 from models.policy.weights import to_safetensors, verify_and_load
 from pipeline.client import CausalRetriever, EventPublisher, PolicySubscriber
@@ -124,7 +125,7 @@ def test_readme_example_ids_stay_unique_across_a_restart() -> None:
     assert not first[1] & second[1], "event ids repeat after a restart"
 
 
-@pytest.mark.parametrize("module", [pipeline.modeltopic, pipeline.config, pipeline.client])
+@pytest.mark.parametrize("module", [pipeline.modeltopic.reader, pipeline.config, pipeline.client])
 def test_doctests(module: Any) -> None:
     result = doctest.testmod(module)
     assert result.failed == 0

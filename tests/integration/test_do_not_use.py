@@ -15,9 +15,9 @@ from aiokafka import AIOKafkaProducer
 from models.policy.trainer import PolicyTrainer, TrainerConfig
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
-from pipeline.policy_evaluation.suppress import change_suppression
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
+from pipeline.policy_evaluation.suppress import change_suppression
 from pipeline.probes import total
 from pipeline.worker.labels import LabelsStage
 from pipeline.worker.outcomes import OutcomesStage

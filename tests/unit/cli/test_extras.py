@@ -50,19 +50,26 @@ def test_the_services_need_no_extra_and_the_client_not_even_faust() -> None:
     assert done.stdout.strip() == "ok"
 
 
-def test_a_missing_lab_extra_is_one_line_naming_it() -> None:
+def test_a_lab_verb_missing_a_lab_dependency_is_one_line_naming_it() -> None:
     code = "import sys; from pipeline.cli import main; sys.exit(main(['demo', '--bootstrap', '127.0.0.1:1']))"
     done = _run_without({"rich"}, code)
     assert done.returncode == 1
     assert done.stderr.strip() == (
-        "causalmem demo: this needs rich, from the 'lab' extra: pip install 'causal-memory-pipeline[lab]'"
+        "causalmem demo: this needs rich, which the lab requires: from the source checkout, pip install -e ./lab"
     )
-    done = _run_without({"yaml"}, "from causalmem_lab.simulator import Scenario; Scenario.load('default')")
-    assert "MissingExtra: this needs yaml, from the 'lab' extra" in done.stderr
+
+
+def test_a_lab_verb_without_the_lab_says_where_it_comes_from() -> None:
+    code = "import sys, pipeline.cli as cli; cli.plugin_verbs = lambda: {}; sys.exit(cli.main(['bench', 'throughput']))"
+    done = _run_without(set(), code)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "causalmem: 'bench' comes with the lab, which is not installed: from the source checkout, pip install -e ./lab"
+    )
 
 
 def test_require() -> None:
-    assert require("json", "lab").loads("[1]") == [1]
+    assert require("json", "cli").loads("[1]") == [1]
     with pytest.raises(MissingExtra, match=r"needs surely_absent_module, from the 'cli' extra"):
         require("surely_absent_module.sub", "cli")
     assert issubclass(MissingExtra, RuntimeError)  # the CLI prints it as one line and exits 1

@@ -118,7 +118,9 @@ async def test_suppress_pins_the_masks_and_publishes_at_once() -> None:
     await h.send(SUPPRESS_COMMAND, offset=1, details={"slots": [2, 9]})
     assert h.events == ["apply", f"publish {SUPPRESS_COMMAND}"] * 2  # what was read before applies first
     assert h.progress.suppressed == [2, 5, 9]
-    assert h.published[0] == (SUPPRESS_COMMAND, {"suppress_reason": "do not use", "suppressed_now": [2, 5]})
+    reason, extra = h.published[0]
+    assert reason == SUPPRESS_COMMAND and extra["suppression"]["slots"] == [2, 5]  # the audit entry rides along
+    assert extra["suppression"]["command"] == SUPPRESS_COMMAND and extra["suppression"]["reason"] == "do not use"
     bias = h.trainer.net.out.bias.detach()
     assert all(float(bias[s]) < -20 for s in (2, 5, 9)) and float(bias[0]) > -20
 
@@ -126,7 +128,7 @@ async def test_suppress_pins_the_masks_and_publishes_at_once() -> None:
 async def test_a_drift_reset_keeps_the_suppressed_memories_and_warms_up_after_the_change() -> None:
     h = Harness(gated=True)
     h.replay.extend([experience(S, i, ts=BASE_TS + i) for i in range(10)])
-    await h.handler.suppress([4])
+    await h.send(SUPPRESS_COMMAND, details={"slots": [4]}, reason="do not use")
     await h.send("reset", offset=1, details={"since_ts": BASE_TS + 6}, reason="drift")
     reason, extra = h.published[-1]
     assert reason == "reset" and extra["reset_details"] == {"since_ts": BASE_TS + 6}
