@@ -1,4 +1,4 @@
-"""The evaluator (issue 14): retrieval events with texts in, LLM feedback out.
+"""The evaluator: retrieval events with texts in, LLM feedback out.
 
 Unit tests cover the prompts, the leave-one-out sets, the attribution sampling and the
 skipping rules with a fake scorer; the real model (the default GGUF, loaded once for the

@@ -1,4 +1,4 @@
-"""The promotion gate, rollback and evaluate: issue 8's checks."""
+"""The promotion gate, rollback and evaluate, through the broker."""
 
 from __future__ import annotations
 

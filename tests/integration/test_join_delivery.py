@@ -1,4 +1,4 @@
-"""Nothing lost on a crash (issue 13, item 2): outcomes split by size, commits after acknowledgement.
+"""Nothing lost on a crash: outcomes split by size, commits after acknowledgement.
 
 A burst of feedback for 200 pending events used to become one ~3 MB ``outcomes`` message:
 the send failed (MessageSizeTooLargeError), the worker exited, and the join group had

@@ -1,4 +1,4 @@
-"""The learner's failure model on a real broker (issue 12): a paused learner after a takeover,
+"""The learner's failure model on a real broker: a paused learner after a takeover,
 a bad control message, a corrupt newest checkpoint, SIGTERM while publishing, expert
 answers in a quiet deployment, and a restart behind a large backlog."""
 
@@ -75,7 +75,7 @@ async def _manifests(s: Settings) -> list[dict[str, Any]]:
 
 
 async def test_a_paused_learner_publishes_nothing_after_a_takeover(topics_ready: Settings, tmp_path: Path) -> None:
-    """Issue 12 (1): the active learner's event loop blocks past the session timeout (as a
+    """The active learner's event loop blocks past the session timeout (as a
     SIGSTOP or a long warm-up on the loop would) while a standby runs and takes over."""
     s = topics_ready.replace(checkpoint_interval_s=0.2, batch_size=8)
     loop_a = asyncio.new_event_loop()
@@ -133,7 +133,7 @@ async def test_a_paused_learner_publishes_nothing_after_a_takeover(topics_ready:
 
 
 async def test_bad_control_then_traffic_and_a_far_future_experience_in_reorder_mode(topics_ready: Settings) -> None:
-    """Issue 12 (2) and (8): neither stalls training; both go to dead-letter."""
+    """Neither stalls training; both go to dead-letter."""
     s = topics_ready.replace(reorder_s=1.0, batch_size=4)
     t = s.topics()
     bad = {"schema": "control/v1", "command": "rollback", "ts": 1_767_225_600.0, "details": {"to_version": "x"}}
@@ -154,7 +154,7 @@ async def test_bad_control_then_traffic_and_a_far_future_experience_in_reorder_m
 
 
 async def test_a_corrupt_newest_checkpoint_restores_the_newest_verified_one(topics_ready: Settings) -> None:
-    """Issue 12 (4): never a fresh `init` while a verified checkpoint exists; refuse when none does."""
+    """Never a fresh `init` while a verified checkpoint exists; refuse when none does."""
     s = topics_ready.replace(keep_versions=1, checkpoint_interval_s=0.2)
     t = s.topics()
     await _send(s, t.experiences.name, _exps(s, 0, 40))
@@ -190,7 +190,7 @@ async def test_a_corrupt_newest_checkpoint_restores_the_newest_verified_one(topi
 
 
 async def test_stopping_while_publishing_writes_one_final_checkpoint(topics_ready: Settings) -> None:
-    """Issue 12 (7): no `periodic` and `shutdown` pair of the same state."""
+    """No `periodic` and `shutdown` pair of the same state."""
     s = topics_ready.replace(checkpoint_interval_s=0.0, batch_size=8)
     for trial in range(1):  # it failed in 3 of 3 trials before the fix
         s = s.replace(topic_prefix=f"sig{trial}{uuid.uuid4().hex[:6]}.")
@@ -210,7 +210,7 @@ async def test_stopping_while_publishing_writes_one_final_checkpoint(topics_read
 
 
 async def test_expert_answers_reach_clients_in_a_quiet_deployment(topics_ready: Settings) -> None:
-    """Issue 12 (9): a label fine-tune is served although the gate lacks logged decisions."""
+    """A label fine-tune is served although the gate lacks logged decisions."""
     # With a signing key: the learner signs, and the subscriber (built from the same settings) checks.
     s = topics_ready.replace(gate=True, gate_min_ess=50.0, checkpoint_interval_s=0.3, checkpoint_signing_key="k1")
     sub = PolicySubscriber(s.bootstrap, s.policy, s)
@@ -229,7 +229,7 @@ async def test_expert_answers_reach_clients_in_a_quiet_deployment(topics_ready: 
 
 
 async def test_a_restart_reads_history_up_to_the_resume_offset_only(topics_ready: Settings) -> None:
-    """Issue 12 (3) and (6): memory does not grow with the backlog; dedupe ids cover the horizon."""
+    """Memory does not grow with the backlog; dedupe ids cover the horizon."""
     s = topics_ready
     t = s.topics()
     await _send(s, t.experiences.name, _exps(s, 0, 300))

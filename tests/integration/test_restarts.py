@@ -1,4 +1,4 @@
-"""Crash and restart: the learner killed mid-stream, the embedded broker restarted (issue 6)."""
+"""Crash and restart: the learner killed mid-stream, the embedded broker restarted."""
 
 from __future__ import annotations
 

@@ -571,7 +571,7 @@ def test_health_page_shows_the_band_its_advice_and_the_trends(tmp_path: Path) ->
 
 
 def test_health_page_shows_shadow_mode_and_its_estimate(tmp_path: Path) -> None:
-    """Issue 18: the UI shows shadow mode's mode and estimate (``causalmem ui --shadow``)."""
+    """The UI shows shadow mode's mode and estimate (``causalmem ui --shadow``)."""
     feeds = fed()
     line = "policy 'default': shadow mode, gain +0.120 [+0.030, +0.210] over 400 exploration steps"
     feeds.snapshot = {"ts": BASE_TS, "shadow": {"mode": "shadow", "line": line}}
@@ -591,7 +591,7 @@ def test_the_cli_verb_needs_a_labelers_file(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_json_of_a_label_is_unchanged_for_old_readers() -> None:
-    """harmful_memories is optional: a label without it encodes as before (contract 1.2)."""
+    """Harmful_memories is optional: a label without it encodes as before (contract 1.2)."""
     label = memory_choice_label(sample("s1"), "ann", [9])
     assert "harmful_memories" not in orjson.loads(encode(label.to_dict()))
 

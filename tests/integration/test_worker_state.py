@@ -1,4 +1,4 @@
-"""The worker's state: RocksDB tables by default, kept across restarts, bounded in bytes (issue 13)."""
+"""The worker's state: RocksDB tables by default, kept across restarts, bounded in bytes."""
 
 from __future__ import annotations
 

@@ -77,9 +77,9 @@ SEED_CLAIMS = {
     "dynamic_empty": "≤ 0.3% empty results with the dynamic threshold (fixed: 12%)",
     "baseline_speed": "baseline converges ≥ 3× faster than no baseline",
     "drift_drop": "accuracy drop after drift ≤ 2.3% with reset (17% without)",
-    "credit_leak": "per-memory credit: harmful leak ≤ 1.7% (issue 14)",
-    "credit_speed": "per-memory credit: fewer steps to 90% of the final recall than the step reward (issue 14)",
-    "drift_recovery": "drift: correct on the last day ≥ 90% of the last day before the drift (issue 14)",
+    "credit_leak": "per-memory credit: harmful leak ≤ 1.7%",
+    "credit_speed": "per-memory credit: fewer steps to 90% of the final recall than the step reward",
+    "drift_recovery": "drift: correct on the last day ≥ 90% of the last day before the drift",
 }
 
 

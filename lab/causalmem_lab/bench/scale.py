@@ -22,7 +22,7 @@ that no S pays for its allocator giving a step's temporaries back to the kernel;
 process's CPU time per step (all its threads: at 10^6 the optimizer's row mover too) is
 reported beside the wall time (on a shared machine it leaves out the waits for a core).
 
-Targets (issue 16): step rate at 10^6 ≥ 80% of the rate at 1,024; policy + faiss ≤ 1.5× plain
+Targets: step rate at 10^6 ≥ 80% of the rate at 1,024; policy + faiss ≤ 1.5× plain
 faiss at 10^6; learner RSS ≤ 8 GB. The delta-checkpoint figures (bytes per delta against a full
 snapshot, client delta-apply p50/p99) come from :func:`causalmem_lab.bench.scale_delta.measure_deltas`,
 run after the learner and client measurements with the rows the timed learner steps wrote

@@ -1,4 +1,4 @@
-"""The learner's failure model without a broker (issue 12): forged manifests, bad control
+"""The learner's failure model without a broker: forged manifests, bad control
 details, the dedupe horizon at a high rate, a far-future experience in reorder mode,
 epoch fencing rules, supervision and local restores."""
 

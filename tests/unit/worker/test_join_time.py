@@ -1,4 +1,4 @@
-"""Event time per partition (issue 13, item 1): a far-future timestamp cannot stop the join.
+"""Event time per partition: a far-future timestamp cannot stop the join.
 
 One contract-valid event with ``ts`` near 1e11 used to move the join's single clock: on the
 other partitions no pair joined again, and the table prune would have deleted per-query

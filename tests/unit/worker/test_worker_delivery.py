@@ -1,4 +1,4 @@
-"""A worker killed mid-burst loses no table update (the faust side of issue 13, item 2).
+"""A worker killed mid-burst loses no table update.
 
 The broker test is tests/integration/test_join_delivery.py (SIGKILL mid-burst); these check the parts:
 commits wait for acknowledgements, never pass an input the stage did not process, a table

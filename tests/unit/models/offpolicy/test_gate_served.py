@@ -1,4 +1,4 @@
-"""The promotion gate judges policies as clients serve them (issue 15), not at the logged T."""
+"""The promotion gate judges policies as clients serve them, not at the logged T."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gate on rewards that are not additive (issue 15's real-LM case): it must promote a policy that helps.
+"""The gate on rewards that are not additive: it must promote a policy that helps.
 
 As on the real-LM benchmark: a few questions asked again and again, near-tied similarity
 scores, a gold fact that ranks 4th–6th for some questions, and a reward that is about

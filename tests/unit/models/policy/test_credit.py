@@ -247,7 +247,7 @@ def test_imputed_effects_share_the_residual_and_keep_known_means() -> None:
 
 
 def test_a_step_without_credit_moves_away_from_a_memory_known_to_hurt() -> None:
-    """Issue 14 at partial attribution: a bad step without nll_without_slot blamed every
+    """At partial attribution: a bad step without nll_without_slot blamed every
     memory it read alike. Once slot 3 is known to hurt (b̂ = −1) and the step's utility is
     what that explains (residual 0), the imputed credit lowers slot 3 and raises slot 7."""
     ev = event(0, candidates=[3, 7, 11, 20, 31], selected=[7, 3])
