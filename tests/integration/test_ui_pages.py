@@ -591,7 +591,7 @@ def test_the_cli_verb_needs_a_labelers_file(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_json_of_a_label_is_unchanged_for_old_readers() -> None:
-    """Harmful_memories is optional: a label without it encodes as before (contract 1.2)."""
+    """harmful_memories is optional: a label without it encodes as before (contract 1.2)."""
     label = memory_choice_label(sample("s1"), "ann", [9])
     assert "harmful_memories" not in orjson.loads(encode(label.to_dict()))
 
