@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from topics.fields import Limits, Rejected, WireValue, check_key, encode, open_value
+from topics.manifest import key_number
 
 SCHEMA_SLOT = "slot_map/v1"
 SLOT_KEY_PART = "slot"
@@ -47,9 +48,8 @@ def parse_slot_key(key: str) -> tuple[str, int] | None:
     (('default', 3), None)
     """
     parts = key.split("/")
-    if len(parts) == 3 and parts[1] == SLOT_KEY_PART and parts[2].isdigit():
-        return parts[0], int(parts[2])
-    return None
+    slot = key_number(parts[2]) if len(parts) == 3 and parts[1] == SLOT_KEY_PART else None
+    return (parts[0], slot) if slot is not None else None
 
 
 @dataclass(frozen=True, slots=True)
