@@ -31,8 +31,10 @@ rollback commands can read the topic cheaply.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -55,7 +57,17 @@ from topics.manifest import (
     sha256_hex,
 )
 
-__all__ = ["CheckpointPublisher", "ModelTopicIndex", "check_blob", "fetch_blob", "read_range", "scan_model_topic"]
+__all__ = [
+    "CheckpointPublisher",
+    "ModelTopicIndex",
+    "check_blob",
+    "chunk_plan",
+    "fetch_blob",
+    "read_range",
+    "scan_model_topic",
+]
+
+log = logging.getLogger(__name__)
 
 MAX_CHAIN = 100_000  # links walked at most (a chain is as long as the versions between full snapshots)
 RANGE_FETCH_BYTES = 1024 * 1024  # read_range's fetch size: above the largest message (a 512 KiB chunk)
@@ -104,9 +116,20 @@ class ModelTopicIndex:
         """Record one message; returns its kind and, for a valid manifest, the manifest.
 
         The kind is ``"rejected"`` (with the reason appended to :attr:`rejected`) for a
-        manifest or claim that must not be followed.
+        manifest or claim that must not be followed, and for a message that raised anything
+        while it was parsed: one hostile message is skipped, never a reason for a reader
+        (client, learner, ``status``, ``rollback``) to stop.
+
+        >>> ModelTopicIndex().observe(0, "default/²/0".encode(), b"x")
+        ('unknown', None)
         """
         self.end_offset = max(self.end_offset, offset + 1)
+        try:
+            return self._observe(offset, key, value)
+        except Exception as exc:  # whatever the parse raised: this message is rejected, the reader goes on
+            return self._reject(offset, f"unparseable message: {exc!r}"[:300])
+
+    def _observe(self, offset: int, key: bytes | None, value: bytes | None) -> tuple[str, Manifest | None]:
         if key is None:
             return "unknown", None
         kind, policy, version, index = parse_key(key.decode("utf-8", "replace"))
@@ -300,6 +323,11 @@ async def scan_model_topic(
     index = ModelTopicIndex(signing_key=signing_key)
     for msg in await kafka.read_all(bootstrap, conn, topic or model_topic(conn), partitions=[0]):
         index.observe(msg.offset, msg.key, msg.value)
+    if index.rejected:
+        offset, why = index.rejected[-1]
+        log.warning(
+            "model topic: %d messages rejected (skipped); the last at offset %d: %s", len(index.rejected), offset, why
+        )
     return index
 
 
@@ -322,6 +350,30 @@ def check_blob(blob: bytes, manifest: Manifest) -> bytes:
     return blob
 
 
+def chunk_plan(manifest: Manifest, offsets: dict[int, int]) -> dict[int, int]:
+    """Where to read a manifest's chunks: ``{offset: chunk index}``; raises :class:`CheckpointError`
+    (``missing_chunk``) when the topic does not hold them all.
+
+    What this builds is bounded by the chunks the topic holds, never by what the manifest
+    claims: a forged manifest claiming 4 GiB in four million chunks, with none on the topic,
+    costs a few entries, not a four-million-entry list (the bytes themselves are joined only
+    once every chunk has been read).
+
+    >>> m = Manifest("p", 1, 0.0, "init", {}, 0.0, 0.0, "0" * 64, 4 * 1024**3, 4 * 1024**2)
+    >>> try:
+    ...     chunk_plan(m, {0: 10})
+    ... except CheckpointError as exc:
+    ...     print(exc)
+    missing_chunk: version 1 lacks chunks [1, 2, 3, 4, 5] (holds 1 of 4194304)
+    """
+    # Lazily, and at most five: len(offsets) + 5 steps whatever ``manifest.chunks`` claims.
+    missing = list(islice((i for i in range(manifest.chunks) if i not in offsets), 5))
+    if missing:
+        why = f"version {manifest.version} lacks chunks {missing} (holds {len(offsets)} of {manifest.chunks})"
+        raise CheckpointError("missing_chunk", why)
+    return {offsets[i]: i for i in range(manifest.chunks)}
+
+
 async def fetch_blob(
     bootstrap: str,
     conn: Connection | Settings,
@@ -337,11 +389,7 @@ async def fetch_blob(
     """
     conn = Connection.of(conn)
     topic = topic or model_topic(conn)
-    offsets = index.offsets_of(manifest)
-    missing = [i for i in range(manifest.chunks) if i not in offsets]
-    if missing:
-        raise CheckpointError("missing_chunk", f"version {manifest.version} lacks chunks {missing[:5]}")
-    wanted = {offsets[i]: i for i in range(manifest.chunks)}
+    wanted = chunk_plan(manifest, index.offsets_of(manifest))
     parts: dict[int, bytes] = {}
     async for msg in read_range(bootstrap, conn, topic, min(wanted), max(wanted) + 1):
         if msg.offset in wanted and msg.value is not None:

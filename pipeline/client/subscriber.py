@@ -214,8 +214,18 @@ class PolicySubscriber(Service):
                 continue
             for msgs in batch.values():
                 for msg in msgs:
-                    await self.handle(msg.offset, msg.key, msg.value)
+                    await self._handle_safely(msg.offset, msg.key, msg.value)
             await self._check_reset()
+
+    async def _handle_safely(self, offset: int, key: bytes | None, value: bytes | None) -> None:
+        """:meth:`handle`, with anything it raises a rejection of that message: the subscriber keeps
+        following the topic and loads the next good checkpoint (one hostile message used to end it)."""
+        try:
+            await self.handle(offset, key, value)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._reject(offset, f"unparseable message: {exc!r}"[:300])
 
     async def _check_reset(self) -> None:
         """A log end below our position means the cluster lost the topic (docs/operations.md)."""
@@ -314,6 +324,8 @@ class PolicySubscriber(Service):
             self.slots.apply(decode_slot_record(value, key=key))
         except Rejected as exc:
             self._reject(offset, f"slot-map record: {exc.reason}: {exc.detail}")
+        except Exception as exc:  # whatever the parse raised: rejected, like a record that does not decode
+            self._reject(offset, f"slot-map record: {exc!r}"[:300])
 
     def _keep_chunk(self, key: bytes, value: bytes | None, delta: bool = False) -> None:
         """Keep the bytes of a recent version's chunk, so that its manifest needs no re-read.

@@ -328,8 +328,8 @@ class MemoryBank:
                 continue
             try:
                 newest[parsed[1]] = decode_slot_record(msg.value, key=msg.key)
-            except Rejected as rej:
-                log.warning("learner: ignoring slot-map record %s: %s", msg.key, rej)
+            except Exception as exc:  # Rejected, or whatever else a hostile record makes the parse raise
+                log.warning("learner: ignoring slot-map record %s: %r", msg.key, exc)
         self.load(list(newest.values()), version, trainer)
         self.position = offsets.get(self.offset_key, 0)
         return bool(self.pending)

@@ -54,7 +54,7 @@ def test_ascii_keys_still_parse() -> None:
 
 def _manifest() -> dict[str, Any]:
     arch = {"input_dim": 10, "hidden": 4, "slots": 8, "embedding_dim": 8}
-    return Manifest("default", 3, 1.0, "cadence", arch, 0.5, 0.0, sha256_hex(b"x"), 1, 1).to_dict()
+    return Manifest("default", 3, 1.0, "periodic", arch, 0.5, 0.0, sha256_hex(b"x"), 1, 1).to_dict()
 
 
 json_scalars = (
