@@ -55,6 +55,7 @@ from topics.manifest import (
     decode_manifest,
     parse_key,
     sha256_hex,
+    verify_tombstone,
 )
 
 __all__ = [
@@ -112,7 +113,9 @@ class ModelTopicIndex:
         table = self.delta_chunk_offsets if isinstance(manifest, DeltaManifest) else self.chunk_offsets
         return table.get((manifest.policy, manifest.version), {})
 
-    def observe(self, offset: int, key: bytes | None, value: bytes | None) -> tuple[str, Manifest | None]:
+    def observe(
+        self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None
+    ) -> tuple[str, Manifest | None]:
         """Record one message; returns its kind and, for a valid manifest, the manifest.
 
         The kind is ``"rejected"`` (with the reason appended to :attr:`rejected`) for a
@@ -122,9 +125,18 @@ class ModelTopicIndex:
 
         >>> ModelTopicIndex().observe(0, "default/²/0".encode(), b"x")
         ('unknown', None)
+
+        ``headers`` (the record's): with a signing key, a tombstone of a chunk or of the canary
+        counts only with the learner's signature in its ``causalmem-signature`` header
+        (contract 1.6); an unsigned one is rejected, so it cannot empty a version's chunk
+        index or end a canary.
         """
         self.end_offset = max(self.end_offset, offset + 1)
         try:
+            if value is None and key is not None and self.signing_key is not None:
+                kind = parse_key(key.decode("utf-8", "replace"))[0]
+                if kind in ("chunk", "delta_chunk", "canary") and not verify_tombstone(key, headers, self.signing_key):
+                    return self._reject(offset, f"{kind} tombstone: signature missing or not the configured key's")
             return self._observe(offset, key, value)
         except Exception as exc:  # whatever the parse raised: this message is rejected, the reader goes on
             return self._reject(offset, f"unparseable message: {exc!r}"[:300])
@@ -322,7 +334,7 @@ async def scan_model_topic(
     conn = Connection.of(conn)
     index = ModelTopicIndex(signing_key=signing_key)
     for msg in await kafka.read_all(bootstrap, conn, topic or model_topic(conn), partitions=[0]):
-        index.observe(msg.offset, msg.key, msg.value)
+        index.observe(msg.offset, msg.key, msg.value, msg.headers)
     if index.rejected:
         offset, why = index.rejected[-1]
         log.warning(

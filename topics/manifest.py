@@ -199,6 +199,30 @@ def verify_signature(obj: dict[str, Any], key: bytes) -> bool:
     return hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), sign(obj, key).encode("ascii"))
 
 
+# Contract 1.6: a tombstone (null value) cannot carry a signature in its value, so with a
+# signing key the learner sends it with this record header, its HMAC over the message key.
+TOMBSTONE_HEADER = "causalmem-signature"
+
+
+def tombstone_signature(message_key: bytes, key: bytes) -> bytes:
+    """The ``causalmem-signature`` header of a tombstone sent under ``message_key``.
+
+    >>> sig = tombstone_signature(b"default/3/0", b"k")
+    >>> verify_tombstone(b"default/3/0", [(TOMBSTONE_HEADER, sig)], b"k")
+    True
+    >>> verify_tombstone(b"default/4/0", [(TOMBSTONE_HEADER, sig)], b"k"), verify_tombstone(b"default/3/0", None, b"k")
+    (False, False)
+    """
+    return (SIGNATURE_PREFIX + hmac.new(key, b"tombstone\x00" + message_key, hashlib.sha256).hexdigest()).encode()
+
+
+def verify_tombstone(message_key: bytes, headers: Any, key: bytes) -> bool:
+    """Whether a tombstone's record headers carry ``key``'s signature of its message key."""
+    expected = tombstone_signature(message_key, key)
+    found = [v for k, v in (headers or ()) if k == TOMBSTONE_HEADER]
+    return len(found) == 1 and isinstance(found[0], bytes) and hmac.compare_digest(found[0], expected)
+
+
 @dataclass
 class EpochClaim:
     """A learner's claim to write a policy from ``epoch`` on (key ``"{policy}/epoch"``).

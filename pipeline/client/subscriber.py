@@ -214,14 +214,14 @@ class PolicySubscriber(Service):
                 continue
             for msgs in batch.values():
                 for msg in msgs:
-                    await self._handle_safely(msg.offset, msg.key, msg.value)
+                    await self._handle_safely(msg.offset, msg.key, msg.value, msg.headers)
             await self._check_reset()
 
-    async def _handle_safely(self, offset: int, key: bytes | None, value: bytes | None) -> None:
+    async def _handle_safely(self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None) -> None:
         """:meth:`handle`, with anything it raises a rejection of that message: the subscriber keeps
         following the topic and loads the next good checkpoint (one hostile message used to end it)."""
         try:
-            await self.handle(offset, key, value)
+            await self.handle(offset, key, value, headers)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -246,9 +246,10 @@ class PolicySubscriber(Service):
         self._after_reset = True
         await self._consumer.seek_to_beginning(tp)
 
-    async def handle(self, offset: int, key: bytes | None, value: bytes | None) -> None:
-        """Process one model-topic message (public so tests can feed crafted messages)."""
-        kind, manifest = self.index.observe(offset, key, value)
+    async def handle(self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None) -> None:
+        """Process one model-topic message (public so tests can feed crafted messages); ``headers``:
+        the record's (a signed tombstone's signature, contract 1.6)."""
+        kind, manifest = self.index.observe(offset, key, value, headers)
         if key is not None and parse_slot_key(key.decode("utf-8", "replace")) is not None:
             self._slot_record(offset, key, value)
             return
@@ -321,7 +322,7 @@ class PolicySubscriber(Service):
         if parsed is None or parsed[0] != self.policy or value is None:
             return  # another policy's map, or a compaction tombstone (the learner never deletes a record)
         try:
-            self.slots.apply(decode_slot_record(value, key=key))
+            self.slots.apply(decode_slot_record(value, key=key, signing_key=self.signing_key))
         except Rejected as exc:
             self._reject(offset, f"slot-map record: {exc.reason}: {exc.detail}")
         except Exception as exc:  # whatever the parse raised: rejected, like a record that does not decode

@@ -62,8 +62,9 @@ class MemoryBank:
         Event time a removed memory's slot stays tombstoned before reuse.
     """
 
-    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0) -> None:
+    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0, signing_key: bytes | None = None) -> None:
         self.conn = conn
+        self.signing_key = signing_key  # contract 1.6: the map's records are signed and verified with it
         self.policy = conn.policy
         self.topic = conn.topics.memory_lifecycle.name
         self.limits: Limits = conn.limits
@@ -82,7 +83,7 @@ class MemoryBank:
         """The learner's bank; None when ``config.memory_lifecycle`` is off (slot-numbered events only)."""
         if not config.memory_lifecycle:
             return None
-        return cls(config.connection, config.trainer.slots, config.lifecycle_grace_s)
+        return cls(config.connection, config.trainer.slots, config.lifecycle_grace_s, config.signing_key)
 
     @property
     def offset_key(self) -> str:
@@ -251,7 +252,10 @@ class MemoryBank:
         if publisher.before_send is not None:
             await publisher.before_send()
         producer, topic = publisher.producer, publisher.topic
-        futures = [await producer.send(topic, r.to_bytes(), key=r.key.encode(), partition=0) for r in records]
+        signing_key = publisher.signing_key
+        futures = [
+            await producer.send(topic, r.to_bytes(signing_key), key=r.key.encode(), partition=0) for r in records
+        ]
         await asyncio.gather(*futures)
         for r in records:
             if r.live:
@@ -327,7 +331,7 @@ class MemoryBank:
                 newest.pop(parsed[1], None)
                 continue
             try:
-                newest[parsed[1]] = decode_slot_record(msg.value, key=msg.key)
+                newest[parsed[1]] = decode_slot_record(msg.value, key=msg.key, signing_key=self.signing_key)
             except Exception as exc:  # Rejected, or whatever else a hostile record makes the parse raise
                 log.warning("learner: ignoring slot-map record %s: %r", msg.key, exc)
         self.load(list(newest.values()), version, trainer)

@@ -43,7 +43,7 @@ def test_without_expected_arch_a_4_gib_claim_is_rejected_without_reserving_it() 
 
 class _Msg:
     def __init__(self, offset: int, key: bytes, value: bytes) -> None:
-        self.offset, self.key, self.value = offset, key, value
+        self.offset, self.key, self.value, self.headers = offset, key, value, ()
 
 
 class _OneBatchConsumer:
@@ -66,7 +66,7 @@ def test_any_exception_while_handling_a_message_is_a_rejection(caplog: pytest.Lo
     sub = PolicySubscriber("127.0.0.1:1", policy="default")
     seen: list[int] = []
 
-    async def handle(offset: int, key: bytes | None, value: bytes | None) -> None:
+    async def handle(offset: int, key: bytes | None, value: bytes | None, headers: object = None) -> None:
         seen.append(offset)
         if offset == 0:
             raise ValueError("invalid literal for int() with base 10: '²'")

@@ -1,0 +1,29 @@
+"""The model-topic index with a signing key (contract 1.6): an unsigned chunk or canary tombstone
+is rejected, a signed one followed; without a key tombstones are followed as before."""
+
+from __future__ import annotations
+
+from pipeline.modeltopic import ModelTopicIndex
+from topics.manifest import TOMBSTONE_HEADER, tombstone_signature
+
+KEY = b"k"
+
+
+def test_index_rejects_an_unsigned_tombstone_with_a_key_only() -> None:
+    signed = ModelTopicIndex(signing_key=KEY)
+    unsigned = ModelTopicIndex()
+    for index in (signed, unsigned):
+        index.observe(0, b"default/1/0", b"chunk")
+        index.observe(1, b"default/1/0", None)
+    assert signed.chunk_offsets == {("default", 1): {0: 0}} and signed.rejected[0][0] == 1
+    assert unsigned.chunk_offsets == {("default", 1): {}} and unsigned.rejected == []
+
+
+def test_index_follows_a_signed_tombstone() -> None:
+    index = ModelTopicIndex(signing_key=KEY)
+    index.observe(0, b"default/1/0", b"chunk")
+    index.observe(1, b"default/1/0", None, [(TOMBSTONE_HEADER, tombstone_signature(b"default/1/0", b"other"))])
+    assert index.chunk_offsets == {("default", 1): {0: 0}}
+    index.observe(2, b"default/1/0", None, [(TOMBSTONE_HEADER, tombstone_signature(b"default/1/0", KEY))])
+    assert index.chunk_offsets == {("default", 1): {}}
+    assert [offset for offset, _ in index.rejected] == [1]
