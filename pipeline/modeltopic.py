@@ -66,6 +66,7 @@ __all__ = [
     "fetch_blob",
     "read_range",
     "scan_model_topic",
+    "unsigned_warning",
 ]
 
 log = logging.getLogger(__name__)
@@ -317,6 +318,39 @@ class ModelTopicIndex:
                 return False
             links = [full, *deltas]
         return all(all(i in self.offsets_of(m) for i in range(m.chunks)) for m in links)
+
+
+_LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
+
+
+def unsigned_warning(role: str, signing_key: bytes | None, bootstrap: str | None, security_protocol: str) -> str | None:
+    """What an unsigned ``role`` ("learner", "client") logs at start as a WARNING; None when it signs
+    or runs on the embedded broker.
+
+    The embedded broker (``bootstrap`` None: the verbs start or reuse it) listens on loopback
+    only, without SASL or TLS; any other broker (another address, or SASL/TLS) is a
+    deployment, where an unsigned model topic serves whatever any producer on it writes.
+
+    >>> unsigned_warning("client", None, "127.0.0.1:19092", "PLAINTEXT") is None
+    True
+    >>> unsigned_warning("client", b"k", "kafka:9092", "SASL_SSL") is None
+    True
+    >>> print(unsigned_warning("learner", None, "kafka:9092", "PLAINTEXT"))  # doctest: +ELLIPSIS
+    learner: checkpoints are NOT signed ... set CAUSALMEM_CHECKPOINT_SIGNING_KEY ...
+    """
+    if signing_key is not None:
+        return None
+    hosts = [part.strip().rsplit(":", 1)[0] for part in (bootstrap or "").split(",") if part.strip()]
+    local = all(h.startswith(_LOOPBACK_HOSTS) for h in hosts)
+    if local and security_protocol.upper() == "PLAINTEXT":
+        return None  # the embedded broker (or a broker only this machine reaches): a trial
+    what = "publishes checkpoints no client can tell from a forgery" if role == "learner" else "serves any manifest"
+    return (
+        f"{role}: checkpoints are NOT signed on broker {bootstrap}: this {role} {what}, so any producer "
+        "on the model topic can serve its own weights and lock the learner out; set "
+        "CAUSALMEM_CHECKPOINT_SIGNING_KEY or CAUSALMEM_CHECKPOINT_SIGNING_KEY_FILE (the same key on the learner "
+        "and every client; docs/operations.md, 'Signed checkpoints')"
+    )
 
 
 def model_topic(conn: Connection | Settings | None) -> str:

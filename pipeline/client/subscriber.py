@@ -38,7 +38,7 @@ from pipeline import kafka
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.component_config import Connection
 from pipeline.config import Settings
-from pipeline.modeltopic import ModelTopicIndex, model_topic
+from pipeline.modeltopic import ModelTopicIndex, model_topic, unsigned_warning
 from pipeline.service import Service
 from topics.delta import DeltaManifest, link_id
 from topics.fields import Rejected
@@ -174,6 +174,9 @@ class PolicySubscriber(Service):
         self._digests: dict[int, tuple[int, Any]] = {}  # delta version -> (chunks hashed, running sha256)
 
     async def _start(self) -> None:
+        warning = unsigned_warning("client", self.signing_key, self.bootstrap, self.conn.security.security_protocol)
+        if warning:
+            log.warning(warning)
         self._consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
         await self._consumer.start()
         tp = TopicPartition(self.topic, 0)

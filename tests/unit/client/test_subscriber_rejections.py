@@ -78,3 +78,59 @@ def test_any_exception_while_handling_a_message_is_a_rejection(caplog: pytest.Lo
     assert seen == [0, 1]  # the message after the bad one was handled
     assert sub.rejections == [(0, "unparseable message: ValueError(\"invalid literal for int() with base 10: '²'\")")]
     assert "rejected checkpoint at offset 0" in caplog.text
+
+
+class _IdleConsumer:
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def assign(self, tps: object) -> None:
+        return None
+
+    async def seek_to_beginning(self, tp: object) -> None:
+        return None
+
+    async def getmany(self, timeout_ms: int = 0) -> dict[str, list[_Msg]]:
+        await asyncio.sleep(3600)
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("bootstrap", "protocol", "signing_key", "warns"),
+    [
+        ("kafka:9092", "SASL_PLAINTEXT", None, True),
+        ("10.0.0.5:9092,10.0.0.6:9092", "PLAINTEXT", None, True),
+        ("127.0.0.1:9092", "SASL_SSL", None, True),  # loopback, but not the embedded broker (it has no SASL/TLS)
+        ("127.0.0.1:19092", "PLAINTEXT", None, False),  # the embedded broker: a local trial
+        ("kafka:9092", "SASL_PLAINTEXT", b"k", False),
+    ],
+)
+def test_an_unsigned_client_outside_the_embedded_broker_warns_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    bootstrap: str,
+    protocol: str,
+    signing_key: bytes | None,
+    warns: bool,
+) -> None:
+    from pipeline import kafka
+    from pipeline.config import Settings
+
+    monkeypatch.setattr(kafka, "consumer", lambda *a, **kw: _IdleConsumer())
+    conn = Settings().connection()
+    conn.security.security_protocol = protocol
+    sub = PolicySubscriber(bootstrap, conn=conn, signing_key=signing_key)
+
+    async def start_stop() -> None:
+        await sub.start()
+        await sub.stop()
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.client.subscriber"):
+        asyncio.run(start_stop())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert bool(warnings) == warns
+    if warns:
+        assert "checkpoints are NOT signed" in warnings[0] and "CAUSALMEM_CHECKPOINT_SIGNING_KEY" in warnings[0]
