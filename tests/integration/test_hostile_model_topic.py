@@ -8,6 +8,7 @@ and fence read past them, and ``causalmem status`` and ``causalmem rollback`` an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -22,8 +23,10 @@ from pipeline import kafka
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.learner.fence import Fence
+from pipeline.learner.loop import Learner
 from pipeline.learner.restore import find_version
 from pipeline.learner.store import LocalStore
+from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher, scan_model_topic
 from tests.helpers import publish_tensors
 from topics.manifest import Manifest, sha256_hex
@@ -120,3 +123,34 @@ def test_restore_fence_status_and_rollback_read_past_the_hostile_messages(
     cli.main(["rollback", *common, "--to", "1", "--timeout", "1"])  # no learner runs: it waits, then says so
     out = capsys.readouterr().out
     assert f"rolling policy {s.policy!r} back to v1 (on the model topic" in out
+
+
+async def _learner_restores(s: Settings) -> tuple[str, int, bool]:
+    learner = Learner(s.learner(), s.bootstrap or "", Metrics())
+    await learner.start()
+    task = asyncio.create_task(learner.run())
+    try:
+        for _ in range(600):  # elected, restored and active, or the task ended (it used to: ValueError)
+            if learner.active.is_set() or task.done():
+                break
+            await asyncio.sleep(0.1)
+        return learner.restored_from, learner.version, task.done()
+    finally:
+        await learner.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def test_a_signed_learner_restores_past_the_hostile_messages(topics_ready: Settings) -> None:
+    s = topics_ready.replace(checkpoint_signing_key="k")
+    asyncio.run(_publish(s, 1, signing_key=b"k"))
+    hostile = [
+        (HOSTILE_KEY, b"x"),
+        (f"{s.policy}/slot/²".encode(), b"x"),
+        (s.policy.encode(), _hostile_manifest(s.policy, s)),
+    ]
+    asyncio.run(_send(s, hostile))
+    restored_from, version, ended = asyncio.run(_learner_restores(s))
+    assert not ended
+    assert (restored_from, version) == ("topic v1", 1)
