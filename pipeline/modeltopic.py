@@ -71,6 +71,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+KEEP_REJECTIONS = 1000  # the newest rejections kept with their reasons (more are only counted)
 MAX_CHAIN = 100_000  # links walked at most (a chain is as long as the versions between full snapshots)
 RANGE_FETCH_BYTES = 1024 * 1024  # read_range's fetch size: above the largest message (a 512 KiB chunk)
 
@@ -85,7 +86,8 @@ class ModelTopicIndex:
     candidate: dict[str, Manifest] = field(default_factory=dict)
     manifests: dict[tuple[str, int], Manifest] = field(default_factory=dict)  # every manifest seen
     chunk_offsets: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
-    rejected: list[tuple[int, str]] = field(default_factory=list)  # (offset, reason)
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (offset, reason): the newest ones
+    rejected_total: int = 0  # every rejection since the index was made (``rejected`` keeps the newest)
     end_offset: int = 0
     signing_key: bytes | None = None  # set: unsigned or wrongly signed manifests are rejected
     epochs: dict[str, int] = field(default_factory=dict)  # the newest epoch seen per policy
@@ -103,7 +105,10 @@ class ModelTopicIndex:
     canary: dict[str, Manifest | None] = field(default_factory=dict)
 
     def _reject(self, offset: int, why: str) -> tuple[str, None]:
+        self.rejected_total += 1
         self.rejected.append((offset, why))
+        if len(self.rejected) > 2 * KEEP_REJECTIONS:  # a flood of hostile messages must not grow memory
+            del self.rejected[:-KEEP_REJECTIONS]
         return "rejected", None
 
     def _newest_version(self, policy: str) -> int:
@@ -372,7 +377,7 @@ async def scan_model_topic(
     if index.rejected:
         offset, why = index.rejected[-1]
         log.warning(
-            "model topic: %d messages rejected (skipped); the last at offset %d: %s", len(index.rejected), offset, why
+            "model topic: %d messages rejected (skipped); the last at offset %d: %s", index.rejected_total, offset, why
         )
     return index
 

@@ -38,7 +38,7 @@ from pipeline import kafka
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.component_config import Connection
 from pipeline.config import Settings
-from pipeline.modeltopic import ModelTopicIndex, model_topic, unsigned_warning
+from pipeline.modeltopic import KEEP_REJECTIONS, ModelTopicIndex, model_topic, unsigned_warning
 from pipeline.service import Service
 from topics.delta import DeltaManifest, link_id
 from topics.fields import Rejected
@@ -131,7 +131,7 @@ class PolicySubscriber(Service):
         policy held (a missed link), or that fails a check, makes the subscriber load the
         last full snapshot and replay the chain to it.
 
-    Rejections are logged and kept in :attr:`rejections`.
+    Rejections are logged, counted in :attr:`rejected_total` and the newest kept in :attr:`rejections`.
     """
 
     def __init__(
@@ -162,7 +162,8 @@ class PolicySubscriber(Service):
         self.expected_arch = expected_arch
         self.keep_recent = keep_recent
         self.current: LoadedPolicy | None = None
-        self.rejections: list[tuple[int, str]] = []
+        self.rejections: list[tuple[int, str]] = []  # (offset, reason): the newest ones
+        self.rejected_total = 0  # every rejection (``rejections`` keeps the newest KEEP_REJECTIONS to 2x that)
         self.index = ModelTopicIndex(signing_key=signing_key)
         self.slots = SlotTable()  # contract 1.3: "{policy}/slot/{slot}" records, newest per slot
         self._recent: dict[int, dict[int, bytes]] = {}  # version -> {chunk index: bytes}
@@ -424,6 +425,9 @@ class PolicySubscriber(Service):
         return LoadedPolicy(manifest=manifest, net=net, slots=self.slots)
 
     def _reject(self, offset: int, why: str) -> None:
+        self.rejected_total += 1
         self.rejections.append((offset, why))
+        if len(self.rejections) > 2 * KEEP_REJECTIONS:  # a flood of hostile messages must not grow memory
+            del self.rejections[:-KEEP_REJECTIONS]
         current = f"v{self.current.version}" if self.current else "none"
         log.warning("subscriber: rejected checkpoint at offset %d (%s); keeping %s", offset, why, current)

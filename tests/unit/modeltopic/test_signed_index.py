@@ -27,3 +27,13 @@ def test_index_follows_a_signed_tombstone() -> None:
     index.observe(2, b"default/1/0", None, [(TOMBSTONE_HEADER, tombstone_signature(b"default/1/0", KEY))])
     assert index.chunk_offsets == {("default", 1): {}}
     assert [offset for offset, _ in index.rejected] == [1]
+
+
+def test_a_flood_of_rejections_is_counted_but_not_all_kept() -> None:
+    from pipeline.modeltopic import KEEP_REJECTIONS
+
+    index = ModelTopicIndex(signing_key=KEY)
+    for offset in range(5 * KEEP_REJECTIONS):
+        index.observe(offset, b"default", b"{not a manifest")
+    assert index.rejected_total == 5 * KEEP_REJECTIONS
+    assert len(index.rejected) <= 2 * KEEP_REJECTIONS and index.rejected[-1][0] == 5 * KEEP_REJECTIONS - 1
