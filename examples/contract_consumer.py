@@ -219,7 +219,8 @@ def newest_verified(
             serving[manifest["version"]] = manifest
         elif k.startswith(prefix):
             parts = k[len(prefix) :].split("/")
-            if len(parts) != 2 or not (parts[0].isdigit() and parts[1].isdigit()):
+            # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
+            if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 16 for p in parts):
                 continue  # "{policy}/candidate" and anything else: not ours to follow
             version, index = int(parts[0]), int(parts[1])
             if value is None:  # tombstone

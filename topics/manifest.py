@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -52,6 +53,19 @@ CANARY_SUFFIX = "/canary"  # contract 1.4
 SCHEMA_EPOCH_CLAIM = "writer_epoch/v1"
 SIGNATURE_PREFIX = "hmac-sha256:"
 DELTA = "delta"  # contract 1.3: the key segment of delta checkpoints ("{policy}/delta", ...)
+# A key's version or chunk index: ASCII digits only, at most 16 (2^53 has 16). ``str.isdigit``
+# also accepts '²' and other Unicode digits that ``int`` refuses, and ``int`` refuses more than
+# 4,300 digits: a key that fails this is "unknown", never an exception.
+_NUMBER = re.compile(r"[0-9]{1,16}")
+
+
+def key_number(part: str) -> int | None:
+    """A key part as a non-negative integer: ASCII digits only, at most 16; None for anything else.
+
+    >>> key_number("12"), key_number("²"), key_number("٣"), key_number("1" * 17), key_number("-1")
+    (12, None, None, None, None)
+    """
+    return int(part) if _NUMBER.fullmatch(part) else None
 
 
 class CheckpointError(ValueError):
@@ -101,15 +115,16 @@ def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
         return ("epoch", parts[0], None, None)
     if len(parts) == 2 and parts[1] == "canary":
         return ("canary", parts[0], None, None)
-    if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-        return ("chunk", parts[0], int(parts[1]), int(parts[2]))
+    numbers = [key_number(p) for p in parts[1:]]
+    if len(parts) == 3 and numbers[0] is not None and numbers[1] is not None:
+        return ("chunk", parts[0], numbers[0], numbers[1])
     if len(parts) >= 2 and parts[1] == DELTA:  # contract 1.3: delta checkpoints (topics/delta.py)
         if len(parts) == 2:
             return ("delta", parts[0], None, None)
         if len(parts) == 3 and parts[2] == "candidate":
             return ("delta_candidate", parts[0], None, None)
-        if len(parts) == 4 and parts[2].isdigit() and parts[3].isdigit():
-            return ("delta_chunk", parts[0], int(parts[2]), int(parts[3]))
+        if len(parts) == 4 and numbers[1] is not None and numbers[2] is not None:
+            return ("delta_chunk", parts[0], numbers[1], numbers[2])
     return ("unknown", key, None, None)
 
 
@@ -170,9 +185,42 @@ def sign(obj: dict[str, Any], key: bytes) -> str:
 
 
 def verify_signature(obj: dict[str, Any], key: bytes) -> bool:
-    """Whether ``obj["signature"]`` is ``key``'s signature of the rest of ``obj``."""
+    """Whether ``obj["signature"]`` is ``key``'s signature of the rest of ``obj``.
+
+    Compared as bytes: ``hmac.compare_digest`` raises TypeError on a non-ASCII *str*, and a
+    forged signature is a wrong signature, never an exception.
+
+    >>> verify_signature({"a": 1, "signature": "hmac-sha256:é"}, b"k")
+    False
+    """
     sig = obj.get("signature")
-    return isinstance(sig, str) and hmac.compare_digest(sig, sign(obj, key))
+    if not isinstance(sig, str):
+        return False
+    return hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), sign(obj, key).encode("ascii"))
+
+
+# Contract 1.6: a tombstone (null value) cannot carry a signature in its value, so with a
+# signing key the learner sends it with this record header, its HMAC over the message key.
+TOMBSTONE_HEADER = "causalmem-signature"
+
+
+def tombstone_signature(message_key: bytes, key: bytes) -> bytes:
+    """The ``causalmem-signature`` header of a tombstone sent under ``message_key``.
+
+    >>> sig = tombstone_signature(b"default/3/0", b"k")
+    >>> verify_tombstone(b"default/3/0", [(TOMBSTONE_HEADER, sig)], b"k")
+    True
+    >>> verify_tombstone(b"default/4/0", [(TOMBSTONE_HEADER, sig)], b"k"), verify_tombstone(b"default/3/0", None, b"k")
+    (False, False)
+    """
+    return (SIGNATURE_PREFIX + hmac.new(key, b"tombstone\x00" + message_key, hashlib.sha256).hexdigest()).encode()
+
+
+def verify_tombstone(message_key: bytes, headers: Any, key: bytes) -> bool:
+    """Whether a tombstone's record headers carry ``key``'s signature of its message key."""
+    expected = tombstone_signature(message_key, key)
+    found = [v for k, v in (headers or ()) if k == TOMBSTONE_HEADER]
+    return len(found) == 1 and isinstance(found[0], bytes) and hmac.compare_digest(found[0], expected)
 
 
 @dataclass

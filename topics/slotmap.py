@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from topics.fields import Limits, Rejected, WireValue, check_key, encode, open_value
+from topics.manifest import key_number, sign, verify_signature
 
 SCHEMA_SLOT = "slot_map/v1"
 SLOT_KEY_PART = "slot"
@@ -47,9 +48,8 @@ def parse_slot_key(key: str) -> tuple[str, int] | None:
     (('default', 3), None)
     """
     parts = key.split("/")
-    if len(parts) == 3 and parts[1] == SLOT_KEY_PART and parts[2].isdigit():
-        return parts[0], int(parts[2])
-    return None
+    slot = key_number(parts[2]) if len(parts) == 3 and parts[1] == SLOT_KEY_PART else None
+    return (parts[0], slot) if slot is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,7 @@ class SlotRecord(WireValue):
 
     SCHEMA: ClassVar[str] = SCHEMA_SLOT
     FIELDS: ClassVar[tuple[str, ...]] = ("policy", "slot", "memory_id", "live", "version", "since", "ts")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("signature",)  # contract 1.7
 
     policy: str
     slot: int
@@ -66,18 +67,37 @@ class SlotRecord(WireValue):
     version: int  # live: the first version with the memory's row; tombstone: the first version without it
     since: int  # the first version with the memory's row (equals ``version`` on a live record)
     ts: float  # event time of the lifecycle record behind the change (a tombstone's grace runs from it)
+    signature: str | None = None  # contract 1.7: "hmac-sha256:<hex>" when the learner has a signing key
 
     @property
     def key(self) -> str:
         return slot_key(self.policy, self.slot)
 
-    def to_bytes(self) -> bytes:
-        return encode(self.to_dict())
+    def to_bytes(self, signing_key: bytes | None = None) -> bytes:
+        """The record's value; signed (the manifests' HMAC, ``topics.manifest.sign``) with ``signing_key``.
+
+        >>> r = SlotRecord("default", 5, "doc-7", live=True, version=12, since=12, ts=1.0)
+        >>> decode_slot_record(r.to_bytes(b"k"), signing_key=b"k").signature.startswith("hmac-sha256:")
+        True
+        >>> decode_slot_record(r.to_bytes(), signing_key=b"k")
+        Traceback (most recent call last):
+        ...
+        topics.fields.Rejected: inconsistent: slot-map record: signature missing or not the configured key's
+        """
+        obj = self.to_dict()
+        if signing_key is not None:
+            obj["signature"] = sign(obj, signing_key)
+        return encode(obj)
 
 
-def decode_slot_record(raw: bytes, key: Any = None, limits: Limits | None = None) -> SlotRecord:
-    """A slot-map value, validated; ``key`` (when given) must be the record's own key."""
+def decode_slot_record(
+    raw: bytes, key: Any = None, limits: Limits | None = None, signing_key: bytes | None = None
+) -> SlotRecord:
+    """A slot-map value, validated; ``key`` (when given) must be the record's own key; with
+    ``signing_key`` its signature must be that key's (contract 1.7)."""
     f = open_value(raw, limits or Limits(), SCHEMA_SLOT)
+    if signing_key is not None and not verify_signature(f.obj, signing_key):
+        raise Rejected("inconsistent", "slot-map record: signature missing or not the configured key's")
     record = SlotRecord(
         policy=f.str_("policy", max_len=128),
         slot=f.int_("slot", 0, MAX_SLOT),
@@ -86,6 +106,7 @@ def decode_slot_record(raw: bytes, key: Any = None, limits: Limits | None = None
         version=f.int_("version", 1, 2**53),
         since=f.int_("since", 1, 2**53),
         ts=f.float_("ts", 0.0, 1e11),
+        signature=f.str_("signature", required=False, empty_ok=True),
     )
     if record.since > record.version:
         raise Rejected("inconsistent", "since is above version")

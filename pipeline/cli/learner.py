@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 
 from pipeline import kafka
 from pipeline.allocator import pin_malloc
@@ -19,6 +20,7 @@ from pipeline.cli.common import (
 from pipeline.learner.loop import Learner
 from pipeline.learner.supervise import supervise
 from pipeline.metrics import Metrics
+from pipeline.modeltopic import unsigned_warning
 from pipeline.probes import HEARTBEAT_INTERVAL_S, Probes, Progress, total
 from pipeline.service import restart_process
 
@@ -76,7 +78,12 @@ def run(args: argparse.Namespace) -> int:
             f"S={settings.slots}, lr={settings.lr}, batch={settings.batch_size}, device={settings.torch_device()}",
             flush=True,
         )
-        learner = Learner(settings.learner(), bootstrap, metrics)
+        config = settings.learner()
+        # Outside the embedded broker an unsigned model topic serves whatever any producer writes.
+        warning = unsigned_warning("learner", config.signing_key, bootstrap, settings.security.security_protocol)
+        if warning:
+            logging.getLogger("pipeline.learner").warning(warning)
+        learner = Learner(config, bootstrap, metrics)
         failures: list[BaseException] = []
 
         def failed(exc: BaseException) -> None:

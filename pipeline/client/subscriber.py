@@ -38,7 +38,7 @@ from pipeline import kafka
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.component_config import Connection
 from pipeline.config import Settings
-from pipeline.modeltopic import ModelTopicIndex, model_topic
+from pipeline.modeltopic import KEEP_REJECTIONS, ModelTopicIndex, model_topic, unsigned_warning
 from pipeline.service import Service
 from topics.delta import DeltaManifest, link_id
 from topics.fields import Rejected
@@ -131,7 +131,7 @@ class PolicySubscriber(Service):
         policy held (a missed link), or that fails a check, makes the subscriber load the
         last full snapshot and replay the chain to it.
 
-    Rejections are logged and kept in :attr:`rejections`.
+    Rejections are logged, counted in :attr:`rejected_total` and the newest kept in :attr:`rejections`.
     """
 
     def __init__(
@@ -162,7 +162,8 @@ class PolicySubscriber(Service):
         self.expected_arch = expected_arch
         self.keep_recent = keep_recent
         self.current: LoadedPolicy | None = None
-        self.rejections: list[tuple[int, str]] = []
+        self.rejections: list[tuple[int, str]] = []  # (offset, reason): the newest ones
+        self.rejected_total = 0  # every rejection (``rejections`` keeps the newest KEEP_REJECTIONS to 2x that)
         self.index = ModelTopicIndex(signing_key=signing_key)
         self.slots = SlotTable()  # contract 1.3: "{policy}/slot/{slot}" records, newest per slot
         self._recent: dict[int, dict[int, bytes]] = {}  # version -> {chunk index: bytes}
@@ -174,6 +175,9 @@ class PolicySubscriber(Service):
         self._digests: dict[int, tuple[int, Any]] = {}  # delta version -> (chunks hashed, running sha256)
 
     async def _start(self) -> None:
+        warning = unsigned_warning("client", self.signing_key, self.bootstrap, self.conn.security.security_protocol)
+        if warning:
+            log.warning(warning)
         self._consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
         await self._consumer.start()
         tp = TopicPartition(self.topic, 0)
@@ -214,8 +218,18 @@ class PolicySubscriber(Service):
                 continue
             for msgs in batch.values():
                 for msg in msgs:
-                    await self.handle(msg.offset, msg.key, msg.value)
+                    await self._handle_safely(msg.offset, msg.key, msg.value, msg.headers)
             await self._check_reset()
+
+    async def _handle_safely(self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None) -> None:
+        """:meth:`handle`, with anything it raises a rejection of that message: the subscriber keeps
+        following the topic and loads the next good checkpoint (one hostile message used to end it)."""
+        try:
+            await self.handle(offset, key, value, headers)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._reject(offset, f"unparseable message: {exc!r}"[:300])
 
     async def _check_reset(self) -> None:
         """A log end below our position means the cluster lost the topic (docs/operations.md)."""
@@ -236,9 +250,10 @@ class PolicySubscriber(Service):
         self._after_reset = True
         await self._consumer.seek_to_beginning(tp)
 
-    async def handle(self, offset: int, key: bytes | None, value: bytes | None) -> None:
-        """Process one model-topic message (public so tests can feed crafted messages)."""
-        kind, manifest = self.index.observe(offset, key, value)
+    async def handle(self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None) -> None:
+        """Process one model-topic message (public so tests can feed crafted messages); ``headers``:
+        the record's (a signed tombstone's signature, contract 1.7)."""
+        kind, manifest = self.index.observe(offset, key, value, headers)
         if key is not None and parse_slot_key(key.decode("utf-8", "replace")) is not None:
             self._slot_record(offset, key, value)
             return
@@ -311,9 +326,11 @@ class PolicySubscriber(Service):
         if parsed is None or parsed[0] != self.policy or value is None:
             return  # another policy's map, or a compaction tombstone (the learner never deletes a record)
         try:
-            self.slots.apply(decode_slot_record(value, key=key))
+            self.slots.apply(decode_slot_record(value, key=key, signing_key=self.signing_key))
         except Rejected as exc:
             self._reject(offset, f"slot-map record: {exc.reason}: {exc.detail}")
+        except Exception as exc:  # whatever the parse raised: rejected, like a record that does not decode
+            self._reject(offset, f"slot-map record: {exc!r}"[:300])
 
     def _keep_chunk(self, key: bytes, value: bytes | None, delta: bool = False) -> None:
         """Keep the bytes of a recent version's chunk, so that its manifest needs no re-read.
@@ -408,6 +425,9 @@ class PolicySubscriber(Service):
         return LoadedPolicy(manifest=manifest, net=net, slots=self.slots)
 
     def _reject(self, offset: int, why: str) -> None:
+        self.rejected_total += 1
         self.rejections.append((offset, why))
+        if len(self.rejections) > 2 * KEEP_REJECTIONS:  # a flood of hostile messages must not grow memory
+            del self.rejections[:-KEEP_REJECTIONS]
         current = f"v{self.current.version}" if self.current else "none"
         log.warning("subscriber: rejected checkpoint at offset %d (%s); keeping %s", offset, why, current)

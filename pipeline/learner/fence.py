@@ -99,10 +99,10 @@ class Fence:
         """Note another writer's claim or manifest (sets :attr:`lost`)."""
         if key is None or value is None:
             return
-        kind, policy, _, _ = parse_key(key.decode("utf-8", "replace"))
-        if policy != self.conn.policy:
-            return
         try:
+            kind, policy, _, _ = parse_key(key.decode("utf-8", "replace"))
+            if policy != self.conn.policy:
+                return
             writer: str | None
             if kind == "epoch":
                 claim = decode_epoch_claim(value, self.signing_key)
@@ -114,5 +114,8 @@ class Fence:
                 return
         except Rejected:
             return  # not a valid claim or manifest: readers ignore it, so does the fence
+        except Exception as exc:  # whatever else a hostile message makes the parse raise: ignored the same way
+            log.warning("fence: ignoring an unparseable model-topic message %r: %r", key[:200], exc)
+            return
         if epoch > self.epoch or (epoch == self.epoch and writer is not None and writer != self.writer):
             self.lost = f"epoch {epoch} of writer {writer} on the model topic (ours: {self.epoch})"

@@ -62,8 +62,9 @@ class MemoryBank:
         Event time a removed memory's slot stays tombstoned before reuse.
     """
 
-    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0) -> None:
+    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0, signing_key: bytes | None = None) -> None:
         self.conn = conn
+        self.signing_key = signing_key  # contract 1.7: the map's records are signed and verified with it
         self.policy = conn.policy
         self.topic = conn.topics.memory_lifecycle.name
         self.limits: Limits = conn.limits
@@ -244,7 +245,10 @@ class MemoryBank:
         if publisher.before_send is not None:
             await publisher.before_send()
         producer, topic = publisher.producer, publisher.topic
-        futures = [await producer.send(topic, r.to_bytes(), key=r.key.encode(), partition=0) for r in records]
+        signing_key = publisher.signing_key
+        futures = [
+            await producer.send(topic, r.to_bytes(signing_key), key=r.key.encode(), partition=0) for r in records
+        ]
         await asyncio.gather(*futures)
         for r in records:
             if r.live:
@@ -320,9 +324,9 @@ class MemoryBank:
                 newest.pop(parsed[1], None)
                 continue
             try:
-                newest[parsed[1]] = decode_slot_record(msg.value, key=msg.key)
-            except Rejected as rej:
-                log.warning("learner: ignoring slot-map record %s: %s", msg.key, rej)
+                newest[parsed[1]] = decode_slot_record(msg.value, key=msg.key, signing_key=self.signing_key)
+            except Exception as exc:  # Rejected, or whatever else a hostile record makes the parse raise
+                log.warning("learner: ignoring slot-map record %s: %r", msg.key, exc)
         self.load(list(newest.values()), version, trainer)
         self.position = offsets.get(self.offset_key, 0)
         return bool(self.pending)

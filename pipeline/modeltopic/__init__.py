@@ -10,20 +10,26 @@ The publisher needs the reader's index only as a type; the reader never imports 
 
 from pipeline.modeltopic.publisher import CheckpointPublisher
 from pipeline.modeltopic.reader import (
+    KEEP_REJECTIONS,
     ModelTopicIndex,
     check_blob,
+    chunk_plan,
     fetch_blob,
     model_topic,
     read_range,
     scan_model_topic,
+    unsigned_warning,
 )
 
 __all__ = [
+    "KEEP_REJECTIONS",
     "CheckpointPublisher",
     "ModelTopicIndex",
     "check_blob",
+    "chunk_plan",
     "fetch_blob",
     "model_topic",
     "read_range",
     "scan_model_topic",
+    "unsigned_warning",
 ]

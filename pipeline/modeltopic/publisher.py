@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from topics.delta import DeltaManifest, delta_candidate_key, delta_chunk_key, delta_key, link_id
 from topics.fields import encode
 from topics.manifest import (
+    TOMBSTONE_HEADER,
     EpochClaim,
     Manifest,
     canary_key,
@@ -25,6 +26,7 @@ from topics.manifest import (
     serving_key,
     sha256_hex,
     split_chunks,
+    tombstone_signature,
     validate_policy_name,
 )
 
@@ -223,7 +225,9 @@ class CheckpointPublisher:
             raise ValueError("a canary is a full snapshot: clients load it beside the serving policy")
         await self._fence()
         value = encode(manifest.to_dict()) if manifest is not None else None
-        fut = await self.producer.send(self.topic, value, key=canary_key(self.policy).encode(), partition=0)
+        key = canary_key(self.policy).encode()
+        signed = self._tombstone_headers(key) if value is None else {}
+        fut = await self.producer.send(self.topic, value, key=key, partition=0, **signed)
         await fut
         self.canary_version = manifest.version if manifest is not None else None
         await self._tombstone_old()
@@ -241,6 +245,14 @@ class CheckpointPublisher:
             table = self.live if part_key is chunk_key else self.delta_live
             for i in range(table.pop(version)):
                 key = part_key(self.policy, version, i).encode()
-                futures.append(await self.producer.send(self.topic, None, key=key, partition=0))
+                signed = self._tombstone_headers(key)
+                futures.append(await self.producer.send(self.topic, None, key=key, partition=0, **signed))
         if futures:
             await asyncio.gather(*futures)
+
+    def _tombstone_headers(self, key: bytes) -> dict[str, list[tuple[str, bytes]]]:
+        """Contract 1.6: a tombstone's signature travels in a record header (its value must stay null);
+        the ``send`` keyword arguments that carry it (none when unsigned)."""
+        if self.signing_key is None:
+            return {}
+        return {"headers": [(TOMBSTONE_HEADER, tombstone_signature(key, self.signing_key))]}

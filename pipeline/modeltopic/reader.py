@@ -29,8 +29,10 @@ rollback commands can read the topic cheaply.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -50,10 +52,22 @@ from topics.manifest import (
     decode_manifest,
     parse_key,
     sha256_hex,
+    verify_tombstone,
 )
 
-__all__ = ["ModelTopicIndex", "check_blob", "fetch_blob", "read_range", "scan_model_topic"]
+__all__ = [
+    "ModelTopicIndex",
+    "check_blob",
+    "chunk_plan",
+    "fetch_blob",
+    "read_range",
+    "scan_model_topic",
+    "unsigned_warning",
+]
 
+log = logging.getLogger(__name__)
+
+KEEP_REJECTIONS = 1000  # the newest rejections kept with their reasons (more are only counted)
 MAX_CHAIN = 100_000  # links walked at most (a chain is as long as the versions between full snapshots)
 RANGE_FETCH_BYTES = 1024 * 1024  # read_range's fetch size: above the largest message (a 512 KiB chunk)
 
@@ -68,7 +82,8 @@ class ModelTopicIndex:
     candidate: dict[str, Manifest] = field(default_factory=dict)
     manifests: dict[tuple[str, int], Manifest] = field(default_factory=dict)  # every manifest seen
     chunk_offsets: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
-    rejected: list[tuple[int, str]] = field(default_factory=list)  # (offset, reason)
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (offset, reason): the newest ones
+    rejected_total: int = 0  # every rejection since the index was made (``rejected`` keeps the newest)
     end_offset: int = 0
     signing_key: bytes | None = None  # set: unsigned or wrongly signed manifests are rejected
     epochs: dict[str, int] = field(default_factory=dict)  # the newest epoch seen per policy
@@ -86,7 +101,10 @@ class ModelTopicIndex:
     canary: dict[str, Manifest | None] = field(default_factory=dict)
 
     def _reject(self, offset: int, why: str) -> tuple[str, None]:
+        self.rejected_total += 1
         self.rejected.append((offset, why))
+        if len(self.rejected) > 2 * KEEP_REJECTIONS:  # a flood of hostile messages must not grow memory
+            del self.rejected[:-KEEP_REJECTIONS]
         return "rejected", None
 
     def _newest_version(self, policy: str) -> int:
@@ -97,13 +115,35 @@ class ModelTopicIndex:
         table = self.delta_chunk_offsets if isinstance(manifest, DeltaManifest) else self.chunk_offsets
         return table.get((manifest.policy, manifest.version), {})
 
-    def observe(self, offset: int, key: bytes | None, value: bytes | None) -> tuple[str, Manifest | None]:
+    def observe(
+        self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None
+    ) -> tuple[str, Manifest | None]:
         """Record one message; returns its kind and, for a valid manifest, the manifest.
 
         The kind is ``"rejected"`` (with the reason appended to :attr:`rejected`) for a
-        manifest or claim that must not be followed.
+        manifest or claim that must not be followed, and for a message that raised anything
+        while it was parsed: one hostile message is skipped, never a reason for a reader
+        (client, learner, ``status``, ``rollback``) to stop.
+
+        >>> ModelTopicIndex().observe(0, "default/²/0".encode(), b"x")
+        ('unknown', None)
+
+        ``headers`` (the record's): with a signing key, a tombstone of a chunk or of the canary
+        counts only with the learner's signature in its ``causalmem-signature`` header
+        (contract 1.7); an unsigned one is rejected, so it cannot empty a version's chunk
+        index or end a canary.
         """
         self.end_offset = max(self.end_offset, offset + 1)
+        try:
+            if value is None and key is not None and self.signing_key is not None:
+                kind = parse_key(key.decode("utf-8", "replace"))[0]
+                if kind in ("chunk", "delta_chunk", "canary") and not verify_tombstone(key, headers, self.signing_key):
+                    return self._reject(offset, f"{kind} tombstone: signature missing or not the configured key's")
+            return self._observe(offset, key, value)
+        except Exception as exc:  # whatever the parse raised: this message is rejected, the reader goes on
+            return self._reject(offset, f"unparseable message: {exc!r}"[:300])
+
+    def _observe(self, offset: int, key: bytes | None, value: bytes | None) -> tuple[str, Manifest | None]:
         if key is None:
             return "unknown", None
         kind, policy, version, index = parse_key(key.decode("utf-8", "replace"))
@@ -281,6 +321,39 @@ class ModelTopicIndex:
         return all(all(i in self.offsets_of(m) for i in range(m.chunks)) for m in links)
 
 
+_LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
+
+
+def unsigned_warning(role: str, signing_key: bytes | None, bootstrap: str | None, security_protocol: str) -> str | None:
+    """What an unsigned ``role`` ("learner", "client") logs at start as a WARNING; None when it signs
+    or runs on the embedded broker.
+
+    The embedded broker (``bootstrap`` None: the verbs start or reuse it) listens on loopback
+    only, without SASL or TLS; any other broker (another address, or SASL/TLS) is a
+    deployment, where an unsigned model topic serves whatever any producer on it writes.
+
+    >>> unsigned_warning("client", None, "127.0.0.1:19092", "PLAINTEXT") is None
+    True
+    >>> unsigned_warning("client", b"k", "kafka:9092", "SASL_SSL") is None
+    True
+    >>> print(unsigned_warning("learner", None, "kafka:9092", "PLAINTEXT"))  # doctest: +ELLIPSIS
+    learner: checkpoints are NOT signed ... set CAUSALMEM_CHECKPOINT_SIGNING_KEY ...
+    """
+    if signing_key is not None:
+        return None
+    hosts = [part.strip().rsplit(":", 1)[0] for part in (bootstrap or "").split(",") if part.strip()]
+    local = all(h.startswith(_LOOPBACK_HOSTS) for h in hosts)
+    if local and security_protocol.upper() == "PLAINTEXT":
+        return None  # the embedded broker (or a broker only this machine reaches): a trial
+    what = "publishes checkpoints no client can tell from a forgery" if role == "learner" else "serves any manifest"
+    return (
+        f"{role}: checkpoints are NOT signed on broker {bootstrap}: this {role} {what}, so any producer "
+        "on the model topic can serve its own weights and lock the learner out; set "
+        "CAUSALMEM_CHECKPOINT_SIGNING_KEY or CAUSALMEM_CHECKPOINT_SIGNING_KEY_FILE (the same key on the learner "
+        "and every client; docs/operations.md, 'Signed checkpoints')"
+    )
+
+
 def model_topic(conn: Connection | Settings | None) -> str:
     """The model topic's name for a connection (or settings)."""
     return Connection.of(conn).topics.policy_checkpoints.name
@@ -296,7 +369,12 @@ async def scan_model_topic(
     conn = Connection.of(conn)
     index = ModelTopicIndex(signing_key=signing_key)
     for msg in await kafka.read_all(bootstrap, conn, topic or model_topic(conn), partitions=[0]):
-        index.observe(msg.offset, msg.key, msg.value)
+        index.observe(msg.offset, msg.key, msg.value, msg.headers)
+    if index.rejected:
+        offset, why = index.rejected[-1]
+        log.warning(
+            "model topic: %d messages rejected (skipped); the last at offset %d: %s", index.rejected_total, offset, why
+        )
     return index
 
 
@@ -319,6 +397,30 @@ def check_blob(blob: bytes, manifest: Manifest) -> bytes:
     return blob
 
 
+def chunk_plan(manifest: Manifest, offsets: dict[int, int]) -> dict[int, int]:
+    """Where to read a manifest's chunks: ``{offset: chunk index}``; raises :class:`CheckpointError`
+    (``missing_chunk``) when the topic does not hold them all.
+
+    What this builds is bounded by the chunks the topic holds, never by what the manifest
+    claims: a forged manifest claiming 4 GiB in four million chunks, with none on the topic,
+    costs a few entries, not a four-million-entry list (the bytes themselves are joined only
+    once every chunk has been read).
+
+    >>> m = Manifest("p", 1, 0.0, "init", {}, 0.0, 0.0, "0" * 64, 4 * 1024**3, 4 * 1024**2)
+    >>> try:
+    ...     chunk_plan(m, {0: 10})
+    ... except CheckpointError as exc:
+    ...     print(exc)
+    missing_chunk: version 1 lacks chunks [1, 2, 3, 4, 5] (holds 1 of 4194304)
+    """
+    # Lazily, and at most five: len(offsets) + 5 steps whatever ``manifest.chunks`` claims.
+    missing = list(islice((i for i in range(manifest.chunks) if i not in offsets), 5))
+    if missing:
+        why = f"version {manifest.version} lacks chunks {missing} (holds {len(offsets)} of {manifest.chunks})"
+        raise CheckpointError("missing_chunk", why)
+    return {offsets[i]: i for i in range(manifest.chunks)}
+
+
 async def fetch_blob(
     bootstrap: str,
     conn: Connection | Settings,
@@ -334,11 +436,7 @@ async def fetch_blob(
     """
     conn = Connection.of(conn)
     topic = topic or model_topic(conn)
-    offsets = index.offsets_of(manifest)
-    missing = [i for i in range(manifest.chunks) if i not in offsets]
-    if missing:
-        raise CheckpointError("missing_chunk", f"version {manifest.version} lacks chunks {missing[:5]}")
-    wanted = {offsets[i]: i for i in range(manifest.chunks)}
+    wanted = chunk_plan(manifest, index.offsets_of(manifest))
     parts: dict[int, bytes] = {}
     async for msg in read_range(bootstrap, conn, topic, min(wanted), max(wanted) + 1):
         if msg.offset in wanted and msg.value is not None:

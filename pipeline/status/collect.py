@@ -144,7 +144,7 @@ def checkpoint_view(index: ModelTopicIndex, policy: str, now: float) -> dict[str
         "update_rate": manifest_rate(mine),
         "manifests_seen": len(mine),
         "other_policies": sorted({p for (p, _) in [*index.manifests, *index.deltas] if p != policy}),
-        "rejected_manifests": len(index.rejected),
+        "rejected_manifests": index.rejected_total,
     }
 
 

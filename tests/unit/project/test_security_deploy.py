@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -204,6 +205,19 @@ def test_no_password_is_written_in_compose() -> None:
     assert "password=admin" not in text.replace(" ", "").lower()
 
 
+def test_compose_learner_signs_checkpoints_with_a_key_from_the_environment() -> None:
+    text = COMPOSE.read_text()
+    learner = _compose()["services"]["learner"]["environment"]
+    value = str(learner["CAUSALMEM_CHECKPOINT_SIGNING_KEY"])
+    # ${VAR:?message}: compose refuses to start the learner unsigned
+    assert re.fullmatch(r"\$\{CAUSALMEM_CHECKPOINT_SIGNING_KEY:\?[^}]+\}", value)
+    assert "CAUSALMEM_CHECKPOINT_SIGNING_KEY; do echo" in text  # the .env recipe generates it
+    # With the key compose substitutes, the learner's configuration signs.
+    env = {k: str(v) for k, v in {**_compose()["x-causalmem-env"], **learner}.items()}
+    env["CAUSALMEM_CHECKPOINT_SIGNING_KEY"] = "from-dot-env"
+    assert Settings.from_env({k: v for k, v in env.items() if "${" not in v}).learner().signing_key == b"from-dot-env"
+
+
 # --------------------------------------------------------------------------- kubernetes
 
 
@@ -232,3 +246,24 @@ def test_k8s_each_role_reads_its_own_kafka_user_from_a_secret() -> None:
         secrets = [e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e]
         seen[component] = secrets
     assert seen == {k: [v] for k, v in expected.items()}
+
+
+def test_k8s_learner_signs_checkpoints_with_a_key_from_a_required_secret() -> None:
+    (learner,) = [
+        d
+        for d in _k8s()
+        if d["kind"] == "Deployment"
+        and d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "learner"
+    ]
+    pod = learner["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    path = Path(env["CAUSALMEM_CHECKPOINT_SIGNING_KEY_FILE"])
+    (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "causalmem-checkpoint-signing"
+    assert volume["secret"].get("optional", False) is False  # no key, no learner: never unsigned
+    (cm,) = [d for d in _k8s() if d["kind"] == "ConfigMap"]
+    assert "CAUSALMEM_CHECKPOINT_SIGNING_KEY" not in cm["data"]  # a secret, never in the ConfigMap
+    assert "create secret generic causalmem-checkpoint-signing" in (K8S / "configmap.yaml").read_text()

@@ -1,0 +1,39 @@
+"""The model-topic index with a signing key (contract 1.7): an unsigned chunk or canary tombstone
+is rejected, a signed one followed; without a key tombstones are followed as before."""
+
+from __future__ import annotations
+
+from pipeline.modeltopic import ModelTopicIndex
+from topics.manifest import TOMBSTONE_HEADER, tombstone_signature
+
+KEY = b"k"
+
+
+def test_index_rejects_an_unsigned_tombstone_with_a_key_only() -> None:
+    signed = ModelTopicIndex(signing_key=KEY)
+    unsigned = ModelTopicIndex()
+    for index in (signed, unsigned):
+        index.observe(0, b"default/1/0", b"chunk")
+        index.observe(1, b"default/1/0", None)
+    assert signed.chunk_offsets == {("default", 1): {0: 0}} and signed.rejected[0][0] == 1
+    assert unsigned.chunk_offsets == {("default", 1): {}} and unsigned.rejected == []
+
+
+def test_index_follows_a_signed_tombstone() -> None:
+    index = ModelTopicIndex(signing_key=KEY)
+    index.observe(0, b"default/1/0", b"chunk")
+    index.observe(1, b"default/1/0", None, [(TOMBSTONE_HEADER, tombstone_signature(b"default/1/0", b"other"))])
+    assert index.chunk_offsets == {("default", 1): {0: 0}}
+    index.observe(2, b"default/1/0", None, [(TOMBSTONE_HEADER, tombstone_signature(b"default/1/0", KEY))])
+    assert index.chunk_offsets == {("default", 1): {}}
+    assert [offset for offset, _ in index.rejected] == [1]
+
+
+def test_a_flood_of_rejections_is_counted_but_not_all_kept() -> None:
+    from pipeline.modeltopic import KEEP_REJECTIONS
+
+    index = ModelTopicIndex(signing_key=KEY)
+    for offset in range(5 * KEEP_REJECTIONS):
+        index.observe(offset, b"default", b"{not a manifest")
+    assert index.rejected_total == 5 * KEEP_REJECTIONS
+    assert len(index.rejected) <= 2 * KEEP_REJECTIONS and index.rejected[-1][0] == 5 * KEEP_REJECTIONS - 1
