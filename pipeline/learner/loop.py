@@ -96,8 +96,7 @@ class Learner(Service):
         self.exp_tp = TopicPartition(conn.topics.experiences.name, 0)
         self.ctl_tp = TopicPartition(conn.topics.control.name, 0)
         self.life_tp = TopicPartition(conn.topics.memory_lifecycle.name, 0)
-        # memory ids → slots (contract 1.3); the map it publishes is signed with the learner's key (1.7)
-        self.memories = MemoryBank(conn, t.slots, config.lifecycle_grace_s, config.signing_key)
+        self.memories = MemoryBank.of(config)  # memory ids → slots (contract 1.3), the map signed (1.7)
         self.store = LocalStore(local_dir(config.state_dir, bootstrap, conn.topics.prefix, conn.policy))
         self.inbox = Inbox(
             self.exp_tp.topic,

@@ -35,7 +35,7 @@ from models.memory.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMem
 from models.policy.cold_start import SlotEmbeddings, knn_rows
 from models.policy.trainer import PolicyTrainer
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.component_config import Connection, LearnerConfig
 from pipeline.learner.restore import Restored
 from pipeline.modeltopic import CheckpointPublisher
 from topics.fields import Limits, Rejected
@@ -61,6 +61,12 @@ class MemoryBank:
     grace_s
         Event time a removed memory's slot stays tombstoned before reuse.
     """
+
+    @classmethod
+    def of(cls, config: LearnerConfig) -> MemoryBank:
+        """The learner's bank: its connection, slot count, grace period and signing key (the map it
+        publishes is signed, and a restore ignores records not signed with the key)."""
+        return cls(config.connection, config.trainer.slots, config.lifecycle_grace_s, config.signing_key)
 
     def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0, signing_key: bytes | None = None) -> None:
         self.conn = conn

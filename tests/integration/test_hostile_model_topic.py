@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 import pipeline.cli as cli
-from models.policy import Arch, init_policy
+from models.policy.network import Arch, init_policy
 from pipeline import kafka
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from models.policy import Arch, init_policy
+from models.policy.network import Arch, init_policy
 from pipeline import kafka
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings

@@ -8,8 +8,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from models.trainer import PolicyTrainer, TrainerConfig
 
+from models.policy.trainer import PolicyTrainer, TrainerConfig
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.learner.memories import MemoryBank
@@ -55,7 +55,7 @@ class _Msg:
 
 def test_the_learner_signs_the_map_it_publishes() -> None:
     bank = MemoryBank.of(_settings().learner())
-    assert bank is not None and bank.signing_key == KEY
+    assert bank.signing_key == KEY
     t = _trainer()
     bank.handle(0, b"doc-a", MemoryRecord("add", "doc-a", TS, text="a").to_bytes(), t)
     publisher = _Publisher()
@@ -67,7 +67,6 @@ def test_the_learner_signs_the_map_it_publishes() -> None:
 
 def test_a_restore_ignores_map_records_not_signed_with_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
     bank = MemoryBank.of(_settings().learner())
-    assert bank is not None
     good = SlotRecord("default", 0, "doc-a", live=True, version=1, since=1, ts=TS)
     forged = [
         SlotRecord("default", 1, "doc-b", live=True, version=1, since=1, ts=TS).to_bytes(),  # unsigned
