@@ -35,34 +35,10 @@ from models.reinforce import credit_loss, importance_weights, impute_effects, la
 from models.row_adam import LazyRowAdam
 from models.serving_rule import adjusted_logits_torch, plackett_luce_terms_torch
 from models.sparse_adam import RowSparseAdam, adam
+from models.trainer_config import TrainerConfig
 from topics.internal import Experience
 
 __all__ = ["Batch", "PolicyTrainer", "TrainerConfig", "UpdateStats", "adam", "make_batch"]
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """What :class:`PolicyTrainer` needs: the network's shape and the learning settings.
-
-    >>> TrainerConfig(embedding_dim=8, slots=32).hidden
-    512
-    """
-
-    embedding_dim: int
-    slots: int
-    hidden: int = 512
-    lr: float = 1e-3
-    grad_clip: float = 1.0
-    importance_clip: float = 5.0
-    baseline: str = "moving"  # moving | cluster | none
-    baseline_fading: float = 0.01
-    label_lr: float = 1e-2
-    reset_scope: str = "network"  # a drift reset re-initialises: network | last_layer
-    # Once per-memory credit has arrived, steps without it get imputed effects (per-slot
-    # means + a share of the residual; docs/learning.md). False: the step reward there.
-    credit_impute: bool = True
-    device: str = "cpu"
-    seed: int = 0
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from models.policy import init_policy
 from models.serving import ServingParams
-from pipeline.component_config import GateConfig
+from pipeline.config import GateConfig
 from pipeline.learner import gate as gate_module
 from pipeline.learner.canary import CanaryRun
 from pipeline.learner.gate import PromotionGate

@@ -20,8 +20,7 @@ from pipeline import kafka
 from pipeline.client import chain
 from pipeline.client.adapter import CausalServing
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.component_config import AdapterConfig
-from pipeline.config import Settings
+from pipeline.config import AdapterConfig, Settings
 from pipeline.evaluation import evaluate, rollback, shadow
 from pipeline.modeltopic import ModelTopicIndex, check_blob, scan_model_topic
 from pipeline.status.collect import checkpoint_view

@@ -7,8 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pipeline.cli as cli
-from pipeline.component_config import KafkaSecurity
-from pipeline.config import Settings
+from pipeline.config import KafkaSecurity, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from models.logged import LoggedDecisions
 from models.policy import PolicyNetwork
 from models.serving import ServingParams
 from models.serving_rule import adjusted_logits, first_draw_probs, plackett_luce_logprob, sample_plackett_luce
-from pipeline.component_config import GateConfig
+from pipeline.config import GateConfig
 from pipeline.learner.gate import judge
 
 D, C, K, QUESTIONS = 8, 6, 3, 12

@@ -16,8 +16,7 @@ from models.cold_start import knn_rows
 from models.policy import NEUTRAL_BIAS
 from models.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
 from models.trainer import PolicyTrainer, TrainerConfig
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.learner.memories import MemoryBank
 from pipeline.modeltopic import ModelTopicIndex
 from topics.events import decode_retrieval_event

@@ -31,8 +31,7 @@ from models.logged import LoggedDecisions, Tempered
 from models.policy import PolicyNetwork
 from pipeline import kafka
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.component_config import Connection, ShadowConfig
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings, ShadowConfig
 from pipeline.evaluation.evaluate import experiences_tail
 from pipeline.modeltopic import ModelTopicIndex, scan_model_topic
 from topics.fields import encode

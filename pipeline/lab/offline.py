@@ -25,8 +25,7 @@ from models.policy import PolicyNetwork
 from models.serving import ServingParams
 from models.trainer import PolicyTrainer, TrainerConfig
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.component_config import GateConfig
-from pipeline.config import Settings
+from pipeline.config import GateConfig, Settings
 from pipeline.lab.lmworld import LMScenario
 from pipeline.lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
 from pipeline.learner.canary import CanaryRun, is_canary

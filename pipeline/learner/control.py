@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from models.policy import Arch
 from models.trainer import PolicyTrainer
-from pipeline.component_config import LearnerConfig
+from pipeline.config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.gate import PromotionGate
 from pipeline.learner.inbox import Inbox

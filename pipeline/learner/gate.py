@@ -54,7 +54,7 @@ from models.served import SlateLog, evaluate_served, gain_served
 from models.serving import ServingParams
 from models.setlevel import additivity
 from models.slate import MomentCache
-from pipeline.component_config import GateConfig
+from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryRun, is_canary
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher

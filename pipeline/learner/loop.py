@@ -37,7 +37,7 @@ from aiokafka import TopicPartition
 from models.policy import Arch
 from models.trainer import PolicyTrainer
 from pipeline import kafka
-from pipeline.component_config import LearnerConfig
+from pipeline.config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.control import ControlCommands
 from pipeline.learner.election import Election

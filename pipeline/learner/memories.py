@@ -35,7 +35,7 @@ from models.cold_start import SlotEmbeddings, knn_rows
 from models.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMemory
 from models.trainer import PolicyTrainer
 from pipeline import kafka
-from pipeline.component_config import Connection, LearnerConfig
+from pipeline.config import Connection, LearnerConfig
 from pipeline.learner.restore import Restored
 from pipeline.modeltopic import CheckpointPublisher
 from topics.fields import Limits, Rejected
@@ -78,10 +78,8 @@ class MemoryBank:
         self._unknown_since: float | None = None
 
     @classmethod
-    def of(cls, config: LearnerConfig) -> MemoryBank | None:
-        """The learner's bank; None when ``config.memory_lifecycle`` is off (slot-numbered events only)."""
-        if not config.memory_lifecycle:
-            return None
+    def of(cls, config: LearnerConfig) -> MemoryBank:
+        """The learner's bank: it always follows memory-lifecycle (contract 1.3)."""
         return cls(config.connection, config.trainer.slots, config.lifecycle_grace_s)
 
     @property

@@ -36,7 +36,7 @@ from models.policy import Arch
 from models.serving import ServingParams
 from models.trainer import PolicyTrainer
 from models.weights import to_safetensors
-from pipeline.component_config import LearnerConfig
+from pipeline.config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.gate import PromotionGate, network
 from pipeline.learner.inbox import Key

@@ -31,8 +31,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import kafka
-from pipeline.component_config import ScorerConfig
-from pipeline.config import Settings
+from pipeline.config import ScorerConfig, Settings
 from pipeline.evaluator.plan import Plan, plan
 from pipeline.evaluator.service import Evaluator, score_plans
 from pipeline.lab.textdata import BACKGROUND, HELPFUL, QUESTIONS, SIMILAR, TOPICS, WORDS_C, WORDS_D, WORDS_N

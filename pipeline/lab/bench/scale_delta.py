@@ -36,7 +36,7 @@ from models.delta import encode_delta, state_sha256
 from models.policy import TENSOR_NAMES, Arch, PolicyNetwork
 from models.weights import to_safetensors
 from pipeline.client.subscriber import STATE_CHECK_BYTES, LoadedPolicy, PolicySubscriber
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.modelpublish import CheckpointPublisher
 from topics.delta import DeltaManifest
 from topics.manifest import Manifest, sha256_hex, split_chunks

@@ -24,8 +24,7 @@ import numpy as np
 from models.trainer import PolicyTrainer
 from pipeline.client.adapter import Candidate, CausalServing
 from pipeline.client.retriever import CausalRetriever
-from pipeline.component_config import AdapterConfig, Connection
-from pipeline.config import Settings
+from pipeline.config import AdapterConfig, Connection, Settings
 from pipeline.lab.offline import OfflineConfig, _snapshot
 from pipeline.lab.simulator import Environment, Scenario, serve
 from topics.internal import Experience
