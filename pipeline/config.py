@@ -35,7 +35,7 @@ from models.serving import ServingParams
 from models.trainer_config import TrainerConfig
 from models.write_gate import DEFAULT_THETA
 from topics.fields import Limits
-from topics.names import Topics
+from topics.names import Topics, TopicSpec
 
 T = TypeVar("T")
 
@@ -201,7 +201,7 @@ class Settings:
     # -- limits --------------------------------------------------------------------------
     max_message_bytes: int = setting(Limits.max_bytes, "larger input messages are dead-lettered as oversize")
     # -- durability (docs/operations.md, "Durability"): 1 suits the embedded broker's one node --
-    replication_factor: int = setting(1, "copies of each partition of the topics the product creates")
+    replication_factor: int = setting(TopicSpec.replication, "copies of each partition of the topics it creates")
     min_insync_replicas: int = setting(1, "copies an acks=all write needs; 1 leaves the broker's default")
     # -- checkpoint signing (docs/operations.md, "Signed checkpoints") --------------------
     checkpoint_signing_key: str = setting("", "HMAC-SHA256 secret of manifests; empty: unsigned", repr=False)
