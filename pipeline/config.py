@@ -33,9 +33,9 @@ from typing import Any, ClassVar, TypeVar
 
 from models.serving import ServingParams
 from models.trainer_config import TrainerConfig
-from models.write_gate import DEFAULT_THETA
+from models.write_gate import DEFAULT_FADING, DEFAULT_MIN_COUNT, DEFAULT_PRIOR, DEFAULT_RADIUS, DEFAULT_THETA
 from topics.fields import Limits
-from topics.names import Topics, TopicSpec
+from topics.names import DEFAULT_PARTITIONS, Topics, TopicSpec
 
 T = TypeVar("T")
 
@@ -118,7 +118,7 @@ class Settings:
     # -- where ---------------------------------------------------------------------------
     bootstrap: str | None = setting(None, "Kafka bootstrap HOST:PORT; None: start or reuse the embedded broker")
     topic_prefix: str = setting("", "prefix in front of every topic name, consumer group and app id")
-    partitions: int = setting(8, "partitions of the co-partitioned topics: at most this many workers share the work")
+    partitions: int = setting(DEFAULT_PARTITIONS, "partitions of the co-partitioned topics: at most this many workers")
     policy: str = setting("default", "policy name: manifest key and the events' policy field")
     state_dir: str = setting("~/.causalmem", "local state: the learner's checkpoint, faust's tables, the broker record")
     metrics_port: int | None = setting(None, "port of /metrics; None: the role's default port; 0: any free; <0: off")
@@ -178,10 +178,10 @@ class Settings:
     evaluator_threads: int = setting(0, "torch CPU threads of the scorer; 0: torch's default")
     # -- write gate (causalmem writes, seed 004) -----------------------------------------
     writes_theta: float = setting(DEFAULT_THETA, "admit a proposed memory when |reward − expected reward| > theta")
-    writes_prior: float = setting(0.0, "expected reward before the gate has seen any")
-    writes_fading: float = setting(0.05, "weight of a new reward in the gate's running means")
-    writes_radius: float = setting(0.5, "cosine similarity of a query to a topic's centroid to join it")
-    writes_min_count: int = setting(5, "rewards a topic needs before its own mean is the expectation")
+    writes_prior: float = setting(DEFAULT_PRIOR, "expected reward before the gate has seen any")
+    writes_fading: float = setting(DEFAULT_FADING, "weight of a new reward in the gate's running means")
+    writes_radius: float = setting(DEFAULT_RADIUS, "cosine similarity of a query to a topic's centroid to join it")
+    writes_min_count: int = setting(DEFAULT_MIN_COUNT, "rewards a topic needs before its own mean is the expectation")
     writes_rejected_retention_days: float = setting(7.0, "how long rejected proposals are kept for review")
     # -- active learning -----------------------------------------------------------------
     al_threshold: float = setting(-0.3, "utility below which a step is an active-learning candidate")
