@@ -58,7 +58,13 @@ def env_name(owner: type[Any], f: dataclasses.Field[Any]) -> str:
 
 
 def describe(owner: type[Any]) -> dict[str, tuple[str, Any, str]]:
-    """Each setting of ``owner``: (environment variable, default, doc), in declaration order."""
+    """Each setting of ``owner``: (environment variable, default, doc), in declaration order.
+
+    >>> describe(Settings)["serve_temperature"]
+    ('CAUSALMEM_SERVE_TEMPERATURE', 0.05, 'T of the Plackett–Luce draw')
+    >>> describe(KafkaSecurity)["sasl_password"][0]
+    'CAUSALMEM_KAFKA_SASL_PASSWORD'
+    """
     return {
         f.name: (env_name(owner, f), f.default, f.metadata["doc"])
         for f in fields(owner)
