@@ -40,8 +40,7 @@ from pipeline.broker import EmbeddedBroker
 from pipeline.client import EventPublisher, PolicySubscriber
 from pipeline.client.langchain import CausalMemoryRetriever
 from pipeline.client.shadow import ShadowMode
-from pipeline.component_config import AdapterConfig
-from pipeline.config import Settings
+from pipeline.config import AdapterConfig, Settings
 
 DIM = 64  # the pipeline's D: the dimension of the query embeddings the policy sees
 STOP = {"the", "user", "users", "what", "when", "where", "does", "did", "was", "is", "on", "in", "at", "a", "to", "s"}

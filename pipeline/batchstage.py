@@ -21,7 +21,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from prometheus_client import Gauge, Histogram
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
 from pipeline.service import Service

@@ -22,8 +22,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from pipeline.component_config import Connection, KafkaSecurity
-from pipeline.config import Settings
+from pipeline.config import Connection, KafkaSecurity, Settings
 from pipeline.service import Service
 from topics.names import Topics, TopicSpec
 

@@ -11,8 +11,7 @@ import torch
 
 from models.policy.network import PolicyNetwork
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.events import decode_retrieval_event
 from topics.feedback import decode_llm_feedback
 from topics.fields import Limits, encode

@@ -18,6 +18,7 @@ from topics.lifecycle import decode_memory_record
 from topics.writes import decode_memory_write
 
 SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
+DEFAULT_PARTITIONS = 8  # of the co-partitioned topics (the partitions setting refers to it)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Topics:
     def build(
         cls,
         prefix: str = "",
-        partitions: int = 8,
+        partitions: int = DEFAULT_PARTITIONS,
         retention_ms: int = SEVEN_DAYS_MS,
         replication_factor: int = 1,
         min_insync_replicas: int = 1,

@@ -27,8 +27,7 @@ from models.policy.network import PolicyNetwork
 from models.policy.trainer import PolicyTrainer, TrainerConfig
 from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.component_config import GateConfig
-from pipeline.config import Settings
+from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryRun, is_canary
 from pipeline.learner.promotion_gate import judge_window
 from pipeline.learner.publishing import first_serving
@@ -39,13 +38,15 @@ from topics.manifest import Manifest
 
 @dataclass
 class OfflineConfig:
-    hidden: int = 512
-    lr: float = 1e-3
+    # The product's defaults where the in-process loop means the same thing (pipeline/config.py);
+    # literals where the loop differs on purpose (smaller batches, a slower drift trigger, no gate).
+    hidden: int = Settings.hidden
+    lr: float = Settings.lr
     batch_size: int = 32
-    baseline: str = "moving"
-    baseline_fading: float = 0.01
-    importance_clip: float = 5.0
-    grad_clip: float = 1.0
+    baseline: str = Settings.baseline
+    baseline_fading: float = Settings.baseline_fading
+    importance_clip: float = Settings.importance_clip
+    grad_clip: float = Settings.grad_clip
     refresh_every: int = 300
     drop: str | float = "dynamic"
     explore_rate: float | None = None  # None: the scenario's
@@ -55,19 +56,19 @@ class OfflineConfig:
     page_hinkley: bool = True
     drift_min_pairs: int = 1000
     drift_cooldown_s: float = 2 * 86400.0
-    warmup_epochs: int = 2
-    warmup_half_life_s: float = 86400.0
+    warmup_epochs: int = Settings.warmup_epochs
+    warmup_half_life_s: float = Settings.warmup_half_life_s
     replay_window_s: float = Settings.drift_window_days * DAY  # what the learner keeps (its default)
     learn: bool = True
     gate: bool = False
-    gate_method: str = "auto"
-    gate_window: int = 2000
-    gate_epsilon: float = 0.02
-    gate_min_ess: float = 50.0
+    gate_method: str = Settings.gate_method
+    gate_window: int = Settings.gate_window
+    gate_epsilon: float = Settings.gate_epsilon
+    gate_min_ess: float = Settings.gate_min_ess
     canary_rate: float = 0.0  # share of requests that serve the pending candidate (gate on; 0: no canary)
-    canary_max: int = GateConfig.canary_max  # canary decisions after which an undecided canary gives way
-    canary_coupled: bool = False  # contract 1.5: canary requests draw both slates (models/offpolicy/coupled.py)
-    seed: int = 0
+    canary_max: int = Settings.gate_canary_max  # canary decisions after which an undecided canary gives way
+    canary_coupled: bool = Settings.serve_canary_coupled  # contract 1.5: canary requests draw both slates
+    seed: int = Settings.seed
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
         return TrainerConfig(
@@ -84,7 +85,14 @@ class OfflineConfig:
 
     def gate_config(self) -> GateConfig | None:
         return (
-            GateConfig(self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method) if self.gate else None
+            GateConfig(
+                window=self.gate_window,
+                epsilon=self.gate_epsilon,
+                min_ess=self.gate_min_ess,
+                method=self.gate_method,
+            )
+            if self.gate
+            else None
         )
 
 

@@ -42,6 +42,11 @@ from dataclasses import dataclass
 import numpy as np
 
 DEFAULT_THETA = 0.3  # in reward units; see docs/operations.md "The write gate" for choosing it
+# The expected-reward estimate's defaults (RewardEstimator; the writes_* settings refer to them).
+DEFAULT_PRIOR = 0.0  # expected reward before any reward was seen
+DEFAULT_FADING = 0.05  # weight of a new reward in a running mean
+DEFAULT_RADIUS = 0.5  # cosine similarity to a topic's centroid to join it
+DEFAULT_MIN_COUNT = 5  # rewards a topic needs before its own mean is used
 SUCCESS, PITFALL = "success", "pitfall"
 
 
@@ -112,10 +117,10 @@ class RewardEstimator:
 
     def __init__(
         self,
-        prior: float = 0.0,
-        fading: float = 0.05,
-        radius: float = 0.5,
-        min_count: int = 5,
+        prior: float = DEFAULT_PRIOR,
+        fading: float = DEFAULT_FADING,
+        radius: float = DEFAULT_RADIUS,
+        min_count: int = DEFAULT_MIN_COUNT,
         max_clusters: int = 256,
     ) -> None:
         if not 0.0 < fading <= 1.0:

@@ -34,35 +34,11 @@ from models.policy.network import PolicyNetwork, init_policy, neutral_rows
 from models.policy.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
 from models.policy.row_adam import LazyRowAdam
 from models.policy.sparse_adam import RowSparseAdam, adam
+from models.policy.trainer_config import TrainerConfig
 from models.serving.rule import adjusted_logits_torch, plackett_luce_terms_torch
 from topics.internal import Experience
 
 __all__ = ["Batch", "PolicyTrainer", "TrainerConfig", "UpdateStats", "adam", "make_batch"]
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """What :class:`PolicyTrainer` needs: the network's shape and the learning settings.
-
-    >>> TrainerConfig(embedding_dim=8, slots=32).hidden
-    512
-    """
-
-    embedding_dim: int
-    slots: int
-    hidden: int = 512
-    lr: float = 1e-3
-    grad_clip: float = 1.0
-    importance_clip: float = 5.0
-    baseline: str = "moving"  # moving | cluster | none
-    baseline_fading: float = 0.01
-    label_lr: float = 1e-2
-    reset_scope: str = "network"  # a drift reset re-initialises: network | last_layer
-    # Once per-memory credit has arrived, steps without it get imputed effects (per-slot
-    # means + a share of the residual; docs/learning.md). False: the step reward there.
-    credit_impute: bool = True
-    device: str = "cpu"
-    seed: int = 0
 
 
 @dataclass

@@ -11,12 +11,16 @@ candidates as they will be served: the target policy is the mixture
 with ε = ``explore_rate``; each logged step's own T and logprob stay the behaviour
 policy's propensity.
 
+Each serving default is declared here, once: ``pipeline.config.Settings`` (the ``serve_*``
+settings) and the clients (:data:`pipeline.client.serving.UNSERVED`) take theirs from
+:class:`ServingParams`.
+
 >>> p = ServingParams()
 >>> p.components()
 ((0.9, 0.05), (0.1, 0.25))
 >>> ServingParams.from_wire(p.to_wire()) == p
 True
->>> ServingParams.from_wire(None) == ServingParams()  # manifests before contract 1.2
+>>> ServingParams.from_wire(None) == ServingParams(canary_rate=0.0)  # manifests before contract 1.2: no canary
 True
 """
 
@@ -26,10 +30,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# The contract's dynamic drop: m_i < 0.01·max m (docs/contract.md §6). Declared here, in a module
+# without torch, so that the configuration (pipeline/config.py) and models.serving.rule share it.
 # models.serving.rule.DYNAMIC_DROP_RATIO, repeated: that module loads torch, and the
 # configuration (pipeline/config.py) builds ServingParams without it.
 DYNAMIC_DROP_RATIO = 0.01
 DROP_MODES = ("dynamic", "fixed", "none")
+# Contract 1.4: a manifest's ``serving`` without ``canary_rate`` (and a manifest without ``serving``)
+# means no canary; this is what the wire's absence means, not the learner's default below.
+CANARY_RATE_ABSENT = 0.0
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,10 @@ class ServingParams:
     drop_ratio: float = DYNAMIC_DROP_RATIO
     # Contract 1.4: the share of requests on which clients serve the learner's canary (a
     # pending candidate, models/offpolicy/canary.py), as its own manifest says it is served. Not part
-    # of this policy's served mixture: those requests are the canary's.
-    canary_rate: float = 0.0
+    # of this policy's served mixture: those requests are the canary's. 0.2 is measured
+    # (docs/learning.md, the serve_canary_rate row); a manifest that leaves it out means
+    # :data:`CANARY_RATE_ABSENT`.
+    canary_rate: float = 0.2
     # Contract 1.5: clients draw the canary's and the serving policy's slates on those requests
     # with the same random numbers and serve the canary's on half of those where they differ
     # (models/offpolicy/coupled.py); false: the canary serves every such request (1.4's A/B split).
@@ -99,13 +110,18 @@ class ServingParams:
     def from_wire(cls, obj: dict[str, Any] | None) -> ServingParams:
         """From a manifest's ``serving`` object; ``None`` (an older manifest) gives the defaults.
 
-        Missing keys take their defaults, so later additions stay optional.
+        Missing keys take their defaults, so later additions stay optional; a missing
+        ``canary_rate`` means no canary (contract 1.4).
+
+        >>> ServingParams.from_wire({"temperature": 0.2}).canary_rate
+        0.0
         """
         if obj is None:
-            return cls()
+            return cls(canary_rate=CANARY_RATE_ABSENT)
         names = ("temperature", "explore_rate", "explore_temperature", "drop_ratio", "canary_rate")
         known = {k: obj[k] for k in names if k in obj}
-        values: dict[str, Any] = {k: float(v) for k, v in known.items()}
+        values: dict[str, Any] = {"canary_rate": CANARY_RATE_ABSENT}
+        values.update({k: float(v) for k, v in known.items()})
         if "drop" in obj:
             values["drop"] = str(obj["drop"])
         if obj.get("canary_coupled") is True:  # contract 1.5

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-DYNAMIC_DROP_RATIO = 0.01
+from models.serving.params import DYNAMIC_DROP_RATIO as DYNAMIC_DROP_RATIO  # declared once, without torch
 
 
 def keep_dynamic(masks: np.ndarray, ratio: float = DYNAMIC_DROP_RATIO) -> np.ndarray:

@@ -19,15 +19,26 @@ if TYPE_CHECKING:  # imported when a verb starts its metrics (prometheus_client 
     from pipeline.probes import Probes
 
 
+def default_of(name: str) -> str:
+    """``"default X"`` for a flag's help: the setting's one declared default (pipeline/config.py).
+
+    >>> default_of("partitions"), default_of("serve_temperature")
+    ('default 8', 'default 0.05')
+    """
+    return f"default {getattr(Settings, name)}"
+
+
 def common_parser() -> argparse.ArgumentParser:
     """The flags every verb takes (a parent parser): broker, topics, policy, state, logging, security."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("common")
     g.add_argument("--bootstrap", help="Kafka bootstrap HOST:PORT (default: start or reuse the embedded broker)")
     g.add_argument("--prefix", dest="topic_prefix", help="prefix for every topic name")
-    g.add_argument("--partitions", type=int, help="partitions of the co-partitioned input topics (default 8)")
-    g.add_argument("--policy", help="policy name (default 'default')")
-    g.add_argument("--state-dir", help="local state directory (default ~/.causalmem)")
+    g.add_argument(
+        "--partitions", type=int, help=f"partitions of the co-partitioned input topics ({default_of('partitions')})"
+    )
+    g.add_argument("--policy", help=f"policy name (default '{Settings.policy}')")
+    g.add_argument("--state-dir", help=f"local state directory ({default_of('state_dir')})")
     g.add_argument("--log-level", default="info", help="debug, info, warning, error")
     g.add_argument(
         "--security-protocol",
@@ -53,8 +64,8 @@ def metrics_port(text: str) -> int:
 
 def model_options(p: argparse.ArgumentParser) -> None:
     """The model's shape and the metrics port, for the verbs that run a policy (worker, learner)."""
-    p.add_argument("--embedding-dim", type=int, help="D, the query embedding length (default 384)")
-    p.add_argument("--slots", type=int, help="S, memory slots of the policy (default 1024)")
+    p.add_argument("--embedding-dim", type=int, help=f"D, the query embedding length ({default_of('embedding_dim')})")
+    p.add_argument("--slots", type=int, help=f"S, memory slots of the policy ({default_of('slots')})")
     p.add_argument(
         "--metrics-port",
         type=metrics_port,

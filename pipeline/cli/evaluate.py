@@ -12,8 +12,8 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from pipeline.cli.common import resolve_bootstrap, settings_from
-from pipeline.config import Settings
+from pipeline.cli.common import default_of, resolve_bootstrap, settings_from
+from pipeline.config import Settings, ShadowConfig
 from pipeline.policy_evaluation.evaluate import METHODS, evaluate_window, print_report
 from pipeline.policy_evaluation.shadow import format_report, shadow_report, watch
 
@@ -22,13 +22,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=2000, help="the last N joined experiences (default 2000)")
     p.add_argument("--method", choices=[*METHODS, "all"], default="all")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    p.add_argument("--embedding-dim", type=int, help="D (default 384)")
-    p.add_argument("--slots", type=int, help="S (default 1024)")
+    p.add_argument("--embedding-dim", type=int, help=f"D ({default_of('embedding_dim')})")
+    p.add_argument("--slots", type=int, help=f"S ({default_of('slots')})")
     g = p.add_argument_group("shadow mode (docs/byo-retriever.md)")
     g.add_argument(
         "--shadow", action="store_true", help="the serving policy's gain over the incumbent, with an interval"
     )
-    g.add_argument("--level", type=float, default=0.95, help="the interval's level (default 0.95)")
+    g.add_argument("--level", type=float, default=ShadowConfig.level, help="the interval's level (default %(default)s)")
     g.add_argument(
         "--cutover-after",
         type=float,
@@ -36,7 +36,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="keep estimating; cut over once the lower bound has stayed above 0 this long",
     )
     g.add_argument("--watch", type=float, default=30.0, metavar="SECONDS", help="estimate every N s (default 30)")
-    g.add_argument("--min-decisions", type=int, default=50, help="exploration steps the cut-over needs (default 50)")
+    g.add_argument(
+        "--min-decisions",
+        type=int,
+        default=ShadowConfig.min_decisions,
+        help="exploration steps the cut-over needs (default %(default)s)",
+    )
     g.add_argument("--timeout", type=float, metavar="SECONDS", help="stop watching after N s (default: never)")
 
 

@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from pipeline.cli.common import (
+    default_of,
     metrics_port,
     prepare_cluster,
     resolve_bootstrap,
@@ -30,16 +31,23 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--attribution-rate",
         dest="evaluator_attribution_rate",
         type=float,
-        help="share of events also scored leave-one-out, for per-memory credit (default 0.25)",
+        help="share of events also scored leave-one-out, for per-memory credit "
+        f"({default_of('evaluator_attribution_rate')})",
     )
     p.add_argument(
         "--max-attributed",
         dest="evaluator_max_attributed",
         type=int,
-        help="leave-one-out prompts one event may cost at most; more selected memories: a hashed subset (default 16)",
+        help="leave-one-out prompts one event may cost at most; more selected memories: a hashed subset "
+        f"({default_of('evaluator_max_attributed')})",
     )
-    p.add_argument("--batch-size", dest="evaluator_batch_size", type=int, help="events per scoring call (default 16)")
-    p.add_argument("--device", dest="evaluator_device", help="cpu, cuda, or auto (default)")
+    p.add_argument(
+        "--batch-size",
+        dest="evaluator_batch_size",
+        type=int,
+        help=f"events per scoring call ({default_of('evaluator_batch_size')})",
+    )
+    p.add_argument("--device", dest="evaluator_device", help=f"cpu, cuda, or auto ({default_of('evaluator_device')})")
     p.add_argument("--threads", dest="evaluator_threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument(
         "--metrics-port",

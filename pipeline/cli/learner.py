@@ -10,6 +10,7 @@ import logging
 from pipeline import kafka
 from pipeline.allocator import pin_malloc
 from pipeline.cli.common import (
+    default_of,
     model_options,
     prepare_cluster,
     resolve_bootstrap,
@@ -27,15 +28,15 @@ from pipeline.service import restart_process
 
 def add_options(p: argparse.ArgumentParser) -> None:
     model_options(p)
-    p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3)")
-    p.add_argument("--batch-size", type=int, help="micro-batch size (default 64)")
+    p.add_argument("--lr", type=float, help=f"Adam learning rate ({default_of('lr')})")
+    p.add_argument("--batch-size", type=int, help=f"micro-batch size ({default_of('batch_size')})")
     p.add_argument(
         "--checkpoint-interval",
         dest="checkpoint_interval_s",
         type=float,
-        help="seconds between checkpoints at most (default 2)",
+        help=f"seconds between checkpoints at most ({default_of('checkpoint_interval_s')})",
     )
-    p.add_argument("--device", help="cpu, cuda, or auto (default)")
+    p.add_argument("--device", help=f"cpu, cuda, or auto ({default_of('device')})")
     p.add_argument("--seed", type=int, help="seed of the initial policy")
     p.add_argument(
         "--no-gate",
@@ -46,14 +47,27 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     # How clients serve the policy: written in each manifest, followed by CausalRetriever,
     # and what the promotion gate judges candidates under.
-    p.add_argument("--serve-temperature", type=float, help="serving temperature T (default 0.05)")
-    p.add_argument("--explore-rate", dest="serve_explore_rate", type=float, help="share of requests explored (0.1)")
+    p.add_argument("--serve-temperature", type=float, help=f"serving temperature T ({default_of('serve_temperature')})")
     p.add_argument(
-        "--explore-temperature", dest="serve_explore_temperature", type=float, help="T of explored requests (0.25)"
+        "--explore-rate",
+        dest="serve_explore_rate",
+        type=float,
+        help=f"share of requests explored ({default_of('serve_explore_rate')})",
     )
-    p.add_argument("--serve-drop", choices=["dynamic", "fixed", "none"], help="hard drop rule (default dynamic)")
     p.add_argument(
-        "--canary-rate", dest="serve_canary_rate", type=float, help="share of requests serving the canary (0.2; 0: off)"
+        "--explore-temperature",
+        dest="serve_explore_temperature",
+        type=float,
+        help=f"T of explored requests ({default_of('serve_explore_temperature')})",
+    )
+    p.add_argument(
+        "--serve-drop", choices=["dynamic", "fixed", "none"], help=f"hard drop rule ({default_of('serve_drop')})"
+    )
+    p.add_argument(
+        "--canary-rate",
+        dest="serve_canary_rate",
+        type=float,
+        help=f"share of requests serving the canary ({default_of('serve_canary_rate')}; 0: off)",
     )
     p.add_argument(
         "--canary-coupled",

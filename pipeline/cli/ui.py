@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 from pipeline.cli.common import resolve_bootstrap, settings_from
+from pipeline.config import UiConfig  # the flags' defaults are UiConfig's own
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    p.add_argument("--host", default=UiConfig.host, help="address to listen on (default %(default)s: loopback only)")
+    p.add_argument("--port", type=int, default=UiConfig.port, help="port (default %(default)s)")
     p.add_argument(
         "--secure-cookie",
         action=argparse.BooleanOptionalAction,
@@ -25,16 +26,20 @@ def add_options(p: argparse.ArgumentParser) -> None:
         metavar="FILE.toml",
         help="labelers and their tokens or password hashes (without it: log in with your SASL user)",
     )
-    p.add_argument("--overlap", type=int, default=1, help="labelers per sample (default 1)")
-    p.add_argument("--lease", dest="lease_s", type=float, default=900.0, help="seconds a shown sample stays leased")
+    p.add_argument("--overlap", type=int, default=UiConfig.overlap, help="labelers per sample (default %(default)s)")
+    p.add_argument(
+        "--lease", dest="lease_s", type=float, default=UiConfig.lease_s, help="seconds a shown sample stays leased"
+    )
     p.add_argument(
         "--undo",
         dest="undo_s",
         type=float,
-        default=10.0,
+        default=UiConfig.undo_s,
         help="seconds an answer is held, and can be taken back, before it is sent (0: at once)",
     )
-    p.add_argument("--refresh", dest="refresh_s", type=float, default=5.0, help="seconds between topic reads")
+    p.add_argument(
+        "--refresh", dest="refresh_s", type=float, default=UiConfig.refresh_s, help="seconds between topic reads"
+    )
     p.add_argument(
         "--worker",
         dest="worker_urls",
@@ -57,7 +62,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         type=int,
         nargs="?",
         const=2000,
-        default=0,
+        default=UiConfig.shadow_window,
         metavar="N",
         help="show shadow mode's gain estimate over the last N joined steps (default 2000; docs/byo-retriever.md)",
     )

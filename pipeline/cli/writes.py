@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from pipeline.cli.common import (
+    default_of,
     metrics_port,
     prepare_cluster,
     resolve_bootstrap,
@@ -24,19 +25,21 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--theta",
         dest="writes_theta",
         type=float,
-        help="admit a proposal when |reward - expected reward| > THETA, in reward units (default 0.3)",
+        help="admit a proposal when |reward - expected reward| > THETA, in reward units "
+        f"({default_of('writes_theta')})",
     )
     p.add_argument(
         "--prior",
         dest="writes_prior",
         type=float,
-        help="expected reward before any reward was seen (default 0)",
+        help=f"expected reward before any reward was seen ({default_of('writes_prior')})",
     )
     p.add_argument(
         "--rejected-retention-days",
         dest="writes_rejected_retention_days",
         type=float,
-        help="how long memory-writes-rejected keeps rejected proposals for review, when it is created (default 7)",
+        help="how long memory-writes-rejected keeps rejected proposals for review, when it is created "
+        f"({default_of('writes_rejected_retention_days')})",
     )
     p.add_argument(
         "--metrics-port",

@@ -2,7 +2,7 @@
 
 >>> from pipeline.client import CausalRetriever, EventPublisher, SyncEventPublisher, PolicySubscriber
 
-Each takes a :class:`~pipeline.component_config.Connection` (or a whole ``Settings``, whose part is
+Each takes a :class:`~pipeline.config.Connection` (or a whole ``Settings``, whose part is
 taken). Needs none of faust, matplotlib, rich or yaml.
 """
 
@@ -10,7 +10,7 @@ from pipeline.client.follower import MemoryFollower
 from pipeline.client.publisher import EventPublisher, SyncEventPublisher
 from pipeline.client.retriever import CausalRetriever, RetrievalResult
 from pipeline.client.subscriber import LoadedPolicy, PolicySubscriber, fetch_checkpoint
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 
 __all__ = [
     "CausalRetriever",

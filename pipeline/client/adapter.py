@@ -37,8 +37,7 @@ from pipeline.client.outbox import Outbox
 from pipeline.client.serving import FOLLOWED, draw, follow, keep_flags, policy_masks
 from pipeline.client.shadow import Decision, ShadowMode, uniform_draw
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.component_config import AdapterConfig, Connection
-from pipeline.config import Settings
+from pipeline.config import AdapterConfig, Connection, Settings
 from topics.events import Features, RetrievalEvent
 
 D = TypeVar("D")
@@ -84,7 +83,7 @@ class CausalServing(Outbox, Generic[D]):
     conn
         Limits (D, S), the policy name and the topics.
     config
-        :class:`~pipeline.component_config.AdapterConfig`.
+        :class:`~pipeline.config.AdapterConfig`.
     idmap
         The id → slot map, or a path for one (None: in memory, lost on restart).
     publisher

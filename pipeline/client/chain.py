@@ -16,8 +16,7 @@ import torch
 from models.policy.delta import Delta, apply_delta, decode_delta, state_sha256
 from models.policy.network import Arch
 from models.policy.weights import verify_and_load
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.modeltopic import ModelTopicIndex, fetch_blob
 from topics.delta import DeltaManifest
 from topics.manifest import CheckpointError, Manifest

@@ -30,8 +30,7 @@ from aiokafka import TopicPartition
 
 from pipeline import kafka
 from pipeline.client.retriever import CausalRetriever
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.service import Service
 from topics.fields import Rejected
 from topics.lifecycle import MemoryRecord, decode_memory_record
@@ -51,7 +50,7 @@ class MemoryFollower(Service):
     retriever
         The retriever to keep (``CausalRetriever.by_id`` or one given ``memory_ids``).
     conn
-        Topic names and limits (a :class:`~pipeline.component_config.Connection` or ``Settings``).
+        Topic names and limits (a :class:`~pipeline.config.Connection` or ``Settings``).
     embed
         Text → embedding, for records without one; None: such records are skipped.
     """

@@ -41,8 +41,7 @@ from pipeline.client.adapter import Candidate, CausalServing, Served  # noqa: E4
 from pipeline.client.idmap import IdSlotMap  # noqa: E402
 from pipeline.client.shadow import ShadowMode  # noqa: E402
 from pipeline.client.subscriber import LoadedPolicy  # noqa: E402
-from pipeline.component_config import AdapterConfig, Connection  # noqa: E402
-from pipeline.config import Settings  # noqa: E402
+from pipeline.config import AdapterConfig, Connection, Settings  # noqa: E402
 from topics.events import RetrievalEvent  # noqa: E402
 from topics.feedback import LLMFeedback  # noqa: E402
 

@@ -15,8 +15,7 @@ from typing import Any
 import orjson
 
 from pipeline.client.publisher import DECODE, SCHEMA_TOPIC, EventPublisher
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.fields import Rejected, loads_object
 
 MAX_REPORTED = 50

@@ -18,8 +18,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pipeline import kafka
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.service import Service
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
@@ -42,7 +41,7 @@ class EventPublisher(Service):
     bootstrap
         The Kafka bootstrap address.
     conn
-        Topic names, limits and SASL/TLS (a :class:`~pipeline.component_config.Connection`, or
+        Topic names, limits and SASL/TLS (a :class:`~pipeline.config.Connection`, or
         ``Settings``, whose part is taken); default: the product's defaults.
     validate
         Decode every value as the pipeline will before sending it.

@@ -26,15 +26,13 @@ import numpy as np
 import torch
 
 from models.serving.params import ServingParams
-from models.serving.rule import DYNAMIC_DROP_RATIO
 from pipeline.client.choice import Choice, Noise, choose, coupled, event_labels
 from pipeline.client.memory_index import IdIndex
 from pipeline.client.overlap import FeatureOverlap
 from pipeline.client.serving import ServingValues, masks_from_features, policy_features
 from pipeline.client.serving import follow as serving_in_force
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.events import Features, RetrievalEvent
 
 log = logging.getLogger(__name__)
@@ -87,11 +85,13 @@ class CausalRetriever:
     Serving parameters (``temperature``, ``explore_rate``, ``explore_temperature``,
     ``drop``): an explicit argument wins; otherwise the loaded checkpoint's manifest
     ``serving`` field (what the learner was configured with and the promotion gate judged
-    the policy under) sets them; otherwise T = 0.05, no exploration, explore T = 0.25,
-    dynamic drop.
+    the policy under) sets them; otherwise what a manifest without ``serving`` means
+    (docs/contract.md §7: :data:`pipeline.client.serving.UNSERVED`, the
+    :class:`~models.serving.params.ServingParams` defaults, the same as ``Settings().serving()``:
+    T = 0.05, 10% of requests explored at T = 0.25, dynamic drop) and no canary.
 
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
-    :class:`~pipeline.component_config.Connection` or ``Settings``), when given, also checks the
+    :class:`~pipeline.config.Connection` or ``Settings``), when given, also checks the
     memories against the pipeline's limits (dimension, number of slots).
 
     *Memories by id* (contract 1.3, docs/contract.md §9): with ``memory_ids`` (one per row of
@@ -182,9 +182,12 @@ class CausalRetriever:
             )
             if value is not None
         }
-        self.temperature = temperature if temperature is not None else 0.05
-        self.drop: str | float = drop if drop is not None else "dynamic"
-        self.drop_ratio = DYNAMIC_DROP_RATIO
+        # Before a manifest says otherwise: what a manifest without ``serving`` means (UNSERVED), where
+        # no explicit value is given; follow() below sets the same attributes on each manifest.
+        unserved = serving_in_force(None, self.explicit)
+        self.temperature = unserved.temperature
+        self.drop: str | float = unserved.drop
+        self.drop_ratio = unserved.drop_ratio
         if fallback is None and self.texts is not None:
             fallback = BM25Fallback(self.texts)
         if fallback is None and self.memories is None:
@@ -194,14 +197,14 @@ class CausalRetriever:
         self.policy: LoadedPolicy | None = None
         self.canary: LoadedPolicy | None = None  # contract 1.4: served on canary_rate of the requests
         self._canary_values: ServingValues | None = None  # how the canary is served (its manifest's), set with it
-        self.canary_rate = canary_rate if canary_rate is not None else 0.0
-        self.canary_coupled = False  # contract 1.5: both policies draw each canary request (the manifest says)
+        self.canary_rate = unserved.canary_rate  # the serving manifest's (none before one), unless given
+        self.canary_coupled = unserved.canary_coupled  # contract 1.5: both policies draw each canary request
         self.rng = np.random.default_rng(seed)
         # Exploration: a share of requests is served at a higher temperature (logged on the
         # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
         # what it picks and learns nothing more; these requests keep the gradient alive.
-        self.explore_rate = explore_rate if explore_rate is not None else 0.0
-        self.explore_temperature = explore_temperature if explore_temperature is not None else 0.25
+        self.explore_rate = unserved.explore_rate
+        self.explore_temperature = unserved.explore_temperature
         # Exploratory requests also give each dropped candidate this chance back, so a
         # dropped memory can be read, and relearnt, again (docs/contract.md §6, step 3b).
         self.explore_revive = explore_revive

@@ -44,7 +44,9 @@ from pipeline.client.subscriber import LoadedPolicy
 FOLLOWED = ("temperature", "drop", "explore_rate", "explore_temperature")  # what an explicit value can fix
 # Contract 1.4: CausalRetriever's explicit value fixes the canary's share too (the adapters serve no canary).
 CANARY_RATE = "canary_rate"
-UNSERVED = ServingParams(explore_rate=0.0)  # before a manifest says otherwise: T 0.05, no exploration, dynamic drop
+# Before a manifest says otherwise: what a manifest without ``serving`` means (docs/contract.md §7),
+# the ServingParams defaults (T 0.05, 10% explored at T 0.25, dynamic drop) without a canary.
+UNSERVED = ServingParams.from_wire(None)
 
 
 @dataclass(frozen=True)

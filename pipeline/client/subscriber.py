@@ -36,8 +36,7 @@ from models.policy.weights import verify_and_load
 from models.serving.params import ServingParams
 from pipeline import kafka
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.modeltopic import KEEP_REJECTIONS, ModelTopicIndex, model_topic, unsigned_warning
 from pipeline.service import Service
 from topics.delta import DeltaManifest, link_id
@@ -105,7 +104,7 @@ class PolicySubscriber(Service):
     policy
         The policy to follow; default: ``conn.policy``.
     conn
-        Topic names, limits and SASL/TLS (a :class:`~pipeline.component_config.Connection`, or
+        Topic names, limits and SASL/TLS (a :class:`~pipeline.config.Connection`, or
         ``Settings``, whose part is taken); default: the product's defaults.
     on_update
         Called (and awaited when it returns a coroutine) with each newly loaded policy.

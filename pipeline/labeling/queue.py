@@ -36,8 +36,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
 from pipeline import kafka
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.service import Service
 from topics.fields import Limits, Rejected, encode
 from topics.internal import dead_letter_value
@@ -213,7 +212,7 @@ class _Revocations(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka
 class LabelQueue(Service):
     """One labeler's view of the shared queue (async; ``start``/``stop`` or ``async with``).
 
-    ``conn``: the deployment's :class:`~pipeline.component_config.Connection` (a whole ``Settings``
+    ``conn``: the deployment's :class:`~pipeline.config.Connection` (a whole ``Settings``
     is accepted too). ``labeler``: the identity labels carry; on a SASL connection it is the
     principal (empty: take it; another name: ValueError). ``group`` defaults to the shared
     labelers' group, under the topic prefix.

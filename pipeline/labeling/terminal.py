@@ -51,7 +51,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.labeling.agreement import agreement
 from pipeline.labeling.answers import HELP, RATING_MAX, Command, FileAnswer, offered_slots, parse_line, parse_rating
 from pipeline.labeling.queue import LabelQueue, QueuedSample, SampleMoved

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from models.policy.trainer import PolicyTrainer
-from pipeline.component_config import LearnerConfig
+from pipeline.config import LearnerConfig
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
 from pipeline.learner.publishing import Progress

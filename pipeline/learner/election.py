@@ -21,7 +21,7 @@ from typing import Any
 from aiokafka import ConsumerRebalanceListener
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.service import Service
 
 log = logging.getLogger(__name__)

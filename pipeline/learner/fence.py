@@ -29,7 +29,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.learner.election import Election
 from topics.fields import Rejected
 from topics.manifest import decode_epoch_claim, decode_manifest, parse_key

@@ -43,7 +43,7 @@ from aiokafka import TopicPartition
 from models.policy.network import Arch
 from models.policy.trainer import PolicyTrainer
 from pipeline import kafka
-from pipeline.component_config import LearnerConfig
+from pipeline.config import LearnerConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.control import ControlHandler
 from pipeline.learner.election import Election

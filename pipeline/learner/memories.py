@@ -35,7 +35,7 @@ from models.memory.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMem
 from models.policy.cold_start import SlotEmbeddings, knn_rows
 from models.policy.trainer import PolicyTrainer
 from pipeline import kafka
-from pipeline.component_config import Connection, LearnerConfig
+from pipeline.config import Connection, LearnerConfig
 from pipeline.learner.restore import Restored
 from pipeline.modeltopic import CheckpointPublisher
 from topics.fields import Limits, Rejected

@@ -54,7 +54,7 @@ from models.offpolicy.setlevel import additivity
 from models.offpolicy.slate import MomentCache
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
-from pipeline.component_config import GateConfig
+from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryRun, is_canary
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher

@@ -36,7 +36,7 @@ from models.policy.network import Arch
 from models.policy.trainer import PolicyTrainer
 from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
-from pipeline.component_config import LearnerConfig
+from pipeline.config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.inbox import Key
 from pipeline.learner.promotion_gate import PromotionGate, network

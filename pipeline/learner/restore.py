@@ -38,7 +38,7 @@ import torch
 from models.policy.network import Arch
 from models.policy.trainer import PolicyTrainer
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.learner.inbox import Key
 from pipeline.learner.publishing import Progress, applied_through
 from pipeline.learner.store import LocalCheckpoint, LocalStore

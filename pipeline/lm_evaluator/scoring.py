@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.component_config import ScorerConfig
+from pipeline.config import ScorerConfig
 
 __all__ = ["DEFAULT_GGUF", "AnswerScorer", "ModelNotFound", "ScorerConfig", "build_prompt", "default_model_path"]
 

@@ -27,7 +27,7 @@ import numpy as np
 from aiokafka import TopicPartition
 
 from pipeline.batchstage import BatchStage
-from pipeline.component_config import EvaluatorConfig
+from pipeline.config import EvaluatorConfig
 from pipeline.lm_evaluator.metrics import EvaluatorMetrics
 from pipeline.lm_evaluator.plan import Plan, feedback, plan
 from pipeline.metrics import Metrics

@@ -38,8 +38,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from pipeline import kafka
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from topics.delta import DeltaManifest, decode_delta_manifest, link_id
 from topics.fields import Rejected
 from topics.manifest import (

@@ -27,8 +27,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline import kafka
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.modeltopic import scan_model_topic
 from topics.fields import Rejected
 from topics.internal import Experience, decode_experience

@@ -16,8 +16,7 @@ import time
 import uuid
 
 from pipeline import kafka
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.modeltopic import scan_model_topic
 from topics.fields import encode
 from topics.internal import Control

@@ -31,8 +31,7 @@ from models.offpolicy.logged import LoggedDecisions, Tempered
 from models.policy.network import PolicyNetwork
 from pipeline import kafka
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.component_config import Connection, ShadowConfig
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings, ShadowConfig
 from pipeline.modeltopic import ModelTopicIndex, scan_model_topic
 from pipeline.policy_evaluation.evaluate import experiences_tail
 from topics.fields import encode

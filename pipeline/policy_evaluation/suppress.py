@@ -20,8 +20,7 @@ import uuid
 from collections.abc import Sequence
 
 from pipeline import kafka
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.learner.suppression import decide, read_audit
 from pipeline.modeltopic import scan_model_topic
 from topics.fields import encode

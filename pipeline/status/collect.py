@@ -44,8 +44,7 @@ import orjson
 from aiokafka import TopicPartition
 
 from pipeline import kafka
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.labeling.queue import labeler_group
 from pipeline.modeltopic import ModelTopicIndex
 from pipeline.promtext import scrape

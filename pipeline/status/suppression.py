@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.learner.suppression import read_audit
 from pipeline.modeltopic import ModelTopicIndex
 from topics.fields import Limits

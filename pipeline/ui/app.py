@@ -24,7 +24,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from pipeline.component_config import UiConfig
+from pipeline.config import UiConfig
 from pipeline.ui import agreement, health_pages, labeling, memory_pages
 from pipeline.ui.auth import (
     SESSION_MAX_AGE_S,

@@ -51,7 +51,7 @@ from typing import Any
 from starlette.requests import Request
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from pipeline import kafka
-from pipeline.component_config import UiConfig
+from pipeline.config import UiConfig
 from pipeline.promtext import labelled, scrape
 from pipeline.service import Service
 from pipeline.status.collect import StatusCollector

@@ -35,7 +35,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.labeling.answers import RATING_MAX, offered_slots
 from pipeline.labeling.queue import (
     THINK_TIME_S,

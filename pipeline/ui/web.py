@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from pipeline.component_config import UiConfig
+from pipeline.config import UiConfig
 from pipeline.ui.auth import Labeler, SaslLogin, csrf_ok, csrf_token, current_labeler
 from pipeline.ui.feeds import Feeds
 from pipeline.ui.pool import SamplePool

@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from pipeline.component_config import ActiveLearningConfig
+from pipeline.config import ActiveLearningConfig
 from pipeline.worker.records import MAX_STEPS_PER_QUERY, PendingSamples, SentSteps
 from topics.events import RetrievalEvent
 

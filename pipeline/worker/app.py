@@ -33,7 +33,7 @@ from typing import IO, Any
 import faust
 import mode
 
-from pipeline.component_config import WorkerConfig
+from pipeline.config import WorkerConfig
 from pipeline.kafka import ClusterWatch, faust_credentials, read_all
 from pipeline.metrics import Metrics
 from pipeline.service import restart_process

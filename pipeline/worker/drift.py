@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from models.drift import DriftMonitor
-from pipeline.component_config import DriftConfig
+from pipeline.config import DriftConfig
 from pipeline.metrics import Metrics
 from pipeline.worker.records import DriftPair, DriftStatus, TriggerState
 from pipeline.worker.tables import Outputs, Tables

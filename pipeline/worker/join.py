@@ -46,7 +46,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from river import stats, utils
 
 from pipeline import kafka
-from pipeline.component_config import JoinConfig
+from pipeline.config import JoinConfig
 from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import Metrics
 from pipeline.service import Service

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.metrics import Metrics
 from pipeline.worker.active_learning import first_send, hold, on_candidate
 from pipeline.worker.records import MAX_STEPS_PER_QUERY, QueryUtility, Rating, StoredSamples

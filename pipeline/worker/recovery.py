@@ -28,7 +28,7 @@ from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 from faust.types import TP
 
 from pipeline import kafka
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 from faust.stores.base import SerializedStore
 
 from models.memory.health import health_score
-from pipeline.component_config import WorkerConfig
+from pipeline.config import WorkerConfig
 from pipeline.metrics import Metrics
 from pipeline.worker.join import JoinStage
 from pipeline.worker.records import DriftStatus, encoded_size, raw_ts

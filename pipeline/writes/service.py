@@ -38,7 +38,7 @@ from aiokafka import TopicPartition
 
 from models.memory.write_gate import Decision, RewardEstimator, WriteGate, memory_id_for
 from pipeline.batchstage import BatchStage
-from pipeline.component_config import WritesConfig
+from pipeline.config import WritesConfig
 from pipeline.metrics import Metrics
 from pipeline.writes.metrics import WritesMetrics
 from topics.fields import Rejected

@@ -25,8 +25,7 @@ from models.policy.network import init_policy
 from models.policy.weights import to_safetensors, verify_and_load
 from pipeline.client import CausalRetriever, EventPublisher, PolicySubscriber
 from pipeline.client.subscriber import arch_of
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.kafka import ClusterWatch
 from pipeline.modeltopic import CheckpointPublisher, ModelTopicIndex, check_blob
 from pipeline.service import Service

@@ -25,8 +25,7 @@ from models.policy.trainer import PolicyTrainer, TrainerConfig
 from models.policy.weights import to_safetensors, verify_and_load
 from pipeline.client import chain
 from pipeline.client.subscriber import PolicySubscriber
-from pipeline.component_config import Connection, LearnerConfig
-from pipeline.config import Settings
+from pipeline.config import Connection, LearnerConfig, Settings
 from pipeline.learner.publishing import Publishing
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics

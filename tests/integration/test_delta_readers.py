@@ -20,8 +20,7 @@ from pipeline import kafka
 from pipeline.client import chain
 from pipeline.client.adapter import CausalServing
 from pipeline.client.subscriber import fetch_checkpoint
-from pipeline.component_config import AdapterConfig
-from pipeline.config import Settings
+from pipeline.config import AdapterConfig, Settings
 from pipeline.modeltopic import ModelTopicIndex, check_blob, scan_model_topic
 from pipeline.policy_evaluation import evaluate, rollback, shadow
 from pipeline.status.collect import checkpoint_view
@@ -187,7 +186,8 @@ def test_the_adapters_follow_the_manifests_serving_parameters() -> None:
     loaded = policy()
     loaded = dataclasses.replace(loaded, manifest=dataclasses.replace(loaded.manifest, serving=wire))
     follows: CausalServing[str] = CausalServing(hashed_embedding, CONN, AdapterConfig(seed=0))
-    assert (follows.params.temperature, follows.params.explore_rate, follows.params.drop) == (0.05, 0.0, "dynamic")
+    # before a manifest: the serving defaults (as a manifest without serving means), 10% explored
+    assert (follows.params.temperature, follows.params.explore_rate, follows.params.drop) == (0.05, 0.1, "dynamic")
     follows.set_policy(loaded)
     assert (follows.params.temperature, follows.params.explore_rate) == (0.4, 0.3)
     assert (follows.params.explore_temperature, follows.params.drop) == (0.9, "none")

@@ -16,8 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
-from pipeline.component_config import EvaluatorConfig, ScorerConfig
-from pipeline.config import Settings
+from pipeline.config import EvaluatorConfig, ScorerConfig, Settings
 from pipeline.lm_evaluator.plan import SKIP_REASONS, Plan, attributed, feedback, feedback_id, plan
 from pipeline.lm_evaluator.scoring import build_prompt
 from pipeline.lm_evaluator.service import Evaluator, score_plans

@@ -17,8 +17,7 @@ from aiokafka import TopicPartition
 from pipeline import kafka
 from pipeline.cli import build_parser
 from pipeline.cli import label as label_cli
-from pipeline.component_config import KafkaSecurity
-from pipeline.config import Settings
+from pipeline.config import KafkaSecurity, Settings
 from pipeline.labeling.queue import LabelQueue, labeler_identity
 from tests.integration.test_labeling import al_sample, labels_on_topic, queue_samples
 from topics.events import Features

@@ -37,8 +37,7 @@ from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.client.subscriber import PolicySubscriber
-from pipeline.component_config import KafkaSecurity
-from pipeline.config import Settings
+from pipeline.config import KafkaSecurity, Settings
 from pipeline.labeling.queue import LabelQueue
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics

@@ -21,8 +21,7 @@ from models.offpolicy.logged import LoggedDecisions
 from models.policy.network import PolicyNetwork
 from pipeline.client.langchain import CausalMemoryRetriever
 from pipeline.client.shadow import ShadowMode
-from pipeline.component_config import AdapterConfig, Connection, ShadowConfig
-from pipeline.config import Settings
+from pipeline.config import AdapterConfig, Connection, Settings, ShadowConfig
 from pipeline.policy_evaluation.shadow import CutoverRule, format_report, shadow_gain
 from tests.adapter_fakes import Recorder, hashed_embedding
 from topics.internal import Experience

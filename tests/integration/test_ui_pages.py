@@ -249,7 +249,7 @@ def test_guesses_are_throttled_per_name_and_per_address(tmp_path: Path, monkeypa
 def test_sasl_logins_are_throttled_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: the SASL-mode app was an unthrottled password oracle against the broker."""
     from pipeline import kafka
-    from pipeline.component_config import KafkaSecurity
+    from pipeline.config import KafkaSecurity
 
     attempts: list[str | None] = []
 
@@ -676,7 +676,7 @@ def test_sasl_logins_are_checked_by_the_broker_and_labels_use_the_labelers_crede
     the broker (here a stand-in that knows ann's password) decides, and ann's label goes
     through a producer made with her credentials, not the app's."""
     from pipeline import kafka
-    from pipeline.component_config import KafkaSecurity
+    from pipeline.config import KafkaSecurity
 
     made: list[tuple[str | None, str | None, Producer]] = []
 

@@ -32,8 +32,7 @@ import numpy as np
 
 from causalmem_lab.textdata import BACKGROUND, HELPFUL, QUESTIONS, SIMILAR, TOPICS, WORDS_C, WORDS_D, WORDS_N
 from pipeline import kafka
-from pipeline.component_config import ScorerConfig
-from pipeline.config import Settings
+from pipeline.config import ScorerConfig, Settings
 from pipeline.lm_evaluator.plan import Plan, plan
 from pipeline.lm_evaluator.service import Evaluator, score_plans
 from pipeline.metrics import Metrics

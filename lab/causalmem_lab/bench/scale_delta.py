@@ -36,7 +36,7 @@ from models.policy.delta import encode_delta, state_sha256
 from models.policy.network import TENSOR_NAMES, Arch, PolicyNetwork
 from models.policy.weights import to_safetensors
 from pipeline.client.subscriber import STATE_CHECK_BYTES, LoadedPolicy, PolicySubscriber
-from pipeline.component_config import Connection
+from pipeline.config import Connection
 from pipeline.modeltopic.publisher import CheckpointPublisher
 from topics.delta import DeltaManifest
 from topics.manifest import Manifest, sha256_hex, split_chunks

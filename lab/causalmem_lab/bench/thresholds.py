@@ -26,8 +26,7 @@ from causalmem_lab.simulator import Environment, Scenario, serve
 from models.policy.trainer import PolicyTrainer
 from pipeline.client.adapter import Candidate, CausalServing
 from pipeline.client.retriever import CausalRetriever
-from pipeline.component_config import AdapterConfig, Connection
-from pipeline.config import Settings
+from pipeline.config import AdapterConfig, Connection, Settings
 from topics.internal import Experience
 
 BETAS = (0.0, 2.0, 5.0, 10.0)

@@ -18,7 +18,7 @@ from models.offpolicy.logged import uniform_logprob
 from pipeline.client.idmap import IdSlotMap, SlotsFull
 from pipeline.client.langchain import CausalMemoryRetriever, document_id
 from pipeline.client.shadow import ShadowMode
-from pipeline.component_config import AdapterConfig
+from pipeline.config import AdapterConfig
 from tests.adapter_fakes import CONN, DIM, TEXTS, AsyncRecorder, Recorder, hashed_embedding, policy
 
 

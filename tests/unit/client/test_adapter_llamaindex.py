@@ -15,7 +15,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 
 from pipeline.client.llamaindex import CausalMemoryRetriever
 from pipeline.client.shadow import ShadowMode
-from pipeline.component_config import AdapterConfig
+from pipeline.config import AdapterConfig
 from tests.adapter_fakes import CONN, TEXTS, AsyncRecorder, Recorder, hashed_embedding, policy
 
 

@@ -127,7 +127,7 @@ async def test_a_tombstone_ends_the_canary_and_an_explicit_rate_wins() -> None:
 
 
 def test_serving_params_carry_the_canary_rate_only_when_set() -> None:
-    assert "canary_rate" not in ServingParams().to_wire()
+    assert "canary_rate" not in ServingParams(canary_rate=0.0).to_wire()
     assert ServingParams.from_wire(ServingParams(canary_rate=0.2).to_wire()).canary_rate == 0.2
     with pytest.raises(ValueError, match="canary_rate"):
         ServingParams(canary_rate=1.5)

@@ -12,7 +12,7 @@ import pytest
 
 from models.policy.network import init_policy
 from models.serving.params import ServingParams
-from pipeline.component_config import GateConfig
+from pipeline.config import GateConfig
 from pipeline.learner import promotion_gate as gate_module
 from pipeline.learner.canary import CanaryRun
 from pipeline.learner.promotion_gate import PromotionGate
@@ -107,7 +107,8 @@ async def test_a_checkpoint_served_at_once_ends_the_canary_and_no_rate_starts_no
     assert gate.canary is not None
     await gate.serve_at_once(manifest(3), net.tensors())  # e.g. a drift reset
     assert gate.canary is None and pub.canaries[-1] is None and gate.serving_manifest.version == 3  # type: ignore[union-attr]
-    quiet = PromotionGate(GateConfig(min_ess=1e9), Publisher(), Metrics(), lambda: window)  # type: ignore[arg-type]
+    no_rate = ServingParams(canary_rate=0.0)
+    quiet = PromotionGate(GateConfig(min_ess=1e9), Publisher(), Metrics(), lambda: window, serving=no_rate)  # type: ignore[arg-type]
     quiet.set_serving(manifest(1), net.tensors())
     await quiet.consider(manifest(2), net.tensors())
     assert quiet.canary is None

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from models.policy.trainer import PolicyTrainer, TrainerConfig
-from pipeline.component_config import GateConfig, LearnerConfig
-from pipeline.config import Settings
+from pipeline.config import GateConfig, LearnerConfig, Settings
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.publishing import Progress, Publishing, applied_through, manifest_metrics
 from pipeline.learner.replay import Replay

@@ -8,8 +8,7 @@ import ssl
 import faust
 import pytest
 
-from pipeline.component_config import KafkaSecurity
-from pipeline.config import Settings
+from pipeline.config import KafkaSecurity, Settings
 from pipeline.kafka import faust_credentials, security_kwargs
 
 

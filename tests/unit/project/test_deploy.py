@@ -56,8 +56,7 @@ def _verbs() -> set[str]:
 
 
 def _valid_env_names() -> set[str]:
-    from pipeline.component_config import KafkaSecurity
-    from pipeline.config import Settings
+    from pipeline.config import KafkaSecurity, Settings
 
     names = {"CAUSALMEM_" + f.name.upper() for f in fields(Settings) if f.name != "security"}
     names |= {"CAUSALMEM_KAFKA_" + f.name.upper() for f in fields(KafkaSecurity)}

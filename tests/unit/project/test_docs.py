@@ -7,8 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pipeline.cli as cli
-from pipeline.component_config import KafkaSecurity
-from pipeline.config import Settings
+from pipeline.config import KafkaSecurity, Settings
 from tests.paths import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -13,8 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from pipeline.component_config import ActiveLearningConfig, DriftConfig
-from pipeline.config import Settings
+from pipeline.config import ActiveLearningConfig, DriftConfig, Settings
 from pipeline.metrics import Metrics
 from pipeline.worker.active_learning import (
     CandidateRule,

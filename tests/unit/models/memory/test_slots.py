@@ -16,8 +16,7 @@ from models.memory.slots import SlotAllocator, SlotChange, SlotsFull, UnknownMem
 from models.policy.cold_start import knn_rows
 from models.policy.network import NEUTRAL_BIAS
 from models.policy.trainer import PolicyTrainer, TrainerConfig
-from pipeline.component_config import Connection
-from pipeline.config import Settings
+from pipeline.config import Connection, Settings
 from pipeline.learner.memories import MemoryBank
 from pipeline.modeltopic import ModelTopicIndex
 from topics.events import decode_retrieval_event

@@ -18,7 +18,7 @@ from models.offpolicy.logged import LoggedDecisions
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from models.serving.rule import adjusted_logits, first_draw_probs, plackett_luce_logprob, sample_plackett_luce
-from pipeline.component_config import GateConfig
+from pipeline.config import GateConfig
 from pipeline.learner.promotion_gate import judge
 
 D, C, K, QUESTIONS = 8, 6, 3, 12

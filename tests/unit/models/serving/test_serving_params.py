@@ -39,10 +39,10 @@ def test_params_validate_and_round_trip_through_the_manifest() -> None:
     m = decode_manifest(encode(_manifest(p.to_wire()).to_dict()))
     assert ServingParams.from_wire(m.serving) == p and p.drop_spec == 0.3
     assert p.components() == ((0.8, 0.1), (0.2, 0.5))
-    # A manifest written before contract 1.2 has no "serving": readers take the defaults.
+    # A manifest written before contract 1.2 has no "serving": readers take the defaults, and no canary.
     old = decode_manifest(encode(_manifest(None).to_dict()))
     assert old.serving is None and "serving" not in _manifest(None).to_dict()
-    assert ServingParams.from_wire(old.serving) == ServingParams()
+    assert ServingParams.from_wire(old.serving) == ServingParams(canary_rate=0.0)
     assert DYNAMIC_DROP_RATIO == RULE_RATIO
     for bad in ({"temperature": -1.0}, {"explore_rate": 1.5}, {"drop": "sometimes"}, {"temperature": "hot"}):
         with pytest.raises(Rejected):
@@ -70,7 +70,7 @@ def test_retriever_follows_the_manifest_unless_given_explicit_values() -> None:
     served = ServingParams(temperature=0.2, explore_rate=0.5, explore_temperature=0.9, drop="none")
     policy = LoadedPolicy(manifest=_manifest(served.to_wire()), net=net)
     r = CausalRetriever(memories, fallback=lambda *a: [], seed=0)
-    assert (r.temperature, r.explore_rate, r.drop) == (0.05, 0.0, "dynamic")  # before any manifest
+    assert (r.temperature, r.explore_rate, r.drop) == (0.05, 0.1, "dynamic")  # before any manifest: the defaults
     r.set_policy(policy)
     assert (r.temperature, r.explore_rate, r.explore_temperature, r.drop) == (0.2, 0.5, 0.9, "none")
     temps = {r.retrieve(np.ones(D, np.float32), f"q{i}").event.temperature for i in range(40)}
@@ -81,7 +81,7 @@ def test_retriever_follows_the_manifest_unless_given_explicit_values() -> None:
     # a policy from an older learner (no serving field) leaves the retriever as it is
     older = CausalRetriever(memories, fallback=lambda *a: [], seed=0)
     older.set_policy(LoadedPolicy(manifest=_manifest(None), net=net))
-    assert (older.temperature, older.explore_rate) == (0.05, 0.0)
+    assert (older.temperature, older.explore_rate, older.canary_rate) == (0.05, 0.1, 0.0)
 
 
 def test_gate_gauges_show_the_last_decision_and_its_ess() -> None:
