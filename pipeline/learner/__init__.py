@@ -3,6 +3,7 @@
 ``from pipeline.learner.loop import Learner``; the loop composes the other modules:
 election (who trains), restore (from the model topic on election), inbox (pending and
 held experiences, positions, reorder, dedupe), replay (kept experiences: drift warm-up and
-the gate's window), publishing and gate (checkpoints, candidates, promotion) and store
-(the local copy). Inbox and replay are pure: tested without Kafka.
+the gate's window), publishing and promotion_gate (checkpoints, candidates, promotion),
+promotion_decision (what the gate decides, as pure functions) and store (the local copy).
+Inbox, replay and promotion_decision are pure: tested without Kafka.
 """
