@@ -4,9 +4,13 @@ It wires the same pieces as the running system (Environment, CausalRetriever,
 PolicyTrainer, DriftMonitor) with the pipeline's delays emulated: the serving policy is
 refreshed from the learner every ``refresh_every`` steps (the checkpoint cadence), and
 the learner applies micro-batches in arrival order. The learner's own parts decide what
-it keeps and judges: :class:`~pipeline.learner.replay.Replay` (the kept window of event
-time, the drift warm-up and the gate's window) and
-:func:`~pipeline.learner.promotion_gate.judge_window` (the promotion rule). ``causalmem bench
+it keeps, judges and serves: :class:`~pipeline.learner.replay.Replay` (the kept window of
+event time, the drift warm-up and the gate's window),
+:func:`~pipeline.learner.promotion_gate.judge_window` (the gate's rule),
+:mod:`pipeline.learner.promotion_decision` (what is a candidate and what is served at once,
+the superseded check, the label rule, the delta exclusion, canary start and end: the same
+functions the learner's gate calls) and :class:`~pipeline.learner.canary.CanaryRun`. This
+loop only holds the networks and tells the retriever what to serve. ``causalmem bench
 learning`` runs the real pipeline; this is where its settings were explored first
 (docs/learning.md).
 """
@@ -29,59 +33,72 @@ from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
 from pipeline.learner.promotion_gate import judge_window
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
 from topics.internal import Experience
 from topics.manifest import Manifest
 
+PRODUCT = Settings()  # the product's defaults: this loop's, unless a field says otherwise
+
 
 @dataclass
 class OfflineConfig:
-    # The product's defaults where the in-process loop means the same thing (pipeline/config.py);
-    # literals where the loop differs on purpose (smaller batches, a slower drift trigger, no gate).
-    hidden: int = Settings.hidden
-    lr: float = Settings.lr
-    batch_size: int = 32
-    baseline: str = Settings.baseline
-    baseline_fading: float = Settings.baseline_fading
-    importance_clip: float = Settings.importance_clip
-    grad_clip: float = Settings.grad_clip
-    refresh_every: int = 300
-    drop: str | float = "dynamic"
+    """The loop's settings: the product's defaults (:class:`pipeline.config.Settings`) where the
+    product has the setting, the lab's own (the refresh cadence in steps, the drift detector's
+    tuning for query-level ratings) where it has none."""
+
+    hidden: int = PRODUCT.hidden
+    lr: float = PRODUCT.lr
+    batch_size: int = PRODUCT.batch_size
+    baseline: str = PRODUCT.baseline
+    baseline_fading: float = PRODUCT.baseline_fading
+    importance_clip: float = PRODUCT.importance_clip
+    grad_clip: float = PRODUCT.grad_clip
+    refresh_every: int = 300  # steps between checkpoints (the learner counts seconds)
+    drop: str | float = PRODUCT.serve_drop  # or a fixed threshold
     explore_rate: float | None = None  # None: the scenario's
     explore_temperature: float | None = None
-    explore_revive: float = 0.1  # CausalRetriever's default
-    reset: bool = True
+    explore_revive: float | None = None  # None: the client's (CausalRetriever's)
+    reset: bool = PRODUCT.drift_reset
+    # The lab's drift detector: every simulated query is rated, far more pairs a day than the
+    # product's defaults (50 pairs, 1 day's cooldown, no Page-Hinkley) were set for.
     page_hinkley: bool = True
     drift_min_pairs: int = 1000
     drift_cooldown_s: float = 2 * 86400.0
-    warmup_epochs: int = Settings.warmup_epochs
-    warmup_half_life_s: float = Settings.warmup_half_life_s
-    replay_window_s: float = Settings.drift_window_days * DAY  # what the learner keeps (its default)
+    warmup_epochs: int = PRODUCT.warmup_epochs
+    warmup_half_life_s: float = PRODUCT.warmup_half_life_s
+    replay_window_s: float = PRODUCT.drift_window_days * DAY  # what the learner keeps
     learn: bool = True
-    gate: bool = False
-    gate_method: str = Settings.gate_method
-    gate_window: int = Settings.gate_window
-    gate_epsilon: float = Settings.gate_epsilon
-    gate_min_ess: float = Settings.gate_min_ess
-    canary_rate: float = 0.0  # share of requests that serve the pending candidate (gate on; 0: no canary)
-    canary_max: int = Settings.gate_canary_max  # canary decisions after which an undecided canary gives way
-    canary_coupled: bool = Settings.serve_canary_coupled  # contract 1.5: canary requests draw both slates
-    seed: int = Settings.seed
+    gate: bool = PRODUCT.gate
+    gate_method: str = PRODUCT.gate_method
+    gate_window: int = PRODUCT.gate_window
+    gate_epsilon: float = PRODUCT.gate_epsilon
+    gate_min_ess: float = PRODUCT.gate_min_ess
+    canary_rate: float = PRODUCT.serve_canary_rate  # share of requests that serve the canary (gated; 0: none)
+    canary_max: int = PRODUCT.gate_canary_max  # canary decisions after which an undecided canary gives way
+    canary_coupled: bool = PRODUCT.serve_canary_coupled  # contract 1.5: canary requests draw both slates
+    seed: int = PRODUCT.seed
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
-        return TrainerConfig(
-            scenario.embedding_dim,
-            scenario.slots,
-            self.hidden,
+        """The learner's trainer configuration (``Settings.trainer()``) at ``scenario``'s sizes, on CPU."""
+        return PRODUCT.replace(
+            embedding_dim=scenario.embedding_dim,
+            slots=scenario.slots,
+            hidden=self.hidden,
             lr=self.lr,
             grad_clip=self.grad_clip,
             importance_clip=self.importance_clip,
             baseline=self.baseline,
             baseline_fading=self.baseline_fading,
             seed=self.seed,
-        )
+            device="cpu",
+        ).trainer()
+
+    def make_trainer(self, scenario: Scenario | LMScenario) -> PolicyTrainer:
+        """The learner's trainer (a bench may run a variant of it)."""
+        return PolicyTrainer(self.trainer(scenario))
 
     def gate_config(self) -> GateConfig | None:
         return (
@@ -90,6 +107,7 @@ class OfflineConfig:
                 epsilon=self.gate_epsilon,
                 min_ess=self.gate_min_ess,
                 method=self.gate_method,
+                canary_max=self.canary_max,
             )
             if self.gate
             else None
@@ -115,10 +133,12 @@ class OfflineResult:
     refreshes: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-def _snapshot(trainer: PolicyTrainer, version: int, serving: ServingParams | None = None) -> LoadedPolicy:
+def _snapshot(
+    trainer: PolicyTrainer, version: int, serving: ServingParams | None = None, reason: str = "periodic"
+) -> LoadedPolicy:
     """The trainer's policy as a client would load it; ``serving``: the manifest's serving parameters."""
     net = copy.deepcopy(trainer.net).cpu().eval()
-    manifest = Manifest("default", version, 0.0, "periodic", net.arch.to_dict(), 0.0, 0.0, "0" * 64, 1, 1)
+    manifest = Manifest("default", version, 0.0, reason, net.arch.to_dict(), 0.0, 0.0, "0" * 64, 1, 1)
     if serving is not None:
         manifest = replace(manifest, serving=serving.to_wire())
     return LoadedPolicy(manifest=manifest, net=net)
@@ -138,6 +158,9 @@ def run_offline(
     if env is None:
         assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
         env = Environment(scenario)
+    gate = cfg.gate_config()
+    canary_rate = cfg.canary_rate if gate is not None else 0.0  # ungated, nothing is a candidate
+    revive = {} if cfg.explore_revive is None else {"explore_revive": cfg.explore_revive}
     retriever = scenario_retriever(
         env,
         scenario,
@@ -146,19 +169,18 @@ def run_offline(
         explore_temperature=scenario.explore_temperature
         if cfg.explore_temperature is None
         else cfg.explore_temperature,
-        explore_revive=cfg.explore_revive,
-        canary_rate=cfg.canary_rate,
+        canary_rate=canary_rate,
+        **revive,
     )
-    trainer = PolicyTrainer(cfg.trainer(scenario))
-    gate = cfg.gate_config()
+    trainer = cfg.make_trainer(scenario)
     canary: CanaryRun | None = None  # the pending candidate clients serve on canary_rate of requests
     serving_params = ServingParams(
         temperature=retriever.temperature,
         explore_rate=retriever.explore_rate,
         explore_temperature=retriever.explore_temperature,
         drop="fixed" if isinstance(cfg.drop, float) else cfg.drop,
-        drop_ratio=cfg.drop if isinstance(cfg.drop, float) else 0.01,
-        canary_rate=cfg.canary_rate,  # clients' share is set explicitly; the manifest says it too
+        drop_ratio=cfg.drop if isinstance(cfg.drop, float) else PRODUCT.serve_drop_ratio,
+        canary_rate=canary_rate,  # clients' share is set explicitly; the manifest says it too
         canary_coupled=cfg.canary_coupled,
     )
     configured_t = retriever.temperature
@@ -172,9 +194,9 @@ def run_offline(
     result = OfflineResult(Tally())
     steps = 0
 
-    def snapshot(serving: ServingParams) -> LoadedPolicy:
+    def snapshot(serving: ServingParams, reason: str = "periodic") -> LoadedPolicy:
         """The trainer's policy as version ``version``, its learnt-from step and value recorded."""
-        policy = _snapshot(trainer, version, serving if gate is not None else None)
+        policy = _snapshot(trainer, version, serving if gate is not None else None, reason)
         result.created[version] = steps - len(pending)  # the pending steps are not learnt yet
         if value is not None:
             result.values[version] = value(policy.net)
@@ -186,12 +208,68 @@ def run_offline(
     )
     replay = Replay(cfg.replay_window_s)
 
-    def serve_as_configured(policy: LoadedPolicy) -> None:
-        """Clients serve ``policy`` with the configured parameters; a canary ends."""
-        nonlocal current, canary
-        retriever.temperature, current, canary = configured_t, serving_params, None
+    def end_canary() -> None:
+        nonlocal canary
+        canary = None
         retriever.set_canary(None)
+
+    def serve_as_configured(policy: LoadedPolicy) -> None:
+        """Clients serve ``policy`` with the configured parameters (it is the serving reference)."""
+        nonlocal current
+        retriever.temperature, current = configured_t, serving_params
         retriever.set_policy(policy)
+
+    def refresh(candidate: LoadedPolicy) -> None:
+        """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
+        as the learner's gate takes them (pipeline/learner/promotion_gate.py)."""
+        nonlocal canary
+        if gate is None or not is_candidate(candidate.manifest.reason, True):
+            end_canary()
+            serve_as_configured(candidate)
+            return
+        assert retriever.policy is not None
+        full = replay.gate_window()
+        if canary is not None:
+            run = canary
+            ended = canary_decision(
+                run.serving_version, retriever.policy.version, lambda: run.judge(full, gate.epsilon)
+            )
+            if ended is not None:
+                n = len(run.coupled) or len(run.arms.canary)
+                result.canary.append(f"{ended.verdict} v{run.version} ({n} canary decisions)")
+                if ended.serve:
+                    serve_as_configured(LoadedPolicy(manifest=run.manifest, net=run.net))
+                end_canary()
+        window = [e for e in full if not is_canary(e)][-gate.window :]
+        serving = retriever.policy
+
+        def judged() -> Verdict:
+            decision, reason, est = judge_window(
+                window,
+                candidate.net,
+                serving.net,
+                gate,
+                n_boot=100,
+                params=serving_params,  # judged as this loop serves
+                serving_params=current,
+            )
+            return Verdict(decision, reason, est)
+
+        d = decide(
+            Candidate(candidate.manifest.version, candidate.manifest.reason),
+            serving.version,
+            judged,
+            canary_running=canary is not None,
+            canary_rate=canary_rate,
+        )
+        result.gate.append(d.decision)
+        if d.end_canary:
+            end_canary()
+        if d.action == "promote":
+            serve_as_configured(candidate)
+        elif d.start_canary:
+            canary = CanaryRun(candidate.manifest, candidate.net, serving.version, window, canary_rate, gate.canary_max)
+            retriever.set_canary(candidate)
 
     for _ in range(scenario.total_queries):
         q = env.next_query()
@@ -222,43 +300,7 @@ def run_offline(
                 version += 1
                 candidate = snapshot(serving_params)
                 result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
-                if gate is not None and retriever.policy is not None:
-                    full = replay.gate_window()
-                    if canary is not None:
-                        verdict, _ = canary.judge(full, cfg.gate_epsilon)
-                        if verdict is not None:
-                            n = len(canary.coupled) or len(canary.arms.canary)
-                            result.canary.append(f"{verdict} v{canary.version} ({n} canary decisions)")
-                            if verdict == "promoted":
-                                serve_as_configured(LoadedPolicy(manifest=canary.manifest, net=canary.net))
-                            else:
-                                canary = None
-                                retriever.set_canary(None)
-                    window = [e for e in full if not is_canary(e)]
-                    decision, _, _ = judge_window(
-                        window,
-                        candidate.net,
-                        retriever.policy.net,
-                        gate,
-                        n_boot=100,
-                        params=serving_params,  # judged as this loop serves
-                        serving_params=current,
-                    )
-                    result.gate.append(decision)
-                    if decision != "promoted":
-                        if decision == "insufficient" and canary is None and cfg.canary_rate > 0:
-                            # As the gate starts a canary (pipeline/learner/promotion_gate.py).
-                            canary = CanaryRun(
-                                candidate.manifest,
-                                candidate.net,
-                                retriever.policy.version,
-                                window[-gate.window :],
-                                cfg.canary_rate,
-                                cfg.canary_max,
-                            )
-                            retriever.set_canary(candidate)
-                        continue
-                serve_as_configured(candidate)
+                refresh(candidate)
 
         rating = env.rating(q.intent)
         if rating is not None:
@@ -267,14 +309,16 @@ def run_offline(
             fired = monitor.update(t, float(np.mean(q.utilities)), rating)
             result.corr.append((t, monitor.window.get(), monitor.window.pairs))
             if fired and cfg.reset:
-                # As the learner does on a reset command (pipeline/learner/loop.py).
+                # As the learner does on a reset command (pipeline/learner/control.py): warm up on
+                # the kept experiences since the drift began, then publish a "reset" checkpoint,
+                # which the promotion decision serves at once (ending any canary).
                 warm = replay.after_drift(monitor.trigger.change_t)
                 trainer.reset(
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
                 )
                 result.resets.append(t)
-                version += 1  # a reset is served as configured
-                serve_as_configured(snapshot(serving_params))
+                version += 1
+                refresh(snapshot(serving_params, "reset"))
         if progress is not None:
             progress()
     result.served = retriever.policy

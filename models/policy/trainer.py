@@ -115,7 +115,7 @@ class PolicyTrainer:
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
-        if batch.has_effect.any() or (self.config.credit_impute and len(self.baseline.slots)):
+        if batch.has_effect.any() or self.imputes():
             loss = self._credit_loss(batch, terms, dists, step_adv, w)
             stats.credited = int(batch.has_effect.sum())
         else:
@@ -135,6 +135,12 @@ class PolicyTrainer:
             self.memory_stats.update(e.event.selected, e.slot_effects)
         return stats
 
+    def imputes(self) -> bool:
+        """Whether positions without a measured per-memory effect get an imputed one (per-slot
+        means + a share of the residual, docs/learning.md "Per-memory credit"): once any
+        credit has arrived. Before, the loss is the step reward's."""
+        return len(self.baseline.slots) > 0
+
     def _credit_loss(
         self, batch: Batch, terms: torch.Tensor, dists: torch.Tensor, step_adv: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor:
@@ -142,7 +148,7 @@ class PolicyTrainer:
         slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
         selected, sel_valid = batch.selected.cpu().numpy(), batch.selected_valid.cpu().numpy()
         effect, has = batch.effect, batch.has_effect
-        if self.config.credit_impute and len(self.baseline.slots):
+        if self.imputes():
             # Doubly robust: the positions without a measured effect get an imputed one.
             base = self.baseline.slots
             chosen = np.take_along_axis(slot_base, selected, axis=1).astype(np.float64)

@@ -33,6 +33,12 @@ clients serve it on that share of their requests, and it is promoted or refused 
 requests' utilities against the serving policy's. Canary events stay out of the
 off-policy window (another behaviour policy drew them).
 
+What to do with a candidate — the superseded check, the rule's verdict, the label rule for
+label fine-tunes, whether it becomes the canary (never a delta), how a canary ends — is
+decided by :mod:`pipeline.learner.promotion_decision` (pure functions, which the lab's
+in-process loop calls too); :class:`PromotionGate` computes the verdicts, holds the networks
+and carries the decisions out (publishes, records, metrics).
+
 docs/learning.md ("The promotion gate") says how much traffic a decision takes.
 """
 
@@ -56,6 +62,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.promotion_decision import DECISIONS, Candidate, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -68,8 +75,6 @@ log = logging.getLogger(__name__)
 # Pessimistic on purpose: a candidate that moves its reads there must earn the trust that
 # the serving policy's logged reads already have.
 PESSIMISM = 0.1
-DECISIONS = ("promoted", "refused", "insufficient")
-CANARY_DECISION = {"promoted": "promoted", "refused": "refused", "retired": "insufficient"}
 
 
 @dataclass
@@ -187,7 +192,8 @@ def judge_log(
     seed: int = 0,
     serving_params: ServingParams | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
-    """:func:`judge` on a prepared log (the benchmark judges many candidates on one)."""
+    """:func:`judge`'s rule on a log already prepared (:class:`~models.offpolicy.served.SlateLog`):
+    the estimators, the gains over serving and over similarity-only, and :func:`rule`."""
     targets = {"candidate": Served(candidate, params), "serving": Served(serving, serving_params or params)}
     # Similarity-only is plain top-k, as a client without the policy serves it, not similarity
     # drawn at the serving temperature: on near-tied similarity scores (real embeddings) a
@@ -348,36 +354,34 @@ class PromotionGate:
         self.canary, self._canary_cleared = None, True
 
     async def _judge_canary(self) -> None:
-        """The running canary's verdict on the arms so far; a decided one ends."""
+        """The running canary's verdict on the arms so far (:func:`canary_decision`); a decided one ends."""
         run = self.canary
         if run is None:
             return
         serving_version = self.serving_manifest.version if self.serving_manifest else 0
-        decided: str | None
-        gain: Estimate | None
-        if run.serving_version != serving_version:  # served at once, or a label promoted, meanwhile
-            decided, gain = "retired", None
-        else:
-            window = list(self.window())
-            decided, gain = await asyncio.to_thread(run.judge, window, self.config.epsilon)
-        if decided is None:
+        window = list(self.window())
+        epsilon = self.config.epsilon
+        outcome = await asyncio.to_thread(
+            canary_decision, run.serving_version, serving_version, lambda: run.judge(window, epsilon)
+        )
+        if outcome is None:
             return
-        reason = run.describe(gain)
-        if decided == "promoted":
+        reason = run.describe(outcome.gain)
+        if outcome.serve:
             await self.promote(run.manifest, run.net)
             log.info("gate: promoted %s", reason)
         else:
-            log.info("gate: %s %s", decided, reason)
-        result = GateDecision(CANARY_DECISION[decided], run.version, serving_version, f"{decided}: {reason}", gain)
-        result.ess = gain.ess if gain is not None else None
+            log.info("gate: %s %s", outcome.verdict, reason)
+        result = GateDecision(
+            outcome.decision, run.version, serving_version, f"{outcome.verdict}: {reason}", outcome.gain
+        )
+        result.ess = outcome.gain.ess if outcome.gain is not None else None
         self._record(result)
         await self.end_canary()
 
     async def _start_canary(self, manifest: Manifest, candidate: PolicyNetwork, window: list[Experience]) -> None:
-        if self.canary is not None or self.params.canary_rate <= 0 or self.serving_manifest is None:
-            return
-        if isinstance(manifest, DeltaManifest):
-            return  # a canary is a full snapshot: clients hold it beside the serving policy
+        """Make the held ``candidate`` the canary (:func:`decide` said when)."""
+        assert self.serving_manifest is not None
         serving, rate, most = self.serving_manifest.version, self.params.canary_rate, self.config.canary_max
         # In a worker thread: it fits a reward model on the window.
         self.canary = await asyncio.to_thread(CanaryRun, manifest, candidate, serving, window, rate, most)
@@ -388,38 +392,46 @@ class PromotionGate:
         )
 
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
-        est: dict[str, Estimate] = {}
+        """Judge the canary, then decide on ``manifest`` (:func:`decide`) and carry the decision out."""
         if not self._canary_cleared:
             await self.end_canary()
         await self._judge_canary()
         window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
-        if self.serving_manifest is not None and manifest.version <= self.serving_manifest.version:
-            # A canary newer than this candidate was promoted just now: nothing left to judge.
-            decision, reason = "refused", f"superseded by the serving v{self.serving_manifest.version}"
-        elif self.serving_net is None or self.serving_manifest is None:
-            decision, reason = "promoted", "no serving policy yet"
-        else:
-            # A judgement takes seconds (docs/benchmarks.md, "Promotion gate calibration"): it runs
-            # in a worker thread on a copy of the window, so that the learner's loop (consuming,
-            # heartbeats, the supervisor) keeps running meanwhile.
-            decision, reason, est = await asyncio.to_thread(
-                judge_window,
+        serving_net, serving_manifest = self.serving_net, self.serving_manifest
+        serving_version = serving_manifest.version if serving_manifest is not None else 0
+
+        def judged() -> Verdict:
+            assert serving_net is not None and serving_manifest is not None
+            decision, reason, est = judge_window(
                 window,
                 candidate,
-                self.serving_net,
+                serving_net,
                 self.config,
                 params=self.params,
                 cache=self.moments,
-                serving_params=ServingParams.from_wire(self.serving_manifest.serving)
-                if self.serving_manifest.serving is not None
+                serving_params=ServingParams.from_wire(serving_manifest.serving)
+                if serving_manifest.serving is not None
                 else None,
             )
-        serving_version = self.serving_manifest.version if self.serving_manifest else 0
+            return Verdict(decision, reason, est)
+
+        # A judgement takes seconds (docs/benchmarks.md, "Promotion gate calibration"): it runs
+        # in a worker thread on a copy of the window, so that the learner's loop (consuming,
+        # heartbeats, the supervisor) keeps running meanwhile.
+        outcome = await asyncio.to_thread(
+            decide,
+            Candidate(manifest.version, manifest.reason, isinstance(manifest, DeltaManifest)),
+            serving_version if serving_net is not None and serving_manifest is not None else None,
+            judged,
+            canary_running=self.canary is not None,
+            canary_rate=self.params.canary_rate,
+        )
+        est = outcome.estimates
         result = GateDecision(
-            decision,
+            outcome.decision,
             manifest.version,
             serving_version,
-            reason,
+            outcome.reason,
             est.get("gain"),
             est.get("candidate"),
             est.get("serving"),
@@ -434,17 +446,21 @@ class PromotionGate:
             e = est.get(name)
             if e is not None:
                 m.gate_estimate.labels(policy=name).set(e.value)
-        if decision == "promoted":
+        if outcome.end_canary:
             await self.end_canary()
+        if outcome.action == "promote":
             await self.promote(manifest, candidate)
-            log.info("gate: promoted v%d: %s", manifest.version, reason)
-        elif decision == "refused":
+            if outcome.by_label_rule:
+                log.info("gate: label fine-tune v%d promoted (gate: %s)", manifest.version, outcome.reason)
+            else:
+                log.info("gate: promoted v%d: %s", manifest.version, outcome.reason)
+        elif outcome.action == "refuse":
             self.pending = None
-            log.warning("gate: refused v%d, serving stays v%d: %s", manifest.version, serving_version, reason)
+            log.warning("gate: refused v%d, serving stays v%d: %s", manifest.version, serving_version, outcome.reason)
         else:
             self.pending = (manifest, candidate)
-            log.info("gate: v%d waits: %s", manifest.version, reason)
-            if self.serving_net is not None:
+            log.info("gate: v%d waits: %s", manifest.version, outcome.reason)
+            if outcome.start_canary:
                 await self._start_canary(manifest, candidate, window)
         self._record(result)  # once the decision took effect
         return result

@@ -9,10 +9,9 @@ once (docs/learning.md).
 The manifest's ``metrics`` are written by :func:`manifest_metrics` and read back on a
 restore by :meth:`Progress.from_metrics` and :func:`applied_through`.
 
-*Label fine-tunes* (candidates with reason ``label``: expert answers) follow
-:func:`label_rule`: promoted also when the gate lacks the logged decisions to judge them,
-refused only when the gate had the data and refused, so that in a quiet deployment the
-answers still reach clients (docs/learning.md).
+Which checkpoints are candidates and which are served at once, and what the gate does with a
+candidate (the label rule for label fine-tunes included), is decided by
+:mod:`pipeline.learner.promotion_decision`.
 
 *Delta checkpoints* (contract 1.3): with ``full_every`` > 1, checkpoints between full
 snapshots are published as deltas of the serving version (``pipeline.learner.deltas``).
@@ -39,7 +38,8 @@ from models.serving.params import ServingParams
 from pipeline.config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.inbox import Key
-from pipeline.learner.promotion_gate import PromotionGate, network
+from pipeline.learner.promotion_decision import is_candidate
+from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.store import LocalStore
 from pipeline.learner.suppression import read_audit
 from pipeline.metrics import Metrics
@@ -50,7 +50,6 @@ from topics.manifest import Manifest, sha256_hex, split_chunks
 
 log = logging.getLogger(__name__)
 
-SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress")  # reasons whose checkpoints skip the gate
 # With the gate on, a fresh first policy (the same mask for every memory: similarity search)
 # is served at this temperature, as plain top-k, until the gate promotes a candidate: drawn
 # at the serving temperature it reads near-tied candidates almost at random, below
@@ -71,20 +70,6 @@ def first_serving(serving: ServingParams, gated: bool, reason: str, updates: int
     if gated and reason == "init" and updates == 0 and serving.temperature > FRESH_TEMPERATURE:
         return replace(serving, temperature=FRESH_TEMPERATURE)
     return serving
-
-
-def label_rule(decision: str) -> bool:
-    """Whether a label fine-tune is served, given the gate's decision on it.
-
-    Expert answers are not held back for lack of data: a label candidate is promoted when
-    the gate promotes it *or lacks the logged decisions to judge it* (a new or quiet
-    deployment). It is refused only when the gate had enough data and refused it: the
-    logged traffic gives evidence that it may do harm (e.g. mislabelled answers).
-
-    >>> [label_rule(d) for d in ("promoted", "insufficient", "refused")]
-    [True, True, False]
-    """
-    return decision in ("promoted", "insufficient")
 
 
 @dataclass
@@ -176,10 +161,7 @@ class Publishing:
         self.deltas = DeltaPlanner(self.publisher, arch, config.full_every, config.delta_max_share)
 
     def is_candidate(self, reason: str) -> bool:
-        # A drift reset is served at once: the detector has just shown that the serving
-        # policy no longer agrees with human judgement, and the gate's window still
-        # describes the world before the change.
-        return self.gate is not None and reason not in SERVED_AT_ONCE
+        return is_candidate(reason, self.gate is not None)
 
     async def publish(
         self,
@@ -254,24 +236,9 @@ class Publishing:
         if self.gate is None:
             return
         if published.candidate:
-            decision = await self.gate.consider(published.manifest, published.tensors)
-            if published.manifest.reason == "label":
-                await self._apply_label_rule(published, decision)
+            await self.gate.consider(published.manifest, published.tensors)
         else:
             await self.gate.serve_at_once(published.manifest, published.tensors)
-
-    async def _apply_label_rule(self, published: Published, decision: Any) -> None:
-        assert self.gate is not None
-        if decision.decision == "promoted" or not label_rule(decision.decision):
-            return
-        manifest, pending = published.manifest, self.gate.pending
-        # The gate built this candidate's network to judge it (pending): not built twice (2 GB at S = 10^6).
-        if pending is not None and pending[0].version == manifest.version:
-            net = pending[1]
-        else:
-            net = network(published.tensors)
-        await self.gate.promote(manifest, net)
-        log.info("learner: label fine-tune v%d promoted (gate: %s)", manifest.version, decision.reason)
 
     @property
     def candidate_waiting(self) -> bool:

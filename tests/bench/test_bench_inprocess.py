@@ -12,15 +12,20 @@ import numpy as np
 import pytest
 from causalmem_lab.bench import inprocess
 
+from models.policy.trainer import PolicyTrainer
 from pipeline.config import Settings
 from tests.bench.test_lab_offline import TINY
 from tests.bench.test_lm_bench import small
 
 
 def test_rows_set_the_trainers_imputation() -> None:
-    cfg = inprocess._Config(hidden=16, credit_impute=False)
-    assert cfg.trainer(TINY).credit_impute is False
-    assert inprocess._Config(hidden=16).trainer(TINY).credit_impute is True
+    plain = inprocess._Config(hidden=16, credit_impute=False).make_trainer(TINY)
+    assert isinstance(plain, inprocess.StepRewardBetween)
+    imputing = inprocess._Config(hidden=16).make_trainer(TINY)
+    assert type(imputing) is PolicyTrainer
+    for t in (plain, imputing):  # once credit has arrived, only the learner's own trainer imputes
+        t.baseline.slots.update(3, -1.0)
+    assert imputing.imputes() and not plain.imputes()
     assert not inprocess.ROWS["credit25_plain"].credit_impute and inprocess.ROWS["credit25"].credit_impute
     with pytest.raises(ValueError, match="unknown in-process rows"):
         inprocess.run(argparse.Namespace(seeds="0", seed=0, rows="nope", lr=None, quick=True))
@@ -28,7 +33,9 @@ def test_rows_set_the_trainers_imputation() -> None:
 
 def test_measures_as_served_and_for_a_drift() -> None:
     scenario = dataclasses.replace(TINY, attribution_rate=0.25)
-    cfg = inprocess._Config(hidden=16, refresh_every=40, drift_min_pairs=20, page_hinkley=False, batch_size=16)
+    cfg = inprocess._Config(
+        hidden=16, refresh_every=40, drift_min_pairs=20, page_hinkley=False, batch_size=16, gate=False
+    )
     res = inprocess.run_offline(scenario, cfg)
     drift = inprocess.measure(res, scenario)
     assert set(drift) == {"before", "last_day", "ratio", "resets"} and 0.0 <= drift["last_day"] <= 1.0  # type: ignore[operator]
@@ -93,7 +100,7 @@ def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Pa
     data, u, _ = small(tmp_path)
     runner = inprocess.LMRunner(data, u, events=150)
     assert runner.oracle >= runner.similarity
-    cfg = inprocess._Config(hidden=16, refresh_every=50, batch_size=16)
+    cfg = inprocess._Config(hidden=16, refresh_every=50, batch_size=16, gate=False)  # as the row's run() sets it
     m = runner.run(inprocess.ROWS["lm_credit25"], cfg)
     promotions = {"promoted", "canary_promoted", "canary_share", "canary_utility", "all_utility"}
     assert set(m) == {"value", "gold", "leak", "gap_closed"} | promotions and 0.0 <= m["gold"] <= 1.0
@@ -111,7 +118,7 @@ def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Pa
         "lm_credit25_gated_canary10",
         "lm_credit25_gated_canary20",
     }
-    assert inprocess.ROWS["lm_credit25_gated"].canary()["canary_rate"] == Settings.serve_canary_rate
+    assert inprocess.ROWS["lm_credit25_gated"].canary()["canary_rate"] == Settings().serve_canary_rate
     assert inprocess.ROWS["lm_credit25"].canary() == {"canary_rate": 0.0}
 
 

@@ -3,10 +3,15 @@ resets and gates with the learner's own rules."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+from causalmem_lab import offline
 from causalmem_lab.offline import OfflineConfig, run_offline
 from causalmem_lab.simulator import Scenario
 
 from pipeline.config import Settings
+from pipeline.learner import promotion_decision, promotion_gate
 
 TINY = Scenario(
     embedding_dim=8, slots=64, intents=3, background=20, days=2, queries_per_day=120, drift_day=1.0, n_candidates=8
@@ -14,7 +19,9 @@ TINY = Scenario(
 
 
 def test_refreshes_and_resets_each_serve_a_new_version() -> None:
-    cfg = OfflineConfig(hidden=16, refresh_every=40, drift_min_pairs=20, drift_cooldown_s=86400.0, page_hinkley=False)
+    cfg = OfflineConfig(
+        hidden=16, refresh_every=40, drift_min_pairs=20, drift_cooldown_s=86400.0, page_hinkley=False, gate=False
+    )
     result = run_offline(TINY, cfg)
     assert len(result.tally.version) > 400
     assert result.resets, "the drift on day 1 fires a reset"
@@ -25,7 +32,7 @@ def test_refreshes_and_resets_each_serve_a_new_version() -> None:
 
 
 def test_a_gate_without_enough_data_keeps_the_first_policy() -> None:
-    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9)
+    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9, canary_rate=0.0)
     result = run_offline(TINY, cfg)
     assert result.gate and set(result.gate) == {"insufficient"}
     assert set(result.tally.version) == {1}
@@ -33,13 +40,30 @@ def test_a_gate_without_enough_data_keeps_the_first_policy() -> None:
     # ranking (T = 0.001), not drawn at the serving temperature, until a promotion.
     assert result.served is not None and result.served.serving is not None
     assert result.served.serving.temperature == 0.001
-    assert run_offline(TINY, OfflineConfig(hidden=16, refresh_every=40, reset=False)).served.serving is None  # type: ignore[union-attr]
+    ungated = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=False)
+    assert run_offline(TINY, ungated).served.serving is None  # type: ignore[union-attr]
 
 
-def test_keeps_what_the_learner_keeps() -> None:
-    assert OfflineConfig().replay_window_s == Settings().learner().replay_window_s
-    assert OfflineConfig().gate_config() is None
-    assert OfflineConfig(gate=True).gate_config() == Settings().learner().gate
+def test_keeps_what_the_learner_keeps_and_defaults_to_the_products_settings() -> None:
+    product = Settings()
+    cfg = OfflineConfig()
+    assert cfg.replay_window_s == product.learner().replay_window_s
+    assert OfflineConfig(gate=False).gate_config() is None
+    assert cfg.gate_config() == product.learner().gate  # gated with the learner's rule, as the product is
+    sized = product.replace(embedding_dim=TINY.embedding_dim, slots=TINY.slots, device="cpu")
+    assert cfg.trainer(TINY) == sized.trainer()
+    assert OfflineConfig(lr=0.5).trainer(TINY) == sized.replace(lr=0.5).trainer()
+    assert (cfg.batch_size, cfg.warmup_epochs, cfg.warmup_half_life_s) == (
+        product.batch_size,
+        product.warmup_epochs,
+        product.warmup_half_life_s,
+    )
+    assert (cfg.canary_rate, cfg.canary_coupled, cfg.drop, cfg.reset) == (
+        product.serve_canary_rate,
+        product.serve_canary_coupled,
+        product.serve_drop,
+        product.drift_reset,
+    )
 
 
 def test_a_canary_serves_the_pending_candidate_on_its_share_and_is_judged_on_it() -> None:
@@ -59,7 +83,45 @@ def test_a_canary_serves_the_pending_candidate_on_its_share_and_is_judged_on_it(
 
 
 def test_without_a_canary_share_nothing_is_canaried() -> None:
-    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9)
+    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9, canary_rate=0.0)
     result = run_offline(TINY, cfg)
     assert not result.canary and not result.canary_utility
     assert set(result.tally.version) == {1}
+
+
+def test_the_loop_takes_the_learners_promotion_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One function decides for both: the learner's gate and this loop import the same objects.
+    for name in ("decide", "canary_decision", "is_candidate"):
+        assert getattr(offline, name) is getattr(promotion_decision, name)
+    assert promotion_gate.decide is promotion_decision.decide
+    assert promotion_gate.canary_decision is promotion_decision.canary_decision
+    # The loop holds no rule of its own: it defines no function but its snapshot and itself.
+    own = {n for n, v in vars(offline).items() if callable(v) and getattr(v, "__module__", "") == offline.__name__}
+    assert own == {"OfflineConfig", "OfflineResult", "_snapshot", "run_offline"}
+    calls: list[tuple[promotion_decision.Candidate, int | None, str]] = []
+    ended: list[str] = []
+
+    def decide(candidate: Any, serving: Any, judge: Any, **kw: Any) -> Any:
+        d = promotion_decision.decide(candidate, serving, judge, **kw)
+        calls.append((candidate, serving, d.decision))
+        return d
+
+    def canary_decision(*args: Any) -> Any:
+        d = promotion_decision.canary_decision(*args)
+        if d is not None:
+            ended.append(d.verdict)
+        return d
+
+    monkeypatch.setattr(offline, "decide", decide)
+    monkeypatch.setattr(offline, "canary_decision", canary_decision)
+    cfg = OfflineConfig(
+        hidden=16, refresh_every=40, gate_min_ess=1e9, canary_rate=0.3, canary_max=15, drift_min_pairs=20
+    )
+    result = run_offline(TINY, cfg)
+    # Every refresh is a candidate the product's decision judged (a drift reset is served at
+    # once: no decision), and the loop records exactly what it decided.
+    assert [c.version for c, _, _ in calls] == [v for _, v, _ in result.refreshes]
+    assert all(c.reason == "periodic" and not c.delta for c, _, _ in calls)
+    assert [d for _, _, d in calls] == result.gate
+    assert [s for _, s, _ in calls] == [s for _, _, s in result.refreshes]
+    assert ended == [v.split()[0] for v in result.canary] and ended

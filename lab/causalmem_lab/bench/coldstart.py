@@ -138,7 +138,7 @@ def pretrain(seed: int, args: argparse.Namespace) -> tuple[Scenario, Environment
     s = scenario(seed, args.helpful)
     env = Environment(s)
     bank = Bank(env)
-    cfg = OfflineConfig(hidden=64, lr=3e-3, seed=seed, refresh_every=args.refresh)
+    cfg = OfflineConfig(hidden=64, lr=3e-3, batch_size=32, seed=seed, refresh_every=args.refresh)
     trainer = PolicyTrainer(cfg.trainer(s))
     for _ in traffic(env, bank, retriever(bank, s, bank.n_live), trainer, args.pretrain_queries, cfg):
         pass

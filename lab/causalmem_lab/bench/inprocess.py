@@ -2,7 +2,7 @@
 
 The same retriever, trainer, replay and drift monitor as the pipeline, without Kafka
 (:func:`causalmem_lab.offline.run_offline`: a refresh of the served policy every 300
-steps, micro-batches of 64 as the learner's default). Minutes per seed instead of the
+steps, micro-batches of the learner's default size, 64). Minutes per seed instead of the
 pipeline's tens, so rows can be compared over several seeds side by side; the figures
 are for the policy *as served* (requests not served at the exploration temperature).
 
@@ -32,10 +32,9 @@ import numpy as np
 
 from causalmem_lab.bench.staleness import staleness, true_value
 from causalmem_lab.lmworld import LMScenario
-from causalmem_lab.offline import OfflineConfig, run_offline
+from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from causalmem_lab.simulator import DAY, Scenario
-from models.policy.trainer import TrainerConfig
-from pipeline.config import Settings
+from models.policy.trainer import PolicyTrainer
 
 
 @dataclass(frozen=True)
@@ -64,9 +63,9 @@ class InProcessRow:
         """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
         if not self.gate:
             return {"canary_rate": 0.0}
-        rate = Settings.serve_canary_rate if self.canary_rate is None else self.canary_rate
-        coupled = Settings.serve_canary_coupled if self.coupled is None else self.coupled
-        return {"canary_rate": rate, "canary_max": Settings.gate_canary_max, "canary_coupled": coupled}
+        rate = PRODUCT.serve_canary_rate if self.canary_rate is None else self.canary_rate
+        coupled = PRODUCT.serve_canary_coupled if self.coupled is None else self.coupled
+        return {"canary_rate": rate, "canary_max": PRODUCT.gate_canary_max, "canary_coupled": coupled}
 
 
 _FRESH: dict[str, Any] = {"freshness": True, "refresh_every": 200, "days": 15.0}
@@ -161,12 +160,22 @@ ROWS: dict[str, InProcessRow] = {
 DEFAULT_ROWS = ("dynamic", "credit25", "credit25_plain", "credit")
 
 
+class StepRewardBetween(PolicyTrainer):
+    """The learner's trainer without imputed credit: a step without measured per-memory effects
+    is learnt from its step reward (``u − b``) even once credit has arrived. The ``*_plain``
+    rows measure what imputation adds against it (docs/learning.md, "Per-memory credit")."""
+
+    def imputes(self) -> bool:
+        return False
+
+
 @dataclass
 class _Config(OfflineConfig):
-    credit_impute: bool = True
+    credit_impute: bool = True  # False: StepRewardBetween
 
-    def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
-        return dataclasses.replace(super().trainer(scenario), credit_impute=self.credit_impute)
+    def make_trainer(self, scenario: Scenario | LMScenario) -> PolicyTrainer:
+        config = self.trainer(scenario)
+        return PolicyTrainer(config) if self.credit_impute else StepRewardBetween(config)
 
 
 def rolling_recall(result: Any, window: int = 300) -> np.ndarray:
@@ -305,8 +314,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [k for k in wanted if k not in ROWS]
     if unknown:
         raise ValueError(f"unknown in-process rows {unknown}; known: {list(ROWS)}")
-    lr = args.lr or TrainerConfig.lr
-    report: dict[str, Any] = {"seeds": seeds, "lr": lr, "batch_size": 64, "rows": {}}
+    lr = args.lr or PRODUCT.lr
+    report: dict[str, Any] = {"seeds": seeds, "lr": lr, "batch_size": PRODUCT.batch_size, "rows": {}}
     curves: dict[str, dict[int, np.ndarray]] = {}
     lm = (
         LMRunner.load(getattr(args, "cache_dir", None), getattr(args, "lm_model", None))
@@ -322,7 +331,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.monotonic()
             cfg = _Config(
                 lr=row.lr or lr,
-                batch_size=64,
                 seed=seed,
                 refresh_every=row.refresh_every or OfflineConfig.refresh_every,
                 gate_epsilon=row.gate_epsilon or OfflineConfig.gate_epsilon,

@@ -40,7 +40,7 @@ def scenario(seed: int) -> Scenario:
 
 def train(env: Environment, s: Scenario, queries: int) -> Any:
     """A policy trained on ``queries`` simulated queries (REINFORCE, as the learner does)."""
-    cfg = OfflineConfig(hidden=64, lr=3e-3, seed=s.seed)
+    cfg = OfflineConfig(hidden=64, lr=3e-3, batch_size=32, seed=s.seed)
     trainer = PolicyTrainer(cfg.trainer(s))
     retriever = CausalRetriever(env.memory, k=s.k, n_candidates=s.n_candidates, temperature=s.temperature, seed=s.seed)
     retriever.explore_rate, retriever.explore_temperature = s.explore_rate, s.explore_temperature

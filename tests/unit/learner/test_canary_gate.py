@@ -4,7 +4,6 @@ one, how it reads the arms, and how a canary ends."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,6 @@ from pipeline.config import GateConfig
 from pipeline.learner import promotion_gate as gate_module
 from pipeline.learner.canary import CanaryRun
 from pipeline.learner.promotion_gate import PromotionGate
-from pipeline.learner.publishing import Published, Publishing
 from pipeline.metrics import Metrics
 from tests.integration.test_gate import D, H, S, log_of
 from topics.internal import Experience
@@ -134,17 +132,33 @@ def test_the_canary_reads_only_what_is_new_in_the_replay_and_counts_each_event_o
     assert (len(parts.arms.canary), len(parts.arms.serving)) == (25, 40)
 
 
-async def test_a_label_candidate_the_gate_cannot_judge_is_served_with_the_network_it_built() -> None:
+async def test_a_label_candidate_the_gate_cannot_judge_is_served_with_the_network_it_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     net = init_policy(D, S, H, seed=1)
     window = served(log_of(net, 80, seed=5), 1, 0.0)
+    built: list[Any] = []
+    real = gate_module.network
+
+    def spy(tensors: Any) -> Any:
+        built.append(real(tensors))
+        return built[-1]
+
+    monkeypatch.setattr(gate_module, "network", spy)
     pub = Publisher()
-    gate = PromotionGate(GateConfig(min_ess=1e9), pub, Metrics(), lambda: window)  # type: ignore[arg-type]
+    gate = PromotionGate(
+        GateConfig(min_ess=1e9),
+        pub,  # type: ignore[arg-type]
+        Metrics(),
+        lambda: window,
+        serving=ServingParams(canary_rate=0.2),
+    )
     gate.set_serving(manifest(1), net.tensors())
     label = dataclasses.replace(manifest(2), reason="label")
     decision = await gate.consider(label, net.tensors())
-    assert decision.decision == "insufficient" and gate.pending is not None
-    built = gate.pending[1]
-    owner = SimpleNamespace(gate=gate)
-    await Publishing._apply_label_rule(owner, Published(label, net.tensors(), True), decision)  # type: ignore[arg-type]
-    assert pub.promoted == [2] and gate.serving_net is built and gate.pending is None
+    # The gate's verdict is recorded; the label rule serves the candidate all the same, with the
+    # network built to judge it (not built twice: 2 GB at S = 10^6), and makes it no canary.
+    assert decision.decision == "insufficient" and gate.decisions[-1] is decision
+    assert pub.promoted == [2] and len(built) == 2 and gate.serving_net is built[1] and gate.pending is None
     assert gate.serving_manifest is not None and gate.serving_manifest.version == 2
+    assert gate.canary is None and pub.canaries == [None]

@@ -17,7 +17,7 @@ from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.learner.fence import Fence
 from pipeline.learner.inbox import Inbox
-from pipeline.learner.publishing import label_rule
+from pipeline.learner.promotion_decision import label_rule
 from pipeline.learner.restore import newest_local
 from pipeline.learner.store import LocalStore
 from pipeline.learner.supervise import supervise

@@ -12,11 +12,23 @@ import torch
 from models.policy.baseline import SlotBaseline, make_baseline
 from models.policy.batch import make_batch
 from models.policy.reinforce import credit_loss, impute_effects, reinforce_loss
+from models.policy.trainer import PolicyTrainer
 from models.serving.rule import plackett_luce_logprob, plackett_luce_terms_torch
 from tests.unit.models.policy.test_trainer import event, fb, params, trainer
 from topics.internal import Experience
 
 ALL3 = torch.ones(1, 3, dtype=torch.bool)
+
+
+class StepRewardBetween(PolicyTrainer):
+    """Imputation off (as the lab's ablation rows run it): the step reward where no effect was measured."""
+
+    def imputes(self) -> bool:
+        return False
+
+
+def plain() -> PolicyTrainer:
+    return StepRewardBetween(trainer().config)
 
 
 def _row_loss(
@@ -264,7 +276,7 @@ def test_a_step_without_credit_moves_away_from_a_memory_known_to_hurt() -> None:
     assert float(m1[0] - m0[0]) < 0 < float(m1[1] - m0[1])  # slot 3 down, slot 7 up
     assert t.baseline.slots.n(3) == 1  # imputed effects never feed the per-slot means
     # With imputation off, the step reward (A = −1) pushes both memories it read down.
-    off = trainer(credit_impute=False)
+    off = plain()
     off.baseline.slots.update(3, -1.0)
     off.update([Experience("e0", "feedback", ev, -1.0)])
     m2 = masks(off)
@@ -272,7 +284,7 @@ def test_a_step_without_credit_moves_away_from_a_memory_known_to_hurt() -> None:
 
 
 def test_without_any_credit_seen_the_step_reward_is_unchanged() -> None:
-    a, b = trainer(), trainer(credit_impute=False)
+    a, b = trainer(), plain()
     for i in range(3):
         a.update([fb(i, 0.5 * i)])
         b.update([fb(i, 0.5 * i)])
