@@ -26,8 +26,5 @@ class TrainerConfig:
     baseline_fading: float = 0.01
     label_lr: float = 1e-2
     reset_scope: str = "network"  # a drift reset re-initialises: network | last_layer
-    # Once per-memory credit has arrived, steps without it get imputed effects (per-slot
-    # means + a share of the residual; docs/learning.md). False: the step reward there.
-    credit_impute: bool = True
     device: str = "cpu"
     seed: int = 0

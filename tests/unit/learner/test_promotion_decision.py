@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pipeline.component_config import GateConfig
 
 from models.offpolicy.estimators import Estimate
 from models.policy.network import init_policy
 from models.serving.params import ServingParams
+from pipeline.config import GateConfig
 from pipeline.learner import promotion_gate as gate_module
 from pipeline.learner.promotion_decision import (
     CanaryDecision,
