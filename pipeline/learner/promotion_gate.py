@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ from models.offpolicy.slate import MomentCache
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.component_config import GateConfig
-from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -301,6 +302,7 @@ class PromotionGate:
         self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
         self.canary: CanaryRun | None = None  # contract 1.4: the candidate clients serve on canary_rate
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
+        self.backoff = CanaryBackoff()  # no canaries while clients serve none (a probe now and then)
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest, self.serving_net = manifest, network(tensors)
@@ -362,6 +364,8 @@ class PromotionGate:
             decided, gain = await asyncio.to_thread(run.judge, window, self.config.epsilon)
         if decided is None:
             return
+        if run.serving_version == serving_version:  # ended on its own arms: the back-off counts it
+            self.backoff.ended(run, time.time())
         reason = run.describe(gain)
         if decided == "promoted":
             await self.promote(run.manifest, run.net)
@@ -376,6 +380,8 @@ class PromotionGate:
     async def _start_canary(self, manifest: Manifest, candidate: PolicyNetwork, window: list[Experience]) -> None:
         if self.canary is not None or self.params.canary_rate <= 0 or self.serving_manifest is None:
             return
+        if not self.backoff.plan(time.time()).start:
+            return  # clients serve no canary: the off-policy judgement alone decides
         if isinstance(manifest, DeltaManifest):
             return  # a canary is a full snapshot: clients hold it beside the serving policy
         serving, rate, most = self.serving_manifest.version, self.params.canary_rate, self.config.canary_max

@@ -24,6 +24,7 @@ every version is its full state.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -38,6 +39,7 @@ from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
 from pipeline.component_config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
+from pipeline.learner.freeze import ServingClock
 from pipeline.learner.inbox import Key
 from pipeline.learner.promotion_gate import PromotionGate, network
 from pipeline.learner.store import LocalStore
@@ -174,6 +176,24 @@ class Publishing:
             PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving) if config.gate else None
         )
         self.deltas = DeltaPlanner(self.publisher, arch, config.full_every, config.delta_max_share)
+        self.clock = ServingClock()  # how long serving has stood while candidates waited
+        if self.gate is not None:
+            metrics.seconds_since_promotion.set_function(self.clock.seconds)
+
+    def _observe_serving(self) -> None:
+        """The serving version after a judgement (or a restore): the clock and its gauges."""
+        if self.gate is not None:
+            self.clock.serving(self.gate.serving_manifest)
+            self.metrics.candidates_waiting.set(self.clock.waiting)
+
+    def gate_record(self) -> dict[str, Any]:
+        """``metrics.gate`` for the next manifest (:meth:`ServingClock.record`); empty without a gate."""
+        if self.gate is None:
+            return {}
+        self._observe_serving()
+        backoff = self.gate.backoff
+        paused = backoff.plan(time.time()).reason if backoff.paused else None
+        return {"gate": self.clock.record(self.gate.decisions, paused)}
 
     def is_candidate(self, reason: str) -> bool:
         # A drift reset is served at once: the detector has just shown that the serving
@@ -222,7 +242,7 @@ class Publishing:
                 reason=reason,
                 arch=self.arch.to_dict(),
                 baseline=trainer.baseline.get(),
-                metrics=metrics,
+                metrics={**metrics, **self.gate_record()},
                 input_offsets=input_offsets,
                 candidate=candidate,
                 prepare=save_locally,
@@ -234,6 +254,9 @@ class Publishing:
             raise
         self.deltas.record(manifest.version, delta is not None, changed_rows)
         role = "candidate" if candidate else "serving"
+        if candidate:
+            self.clock.candidate(manifest.version)
+            self.metrics.candidates_waiting.set(self.clock.waiting)
         m = self.metrics
         m.checkpoint_publishes.labels(reason=reason).inc()
         m.checkpoint_version.labels(role=role).set(manifest.version)
@@ -259,6 +282,7 @@ class Publishing:
                 await self._apply_label_rule(published, decision)
         else:
             await self.gate.serve_at_once(published.manifest, published.tensors)
+        self._observe_serving()
 
     async def _apply_label_rule(self, published: Published, decision: Any) -> None:
         assert self.gate is not None
@@ -281,6 +305,7 @@ class Publishing:
     async def reconsider(self) -> None:
         if self.gate is not None:
             await self.gate.reconsider()
+            self._observe_serving()
 
 
 @dataclass
