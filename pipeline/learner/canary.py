@@ -22,6 +22,11 @@ slates on those requests instead, and the run judges the canary on them alone
 (:mod:`models.offpolicy.coupled`), predicting each slate with a reward model fit on the window
 before the canary started; a coupled canary gives way after ``canary_max`` requests
 whose two slates differed.
+
+Where clients serve no canary at all, :func:`canary_plan` stops starting them after
+:data:`IDLE_CANARIES` canaries in a row that saw no canary decision, probes with one every
+:data:`PROBE_AFTER_S`, and resumes once one sees canary decisions (:class:`CanaryBackoff`
+keeps that state in the gate and logs each change once).
 """
 
 from __future__ import annotations

@@ -94,6 +94,9 @@ async def test_a_learner_whose_candidates_all_wait_says_so_in_metrics_and_status
     assert checkpoint_view(index, "default", since + FROZEN_AFTER_S)["freeze"]["frozen"]
     text = render_text({"checkpoints": checkpoint_view(index, "default", since + 720.0)})
     assert "serving v1 for 12m while 20 candidates waited: v20 waits: no logged decisions yet" in text
+    # Canaries the back-off paused are in the next manifest's record too (status shows the line).
+    pub.gate.backoff.idle_streak = pub.gate.backoff.idle_canaries
+    assert pub.gate_record()["gate"]["canaries_paused"].startswith("canaries paused: the last 3 canaries")
 
 
 def rows(trainer: PolicyTrainer) -> Any:
