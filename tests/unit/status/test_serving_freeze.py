@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import generate_latest
 from rich.console import Console
 
 from models.policy.trainer import PolicyTrainer
@@ -17,8 +18,10 @@ from pipeline.learner.publishing import Publishing
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import ModelTopicIndex
+from pipeline.promtext import parse
 from pipeline.status.collect import checkpoint_view
 from pipeline.status.freeze import FROZEN_AFTER_S, freeze_view, short_age
+from pipeline.status.live import learner_view
 from pipeline.status.render import freeze_text, render
 from topics.manifest import Manifest
 
@@ -81,6 +84,8 @@ async def test_a_learner_whose_candidates_all_wait_says_so_in_metrics_and_status
     value = metrics.registry.get_sample_value
     assert value("causalmem_learner_seconds_since_promotion") == 720.0
     assert value("causalmem_learner_candidates_waiting") == 20.0
+    live = learner_view("u", parse(generate_latest(metrics.registry).decode()), {}, "")  # status --learner URL
+    assert live["seconds_since_promotion"] == 720.0 and live["candidates_waiting"] == 20
     # The newest manifest records the gate's last word for status.
     index = index_of(producer)
     newest = index.newest("default")
