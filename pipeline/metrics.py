@@ -319,6 +319,18 @@ class Metrics:
         self.gate_ess_needed = Gauge(
             "causalmem_gate_ess_needed", "Effective sample size a gate decision needs", registry=self._reg("learner")
         )
+        # A learner that trains and publishes while serving never moves (the gate cannot decide
+        # its candidates) looks busy: these two say it is not (pipeline/learner/freeze.py).
+        self.seconds_since_promotion = Gauge(
+            "causalmem_learner_seconds_since_promotion",
+            "Seconds since the serving version last changed (a promotion, or a checkpoint served at once)",
+            registry=self._reg("learner"),
+        )
+        self.candidates_waiting = Gauge(
+            "causalmem_learner_candidates_waiting",
+            "Candidates published since the serving version last changed",
+            registry=self._reg("learner"),
+        )
         self.cluster_resets = Counter(
             "causalmem_broker_resets_detected_total",
             "Broker resets (lost topics) detected",

@@ -22,10 +22,16 @@ slates on those requests instead, and the run judges the canary on them alone
 (:mod:`models.offpolicy.coupled`), predicting each slate with a reward model fit on the window
 before the canary started; a coupled canary gives way after ``canary_max`` requests
 whose two slates differed.
+
+Where clients serve no canary at all, :func:`canary_plan` stops starting them after
+:data:`IDLE_CANARIES` canaries in a row that saw no canary decision, probes with one every
+:data:`PROBE_AFTER_S`, and resumes once one sees canary decisions (:class:`CanaryBackoff`
+keeps that state in the gate and logs each change once).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +45,8 @@ from models.offpolicy.reward_model import AdditiveRewardModel
 from models.policy.network import PolicyNetwork
 from topics.internal import Experience
 from topics.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 
 def is_canary(e: Experience) -> bool:
@@ -177,3 +185,81 @@ class CanaryRun:
         if gain is None:
             return f"canary v{self.version}: {n}"
         return f"canary v{self.version}: gain {gain.value:+.4f} in [{gain.low:+.4f}, {gain.high:+.4f}] on {n}"
+
+
+# A learner whose clients serve no canary (a client written from the contract without 1.4, the
+# adapters before they served one) would otherwise start a canary, retire it with "0 canary /
+# N serving decisions", and start the next one, forever: each canary holds a full snapshot on
+# every client and tells operators nothing. After this many canaries in a row that each ended
+# with no canary decision, the learner starts none (the off-policy gate alone judges
+# candidates) ...
+IDLE_CANARIES = 3
+# ... except one probe canary each time this long has passed since the last one ended: a
+# client that starts serving canaries (an upgrade, a canary_rate turned on) shows up in it,
+# and canaries resume once one sees canary decisions again.
+PROBE_AFTER_S = 1800.0
+
+
+@dataclass(frozen=True)
+class CanaryPlan:
+    """Whether the gate may start a canary now, and whether canaries are paused (and why)."""
+
+    start: bool
+    paused: bool
+    reason: str
+
+
+def canary_plan(
+    idle_streak: int,
+    last_end: float | None,
+    now: float,
+    idle_canaries: int = IDLE_CANARIES,
+    probe_after_s: float = PROBE_AFTER_S,
+) -> CanaryPlan:
+    """The canary back-off: ``idle_streak`` canaries in a row ended with no canary decision,
+    the last of them at ``last_end``.
+
+    >>> canary_plan(2, 100.0, 101.0).start
+    True
+    >>> p = canary_plan(3, 100.0, 101.0)
+    >>> p.start, p.paused
+    (False, True)
+    >>> canary_plan(3, 100.0, 100.0 + PROBE_AFTER_S).start  # the probe
+    True
+    """
+    if idle_streak < idle_canaries:
+        return CanaryPlan(True, False, "")
+    reason = (
+        f"canaries paused: the last {idle_streak} canaries saw no canary decision (clients serve none); "
+        f"the gate judges candidates on the logged decisions alone, one probe canary every {probe_after_s:.0f} s"
+    )
+    probe = last_end is None or now - last_end >= probe_after_s
+    return CanaryPlan(probe, True, reason)
+
+
+@dataclass
+class CanaryBackoff:
+    """The state :func:`canary_plan` decides on, kept by the gate across canaries; logs each change once."""
+
+    idle_canaries: int = IDLE_CANARIES
+    probe_after_s: float = PROBE_AFTER_S
+    idle_streak: int = 0
+    last_end: float | None = None
+
+    def plan(self, now: float) -> CanaryPlan:
+        return canary_plan(self.idle_streak, self.last_end, now, self.idle_canaries, self.probe_after_s)
+
+    @property
+    def paused(self) -> bool:
+        return self.idle_streak >= self.idle_canaries
+
+    def ended(self, run: CanaryRun, now: float) -> None:
+        """A canary ended (by its own verdict): count it as idle if clients served it nowhere."""
+        was = self.paused
+        served = len(run.arms.canary) + len(run.coupled)
+        self.idle_streak = 0 if served else self.idle_streak + 1
+        self.last_end = now
+        if self.paused and not was:
+            log.warning("gate: %s", self.plan(now).reason)
+        elif was and not self.paused:
+            log.info("gate: canaries resume: canary v%d saw %d canary decisions", run.version, served)

@@ -109,11 +109,14 @@ def decide(
     *,
     canary_running: bool,
     canary_rate: float,
+    canary_paused: bool = False,
 ) -> Decision:
     """The decision on ``candidate``; ``judge`` (the gate's rule on the window) runs only when needed.
 
     ``serving_version``: the policy clients serve (None: none yet); ``canary_running``: a canary
-    runs; ``canary_rate``: the share of requests clients serve a canary on.
+    runs; ``canary_rate``: the share of requests clients serve a canary on; ``canary_paused``:
+    the canary back-off holds (clients served none of the last canaries,
+    :func:`pipeline.learner.canary.canary_plan`), so the log alone decides.
 
     >>> never = lambda: Verdict("promoted", "")
     >>> decide(Candidate(3), 4, never, canary_running=False, canary_rate=0.2).reason
@@ -122,6 +125,8 @@ def decide(
     >>> decide(Candidate(5), 4, undecided, canary_running=False, canary_rate=0.2).start_canary
     True
     >>> decide(Candidate(5, delta=True), 4, undecided, canary_running=False, canary_rate=0.2).start_canary
+    False
+    >>> decide(Candidate(5), 4, undecided, canary_running=False, canary_rate=0.2, canary_paused=True).start_canary
     False
     >>> decide(Candidate(5, "label"), 4, undecided, canary_running=False, canary_rate=0.2).action
     'promote'
@@ -141,7 +146,7 @@ def decide(
         # Served without a canary: the canary that runs, if any, is retired at its next
         # judgement (the serving policy changed under it).
         return Decision(verdict.decision, verdict.reason, "promote", by_label_rule=True, estimates=est)
-    start = not canary_running and canary_rate > 0 and not candidate.delta
+    start = not canary_running and canary_rate > 0 and not candidate.delta and not canary_paused
     return Decision(verdict.decision, verdict.reason, "hold", start_canary=start, estimates=est)
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,7 @@ from models.offpolicy.slate import MomentCache
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
-from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
@@ -307,6 +308,7 @@ class PromotionGate:
         self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
         self.canary: CanaryRun | None = None  # contract 1.4: the candidate clients serve on canary_rate
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
+        self.backoff = CanaryBackoff()  # no canaries while clients serve none (a probe now and then)
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest, self.serving_net = manifest, network(tensors)
@@ -366,6 +368,8 @@ class PromotionGate:
         )
         if outcome is None:
             return
+        if run.serving_version == serving_version:  # ended on its own arms: the back-off counts it
+            self.backoff.ended(run, time.time())
         reason = run.describe(outcome.gain)
         if outcome.serve:
             await self.promote(run.manifest, run.net)
@@ -425,6 +429,7 @@ class PromotionGate:
             judged,
             canary_running=self.canary is not None,
             canary_rate=self.params.canary_rate,
+            canary_paused=not self.backoff.plan(time.time()).start,
         )
         est = outcome.estimates
         result = GateDecision(

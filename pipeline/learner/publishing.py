@@ -23,6 +23,7 @@ every version is its full state.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -37,6 +38,7 @@ from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
 from pipeline.config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
+from pipeline.learner.freeze import ServingClock
 from pipeline.learner.inbox import Key
 from pipeline.learner.promotion_decision import is_candidate
 from pipeline.learner.promotion_gate import PromotionGate
@@ -159,6 +161,24 @@ class Publishing:
             PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving) if config.gate else None
         )
         self.deltas = DeltaPlanner(self.publisher, arch, config.full_every, config.delta_max_share)
+        self.clock = ServingClock()  # how long serving has stood while candidates waited
+        if self.gate is not None:
+            metrics.seconds_since_promotion.set_function(self.clock.seconds)
+
+    def _observe_serving(self) -> None:
+        """The serving version after a judgement (or a restore): the clock and its gauges."""
+        if self.gate is not None:
+            self.clock.serving(self.gate.serving_manifest)
+            self.metrics.candidates_waiting.set(self.clock.waiting)
+
+    def gate_record(self) -> dict[str, Any]:
+        """``metrics.gate`` for the next manifest (:meth:`ServingClock.record`); empty without a gate."""
+        if self.gate is None:
+            return {}
+        self._observe_serving()
+        backoff = self.gate.backoff
+        paused = backoff.plan(time.time()).reason if backoff.paused else None
+        return {"gate": self.clock.record(self.gate.decisions, paused)}
 
     def is_candidate(self, reason: str) -> bool:
         return is_candidate(reason, self.gate is not None)
@@ -204,7 +224,7 @@ class Publishing:
                 reason=reason,
                 arch=self.arch.to_dict(),
                 baseline=trainer.baseline.get(),
-                metrics=metrics,
+                metrics={**metrics, **self.gate_record()},
                 input_offsets=input_offsets,
                 candidate=candidate,
                 prepare=save_locally,
@@ -216,6 +236,9 @@ class Publishing:
             raise
         self.deltas.record(manifest.version, delta is not None, changed_rows)
         role = "candidate" if candidate else "serving"
+        if candidate:
+            self.clock.candidate(manifest.version)
+            self.metrics.candidates_waiting.set(self.clock.waiting)
         m = self.metrics
         m.checkpoint_publishes.labels(reason=reason).inc()
         m.checkpoint_version.labels(role=role).set(manifest.version)
@@ -239,6 +262,7 @@ class Publishing:
             await self.gate.consider(published.manifest, published.tensors)
         else:
             await self.gate.serve_at_once(published.manifest, published.tensors)
+        self._observe_serving()
 
     @property
     def candidate_waiting(self) -> bool:
@@ -248,6 +272,7 @@ class Publishing:
     async def reconsider(self) -> None:
         if self.gate is not None:
             await self.gate.reconsider()
+            self._observe_serving()
 
 
 @dataclass

@@ -6,7 +6,9 @@ What it shows, and where each number comes from:
   docs/architecture.md; then only what is new at each ``--watch`` refresh): the serving
   and candidate manifests of the policy (version, reason, age, baseline, the learner's
   counters recorded in the manifest), and the learner's update rate between the two
-  newest manifests: ``Δupdates / Δcreated_ts``;
+  newest manifests: ``Δupdates / Δcreated_ts``; and, while candidates newer than the serving
+  version wait, why serving has not moved (:mod:`pipeline.status.freeze`): "serving v1 for 12m
+  while 20 candidates waited: <the gate's last reason>", and whether the learner paused canaries;
 - **active-learning queue depth** — per partition, the fetch high watermark minus the
   labeler group's committed offset (``{prefix}causalmem-labelers``); high watermarks
   come from fetch responses, never from ``end_offsets`` (wrong on the embedded broker);
@@ -48,6 +50,7 @@ from pipeline.config import Connection, Settings
 from pipeline.labeling.queue import labeler_group
 from pipeline.modeltopic import ModelTopicIndex
 from pipeline.promtext import scrape
+from pipeline.status.freeze import freeze_view
 from pipeline.status.live import (
     LEARNER_RATES,
     WORKER_RATES,
@@ -144,6 +147,7 @@ def checkpoint_view(index: ModelTopicIndex, policy: str, now: float) -> dict[str
         "manifests_seen": len(mine),
         "other_policies": sorted({p for (p, _) in [*index.manifests, *index.deltas] if p != policy}),
         "rejected_manifests": index.rejected_total,
+        "freeze": freeze_view(index, policy, now),  # why serving has not moved, if candidates wait
     }
 
 

@@ -104,6 +104,9 @@ def learner_view(url: str, values: dict[str, float], rates: dict[str, float | No
         },
         "consumer_lag": consumer_lag(values, prefix),
         "gate": gate_view(values),
+        # pipeline/learner/freeze.py: serving standing still while candidates come (0 without the gate)
+        "seconds_since_promotion": metric(values, "causalmem_learner_seconds_since_promotion"),
+        "candidates_waiting": int(metric(values, "causalmem_learner_candidates_waiting")),
         "training_alive": _flag(values, "causalmem_learner_training_alive"),
         "elected": _flag(values, "causalmem_learner_elected"),
         "ready": _flag(values, "causalmem_ready"),

@@ -69,6 +69,7 @@ def _num(x: Any, fmt: str = "{:,.3f}") -> str:
 def render(s: dict[str, Any]) -> Group:
     """The whole view of one snapshot."""
     parts: list[Any] = [_header(s), _checkpoints(s.get("checkpoints") or {})]
+    parts.extend(freeze_text((s.get("checkpoints") or {}).get("freeze")))
     lag = s.get("learner_lag")
     if lag and not lag.get("missing"):
         parts.append(_learner_lag(lag))
@@ -103,6 +104,25 @@ def do_not_use_text(d: dict[str, Any]) -> Text:
         shown = ", ".join(f"{m['slot']} ({m['marks']} marks, {m['labelers']} labelers)" for m in proposals["memories"])
         line += f"\nlabelers propose (causalmem suppress to act): {proposals['open']} memories: {shown}"
     return Text(line)
+
+
+def freeze_text(f: dict[str, Any] | None) -> list[Text]:
+    """Why serving has not moved while candidates wait (red once that is a freeze), and paused canaries.
+
+    >>> [t.plain for t in freeze_text({"line": "serving v1 for 12m while 20 candidates waited: x",
+    ...                                "frozen": False, "canaries_paused": None})]
+    ['serving v1 for 12m while 20 candidates waited: x']
+    """
+    if not f:
+        return []
+    out = []
+    if f.get("line"):
+        out.append(
+            Text(f"{'FROZEN: ' if f.get('frozen') else ''}{f['line']}", style="bold red" if f["frozen"] else "yellow")
+        )
+    if f.get("canaries_paused"):
+        out.append(Text(f["canaries_paused"], style="dim"))
+    return out
 
 
 def _header(s: dict[str, Any]) -> Text:

@@ -9,7 +9,9 @@
   and the fallback rate (from ``retrieval-events``).
 - **Gate decisions** — the candidate checkpoints on the model topic and whether each was
   then served; the gate's estimates from the learner's metrics when ``--learner`` is given.
-- **Checkpoints** — the serving and candidate versions (``causalmem status``'s collector).
+- **Checkpoints** — the serving and candidate versions (``causalmem status``'s collector), and
+  while candidates newer than the serving version wait, ``causalmem status``'s line on why
+  serving has not moved (:mod:`pipeline.status.freeze`), marked as a freeze after 30 minutes.
 
 The page refreshes itself by polling ``/health/data`` (JSON).
 """
@@ -185,6 +187,7 @@ def health_page(snapshot: dict[str, Any] | None, trends: Trends, manifests: list
             "learners": [x.get("checkpoint_version") for x in learners if x.get("up")],
         },
         "gate": gate_history(manifests, serving),
+        "serving_freeze": ckpt.get("freeze"),  # why serving has not moved while candidates wait
         "gate_estimates": snapshot.get("gate_estimates"),
         "shadow": snapshot.get("shadow"),
         "queue_depth": (snapshot.get("active_learning") or {}).get("depth"),

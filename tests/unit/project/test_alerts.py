@@ -5,7 +5,8 @@
   quiet on a healthy one. Skipped when promtool is missing (``make promtool`` installs
   Debian's prometheus package);
 - they cover what operations needs: a stalled learner, growing lag, a gate refusing for
-  hours, the dead-letter rate and the memory health bands of models/memory/health.py;
+  hours, serving frozen while candidates keep coming, the dead-letter rate and the memory
+  health bands of models/memory/health.py;
 - every metric they name is one the processes export, and the Prometheus configuration
   of docker-compose loads them.
 """
@@ -33,6 +34,7 @@ REQUIRED = {
     "CausalmemLearnerTrainingDead",
     "CausalmemConsumerLagGrowing",
     "CausalmemGateRefusing",
+    "CausalmemServingFrozen",
     "CausalmemDeadLetterRate",
     "CausalmemMemoryHealthWarning",
     "CausalmemMemoryHealthCritical",
