@@ -91,10 +91,11 @@ async function main() {
   });
   // Topics are created by `causalmem init-topics`, never by a client; keys go to Java's murmur2 partition.
   const producer = kafka.producer({ allowAutoTopicCreation: false, createPartitioner: Partitioners.DefaultPartitioner });
-  await follower.start();
-  await producer.connect();
   const summary = { run_id: runId, events: 0, feedback: 0, temperatures: {}, fallbacks: 0 };
   try {
+    // A topic that does not exist (no `causalmem init-topics` yet) is an error here, never created.
+    await follower.start();
+    await producer.connect();
     const policy = await follower.loaded(o.timeout * 1000);
     const first = policy.manifest;
     log(`serving policy ${o.policy} v${first.version} (${first.reason}), serving ${JSON.stringify(c.servingOf(first))}`);
@@ -160,8 +161,8 @@ async function main() {
       serving: c.servingOf(m),
     });
   } finally {
-    await producer.disconnect();
-    await follower.stop();
+    await producer.disconnect().catch((err) => log(`producer: ${err.message}`));
+    await follower.stop().catch((err) => log(`follower: ${err.message}`));
   }
   process.stdout.write(`${JSON.stringify(summary)}\n`);
 }

@@ -24,7 +24,14 @@ class ModelFollower {
   async start() {
     // kafkajs has no manual assignment: a group of our own, read from the beginning, nothing committed.
     // The topic has one partition, so this group's only member reads all of it on every start.
-    this.consumer = this.kafka.consumer({ groupId: this.group, allowAutoTopicCreation: false });
+    // A group of one: the shortest session brokers allow by default (6 s) makes joining quick (the embedded
+    // broker answers a join after about half the session timeout: 15 s at kafkajs's default of 30 s).
+    this.consumer = this.kafka.consumer({
+      groupId: this.group,
+      allowAutoTopicCreation: false,
+      sessionTimeout: 6000,
+      heartbeatInterval: 2000,
+    });
     await this.consumer.connect();
     await this.consumer.subscribe({ topic: this.topic, fromBeginning: true });
     await this.consumer.run({

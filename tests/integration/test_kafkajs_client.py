@@ -24,6 +24,7 @@ from causalmem_lab.procs import Child, wait_until
 from models.policy.network import init_policy
 from pipeline import kafka
 from pipeline.config import Settings
+from pipeline.modeltopic import CheckpointPublisher
 from pipeline.promtext import metric
 from tests.conftest import TEST_CONTRACT, settings_env
 from tests.helpers import publish_tensors
@@ -174,3 +175,43 @@ def test_kafkajs_client_end_to_end(installed: Path, topics_ready: Settings, tmp_
                 assert value.candidate_probs is None  # required fields only
     assert len(by_query) == QUERIES
     assert all(len({p for _, p in seen}) == 1 for seen in by_query.values())  # co-partitioned
+
+
+@pytest.mark.broker
+def test_kafkajs_client_creates_no_topic(installed: Path, settings: Settings) -> None:
+    """Started before ``init-topics``, the client fails instead of auto-creating a topic with the broker's
+    partition count: first without the model topic (its consumer), then without the input topics (its producer)."""
+    s, bootstrap = settings, settings.bootstrap or ""
+
+    def run_client() -> subprocess.CompletedProcess[str]:
+        return node(installed, "client.js", "--bootstrap", bootstrap, "--prefix", s.topic_prefix, "--timeout", "10")
+
+    async def ours() -> set[str]:
+        client = kafka.admin(bootstrap, s)
+        await client.start()
+        try:
+            return {t for t in await client.list_topics() if t.startswith(s.topic_prefix)}
+        finally:
+            await client.close()
+
+    proc = run_client()
+    assert proc.returncode == 1 and "does not host this topic-partition" in proc.stderr, proc.stderr
+    assert asyncio.run(ours()) == set()
+
+    model_topic = s.topics().policy_checkpoints
+
+    async def model_topic_with_a_policy() -> None:
+        await kafka.create_topics(bootstrap, s, [model_topic])
+        producer = kafka.producer(bootstrap, s)
+        await producer.start()
+        try:
+            pub = CheckpointPublisher(producer, model_topic.name, s.policy)
+            net = init_policy(s.embedding_dim, s.slots, s.hidden, seed=1)
+            await publish_tensors(pub, net.tensors(), arch=net.arch, reason="init", baseline=0.0)
+        finally:
+            await producer.stop()
+
+    asyncio.run(model_topic_with_a_policy())
+    proc = run_client()
+    assert proc.returncode == 1 and "serving policy default v1" in proc.stderr, proc.stderr
+    assert asyncio.run(ours()) == {model_topic.name}
