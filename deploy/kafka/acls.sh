@@ -95,6 +95,9 @@ topics "$EVERYONE" epoch Read
 
 topics "${SERVICES[*]}" "retrieval-events llm-feedback memory-writes memory-lifecycle" Write
 topics "${SERVICES[*]}" "policy-checkpoints memory-lifecycle" Read
+# clients that cannot assign a partition (kafkajs) follow the model topic in a group of their own
+# (docs/contract.md §7, "Following without manual assignment")
+allow "${SERVICES[*]}" group prefixed "${P}causalmem-client-" Read
 
 topics "${LABELERS[*]}" human-labels Write Read
 topics "${LABELERS[*]}" active-learning Read

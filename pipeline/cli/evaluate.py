@@ -2,16 +2,24 @@
 
 ``--shadow``: shadow mode's estimate of the policy's gain over the incumbent, and the
 optional automatic cut-over (:mod:`pipeline.policy_evaluation.shadow`).
+
+``--json`` writes strict JSON (RFC 8259): an estimate that does not exist (no decision the
+policy could have served, a self-normalised estimator whose weights sum to 0, an empty
+bootstrap) is ``null``, never the ``NaN`` that Python's :mod:`json` writes and ``jq`` or
+orjson reject.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
+from pipeline.cli.common import resolve_bootstrap, settings_from
+from pipeline.config import Settings
 from pipeline.cli.common import default_of, resolve_bootstrap, settings_from
 from pipeline.config import Settings, ShadowConfig
 from pipeline.policy_evaluation.evaluate import METHODS, evaluate_window, print_report
@@ -21,7 +29,11 @@ from pipeline.policy_evaluation.shadow import format_report, shadow_report, watc
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=2000, help="the last N joined experiences (default 2000)")
     p.add_argument("--method", choices=[*METHODS, "all"], default="all")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one strict JSON object instead of a table; an estimate that cannot be computed (NaN, ±inf) is null",
+    )
     p.add_argument("--embedding-dim", type=int, help=f"D ({default_of('embedding_dim')})")
     p.add_argument("--slots", type=int, help=f"S ({default_of('slots')})")
     g = p.add_argument_group("shadow mode (docs/byo-retriever.md)")
@@ -45,6 +57,16 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, metavar="SECONDS", help="stop watching after N s (default: never)")
 
 
+def strict_json(report: dict[str, Any], *, indent: bool = False) -> str:
+    """``report`` as strict JSON: NaN and ±inf become ``null`` (orjson's rule), numpy scalars numbers.
+
+    >>> strict_json({"value": float("nan"), "low": float("-inf"), "ess": 0.0})
+    '{"value":null,"low":null,"ess":0.0}'
+    """
+    option = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_INDENT_2 if indent else 0)
+    return orjson.dumps(report, option=option).decode()
+
+
 def run_shadow(args: argparse.Namespace, settings: Settings, bootstrap: str) -> int:
     config = replace(
         settings.shadow(),
@@ -55,7 +77,7 @@ def run_shadow(args: argparse.Namespace, settings: Settings, bootstrap: str) -> 
     )
 
     def show(report: dict[str, Any]) -> None:
-        print(json.dumps(report) if args.json else format_report(report), flush=True)
+        print(strict_json(report) if args.json else format_report(report), flush=True)
 
     if args.cutover_after is None:
         report = asyncio.run(shadow_report(bootstrap, settings.connection(), args.window, config))
@@ -78,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(strict_json(report, indent=True))
     else:
         print_report(report)
     return 0 if report["decisions"] else 1

@@ -115,6 +115,15 @@ async def evaluate_window(
     return report
 
 
+def _num(x: float) -> str:
+    """An estimate for the table; one that cannot be computed (NaN, e.g. no weight on any decision) is "–".
+
+    >>> _num(0.25), _num(float("nan"))
+    ('+0.2500', '–')
+    """
+    return f"{x:+.4f}" if np.isfinite(x) else "–"
+
+
 def print_report(report: dict[str, Any]) -> None:
     """The report as a table: one row per policy, a value with its 95% interval and the ESS per method."""
     c = Console()
@@ -137,7 +146,7 @@ def print_report(report: dict[str, Any]) -> None:
         row = [name, str(report["versions"].get(name, "")) or "–"]
         for m in methods:
             e = per[m]
-            row += [f"{e['value']:+.4f} [{e['low']:+.4f}, {e['high']:+.4f}]", f"{e['ess']:,.0f}"]
+            row += [f"{_num(e['value'])} [{_num(e['low'])}, {_num(e['high'])}]", f"{e['ess']:,.0f}"]
         t.add_row(*row)
     c.print(t)
     sys.stdout.flush()
