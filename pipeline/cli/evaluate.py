@@ -18,8 +18,6 @@ from typing import Any
 
 import orjson
 
-from pipeline.cli.common import resolve_bootstrap, settings_from
-from pipeline.config import Settings
 from pipeline.cli.common import default_of, resolve_bootstrap, settings_from
 from pipeline.config import Settings, ShadowConfig
 from pipeline.policy_evaluation.evaluate import METHODS, evaluate_window, print_report
