@@ -190,6 +190,17 @@ def test_compose_shell_commands_parse() -> None:
         subprocess.run(["bash", "-n", "-c", script], check=True)
 
 
+def test_scram_passwords_never_go_on_a_command_line() -> None:
+    """kafka-setup hands each SCRAM password to kafka-configs.sh in a file, not as an argument:
+    a command line is readable by every process of the host (ps, /proc/PID/cmdline)."""
+    script = _compose()["services"]["kafka-setup"]["command"][0].replace("$$", "$")
+    calls = [c for c in re.split(r"[;&|]", script) if "kafka-configs.sh" in c]
+    assert calls, "kafka-setup creates the SCRAM users with kafka-configs.sh"
+    for call in calls:
+        assert "--add-config-file" in call and "password=" not in call, call
+    assert "umask 077" in script  # the file is readable by its owner only
+
+
 def test_no_password_is_written_in_compose() -> None:
     text = COMPOSE.read_text()
     services = _compose()["services"]
