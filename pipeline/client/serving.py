@@ -42,7 +42,7 @@ from models.serving.rule import (
 from pipeline.client.subscriber import LoadedPolicy
 
 FOLLOWED = ("temperature", "drop", "explore_rate", "explore_temperature")  # what an explicit value can fix
-# Contract 1.4: CausalRetriever's explicit value fixes the canary's share too (the adapters serve no canary).
+# Contract 1.4: a client's explicit value fixes the canary's share too (CausalRetriever's, AdapterConfig's).
 CANARY_RATE = "canary_rate"
 # Before a manifest says otherwise: what a manifest without ``serving`` means (docs/contract.md §7),
 # the ServingParams defaults (T 0.05, 10% explored at T 0.25, dynamic drop) without a canary.
