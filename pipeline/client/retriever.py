@@ -4,7 +4,10 @@ It applies the serving rule (docs/contract.md §6, docs/learning.md): candidates
 them, the hard drop (dynamic threshold by default), Plackett–Luce selection with
 temperature T over ``z = score·(1+α·m)/T``, and a *different* retriever (BM25 over the
 memory texts) when the drop leaves nothing. Each call returns the memories and the
-RetrievalEvent to publish, with the true ``logprob`` of what it selected.
+RetrievalEvent to publish, with the true ``logprob`` of what it selected. It serves
+through the client's one serving core (:mod:`pipeline.client.serving_core`), as the
+LangChain and LlamaIndex adapters do: the retriever itself searches, computes the masks
+(overlapped with the search) and names memories by slot or by id.
 
     retriever = CausalRetriever(embeddings, texts=texts)
     async with PolicySubscriber(bootstrap, on_update=retriever.set_policy, on_canary=retriever.set_canary):
