@@ -32,9 +32,9 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import TextNode
 
-from models.policy import init_policy
-from models.serving import ServingParams
-from models.serving_rule import plackett_luce_logprob
+from models.policy.network import init_policy
+from models.serving.params import ServingParams
+from models.serving.rule import plackett_luce_logprob
 from pipeline.client import langchain as lc
 from pipeline.client import llamaindex as li
 from pipeline.client.retriever import CausalRetriever
