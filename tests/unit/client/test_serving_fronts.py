@@ -59,7 +59,8 @@ TEXTS = [f"memory {i}" for i in range(N)]
 def vector(text: str) -> list[float]:
     """``"memory i"`` → memory i's embedding, ``"query j"`` → query j's (what the stores embed)."""
     kind, i = re.fullmatch(r"(memory|query) (\d+)", text.strip()).groups()  # type: ignore[union-attr]
-    return (MEMORIES if kind == "memory" else QUERIES)[int(i)].tolist()
+    out: list[float] = (MEMORIES if kind == "memory" else QUERIES)[int(i)].tolist()
+    return out
 
 
 def loaded(version: int, seed: int, serving: ServingParams, spread: float = 4.0) -> LoadedPolicy:
@@ -203,8 +204,10 @@ def events(front: Front, serving: LoadedPolicy | None, canary: LoadedPolicy | No
     return [front.serve(i) for i in range(n)]
 
 
-EXACT = ("query_id", "step", "policy", "policy_version", "candidates", "selected", "fallback", "dropped")
-EXACT += ("query_text", "memory_texts", "candidate_ids", "canary", "canary_arm", "canary_version", "canary_other")
+EXACT = (
+    *("query_id", "step", "policy", "policy_version", "candidates", "selected", "fallback", "dropped"),
+    *("query_text", "memory_texts", "candidate_ids", "canary", "canary_arm", "canary_version", "canary_other"),
+)
 CLOSE = ("scores", "temperature", "logprob", "mask_max", "candidate_masks", "candidate_probs")
 
 
@@ -240,13 +243,14 @@ def test_logprob_and_candidate_probs_are_the_draw_over_the_candidates_as_served(
     policies = {1: serving, 2: canary}
     for e in events(FRONTS[front](), serving, canary, 80):
         assert not e.fallback and len(e.selected) == K and set(e.selected) <= set(e.candidates)
-        assert sorted(e.candidates + (e.dropped or [])) == sorted(e.candidates + e.dropped)  # disjoint, all searched
-        assert len(e.candidates) + len(e.dropped) == CANDIDATES
+        dropped = e.dropped or []
+        assert not set(dropped) & set(e.candidates) and len(e.candidates) + len(dropped) == CANDIDATES
         alpha = policies[e.policy_version].alpha  # type: ignore[union-attr]
         z = np.asarray(e.scores) * (1.0 + alpha * np.asarray(e.candidate_masks)) / e.temperature
         positions = [e.candidates.index(s) for s in e.selected]
         assert e.logprob == pytest.approx(plackett_luce_logprob(z, positions), rel=1e-5, abs=1e-6)
         p = np.exp(z - z.max())
+        assert e.candidate_probs is not None
         np.testing.assert_allclose(e.candidate_probs, p / p.sum(), rtol=1e-5, atol=1e-9)
 
 
@@ -289,11 +293,12 @@ def test_exploratory_requests_and_only_they_revive_dropped_candidates(front: str
     got = events(FRONTS[front](), serving, None, 200)
     revived = {True: 0, False: 0}
     for e in got:
+        assert e.mask_max is not None
         below = np.asarray(e.candidate_masks) < 0.01 * e.mask_max  # kept only by the revival
         revived[e.temperature == 0.5] += int(below.sum())
     assert {e.temperature for e in got} == {0.05, 0.5}
     assert revived[True] > 0 and revived[False] == 0
-    assert sum(len(e.dropped) for e in got) > 100, "the spread policy drops memories"
+    assert sum(len(e.dropped or []) for e in got) > 100, "the spread policy drops memories"
 
 
 @pytest.mark.parametrize("front", FRONTS)
@@ -316,3 +321,17 @@ def test_the_adapters_serve_the_canary_exactly_as_causal_retriever_does(adapter:
     for g, w in zip(got, want, strict=True):
         assert_same_event(g, w)
     assert math.isclose(sum(bool(e.canary) for e in got), sum(bool(e.canary) for e in want))
+
+
+def test_shadow_mode_serves_no_canary_until_the_cut_over() -> None:
+    from pipeline.client.shadow import ShadowMode
+
+    front = LangChainFront()
+    front.r.serving.shadow = ShadowMode(explore_rate=0.2)
+    serving, canary = scenario("A/B canary")
+    shadowed = events(front, serving, canary, 60)
+    assert not any(e.canary for e in shadowed) and {e.policy_version for e in shadowed} == {1}
+    cutover = Manifest(**{**serving.manifest.__dict__, "reason": "cutover"})  # type: ignore[union-attr]
+    front.set_policy(LoadedPolicy(manifest=cutover, net=serving.net))  # type: ignore[union-attr]
+    after = [front.serve(i) for i in range(60)]
+    assert front.r.mode == "policy" and any(e.canary for e in after)
