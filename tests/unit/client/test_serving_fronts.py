@@ -41,7 +41,7 @@ from pipeline.client.retriever import CausalRetriever
 from pipeline.client.serving import policy_masks
 from pipeline.client.serving_core import EXPLORE_REVIVE, Found, ServingCore
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.component_config import AdapterConfig
+from pipeline.config import AdapterConfig
 from tests.adapter_fakes import CONN, DIM, Recorder
 from topics.events import Features, RetrievalEvent
 from topics.manifest import Manifest
