@@ -102,7 +102,9 @@ async def run(bootstrap: str, prefix: str, state: Path, shadow: bool) -> dict[st
             publisher=publisher,
             shadow=ShadowMode(explore_rate=0.05, path=state / "shadow.json") if shadow else None,
         )
-        async with PolicySubscriber(bootstrap, conn=conn, on_update=retriever.set_policy):
+        async with PolicySubscriber(
+            bootstrap, conn=conn, on_update=retriever.set_policy, on_canary=retriever.set_canary
+        ):
             for question in QUESTIONS:
                 qid = f"example-{uuid.uuid4().hex}"  # unique across restarts: the join drops an id seen before
                 found = await retriever.aretrieve_step(question, query_id=qid)

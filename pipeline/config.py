@@ -504,7 +504,10 @@ class AdapterConfig:
     follows the loaded checkpoint's manifest ``serving`` (as ``CausalRetriever`` does), and
     before one says otherwise what a manifest without ``serving`` means
     (:data:`pipeline.client.serving.UNSERVED`, the :class:`~models.serving.params.ServingParams`
-    defaults); a value set here wins (``pipeline.client.serving.follow``).
+    defaults); a value set here wins (``pipeline.client.serving.follow``). ``canary_rate``: the
+    share of requests that serve the learner's canary (contract 1.4); None follows the serving
+    manifest, 0 serves none. ``explore_revive``: the chance an exploratory request gives each
+    dropped candidate back (docs/contract.md §6, step 3b); None: as ``CausalRetriever``.
     """
 
     k: int = 4
@@ -513,6 +516,8 @@ class AdapterConfig:
     drop: str | float | None = None
     explore_rate: float | None = None  # policy mode: share served at explore_temperature (docs/learning.md)
     explore_temperature: float | None = None
+    canary_rate: float | None = None
+    explore_revive: float | None = None
     shadow: bool = False
     shadow_explore_rate: float = 0.05
     conflict_threshold: float = -0.2  # memory_conflict when the step's expected utility is below it

@@ -1,13 +1,15 @@
-"""The framework-free core of the LangChain and LlamaIndex adapters (docs/byo-retriever.md).
+"""The framework-free part of the LangChain and LlamaIndex adapters (docs/byo-retriever.md).
 
 :class:`CausalServing` takes the candidates the user's own retriever found — document
-ids, scores (higher is better), texts — and serves them the way ``CausalRetriever``
-serves its own: ids become memory slots through the :class:`~pipeline.client.idmap.IdSlotMap`,
-the served policy masks them, the hard drop and the Plackett–Luce draw pick k
-(:mod:`pipeline.client.serving`), and a RetrievalEvent with the true ``logprob``,
-``query_text`` and ``memory_texts`` is published. In shadow mode
-(:mod:`pipeline.client.shadow`) the incumbent's ranking serves instead, except for the
-logged exploration budget.
+ids, scores (higher is better), texts — and serves them through the same serving core as
+``CausalRetriever`` (:mod:`pipeline.client.serving_core`): ids become memory slots through
+the :class:`~pipeline.client.idmap.IdSlotMap`; the learner's canary serves its share of the
+requests (contract 1.4, 1.5); the arm's policy masks the candidates, the hard drop, the
+exploration (with the revival of dropped candidates) and the Plackett–Luce draw pick k; and
+the RetrievalEvent, with the true ``logprob``, the canary fields, ``query_text`` and
+``memory_texts``, is published. For the same candidates, seed and policies it serves and
+logs exactly what ``CausalRetriever`` does. In shadow mode (:mod:`pipeline.client.shadow`)
+the incumbent's ranking serves instead, except for the logged exploration budget.
 
 Each result also says:
 
@@ -32,17 +34,17 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from pipeline.client.choice import Choice
 from pipeline.client.idmap import IdSlotMap
 from pipeline.client.outbox import Outbox
-from pipeline.client.serving import FOLLOWED, draw, follow, keep_flags, policy_masks
+from pipeline.client.serving import CANARY_RATE, FOLLOWED, ServingValues, policy_masks
+from pipeline.client.serving_core import EXPLORE_REVIVE, Arm, Found, ServingCore, Slate
 from pipeline.client.shadow import Decision, ShadowMode, uniform_draw
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import AdapterConfig, Connection, Settings
 from topics.events import Features, RetrievalEvent
 
 D = TypeVar("D")
-
-SHOWN_CANDIDATES = 10  # memory texts sent for the selected slots and the first candidates (the evaluator's)
 
 
 @dataclass
@@ -123,13 +125,12 @@ class CausalServing(Outbox, Generic[D]):
         if shadow is None and self.config.shadow:
             shadow = ShadowMode(self.config.shadow_explore_rate)
         self.shadow = shadow
-        self.policy: LoadedPolicy | None = None
-        # Serving parameters: the config's explicit values, else the manifest's ``serving`` (set_policy).
-        self.explicit = {
-            name: getattr(self.config, name) for name in FOLLOWED if getattr(self.config, name) is not None
-        }
-        self.params = follow(None, self.explicit)
-        self.rng = np.random.default_rng(self.config.seed)
+        # The serving state and rule every client front shares (pipeline/client/serving_core.py):
+        # the config's explicit values, else the manifest's ``serving`` (set_policy); the canary.
+        cfg = self.config
+        explicit = {name: getattr(cfg, name) for name in (*FOLLOWED, CANARY_RATE)}
+        revive = cfg.explore_revive if cfg.explore_revive is not None else EXPLORE_REVIVE
+        self.core = ServingCore(k=cfg.k, explicit=explicit, explore_revive=revive, seed=cfg.seed)
         self.search_latency_s: float | None = None  # running mean of the wrapped search
         self.saved_latency_s = 0.0
         self.counts: dict[str, int] = {}
@@ -142,11 +143,37 @@ class CausalServing(Outbox, Generic[D]):
         """
         if policy is not None and policy.net.arch.slots < self.idmap.slots:
             raise ValueError(f"policy has {policy.net.arch.slots} slots; the id map {self.idmap.slots}")
-        self.policy = policy
-        if policy is not None and policy.serving is not None:
-            self.params = follow(policy.serving, self.explicit)
+        self.core.set_policy(policy)
         if self.shadow is not None:
             self.shadow.observe(policy)
+
+    def set_canary(self, canary: LoadedPolicy | None) -> None:
+        """Hold the learner's canary (None: it ended; use as ``PolicySubscriber``'s ``on_canary``).
+
+        Served on the serving manifest's ``canary_rate`` of the requests (``AdapterConfig.canary_rate``
+        fixes it), as the canary's own manifest says, exactly as ``CausalRetriever`` serves it
+        (docs/contract.md §7.2). Shadow mode serves no canary: the policy does not serve yet.
+        """
+        if canary is not None and canary.net.arch.slots < self.idmap.slots:
+            raise ValueError(f"canary has {canary.net.arch.slots} slots; the id map {self.idmap.slots}")
+        self.core.set_canary(canary)
+
+    @property
+    def policy(self) -> LoadedPolicy | None:
+        return self.core.policy
+
+    @property
+    def canary(self) -> LoadedPolicy | None:
+        return self.core.canary
+
+    @property
+    def params(self) -> ServingValues:
+        """The serving values in force."""
+        return self.core.values
+
+    @property
+    def rng(self) -> np.random.Generator:
+        return self.core.rng
 
     @property
     def mode(self) -> str:
@@ -162,14 +189,19 @@ class CausalServing(Outbox, Generic[D]):
             )
         return q
 
-    def _decide(self, q: np.ndarray, loss: float, entropy: float) -> Decision | str:
+    def _decide(self, q: np.ndarray, loss: float, entropy: float) -> tuple[Decision | str, Arm | None]:
+        """Shadow mode's decision, then (when the policy serves) the arm; ``"early_exit"`` when the
+        arm's policy trusts no mapped memory (a coupled request always searches: both policies draw)."""
         decision = self.shadow.decide(self.rng) if self.shadow is not None else "policy"
+        if decision != "policy":
+            return decision, None
+        arm = self.core.arm()
         tau = self.config.early_exit_below
-        if decision == "policy" and tau is not None and self.policy is not None and len(self.idmap):
-            every = policy_masks(self.policy, q, loss, entropy, np.asarray(self.idmap.assigned()))
+        if tau is not None and arm.policy is not None and arm.name != "coupled" and len(self.idmap):
+            every = policy_masks(arm.policy, q, loss, entropy, np.asarray(self.idmap.assigned()))
             if np.isfinite(every).all() and float(every.max()) < tau:
-                return "early_exit"
-        return decision
+                return "early_exit", arm
+        return decision, arm
 
     def serve(
         self,
@@ -183,13 +215,13 @@ class CausalServing(Outbox, Generic[D]):
     ) -> Served[D]:
         """Serve ``query`` with candidates from ``search(query, n)``; publishes through a sync publisher."""
         q = self._embed(query)
-        decision = self._decide(q, last_step_loss, last_step_entropy)
+        decision, arm = self._decide(q, last_step_loss, last_step_entropy)
         cands: list[Candidate[D]] = []
         if decision != "early_exit":
             t0 = time.perf_counter()
             cands = search(query, self.config.n_candidates)
             self._timed(time.perf_counter() - t0)
-        served = self._finish(query, q, decision, cands, query_id, step, last_step_loss, last_step_entropy, ts)
+        served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts)
         for event in self._remember(served.event):
             self._publish_sync(event)
         return served
@@ -206,13 +238,13 @@ class CausalServing(Outbox, Generic[D]):
     ) -> Served[D]:
         """:meth:`serve` with an async search and publisher (``EventPublisher`` or ``SyncEventPublisher``)."""
         q = self._embed(query)
-        decision = self._decide(q, last_step_loss, last_step_entropy)
+        decision, arm = self._decide(q, last_step_loss, last_step_entropy)
         cands: list[Candidate[D]] = []
         if decision != "early_exit":
             t0 = time.perf_counter()
             cands = await search(query, self.config.n_candidates)
             self._timed(time.perf_counter() - t0)
-        served = self._finish(query, q, decision, cands, query_id, step, last_step_loss, last_step_entropy, ts)
+        served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts)
         for event in self._remember(served.event):
             await self._publish_async(event)
         return served
@@ -231,6 +263,7 @@ class CausalServing(Outbox, Generic[D]):
         query: str,
         q: np.ndarray,
         decision: str,
+        arm: Arm | None,
         cands: list[Candidate[D]],
         query_id: str | None,
         step: int,
@@ -243,56 +276,50 @@ class CausalServing(Outbox, Generic[D]):
         for c in cands:
             seen.setdefault(self.idmap.slot(c.key), c)  # a store may return one document twice
         slots = np.fromiter(seen, dtype=np.int64, count=len(seen))
-        pool = list(seen.values())
-        scores = np.array([c.score for c in pool], dtype=np.float64)
-        masks = policy_masks(self.policy, q, loss, entropy, slots) if len(slots) else np.zeros(0)
-        serving = self.params
-        temperature, logprob, probs, fallback = serving.temperature, 0.0, None, False
-        kept_pos: list[int] = list(range(len(pool)))
-        cand_masks: np.ndarray | None = masks
-        dropped: list[int] = []
+        scores = np.array([c.score for c in seen.values()], dtype=np.float64)
+        policy = arm.policy if arm is not None else self.policy
+        masks = policy_masks(policy, q, loss, entropy, slots) if len(slots) else np.zeros(0)
         saved = 0.0
         if decision == "early_exit":
             saved = self.search_latency_s or 0.0
             self.saved_latency_s += saved
-            chosen: list[Candidate[D]] = []
-        elif decision == "incumbent":
-            chosen, fallback, kept_pos = pool[: cfg.k], True, []  # the incumbent is another retriever
-        elif decision == "explore":
-            pos, logprob = uniform_draw(len(pool), cfg.k, self.rng)
-            chosen = [pool[p] for p in pos]
-            probs = np.full(len(pool), 1.0 / len(pool)) if pool else None
+        found_by_fallback: dict[int, Candidate[D]] = {}
+
+        def fallback() -> list[int]:
+            out = []
+            for c in self.fallback(query, cfg.k)[: cfg.k] if self.fallback is not None else []:
+                s = self.idmap.slot(c.key)
+                found_by_fallback.setdefault(s, c)
+                out.append(s)
+            return out
+
+        if arm is None:  # shadow mode: the incumbent's ranking, or the logged exploration over it
+            slate = self._shadow(decision, slots, masks, scores)
         else:
-            ratio_scale = self._threshold_scale(float(scores.max())) if len(scores) else 1.0
-            drop: str | float = serving.drop
-            if not isinstance(drop, str):
-                drop = float(drop) * ratio_scale
-            ratio = serving.drop_ratio * ratio_scale
-            keep = keep_flags(masks, drop, ratio=ratio) if len(masks) else np.zeros(0, bool)
-            kept_pos = [int(i) for i in np.flatnonzero(keep)]
-            dropped = [int(s) for s in slots[~keep]]
-            cand_masks = masks[keep]
-            explore = serving.explore_rate > 0 and self.rng.random() < serving.explore_rate
-            temperature = serving.explore_temperature if explore else serving.temperature
-            if kept_pos:
-                alpha = self.policy.alpha if self.policy is not None else 0.0
-                d = draw(scores[keep], masks[keep], alpha, temperature, cfg.k, self.rng)
-                chosen, logprob, probs = [pool[kept_pos[p]] for p in d.positions], d.logprob, d.probs
-            else:
-                chosen = []
-        if not chosen and decision in ("policy", "early_exit"):
-            chosen = self.fallback(query, cfg.k)[: cfg.k] if self.fallback is not None else []
-            fallback, kept_pos, cand_masks, probs, logprob = True, [], None, None, 0.0
-            decision = decision if decision == "early_exit" else "fallback"
-        chosen_slots = [self.idmap.slot(c.key) for c in chosen]
-        event = self._event(
-            query, q, query_id, step, loss, entropy, ts, pool, slots, scores, kept_pos, chosen, chosen_slots
+
+            def under(other: LoadedPolicy) -> tuple[np.ndarray, np.ndarray]:  # a coupled canary's view
+                return slots, policy_masks(other, q, loss, entropy, slots) if len(slots) else np.zeros(0)
+
+            scale = self._threshold_scale(float(scores.max())) if len(scores) else 1.0
+            slate = self.core.serve(arm, Found(slots, masks, scores, fallback, under=under), drop_scale=scale)
+            if slate.choice.fallback and decision != "early_exit":
+                decision = "fallback"
+        items = found_by_fallback if slate.choice.fallback and decision != "incumbent" else seen
+        chosen = [items[s] for s in slate.choice.selected]
+        texts = {s: c.text for s, c in seen.items()}
+        texts.update({s: c.text for s, c in zip(slate.choice.selected, chosen, strict=True)})
+        event = self.core.event(
+            slate,
+            policy_name=self.conn.policy,
+            query_id=query_id or uuid.uuid4().hex,
+            step=step,
+            features=Features(q, float(loss), float(entropy)),
+            ts=ts,
+            query_text=query[: self.conn.limits.max_text_len],
+            text_of=texts.get,
+            text_limit=self.conn.limits.max_text_len,
         )
-        event.temperature, event.logprob, event.fallback = temperature, float(logprob), fallback
-        event.candidate_masks = cand_masks if not fallback and cand_masks is not None else None
-        event.candidate_probs = probs
-        event.dropped = dropped or None
-        event.mask_max = float(masks.max()) if len(masks) and np.isfinite(masks).all() else None
+        chosen_slots = list(slate.choice.selected)
         expected = self.utility.expected(chosen_slots)
         self.counts[decision] = self.counts.get(decision, 0) + 1
         return Served(
@@ -305,41 +332,42 @@ class CausalServing(Outbox, Generic[D]):
             saved_latency_s=saved,
         )
 
-    def _event(
-        self,
-        query: str,
-        q: np.ndarray,
-        query_id: str | None,
-        step: int,
-        loss: float,
-        entropy: float,
-        ts: float | None,
-        pool: list[Candidate[D]],
-        slots: np.ndarray,
-        scores: np.ndarray,
-        kept_pos: list[int],
-        chosen: list[Candidate[D]],
-        chosen_slots: list[int],
-    ) -> RetrievalEvent:
-        limit = self.conn.limits.max_text_len
-        texts: dict[int, str] = {}
-        for s, c in [*zip(chosen_slots, chosen, strict=True), *((int(slots[p]), pool[p]) for p in kept_pos)]:
-            if c.text is not None and (s in texts or len(texts) < len(chosen_slots) + SHOWN_CANDIDATES):
-                texts[s] = c.text[:limit]
-        return RetrievalEvent(
-            event_id=uuid.uuid4().hex,
-            query_id=query_id or uuid.uuid4().hex,
-            step=step,
-            ts=time.time() if ts is None else ts,
-            features=Features(q, float(loss), float(entropy)),
-            candidates=[int(slots[p]) for p in kept_pos],
-            scores=scores[kept_pos] if kept_pos else np.zeros(0),
-            selected=chosen_slots,
-            temperature=self.params.temperature,
-            logprob=0.0,
-            fallback=False,
-            policy=self.conn.policy,
-            policy_version=self.policy.version if self.policy is not None else 0,
-            query_text=query[:limit],
-            memory_texts=texts or None,
-        )
+    def _shadow(self, decision: str, slots: np.ndarray, masks: np.ndarray, scores: np.ndarray) -> Slate:
+        """Shadow mode's slate (:mod:`pipeline.client.shadow`): the incumbent's top k (logged as a
+        fallback: another retriever served it), or k of its candidates in a uniformly random order."""
+        k, v, policy = self.config.k, self.core.values, self.policy
+        every = np.ones(len(slots), dtype=bool)
+        if decision == "incumbent":
+            choice = Choice(
+                policy=policy,
+                labels=slots,
+                masks=masks,
+                keep=every,
+                temperature=v.temperature,
+                selected=[int(s) for s in slots[:k]],
+                logprob=0.0,
+                probs=None,
+                candidates=[],
+                cand_scores=np.zeros(0),
+                cand_masks=None,
+                fallback=True,
+                id_of={},
+            )
+        else:
+            pos, logprob = uniform_draw(len(slots), k, self.core.rng)
+            choice = Choice(
+                policy=policy,
+                labels=slots,
+                masks=masks,
+                keep=every,
+                temperature=v.temperature,
+                selected=[int(slots[p]) for p in pos],
+                logprob=logprob,
+                probs=np.full(len(slots), 1.0 / len(slots)) if len(slots) else None,
+                candidates=[int(s) for s in slots],
+                cand_scores=scores,
+                cand_masks=masks,
+                fallback=False,
+                id_of={},
+            )
+        return Slate(choice, Arm(self.policy, v, "serving"))

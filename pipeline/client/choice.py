@@ -1,6 +1,7 @@
 """One request's choice of memories under one policy: the hard drop, exploration, the draw.
 
-:class:`~pipeline.client.retriever.CausalRetriever` makes it once per request, or twice
+The serving core (:class:`~pipeline.client.serving_core.ServingCore`, which every client
+front serves through) makes it once per request, or twice
 with the same random draws (:class:`Noise` with ``shared``) when a coupled canary
 (contract 1.5, :mod:`models.offpolicy.coupled`) compares the canary's slate with the serving
 policy's on the same request: where the two policies agree, the shared draws give both

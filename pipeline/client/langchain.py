@@ -8,7 +8,8 @@ rank) — asks it for ``n_candidates`` documents, serves k of them under the pol
 
     retriever = CausalMemoryRetriever(vector_store, conn=conn, idmap="~/.causalmem/ids.json",
                                       publisher=publisher)
-    async with PolicySubscriber(bootstrap, conn=conn, on_update=retriever.set_policy):
+    async with PolicySubscriber(bootstrap, conn=conn, on_update=retriever.set_policy,
+                                on_canary=retriever.set_canary):
         docs = await retriever.ainvoke("what did I order?", query_id="conv-1:q1")
         await retriever.afeedback("conv-1:q1", utility=0.4)   # or aanswer(...) for the evaluator
 
@@ -185,6 +186,11 @@ class CausalMemoryRetriever(BaseRetriever):
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """``PolicySubscriber``'s ``on_update``."""
         self.serving.set_policy(policy)
+
+    def set_canary(self, canary: LoadedPolicy | None) -> None:
+        """``PolicySubscriber``'s ``on_canary``: serve the learner's canary on its share of the requests,
+        as ``CausalRetriever`` does (docs/contract.md §7.2)."""
+        self.serving.set_canary(canary)
 
     @property
     def mode(self) -> str:

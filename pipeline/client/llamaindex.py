@@ -6,7 +6,8 @@ returning ``NodeWithScore`` — asks it for the candidates, serves k of them und
 policy (:class:`~pipeline.client.adapter.CausalServing`) and publishes the retrieval event::
 
     retriever = CausalMemoryRetriever(index, conn=conn, idmap="~/.causalmem/ids.json", publisher=publisher)
-    async with PolicySubscriber(bootstrap, conn=conn, on_update=retriever.set_policy):
+    async with PolicySubscriber(bootstrap, conn=conn, on_update=retriever.set_policy,
+                                on_canary=retriever.set_canary):
         nodes = await retriever.aretrieve_step("what did I order?", query_id="conv-1:q1")
         await retriever.afeedback("conv-1:q1", utility=0.4)   # or aanswer(...) for the evaluator
 
@@ -161,6 +162,11 @@ class CausalMemoryRetriever(BaseRetriever):
     def set_policy(self, policy: LoadedPolicy | None) -> None:
         """``PolicySubscriber``'s ``on_update``."""
         self.serving.set_policy(policy)
+
+    def set_canary(self, canary: LoadedPolicy | None) -> None:
+        """``PolicySubscriber``'s ``on_canary``: serve the learner's canary on its share of the requests,
+        as ``CausalRetriever`` does (docs/contract.md §7.2)."""
+        self.serving.set_canary(canary)
 
     @property
     def mode(self) -> str:

@@ -4,7 +4,10 @@ It applies the serving rule (docs/contract.md §6, docs/learning.md): candidates
 them, the hard drop (dynamic threshold by default), Plackett–Luce selection with
 temperature T over ``z = score·(1+α·m)/T``, and a *different* retriever (BM25 over the
 memory texts) when the drop leaves nothing. Each call returns the memories and the
-RetrievalEvent to publish, with the true ``logprob`` of what it selected.
+RetrievalEvent to publish, with the true ``logprob`` of what it selected. It serves
+through the client's one serving core (:mod:`pipeline.client.serving_core`), as the
+LangChain and LlamaIndex adapters do: the retriever itself searches, computes the masks
+(overlapped with the search) and names memories by slot or by id.
 
     retriever = CausalRetriever(embeddings, texts=texts)
     async with PolicySubscriber(bootstrap, on_update=retriever.set_policy, on_canary=retriever.set_canary):
@@ -14,29 +17,30 @@ RetrievalEvent to publish, with the true ``logprob`` of what it selected.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import faiss
 import numpy as np
 import torch
 
 from models.serving.params import ServingParams
-from pipeline.client.choice import Choice, Noise, choose, coupled, event_labels
+from pipeline.client.choice import event_labels
 from pipeline.client.memory_index import IdIndex
 from pipeline.client.overlap import FeatureOverlap
-from pipeline.client.serving import ServingValues, masks_from_features, policy_features
-from pipeline.client.serving import follow as serving_in_force
+from pipeline.client.serving import masks_from_features, policy_features
+from pipeline.client.serving_core import Found, ServingCore
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import Connection, Settings
 from topics.events import Features, RetrievalEvent
 
 log = logging.getLogger(__name__)
 
+V = TypeVar("V")
 FallbackFn = Callable[[str | None, np.ndarray, int], list[int]]
 
 
@@ -72,6 +76,21 @@ class BM25Fallback:
         except ValueError:  # no query token is in the vocabulary
             return []
         return [int(d) for d, s in zip(docs[0], scores[0], strict=False) if s > 0]
+
+
+class ServingValue(Generic[V]):
+    """A serving value in force (``CausalRetriever.temperature`` …), read from and written to its ServingCore."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: CausalRetriever, objtype: type | None = None) -> V:
+        value: V = getattr(obj.core.values, self.name)
+        return value
+
+    def __set__(self, obj: CausalRetriever, value: V) -> None:
+        changed: dict[str, Any] = {self.name: value}
+        obj.core.values = dataclasses.replace(obj.core.values, **changed)
 
 
 class CausalRetriever:
@@ -169,45 +188,28 @@ class CausalRetriever:
         if self.memories is None:
             self.index.add(self.embeddings)
         self.texts = list(texts) if texts is not None else None
-        self.k = k
         self.n_candidates = n_candidates
-        self.explicit = {
-            name: value
-            for name, value in (
-                ("temperature", temperature),
-                ("drop", drop),
-                ("explore_rate", explore_rate),
-                ("explore_temperature", explore_temperature),
-                ("canary_rate", canary_rate),
-            )
-            if value is not None
+        explicit = {
+            "temperature": temperature,
+            "drop": drop,
+            "explore_rate": explore_rate,
+            "explore_temperature": explore_temperature,
+            "canary_rate": canary_rate,
         }
-        # Before a manifest says otherwise: what a manifest without ``serving`` means (UNSERVED), where
-        # no explicit value is given; follow() below sets the same attributes on each manifest.
-        unserved = serving_in_force(None, self.explicit)
-        self.temperature = unserved.temperature
-        self.drop: str | float = unserved.drop
-        self.drop_ratio = unserved.drop_ratio
+        # The serving state and rule every client front shares (pipeline/client/serving_core.py):
+        # the policy, the canary, the values in force, and every random draw. Exploration: a
+        # share of requests is served at a higher temperature (logged on the event, so the
+        # learner's log π uses it); a near-greedy policy has log π ≈ 0 for what it picks and
+        # learns nothing more, and these requests keep the gradient alive. They also give each
+        # dropped candidate ``explore_revive`` of a chance back, so a dropped memory can be
+        # read, and relearnt, again (docs/contract.md §6, step 3b).
+        self.core = ServingCore(k=k, explicit=explicit, explore_revive=explore_revive, seed=seed)
         if fallback is None and self.texts is not None:
             fallback = BM25Fallback(self.texts)
         if fallback is None and self.memories is None:
             log.warning("CausalRetriever without texts or a fallback: an empty hard drop returns nothing")
         self.fallback = fallback
         self.policy_name = policy or (self.conn.policy if self.conn is not None else "default")
-        self.policy: LoadedPolicy | None = None
-        self.canary: LoadedPolicy | None = None  # contract 1.4: served on canary_rate of the requests
-        self._canary_values: ServingValues | None = None  # how the canary is served (its manifest's), set with it
-        self.canary_rate = unserved.canary_rate  # the serving manifest's (none before one), unless given
-        self.canary_coupled = unserved.canary_coupled  # contract 1.5: both policies draw each canary request
-        self.rng = np.random.default_rng(seed)
-        # Exploration: a share of requests is served at a higher temperature (logged on the
-        # event, so the learner's log π uses it). A near-greedy policy has log π ≈ 0 for
-        # what it picks and learns nothing more; these requests keep the gradient alive.
-        self.explore_rate = unserved.explore_rate
-        self.explore_temperature = unserved.explore_temperature
-        # Exploratory requests also give each dropped candidate this chance back, so a
-        # dropped memory can be read, and relearnt, again (docs/contract.md §6, step 3b).
-        self.explore_revive = explore_revive
         self.features = FeatureOverlap(overlap_features)
 
     @classmethod
@@ -231,35 +233,68 @@ class CausalRetriever:
         """Swap the policy in (use as PolicySubscriber's ``on_update``)."""
         if policy is not None and self.memories is None and policy.net.arch.slots < self.embeddings.shape[0]:
             raise ValueError(f"policy has {policy.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
-        self.policy = policy
-        if policy is not None and policy.serving is not None:
-            self.follow(policy.serving)
+        self.core.set_policy(policy)
 
     def set_canary(self, canary: LoadedPolicy | None) -> None:
         """Hold the learner's canary (None: it ended); use as PolicySubscriber's ``on_canary``."""
         if canary is not None and self.memories is None and canary.net.arch.slots < self.embeddings.shape[0]:
             raise ValueError(f"canary has {canary.net.arch.slots} slots for {self.embeddings.shape[0]} memories")
-        self._canary_values = serving_in_force(canary.serving, self.explicit) if canary is not None else None
-        self.canary = canary
+        self.core.set_canary(canary)
 
     def follow(self, params: ServingParams) -> None:
         """Serve by ``params`` except where the constructor was given an explicit value."""
-        v = serving_in_force(params, self.explicit)  # the one rule, shared with the adapters
-        self.temperature, self.drop, self.drop_ratio = v.temperature, v.drop, v.drop_ratio
-        self.explore_rate, self.explore_temperature = v.explore_rate, v.explore_temperature
-        self.canary_rate, self.canary_coupled = v.canary_rate, v.canary_coupled
+        self.core.follow(params)
 
-    def _arm(self) -> tuple[LoadedPolicy | None, ServingValues, str]:
-        """This request's policy, serving values and arm: ``"serving"``, ``"canary"`` (an A/B
-        canary serves it, contract 1.4) or ``"coupled"`` (both draw, contract 1.5); the
-        canary's arms take ``canary_rate`` of the requests."""
-        canary, values = self.canary, self._canary_values
-        own = ServingValues(self.temperature, self.drop, self.drop_ratio, self.explore_rate, self.explore_temperature)
-        if canary is not None and values is not None and self.canary_rate > 0 and self.rng.random() < self.canary_rate:
-            if canary is self.policy:
-                return canary, values, "serving"
-            return (self.policy, own, "coupled") if self.canary_coupled else (canary, values, "canary")
-        return self.policy, own, "serving"
+    # The serving state lives in ``self.core``; these read it (and set it: the lab and tests
+    # tune a retriever's values, or hand it a policy, directly).
+    @property
+    def policy(self) -> LoadedPolicy | None:
+        return self.core.policy
+
+    @policy.setter
+    def policy(self, policy: LoadedPolicy | None) -> None:
+        self.core.policy = policy  # as it is: no manifest followed, no check
+
+    @property
+    def canary(self) -> LoadedPolicy | None:
+        return self.core.canary
+
+    @property
+    def k(self) -> int:
+        return self.core.k
+
+    @k.setter
+    def k(self, k: int) -> None:
+        self.core.k = k
+
+    @property
+    def rng(self) -> np.random.Generator:
+        return self.core.rng
+
+    @rng.setter
+    def rng(self, rng: np.random.Generator) -> None:
+        self.core.rng = rng
+
+    @property
+    def explore_revive(self) -> float:
+        return self.core.explore_revive
+
+    @explore_revive.setter
+    def explore_revive(self, chance: float) -> None:
+        self.core.explore_revive = chance
+
+    @property
+    def explicit(self) -> dict[str, Any]:
+        """The serving values fixed at construction (they win over a manifest's)."""
+        return self.core.explicit
+
+    temperature = ServingValue[float]()
+    drop = ServingValue[str | float]()
+    drop_ratio = ServingValue[float]()
+    explore_rate = ServingValue[float]()
+    explore_temperature = ServingValue[float]()
+    canary_rate = ServingValue[float]()
+    canary_coupled = ServingValue[bool]()
 
     def close(self) -> None:
         """End the features' worker thread if one was started; the retriever stays usable."""
@@ -283,7 +318,8 @@ class CausalRetriever:
     ) -> RetrievalResult:
         q = np.ascontiguousarray(query_embedding, dtype=np.float32)
         ids: list[str] | None = None
-        policy, v, arm = self._arm()
+        arm = self.core.arm()
+        policy = arm.policy
         features = self.features.start(policy, q, last_step_loss, last_step_entropy)  # may run during the search
         started = time.perf_counter()
         if self.memories is None:
@@ -295,52 +331,36 @@ class CausalRetriever:
             ids, scores = self.memories.search(q, self.n_candidates)
             self.features.observe(time.perf_counter() - started)
             slots, masks = self._by_id(ids, features(), policy)
-        noise = Noise(self.rng, shared=arm == "coupled")
-        c = self._choose(policy, v, slots, masks, scores, noise, ids, query_text, q)
-        canary_arm, unserved, other, other_values = None, None, self.canary, self._canary_values
-        if arm == "coupled" and other is not None and other_values is not None:  # read once: another thread may end it
+
+        def under(other: LoadedPolicy) -> tuple[np.ndarray, np.ndarray]:  # a coupled canary's view
             h = policy_features(other, q, last_step_loss, last_step_entropy)
-            if ids is None:
-                o_slots, o_masks = slots, masks_from_features(other, h, slots)
-            else:
-                o_slots, o_masks = self._by_id(ids, h, other)
-            o = self._choose(other, other_values, o_slots, o_masks, scores, noise, ids, query_text, q)
-            c, canary_arm, unserved = coupled(c, o, self.rng)
-        selected, candidates, id_of = c.selected, c.candidates, c.id_of
-        memory_texts: dict[int, str] | None = None
-        if ids is not None:
-            assert self.memories is not None
-            if with_texts:
-                shown = {s: self.memories.text(id_of[s]) for s in set(selected) | set(candidates[:10])}
-                memory_texts = {s: t for s, t in shown.items() if t is not None} or None
+            return (slots, masks_from_features(other, h, slots)) if ids is None else self._by_id(ids, h, other)
+
+        def fallback() -> list[Any]:
+            if ids is not None:
+                assert self.memories is not None
+                return self.memories.text_search(query_text, self.k)[: self.k]
+            return self.fallback(query_text, q, self.k) if self.fallback is not None else []
+
+        slate = self.core.serve(arm, Found(slots, masks, scores, fallback, ids, under))
+        selected, id_of = slate.choice.selected, slate.choice.id_of
+        text_of: Callable[[int], str | None] | None = None
+        if with_texts and ids is not None:
+            memories = self.memories
+            assert memories is not None
+            text_of = lambda s: memories.text(id_of[s])  # noqa: E731
         elif with_texts and self.texts is not None:
-            memory_texts = {s: self.texts[s] for s in set(selected) | set(candidates[:10])}
-        event = RetrievalEvent(
-            event_id=uuid.uuid4().hex,
+            bank = self.texts
+            text_of = lambda s: bank[s]  # noqa: E731
+        event = self.core.event(
+            slate,
+            policy_name=self.policy_name,
             query_id=query_id,
             step=step,
-            ts=time.time() if ts is None else ts,
             features=Features(q, float(last_step_loss), float(last_step_entropy)),
-            candidates=candidates,
-            scores=c.cand_scores,
-            selected=selected,
-            temperature=c.temperature,
-            logprob=float(c.logprob),
-            fallback=c.fallback,
-            policy=self.policy_name,
-            policy_version=c.version,
-            mask_max=float(c.masks.max()) if len(c.masks) and np.isfinite(c.masks).all() else None,
+            ts=ts,
             query_text=query_text,
-            memory_texts=memory_texts,
-            dropped=[int(s) for s in c.labels[~c.keep]],
-            candidate_masks=c.cand_masks,
-            candidate_probs=c.probs,
-            candidate_ids=[id_of[s] for s in candidates] if ids is not None else None,
-            canary=True if arm == "canary" or canary_arm == "canary" else None,
-            canary_arm=canary_arm,
-            canary_version=other.version if canary_arm is not None and other is not None else None,
-            # The other slate, for the learner's reward model (by slot: labels by id are each policy's own).
-            canary_other=(list(unserved.selected) or None) if unserved is not None and ids is None else None,
+            text_of=text_of,
         )
         if ids is not None:
             assert self.memories is not None
@@ -349,26 +369,6 @@ class CausalRetriever:
             return RetrievalResult(slots=selected, texts=found, event=event, ids=selected_ids)
         texts = [self.texts[s] for s in selected] if self.texts is not None else None
         return RetrievalResult(slots=selected, texts=texts, event=event)
-
-    def _choose(
-        self,
-        policy: LoadedPolicy | None,
-        v: ServingValues,
-        labels: np.ndarray,
-        masks: np.ndarray,
-        scores: np.ndarray,
-        noise: Noise,
-        ids: list[str] | None,
-        query_text: str | None,
-        q: np.ndarray,
-    ) -> Choice:
-        def fallback() -> list[Any]:
-            if ids is not None:
-                assert self.memories is not None
-                return self.memories.text_search(query_text, self.k)[: self.k]
-            return self.fallback(query_text, q, self.k) if self.fallback is not None else []
-
-        return choose(policy, v, labels, masks, scores, self.k, noise, self.explore_revive, fallback, ids)
 
     def _by_id(
         self, ids: list[str], h: torch.Tensor | None, policy: LoadedPolicy | None

@@ -1,14 +1,14 @@
-"""The serving rule applied to candidates that are already found (docs/contract.md §6).
+"""The serving rule's parts on the client (docs/contract.md §6), the bottom of the client's serving modules.
 
-:class:`~pipeline.client.retriever.CausalRetriever` finds candidates in its own faiss
-index; the adapters for LangChain and LlamaIndex get them from the user's retriever. Both
-then do the same three things, written once here over :mod:`models.serving.rule`: the
-policy's mask over the candidate slots (:func:`policy_masks`), the hard drop
+Written once here over :mod:`models.serving.rule`: which serving parameters are in force
+(:func:`follow`: an explicit value wins, else the loaded checkpoint's manifest ``serving``
+— what the learner was configured with and the promotion gate judged the policy under —
+else :data:`UNSERVED`), the policy's mask over candidate slots (:func:`policy_masks`, or
+:func:`policy_features` then :func:`masks_from_features`), the hard drop
 (:func:`keep_flags`) and the Plackett–Luce draw with its true log-probability
-(:func:`draw`). Which serving parameters are in force is decided here too
-(:func:`follow`): an explicit value wins, else the loaded checkpoint's manifest ``serving``
-(what the learner was configured with and the promotion gate judged the policy under),
-else :data:`UNSERVED`.
+(:func:`draw`). :mod:`pipeline.client.choice` makes one request's choice from them, and
+:mod:`pipeline.client.serving_core` (which every client front serves through, and whose
+docstring lists the modules) serves a request.
 
 >>> import numpy as np
 >>> keep_flags(np.array([1.0, 0.001, 0.5]), "dynamic").tolist()
@@ -42,7 +42,7 @@ from models.serving.rule import (
 from pipeline.client.subscriber import LoadedPolicy
 
 FOLLOWED = ("temperature", "drop", "explore_rate", "explore_temperature")  # what an explicit value can fix
-# Contract 1.4: CausalRetriever's explicit value fixes the canary's share too (the adapters serve no canary).
+# Contract 1.4: a client's explicit value fixes the canary's share too (CausalRetriever's, AdapterConfig's).
 CANARY_RATE = "canary_rate"
 # Before a manifest says otherwise: what a manifest without ``serving`` means (docs/contract.md §7),
 # the ServingParams defaults (T 0.05, 10% explored at T 0.25, dynamic drop) without a canary.

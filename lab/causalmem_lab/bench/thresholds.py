@@ -71,7 +71,9 @@ def measure(seed: int, train_queries: int, eval_queries: int, betas: tuple[float
     emb = {st.text or st.query_id: st.embedding for st in steps}
     out: dict[str, Any] = {}
     for beta in betas:
-        cfg = AdapterConfig(k=s.k, n_candidates=s.n_candidates, temperature=s.temperature, difficulty_scaling=beta)
+        cfg = AdapterConfig(
+            k=s.k, n_candidates=s.n_candidates, temperature=s.temperature, explore_rate=0.0, difficulty_scaling=beta
+        )
         serving: CausalServing[int] = CausalServing(emb.__getitem__, conn, cfg)
         for slot in range(s.slots):
             serving.idmap.slot(str(slot))  # slot i is memory row i

@@ -238,7 +238,8 @@ def test_difficulty_scaling_drops_more_on_hard_queries_only() -> None:
 
     net = policy(bias={0: 5.0, 1: float(np.log(np.expm1(0.1)))}, zero=True)  # m_b / m_a ≈ 0.02
     for beta, top, kept in [(0.0, 0.5, 2), (4.0, 0.5, 1), (4.0, 1.0, 2)]:  # ratio 0.01·(1 + β·(1 − top))
-        serving = CausalServing(hashed_embedding, CONN, AdapterConfig(k=2, difficulty_scaling=beta))
+        config = AdapterConfig(k=2, difficulty_scaling=beta, explore_revive=0.0, seed=0)  # the drop alone: no revival
+        serving = CausalServing(hashed_embedding, CONN, config)
         serving.idmap.slots_of(["a", "b"])
         serving.set_policy(net)
         served = serving.serve("q", found(top))
