@@ -33,7 +33,7 @@ from pipeline.client.choice import event_labels
 from pipeline.client.memory_index import IdIndex
 from pipeline.client.overlap import FeatureOverlap
 from pipeline.client.serving import masks_from_features, policy_features
-from pipeline.client.serving_core import Found, ServingCore
+from pipeline.client.serving_core import EXPLORE_REVIVE, Found, ServingCore
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import Connection, Settings
 from topics.events import Features, RetrievalEvent
@@ -155,7 +155,7 @@ class CausalRetriever:
         explore_rate: float | None = None,
         explore_temperature: float | None = None,
         conn: Connection | Settings | None = None,
-        explore_revive: float = 0.1,
+        explore_revive: float = EXPLORE_REVIVE,
         memory_ids: Sequence[str] | None = None,
         faiss_index: Any = None,
         canary_rate: float | None = None,
