@@ -56,6 +56,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.component_config import GateConfig
 from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -298,14 +299,18 @@ class PromotionGate:
         self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
         self.canary: CanaryRun | None = None  # contract 1.4: the candidate clients serve on canary_rate
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
+        # The networks of the versions clients may serve: the logging probabilities of events without them.
+        self.logging_policies = LoggingPolicies(metrics, remember=4 * config.window)
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest, self.serving_net = manifest, network(tensors)
+        self.logging_policies.hold(manifest, self.serving_net)
 
     async def promote(self, manifest: Manifest, net: PolicyNetwork) -> None:
         """Publish ``manifest`` as the serving policy and judge later candidates against it."""
         await self.publisher.promote(manifest)
         self.serving_manifest, self.serving_net = manifest, net
+        self.logging_policies.hold(manifest, net)
         if self.pending is not None and self.pending[0].version <= manifest.version:
             self.pending = None
         self.metrics.checkpoint_version.labels(role="serving").set(manifest.version)
@@ -390,6 +395,8 @@ class PromotionGate:
             await self.end_canary()
         await self._judge_canary()
         window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
+        # Each event's logging probabilities (recomputed where it lacks them) before any judgement.
+        window = await asyncio.to_thread(self.logging_policies.complete, window)
         if self.serving_manifest is not None and manifest.version <= self.serving_manifest.version:
             # A canary newer than this candidate was promoted just now: nothing left to judge.
             decision, reason = "refused", f"superseded by the serving v{self.serving_manifest.version}"
