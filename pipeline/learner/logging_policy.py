@@ -25,7 +25,9 @@ Which versions are held: the serving version and the ones served before it, at m
 window's events are of the newest few). An event of a version no longer (or never) held —
 after a learner restart, its replay's older versions — keeps what it carries, as before
 this module: with ``candidate_probs`` it is judged on them, without them it counts toward
-the full-slate IPS fallback. ``causalmem_gate_logging_probs_total{source}`` says how many
+the full-slate IPS fallback. So does an event of version 0 whose fields are not those of
+a client without a policy (m = 0): ``policy_version`` is optional, and a client may serve
+a policy without naming its version. ``causalmem_gate_logging_probs_total{source}`` says how many
 events went which way. Each event is looked at once (by its id).
 """
 
@@ -51,7 +53,7 @@ from topics.manifest import Manifest
 log = logging.getLogger(__name__)
 
 HELD_VERSIONS = 3  # the serving version and the two served before it (each a full network in memory)
-SOURCES = ("client", "recomputed", "version_not_held", "unrecomputable")  # the metric's labels
+SOURCES = ("client", "recomputed", "version_not_held", "unversioned", "unrecomputable")  # the metric's labels
 MISMATCH = "mismatch"
 WARN_EVERY_S = 10.0
 
@@ -136,7 +138,12 @@ class LoggingPolicies:
         for e, probs, logprob in zip(exps, rec.probs, rec.logprob.tolist(), strict=True):
             ev = e.event
             field = disagreement(ev.candidate_probs, ev.logprob, probs, logprob)
-            if field is not None:
+            if field is not None and version == 0:
+                # policy_version is optional (default 0): a client that serves a policy without
+                # naming its version is not a client without a policy. It keeps what it carries.
+                self._verdicts[e.id] = Verdict("unversioned")
+                count.labels(source="unversioned").inc()
+            elif field is not None:
                 self._verdicts[e.id] = Verdict(MISMATCH)
                 self.metrics.gate_logging_mismatch.labels(field=field).inc()
                 self._warn(version, field, ev.logprob, logprob)

@@ -124,6 +124,17 @@ def test_version_zero_is_similarity_and_an_unheld_version_keeps_what_it_carries(
     value = metrics.registry.get_sample_value
     assert value("causalmem_gate_logging_probs_total", {"source": "recomputed"}) == 30
     assert value("causalmem_gate_logging_probs_total", {"source": "version_not_held"}) == 20
+    # A client that serves a policy but leaves policy_version out (it is optional, default 0)
+    # is not a client without a policy: its events keep what they carry, none is left out.
+    unnamed = [
+        dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=0))
+        for e in no_policy
+        if not e.event.fallback
+    ][:10]
+    out = policies.complete(unnamed)
+    assert [e.event.candidate_probs for e in out] == [e.event.candidate_probs for e in unnamed]
+    assert value("causalmem_gate_logging_probs_total", {"source": "unversioned"}) == 10
+    assert value("causalmem_gate_logging_mismatch_total", {"field": "logprob"}) is None
 
 
 def test_a_client_whose_fields_disagree_is_counted_once_and_left_out_of_the_gate() -> None:
