@@ -183,16 +183,16 @@ async def test_a_minimal_clients_better_candidate_is_promoted_not_left_waiting()
     better = tilted(serving, GOOD)
     window = [
         dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=1, candidate_probs=None))
-        for e in log_of(serving, 2000, seed=11, temperature=1.0)
+        for e in log_of(serving, 1000, seed=11, temperature=1.0)
     ]
     metrics = Metrics()
-    gate = PromotionGate(GateConfig(), Publisher(), metrics, lambda: window)  # type: ignore[arg-type]
+    gate = PromotionGate(GateConfig(window=1000), Publisher(), metrics, lambda: window)  # type: ignore[arg-type]
     gate.set_serving(manifest(1), serving.tensors())
     d = await gate.consider(manifest(2), better.tensors())
     assert "lack candidate_probs" not in d.reason
     assert d.decision == "promoted", d.reason
     assert gate.serving_manifest is not None and gate.serving_manifest.version == 2
-    assert metrics.registry.get_sample_value("causalmem_gate_logging_probs_total", {"source": "recomputed"}) == 2000
+    assert metrics.registry.get_sample_value("causalmem_gate_logging_probs_total", {"source": "recomputed"}) == 1000
     # A harmful candidate on the same minimal log is still refused, now against v2 (held, with v1).
     worse = tilted(serving, BAD)
     d = await gate.consider(manifest(3), worse.tensors())
