@@ -8,10 +8,12 @@ window of 2,000 decisions never reaches ``gate_min_ess``: such a client was serv
 first policy forever. The learner published every version a client may serve, so it can
 compute them itself: :class:`LoggingPolicies` keeps the networks of the versions clients
 may be serving and, before the gate builds its logged decisions, gives each event the
-probabilities its ``policy_version`` served it with: that version's masks over the event's
-candidates by the client's own function (:func:`pipeline.client.serving.policy_masks`, from
-the event's query embedding, ``last_step_loss`` and ``last_step_entropy``), then the serving
-rule's (:func:`models.offpolicy.logging_policy.recompute`) at the event's logged temperature.
+probabilities its ``policy_version`` served it with: the masks over the event's candidates
+(its own ``candidate_masks`` where it sends them, else that version's by the client's own
+function, :func:`pipeline.client.serving.policy_masks`, from the event's query embedding,
+``last_step_loss`` and ``last_step_entropy``), then the serving rule's
+(:func:`models.offpolicy.logging_policy.recompute`) with that version's α at the event's
+logged temperature.
 
 Where an event carries its own ``logprob`` (every event does) or ``candidate_probs`` and
 they disagree with the recomputation beyond tolerance, the event is left out of the gate's
@@ -178,18 +180,23 @@ class LoggingPolicies:
 
 
 def masks_of(policy: LoadedPolicy | None, exps: list[Experience], shape: tuple[int, ...]) -> np.ndarray:
-    """[N, C] masks of each event's candidates under ``policy`` (None: no policy, m = 0), computed
-    one query at a time as the client computes them, so that they are the client's bit for bit.
+    """[N, C] masks of each event's candidates: the event's own ``candidate_masks`` where it sends
+    them (what its draw used: by id, a memory its version held no row for has the neutral mask
+    there, which the learner's slot for it need not give), else computed under ``policy`` (None:
+    no policy, m = 0) one query at a time as the client computes them, the client's bit for bit.
 
     Raises ``ValueError`` when a candidate slot is outside the policy's network.
     """
     out = np.zeros(shape, np.float64)
-    if policy is None:
-        return out
-    slots = policy.net.arch.slots
     for i, e in enumerate(exps):
         ev = e.event
         cands = np.asarray(ev.candidates, np.int64)
+        if ev.candidate_masks is not None and len(ev.candidate_masks) == len(cands):
+            out[i, : len(cands)] = ev.candidate_masks
+            continue
+        if policy is None:
+            continue
+        slots = policy.net.arch.slots
         if len(cands) and int(cands.max()) >= slots:
             raise ValueError(f"candidate slot {int(cands.max())} is outside v{policy.version}'s {slots} slots")
         f = ev.features

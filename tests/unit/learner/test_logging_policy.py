@@ -197,3 +197,22 @@ async def test_a_minimal_clients_better_candidate_is_promoted_not_left_waiting()
     worse = tilted(serving, BAD)
     d = await gate.consider(manifest(3), worse.tensors())
     assert d.decision == "refused", d.reason
+
+
+def test_an_events_own_masks_are_what_its_draw_used() -> None:
+    """By id, a client gives a memory its version held no row for the neutral mask, where the
+    learner's slot for it has some other row in that version: the event's own
+    ``candidate_masks`` are used where it sends them, and only a recomputation from the
+    network can disagree."""
+    logged = [e for e in client_log(varied_policy(seed=10), 2, 40, seed=12, temperature=0.2) if not e.event.fallback]
+    held_rows = varied_policy(seed=11)  # the learner's rows for those slots differ from the client's masks
+    metrics = Metrics()
+    policies = LoggingPolicies(metrics)
+    policies.hold(manifest(2), held_rows)
+    assert [e.id for e in policies.complete(logged)] == [e.id for e in logged]
+    value = metrics.registry.get_sample_value
+    assert value("causalmem_gate_logging_probs_total", {"source": "client"}) == len(logged)
+    assert value("causalmem_gate_logging_mismatch_total", {"field": "logprob"}) is None
+    bare = [dataclasses.replace(e, id=f"{e.id}-bare") for e in stripped(logged)]
+    assert policies.complete(bare) == []  # recomputed from the held network: every one disagrees
+    assert value("causalmem_gate_logging_mismatch_total", {"field": "logprob"}) == len(logged)
