@@ -331,6 +331,20 @@ class Metrics:
             "Candidates published since the serving version last changed",
             registry=self._reg("learner"),
         )
+        self.gate_logging_probs = Counter(
+            "causalmem_gate_logging_probs_total",
+            "Events the promotion gate judged, by where their logging probabilities came from "
+            "(client, recomputed, version_not_held, unrecomputable)",
+            ["source"],
+            registry=self._reg("learner"),
+        )
+        self.gate_logging_mismatch = Counter(
+            "causalmem_gate_logging_mismatch_total",
+            "Events whose logprob or candidate_probs disagree with the serving rule recomputed by the learner "
+            "(left out of the promotion gate)",
+            ["field"],
+            registry=self._reg("learner"),
+        )
         self.cluster_resets = Counter(
             "causalmem_broker_resets_detected_total",
             "Broker resets (lost topics) detected",

@@ -62,6 +62,8 @@ from models.offpolicy.slate import MomentCache
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
+from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
@@ -309,14 +311,18 @@ class PromotionGate:
         self.canary: CanaryRun | None = None  # contract 1.4: the candidate clients serve on canary_rate
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
         self.backoff = CanaryBackoff()  # no canaries while clients serve none (a probe now and then)
+        # The networks of the versions clients may serve: the logging probabilities of events without them.
+        self.logging_policies = LoggingPolicies(metrics, remember=4 * config.window)
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest, self.serving_net = manifest, network(tensors)
+        self.logging_policies.hold(manifest, self.serving_net)
 
     async def promote(self, manifest: Manifest, net: PolicyNetwork) -> None:
         """Publish ``manifest`` as the serving policy and judge later candidates against it."""
         await self.publisher.promote(manifest)
         self.serving_manifest, self.serving_net = manifest, net
+        self.logging_policies.hold(manifest, net)
         if self.pending is not None and self.pending[0].version <= manifest.version:
             self.pending = None
         self.metrics.checkpoint_version.labels(role="serving").set(manifest.version)
@@ -401,6 +407,8 @@ class PromotionGate:
             await self.end_canary()
         await self._judge_canary()
         window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
+        # Each event's logging probabilities (recomputed where it lacks them) before any judgement.
+        window = await asyncio.to_thread(self.logging_policies.complete, window)
         serving_net, serving_manifest = self.serving_net, self.serving_manifest
         serving_version = serving_manifest.version if serving_manifest is not None else 0
 

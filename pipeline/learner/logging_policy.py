@@ -1,0 +1,204 @@
+"""The logging probabilities of the promotion gate's window, computed by the learner itself.
+
+The gate's estimators need, for each logged decision, the logging policy's first-draw
+probabilities over its candidates (``candidate_probs``). ``CausalRetriever`` logs them; a
+client written from docs/contract.md that fills only the required fields does not, and
+without them the gate could only use full-slate IPS, whose effective sample size on a
+window of 2,000 decisions never reaches ``gate_min_ess``: such a client was served its
+first policy forever. The learner published every version a client may serve, so it can
+compute them itself: :class:`LoggingPolicies` keeps the networks of the versions clients
+may be serving and, before the gate builds its logged decisions, gives each event the
+probabilities its ``policy_version`` served it with: the masks over the event's candidates
+(its own ``candidate_masks`` where it sends them, else that version's by the client's own
+function, :func:`pipeline.client.serving.policy_masks`, from the event's query embedding,
+``last_step_loss`` and ``last_step_entropy``), then the serving rule's
+(:func:`models.offpolicy.logging_policy.recompute`) with that version's α at the event's
+logged temperature.
+
+Where an event carries its own ``logprob`` (every event does) or ``candidate_probs`` and
+they disagree with the recomputation beyond tolerance, the event is left out of the gate's
+window (never out of training), counted in ``causalmem_gate_logging_mismatch_total{field}``
+and logged (reason ``logging_mismatch``): the gate must not judge on propensities that one
+side or the other has wrong. The consumer record is long gone by then (the gate reads the
+learner's replay), so it is not written to ``dead-letter``.
+
+Which versions are held: the serving version and the ones served before it, at most
+:data:`HELD_VERSIONS` (clients move to a new version seconds after it is promoted, so the
+window's events are of the newest few). An event of a version no longer (or never) held —
+after a learner restart, its replay's older versions — keeps what it carries, as before
+this module: with ``candidate_probs`` it is judged on them, without them it counts toward
+the full-slate IPS fallback. So does an event of version 0 whose fields are not those of
+a client without a policy (m = 0): ``policy_version`` is optional, and a client may serve
+a policy without naming its version. ``causalmem_gate_logging_probs_total{source}`` says how many
+events went which way. Each event is looked at once (by its id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from models.offpolicy.logged import LoggedDecisions
+from models.offpolicy.logging_policy import disagreement, recompute
+from models.policy.network import PolicyNetwork
+from pipeline.client.serving import policy_masks
+from pipeline.client.subscriber import LoadedPolicy
+from pipeline.metrics import Metrics
+from topics.internal import Experience
+from topics.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+HELD_VERSIONS = 3  # the serving version and the two served before it (each a full network in memory)
+SOURCES = ("client", "recomputed", "version_not_held", "unversioned", "unrecomputable")  # the metric's labels
+MISMATCH = "mismatch"
+WARN_EVERY_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the gate uses for one event: ``source`` (one of :data:`SOURCES` or ``"mismatch"``)
+    and the recomputed probabilities where the event lacks its own."""
+
+    source: str
+    probs: np.ndarray | None = None
+
+
+class LoggingPolicies:
+    """The networks of the versions clients may be serving, and the logging probabilities they give.
+
+    ``hold`` is called on the event loop (a version becomes the serving one), ``complete``
+    in the gate's worker thread: ``hold`` replaces the table of networks, never changes it
+    in place, so a judgement reads one consistent table. ``remember``: how many events'
+    verdicts are kept (a few gate windows), so that each is computed and counted once.
+    """
+
+    def __init__(self, metrics: Metrics, *, held: int = HELD_VERSIONS, remember: int = 20_000) -> None:
+        self.metrics = metrics
+        self.held = held
+        self.remember = remember
+        self._nets: dict[int, LoadedPolicy] = {}
+        self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
+        self._last_warning = -WARN_EVERY_S
+        self._unwarned = 0
+
+    @property
+    def versions(self) -> list[int]:
+        """The versions held, oldest first."""
+        return sorted(self._nets)
+
+    def hold(self, manifest: Manifest, net: PolicyNetwork) -> None:
+        """``manifest``'s version is served by clients from now on: keep its network (and the newest others)."""
+        version = manifest.version
+        nets = {v: n for v, n in self._nets.items() if v != version}
+        nets[version] = LoadedPolicy(manifest, net)  # as a client holds it
+        self._nets = {v: nets[v] for v in sorted(nets)[-self.held :]}
+
+    def complete(self, window: Sequence[Experience]) -> list[Experience]:
+        """``window`` with each feedback event's logging probabilities: its own where they agree with
+        the recomputation, the recomputed ones where it has none, and without the events that disagree."""
+        nets = self._nets  # one table for the whole window
+        todo: dict[int, list[Experience]] = {}
+        for e in window:
+            if e.kind == "feedback" and not e.event.fallback and e.id not in self._verdicts:
+                todo.setdefault(e.event.policy_version, []).append(e)
+        for version, exps in todo.items():
+            self._judge(version, exps, nets)
+        out: list[Experience] = []
+        for e in window:
+            verdict = self._verdicts.get(e.id)
+            if verdict is not None and verdict.source == MISMATCH:
+                continue
+            if verdict is not None and verdict.probs is not None and e.event.candidate_probs is None:
+                e = dataclasses.replace(e, event=dataclasses.replace(e.event, candidate_probs=verdict.probs))
+            out.append(e)
+        while len(self._verdicts) > self.remember:
+            self._verdicts.popitem(last=False)
+        return out
+
+    def _judge(self, version: int, exps: list[Experience], nets: dict[int, LoadedPolicy]) -> None:
+        """Verdicts for the not yet seen events of one version."""
+        count = self.metrics.gate_logging_probs
+        if version != 0 and version not in nets:  # version 0: no policy, m = 0 (contract §6 step 2)
+            self._set(exps, Verdict("version_not_held"))
+            count.labels(source="version_not_held").inc(len(exps))
+            return
+        policy = nets.get(version)
+        try:
+            decisions = LoggedDecisions.from_experiences(exps)
+            rec = recompute(decisions, masks_of(policy, exps, decisions.slots.shape), policy.alpha if policy else 0.0)
+        except (ValueError, RuntimeError) as exc:  # e.g. a slot beyond that version's network, another dimension
+            log.warning("gate: cannot recompute the logging probabilities of v%d: %s", version, exc)
+            self._set(exps, Verdict("unrecomputable"))
+            count.labels(source="unrecomputable").inc(len(exps))
+            return
+        for e, probs, logprob in zip(exps, rec.probs, rec.logprob.tolist(), strict=True):
+            ev = e.event
+            field = disagreement(ev.candidate_probs, ev.logprob, probs, logprob)
+            if field is not None and version == 0:
+                # policy_version is optional (default 0): a client that serves a policy without
+                # naming its version is not a client without a policy. It keeps what it carries.
+                self._verdicts[e.id] = Verdict("unversioned")
+                count.labels(source="unversioned").inc()
+            elif field is not None:
+                self._verdicts[e.id] = Verdict(MISMATCH)
+                self.metrics.gate_logging_mismatch.labels(field=field).inc()
+                self._warn(version, field, ev.logprob, logprob)
+            elif ev.candidate_probs is None:
+                self._verdicts[e.id] = Verdict("recomputed", probs)
+                count.labels(source="recomputed").inc()
+            else:
+                self._verdicts[e.id] = Verdict("client")
+                count.labels(source="client").inc()
+
+    def _set(self, exps: list[Experience], verdict: Verdict) -> None:
+        for e in exps:
+            self._verdicts[e.id] = verdict
+
+    def _warn(self, version: int, field: str, logged: float, recomputed: float) -> None:
+        """A rate-limited warning (a misconfigured client disagrees on every event)."""
+        now = time.monotonic()
+        if now - self._last_warning < WARN_EVERY_S:
+            self._unwarned += 1
+            return
+        more = f" (+{self._unwarned} more since)" if self._unwarned else ""
+        log.warning(
+            "gate: logging_mismatch: an event of v%d disagrees with the serving rule recomputed by the learner "
+            "on %s (logprob %.6g logged, %.6g recomputed); left out of the promotion gate%s",
+            version,
+            field,
+            logged,
+            recomputed,
+            more,
+        )
+        self._last_warning, self._unwarned = now, 0
+
+
+def masks_of(policy: LoadedPolicy | None, exps: list[Experience], shape: tuple[int, ...]) -> np.ndarray:
+    """[N, C] masks of each event's candidates: the event's own ``candidate_masks`` where it sends
+    them (what its draw used: by id, a memory its version held no row for has the neutral mask
+    there, which the learner's slot for it need not give), else computed under ``policy`` (None:
+    no policy, m = 0) one query at a time as the client computes them, the client's bit for bit.
+
+    Raises ``ValueError`` when a candidate slot is outside the policy's network.
+    """
+    out = np.zeros(shape, np.float64)
+    for i, e in enumerate(exps):
+        ev = e.event
+        cands = np.asarray(ev.candidates, np.int64)
+        if ev.candidate_masks is not None and len(ev.candidate_masks) == len(cands):
+            out[i, : len(cands)] = ev.candidate_masks
+            continue
+        if policy is None:
+            continue
+        slots = policy.net.arch.slots
+        if len(cands) and int(cands.max()) >= slots:
+            raise ValueError(f"candidate slot {int(cands.max())} is outside v{policy.version}'s {slots} slots")
+        f = ev.features
+        out[i, : len(cands)] = policy_masks(policy, f.query_embedding, f.last_step_loss, f.last_step_entropy, cands)
+    return out
