@@ -62,9 +62,8 @@ from models.offpolicy.slate import MomentCache
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
-from pipeline.learner.canary import CanaryRun, is_canary
-from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
+from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher

@@ -21,6 +21,7 @@ from pipeline.client import chain
 from pipeline.client.adapter import CausalServing
 from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import AdapterConfig, Settings
+from pipeline.learner.canary import CanaryBackoff
 from pipeline.modeltopic import ModelTopicIndex, check_blob, scan_model_topic
 from pipeline.policy_evaluation import evaluate, rollback, shadow
 from pipeline.status.collect import checkpoint_view
@@ -68,7 +69,9 @@ async def test_evaluate_reads_the_serving_delta_and_a_delta_candidate(
     p, t = await delta_chain(tmp_path)
     log = p.publisher.producer.log
     held = {k: v.clone() for k, v in t.tensors().items()}
-    p.gate = object()  # the next checkpoint is a candidate (only is_candidate reads it)
+    # The next checkpoint is a candidate: is_candidate says so, and the manifest's gate record
+    # reads a gate that has judged nothing yet.
+    p.gate = SimpleNamespace(serving_manifest=None, backoff=CanaryBackoff(), decisions=[])
     monkeypatch.setattr(type(p), "is_candidate", lambda self, reason: True)
     train(t, [4])
     cand = await publish(p, t)
