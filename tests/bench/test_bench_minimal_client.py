@@ -5,6 +5,7 @@ learner's own component (:class:`pipeline.learner.logging_policy.LoggingPolicies
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from causalmem_lab import offline
@@ -78,10 +79,27 @@ def test_causal_retrievers_own_probabilities_agree_with_the_recomputation() -> N
 
 def test_the_table_shows_the_served_leak_at_the_start_and_the_end_and_the_promotions() -> None:
     seed = {"leak": 0.02, "recall": 0.9, "utility": 0.8, "steps_to_90pct_recall": 1200.0}
-    seeds = [
-        {**seed, "leak_start": 0.5, "promoted": 13.0, "canary_promoted": 0.0, "served_version": 14.0, "pairs": 6011.0},
-        {**seed, "leak_start": 0.6, "promoted": 15.0, "canary_promoted": 0.0, "served_version": 16.0, "pairs": 5989.0},
+    seeds: list[dict[str, Any]] = [
+        {
+            **seed,
+            "leak_start": 0.5,
+            "requests_to_half_leak": 900.0,
+            "promoted": 13.0,
+            "canary_promoted": 0.0,
+            "served_version": 14.0,
+            "pairs": 6011.0,
+        },
+        {
+            **seed,
+            "leak_start": 0.6,
+            "requests_to_half_leak": None,
+            "promoted": 15.0,
+            "canary_promoted": 0.0,
+            "served_version": 16.0,
+            "pairs": 5989.0,
+        },
     ]
     mean = inprocess.mean_of(seeds)
     text = inprocess.table({"rows": {"minimal_t1": {"name": "m", "per_seed": seeds, "mean": mean}}})
-    assert "| m | 50.0% / 60.0% → **55.0%** | 2.0% / 2.0% → **2.0%** | 13 / 15 → **14** | 14 / 16 → **15** |" in text
+    cells = "| m | 50.0% / 60.0% → **55.0%** | 2.0% / 2.0% → **2.0%** | 900 / – → **900** | 13 / 15 → **14** |"
+    assert cells + " 14 / 16 → **15** |" in text

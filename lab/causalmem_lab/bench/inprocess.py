@@ -219,7 +219,8 @@ def measure(
     """As served: leak, recall, utility over the last ``final_share`` and the steps to 90% of
     the final recall (all traffic, 300-step rolling mean); for a drift scenario, correct on the
     last day before the drift and on the last day, and their ratio. ``leak_start``: the leak of
-    the requests the first version served. ``explores_all``: the client explores every
+    the requests the first version served; ``requests_to_half_leak``: the served requests until
+    the served leak's 300-request rolling mean is half of it (None: never). ``explores_all``: the client explores every
     request, so every request is the policy as that client serves it (else none would count)."""
     t = result.tally
     served = np.ones(len(t.explore), bool) if explores_all else ~np.asarray(t.explore, bool)
@@ -238,8 +239,13 @@ def measure(
     keep = served[tail]
     leak = np.asarray(t.leak, float)
     first = served & (np.asarray(t.version) == t.version[0])
+    start = float(leak[first].mean()) if first.any() else None
+    # Served requests until the served leak (300-request rolling mean) is half the first version's.
+    rolling = np.convolve(leak[served], np.ones(300) / 300, mode="valid") if served.sum() >= 300 else np.array([])
+    halved = np.nonzero(rolling <= start / 2)[0] if start else np.array([], int)
     return {
-        "leak_start": float(leak[first].mean()) if first.any() else None,
+        "leak_start": start,
+        "requests_to_half_leak": float(halved[0] + 300) if len(halved) else None,
         "leak": float(leak[tail][keep].mean()),
         "recall": float(recall[tail][keep].mean()),
         "utility": float(np.asarray(t.utility)[tail][keep].mean()),
@@ -420,9 +426,9 @@ def table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     minimal = [
-        "| minimal-client row | leak of the first version served | leak at the end (last 30%) | promoted "
-        "| version served at the end | pairs |",
-        "|---|---|---|---|---|---|",
+        "| minimal-client row | leak of the first version served | leak at the end (last 30%) "
+        "| requests until the leak is halved | promoted | version served at the end | pairs |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key, row in report["rows"].items():
         ps, m = row["per_seed"], row["mean"]
@@ -455,6 +461,7 @@ def _minimal_cells(ps: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     return [
         _cell([s["leak_start"] for s in ps], m["leak_start"], _pct),
         _cell([s["leak"] for s in ps], m["leak"], _pct),
+        _cell([s["requests_to_half_leak"] for s in ps], m["requests_to_half_leak"], lambda v: f"{v:,.0f}"),
         _cell([s["promoted"] + s["canary_promoted"] for s in ps], m["promoted"] + m["canary_promoted"], count),
         _cell([s["served_version"] for s in ps], m["served_version"], count),
         _cell([s["pairs"] for s in ps], m["pairs"], lambda v: f"{v:,.0f}"),
