@@ -9,7 +9,12 @@ event time, the drift warm-up and the gate's window),
 :func:`~pipeline.learner.promotion_gate.judge_window` (the gate's rule),
 :mod:`pipeline.learner.promotion_decision` (what is a candidate and what is served at once,
 the superseded check, the label rule, the delta exclusion, canary start and end: the same
-functions the learner's gate calls) and :class:`~pipeline.learner.canary.CanaryRun`. This
+functions the learner's gate calls), :class:`~pipeline.learner.canary.CanaryRun` and
+:class:`~pipeline.learner.logging_policy.LoggingPolicies` (the logging probabilities of
+events that lack them, computed from the versions served, as the learner's gate does before
+every judgement). ``minimal_client`` serves as a client written from docs/contract.md that
+fills only the required fields: its events carry no ``candidate_probs``,
+``candidate_masks``, ``dropped`` or other optional field, and it serves no canary. This
 loop only holds the networks and tells the retriever what to serve. ``causalmem bench
 learning`` runs the real pipeline; this is where its settings were explored first
 (docs/learning.md).
@@ -33,10 +38,13 @@ from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
 from pipeline.learner.promotion_gate import judge_window
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
+from pipeline.metrics import Metrics
+from topics.events import RetrievalEvent
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -79,6 +87,8 @@ class OfflineConfig:
     canary_rate: float = PRODUCT.serve_canary_rate  # share of requests that serve the canary (gated; 0: none)
     canary_max: int = PRODUCT.gate_canary_max  # canary decisions after which an undecided canary gives way
     canary_coupled: bool = PRODUCT.serve_canary_coupled  # contract 1.5: canary requests draw both slates
+    # A client that sends only the contract's required fields (required_only) and serves no canary.
+    minimal_client: bool = False
     seed: int = PRODUCT.seed
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -133,6 +143,28 @@ class OfflineResult:
     refreshes: list[tuple[int, int, int]] = field(default_factory=list)
 
 
+def required_only(event: RetrievalEvent) -> RetrievalEvent:
+    """``event`` as a client written from docs/contract.md's required fields sends it (§3):
+    ``policy`` and ``policy_version`` kept (the contract asks for them), every other optional
+    field left out — no ``candidate_probs``, ``candidate_masks``, ``dropped``, ``mask_max``,
+    texts or canary fields."""
+    return replace(
+        event,
+        mask_max=None,
+        query_text=None,
+        memory_texts=None,
+        dropped=None,
+        candidate_masks=None,
+        candidate_probs=None,
+        answer_text=None,
+        candidate_ids=None,
+        canary=None,
+        canary_arm=None,
+        canary_version=None,
+        canary_other=None,
+    )
+
+
 def _snapshot(
     trainer: PolicyTrainer, version: int, serving: ServingParams | None = None, reason: str = "periodic"
 ) -> LoadedPolicy:
@@ -159,7 +191,8 @@ def run_offline(
         assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
         env = Environment(scenario)
     gate = cfg.gate_config()
-    canary_rate = cfg.canary_rate if gate is not None else 0.0  # ungated, nothing is a candidate
+    # Ungated, nothing is a candidate; a minimal client serves no canary (contract §7.2 is optional).
+    canary_rate = cfg.canary_rate if gate is not None and not cfg.minimal_client else 0.0
     revive = {} if cfg.explore_revive is None else {"explore_revive": cfg.explore_revive}
     retriever = scenario_retriever(
         env,
@@ -202,11 +235,16 @@ def run_offline(
             result.values[version] = value(policy.net)
         return policy
 
-    retriever.set_policy(snapshot(current))
+    first = snapshot(current)
+    retriever.set_policy(first)
     monitor = DriftMonitor(
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
     )
     replay = Replay(cfg.replay_window_s)
+    # The learner's gate's own component: the versions clients serve, and the logging
+    # probabilities it computes for the events that lack them (or drops where they disagree).
+    logging_policies = LoggingPolicies(Metrics())
+    logging_policies.hold(first.manifest, first.net)
 
     def end_canary() -> None:
         nonlocal canary
@@ -218,6 +256,7 @@ def run_offline(
         nonlocal current
         retriever.temperature, current = configured_t, serving_params
         retriever.set_policy(policy)
+        logging_policies.hold(policy.manifest, policy.net)  # as the learner's gate on promote / set_serving
 
     def refresh(candidate: LoadedPolicy) -> None:
         """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
@@ -241,6 +280,8 @@ def run_offline(
                     serve_as_configured(LoadedPolicy(manifest=run.manifest, net=run.net))
                 end_canary()
         window = [e for e in full if not is_canary(e)][-gate.window :]
+        # As the learner's gate: each event's logging probabilities before any judgement.
+        window = logging_policies.complete(window)
         serving = retriever.policy
 
         def judged() -> Verdict:
@@ -276,6 +317,7 @@ def run_offline(
         for step in range(q.steps):
             st = env.step_features(q, step)
             res = serve(retriever, st, with_texts=False)
+            event = required_only(res.event) if cfg.minimal_client else res.event
             true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, res.slots)
             u = nll_without - nll_with
             q.utilities.append(u)
@@ -286,9 +328,9 @@ def run_offline(
             result.tally.record(env, q.intent, res.slots, true_u, st.ts, served, explore)
             if on_canary:
                 result.canary_utility.append(true_u)
-            if not res.event.fallback:
+            if not event.fallback:
                 effects = {m: v - nll_with for m, v in (nll_without_slot or {}).items()} or None
-                pending.append(Experience(res.event.event_id, "feedback", res.event, u, slot_effects=effects))
+                pending.append(Experience(event.event_id, "feedback", event, u, slot_effects=effects))
             if len(pending) >= cfg.batch_size:
                 if cfg.learn:
                     trainer.update(pending)

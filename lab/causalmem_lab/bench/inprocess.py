@@ -15,7 +15,13 @@ questions). They differ in the share of steps whose feedback carries per-memory 
 and in whether steps without it get imputed credit (docs/learning.md). The freshness rows
 (``fresh_*``: 15 days, a refresh every 200 steps, their own learning rate and gate margin)
 add :mod:`causalmem_lab.bench.staleness`'s figures: in-process freshness and every
-version's true value (docs/benchmarks.md, "Freshness").
+version's true value (docs/benchmarks.md, "Freshness"). The ``minimal_*`` rows serve as a
+client written from docs/contract.md that sends only the required fields (no
+``candidate_probs``, no ``candidate_masks``, no canary), gated at the defaults: the gate
+judges them on the logging probabilities the learner computes itself
+(:class:`pipeline.learner.logging_policy.LoggingPolicies`). Such a client explores every
+request, so every request is the policy as it serves it; the rows add the leak of the
+first version served (``leak_start``) and the version served at the end.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class InProcessRow:
     lm: bool = False  # the real-LM world instead of the simulator
     gate: bool = False  # the promotion gate on (the product's default): clients serve what it promotes
     explore_temperature: float | None = None  # None: the scenario's (the learner's default)
+    explore_rate: float | None = None  # None: the scenario's; 1.0: every request explored
+    minimal_client: bool = False  # events with the contract's required fields only, no canary
     # The gate's canary (pipeline/learner/canary.py): the share of requests serving it; None:
     # the learner's default. An undecided canary gives way after the learner's gate_canary_max.
     canary_rate: float | None = None
@@ -104,6 +112,16 @@ ROWS: dict[str, InProcessRow] = {
         gate=True,
         canary_rate=1.0,
         coupled=True,
+    ),
+    # A client written from docs/contract.md: required fields only, every request at T = 1,
+    # no canary, the gate at the defaults (docs/benchmarks.md, "A minimal contract client").
+    "minimal_t1": InProcessRow(
+        "minimal contract client (required fields only), every request at T = 1, gated (the defaults)",
+        0.0,
+        gate=True,
+        explore_temperature=1.0,
+        explore_rate=1.0,
+        minimal_client=True,
     ),
     # The freshness bench's traffic in process: step reward, a candidate every 200 steps (its
     # 2 s cadence at 100 pairs/s), 15 days (docs/benchmarks.md, "Freshness").
@@ -195,12 +213,17 @@ def steps_to(curve: np.ndarray, level: float, window: int = 300) -> float | None
     return float(reach[0] + window) if len(reach) else None
 
 
-def measure(result: Any, scenario: Scenario, final_share: float = 0.3) -> dict[str, float | None]:
+def measure(
+    result: Any, scenario: Scenario, final_share: float = 0.3, explores_all: bool = False
+) -> dict[str, float | None]:
     """As served: leak, recall, utility over the last ``final_share`` and the steps to 90% of
     the final recall (all traffic, 300-step rolling mean); for a drift scenario, correct on the
-    last day before the drift and on the last day, and their ratio."""
+    last day before the drift and on the last day, and their ratio. ``leak_start``: the leak of
+    the requests the first version served; ``requests_to_half_leak``: the served requests until
+    the served leak's 300-request rolling mean is half of it (None: never). ``explores_all``: the client explores every
+    request, so every request is the policy as that client serves it (else none would count)."""
     t = result.tally
-    served = ~np.asarray(t.explore, bool)
+    served = np.ones(len(t.explore), bool) if explores_all else ~np.asarray(t.explore, bool)
     if scenario.drift_day is not None:
         ts = np.asarray(t.ts)
         ok = (~np.asarray(t.leak, bool)) & (np.asarray(t.recall) > 0)
@@ -214,12 +237,21 @@ def measure(result: Any, scenario: Scenario, final_share: float = 0.3) -> dict[s
     recall = np.asarray(t.recall)
     final = float(recall[tail].mean())
     keep = served[tail]
+    leak = np.asarray(t.leak, float)
+    first = served & (np.asarray(t.version) == t.version[0])
+    start = float(leak[first].mean()) if first.any() else None
+    # Served requests until the served leak (300-request rolling mean) is half the first version's.
+    rolling = np.convolve(leak[served], np.ones(300) / 300, mode="valid") if served.sum() >= 300 else np.array([])
+    halved = np.nonzero(rolling <= start / 2)[0] if start else np.array([], int)
     return {
-        "leak": float(np.asarray(t.leak, float)[tail][keep].mean()),
+        "leak_start": start,
+        "requests_to_half_leak": float(halved[0] + 300) if len(halved) else None,
+        "leak": float(leak[tail][keep].mean()),
         "recall": float(recall[tail][keep].mean()),
         "utility": float(np.asarray(t.utility)[tail][keep].mean()),
         "steps_to_90pct_recall": steps_to(rolling_recall(result), 0.9 * final),
         "final_recall_all": final,  # all traffic, exploration included: the speed measure's reference
+        "pairs": float(n),
     }
 
 
@@ -251,6 +283,7 @@ def promotions(result: Any) -> dict[str, float | None]:
         "canary_share": len(cu) / max(1, len(result.tally.utility)),
         "canary_utility": float(np.mean(cu)) if cu else None,
         "all_utility": float(np.mean(result.tally.utility)),
+        "served_version": float(result.served.version) if result.served is not None else None,
     }
 
 
@@ -337,6 +370,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 credit_impute=row.credit_impute,
                 gate=row.gate,
                 explore_temperature=row.explore_temperature,
+                explore_rate=row.explore_rate,
+                minimal_client=row.minimal_client,
                 **row.canary(),
             )
             if row.lm:
@@ -352,7 +387,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             curves.setdefault(key, {})[seed] = rolling_recall(res)
             fresh = staleness(res, end=2 * cfg.refresh_every) if row.freshness else {}
             per_seed.append(
-                {"seed": seed, **measure(res, scenario), **promotions(res), **fresh, "wall_s": time.monotonic() - t0}
+                {
+                    "seed": seed,
+                    **measure(res, scenario, explores_all=row.explore_rate == 1.0),
+                    **promotions(res),
+                    **fresh,
+                    "wall_s": time.monotonic() - t0,
+                }
             )
             print(f"{key} seed {seed}: {json.dumps(per_seed[-1])}", flush=True)
         figures = mean_of([{k: v for k, v in s.items() if k not in ("seed", "wall_s")} for s in per_seed])
@@ -384,6 +425,11 @@ def table(report: dict[str, Any]) -> str:
         "| candidates' true gain over served, last 30% | served value: final (fall from best) | promoted |",
         "|---|---|---|---|---|---|---|",
     ]
+    minimal = [
+        "| minimal-client row | leak of the first version served | leak at the end (last 30%) "
+        "| requests until the leak is halved | promoted | version served at the end | pairs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, row in report["rows"].items():
         ps, m = row["per_seed"], row["mean"]
         if ROWS[key].lm:
@@ -401,9 +447,25 @@ def table(report: dict[str, Any]) -> str:
                 at_ref = [s.get("steps_to_90pct_step_reward_final") for s in ps]
                 cells.append(_cell(at_ref, m.get("steps_to_90pct_step_reward_final"), lambda v: f"{v:,.0f}"))
             sim.append(f"| {row['name']} | " + " | ".join(cells) + " |")
+            if ROWS[key].minimal_client:
+                minimal.append(f"| {row['name']} | " + " | ".join(_minimal_cells(ps, m)) + " |")
             if ROWS[key].freshness:
                 fresh.append(f"| {row['name']} | " + " | ".join(_freshness_cells(ps, m, ROWS[key].gate)) + " |")
-    return "\n\n".join("\n".join(t) for t in (sim, drift, lm, fresh) if len(t) > 2)
+    return "\n\n".join("\n".join(t) for t in (sim, drift, lm, fresh, minimal) if len(t) > 2)
+
+
+def _minimal_cells(ps: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
+    """A minimal-client row's cells: the served leak at the start and at the end, the promotions
+    and the version served at the end, seeds then the mean."""
+    count = "{:.0f}".format
+    return [
+        _cell([s["leak_start"] for s in ps], m["leak_start"], _pct),
+        _cell([s["leak"] for s in ps], m["leak"], _pct),
+        _cell([s["requests_to_half_leak"] for s in ps], m["requests_to_half_leak"], lambda v: f"{v:,.0f}"),
+        _cell([s["promoted"] + s["canary_promoted"] for s in ps], m["promoted"] + m["canary_promoted"], count),
+        _cell([s["served_version"] for s in ps], m["served_version"], count),
+        _cell([s["pairs"] for s in ps], m["pairs"], lambda v: f"{v:,.0f}"),
+    ]
 
 
 def _freshness_cells(ps: list[dict[str, Any]], m: dict[str, Any], gated: bool) -> list[str]:
