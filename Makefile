@@ -49,9 +49,10 @@ test: $(STAMP) promtool chromium lint types
 	# wait on timers and children, so two halve the wall time on two cores.
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --doctest-modules $(DOCTESTS) tests
 
-# The inner loop (< 2 min): lint, types, doctests and the unit tests that need no broker.
+# The inner loop (< 2 min): lint, types, doctests and the unit tests (tests/unit: no broker),
+# in two processes; the slow ones (a few seconds each) are left to make test.
 check: $(STAMP) lint types
-	$(BIN)/python -m pytest -q -m "not broker and not slow" --doctest-modules $(DOCTESTS) tests
+	$(BIN)/python -m pytest -q -n 2 -m "not broker and not slow" --doctest-modules $(DOCTESTS) tests/unit
 
 types: $(STAMP)
 	$(BIN)/mypy

@@ -29,6 +29,7 @@ def _run_without(blocked: set[str], code: str) -> subprocess.CompletedProcess[st
     return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_the_services_need_no_extra_and_the_client_not_even_faust() -> None:
     code = textwrap.dedent(
         """

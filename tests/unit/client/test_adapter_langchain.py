@@ -214,6 +214,7 @@ def test_the_query_embedding_must_have_the_pipelines_dimension() -> None:
         r.invoke("pizza")
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_without_the_extras_the_adapters_name_them_and_the_client_needs_neither() -> None:
     from tests.unit.cli.test_extras import _run_without
 

@@ -75,6 +75,7 @@ async def test_the_publisher_names_a_canary_keeps_its_chunks_and_ends_it() -> No
     assert "jumps beyond" in index.rejected[-1][1] and index.canary["default"] == m2
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 async def test_a_subscriber_loads_the_canary_and_a_retriever_serves_it_on_its_share() -> None:
     pub, producer, (_, m2) = await _published()
     rng = np.random.default_rng(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pipeline.client import memory_index
 from pipeline.client.memory_index import IdIndex
@@ -52,6 +53,7 @@ def test_text_search_follows_adds_and_never_returns_a_removed_memory() -> None:
     assert idx.text_search("freedonia", 5) == ["c"]
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_an_ivf_base_keeps_its_nprobe_with_tombstones_and_a_wrong_base_is_refused() -> None:
     import faiss
     import pytest

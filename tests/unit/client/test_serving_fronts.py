@@ -268,6 +268,7 @@ def test_an_ab_canary_serves_its_share_as_its_own_manifest_says(front: str) -> N
     assert all(e.canary_arm is None and e.canary_version is None for e in got)
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 @pytest.mark.parametrize("front", FRONTS)
 def test_a_coupled_canary_draws_both_slates_and_logs_the_arm(front: str) -> None:
     serving, canary = scenario("coupled canary")

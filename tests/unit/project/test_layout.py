@@ -174,6 +174,7 @@ def test_the_product_never_imports_the_lab() -> None:
         assert _offenders(folder, ("causalmem_lab",)) == []
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_importing_the_product_and_its_services_loads_no_lab_module() -> None:
     code = (
         "import sys, pipeline, pipeline.client, pipeline.learner.loop, pipeline.worker.app, pipeline.cli;"

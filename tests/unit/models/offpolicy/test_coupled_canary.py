@@ -60,6 +60,7 @@ def test_the_same_policy_as_canary_ties_on_every_request() -> None:
     assert {e.temperature for e in events} == {0.05, 0.25}
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_the_coupled_estimate_is_the_gain_of_the_canary_as_served() -> None:
     serving, canary = loaded(1, seed=1, spread=0.5), loaded(2, seed=5, spread=0.5)
     utility = np.random.default_rng(3).normal(size=S)  # each memory's worth; a slate's is the mean
@@ -187,6 +188,7 @@ def test_a_coupled_event_round_trips() -> None:
     assert (back.canary, back.canary_arm, back.canary_version) == (True, "canary", 3)
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_a_coupled_event_logs_the_true_probability_of_what_it_served() -> None:
     """The served slate's probability is (1 − q)·π_serving + q·π_canary (docs/contract.md §3):
     the learner's importance weights divide by it. Checked against the frequencies of one query."""

@@ -341,6 +341,7 @@ def coverage() -> dict[str, float]:
     return {key: count / RUNS for key, count in hits.items()}
 
 
+@pytest.mark.slow  # several seconds: make test runs it, make check does not
 @pytest.mark.parametrize("method", ["snips", "dr", "ips"])
 @pytest.mark.parametrize("target", ["sharp", "uniform", "gain"])
 def test_true_value_inside_the_interval_in_90_percent_of_runs(coverage: dict[str, float], method: str, target: str):
