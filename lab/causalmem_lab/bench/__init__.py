@@ -23,7 +23,7 @@ BENCHES = {
     "learning": "causalmem_lab.bench.learning",
     "soak": "causalmem_lab.bench.soak",
     "evaluator": "causalmem_lab.bench.evaluator",
-    "gate": "causalmem_lab.bench.gate",
+    "gate": "causalmem_lab.bench.gate_calibration",
     "coldstart": "causalmem_lab.bench.coldstart",
     "scale": "causalmem_lab.bench.scale",
     "freshness": "causalmem_lab.bench.freshness",

@@ -6,7 +6,7 @@ import argparse
 
 import numpy as np
 import pytest
-from causalmem_lab.bench import gate as bench
+from causalmem_lab.bench import gate_calibration as bench
 
 
 def test_tiny_gate_bench_reports_every_estimator_and_log() -> None:
