@@ -139,6 +139,9 @@ class GateConfig:
     min_ess: float = 50.0  # effective sample size of the importance weights a decision needs
     method: str = "auto"  # auto | dr-pi | dr-set | dr | pi | set-dr | set-snips | set-ips | snips | ips (gate.py)
     canary_max: int = 100  # canary decisions after which an undecided canary gives way (pipeline/learner/canary.py)
+    conservative: bool = (
+        False  # certified smaller steps toward a candidate that waits (pipeline/learner/conservative.py)
+    )
 
 
 @dataclass(frozen=True)

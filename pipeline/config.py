@@ -80,6 +80,7 @@ class Settings:
     gate_min_ess: float = 50.0
     gate_method: str = "auto"  # auto | dr-pi | dr-set | dr | pi | set-dr | set-snips | set-ips | snips | ips
     gate_canary_max: int = GateConfig.canary_max  # canary decisions before an undecided canary gives way
+    gate_conservative: bool = GateConfig.conservative  # promote certified smaller steps toward a waiting candidate
     # serving: how clients serve the policy, recorded in each manifest (models/serving/params.py)
     serve_temperature: float = 0.05
     serve_explore_rate: float = 0.1  # share of requests served at serve_explore_temperature
@@ -262,7 +263,12 @@ class Settings:
 
     def learner(self) -> LearnerConfig:
         gate = GateConfig(
-            self.gate_window, self.gate_epsilon, self.gate_min_ess, self.gate_method, self.gate_canary_max
+            self.gate_window,
+            self.gate_epsilon,
+            self.gate_min_ess,
+            self.gate_method,
+            self.gate_canary_max,
+            conservative=self.gate_conservative,
         )
         return LearnerConfig(
             connection=self.connection(),

@@ -38,9 +38,10 @@ Everything here but :func:`publish_step` is a pure function of the log and the n
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from models.policy.network import PolicyNetwork
 from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
 from pipeline.modeltopic import CheckpointPublisher
+from topics.internal import Experience
 from topics.manifest import Manifest
 
 GRID = (0.5, 0.25, 0.125, 0.0625)  # α = 1 is θ_new itself: the gate has just judged it on the whole window
@@ -92,8 +94,8 @@ class StepDecision:
 def split_by_id(ids: Sequence[str]) -> np.ndarray:
     """Which half each decision falls in (True: selection), from its event id: stable across windows.
 
-    >>> split_by_id(["a", "b", "a"]).tolist()
-    [True, False, True]
+    >>> split_by_id(["e1", "e2", "e3", "e4", "e1"]).tolist()  # the same id, the same half
+    [True, True, True, False, True]
     """
     return np.array([zlib.crc32(i.encode()) & 1 == 1 for i in ids], dtype=bool)
 
@@ -157,20 +159,20 @@ def conservative_step(
             chosen = (alpha, net)
             break
     tried = "; ".join(s.describe() for s in steps)
-    where = {"steps": tuple(steps), "selected_on": len(first), "certified_on": len(second)}
+    looked = StepDecision("insufficient", "", steps=tuple(steps), selected_on=len(first), certified_on=len(second))
     if chosen is None:
-        return StepDecision("insufficient", f"no smaller step shows a gain on the selection half ({tried})", **where)
+        return replace(looked, reason=f"no smaller step shows a gain on the selection half ({tried})")
     alpha, net = chosen
     decision, reason, est = judge(second, net, serving)
     gain = est.get("gain")
     if decision != "promoted" or gain is None or not gain.value > 0:
         why = reason if decision != "promoted" else f"estimated gain {gain.value if gain else float('nan'):+.4f} ≤ 0"
         text = f"step α={alpha:g} selected ({tried}) but not certified on the other half: {why}"
-        return StepDecision("insufficient", text, alpha, None, est, **where)
+        return replace(looked, reason=text, alpha=alpha, estimates=est)
     text = (
         f"step α={alpha:g} toward the candidate, certified on {len(second)} decisions the selection never saw: {reason}"
     )
-    return StepDecision("promoted", text, alpha, net, est, **where)
+    return replace(looked, decision="promoted", reason=text, alpha=alpha, net=net, estimates=est)
 
 
 async def publish_step(publisher: CheckpointPublisher, candidate: Manifest, step: StepDecision) -> Manifest:
@@ -200,3 +202,31 @@ async def publish_step(publisher: CheckpointPublisher, candidate: Manifest, step
         serving=candidate.serving,
         delta=None,
     )
+
+
+async def step_toward(
+    publisher: CheckpointPublisher,
+    manifest: Manifest,
+    candidate: PolicyNetwork,
+    serving: PolicyNetwork,
+    window: Sequence[Experience],
+    judge: Judge,
+    *,
+    params: ServingParams,
+    serving_params: ServingParams | None = None,
+) -> tuple[Manifest, StepDecision]:
+    """The gate's hook: a step toward the waiting ``manifest``, published as a candidate when certified.
+
+    ``window`` is the gate's window of experiences, split by event id (:func:`split_by_id`);
+    the judgement runs in a worker thread. Returns the published step's manifest (the
+    gate then promotes it) or ``manifest`` itself with an ``insufficient`` decision.
+    """
+    pick = split_by_id([e.id for e in window])
+    first = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if p])
+    second = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if not p])
+    step = await asyncio.to_thread(
+        conservative_step, first, second, candidate, serving, judge, params=params, serving_params=serving_params
+    )
+    if step.decision != "promoted":
+        return manifest, step
+    return await publish_step(publisher, manifest, step), step

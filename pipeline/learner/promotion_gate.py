@@ -43,6 +43,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.component_config import GateConfig
 from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.conservative import step_toward
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -387,6 +389,42 @@ class PromotionGate:
             "gate: v%d is the canary, served on %.0f%% of requests", manifest.version, 100 * self.params.canary_rate
         )
 
+    async def _step_toward(
+        self,
+        manifest: Manifest,
+        candidate: PolicyNetwork,
+        window: list[Experience],
+        reason: str,
+        est: dict[str, Estimate],
+    ) -> tuple[Manifest, PolicyNetwork, str, str, dict[str, Estimate]]:
+        """A waiting candidate's conservative step: (θ_α's manifest and network, "promoted", …) or as it was."""
+        if manifest.reason == "label" or self.serving_net is None or self.serving_manifest is None:
+            return manifest, candidate, "insufficient", reason, est  # expert answers are served whole
+        wire = self.serving_manifest.serving
+        serving_params = ServingParams.from_wire(wire) if wire is not None else None
+        judge_half = partial(
+            judge,
+            epsilon=self.config.epsilon,
+            min_ess=self.config.min_ess,
+            method=self.config.method,
+            params=self.params,
+            cache=self.moments,
+            serving_params=serving_params,
+        )
+        stepped, step = await step_toward(
+            self.publisher,
+            manifest,
+            candidate,
+            self.serving_net,
+            window,
+            judge_half,
+            params=self.params,
+            serving_params=serving_params,
+        )
+        if step.decision != "promoted" or step.net is None:
+            return manifest, candidate, "insufficient", f"{reason}; {step.reason}", est
+        return stepped, step.net, "promoted", f"v{stepped.version}, {step.reason}", step.estimates
+
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         est: dict[str, Estimate] = {}
         if not self._canary_cleared:
@@ -413,6 +451,12 @@ class PromotionGate:
                 serving_params=ServingParams.from_wire(self.serving_manifest.serving)
                 if self.serving_manifest.serving is not None
                 else None,
+            )
+        if decision == "insufficient" and self.config.conservative and self.serving_net is not None:
+            # Where the candidate would wait: a smaller step toward it, certified on half the window
+            # (pipeline/learner/conservative.py); a certified one is published and promoted below.
+            manifest, candidate, decision, reason, est = await self._step_toward(
+                manifest, candidate, window, reason, est
             )
         serving_version = self.serving_manifest.version if self.serving_manifest else 0
         result = GateDecision(
