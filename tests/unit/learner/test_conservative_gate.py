@@ -93,3 +93,21 @@ async def test_off_by_setting_and_for_label_candidates(certified: list[tuple[int
     label = dataclasses.replace(manifest(3), reason="label")
     d = await gate.consider(label, candidate.tensors())
     assert d.decision == "insufficient" and certified == [] and pub.published == []
+
+
+def test_after_a_step_serves_the_next_checkpoint_is_a_full_snapshot() -> None:
+    # A delta applies onto the serving link; a step's weights are not the trainer's, so the
+    # rows the trainer changed since its last checkpoint would not rebuild its state there.
+    from models.policy.network import Arch
+    from pipeline.learner.deltas import DeltaPlanner
+    from pipeline.modeltopic import CheckpointPublisher
+
+    pub = CheckpointPublisher(None, "t", "p")
+    planner = DeltaPlanner(pub, Arch(4, 1000, 8), full_every=50, max_share=1.0)
+    rows = np.array([1, 2])
+    pub.head = (1, "a")
+    planner.record(1, False, rows)  # the trainer's full v1 serves
+    assert planner.plan("periodic", rows) is not None  # its next checkpoint: a delta on v1
+    planner.record(2, True, rows)
+    pub.head = (3, "step")  # the gate published and promoted a step, v3
+    assert planner.plan("periodic", rows) is None
