@@ -160,3 +160,27 @@ def test_the_halves_are_disjoint_and_stable_across_sliding_windows() -> None:
     assert (split_by_id(ids[100:]) == pick[100:]).all()
     r = split_random(11, seed=3)
     assert r.sum() == 5 and (~r).sum() == 6
+
+
+@pytest.mark.slow
+def test_rates_over_windows_keep_the_promise() -> None:
+    """The figures in docs/learning.md ("Conservative steps"): twelve fresh windows per candidate.
+
+    Run with ``pytest -m slow -s tests/unit/learner/test_conservative_steps.py -k rates``.
+    """
+    base = true_value(SERVING, 8000)
+    candidates = {"better": (2.0, 4.0, -1.0), "worse": (2.0, -8.0, 3.0), "worse2": (2.0, 1.0, 8.0)}
+    candidates["worse3"] = (-2.0, -1.0, 3.5)
+    promoted: dict[str, list[float]] = {}
+    for name, biases in candidates.items():
+        net, gains = net_with(*biases), []
+        for seed in range(10, 22):
+            log = served_log(SERVING, 2000, seed=seed)
+            assert GATE(log, net, SERVING)[0] != "promoted"  # the plain gate decides none of them
+            step = conservative_step(*halves(log, seed), net, SERVING, GATE, params=PARAMS)
+            if step.net is not None:
+                gains.append(true_value(step.net, 8000) - base)
+        promoted[name] = gains
+        print(f"{name} {biases}: steps promoted in {len(gains)} of 12 windows, true gains {np.round(gains, 4)}")
+    assert promoted["better"] and all(g > 0 for g in promoted["better"])
+    assert all(g > -0.02 for gains in promoted.values() for g in gains)  # never worse than serving by ε
