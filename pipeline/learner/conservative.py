@@ -13,9 +13,9 @@ policy only with a certificate computed on data that did not choose it. The step
 (:func:`models.offpolicy.trust_region.interpolate`). A smaller α serves closer to the
 serving policy (:func:`models.offpolicy.trust_region.served_tv`, the trust-region distance
 reported with each step): its importance weights relative to serving's stay near 1, so the
-gain's interval shrinks with the step — roughly α·(gain ± half-width) — while −ε does not.
-A step whose interval over one half of the window clears −ε exists as soon as the whole
-step's interval is finite.
+gain's interval shrinks with the step — roughly α·(gain ± half-width), faster where the whole
+step's weights are heavy-tailed (a low ESS) — while −ε does not. The grid stops at 1/16: a
+smaller step would clear −ε whatever its direction and move serving too little to matter.
 
 α is chosen honestly (the gate's certificate must not be biased by the choice):
 
@@ -123,7 +123,7 @@ def conservative_step(
     grid: Sequence[float] = GRID,
     max_tv: float = MAX_TV,
 ) -> StepDecision:
-    """Select a step toward ``candidate`` on one half of ``decisions`` and certify it on the other.
+    """Select a step toward ``candidate`` on ``first`` and certify it on ``second``.
 
     Parameters
     ----------
