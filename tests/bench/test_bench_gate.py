@@ -56,10 +56,10 @@ def test_conservative_steps_are_looked_for_where_a_candidate_is_undecided() -> N
     report = bench.run(args)
     rows = report["results"]["near-greedy"]["auto"]
     undecided = [r for r in rows if r["decision"] == "insufficient"]
+    assert undecided  # 150 near-greedy steps decide few candidates
     assert all(("step" in r) == (r["decision"] == "insufficient") for r in rows)
     for r in undecided:
         assert r["step"]["decision"] in ("promoted", "insufficient")
         assert (r["step"]["true_gain"] is not None) == (r["step"]["decision"] == "promoted")
     s = report["summary"]["near-greedy"]["auto"]
-    if undecided:
-        assert s["steps_looked"] == len(undecided) and "conservative steps certified" in bench.table(report)
+    assert s["steps_looked"] == len(undecided) and "conservative steps certified" in bench.table(report)
