@@ -159,6 +159,11 @@ class Settings:
     gate_min_ess: float = setting(50.0, "effective sample size of the importance weights a gate decision needs")
     gate_method: str = setting("auto", "the gate's estimator: auto | dr-pi | dr-set | dr | pi | set-dr | ... | ips")
     gate_canary_max: int = setting(100, "canary decisions after which an undecided canary gives way")
+    gate_conservative: bool = setting(
+        False,
+        "where a candidate would wait, promote a smaller step toward it certified on half the window "
+        "(pipeline/learner/conservative.py; off until measured through the pipeline)",
+    )
     # -- serving: how clients serve the policy, recorded in each manifest (models/serving/params.py) --
     serve_temperature: float = setting(ServingParams.temperature, "T of the Plackett–Luce draw")
     serve_explore_rate: float = setting(ServingParams.explore_rate, "share of requests at serve_explore_temperature")
@@ -352,6 +357,7 @@ class Settings:
             min_ess=self.gate_min_ess,
             method=self.gate_method,
             canary_max=self.gate_canary_max,
+            conservative=self.gate_conservative,
         )
 
     def learner(self) -> LearnerConfig:
@@ -555,6 +561,7 @@ class GateConfig:
     min_ess: float = Settings.gate_min_ess
     method: str = Settings.gate_method
     canary_max: int = Settings.gate_canary_max
+    conservative: bool = Settings.gate_conservative
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ A full snapshot is published instead when
 - there is no serving link yet, or this learner has not published since it took over (it
   does not know what changed since the serving version);
 - the reason is ``init``, ``reset`` or ``rollback`` (the whole state may change);
+- the serving link is a version this planner did not publish (a conservative step the gate
+  published, ``pipeline.learner.conservative``: its weights are not the trainer's);
 - ``full_every`` − 1 deltas followed the last full snapshot;
 - the delta would exceed ``max_share`` of a full snapshot's bytes.
 """
@@ -26,6 +28,7 @@ from pipeline.modeltopic.publisher import CheckpointPublisher
 
 FULL_REASONS = ("init", "reset", "rollback")  # checkpoints that are always full snapshots
 KEEP_LINKS = 3  # versions whose rows are kept apart (older ones are merged: a safe over-approximation)
+KEEP_KNOWN = 1024  # versions remembered as this planner's own (an older serving link: a full snapshot)
 
 
 class DeltaPlanner:
@@ -46,6 +49,7 @@ class DeltaPlanner:
         self.since_full = 0  # deltas published since the last full snapshot
         self.tracked_from: int | None = None  # the first version published since this learner took over
         self.rows: dict[int, np.ndarray] = {}  # version -> rows written up to it since the version before
+        self.known: set[int] = set()  # the versions recorded here: the trainer's own states
         self._adoptions = publisher.adoptions
 
     def plan(self, reason: str, changed_rows: np.ndarray) -> np.ndarray | None:
@@ -61,6 +65,8 @@ class DeltaPlanner:
             return None
         if self.tracked_from is None or head[0] < self.tracked_from or self.since_full + 1 >= self.full_every:
             return None
+        if head[0] not in self.known:  # e.g. a conservative step: every row may differ from the trainer's
+            return None
         parts = [r for v, r in self.rows.items() if v > head[0]] + [np.asarray(changed_rows, dtype=np.int64)]
         rows = np.unique(np.concatenate(parts))
         if delta_bytes(len(rows), self.arch) > self.max_share * full_bytes(self.arch):
@@ -73,6 +79,9 @@ class DeltaPlanner:
             return
         if self.tracked_from is None:
             self.tracked_from = version
+        self.known.add(version)
+        if len(self.known) > KEEP_KNOWN:
+            self.known.discard(min(self.known))
         self.since_full = self.since_full + 1 if delta else 0
         head = self.publisher.head[0] if self.publisher.head else 0
         self.rows = {v: r for v, r in self.rows.items() if v > head}

@@ -49,7 +49,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,8 +64,9 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
+from pipeline.learner.conservative import step_toward
 from pipeline.learner.logging_policy import LoggingPolicies
-from pipeline.learner.promotion_decision import DECISIONS, Candidate, Verdict, canary_decision, decide
+from pipeline.learner.promotion_decision import DECISIONS, Candidate, Decision, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -400,6 +402,42 @@ class PromotionGate:
             "gate: v%d is the canary, served on %.0f%% of requests", manifest.version, 100 * self.params.canary_rate
         )
 
+    async def _step_toward(
+        self,
+        manifest: Manifest,
+        candidate: PolicyNetwork,
+        window: list[Experience],
+        reason: str,
+        est: dict[str, Estimate],
+    ) -> tuple[Manifest, PolicyNetwork, str, str, dict[str, Estimate]]:
+        """A waiting candidate's conservative step: (θ_α's manifest and network, "promoted", …) or as it was."""
+        if manifest.reason == "label" or self.serving_net is None or self.serving_manifest is None:
+            return manifest, candidate, "insufficient", reason, est  # expert answers are served whole
+        wire = self.serving_manifest.serving
+        serving_params = ServingParams.from_wire(wire) if wire is not None else None
+        judge_half = partial(
+            judge,
+            epsilon=self.config.epsilon,
+            min_ess=self.config.min_ess,
+            method=self.config.method,
+            params=self.params,
+            cache=self.moments,
+            serving_params=serving_params,
+        )
+        stepped, step = await step_toward(
+            self.publisher,
+            manifest,
+            candidate,
+            self.serving_net,
+            window,
+            judge_half,
+            params=self.params,
+            serving_params=serving_params,
+        )
+        if step.decision != "promoted" or step.net is None:
+            return manifest, candidate, "insufficient", f"{reason}; {step.reason}", est
+        return stepped, step.net, "promoted", f"v{stepped.version}, {step.reason}", step.estimates
+
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         """Judge the canary, then decide on ``manifest`` (:func:`decide`) and carry the decision out."""
         if not self._canary_cleared:
@@ -438,6 +476,17 @@ class PromotionGate:
             canary_rate=self.params.canary_rate,
             canary_paused=not self.backoff.plan(time.time()).start,
         )
+        if outcome.action == "hold" and self.config.conservative and not outcome.by_label_rule:
+            # Where the candidate would wait: a smaller step toward it, certified on half the window
+            # (pipeline/learner/conservative.py); a certified one is published and promoted instead.
+            stepped, net, decision, reason, step_est = await self._step_toward(
+                manifest, candidate, window, outcome.reason, dict(outcome.estimates)
+            )
+            if decision == "promoted":
+                manifest, candidate = stepped, net
+                outcome = Decision(decision, reason, "promote", end_canary=True, estimates=step_est)
+            else:
+                outcome = replace(outcome, reason=reason)
         est = outcome.estimates
         result = GateDecision(
             outcome.decision,

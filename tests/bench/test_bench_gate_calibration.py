@@ -45,3 +45,21 @@ def test_a_subset_of_estimators_and_logs_and_the_serving_from_the_environment(mo
     args.methods = "dr,nope"
     with pytest.raises(ValueError, match="nope"):
         bench.run(args)
+
+
+def test_conservative_steps_are_looked_for_where_a_candidate_is_undecided() -> None:
+    p = argparse.ArgumentParser()
+    bench.add_options(p)
+    args = p.parse_args(["--window", "150", "--candidates", "3", "--repeats", "1", "--truth-queries", "200"])
+    args.min_ess, args.boot, args.dim = 50.0, 30, 16
+    args.methods, args.logs, args.conservative = "auto", "near-greedy", True
+    report = bench.run(args)
+    rows = report["results"]["near-greedy"]["auto"]
+    undecided = [r for r in rows if r["decision"] == "insufficient"]
+    assert undecided  # 150 near-greedy steps decide few candidates
+    assert all(("step" in r) == (r["decision"] == "insufficient") for r in rows)
+    for r in undecided:
+        assert r["step"]["decision"] in ("promoted", "insufficient")
+        assert (r["step"]["true_gain"] is not None) == (r["step"]["decision"] == "promoted")
+    s = report["summary"]["near-greedy"]["auto"]
+    assert s["steps_looked"] == len(undecided) and "conservative steps certified" in bench.table(report)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from models.serving.rule import plackett_luce_logprob
 from pipeline.config import Settings
+from pipeline.learner.conservative import conservative_step, split_random
 from pipeline.learner.promotion_gate import PESSIMISM, judge, judge_log
 
 METHODS = ("ips", "snips", "pi", "dr", "dr-pi", "set-ips", "set-snips", "set-dr", "dr-set", "auto")
@@ -248,6 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "moments": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep),
                 "plain": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep, moments=False),
             }
+            pick = split_random(len(d), rep)  # --conservative: selection and certification halves
+            halves = (d.subset(pick), d.subset(~pick))
             for method in methods:
                 slog = slogs["plain" if method in ("ips", "snips") else "moments"]
                 for row, (_, net) in zip(rows, cands, strict=True):
@@ -267,6 +271,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "worse": bool(row["gain"] < -eps),
                         }
                     )
+                    if args.conservative and decision == "insufficient":
+                        gate = partial(judge, epsilon=eps, min_ess=args.min_ess, method=method, n_boot=args.boot)
+                        step = conservative_step(*halves, net, serving, partial(gate, params=served), params=served)
+                        true_step = value_of(step.net, served, full, phi) - truth["serving"] if step.net else None
+                        results[log_name][method][-1]["step"] = {
+                            "decision": step.decision,
+                            "alpha": step.alpha,
+                            "gain": [step.estimates["gain"].value, step.estimates["gain"].low]
+                            if "gain" in step.estimates
+                            else None,
+                            "true_gain": true_step,
+                            "worse": true_step is not None and true_step < -eps,  # the gate's promise broken
+                        }
             print(f"bench gate: repeat {rep + 1}/{args.repeats}, {log_name} log done ({time.time() - t0:.0f} s)")
     summary = {log: {m: summarise(results[log][m]) for m in methods} for log in logs}
     traps = sum(1 for r in rows if r["gain"] < -eps and r["gain_t1"] > eps)
@@ -300,6 +317,24 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, float | int]:
         "worse": len(worse),
         "better": len(better),
         "median_ess": float(np.median([r["ess"] for r in rs])) if rs else 0.0,
+        **steps_summary(rs),
+    }
+
+
+def steps_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--conservative``: of the undecided candidates, how many got a certified step, and how good it truly is."""
+    looked = [r["step"] for r in rs if "step" in r]
+    done = [s for s in looked if s["decision"] == "promoted"]
+    if not looked:
+        return {}
+    gains = [s["true_gain"] for s in done]
+    return {
+        "steps_looked": len(looked),
+        "steps_promoted": len(done),
+        "steps_worse_than_eps": sum(1 for s in done if s["worse"]),
+        "steps_true_gain_mean": float(np.mean(gains)) if gains else float("nan"),
+        "steps_true_gain_min": float(np.min(gains)) if gains else float("nan"),
+        "steps_certified_low_mean": float(np.mean([s["gain"][1] for s in done])) if done else float("nan"),
     }
 
 
@@ -315,6 +350,14 @@ def table(report: dict[str, Any]) -> str:
                 f"| {log} | {m} | {s['value_coverage']:.1%} | {s['gain_coverage']:.1%} | {s['false_promotion']:.1%} "
                 f"| {s['missed_promotion']:.1%} | {s['undecided']:.1%} | {s['median_ess']:,.0f} |"
             )
+    for log, per in report["summary"].items():
+        for m, s in per.items():
+            if "steps_looked" in s:
+                lines.append(
+                    f"{log} / {m}: conservative steps certified for {s['steps_promoted']} of {s['steps_looked']} "
+                    f"undecided candidates; true step gain mean {s['steps_true_gain_mean']:+.4f}, "
+                    f"min {s['steps_true_gain_min']:+.4f}; worse than serving by > ε: {s['steps_worse_than_eps']}"
+                )
     return "\n".join(lines)
 
 
@@ -392,6 +435,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the report as JSON here")
     p.add_argument("--plot", help="write the calibration plot (PNG) here")
     p.add_argument("--cost", action="store_true", help="only time one judgement on a near-greedy --window log")
+    p.add_argument(
+        "--conservative",
+        action="store_true",
+        help="also look for a certified smaller step toward each undecided candidate (learner/conservative.py)",
+    )
 
 
 def judgement_cost(args: argparse.Namespace, runs: int = 3) -> str:
