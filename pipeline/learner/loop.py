@@ -315,8 +315,7 @@ class Learner(Service):
     def _resume(self, restored: Restored) -> None:
         self.restored_from = restored.source
         self.version = restored.version
-        self.progress.labels_total = restored.progress.labels_total
-        self.progress.resets = restored.progress.resets
+        self.progress.carry_over(restored.progress)
         self.inbox.resume_after(restored.applied)
 
     async def _seek(self, offsets: dict[str, int]) -> None:

@@ -98,6 +98,22 @@ class Progress:
             suppression_audit=read_audit(metrics.get("suppression_audit")),
         )
 
+    def carry_over(self, restored: Progress) -> None:
+        """Take what a restart keeps from the restored checkpoint's counters, in place (the
+        control handler holds this object): the label and reset counts, the memories operators
+        suppressed (a later rollback, reset or cut-over suppresses them again) and the audit
+        trail (the suppress rate limit counts from it, so a restart does not reset it).
+
+        >>> now = Progress()
+        >>> now.carry_over(Progress.from_metrics({"resets": 2, "suppressed": [4, 9]}))
+        >>> now.resets, now.suppressed
+        (2, [4, 9])
+        """
+        self.labels_total = restored.labels_total
+        self.resets = restored.resets
+        self.suppressed = list(restored.suppressed)
+        self.suppression_audit = list(restored.suppression_audit)
+
 
 def manifest_metrics(
     trainer: PolicyTrainer,

@@ -72,3 +72,23 @@ def test_unsuppress_gives_the_memory_a_neutral_row_again() -> None:
     t.unsuppress([2])
     mask = float(t.net.candidate_masks(h, torch.tensor([[2]]))[0, 0].detach())
     assert 0.8 < mask < 1.2
+
+
+def test_a_restarted_learner_keeps_the_suppressed_memories_and_their_audit() -> None:
+    """A restart restores the suppressed set and the audit trail from the checkpoint: otherwise a
+    later rollback or reset brings the memories back and the hourly limit starts from zero."""
+    from types import SimpleNamespace
+
+    from pipeline.learner.loop import Learner
+    from pipeline.learner.publishing import Progress
+
+    entry = audit_entry("suppress", [3, 7], "ops", "misleading", "cmd-1", 1_800_000_000.0)
+    checkpoint = Progress.from_metrics({"resets": 1, "suppressed": [3, 7], "suppression_audit": [entry]})
+    progress = Progress()
+    held = progress  # the control handler holds this very object
+    resumed: list[object] = []
+    learner = SimpleNamespace(progress=progress, inbox=SimpleNamespace(resume_after=resumed.append))
+    restored = SimpleNamespace(source="topic v5", version=5, progress=checkpoint, applied=None)
+    Learner._resume(learner, restored)  # type: ignore[arg-type]
+    assert held.suppressed == [3, 7] and held.suppression_audit == [entry] and held.resets == 1
+    assert learner.version == 5 and resumed == [None]
