@@ -212,6 +212,16 @@ class ControlHandler:
         )
         return decision.verdict
 
+    def forget_removed(self) -> None:
+        """Memories removed from the store leave the suppressed set: their slots may go to other
+        memories, which a later rollback, reset or cut-over must not suppress in their place."""
+        gone = set(self.memories.take_removed())
+        kept = [s for s in self.progress.suppressed if s not in gone]
+        if len(kept) != len(self.progress.suppressed):
+            released = sorted(set(self.progress.suppressed) - set(kept))
+            log.info("learner: suppressed memories at slots %s were removed; no longer suppressed", released)
+            self.progress.suppressed = kept
+
     def _keep_suppressed(self) -> None:
         """Other weights were loaded: the memories operators suppressed stay suppressed."""
         if self.progress.suppressed:

@@ -351,6 +351,7 @@ class Learner(Service):
             for msg in msgs:
                 if tp == self.life_tp:
                     self.dirty = self.memories.on_message(msg, self.trainer, self._dead) or self.dirty
+                    self.control.forget_removed()
                 elif tp == self.ctl_tp:
                     # Commands apply between batches: everything read before comes first.
                     self.inbox.release(force=True)

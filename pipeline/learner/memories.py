@@ -81,6 +81,7 @@ class MemoryBank:
         self.embeddings = SlotEmbeddings(slots)  # live slots' memory embeddings, when given
         self.version = 0  # the newest version whose map is published
         self.changes = 0  # slot changes applied (a checkpoint is due when it grows)
+        self.removed: list[int] = []  # slots whose memory was removed, until the learner takes them
         self.tp = TopicPartition(self.topic, 0)
         self._unknown_since: float | None = None
 
@@ -125,6 +126,7 @@ class MemoryBank:
             if record.op == "remove":
                 change = a.remove(record.memory_id, record.ts)
                 self.embeddings.drop(change.slot)
+                self.removed.append(change.slot)
                 self.pending[change.slot] = change
                 self.changes += 1
                 return None
@@ -148,6 +150,12 @@ class MemoryBank:
         self.pending[added.slot] = added
         self.changes += 1
         return None
+
+    def take_removed(self) -> list[int]:
+        """The slots whose memory was removed since the last call (the learner releases their
+        "do not use": a slot given to another memory later is not that memory)."""
+        removed, self.removed = self.removed, []
+        return removed
 
     def hold_experiences(self, consumer: Any, experiences: TopicPartition) -> bool:
         """Pause ``experiences`` on ``consumer`` while the lifecycle is behind its high watermark.

@@ -200,3 +200,16 @@ def test_the_learner_package_imports_without_a_circle() -> None:
         return None
 
     assert [c for m in sorted(graph) if (c := circle_from(m, (m,)))] == []
+
+
+async def test_a_removed_memory_leaves_the_suppressed_set_so_its_slot_is_not_suppressed_for_another() -> None:
+    h = Harness(gated=True)
+    assert h.memories.apply(MemoryRecord("add", "doc-bad", BASE_TS), h.trainer) is None
+    slot = h.memories.allocator.live["doc-bad"]
+    await h.send(SUPPRESS_COMMAND, details={"slots": [slot]}, reason="do not use")
+    assert h.progress.suppressed == [slot]
+    assert h.memories.apply(MemoryRecord("remove", "doc-bad", BASE_TS + 1), h.trainer) is None
+    h.handler.forget_removed()
+    assert h.progress.suppressed == []
+    await h.send("reset", offset=1, details={}, reason="drift")  # fresh weights: nothing suppressed again
+    assert float(h.trainer.net.out.bias[slot].detach()) > -20
