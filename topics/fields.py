@@ -57,7 +57,9 @@ REASONS: tuple[str, ...] = (
 # Contract 1.3: reasons the learner gives (memories by id), never a decoder of the input topics.
 # unknown_memory: an id that is not live (an event's candidate, an update or remove);
 # slots_full: an added memory finds no free slot (every slot live or in its grace period).
-LEARNER_REASONS: tuple[str, ...] = ("unknown_memory", "slots_full")
+# Contract 1.6, an operator's suppress/unsuppress refused: too_many_slots (over suppress_max_slots),
+# rate_limited (beyond suppress_checkpoints_per_hour).
+LEARNER_REASONS: tuple[str, ...] = ("unknown_memory", "slots_full", "too_many_slots", "rate_limited")
 
 SCHEMA_RETRIEVAL = "retrieval_event/v1"
 SCHEMA_FEEDBACK = "llm_feedback/v1"
