@@ -25,7 +25,12 @@ from pipeline.policy_evaluation.shadow import format_report, shadow_report, watc
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--window", type=int, default=2000, help="the last N joined experiences (default 2000)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=Settings.gate_window,
+        help=f"the last N joined experiences, as the promotion gate judges ({default_of('gate_window')})",
+    )
     p.add_argument("--method", choices=[*METHODS, "all"], default="all")
     p.add_argument(
         "--json",

@@ -9,7 +9,8 @@ import argparse
 import asyncio
 from typing import Any
 
-from pipeline.cli.common import resolve_bootstrap, settings_from
+from pipeline.cli.common import default_of, resolve_bootstrap, settings_from
+from pipeline.config import Settings
 from pipeline.policy_evaluation.shadow import format_report, shadow_report
 from pipeline.promtext import metrics_url
 from pipeline.status.collect import StatusCollector
@@ -55,7 +56,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also shadow mode's mode and estimate of the policy's gain over the incumbent (reads the logs)",
     )
-    p.add_argument("--window", type=int, default=2000, help="with --shadow: the last N joined steps (default 2000)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=Settings.gate_window,
+        help=f"with --shadow: the last N joined steps, as the promotion gate judges ({default_of('gate_window')})",
+    )
 
 
 class ShadowStatusCollector(StatusCollector):

@@ -40,6 +40,7 @@ import orjson
 from models.offpolicy.logged import uniform_logprob
 from pipeline.client.idmap import write_atomically
 from pipeline.client.subscriber import LoadedPolicy
+from pipeline.config import AdapterConfig
 from topics.internal import CUTOVER_COMMAND
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,12 @@ class ShadowMode:
         A JSON file keeping the mode across restarts (None: in memory only).
     """
 
-    def __init__(self, explore_rate: float = 0.05, mode: Mode = "shadow", path: str | os.PathLike[str] | None = None):
+    def __init__(
+        self,
+        explore_rate: float = AdapterConfig.shadow_explore_rate,
+        mode: Mode = "shadow",
+        path: str | os.PathLike[str] | None = None,
+    ):
         if not 0.0 <= explore_rate <= 1.0:
             raise ValueError("explore_rate must be in [0, 1]")
         if mode not in MODES:

@@ -15,8 +15,9 @@ networks, publishes and records) and the lab's in-process loop make the same dec
   rule on the window (:func:`pipeline.learner.promotion_gate.judge_window`, called only then),
   then the *label rule* (:func:`label_rule`) for label fine-tunes, then whether an undecided
   candidate becomes the canary: only a full snapshot (*not a delta*: clients hold a canary
-  beside the serving policy), only when clients serve canaries (``canary_rate`` > 0) and none
-  runs.
+  beside the serving policy), only when clients serve canaries (``canary_rate`` > 0), none
+  runs and the canary back-off does not hold (clients served none of the last canaries,
+  :func:`pipeline.learner.canary.canary_plan`).
 - :func:`canary_decision`: the running canary's verdict; it is retired when the serving policy
   changed under it (served at once, or a label fine-tune promoted meanwhile).
 
