@@ -37,7 +37,7 @@ from models.policy.trainer import PolicyTrainer, TrainerConfig
 from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
-from pipeline.learner.canary import CanaryRun, is_canary
+from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
 from pipeline.learner.promotion_gate import judge_window
@@ -258,6 +258,11 @@ def run_offline(
         retriever.set_policy(policy)
         logging_policies.hold(policy.manifest, policy.net)  # as the learner's gate on promote / set_serving
 
+    # The learner's canary back-off: no canaries while clients serve none (a probe now and then),
+    # timed by the simulated clock (the newest step's event time).
+    backoff = CanaryBackoff()
+    now = 0.0
+
     def refresh(candidate: LoadedPolicy) -> None:
         """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
         as the learner's gate takes them (pipeline/learner/promotion_gate.py)."""
@@ -274,6 +279,8 @@ def run_offline(
                 run.serving_version, retriever.policy.version, lambda: run.judge(full, gate.epsilon)
             )
             if ended is not None:
+                if run.serving_version == retriever.policy.version:  # ended on its own arms: as the learner
+                    backoff.ended(run, now)
                 n = len(run.coupled) or len(run.arms.canary)
                 result.canary.append(f"{ended.verdict} v{run.version} ({n} canary decisions)")
                 if ended.serve:
@@ -302,6 +309,7 @@ def run_offline(
             judged,
             canary_running=canary is not None,
             canary_rate=canary_rate,
+            canary_paused=not backoff.plan(now).start,
         )
         result.gate.append(d.decision)
         if d.end_canary:
@@ -316,6 +324,7 @@ def run_offline(
         q = env.next_query()
         for step in range(q.steps):
             st = env.step_features(q, step)
+            now = st.ts
             res = serve(retriever, st, with_texts=False)
             event = required_only(res.event) if cfg.minimal_client else res.event
             true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, res.slots)
