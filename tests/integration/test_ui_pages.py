@@ -17,6 +17,8 @@ import numpy as np
 import orjson
 import pytest
 
+from tests.queue_fakes import RecordingProducer, SampleConsumer
+
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 
@@ -64,33 +66,8 @@ def sample(sid: str) -> ActiveLearningSample:
     )
 
 
-class Consumer:
-    def __init__(self, samples: list[ActiveLearningSample]) -> None:
-        self.msgs = [
-            SimpleNamespace(value=encode(s.to_dict()), key=s.query_id.encode(), offset=i) for i, s in enumerate(samples)
-        ]
-        self.commits: list[int] = []
-
-    async def getmany(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[Any, Any]:
-        out, self.msgs = self.msgs[: max_records or 1], self.msgs[max_records or 1 :]
-        return {TP: out} if out else {}
-
-    async def commit(self, offsets: dict[Any, Any]) -> None:
-        self.commits.append(offsets[TP].offset)
-
-    def assignment(self) -> set[Any]:
-        return {TP}
-
-
-class Producer:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-
-    async def send(self, topic: str, value: bytes, **kw: Any) -> Any:
-        self.sent.append((topic, value))
-        fut: Any = asyncio.get_running_loop().create_future()
-        fut.set_result(None)
-        return fut
+class Producer(RecordingProducer):
+    """Records sends; ``labels`` decodes what went to ``human-labels``."""
 
     def labels(self) -> list[HumanLabel]:
         return [decode_human_label(v, Limits(slots=64)) for t, v in self.sent if t == S.topics().human_labels.name]
@@ -104,7 +81,7 @@ class Pool(SamplePool):
         super().__init__(
             "127.0.0.1:1", S.connection(), overlap=overlap, lease_s=60.0, undo_s=undo_s, clock=lambda: self.now
         )
-        self.fake_consumer, self.fake_producer = Consumer(samples), Producer()
+        self.fake_consumer, self.fake_producer = SampleConsumer(samples, TP), Producer()
 
     async def _read_own_answers(self) -> None:
         return None

@@ -6,8 +6,6 @@ sought; no broker.
 
 from __future__ import annotations
 
-import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,6 +16,7 @@ from aiokafka import TopicPartition
 from pipeline.config import Settings
 from pipeline.labeling.queue import read_sample
 from pipeline.ui.pool import LabelError, SamplePool
+from tests.queue_fakes import RecordingProducer, SampleConsumer
 from topics.events import Features
 from topics.fields import Limits, Rejected, encode
 from topics.labels import ActiveLearningSample, decode_active_learning_sample
@@ -42,40 +41,10 @@ def sample(sid: str, dim: int = 8) -> ActiveLearningSample:
     )
 
 
-class Consumer:
-    def __init__(self, samples: list[ActiveLearningSample]) -> None:
-        self.msgs = [
-            SimpleNamespace(value=encode(s.to_dict()), key=s.query_id.encode(), offset=i) for i, s in enumerate(samples)
-        ]
-        self.commits: list[int] = []
-
-    async def getmany(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[Any, Any]:
-        n = max_records or 1
-        out, self.msgs = self.msgs[:n], self.msgs[n:]
-        return {TP: out} if out else {}
-
-    async def commit(self, offsets: dict[Any, Any]) -> None:
-        self.commits.append(offsets[TP].offset)
-
-    def assignment(self) -> set[Any]:
-        return {TP}
-
-
-class Producer:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-
-    async def send(self, topic: str, value: bytes, **kw: Any) -> Any:
-        self.sent.append((topic, value))
-        fut: Any = asyncio.get_running_loop().create_future()
-        fut.set_result(None)
-        return fut
-
-
 class Pool(SamplePool):
     def __init__(self, samples: list[ActiveLearningSample], overlap: int = 1) -> None:
         super().__init__("127.0.0.1:1", S.connection(), overlap=overlap, lease_s=60.0, clock=lambda: 0.0)
-        self._consumer, self._producer = Consumer(samples), Producer()
+        self._consumer, self._producer = SampleConsumer(samples, TP), RecordingProducer()
 
 
 async def test_redelivered_samples_answered_already_are_committed_past_and_the_queue_flows() -> None:
