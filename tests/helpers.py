@@ -9,8 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from causalmem_lab.procs import Child, wait_until
 
 from pipeline.config import Settings
+from pipeline.promtext import metric
 from topics.events import Features, RetrievalEvent
 from topics.feedback import LLMFeedback
 from topics.internal import Experience
@@ -75,3 +77,23 @@ async def publish_tensors(pub: Any, tensors: dict[str, Any], *, arch: Any, **kwa
 
     alpha = float(tensors["alpha"].reshape(-1)[0])
     return await pub.publish(to_safetensors(tensors), alpha=alpha, arch=arch.to_dict(), **kwargs)
+
+
+def wait_metric(child: Child, name: str, at_least: float, timeout: float, **labels: str) -> float:
+    """Wait until ``child``'s metric ``name`` (with ``labels``) reaches ``at_least``; its value then.
+
+    A child that exits meanwhile, or a timeout, fails the test with the child's log tail.
+    """
+    seen = [0.0]
+
+    def reached() -> bool:
+        if not child.alive():
+            raise AssertionError(f"{child.verb} exited with {child.proc.returncode}:\n{child.log_tail()}")
+        seen[0] = metric(child.metrics(), name, **labels)
+        return seen[0] >= at_least
+
+    try:
+        wait_until(reached, timeout, interval=0.25, what=f"{name}{labels} >= {at_least}")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc} (last {seen[0]})\n{child.verb} log:\n{child.log_tail()}") from None
+    return seen[0]

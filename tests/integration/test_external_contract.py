@@ -2,7 +2,6 @@
 
 ``examples/contract_publisher.py`` and ``examples/contract_consumer.py`` import nothing
 from this project. Here they run as separate processes, the way a new user would run
-from tests.paths import REPO_ROOT
 them: the consumer's numpy math against the contract vectors (no broker), the consumer
 against crafted model-topic contents (tampered chunk, candidate, tombstone), and both
 programs end to end against a real worker and learner.
@@ -27,7 +26,7 @@ from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.modeltopic import CheckpointPublisher, scan_model_topic
 from pipeline.promtext import metric
 from tests.conftest import TEST_CONTRACT, settings_env
-from tests.helpers import publish_tensors
+from tests.helpers import publish_tensors, wait_metric
 from tests.paths import REPO_ROOT
 from topics.manifest import chunk_key
 
@@ -116,22 +115,6 @@ def test_consumer_follows_only_verified_serving_manifests(topics_ready) -> None:
     assert "no verifiable serving checkpoint" in proc.stderr and proc.stdout == ""
 
 
-def _wait_metric(child: Child, name: str, at_least: float, timeout: float, **labels: str) -> float:
-    seen = [0.0]
-
-    def reached() -> bool:
-        if not child.alive():
-            raise AssertionError(f"{child.verb} exited with {child.proc.returncode}:\n{child.log_tail()}")
-        seen[0] = metric(child.metrics(), name, **labels)
-        return seen[0] >= at_least
-
-    try:
-        wait_until(reached, timeout, interval=0.25, what=f"{name}{labels} >= {at_least}")
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc} (last {seen[0]})\n{child.verb} log:\n{child.log_tail()}") from None
-    return seen[0]
-
-
 @pytest.mark.broker
 def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_path: Path) -> None:
     bootstrap = broker.bootstrap
@@ -142,9 +125,9 @@ def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_pa
     try:
         worker = Child("worker", bootstrap, env, log_path=tmp_path / "worker.log")
         learner = Child("learner", bootstrap, env, log_path=tmp_path / "learner.log")
-        _wait_metric(worker, "causalmem_partitions_owned", 1, 45, stage="join")
+        wait_metric(worker, "causalmem_partitions_owned", 1, 45, stage="join")
         # The learner's metrics answer, and it has published its initial policy.
-        _wait_metric(learner, "causalmem_checkpoint_version", 1, 30, role="serving")
+        wait_metric(learner, "causalmem_checkpoint_version", 1, 30, role="serving")
 
         pub = run_example(
             PUBLISHER,
@@ -165,8 +148,8 @@ def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_pa
         assert summary["events"] == EVENTS and summary["sent"] == 2 * EVENTS
         assert summary["bad"] >= 3
 
-        _wait_metric(learner, "causalmem_learner_experiences_total", EVENTS, 60, kind="feedback")
-        _wait_metric(learner, "causalmem_checkpoint_version", 2, 30, role="serving")
+        wait_metric(learner, "causalmem_learner_experiences_total", EVENTS, 60, kind="feedback")
+        wait_metric(learner, "causalmem_checkpoint_version", 2, 30, role="serving")
         # A checkpoint published after every experience was applied is on the topic.
         newest: dict = {}
 
@@ -213,7 +196,7 @@ def test_outside_team_publisher_and_consumer_end_to_end(broker, settings, tmp_pa
         np.testing.assert_allclose(np.asarray(out["mask"]), expected.double().numpy(), rtol=1e-5, atol=0)
 
         # Every deliberately bad message went to dead-letter, and nothing else did.
-        rejected = _wait_metric(worker, "causalmem_events_rejected_total", summary["bad"], 20)
+        rejected = wait_metric(worker, "causalmem_events_rejected_total", summary["bad"], 20)
         assert rejected == summary["bad"], worker.metrics()
         reasons = {
             r: metric(worker.metrics(), "causalmem_events_rejected_total", reason=r)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
-from causalmem_lab.procs import Child, wait_until
+from causalmem_lab.procs import Child
 
 from models.policy.network import init_policy
 from pipeline import kafka
@@ -27,7 +27,7 @@ from pipeline.config import Settings
 from pipeline.modeltopic import CheckpointPublisher
 from pipeline.promtext import metric
 from tests.conftest import TEST_CONTRACT, settings_env
-from tests.helpers import publish_tensors
+from tests.helpers import publish_tensors, wait_metric
 from tests.integration.test_delta_checkpoints import ARCH, delta_publishing, publish, train
 from tests.paths import REPO_ROOT
 from topics.delta import DeltaManifest
@@ -90,22 +90,6 @@ def test_client_vector_check_is_sharp(tmp_path: Path) -> None:
     assert proc.returncode == 1 and json.loads(proc.stdout)["state_sha256_ok"] is False
 
 
-def _wait_metric(child: Child, name: str, at_least: float, timeout: float, **labels: str) -> float:
-    seen = [0.0]
-
-    def reached() -> bool:
-        if not child.alive():
-            raise AssertionError(f"{child.verb} exited with {child.proc.returncode}:\n{child.log_tail()}")
-        seen[0] = metric(child.metrics(), name, **labels)
-        return seen[0] >= at_least
-
-    try:
-        wait_until(reached, timeout, interval=0.25, what=f"{name}{labels} >= {at_least}")
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc} (last {seen[0]})\n{child.verb} log:\n{child.log_tail()}") from None
-    return seen[0]
-
-
 async def publish_model_topic(s: Settings, tmp_path: Path) -> dict[int, Any]:
     """The learner's publishing: v1 full (``init``), v2 and v3 deltas served at once, then a v4 candidate."""
     manifests = {}
@@ -131,7 +115,7 @@ def test_kafkajs_client_end_to_end(installed: Path, topics_ready: Settings, tmp_
     bootstrap = s.bootstrap or ""
     worker = Child("worker", bootstrap, settings_env(s), log_path=tmp_path / "worker.log")
     try:
-        _wait_metric(worker, "causalmem_partitions_owned", 1, 45, stage="join")
+        wait_metric(worker, "causalmem_partitions_owned", 1, 45, stage="join")
         out = summary(
             node(
                 installed,
@@ -148,7 +132,7 @@ def test_kafkajs_client_end_to_end(installed: Path, topics_ready: Settings, tmp_
         n = QUERIES * STEPS
         assert out["events"] == n and out["feedback"] == n
 
-        joined = _wait_metric(worker, "causalmem_joins_total", n, 30)
+        joined = wait_metric(worker, "causalmem_joins_total", n, 30)
         assert joined == n
         assert metric(worker.metrics(), "causalmem_events_rejected_total") == 0.0
     finally:
