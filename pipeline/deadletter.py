@@ -40,6 +40,15 @@ class DeadLetterWriter:
         self._tasks.append(asyncio.ensure_future(self._send(msg.key, encode(value))))
         self._log(msg.topic, reason, detail)
 
+    def send_copy(self, topic: str, key: bytes | None, raw: bytes, reason: str, detail: str = "") -> None:
+        """Queue a copy of a value the process holds but no longer has the record of (non-blocking):
+        its ``source`` names ``topic`` with partition and offset -1 (contract §5)."""
+        self.metrics.rejected.labels(topic=topic, reason=reason).inc()
+        self.metrics.dead_letters.inc()
+        value = dead_letter_value(raw, reason, detail, topic, -1, -1, time.time())
+        self._tasks.append(asyncio.ensure_future(self._send(key, encode(value))))
+        self._log(topic, reason, detail)
+
     async def send_raw(
         self,
         topic: str,

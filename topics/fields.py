@@ -59,7 +59,15 @@ REASONS: tuple[str, ...] = (
 # slots_full: an added memory finds no free slot (every slot live or in its grace period).
 # Contract 1.6, an operator's suppress/unsuppress refused: too_many_slots (over suppress_max_slots),
 # rate_limited (beyond suppress_checkpoints_per_hour).
-LEARNER_REASONS: tuple[str, ...] = ("unknown_memory", "slots_full", "too_many_slots", "rate_limited")
+# Contract 1.8: logging_mismatch, an event whose logprob or candidate_probs disagree with the
+# serving rule recomputed by the learner's promotion gate (a copy: the event still trains).
+LEARNER_REASONS: tuple[str, ...] = (
+    "unknown_memory",
+    "slots_full",
+    "too_many_slots",
+    "rate_limited",
+    "logging_mismatch",
+)
 
 SCHEMA_RETRIEVAL = "retrieval_event/v1"
 SCHEMA_FEEDBACK = "llm_feedback/v1"

@@ -17,10 +17,12 @@ logged temperature.
 
 Where an event carries its own ``logprob`` (every event does) or ``candidate_probs`` and
 they disagree with the recomputation beyond tolerance, the event is left out of the gate's
-window (never out of training), counted in ``causalmem_gate_logging_mismatch_total{field}``
-and logged (reason ``logging_mismatch``): the gate must not judge on propensities that one
-side or the other has wrong. The consumer record is long gone by then (the gate reads the
-learner's replay), so it is not written to ``dead-letter``.
+window (never out of training), counted in ``causalmem_gate_logging_mismatch_total{field}``,
+logged, and handed to the gate (:meth:`LoggingPolicies.take_mismatched`), which writes a copy
+to ``dead-letter`` with reason ``logging_mismatch`` (contract 1.8): the gate must not judge on
+propensities that one side or the other has wrong, and the client's operator must be able to
+see which events and why. The consumer record is long gone by then (the gate reads the
+learner's replay), so the copy is the experience as the learner holds it, without a position.
 
 Which versions are held: the serving version and the ones served before it, at most
 :data:`HELD_VERSIONS` (clients move to a new version seconds after it is promoted, so the
@@ -86,6 +88,9 @@ class LoggingPolicies:
         self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
         self._last_warning = -WARN_EVERY_S
         self._unwarned = 0
+        # (event, what disagreed) since the last take_mismatched: appended in the gate's worker
+        # thread, taken on the event loop after complete() has returned.
+        self._mismatched: list[tuple[Experience, str]] = []
 
     @property
     def versions(self) -> list[int]:
@@ -149,12 +154,22 @@ class LoggingPolicies:
                 self._verdicts[e.id] = Verdict(MISMATCH)
                 self.metrics.gate_logging_mismatch.labels(field=field).inc()
                 self._warn(version, field, ev.logprob, logprob)
+                detail = (
+                    f"{field} disagrees with the serving rule of v{version} recomputed by the learner "
+                    f"(logprob {ev.logprob:.6g} logged, {logprob:.6g} recomputed); left out of the promotion gate"
+                )
+                self._mismatched.append((e, detail))
             elif ev.candidate_probs is None:
                 self._verdicts[e.id] = Verdict("recomputed", probs)
                 count.labels(source="recomputed").inc()
             else:
                 self._verdicts[e.id] = Verdict("client")
                 count.labels(source="client").inc()
+
+    def take_mismatched(self) -> list[tuple[Experience, str]]:
+        """The events found to disagree since the last call, each once, with what disagreed."""
+        out, self._mismatched = self._mismatched, []
+        return out
 
     def _set(self, exps: list[Experience], verdict: Verdict) -> None:
         for e in exps:

@@ -69,7 +69,7 @@ from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.service import Service
 from topics.fields import Rejected
-from topics.internal import Experience, decode_experience
+from topics.internal import Experience, decode_experience, experience_bytes
 from topics.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,8 @@ class Learner(Service):
         self.publishing = Publishing(
             self._producer, self.config, self.store, self.arch, self.metrics, self.replay.gate_window
         )
+        if self.publishing.gate is not None:
+            self.publishing.gate.on_mismatch = self._dead_letter_copy
         self._election = Election(self.bootstrap, conn, on_lost=self.become_standby)
         await self._election.start()
         self.fence = Fence(self.bootstrap, conn, self._election, self.config.signing_key)
@@ -385,6 +387,13 @@ class Learner(Service):
     def _dead_letter(self, msg: Any, reason: str, detail: str) -> None:
         assert self._dead is not None  # made in start(), before any input is read
         self._dead.send(msg, reason, detail)
+
+    def _dead_letter_copy(self, exp: Experience, detail: str) -> None:
+        """A copy of an experience the gate left out (contract 1.8 ``logging_mismatch``): it still trains."""
+        assert self._dead is not None
+        raw = experience_bytes(exp.event, exp.utility, exp.slot_effects)
+        topic = self.config.connection.topics.experiences.name
+        self._dead.send_copy(topic, exp.event.query_id.encode(), raw, "logging_mismatch", detail)
 
     async def _apply_pending(self, force: bool = False) -> None:
         for chunk in self.inbox.batches(force):

@@ -314,6 +314,9 @@ class PromotionGate:
         self.backoff = CanaryBackoff()  # no canaries while clients serve none (a probe now and then)
         # The networks of the versions clients may serve: the logging probabilities of events without them.
         self.logging_policies = LoggingPolicies(metrics, remember=4 * config.window)
+        # Where the events whose logged propensities disagree with the recomputation go (the
+        # learner's dead-letter writer, contract 1.8 ``logging_mismatch``); None: counted and logged only.
+        self.on_mismatch: Callable[[Experience, str], None] | None = None
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest, self.serving_net = manifest, network(tensors)
@@ -446,6 +449,9 @@ class PromotionGate:
         window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
         # Each event's logging probabilities (recomputed where it lacks them) before any judgement.
         window = await asyncio.to_thread(self.logging_policies.complete, window)
+        for event, detail in self.logging_policies.take_mismatched():
+            if self.on_mismatch is not None:
+                self.on_mismatch(event, detail)
         serving_net, serving_manifest = self.serving_net, self.serving_manifest
         serving_version = serving_manifest.version if serving_manifest is not None else 0
 

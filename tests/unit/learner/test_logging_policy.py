@@ -155,9 +155,17 @@ def test_a_client_whose_fields_disagree_is_counted_once_and_left_out_of_the_gate
     assert probs2 is not None
     rounded = with_event(logged[2], candidate_probs=np.round(probs2, 4))  # within tolerance
     window = [bad_probs, bad_logprob, rounded, *logged[3:]]
+    taken = []
     for _ in range(2):  # the gate looks at a window again and again: each event counts once
         out = policies.complete(window)
         assert [e.id for e in out] == [e.id for e in window[2:]]
+        taken.append(policies.take_mismatched())
+    # Handed to the gate once each, for dead-letter (contract 1.8 logging_mismatch), with what disagreed.
+    assert [(e.id, d.split()[0]) for e, d in taken[0]] == [
+        (bad_probs.id, "candidate_probs"),
+        (bad_logprob.id, "logprob"),
+    ]
+    assert taken[1] == []
     value = metrics.registry.get_sample_value
     assert value("causalmem_gate_logging_mismatch_total", {"field": "candidate_probs"}) == 1
     assert value("causalmem_gate_logging_mismatch_total", {"field": "logprob"}) == 1
