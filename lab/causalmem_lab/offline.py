@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from causalmem_lab.lmworld import LMScenario
+from causalmem_lab.minimal_client import required_only
 from causalmem_lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
 from models.drift import DriftMonitor
 from models.policy.network import PolicyNetwork
@@ -44,7 +45,6 @@ from pipeline.learner.promotion_gate import judge_window
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
 from pipeline.metrics import Metrics
-from topics.events import RetrievalEvent
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -141,28 +141,6 @@ class OfflineResult:
     values: dict[int, float] = field(default_factory=dict)
     # At each refresh: (step, the candidate's version, the version served before its judgement).
     refreshes: list[tuple[int, int, int]] = field(default_factory=list)
-
-
-def required_only(event: RetrievalEvent) -> RetrievalEvent:
-    """``event`` as a client written from docs/contract.md's required fields sends it (§3):
-    ``policy`` and ``policy_version`` kept (the contract asks for them), every other optional
-    field left out — no ``candidate_probs``, ``candidate_masks``, ``dropped``, ``mask_max``,
-    texts or canary fields."""
-    return replace(
-        event,
-        mask_max=None,
-        query_text=None,
-        memory_texts=None,
-        dropped=None,
-        candidate_masks=None,
-        candidate_probs=None,
-        answer_text=None,
-        candidate_ids=None,
-        canary=None,
-        canary_arm=None,
-        canary_version=None,
-        canary_other=None,
-    )
 
 
 def _snapshot(

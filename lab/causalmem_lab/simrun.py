@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from causalmem_lab.dmem import DMem
+from causalmem_lab.minimal_client import required_only
 from causalmem_lab.simulator import DAY, Environment, Scenario, Tally, scenario_retriever, serve
 from models.serving.rule import adjusted_logits, first_draw_probs
 
@@ -48,6 +49,12 @@ class RunSpec:
     max_learner_lag: int = 256  # experiences; the agent waits while the learner is further behind
     attribution_rate: float | None = None  # the scenario's share of steps with per-memory credit (None: as is)
     explore_revive: float = 0.1  # CausalRetriever's chance of reviving a dropped candidate when exploring
+    # The agent's exploration, set explicitly (None: the scenario's); 1.0 explores every request.
+    explore_rate: float | None = None
+    explore_temperature: float | None = None
+    # A client written from docs/contract.md's required fields: its events carry no optional
+    # field (causalmem_lab.minimal_client.required_only) and it serves no canary.
+    minimal_client: bool = False
 
     pipeline_env: dict[str, str] = field(default_factory=dict)  # extra CAUSALMEM_* for worker and learner
 
@@ -205,7 +212,12 @@ async def run_scenario(
         # Similarity-only is plain top-k: a temperature so small that the draw is the ranking.
         temperature=1e-4 if similarity_only and spec.greedy else scenario.temperature,
         drop=spec.drop,
-        explore_rate=scenario.explore_rate if spec.explore and spec.use_policy else 0.0,
+        explore_rate=(scenario.explore_rate if spec.explore_rate is None else spec.explore_rate)
+        if spec.explore and spec.use_policy
+        else 0.0,
+        explore_temperature=scenario.explore_temperature
+        if spec.explore_temperature is None
+        else spec.explore_temperature,
         explore_revive=spec.explore_revive,
     )
     dmem = DMem() if spec.dmem else None
@@ -269,7 +281,7 @@ async def run_scenario(
                 settings.policy,
                 settings,
                 on_update=on_update,
-                on_canary=retriever.set_canary if spec.use_policy else None,
+                on_canary=retriever.set_canary if spec.use_policy and not spec.minimal_client else None,
             ) as sub,
             EventPublisher(bootstrap, settings) as pub,
             LabelQueue(bootstrap, settings, "auto-labeler") as queue,
@@ -323,7 +335,7 @@ async def run_scenario(
                         # Exploration and the canary's requests are not the serving policy as served.
                         explore = bool(event.canary) or event.temperature != retriever.temperature
                         tally.record(env, q.intent, selected, true_u, st.ts, event.policy_version, explore)
-                        await pub.publish(event)
+                        await pub.publish(required_only(event) if spec.minimal_client else event)
                         await pub.publish(
                             LLMFeedback(
                                 uuid.uuid4().hex,

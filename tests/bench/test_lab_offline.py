@@ -95,10 +95,9 @@ def test_the_loop_takes_the_learners_promotion_decisions(monkeypatch: pytest.Mon
         assert getattr(offline, name) is getattr(promotion_decision, name)
     assert promotion_gate.decide is promotion_decision.decide
     assert promotion_gate.canary_decision is promotion_decision.canary_decision
-    # The loop holds no rule of its own: it defines no function but its snapshot, the minimal
-    # client's event (required fields only) and itself.
+    # The loop holds no rule of its own: it defines no function but its snapshot and itself.
     own = {n for n, v in vars(offline).items() if callable(v) and getattr(v, "__module__", "") == offline.__name__}
-    assert own == {"OfflineConfig", "OfflineResult", "_snapshot", "required_only", "run_offline"}
+    assert own == {"OfflineConfig", "OfflineResult", "_snapshot", "run_offline"}
     calls: list[tuple[promotion_decision.Candidate, int | None, str]] = []
     ended: list[str] = []
 

@@ -125,8 +125,13 @@ async def one_run(
     rate: float,
     warmup: float,
     logdir: Path,
+    minimal_client: bool = False,
 ) -> Run:
-    """Worker + learner + client for ``seconds`` of traffic at ``rate`` pairs/s; fills ``run``."""
+    """Worker + learner + client for ``seconds`` of traffic at ``rate`` pairs/s; fills ``run``.
+
+    ``minimal_client``: the client sends each event with the contract's required fields only
+    (:func:`causalmem_lab.minimal_client.required_only`) and serves no canary."""
+    from causalmem_lab.minimal_client import required_only
     from causalmem_lab.procs import Child
     from causalmem_lab.simrun import RunSpec, pipeline_env
     from causalmem_lab.simulator import Environment, serve
@@ -171,7 +176,11 @@ async def one_run(
                 raise RuntimeError(f"{child.verb} exited:\n{child.log_tail()}")
         async with (
             PolicySubscriber(
-                bootstrap, settings.policy, settings, on_update=on_update, on_canary=retriever.set_canary
+                bootstrap,
+                settings.policy,
+                settings,
+                on_update=on_update,
+                on_canary=None if minimal_client else retriever.set_canary,
             ) as sub,
             EventPublisher(bootstrap, settings) as pub,
         ):
@@ -184,7 +193,7 @@ async def one_run(
                     st = world.step_features(q, step)
                     res = serve(retriever, st, with_texts=False)
                     _, nll_with, nll_without, per_slot = world.feedback(q.intent, res.slots)
-                    await pub.publish(res.event)
+                    await pub.publish(required_only(res.event) if minimal_client else res.event)
                     sent[res.event.event_id] = time.monotonic()
                     fb = LLMFeedback(
                         uuid.uuid4().hex,
@@ -258,6 +267,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=20.0, help="seconds of traffic left out of the figures")
     p.add_argument("--ungated", action="store_true", help="also run each configuration with the gate off")
     p.add_argument(
+        "--minimal-client",
+        action="store_true",
+        help="a client written from docs/contract.md's required fields: no candidate_probs, no canary, "
+        "every request explored at T = 1",
+    )
+    p.add_argument("--skip-previous", action="store_true", help="leave out the previous defaults' configuration")
+    p.add_argument(
         "--new-interval", type=float, help="the new configuration's cadence (default: the product's default)"
     )
     p.add_argument("--new-full-every", type=int, help="the new configuration's full_every (default: the product's)")
@@ -290,14 +306,14 @@ def main(args: argparse.Namespace) -> int:
         "checkpoint_interval_s": args.new_interval or defaults.checkpoint_interval_s,
         "checkpoint_full_every": args.new_full_every or defaults.checkpoint_full_every,
     }
-    configs = [("previous", OLD), ("default", new)]
+    configs = ([] if args.skip_previous else [("previous", OLD)]) + [("default", new)]
     configs += [(f"every {t:g} s", {**new, "checkpoint_interval_s": t}) for t in args.also_interval]
     gates = [True, False] if args.ungated else [True]
     # No drift inside a short run; the agent explores as the learner's serving settings say
-    # (CAUSALMEM_SERVE_EXPLORE_*), so that the gate judges the traffic the clients make.
-    scenario = Scenario(
-        drift_day=None, explore_rate=base.serve_explore_rate, explore_temperature=base.serve_explore_temperature
-    )
+    # (CAUSALMEM_SERVE_EXPLORE_*), so that the gate judges the traffic the clients make; a
+    # minimal client explores every request at T = 1 (the issue's contract client).
+    explore = (1.0, 1.0) if args.minimal_client else (base.serve_explore_rate, base.serve_explore_temperature)
+    scenario = Scenario(drift_day=None, explore_rate=explore[0], explore_temperature=explore[1])
     logdir = log_dir(base)
     bootstrap, broker = own_broker(getattr(args, "bootstrap", None), logdir / "broker.log")
     runs: list[Run] = []
@@ -317,6 +333,7 @@ def main(args: argparse.Namespace) -> int:
                         args.rate,
                         args.warmup,
                         logdir / f"{name}-{'gated' if gate else 'ungated'}",
+                        minimal_client=args.minimal_client,
                     )
                 )
                 runs.append(run)
@@ -326,6 +343,7 @@ def main(args: argparse.Namespace) -> int:
             broker.stop()
     print(table(runs))
     report = {
+        "minimal_client": args.minimal_client,
         "rate": args.rate,
         "seconds": args.seconds,
         "warmup_s": args.warmup,

@@ -53,6 +53,15 @@ ROWS: dict[str, RunSpec] = {
         "causal, lr 3e-2 (too high), no gate", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_LR": "0.03"}
     ),
     "hotgated": RunSpec("causal, lr 3e-2 (too high), gated", labels=False, pipeline_env={"CAUSALMEM_LR": "0.03"}),
+    # A client written from docs/contract.md's required fields (no candidate_probs, no
+    # candidate_masks, no canary), exploring every request at T = 1, the learner at its defaults.
+    "minimal_t1": RunSpec(
+        "minimal contract client (required fields only), every request at T = 1, gated (the defaults)",
+        labels=False,
+        explore_rate=1.0,
+        explore_temperature=1.0,
+        minimal_client=True,
+    ),
 }
 DRIFT_ROWS: dict[str, RunSpec] = {
     "reset": RunSpec("drift, with reset", labels=False, pipeline_env=NO_GATE),
@@ -126,6 +135,27 @@ def summarise(r: RunResult, final_share: float = 0.3) -> dict[str, Any]:
         "events_to_90pct_recall": int(reach[0] + 300) if len(reach) else None,
         "checkpoints_loaded": r.versions_loaded,
         "wall_s": r.wall_s,
+    }
+
+
+def minimal_client(r: RunResult, scenario: Scenario) -> dict[str, Any]:
+    """A minimal client's row (``RunSpec.minimal_client``): the in-process rows' measures
+    (:func:`causalmem_lab.bench.inprocess.measure`: the first version's leak, the requests
+    until the leak is halved, the leak at the end), over every request since such a client
+    explores them all, with the version served at the end and the learner's promotions."""
+    if not r.spec.minimal_client:
+        return {}
+    m = inprocess.measure(r, scenario, explores_all=True)
+    from pipeline.promtext import metric
+
+    promoted = metric(r.learner_metrics, "causalmem_gate_decisions_total", decision="promoted")
+    # Flat keys, so that the mean over seeds (mean_row) averages them too.
+    return {
+        "minimal_leak_start": m["leak_start"],
+        "minimal_requests_to_half_leak": m["requests_to_half_leak"],
+        "minimal_leak_end": m["leak"],
+        "minimal_served_version": float(r.policy.version if r.policy is not None else 0),
+        "minimal_promoted": float(promoted),
     }
 
 
@@ -235,7 +265,7 @@ async def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             raise ValueError(f"unknown rows {unknown}; known: {sorted([*ROWS, *DRIFT_ROWS])}")
         results = await run_rows({k: ROWS[k] for k in keys if k in ROWS}, scenario, bootstrap, logdir, console, rate)
         report["scenario"] = dataclasses.asdict(scenario)
-        report["rows"] = {k: summarise(r) for k, r in results.items()}
+        report["rows"] = {k: {**summarise(r), **minimal_client(r, scenario)} for k, r in results.items()}
         report["curves"] = {k: curves(r) for k, r in results.items()}
         drift_keys = [k for k in (wanted or ([] if args.quick else list(DRIFT_ROWS))) if k in DRIFT_ROWS]
         if drift_keys:
@@ -332,6 +362,22 @@ def table(report: dict[str, Any]) -> str:
             f"| {row['utility']:+.3f} | {row.get('utility_served', float('nan')):+.3f} | {reach} "
             f"| {row.get('leak_served', float('nan')):.1%} / {row.get('recall_served', float('nan')):.1%} |"
         )
+    minimal = [row for row in report.get("rows", {}).values() if "minimal_leak_end" in row]
+    if minimal:
+        lines += [
+            "",
+            "| minimal-client row (every request) | leak of the first version served | leak at the end (last 30%) "
+            "| requests until the leak is halved | promoted | version served at the end |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in minimal:
+            start = "–" if row["minimal_leak_start"] is None else f"{row['minimal_leak_start']:.1%}"
+            half = row["minimal_requests_to_half_leak"]
+            lines.append(
+                f"| {row['name']} | {start} | {row['minimal_leak_end']:.1%} "
+                f"| {'never (on some seed)' if half is None else f'{half:,.0f}'} | {row['minimal_promoted']:.0f} "
+                f"| v{row['minimal_served_version']:.0f} |"
+            )
     drift = report.get("drift", {})
     if drift:
         lines += [

@@ -64,6 +64,26 @@ ROWS: dict[str, LMRow] = {
     "credit_gated": LMRow(RunSpec("per-memory credit (100%), gated (default gate)", labels=False), 1.0),
     # The product's defaults: the evaluator's 25% attribution, imputed credit between, the gate on.
     "credit25_gated": LMRow(RunSpec("per-memory credit (25%), gated (the defaults)", labels=False), 0.25),
+    # A client written from docs/contract.md's required fields: no candidate_probs, no
+    # candidate_masks, no canary; served as the manifest says (causalmem_lab.minimal_client).
+    "credit25_gated_minimal": LMRow(
+        RunSpec(
+            "per-memory credit (25%), gated, minimal client (no candidate_probs, no canary)",
+            labels=False,
+            minimal_client=True,
+        ),
+        0.25,
+    ),
+    # The same client exploring every request at T = 1, with the step reward only.
+    "step_gated_minimal_t1": LMRow(
+        RunSpec(
+            "step reward, gated, minimal client exploring every request at T = 1",
+            labels=False,
+            minimal_client=True,
+            explore_rate=1.0,
+            explore_temperature=1.0,
+        )
+    ),
 }
 QUICK_ROWS = (SIMILARITY, "credit")
 TARGET_GAP = 0.5
