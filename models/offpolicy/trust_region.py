@@ -20,6 +20,8 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -27,11 +29,15 @@ from models.offpolicy.logged import LoggedDecisions, Served, component_logits
 from models.policy.network import SUPPRESSED_BIAS, PolicyNetwork
 
 
-def interpolate(serving: PolicyNetwork, candidate: PolicyNetwork, alpha: float) -> PolicyNetwork:
+def interpolate(
+    serving: PolicyNetwork, candidate: PolicyNetwork, alpha: float, fresh: Sequence[int] = ()
+) -> PolicyNetwork:
     """θ_serve + α(θ_new − θ_serve), tensor by tensor, as a new network in eval mode.
 
     A memory suppressed in either network (output bias at or below the suppressed bias)
     stays suppressed: a step must never half-restore what an operator said not to use.
+    ``fresh``: output slots given to another memory between the two versions; their rows are
+    the candidate's (the new owner's), never a blend with the earlier owner's row.
 
     Raises ``ValueError`` when the architectures differ or α is outside [0, 1].
 
@@ -40,6 +46,8 @@ def interpolate(serving: PolicyNetwork, candidate: PolicyNetwork, alpha: float) 
     >>> b.suppress([1])
     >>> float(interpolate(a, b, 0.25).out.bias[1])
     -30.0
+    >>> bool(torch.equal(interpolate(a, b, 0.25, fresh=[2]).out.weight[2], b.out.weight[2]))
+    True
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha {alpha} outside [0, 1]")
@@ -47,6 +55,10 @@ def interpolate(serving: PolicyNetwork, candidate: PolicyNetwork, alpha: float) 
         raise ValueError(f"architectures differ: {serving.arch} vs {candidate.arch}")
     old, new = serving.tensors(), candidate.tensors()
     mixed = {name: torch.lerp(old[name], new[name], alpha) for name in old}
+    if len(fresh):
+        rows = torch.as_tensor(list(fresh), dtype=torch.long)
+        mixed["out.weight"][rows] = new["out.weight"][rows]
+        mixed["out.bias"][rows] = new["out.bias"][rows]
     suppressed = (old["out.bias"] <= SUPPRESSED_BIAS) | (new["out.bias"] <= SUPPRESSED_BIAS)
     if bool(suppressed.any()):
         mixed["out.bias"][suppressed] = SUPPRESSED_BIAS

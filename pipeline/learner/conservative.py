@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from models.offpolicy.estimators import Estimate
 from models.offpolicy.logged import LoggedDecisions, Served
@@ -61,6 +62,8 @@ MAX_TV = 0.5  # a step moving more of the first draw's probability than this is 
 
 # (decisions, candidate, serving) → the gate's (decision, reason, estimates)
 Judge = Callable[[LoggedDecisions, PolicyNetwork, PolicyNetwork], tuple[str, str, dict[str, Estimate]]]
+# (the step's manifest, its tensors, the published blob) → its local copy, saved before it is sent
+Keep = Callable[[Manifest, dict[str, torch.Tensor], bytes], None]
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ def conservative_step(
     serving_params: ServingParams | None = None,
     grid: Sequence[float] = GRID,
     max_tv: float = MAX_TV,
+    fresh: Sequence[int] = (),
 ) -> StepDecision:
     """Select a step toward ``candidate`` on ``first`` and certify it on ``second``.
 
@@ -140,6 +144,9 @@ def conservative_step(
         How clients serve a step, and how they serve the serving policy (the trust-region distance).
     grid, max_tv
         The step sizes, tried from the largest; the trust region's bound on the mean served TV.
+    fresh
+        Slots given to another memory between ``serving`` and ``candidate``: every step takes
+        the candidate's rows there (:func:`models.offpolicy.trust_region.interpolate`).
     """
     if serving.arch != candidate.arch:
         return StepDecision("insufficient", "no smaller step: the architecture changed")
@@ -147,7 +154,7 @@ def conservative_step(
     steps: list[Step] = []
     chosen: tuple[float, PolicyNetwork] | None = None
     for alpha in sorted(grid, reverse=True):
-        net = interpolate(serving, candidate, alpha)
+        net = interpolate(serving, candidate, alpha, fresh)
         tv = float(served_tv(first, Served(net, params), base).mean()) if len(first) else 0.0
         if tv > max_tv:
             steps.append(Step(alpha, tv, "", None))
@@ -175,23 +182,27 @@ def conservative_step(
     return replace(looked, decision="promoted", reason=text, alpha=alpha, net=net, estimates=est)
 
 
-async def publish_step(publisher: CheckpointPublisher, candidate: Manifest, step: StepDecision) -> Manifest:
+async def publish_step(
+    publisher: CheckpointPublisher, candidate: Manifest, step: StepDecision, keep: Keep | None = None
+) -> Manifest:
     """Publish θ_α as a full candidate checkpoint beside ``candidate`` (the gate then promotes it).
 
     It copies the candidate's manifest fields (reason, baseline, metrics, input offsets,
     serving parameters) so that a learner restored from it resumes where the candidate's
     trainer was (with θ_α's weights and a fresh optimizer); ``metrics.conservative_step``
     records α and the candidate it steps toward. A full snapshot, never a delta: every
-    parameter moved.
+    parameter moved. ``keep`` saves the learner's local copy before anything is sent, as for
+    every other version (a rollback to the step must not need the model topic to hold it).
     """
     if step.net is None or step.alpha is None:
         raise ValueError("only a promoted step is published")
     tensors = step.net.tensors()
+    blob = to_safetensors(tensors)
     metrics: dict[str, Any] = dict(candidate.metrics)
     metrics.pop("writer", None)  # the publisher writes its own
     metrics["conservative_step"] = {"alpha": step.alpha, "toward_version": candidate.version}
     return await publisher.publish(
-        to_safetensors(tensors),
+        blob,
         alpha=float(tensors["alpha"].reshape(-1)[0]),
         reason=candidate.reason,
         arch=dict(candidate.arch),
@@ -201,6 +212,7 @@ async def publish_step(publisher: CheckpointPublisher, candidate: Manifest, step
         candidate=True,
         serving=candidate.serving,
         delta=None,
+        prepare=(lambda manifest: keep(manifest, tensors, blob)) if keep is not None else None,
     )
 
 
@@ -214,19 +226,31 @@ async def step_toward(
     *,
     params: ServingParams,
     serving_params: ServingParams | None = None,
+    keep: Keep | None = None,
+    fresh: Sequence[int] = (),
 ) -> tuple[Manifest, StepDecision]:
     """The gate's hook: a step toward the waiting ``manifest``, published as a candidate when certified.
 
     ``window`` is the gate's window of experiences, split by event id (:func:`split_by_id`);
-    the judgement runs in a worker thread. Returns the published step's manifest (the
-    gate then promotes it) or ``manifest`` itself with an ``insufficient`` decision.
+    the judgement runs in a worker thread; ``keep`` saves the learner's local copy of a
+    published step; ``fresh``: the slots given to another memory since the serving version.
+    Returns the published step's manifest (the gate then promotes it) or ``manifest`` itself
+    with an ``insufficient`` decision.
     """
     pick = split_by_id([e.id for e in window])
     first = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if p])
     second = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if not p])
     step = await asyncio.to_thread(
-        conservative_step, first, second, candidate, serving, judge, params=params, serving_params=serving_params
+        conservative_step,
+        first,
+        second,
+        candidate,
+        serving,
+        judge,
+        params=params,
+        serving_params=serving_params,
+        fresh=fresh,
     )
     if step.decision != "promoted":
         return manifest, step
-    return await publish_step(publisher, manifest, step), step
+    return await publish_step(publisher, manifest, step, keep), step

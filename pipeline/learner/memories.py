@@ -151,6 +151,11 @@ class MemoryBank:
         self.changes += 1
         return None
 
+    def given_between(self, after: int, upto: int) -> list[int]:
+        """The live slots whose memory has held them since a version in (``after``, ``upto``]: a
+        network of version ``after`` holds an earlier owner's row there, one of ``upto`` the new one's."""
+        return sorted(s for s, since in self.since.items() if after < since <= upto)
+
     def take_removed(self) -> list[int]:
         """The slots whose memory was removed since the last call (the learner releases their
         "do not use": a slot given to another memory later is not that memory)."""

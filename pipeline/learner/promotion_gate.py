@@ -64,7 +64,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import step_toward
+from pipeline.learner.conservative import Keep, step_toward
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Decision, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
@@ -317,6 +317,11 @@ class PromotionGate:
         # Where the events whose logged propensities disagree with the recomputation go (the
         # learner's dead-letter writer, contract 1.8 ``logging_mismatch``); None: counted and logged only.
         self.on_mismatch: Callable[[Experience, str], None] | None = None
+        # The learner's local copy of a conservative step it publishes (Publishing sets it); None: none.
+        self.keep_step: Keep | None = None
+        # (serving version, candidate version) → the slots given to another memory between them
+        # (the learner's memory bank sets it); a step takes the candidate's rows there.
+        self.slots_given: Callable[[int, int], list[int]] | None = None
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest, self.serving_net = manifest, network(tensors)
@@ -436,6 +441,8 @@ class PromotionGate:
             judge_half,
             params=self.params,
             serving_params=serving_params,
+            keep=self.keep_step,
+            fresh=self.slots_given(self.serving_manifest.version, manifest.version) if self.slots_given else (),
         )
         if step.decision != "promoted" or step.net is None:
             return manifest, candidate, "insufficient", f"{reason}; {step.reason}", est

@@ -180,6 +180,15 @@ class Publishing:
         self.clock = ServingClock()  # how long serving has stood while candidates waited
         if self.gate is not None:
             metrics.seconds_since_promotion.set_function(self.clock.seconds)
+            self.gate.keep_step = self.keep_step
+
+    def keep_step(self, manifest: Manifest, tensors: dict[str, torch.Tensor], blob: bytes) -> None:
+        """The local copy of a conservative step the gate publishes (before it is sent, as for every
+        version): its weights, no optimizer moments (a restore from it starts a fresh optimizer)
+        and the baseline kept with the candidate it steps toward."""
+        toward = (manifest.metrics.get("conservative_step") or {}).get("toward_version")
+        meta = self.store.manifest_of(int(toward)) if isinstance(toward, int) else None
+        self.store.save(manifest, tensors, {}, (meta or {}).get("baseline") or {}, blob)
 
     def _observe_serving(self) -> None:
         """The serving version after a judgement (or a restore): the clock and its gauges."""

@@ -4,10 +4,14 @@ a candidate that would wait is replaced by a certified step, published and promo
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from models.policy.network import init_policy
 from models.serving.params import ServingParams
@@ -15,6 +19,8 @@ from pipeline.config import GateConfig
 from pipeline.learner import conservative
 from pipeline.learner.conservative import StepDecision
 from pipeline.learner.promotion_gate import PromotionGate
+from pipeline.learner.publishing import Publishing
+from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from tests.integration.test_gate import D, H, S, log_of
 from tests.unit.learner.test_canary_gate import manifest
@@ -28,6 +34,8 @@ class Publisher:
 
     async def publish(self, blob: bytes, **kw: Any) -> Manifest:
         m = dataclasses.replace(manifest(10 + len(self.published)), metrics=kw["metrics"], reason=kw["reason"])
+        if kw.get("prepare") is not None:
+            kw["prepare"](m)  # as CheckpointPublisher: before anything is sent
         self.published.append((m, kw))
         return m
 
@@ -59,7 +67,7 @@ def certified(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
     def fake(first: Any, second: Any, candidate: Any, serving: Any, judge: Any, **kw: Any) -> StepDecision:
         calls.append((len(first), len(second)))
-        net = conservative.interpolate(serving, candidate, 0.25)
+        net = conservative.interpolate(serving, candidate, 0.25, kw.get("fresh", ()))
         return StepDecision("promoted", "step α=0.25 certified", 0.25, net, {}, (), len(first), len(second))
 
     monkeypatch.setattr(conservative, "conservative_step", fake)
@@ -82,6 +90,45 @@ async def test_a_waiting_candidate_is_replaced_by_its_certified_step(certified: 
     assert all(np.array_equal(t.numpy(), got[k].numpy()) for k, t in expected.tensors().items())
     ((a, b),) = certified
     assert a + b == 200 and a > 0 and b > 0
+
+
+async def test_a_published_step_is_kept_locally_before_it_is_sent(
+    certified: list[tuple[int, int]], tmp_path: Path
+) -> None:
+    # A rollback to a step must not need the model topic to still hold it: the learner saves its
+    # local copy (Publishing.keep_step) as it does for every version it publishes.
+    pub = Publisher()
+    gate, candidate = gate_with(pub, on=True)
+    store = LocalStore(tmp_path)
+    store.save(dataclasses.replace(manifest(2)), candidate.tensors(), {}, {"kind": "moving", "value": 0.3, "n": 9})
+    gate.keep_step = partial(Publishing.keep_step, SimpleNamespace(store=store))  # type: ignore[arg-type]
+    d = await gate.consider(manifest(2), candidate.tensors())
+    assert d.decision == "promoted" and d.candidate_version == 10
+    meta = store.manifest_of(10)
+    assert meta is not None and meta["manifest"]["metrics"]["conservative_step"]["toward_version"] == 2
+    assert meta["baseline"] == {"kind": "moving", "value": 0.3, "n": 9}  # the candidate's
+    kept = store.load_version(10, candidate.arch)
+    assert kept is not None and gate.serving_net is not None
+    served = gate.serving_net.tensors()
+    assert all(np.array_equal(t.numpy(), served[k].numpy()) for k, t in kept.items())
+    assert store.optimizer_of(10, meta["manifest"]["sha256"]) == {}  # a restore starts a fresh optimizer
+
+
+async def test_a_step_takes_the_candidates_rows_where_a_slot_changed_owner(certified: list[tuple[int, int]]) -> None:
+    pub = Publisher()
+    gate, candidate = gate_with(pub, on=True)
+    asked: list[tuple[int, int]] = []
+    gate.slots_given = lambda after, upto: asked.append((after, upto)) or [3]
+    serving = gate.serving_net
+    assert serving is not None
+    d = await gate.consider(manifest(2), candidate.tensors())
+    assert d.decision == "promoted" and asked == [(1, 2)]
+    step = gate.serving_net
+    assert step is not None
+    assert torch.equal(step.out.weight[3], candidate.out.weight[3])  # the new owner's row, not a blend
+    assert torch.equal(step.out.bias[3], candidate.out.bias[3])
+    blend = torch.lerp(serving.out.weight[4], candidate.out.weight[4], 0.25)
+    assert torch.allclose(step.out.weight[4], blend)  # every other row is the step
 
 
 async def test_off_by_setting_and_for_label_candidates(certified: list[tuple[int, int]]) -> None:

@@ -290,6 +290,16 @@ def test_after_a_rollback_memories_given_a_slot_later_get_fresh_rows_and_are_pub
     ]
 
 
+def test_the_slots_given_between_two_versions_are_those_whose_owner_arrived_in_between() -> None:
+    # What a conservative step between the serving version and a candidate must not blend
+    # (pipeline/learner/conservative.py): the earlier owner's row with the new one's.
+    t, bank = trainer(), MemoryBank(conn(), S, grace_s=0)
+    feed(bank, t, add("a"), add("b"), add("c"))
+    bank.since, bank.pending = {0: 2, 1: 5, 2: 7}, {}
+    assert bank.given_between(2, 7) == [1, 2]
+    assert bank.given_between(5, 6) == [] and bank.given_between(1, 2) == [0]
+
+
 # --------------------------------------------------------------------------- the map as clients read it
 
 
