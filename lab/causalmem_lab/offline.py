@@ -39,9 +39,10 @@ from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
+from pipeline.learner.conservative import step_on_window
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
-from pipeline.learner.promotion_gate import judge_window
+from pipeline.learner.promotion_gate import judge_window, step_judge
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
 from pipeline.metrics import Metrics
@@ -87,6 +88,8 @@ class OfflineConfig:
     canary_rate: float = PRODUCT.serve_canary_rate  # share of requests that serve the canary (gated; 0: none)
     canary_max: int = PRODUCT.gate_canary_max  # canary decisions after which an undecided canary gives way
     canary_coupled: bool = PRODUCT.serve_canary_coupled  # contract 1.5: canary requests draw both slates
+    # The gate's conservative steps (pipeline/learner/conservative.py) where a candidate would wait.
+    gate_conservative: bool = PRODUCT.gate_conservative
     # A client that sends only the contract's required fields (required_only) and serves no canary.
     minimal_client: bool = False
     seed: int = PRODUCT.seed
@@ -141,6 +144,9 @@ class OfflineResult:
     values: dict[int, float] = field(default_factory=dict)
     # At each refresh: (step, the candidate's version, the version served before its judgement).
     refreshes: list[tuple[int, int, int]] = field(default_factory=list)
+    # Each conservative step promoted: (step, α, the step's version, the candidate it stepped toward,
+    # the version served before it, the certificate's estimated gain over that version).
+    steps_taken: list[tuple[int, float, int, int, int, float]] = field(default_factory=list)
 
 
 def _snapshot(
@@ -244,7 +250,7 @@ def run_offline(
     def refresh(candidate: LoadedPolicy) -> None:
         """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
         as the learner's gate takes them (pipeline/learner/promotion_gate.py)."""
-        nonlocal canary
+        nonlocal canary, version
         if gate is None or not is_candidate(candidate.manifest.reason, True):
             end_canary()
             serve_as_configured(candidate)
@@ -289,6 +295,32 @@ def run_offline(
             canary_rate=canary_rate,
             canary_paused=not backoff.plan(now).start,
         )
+        label = d.by_label_rule or candidate.manifest.reason == "label"  # expert answers are served whole
+        if d.action == "hold" and cfg.gate_conservative and not label:
+            # As the learner's gate: where the candidate would wait, a smaller step toward it that one
+            # half of the window selects and the other certifies, published as a version of its own.
+            step = step_on_window(
+                window,
+                candidate.net,
+                serving.net,
+                step_judge(gate, serving_params, current),
+                params=serving_params,
+                serving_params=current,
+            )
+            if step.decision == "promoted" and step.net is not None and step.alpha is not None:
+                version += 1
+                stepped = LoadedPolicy(manifest=replace(candidate.manifest, version=version), net=step.net)
+                result.created[version] = result.created[candidate.manifest.version]  # learnt from the same steps
+                if value is not None:
+                    result.values[version] = value(step.net)
+                gain = step.estimates.get("gain")
+                est = gain.value if gain else float("nan")
+                toward = candidate.manifest.version
+                result.steps_taken.append((steps, step.alpha, version, toward, serving.version, est))
+                result.gate.append("promoted")
+                end_canary()
+                serve_as_configured(stepped)
+                return
         result.gate.append(d.decision)
         if d.end_canary:
             end_canary()

@@ -182,6 +182,26 @@ def conservative_step(
     return replace(looked, decision="promoted", reason=text, alpha=alpha, net=net, estimates=est)
 
 
+def step_on_window(
+    window: Sequence[Experience],
+    candidate: PolicyNetwork,
+    serving: PolicyNetwork,
+    judge: Judge,
+    *,
+    params: ServingParams,
+    serving_params: ServingParams | None = None,
+    fresh: Sequence[int] = (),
+) -> StepDecision:
+    """:func:`conservative_step` on the gate's window of experiences, split in halves by event id
+    (:func:`split_by_id`): what the learner's gate and the lab's in-process loop both call."""
+    pick = split_by_id([e.id for e in window])
+    first = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if p])
+    second = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if not p])
+    return conservative_step(
+        first, second, candidate, serving, judge, params=params, serving_params=serving_params, fresh=fresh
+    )
+
+
 async def publish_step(
     publisher: CheckpointPublisher, candidate: Manifest, step: StepDecision, keep: Keep | None = None
 ) -> Manifest:
@@ -237,19 +257,8 @@ async def step_toward(
     Returns the published step's manifest (the gate then promotes it) or ``manifest`` itself
     with an ``insufficient`` decision.
     """
-    pick = split_by_id([e.id for e in window])
-    first = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if p])
-    second = LoggedDecisions.from_experiences([e for e, p in zip(window, pick, strict=True) if not p])
     step = await asyncio.to_thread(
-        conservative_step,
-        first,
-        second,
-        candidate,
-        serving,
-        judge,
-        params=params,
-        serving_params=serving_params,
-        fresh=fresh,
+        step_on_window, window, candidate, serving, judge, params=params, serving_params=serving_params, fresh=fresh
     )
     if step.decision != "promoted":
         return manifest, step

@@ -64,7 +64,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import Keep, step_toward
+from pipeline.learner.conservative import Judge, Keep, step_toward
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Decision, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
@@ -252,6 +252,25 @@ def rule(g: Estimate, gs: Estimate, candidate: Estimate, epsilon: float, min_ess
     return "insufficient", f"{what}: {more_needed(undecided, epsilon)} (ESS {g.ess:.0f})"
 
 
+def step_judge(
+    config: GateConfig,
+    params: ServingParams,
+    serving_params: ServingParams | None = None,
+    cache: MomentCache | None = None,
+) -> Judge:
+    """The gate's judgement with its ε, ESS, method and serving parameters bound: what a
+    conservative step is selected and certified by (:mod:`pipeline.learner.conservative`)."""
+    return partial(
+        judge,
+        epsilon=config.epsilon,
+        min_ess=config.min_ess,
+        method=config.method,
+        params=params,
+        cache=cache,
+        serving_params=serving_params,
+    )
+
+
 def judge_window(
     experiences: Sequence[Experience],
     candidate: PolicyNetwork,
@@ -423,15 +442,7 @@ class PromotionGate:
             return manifest, candidate, "insufficient", reason, est  # expert answers are served whole
         wire = self.serving_manifest.serving
         serving_params = ServingParams.from_wire(wire) if wire is not None else None
-        judge_half = partial(
-            judge,
-            epsilon=self.config.epsilon,
-            min_ess=self.config.min_ess,
-            method=self.config.method,
-            params=self.params,
-            cache=self.moments,
-            serving_params=serving_params,
-        )
+        judge_half = step_judge(self.config, self.params, serving_params, self.moments)
         stepped, step = await step_toward(
             self.publisher,
             manifest,

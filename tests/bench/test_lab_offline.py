@@ -11,7 +11,7 @@ from causalmem_lab.offline import OfflineConfig, run_offline
 from causalmem_lab.simulator import Scenario
 
 from pipeline.config import Settings
-from pipeline.learner import promotion_decision, promotion_gate
+from pipeline.learner import conservative, promotion_decision, promotion_gate
 
 TINY = Scenario(
     embedding_dim=8, slots=64, intents=3, background=20, days=2, queries_per_day=120, drift_day=1.0, n_candidates=8
@@ -125,3 +125,32 @@ def test_the_loop_takes_the_learners_promotion_decisions(monkeypatch: pytest.Mon
     assert [d for _, _, d in calls] == result.gate
     assert [s for _, s, _ in calls] == [s for _, _, s in result.refreshes]
     assert ended == [v.split()[0] for v in result.canary] and ended
+
+
+def test_where_a_candidate_would_wait_the_loop_serves_the_gates_certified_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The product's own step (pipeline/learner/conservative.py), certifying α = 1/4 here; the
+    # whole candidate never has the data (ESS 1e9), so every promotion is a step.
+    assert offline.step_on_window is conservative.step_on_window
+    seen: list[tuple[Any, Any, Any]] = []
+
+    def certify(first: Any, second: Any, candidate: Any, serving: Any, judge: Any, **kw: Any) -> Any:
+        net = conservative.interpolate(serving, candidate, 0.25, kw.get("fresh", ()))
+        seen.append((candidate, serving, net))
+        return conservative.StepDecision("promoted", "certified", 0.25, net, {}, (), len(first), len(second))
+
+    monkeypatch.setattr(conservative, "conservative_step", certify)
+    cfg = OfflineConfig(
+        hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9, canary_rate=0.0, gate_conservative=True
+    )
+    result = run_offline(TINY, cfg)
+    assert result.steps_taken and len(result.steps_taken) == len(seen)
+    versions = [v for _, _, v, _, _, _ in result.steps_taken]
+    assert set(versions) <= set(result.tally.version)  # each step was served
+    assert all(toward == v - 1 and before < toward for _, _, v, toward, before, _ in result.steps_taken)
+    assert result.served is not None and result.served.version == versions[-1]
+    assert result.served.net is seen[-1][2]
+    cfg = OfflineConfig(
+        hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9, canary_rate=0.0, gate_conservative=False
+    )
+    off = run_offline(TINY, cfg)
+    assert not off.steps_taken and set(off.tally.version) == {1}  # without steps nothing new is served

@@ -66,6 +66,7 @@ class InProcessRow:
     days: float | None = None
     lr: float | None = None
     gate_epsilon: float | None = None
+    conservative: bool | None = None  # the gate's conservative steps; None: the learner's default
 
     def canary(self) -> dict[str, Any]:
         """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
@@ -123,12 +124,31 @@ ROWS: dict[str, InProcessRow] = {
         explore_rate=1.0,
         minimal_client=True,
     ),
+    "minimal_t1_conservative": InProcessRow(
+        "minimal contract client, every request at T = 1, gated with conservative steps",
+        0.0,
+        gate=True,
+        explore_temperature=1.0,
+        explore_rate=1.0,
+        minimal_client=True,
+        conservative=True,
+    ),
+    "credit25_gated_conservative": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated with conservative steps", 0.25, gate=True, conservative=True
+    ),
     # The freshness bench's traffic in process: step reward, a candidate every 200 steps (its
     # 2 s cadence at 100 pairs/s), 15 days (docs/benchmarks.md, "Freshness").
     "fresh_step": InProcessRow("step reward, a candidate every 200 steps", 0.0, **_FRESH),
     "fresh_step_gated": InProcessRow("step reward, gated, a candidate every 200 steps", 0.0, gate=True, **_FRESH),
     "fresh_step_gated_eps05": InProcessRow(
         "step reward, gated (ε = 0.05), a candidate every 200 steps", 0.0, gate=True, gate_epsilon=0.05, **_FRESH
+    ),
+    "fresh_step_gated_conservative": InProcessRow(
+        "step reward, gated with conservative steps, a candidate every 200 steps",
+        0.0,
+        gate=True,
+        conservative=True,
+        **_FRESH,
     ),
     "fresh_step_lr3e4": InProcessRow("step reward, lr 3e-4, a candidate every 200 steps", 0.0, lr=3e-4, **_FRESH),
     "fresh_step_gated_lr3e4": InProcessRow(
@@ -284,7 +304,35 @@ def promotions(result: Any) -> dict[str, float | None]:
         "canary_utility": float(np.mean(cu)) if cu else None,
         "all_utility": float(np.mean(result.tally.utility)),
         "served_version": float(result.served.version) if result.served is not None else None,
+        **conservative_steps(result),
     }
+
+
+def conservative_steps(result: Any) -> dict[str, float | None]:
+    """The gate's conservative steps (``OfflineResult.steps_taken``): how many, their mean α and
+    certified (estimated) gain, and, where every version's true value is known, their true gain
+    over the version served before each and the worst of them.
+
+    >>> from types import SimpleNamespace as NS
+    >>> r = NS(steps_taken=[(10, 0.25, 3, 2, 1, 0.02), (20, 0.5, 5, 4, 3, 0.04)], values={1: 0.5, 3: 0.52, 5: 0.51})
+    >>> s = conservative_steps(r)
+    >>> s["steps"], s["step_alpha"], round(s["step_gain_est"], 3)
+    (2.0, 0.375, 0.03)
+    >>> round(s["step_gain_true"], 3), round(s["step_gain_true_min"], 3)
+    (0.005, -0.01)
+    """
+    taken = getattr(result, "steps_taken", [])
+    out: dict[str, float | None] = {"steps": float(len(taken)), "step_alpha": None, "step_gain_est": None}
+    out.update(step_gain_true=None, step_gain_true_min=None)
+    if not taken:
+        return out
+    out["step_alpha"] = float(np.mean([t[1] for t in taken]))
+    out["step_gain_est"] = float(np.mean([t[5] for t in taken]))
+    values = result.values
+    true = [values[t[2]] - values[t[4]] for t in taken if t[2] in values and t[4] in values]
+    if true:
+        out["step_gain_true"], out["step_gain_true_min"] = float(np.mean(true)), float(min(true))
+    return out
 
 
 def mean_of(per_seed: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -372,6 +420,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 explore_temperature=row.explore_temperature,
                 explore_rate=row.explore_rate,
                 minimal_client=row.minimal_client,
+                gate_conservative=OfflineConfig.gate_conservative if row.conservative is None else row.conservative,
                 **row.canary(),
             )
             if row.lm:
