@@ -16,6 +16,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Summary,
     disable_created_metrics,
 )
 
@@ -343,6 +344,20 @@ class Metrics:
             "Events whose logprob or candidate_probs disagree with the serving rule recomputed by the learner "
             "(left out of the promotion gate)",
             ["field"],
+            registry=self._reg("learner"),
+        )
+        # A summary, not a histogram: a gain may be negative (down to −ε), and a histogram with
+        # negative buckets exposes no sum, which the mean gain per promotion needs.
+        self.gate_promoted_gain = Summary(
+            "causalmem_gate_promoted_gain",
+            "The certified gain over serving (the estimate) of each candidate or conservative step the "
+            "gate promoted on the logged decisions",
+            registry=self._reg("learner"),
+        )
+        self.gate_conservative_steps = Counter(
+            "causalmem_gate_conservative_steps_total",
+            "Conservative steps the gate certified and promoted in place of a waiting candidate, by step size α",
+            ["alpha"],
             registry=self._reg("learner"),
         )
         self.cluster_resets = Counter(

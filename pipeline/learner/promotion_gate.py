@@ -457,6 +457,7 @@ class PromotionGate:
         )
         if step.decision != "promoted" or step.net is None:
             return manifest, candidate, "insufficient", f"{reason}; {step.reason}", est
+        self.metrics.gate_conservative_steps.labels(alpha=f"{step.alpha:g}").inc()
         return stepped, step.net, "promoted", f"v{stepped.version}, {step.reason}", step.estimates
 
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
@@ -535,6 +536,8 @@ class PromotionGate:
             await self.end_canary()
         if outcome.action == "promote":
             await self.promote(manifest, candidate)
+            if "gain" in est and not outcome.by_label_rule:
+                m.gate_promoted_gain.observe(est["gain"].value)
             if outcome.by_label_rule:
                 log.info("gate: label fine-tune v%d promoted (gate: %s)", manifest.version, outcome.reason)
             else:

@@ -83,6 +83,7 @@ async def test_a_waiting_candidate_is_replaced_by_its_certified_step(certified: 
     assert kw["candidate"] is True and kw["delta"] is None and kw["reason"] == "periodic"
     assert m.metrics["conservative_step"] == {"alpha": 0.25, "toward_version": 2}
     assert pub.promoted == [10] and gate.pending is None
+    assert gate.metrics.registry.get_sample_value("causalmem_gate_conservative_steps_total", {"alpha": "0.25"}) == 1
     # The serving policy is now the step, not the candidate, and the halves were disjoint.
     assert gate.serving_net is not None and gate.serving_manifest is not None and gate.serving_manifest.version == 10
     expected = conservative.interpolate(gate_with(Publisher(), True)[0].serving_net, candidate, 0.25)  # type: ignore[arg-type]

@@ -201,6 +201,10 @@ async def test_a_minimal_clients_better_candidate_is_promoted_not_left_waiting()
     assert d.decision == "promoted", d.reason
     assert gate.serving_manifest is not None and gate.serving_manifest.version == 2
     assert metrics.registry.get_sample_value("causalmem_gate_logging_probs_total", {"source": "recomputed"}) == 1000
+    # The certified gain of the promotion, for "gain per promotion" on a dashboard.
+    assert metrics.registry.get_sample_value("causalmem_gate_promoted_gain_count") == 1
+    assert d.gain is not None
+    assert metrics.registry.get_sample_value("causalmem_gate_promoted_gain_sum") == pytest.approx(d.gain.value)
     # A harmful candidate on the same minimal log is still refused, now against v2 (held, with v1).
     worse = tilted(serving, BAD)
     d = await gate.consider(manifest(3), worse.tensors())
