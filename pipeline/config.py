@@ -35,7 +35,7 @@ from models.memory.write_gate import DEFAULT_FADING, DEFAULT_MIN_COUNT, DEFAULT_
 from models.policy.trainer_config import TrainerConfig
 from models.serving.params import ServingParams
 from topics.fields import Limits
-from topics.names import DEFAULT_PARTITIONS, Topics, TopicSpec
+from topics.names import DAY_MS, DEFAULT_MIN_INSYNC, DEFAULT_PARTITIONS, SEVEN_DAYS_MS, Topics, TopicSpec
 
 T = TypeVar("T")
 
@@ -198,7 +198,9 @@ class Settings:
     writes_fading: float = setting(DEFAULT_FADING, "weight of a new reward in the gate's running means")
     writes_radius: float = setting(DEFAULT_RADIUS, "cosine similarity of a query to a topic's centroid to join it")
     writes_min_count: int = setting(DEFAULT_MIN_COUNT, "rewards a topic needs before its own mean is the expectation")
-    writes_rejected_retention_days: float = setting(7.0, "how long rejected proposals are kept for review")
+    writes_rejected_retention_days: float = setting(
+        SEVEN_DAYS_MS / DAY_MS, "how long rejected proposals are kept for review"
+    )
     # -- active learning -----------------------------------------------------------------
     al_threshold: float = setting(-0.3, "utility below which a step is an active-learning candidate")
     al_uncertainty_budget: float = setting(0.0, "fraction of steps queued as uncertain at most; 0: off")
@@ -222,7 +224,9 @@ class Settings:
     max_message_bytes: int = setting(Limits.max_bytes, "larger input messages are dead-lettered as oversize")
     # -- durability (docs/operations.md, "Durability"): 1 suits the embedded broker's one node --
     replication_factor: int = setting(TopicSpec.replication, "copies of each partition of the topics it creates")
-    min_insync_replicas: int = setting(1, "copies an acks=all write needs; 1 leaves the broker's default")
+    min_insync_replicas: int = setting(
+        DEFAULT_MIN_INSYNC, "copies an acks=all write needs; 1 leaves the broker's default"
+    )
     # -- checkpoint signing (docs/operations.md, "Signed checkpoints") --------------------
     checkpoint_signing_key: str = setting("", "HMAC-SHA256 secret of manifests; empty: unsigned", repr=False)
     checkpoint_signing_key_file: str = setting("", "a file holding that secret")
@@ -236,7 +240,7 @@ class Settings:
             partitions=self.partitions,
             replication_factor=self.replication_factor,
             min_insync_replicas=self.min_insync_replicas,
-            rejected_writes_retention_ms=int(self.writes_rejected_retention_days * 86_400_000),
+            rejected_writes_retention_ms=int(self.writes_rejected_retention_days * DAY_MS),
         )
 
     def limits(self) -> Limits:

@@ -17,8 +17,10 @@ from topics.labels import decode_active_learning_sample, decode_human_label
 from topics.lifecycle import decode_memory_record
 from topics.writes import decode_memory_write
 
-SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
+DAY_MS = 24 * 3600 * 1000
+SEVEN_DAYS_MS = 7 * DAY_MS  # the input topics' retention, and rejected proposals' by default
 DEFAULT_PARTITIONS = 8  # of the co-partitioned topics (the partitions setting refers to it)
+DEFAULT_MIN_INSYNC = 1  # leaves the broker's default (the min_insync_replicas setting refers to it)
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ class Topics:
         prefix: str = "",
         partitions: int = DEFAULT_PARTITIONS,
         retention_ms: int = SEVEN_DAYS_MS,
-        replication_factor: int = 1,
-        min_insync_replicas: int = 1,
+        replication_factor: int = TopicSpec.replication,
+        min_insync_replicas: int = DEFAULT_MIN_INSYNC,
         rejected_writes_retention_ms: int = SEVEN_DAYS_MS,
     ) -> Topics:
         if partitions < 1:

@@ -114,17 +114,17 @@ class OfflineConfig:
         return PolicyTrainer(self.trainer(scenario))
 
     def gate_config(self) -> GateConfig | None:
-        return (
-            GateConfig(
-                window=self.gate_window,
-                epsilon=self.gate_epsilon,
-                min_ess=self.gate_min_ess,
-                method=self.gate_method,
-                canary_max=self.canary_max,
-            )
-            if self.gate
-            else None
-        )
+        """The learner's gate rule (``Settings.gate_config()``) with this loop's settings; None ungated."""
+        if not self.gate:
+            return None
+        return PRODUCT.replace(
+            gate_window=self.gate_window,
+            gate_epsilon=self.gate_epsilon,
+            gate_min_ess=self.gate_min_ess,
+            gate_method=self.gate_method,
+            gate_canary_max=self.canary_max,
+            gate_conservative=self.gate_conservative,
+        ).gate_config()
 
 
 @dataclass
