@@ -44,7 +44,7 @@ def interpolate(
     >>> a = PolicyNetwork(4, 3, 2)
     >>> b = PolicyNetwork(4, 3, 2)
     >>> b.suppress([1])
-    >>> float(interpolate(a, b, 0.25).out.bias[1])
+    >>> float(interpolate(a, b, 0.25).out.bias.detach()[1])
     -30.0
     >>> bool(torch.equal(interpolate(a, b, 0.25, fresh=[2]).out.weight[2], b.out.weight[2]))
     True
