@@ -159,6 +159,12 @@ class Settings:
     gate_min_ess: float = setting(50.0, "effective sample size of the importance weights a gate decision needs")
     gate_method: str = setting("auto", "the gate's estimator: auto | dr-pi | dr-set | dr | pi | set-dr | ... | ips")
     gate_canary_max: int = setting(100, "canary decisions after which an undecided canary gives way")
+    gate_canary_idle: int = setting(
+        3, "canaries in a row without a canary decision after which the learner starts none (clients serve none)"
+    )
+    gate_canary_probe_s: float = setting(
+        1800.0, "while canaries are paused, one probe canary each time this long has passed since the last"
+    )
     gate_conservative: bool = setting(
         False,
         "where a candidate would wait, promote a smaller step toward it certified on half the window "
@@ -361,6 +367,8 @@ class Settings:
             min_ess=self.gate_min_ess,
             method=self.gate_method,
             canary_max=self.gate_canary_max,
+            canary_idle=self.gate_canary_idle,
+            canary_probe_s=self.gate_canary_probe_s,
             conservative=self.gate_conservative,
         )
 
@@ -565,6 +573,8 @@ class GateConfig:
     min_ess: float = Settings.gate_min_ess
     method: str = Settings.gate_method
     canary_max: int = Settings.gate_canary_max
+    canary_idle: int = Settings.gate_canary_idle
+    canary_probe_s: float = Settings.gate_canary_probe_s
     conservative: bool = Settings.gate_conservative
 
 

@@ -244,7 +244,7 @@ def run_offline(
 
     # The learner's canary back-off: no canaries while clients serve none (a probe now and then),
     # timed by the simulated clock (the newest step's event time).
-    backoff = CanaryBackoff()
+    backoff = CanaryBackoff(gate.canary_idle, gate.canary_probe_s) if gate is not None else CanaryBackoff()
     now = 0.0
 
     def refresh(candidate: LoadedPolicy) -> None:

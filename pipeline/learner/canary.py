@@ -43,6 +43,7 @@ from models.offpolicy.estimators import Estimate
 from models.offpolicy.logged import LoggedDecisions
 from models.offpolicy.reward_model import AdditiveRewardModel
 from models.policy.network import PolicyNetwork
+from pipeline.config import Settings
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -193,11 +194,11 @@ class CanaryRun:
 # every client and tells operators nothing. After this many canaries in a row that each ended
 # with no canary decision, the learner starts none (the off-policy gate alone judges
 # candidates) ...
-IDLE_CANARIES = 3
+IDLE_CANARIES = Settings.gate_canary_idle
 # ... except one probe canary each time this long has passed since the last one ended: a
 # client that starts serving canaries (an upgrade, a canary_rate turned on) shows up in it,
 # and canaries resume once one sees canary decisions again.
-PROBE_AFTER_S = 1800.0
+PROBE_AFTER_S = Settings.gate_canary_probe_s
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,8 @@ class PromotionGate:
         self._deciding = asyncio.Lock()  # one judgement at a time: it awaits a worker thread
         self.canary: CanaryRun | None = None  # contract 1.4: the candidate clients serve on canary_rate
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
-        self.backoff = CanaryBackoff()  # no canaries while clients serve none (a probe now and then)
+        # No canaries while clients serve none (a probe now and then).
+        self.backoff = CanaryBackoff(config.canary_idle, config.canary_probe_s)
         # The networks of the versions clients may serve: the logging probabilities of events without them.
         self.logging_policies = LoggingPolicies(metrics, remember=4 * config.window)
         # Where the events whose logged propensities disagree with the recomputation go (the

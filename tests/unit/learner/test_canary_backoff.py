@@ -84,3 +84,12 @@ async def test_a_learner_whose_clients_serve_no_canary_stops_making_canaries_and
     assert not gate.backoff.paused and gate.backoff.idle_streak == 0
     assert gate.canary is not None and pub.canaries[-1] == version  # canaries resumed at once
     assert any("canaries resume" in r.getMessage() for r in caplog.records)
+
+
+def test_the_limits_are_the_gate_settings() -> None:
+    config = GateConfig(canary_idle=1, canary_probe_s=5.0)
+    gate = PromotionGate(config, Publisher(), Metrics(), list, serving=ServingParams())  # type: ignore[arg-type]
+    assert (gate.backoff.idle_canaries, gate.backoff.probe_after_s) == (1, 5.0)
+    assert (GateConfig().canary_idle, GateConfig().canary_probe_s) == (IDLE_CANARIES, PROBE_AFTER_S)
+    gate.backoff.idle_streak, gate.backoff.last_end = 1, 100.0
+    assert not gate.backoff.plan(104.0).start and gate.backoff.plan(105.0).start
