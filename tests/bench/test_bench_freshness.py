@@ -41,10 +41,10 @@ def test_cli_flags() -> None:
     argv = ["bench", "freshness", "--seconds", "30", "--ungated", "--also-interval", "1", "--out", "f.json"]
     a = cli.build_parser(argv).parse_args(argv)
     assert (a.which, a.seconds, a.ungated, a.also_interval, a.rate) == ("freshness", 30.0, True, [1.0], 100.0)
-    assert not a.minimal_client and not a.skip_previous
-    argv = ["bench", "freshness", "--minimal-client", "--skip-previous"]
+    assert not a.minimal_client and not a.skip_previous and a.attribution_rate == 0.0
+    argv = ["bench", "freshness", "--minimal-client", "--skip-previous", "--attribution-rate", "0.25"]
     a = cli.build_parser(argv).parse_args(argv)
-    assert a.minimal_client and a.skip_previous
+    assert a.minimal_client and a.skip_previous and a.attribution_rate == 0.25
 
 
 def test_logs_go_under_the_expanded_state_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -274,6 +274,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip-previous", action="store_true", help="leave out the previous defaults' configuration")
     p.add_argument(
+        "--attribution-rate",
+        type=float,
+        default=0.0,
+        help="share of the feedback carrying per-memory credit (nll_without_slot; the LM evaluator's "
+        "default is 0.25); 0: the step reward alone (default)",
+    )
+    p.add_argument(
         "--new-interval", type=float, help="the new configuration's cadence (default: the product's default)"
     )
     p.add_argument("--new-full-every", type=int, help="the new configuration's full_every (default: the product's)")
@@ -313,7 +320,9 @@ def main(args: argparse.Namespace) -> int:
     # (CAUSALMEM_SERVE_EXPLORE_*), so that the gate judges the traffic the clients make; a
     # minimal client explores every request at T = 1 (the issue's contract client).
     explore = (1.0, 1.0) if args.minimal_client else (base.serve_explore_rate, base.serve_explore_temperature)
-    scenario = Scenario(drift_day=None, explore_rate=explore[0], explore_temperature=explore[1])
+    scenario = Scenario(
+        drift_day=None, explore_rate=explore[0], explore_temperature=explore[1], attribution_rate=args.attribution_rate
+    )
     logdir = log_dir(base)
     bootstrap, broker = own_broker(getattr(args, "bootstrap", None), logdir / "broker.log")
     runs: list[Run] = []
@@ -344,6 +353,7 @@ def main(args: argparse.Namespace) -> int:
     print(table(runs))
     report = {
         "minimal_client": args.minimal_client,
+        "attribution_rate": args.attribution_rate,
         "rate": args.rate,
         "seconds": args.seconds,
         "warmup_s": args.warmup,

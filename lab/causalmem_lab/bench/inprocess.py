@@ -143,6 +143,11 @@ ROWS: dict[str, InProcessRow] = {
     "fresh_step_gated_eps05": InProcessRow(
         "step reward, gated (ε = 0.05), a candidate every 200 steps", 0.0, gate=True, gate_epsilon=0.05, **_FRESH
     ),
+    # The same traffic with per-memory credit on 25% of steps (the LM evaluator's default share).
+    "fresh_credit25": InProcessRow("per-memory credit on 25%, a candidate every 200 steps", 0.25, **_FRESH),
+    "fresh_credit25_gated": InProcessRow(
+        "per-memory credit on 25%, gated, a candidate every 200 steps", 0.25, gate=True, **_FRESH
+    ),
     "fresh_step_gated_conservative": InProcessRow(
         "step reward, gated with conservative steps, a candidate every 200 steps",
         0.0,
