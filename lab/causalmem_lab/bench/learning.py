@@ -143,11 +143,11 @@ def minimal_client(r: RunResult, scenario: Scenario) -> dict[str, Any]:
     (:func:`causalmem_lab.bench.inprocess.measure`: the first version's leak, the requests
     until the leak is halved, the leak at the end), over every request since such a client
     explores them all, with the version served at the end and the learner's promotions."""
+    from pipeline.promtext import metric
+
     if not r.spec.minimal_client:
         return {}
     m = inprocess.measure(r, scenario, explores_all=True)
-    from pipeline.promtext import metric
-
     promoted = metric(r.learner_metrics, "causalmem_gate_decisions_total", decision="promoted")
     # Flat keys, so that the mean over seeds (mean_row) averages them too.
     return {
