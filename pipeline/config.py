@@ -710,10 +710,20 @@ class UiConfig:
     learner_urls: tuple[str, ...] = ()
     shadow_window: int = 0  # >0: the health page shows shadow mode's estimate over the last N joined steps
     shadow_every_s: float = 60.0  # that estimate reads the window and judges it again at most this often
+    # Login throttling (pipeline/ui/throttle.py): per name, this many failed attempts, then one
+    # every refill seconds; per client address likewise (larger: labelers behind one proxy share it).
+    login_name_burst: int = 5
+    login_name_refill_s: float = 60.0
+    login_address_burst: int = 20
+    login_address_refill_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.overlap < 1:
             raise ValueError("overlap must be at least 1 (labelers per sample)")
+        if min(self.login_name_burst, self.login_address_burst) < 1:
+            raise ValueError("login bursts must be at least 1 (attempts before the throttle holds)")
+        if min(self.login_name_refill_s, self.login_address_refill_s) <= 0:
+            raise ValueError("login refill seconds must be positive")
         if self.lease_s <= 0 or self.refresh_s <= 0 or self.undo_s < 0:
             raise ValueError("lease_s and refresh_s must be positive, undo_s not negative")
 

@@ -66,6 +66,33 @@ def add_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="show shadow mode's gain estimate over the last N joined steps (default 2000; docs/byo-retriever.md)",
     )
+    login = p.add_argument_group("login throttling (per name and per client address; docs/ui.md, Safety)")
+    login.add_argument(
+        "--login-name-burst",
+        type=int,
+        default=UiConfig.login_name_burst,
+        help="failed attempts per labeler name before the throttle holds (default %(default)s)",
+    )
+    login.add_argument(
+        "--login-name-refill",
+        dest="login_name_refill_s",
+        type=float,
+        default=UiConfig.login_name_refill_s,
+        help="then one more attempt per name every this many seconds (default %(default)s)",
+    )
+    login.add_argument(
+        "--login-address-burst",
+        type=int,
+        default=UiConfig.login_address_burst,
+        help="failed attempts per client address before the throttle holds (default %(default)s)",
+    )
+    login.add_argument(
+        "--login-address-refill",
+        dest="login_address_refill_s",
+        type=float,
+        default=UiConfig.login_address_refill_s,
+        help="then one more attempt per address every this many seconds (default %(default)s)",
+    )
     p.add_argument(
         "--hash-password",
         action="store_true",
@@ -99,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         refresh_s=args.refresh_s,
         worker_urls=tuple(args.worker_urls),
         learner_urls=tuple(args.learner_urls),
+        login_name_burst=args.login_name_burst,
+        login_name_refill_s=args.login_name_refill_s,
+        login_address_burst=args.login_address_burst,
+        login_address_refill_s=args.login_address_refill_s,
     )
     app = create_app(config, resolve_bootstrap(settings))
     if config.host not in LOOPBACK:

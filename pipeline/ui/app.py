@@ -42,6 +42,7 @@ from pipeline.ui.auth import (
 )
 from pipeline.ui.feeds import Feeds
 from pipeline.ui.pool import SamplePool
+from pipeline.ui.throttle import LoginThrottle
 from pipeline.ui.web import HERE, UiState, error_page, render, state
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -197,6 +198,6 @@ def create_app(
         )
     ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
-    app.state.ui = UiState(config, labelers, pool, feeds, sasl)
+    app.state.ui = UiState(config, labelers, pool, feeds, sasl, LoginThrottle.of(config))
     app.state.sessions = Sessions(SESSION_MAX_AGE_S)
     return app

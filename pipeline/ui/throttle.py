@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pipeline.config import UiConfig
+
 
 @dataclass(frozen=True)
 class Rate:
@@ -38,8 +40,9 @@ class Rate:
             raise ValueError("a rate needs burst >= 1 and refill_s > 0")
 
 
-PER_NAME = Rate(burst=5, refill_s=60.0)
-PER_ADDRESS = Rate(burst=20, refill_s=15.0)
+# The defaults are ``causalmem ui``'s (UiConfig, its --login-* flags).
+PER_NAME = Rate(burst=UiConfig.login_name_burst, refill_s=UiConfig.login_name_refill_s)
+PER_ADDRESS = Rate(burst=UiConfig.login_address_burst, refill_s=UiConfig.login_address_refill_s)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,14 @@ def decide(buckets: Sequence[tuple[Bucket, Rate]]) -> Verdict:
 
 class LoginThrottle:
     """The buckets of recent login attempts, by name and by address (in memory, bounded)."""
+
+    @classmethod
+    def of(cls, config: UiConfig) -> LoginThrottle:
+        """The throttle ``causalmem ui`` runs with (its ``--login-*`` options)."""
+        return cls(
+            per_name=Rate(config.login_name_burst, config.login_name_refill_s),
+            per_address=Rate(config.login_address_burst, config.login_address_refill_s),
+        )
 
     def __init__(
         self,

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+import pipeline.cli as cli
+from pipeline.config import Settings
 from pipeline.ui.auth import Sessions
-from pipeline.ui.throttle import LoginThrottle, Rate
+from pipeline.ui.throttle import PER_ADDRESS, PER_NAME, LoginThrottle, Rate
 
 
 def test_a_name_gets_its_burst_then_one_guess_per_refill_and_a_success_costs_nothing() -> None:
@@ -51,3 +57,29 @@ def test_sessions_end_at_logout_expire_and_are_capped_per_labeler() -> None:
     assert not s.valid(b, "ann")
     now[0] = 101.0
     assert not s.valid(c, "ann")
+
+
+def test_the_limits_are_causalmem_uis_options(tmp_path: Path) -> None:
+    from pipeline.ui.app import create_app
+
+    defaults = Settings(state_dir=str(tmp_path)).ui()
+    assert (LoginThrottle.of(defaults).per_name, LoginThrottle.of(defaults).per_address) == (PER_NAME, PER_ADDRESS)
+    assert (Rate(5, 60.0), Rate(20, 15.0)) == (PER_NAME, PER_ADDRESS)  # docs/ui.md, Safety
+    labelers = tmp_path / "labelers.toml"
+    labelers.write_text('[labelers.ann]\ntoken = "a-long-enough-token"\n')
+    config = Settings(state_dir=str(tmp_path)).ui(
+        labelers_file=labelers, login_name_burst=2, login_name_refill_s=7.0, login_address_burst=9
+    )
+    app = create_app(config, "127.0.0.1:1")  # nothing connects before the app starts
+    throttle = app.state.ui.throttle
+    assert (throttle.per_name, throttle.per_address) == (Rate(2, 7.0), Rate(9, 15.0))
+    argv = ["ui", "--login-name-burst", "3", "--login-address-refill", "4.5"]
+    a = cli.build_parser(argv).parse_args(argv)
+    assert (a.login_name_burst, a.login_name_refill_s, a.login_address_burst, a.login_address_refill_s) == (
+        3,
+        60.0,
+        20,
+        4.5,
+    )
+    with pytest.raises(ValueError, match="bursts"):
+        Settings(state_dir=str(tmp_path)).ui(login_name_burst=0)
