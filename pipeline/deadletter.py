@@ -34,18 +34,19 @@ class DeadLetterWriter:
 
     def send(self, msg: Any, reason: str, detail: str = "") -> None:
         """Queue one rejected consumer record (non-blocking)."""
-        self.metrics.rejected.labels(topic=msg.topic, reason=reason).inc()
-        self.metrics.dead_letters.inc()
-        value = dead_letter_value(msg.value, reason, detail, msg.topic, msg.partition, msg.offset, time.time())
-        self._tasks.append(asyncio.ensure_future(self._send(msg.key, encode(value))))
-        self._log(msg.topic, reason, detail)
+        self._queue(msg.topic, msg.partition, msg.offset, msg.key, msg.value, reason, detail)
 
     def send_copy(self, topic: str, key: bytes | None, raw: bytes, reason: str, detail: str = "") -> None:
         """Queue a copy of a value the process holds but no longer has the record of (non-blocking):
         its ``source`` names ``topic`` with partition and offset -1 (contract §5)."""
+        self._queue(topic, -1, -1, key, raw, reason, detail)
+
+    def _queue(
+        self, topic: str, partition: int, offset: int, key: bytes | None, raw: bytes | None, reason: str, detail: str
+    ) -> None:
         self.metrics.rejected.labels(topic=topic, reason=reason).inc()
         self.metrics.dead_letters.inc()
-        value = dead_letter_value(raw, reason, detail, topic, -1, -1, time.time())
+        value = dead_letter_value(raw, reason, detail, topic, partition, offset, time.time())
         self._tasks.append(asyncio.ensure_future(self._send(key, encode(value))))
         self._log(topic, reason, detail)
 

@@ -67,37 +67,28 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="show shadow mode's gain estimate over the last N joined steps (default 2000; docs/byo-retriever.md)",
     )
     login = p.add_argument_group("login throttling (per name and per client address; docs/ui.md, Safety)")
-    login.add_argument(
-        "--login-name-burst",
-        type=int,
-        default=UiConfig.login_name_burst,
-        help="failed attempts per labeler name before the throttle holds (default %(default)s)",
-    )
-    login.add_argument(
-        "--login-name-refill",
-        dest="login_name_refill_s",
-        type=float,
-        default=UiConfig.login_name_refill_s,
-        help="then one more attempt per name every this many seconds (default %(default)s)",
-    )
-    login.add_argument(
-        "--login-address-burst",
-        type=int,
-        default=UiConfig.login_address_burst,
-        help="failed attempts per client address before the throttle holds (default %(default)s)",
-    )
-    login.add_argument(
-        "--login-address-refill",
-        dest="login_address_refill_s",
-        type=float,
-        default=UiConfig.login_address_refill_s,
-        help="then one more attempt per address every this many seconds (default %(default)s)",
-    )
+    for who, what in (("name", "labeler name"), ("address", "client address")):
+        login.add_argument(
+            f"--login-{who}-burst",
+            type=int,
+            default=getattr(UiConfig, f"login_{who}_burst"),
+            help=f"failed attempts per {what} before the throttle holds (default %(default)s)",
+        )
+        login.add_argument(
+            f"--login-{who}-refill",
+            dest=f"login_{who}_refill_s",
+            type=float,
+            default=getattr(UiConfig, f"login_{who}_refill_s"),
+            help=f"then one more attempt per {what} every this many seconds (default %(default)s)",
+        )
     p.add_argument(
         "--hash-password",
         action="store_true",
         help="print a password_hash for the labelers file (reads the password from the terminal) and exit",
     )
+
+
+LOGIN_OPTIONS = ("login_name_burst", "login_name_refill_s", "login_address_burst", "login_address_refill_s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,10 +117,7 @@ def run(args: argparse.Namespace) -> int:
         refresh_s=args.refresh_s,
         worker_urls=tuple(args.worker_urls),
         learner_urls=tuple(args.learner_urls),
-        login_name_burst=args.login_name_burst,
-        login_name_refill_s=args.login_name_refill_s,
-        login_address_burst=args.login_address_burst,
-        login_address_refill_s=args.login_address_refill_s,
+        **{k: getattr(args, k) for k in LOGIN_OPTIONS},
     )
     app = create_app(config, resolve_bootstrap(settings))
     if config.host not in LOOPBACK:
