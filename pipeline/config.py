@@ -166,9 +166,18 @@ class Settings:
         1800.0, "while canaries are paused, one probe canary each time this long has passed since the last"
     )
     gate_conservative: bool = setting(
-        False,
-        "where a candidate would wait, promote a smaller step toward it certified on half the window "
-        "(pipeline/learner/conservative.py; off until measured through the pipeline)",
+        True,
+        "where a candidate would wait, judge a smaller step toward it, within the trust region, on the "
+        "whole window (pipeline/learner/conservative.py)",
+    )
+    gate_trust_region: float = setting(
+        0.05,
+        "the largest mean total variation between a step's served first draw and the serving policy's",
+    )
+    gate_reanchor: bool = setting(
+        True,
+        "resume training from the serving policy's weights when the gate finds the learner's candidate "
+        "worse than it (the gain's upper bound below 0)",
     )
     # -- serving: how clients serve the policy, recorded in each manifest (models/serving/params.py) --
     serve_temperature: float = setting(ServingParams.temperature, "T of the Plackett–Luce draw")
@@ -370,6 +379,8 @@ class Settings:
             canary_idle=self.gate_canary_idle,
             canary_probe_s=self.gate_canary_probe_s,
             conservative=self.gate_conservative,
+            trust_region=self.gate_trust_region,
+            reanchor=self.gate_reanchor,
         )
 
     def learner(self) -> LearnerConfig:
@@ -576,6 +587,12 @@ class GateConfig:
     canary_idle: int = Settings.gate_canary_idle
     canary_probe_s: float = Settings.gate_canary_probe_s
     conservative: bool = Settings.gate_conservative
+    trust_region: float = Settings.gate_trust_region
+    reanchor: bool = Settings.gate_reanchor
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.trust_region <= 1.0:
+            raise ValueError(f"gate_trust_region {self.trust_region} outside (0, 1]: it bounds a total variation")
 
 
 @dataclass(frozen=True)

@@ -356,8 +356,14 @@ class Metrics:
         )
         self.gate_conservative_steps = Counter(
             "causalmem_gate_conservative_steps_total",
-            "Conservative steps the gate certified and promoted in place of a waiting candidate, by step size α",
+            "Conservative steps the gate promoted in place of a waiting candidate, by step size α",
             ["alpha"],
+            registry=self._reg("learner"),
+        )
+        self.gate_reanchors = Counter(
+            "causalmem_gate_reanchors_total",
+            "Candidates the gate judged worse than serving (gain upper bound below 0), after which the learner "
+            "resumed training from the serving weights",
             registry=self._reg("learner"),
         )
         self.cluster_resets = Counter(

@@ -39,7 +39,7 @@ from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import step_on_window
+from pipeline.learner.conservative import reanchors, step_on_window
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
 from pipeline.learner.promotion_gate import judge_window, step_judge
@@ -90,6 +90,9 @@ class OfflineConfig:
     canary_coupled: bool = PRODUCT.serve_canary_coupled  # contract 1.5: canary requests draw both slates
     # The gate's conservative steps (pipeline/learner/conservative.py) where a candidate would wait.
     gate_conservative: bool = PRODUCT.gate_conservative
+    gate_trust_region: float = PRODUCT.gate_trust_region
+    # The learner resumes from the serving weights where the gate finds its candidate worse.
+    gate_reanchor: bool = PRODUCT.gate_reanchor
     # A client that sends only the contract's required fields (required_only) and serves no canary.
     minimal_client: bool = False
     seed: int = PRODUCT.seed
@@ -124,6 +127,8 @@ class OfflineConfig:
             gate_method=self.gate_method,
             gate_canary_max=self.canary_max,
             gate_conservative=self.gate_conservative,
+            gate_trust_region=self.gate_trust_region,
+            gate_reanchor=self.gate_reanchor,
         ).gate_config()
 
 
@@ -147,6 +152,8 @@ class OfflineResult:
     # Each conservative step promoted: (step, α, the step's version, the candidate it stepped toward,
     # the version served before it, the certificate's estimated gain over that version).
     steps_taken: list[tuple[int, float, int, int, int, float]] = field(default_factory=list)
+    # (step, candidate version, serving version) where the learner resumed from the serving weights
+    reanchors: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _snapshot(
@@ -296,15 +303,24 @@ def run_offline(
             canary_paused=not backoff.plan(now).start,
         )
         label = d.by_label_rule or candidate.manifest.reason == "label"  # expert answers are served whole
-        if d.action == "hold" and cfg.gate_conservative and not label:
-            # As the learner's gate: where the candidate would wait, a smaller step toward it that one
-            # half of the window selects and the other certifies, published as a version of its own.
+
+        def resume_if_worse() -> None:
+            # As the learner (ControlHandler.resume_from_serving): the candidate is worse than
+            # serving, so training goes on from the serving weights (no memory changes slots here).
+            if gate.reanchor and reanchors(d, candidate.manifest.reason):
+                trainer.resume_from(serving.net.tensors())
+                result.reanchors.append((steps, candidate.manifest.version, serving.version))
+
+        if d.action == "hold" and gate.conservative and not label:
+            # As the learner's gate: where the candidate would wait, the largest step toward it
+            # within the trust region, judged on the whole window, published as a version of its own.
             step = step_on_window(
                 window,
                 candidate.net,
                 serving.net,
                 step_judge(gate, serving_params, current),
                 params=serving_params,
+                radius=gate.trust_region,
                 serving_params=current,
             )
             if step.decision == "promoted" and step.net is not None and step.alpha is not None:
@@ -320,7 +336,9 @@ def run_offline(
                 result.gate.append("promoted")
                 end_canary()
                 serve_as_configured(stepped)
+                resume_if_worse()
                 return
+        resume_if_worse()
         result.gate.append(d.decision)
         if d.end_canary:
             end_canary()

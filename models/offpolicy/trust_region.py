@@ -7,7 +7,8 @@ new one, by a step that the logged data can certify. :func:`interpolate` builds 
 :func:`served_tv` measures how far two served policies are on a log (the total variation of
 their first draws over each decision's logged candidates), the trust-region distance: the
 closer θ_α serves to the serving policy, the closer to 1 its importance weights relative to
-the serving policy's, and the tighter the gain's interval.
+the serving policy's, and the tighter the gain's interval. :func:`largest_step` picks the
+largest step of a grid within a given distance, from the logged contexts alone.
 
 >>> import torch
 >>> a, b = PolicyNetwork(4, 3, 2), PolicyNetwork(4, 3, 2)
@@ -27,6 +28,7 @@ import torch
 
 from models.offpolicy.logged import LoggedDecisions, Served, component_logits
 from models.policy.network import SUPPRESSED_BIAS, PolicyNetwork
+from models.serving.params import ServingParams
 
 
 def interpolate(
@@ -96,3 +98,45 @@ def served_tv(decisions: LoggedDecisions, a: Served, b: Served) -> np.ndarray:
     """
     tv: np.ndarray = 0.5 * np.abs(first_draw_probs(decisions, a) - first_draw_probs(decisions, b)).sum(axis=1)
     return tv
+
+
+STEP_GRID = (0.5, 0.25, 0.125, 0.0625, 0.03125)  # α = 1 is the candidate itself, judged whole before
+
+
+def largest_step(
+    decisions: LoggedDecisions,
+    serving: PolicyNetwork,
+    candidate: PolicyNetwork,
+    *,
+    params: ServingParams,
+    radius: float,
+    serving_params: ServingParams | None = None,
+    grid: Sequence[float] = STEP_GRID,
+    fresh: Sequence[int] = (),
+) -> tuple[float, PolicyNetwork, float] | None:
+    """The largest step toward ``candidate`` that serves within ``radius`` of ``serving``.
+
+    Returns ``(α, θ_α, mean TV)`` for the largest α of ``grid`` whose first draw, served by
+    ``params``, is on average over the logged decisions within total variation ``radius`` of
+    the serving policy's served by ``serving_params`` (default ``params``; :func:`served_tv`),
+    or None when even the smallest step is outside. The choice reads the logged contexts and
+    candidates only, never a utility, so that a judgement of θ_α on the same decisions is not
+    biased by it. ``fresh``: as :func:`interpolate`.
+
+    >>> from models.serving.params import ServingParams
+    >>> a, b = PolicyNetwork(4, 3, 2), PolicyNetwork(4, 3, 2)
+    >>> d = LoggedDecisions.from_lists([[0, 1, 2]], [[0.5, 0.2, 0.1]], [[0]], [1.0], [-1.0], [0.0],
+    ...                                embedding=np.zeros((1, 4)))
+    >>> p = ServingParams(temperature=1.0, explore_rate=0.0)
+    >>> largest_step(d, a, b, params=p, radius=1.0)[0]  # anything is within TV 1
+    0.5
+    >>> largest_step(d, a, b, params=p, radius=0.0) is None  # they differ: no step is within 0
+    True
+    """
+    base = Served(serving, serving_params or params)
+    for alpha in sorted(grid, reverse=True):
+        net = interpolate(serving, candidate, alpha, fresh)
+        tv = float(served_tv(decisions, Served(net, params), base).mean()) if len(decisions) else 0.0
+        if tv <= radius:
+            return alpha, net, tv
+    return None

@@ -156,6 +156,13 @@ class MemoryBank:
         network of version ``after`` holds an earlier owner's row there, one of ``upto`` the new one's."""
         return sorted(s for s, since in self.since.items() if after < since <= upto)
 
+    def given_since(self, version: int) -> list[int]:
+        """The live slots given to their memory after ``version``, published or not yet: a network
+        of ``version`` holds an earlier owner's row there (or a neutral one)."""
+        owner = self.allocator.owner
+        later = {s for s, since in self.since.items() if since > version and s in owner}
+        return sorted(later | {s for s, c in self.pending.items() if c.live})
+
     def take_removed(self) -> list[int]:
         """The slots whose memory was removed since the last call (the learner releases their
         "do not use": a slot given to another memory later is not that memory)."""
@@ -308,9 +315,7 @@ class MemoryBank:
         again with the next checkpoint (whose version is then the first to hold the row).
         Returns those slots.
         """
-        owner = self.allocator.owner
-        later = {s for s, since in self.since.items() if since > version and s in owner}
-        slots = sorted(later | {s for s, c in self.pending.items() if c.live})
+        slots = self.given_since(version)
         if not slots:
             return []
         trainer.init_rows(sorted(set(slots)))

@@ -27,6 +27,12 @@ A candidate is
 * **promoted** — republished under ``"{policy}"``, the key clients follow — when both
   gains' lower bounds are above −ε.
 
+A candidate that waits is replaced, where the gate's rule promotes it, by the largest step
+toward it within the trust region around the serving policy (``gate_conservative``,
+:mod:`pipeline.learner.conservative`), judged on the same window; and a candidate the window
+shows worse than serving (its gain's upper bound below 0) sends the learner back to the serving
+weights (``gate_reanchor``, :attr:`PromotionGate.on_regression`).
+
 A full candidate that the window cannot decide becomes the *canary* when the serving
 parameters give clients a ``canary_rate`` (contract 1.4, :mod:`pipeline.learner.canary`):
 clients serve it on that share of their requests, and it is promoted or refused on those
@@ -64,7 +70,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import Judge, Keep, step_toward
+from pipeline.learner.conservative import Judge, Keep, StepDecision, reanchors, step_toward
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Decision, Verdict, canary_decision, decide
 from pipeline.metrics import Metrics
@@ -342,6 +348,10 @@ class PromotionGate:
         # (serving version, candidate version) → the slots given to another memory between them
         # (the learner's memory bank sets it); a step takes the candidate's rows there.
         self.slots_given: Callable[[int, int], list[int]] | None = None
+        # Called with the serving version and its network when a candidate is judged worse than
+        # serving (``gate_reanchor``): the learner resumes training from them. None: nothing is done.
+        self.on_regression: Callable[[int, PolicyNetwork], None] | None = None
+        self._reanchored_for: int | None = None  # the candidate version that last sent the learner back
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.serving_manifest, self.serving_net = manifest, network(tensors)
@@ -431,35 +441,29 @@ class PromotionGate:
         )
 
     async def _step_toward(
-        self,
-        manifest: Manifest,
-        candidate: PolicyNetwork,
-        window: list[Experience],
-        reason: str,
-        est: dict[str, Estimate],
-    ) -> tuple[Manifest, PolicyNetwork, str, str, dict[str, Estimate]]:
-        """A waiting candidate's conservative step: (θ_α's manifest and network, "promoted", …) or as it was."""
-        if manifest.reason == "label" or self.serving_net is None or self.serving_manifest is None:
-            return manifest, candidate, "insufficient", reason, est  # expert answers are served whole
+        self, manifest: Manifest, candidate: PolicyNetwork, window: list[Experience]
+    ) -> tuple[Manifest, StepDecision]:
+        """A waiting candidate's conservative step: θ_α's published manifest when promoted, else ``manifest``."""
+        assert self.serving_net is not None and self.serving_manifest is not None
         wire = self.serving_manifest.serving
         serving_params = ServingParams.from_wire(wire) if wire is not None else None
-        judge_half = step_judge(self.config, self.params, serving_params, self.moments)
+        judge_step = step_judge(self.config, self.params, serving_params, self.moments)
         stepped, step = await step_toward(
             self.publisher,
             manifest,
             candidate,
             self.serving_net,
             window,
-            judge_half,
+            judge_step,
             params=self.params,
+            radius=self.config.trust_region,
             serving_params=serving_params,
             keep=self.keep_step,
             fresh=self.slots_given(self.serving_manifest.version, manifest.version) if self.slots_given else (),
         )
-        if step.decision != "promoted" or step.net is None:
-            return manifest, candidate, "insufficient", f"{reason}; {step.reason}", est
-        self.metrics.gate_conservative_steps.labels(alpha=f"{step.alpha:g}").inc()
-        return stepped, step.net, "promoted", f"v{stepped.version}, {step.reason}", step.estimates
+        if step.decision == "promoted" and step.alpha is not None:
+            self.metrics.gate_conservative_steps.labels(alpha=f"{step.alpha:g}").inc()
+        return stepped, step
 
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         """Judge the canary, then decide on ``manifest`` (:func:`decide`) and carry the decision out."""
@@ -502,17 +506,34 @@ class PromotionGate:
             canary_rate=self.params.canary_rate,
             canary_paused=not self.backoff.plan(time.time()).start,
         )
-        if outcome.action == "hold" and self.config.conservative and not outcome.by_label_rule:
-            # Where the candidate would wait: a smaller step toward it, certified on half the window
-            # (pipeline/learner/conservative.py); a certified one is published and promoted instead.
-            stepped, net, decision, reason, step_est = await self._step_toward(
-                manifest, candidate, window, outcome.reason, dict(outcome.estimates)
-            )
-            if decision == "promoted":
-                manifest, candidate = stepped, net
-                outcome = Decision(decision, reason, "promote", end_canary=True, estimates=step_est)
+        held, held_manifest = outcome, manifest
+        label = manifest.reason == "label" or outcome.by_label_rule  # expert answers are served whole
+        if outcome.action == "hold" and self.config.conservative and not label and serving_net is not None:
+            # Where the candidate would wait: the largest step toward it within the trust region,
+            # judged on the whole window (pipeline/learner/conservative.py); a promoted one is
+            # published and served instead.
+            stepped, step = await self._step_toward(manifest, candidate, window)
+            if step.decision == "promoted" and step.net is not None:
+                reason = f"v{stepped.version}, {step.reason}"
+                outcome = Decision("promoted", reason, "promote", end_canary=True, estimates=step.estimates)
+                manifest, candidate = stepped, step.net
             else:
-                outcome = replace(outcome, reason=reason)
+                outcome = replace(outcome, reason=f"{outcome.reason}; {step.reason}")
+        regression = self.on_regression if self.config.reanchor else None
+        once = self._reanchored_for != held_manifest.version  # a held candidate judged again: once is enough
+        worse = reanchors(held, held_manifest.reason)
+        if worse and once and regression is not None and serving_net is not None:
+            # The learner has wandered below the policy it serves: it goes on from the serving
+            # weights, so that its next candidates (and steps toward them) start where the log
+            # vouches. Once per candidate: a held one judged again changes nothing.
+            self._reanchored_for = held_manifest.version
+            regression(serving_version, serving_net)
+            self.metrics.gate_reanchors.inc()
+            log.info(
+                "gate: v%d is worse than the serving v%d: training resumes from it",
+                held_manifest.version,
+                serving_version,
+            )
         est = outcome.estimates
         result = GateDecision(
             outcome.decision,

@@ -10,6 +10,8 @@ from causalmem_lab import offline
 from causalmem_lab.offline import OfflineConfig, run_offline
 from causalmem_lab.simulator import Scenario
 
+from models.offpolicy.estimators import Estimate
+from models.offpolicy.trust_region import interpolate
 from pipeline.config import Settings
 from pipeline.learner import conservative, promotion_decision, promotion_gate
 
@@ -127,18 +129,19 @@ def test_the_loop_takes_the_learners_promotion_decisions(monkeypatch: pytest.Mon
     assert ended == [v.split()[0] for v in result.canary] and ended
 
 
-def test_where_a_candidate_would_wait_the_loop_serves_the_gates_certified_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The product's own step (pipeline/learner/conservative.py), certifying α = 1/4 here; the
+def test_where_a_candidate_would_wait_the_loop_serves_the_gates_promoted_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The product's own step (pipeline/learner/conservative.py), promoting α = 1/4 here; the
     # whole candidate never has the data (ESS 1e9), so every promotion is a step.
     assert offline.step_on_window is conservative.step_on_window
     seen: list[tuple[Any, Any, Any]] = []
 
-    def certify(first: Any, second: Any, candidate: Any, serving: Any, judge: Any, **kw: Any) -> Any:
-        net = conservative.interpolate(serving, candidate, 0.25, kw.get("fresh", ()))
+    def certify(decisions: Any, candidate: Any, serving: Any, judge: Any, **kw: Any) -> Any:
+        assert kw["radius"] == OfflineConfig.gate_trust_region
+        net = interpolate(serving, candidate, 0.25, kw.get("fresh", ()))
         seen.append((candidate, serving, net))
-        return conservative.StepDecision("promoted", "certified", 0.25, net, {}, (), len(first), len(second))
+        return conservative.StepDecision("promoted", "promoted", 0.25, net, {}, 0.01)
 
-    monkeypatch.setattr(conservative, "conservative_step", certify)
+    monkeypatch.setattr(conservative, "trust_region_step", certify)
     cfg = OfflineConfig(
         hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9, canary_rate=0.0, gate_conservative=True
     )
@@ -154,3 +157,25 @@ def test_where_a_candidate_would_wait_the_loop_serves_the_gates_certified_step(m
     )
     off = run_offline(TINY, cfg)
     assert not off.steps_taken and set(off.tally.version) == {1}  # without steps nothing new is served
+
+
+def test_where_the_gate_finds_a_candidate_worse_the_loop_resumes_from_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the learner (ControlHandler.resume_from_serving): every candidate judged worse than
+    # serving (gain upper bound < 0) sends the trainer back to the serving weights.
+    worse = {"gain": Estimate(-0.05, -0.09, -0.01, 90.0, 200, "dr-gain", 0.0)}
+    monkeypatch.setattr(offline, "judge_window", lambda *a, **k: ("insufficient", "worse", worse))
+    resumed: list[int] = []
+    real = offline.PolicyTrainer.resume_from
+
+    def spy(self: Any, tensors: Any, keep_rows: Any = ()) -> None:
+        resumed.append(1)
+        real(self, tensors, keep_rows)
+
+    monkeypatch.setattr(offline.PolicyTrainer, "resume_from", spy)
+    base = {"hidden": 16, "refresh_every": 40, "reset": False, "gate": True, "canary_rate": 0.0}
+    result = run_offline(TINY, OfflineConfig(**base, gate_conservative=False))
+    judged = [r for r in result.refreshes if r[2] > 0]
+    assert result.reanchors and len(result.reanchors) == len(resumed) == len(judged)
+    assert all(serving == 1 for _, _, serving in result.reanchors)  # nothing was promoted: v1 serves
+    off = run_offline(TINY, OfflineConfig(**base, gate_conservative=False, gate_reanchor=False))
+    assert not off.reanchors and len(resumed) == len(judged)

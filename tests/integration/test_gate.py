@@ -206,3 +206,40 @@ async def test_rollback_serves_an_earlier_checkpoint_and_evaluate_reports(topics
     for per in est.values():
         for e in per.values():
             assert e["low"] <= e["value"] <= e["high"] and e["ess"] > 0
+
+
+@pytest.mark.broker
+async def test_a_candidate_worse_than_serving_sends_the_learner_back_to_the_serving_weights(topics_ready) -> None:
+    # gate_reanchor at its default: the learner wanders toward the harmful slots (here: made to),
+    # the gate finds its candidate worse than serving, and training resumes from the serving weights.
+    s = topics_ready.replace(
+        gate=True, gate_min_ess=30.0, gate_window=1500, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0
+    )
+    assert s.gate_reanchor and s.gate_conservative
+    async with learner_running(s) as learner:
+        gate = learner.gate
+        assert gate is not None
+        await until(lambda: gate.serving_manifest is not None, 30, "the first policy")
+        init = PolicyNetwork.from_tensors(learner.trainer.tensors())
+        await _send(s, log_of(init, 1200, seed=5, policy=s.policy))
+        await until(
+            lambda: (
+                learner.trainer.experiences >= 1200
+                and not learner.dirty
+                and bool(gate.decisions)
+                and gate.decisions[-1].candidate_version >= learner.version
+            ),
+            120,
+            "the gate to have judged the learner's last candidate",
+        )
+        serving_version = gate.serving_manifest.version
+        assert gate.serving_net is not None
+        learner.trainer.load(tilted(gate.serving_net, BAD).tensors())  # the learner has wandered off
+        learner.dirty = True
+        await until(lambda: learner.metrics.gate_reanchors._value.get() >= 1, 60, "a resume from serving")
+        last = gate.decisions[-1]
+        assert last.decision != "promoted" and last.gain is not None and last.gain.high < 0, last.reason
+        assert gate.serving_manifest.version == serving_version  # nothing worse was served
+        # The trainer now holds the serving weights (no experience arrived since).
+        served = gate.serving_net.tensors()
+        assert all(torch.equal(t, served[k]) for k, t in learner.trainer.tensors().items())

@@ -50,7 +50,7 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from models.serving.rule import plackett_luce_logprob
 from pipeline.config import Settings
-from pipeline.learner.conservative import conservative_step, split_random
+from pipeline.learner.conservative import trust_region_step
 from pipeline.learner.promotion_gate import PESSIMISM, judge, judge_log
 
 METHODS = ("ips", "snips", "pi", "dr", "dr-pi", "set-ips", "set-snips", "set-dr", "dr-set", "auto")
@@ -250,8 +250,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "moments": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep),
                 "plain": SlateLog.prepare(d, prior_quantile=PESSIMISM, seed=rep, moments=False),
             }
-            pick = split_random(len(d), rep)  # --conservative: selection and certification halves
-            halves = (d.subset(pick), d.subset(~pick))
             for method in methods:
                 slog = slogs["plain" if method in ("ips", "snips") else "moments"]
                 for row, (_, net) in zip(rows, cands, strict=True):
@@ -273,7 +271,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     if args.conservative and decision == "insufficient":
                         gate = partial(judge, epsilon=eps, min_ess=args.min_ess, method=method, n_boot=args.boot)
-                        step = conservative_step(*halves, net, serving, partial(gate, params=served), params=served)
+                        step = trust_region_step(
+                            d, net, serving, partial(gate, params=served), params=served, radius=args.trust_region
+                        )
                         true_step = value_of(step.net, served, full, phi) - truth["serving"] if step.net else None
                         results[log_name][method][-1]["step"] = {
                             "decision": step.decision,
@@ -322,7 +322,7 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, float | int]:
 
 
 def steps_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """``--conservative``: of the undecided candidates, how many got a certified step, and how good it truly is."""
+    """``--conservative``: of the undecided candidates, how many got a step promoted, and how good it truly is."""
     looked = [r["step"] for r in rs if "step" in r]
     done = [s for s in looked if s["decision"] == "promoted"]
     if not looked:
@@ -354,7 +354,7 @@ def table(report: dict[str, Any]) -> str:
         for m, s in per.items():
             if "steps_looked" in s:
                 lines.append(
-                    f"{log} / {m}: conservative steps certified for {s['steps_promoted']} of {s['steps_looked']} "
+                    f"{log} / {m}: conservative steps promoted for {s['steps_promoted']} of {s['steps_looked']} "
                     f"undecided candidates; true step gain mean {s['steps_true_gain_mean']:+.4f}, "
                     f"min {s['steps_true_gain_min']:+.4f}; worse than serving by > ε: {s['steps_worse_than_eps']}"
                 )
@@ -438,7 +438,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--conservative",
         action="store_true",
-        help="also look for a certified smaller step toward each undecided candidate (learner/conservative.py)",
+        help="also judge the largest step within the trust region toward each undecided candidate "
+        "(pipeline/learner/conservative.py)",
+    )
+    p.add_argument(
+        "--trust-region",
+        type=float,
+        default=Settings.gate_trust_region,
+        help="--conservative: the steps' bound on the mean served total variation (default: the Settings')",
     )
 
 

@@ -1,5 +1,6 @@
-"""The gate's hook for conservative steps (pipeline/learner/conservative.py) without a broker:
-a candidate that would wait is replaced by a certified step, published and promoted."""
+"""The gate's hooks without a broker (pipeline/learner/conservative.py): a candidate that would
+wait is replaced by a promoted step, published and served; a candidate judged worse than
+serving sends the learner back to the serving weights."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from models.offpolicy.estimators import Estimate
+from models.offpolicy.trust_region import interpolate
 from models.policy.network import init_policy
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
-from pipeline.learner import conservative
+from pipeline.learner import conservative, promotion_gate
 from pipeline.learner.conservative import StepDecision
 from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.publishing import Publishing
@@ -61,20 +64,20 @@ def gate_with(pub: Publisher, on: bool) -> tuple[PromotionGate, Any]:
 
 
 @pytest.fixture
-def certified(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """conservative_step replaced by one that certifies α = 1/4 and records the halves' sizes."""
-    calls: list[tuple[int, int]] = []
+def certified(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
+    """trust_region_step replaced by one that promotes α = 1/4; records the decisions and radius it got."""
+    calls: list[tuple[int, float]] = []
 
-    def fake(first: Any, second: Any, candidate: Any, serving: Any, judge: Any, **kw: Any) -> StepDecision:
-        calls.append((len(first), len(second)))
-        net = conservative.interpolate(serving, candidate, 0.25, kw.get("fresh", ()))
-        return StepDecision("promoted", "step α=0.25 certified", 0.25, net, {}, (), len(first), len(second))
+    def fake(decisions: Any, candidate: Any, serving: Any, judge: Any, **kw: Any) -> StepDecision:
+        calls.append((len(decisions), kw["radius"]))
+        net = interpolate(serving, candidate, 0.25, kw.get("fresh", ()))
+        return StepDecision("promoted", "step α=0.25 promoted", 0.25, net, {}, 0.01)
 
-    monkeypatch.setattr(conservative, "conservative_step", fake)
+    monkeypatch.setattr(conservative, "trust_region_step", fake)
     return calls
 
 
-async def test_a_waiting_candidate_is_replaced_by_its_certified_step(certified: list[tuple[int, int]]) -> None:
+async def test_a_waiting_candidate_is_replaced_by_its_promoted_step(certified: list[tuple[int, float]]) -> None:
     pub = Publisher()
     gate, candidate = gate_with(pub, on=True)
     d = await gate.consider(manifest(2), candidate.tensors())
@@ -84,17 +87,16 @@ async def test_a_waiting_candidate_is_replaced_by_its_certified_step(certified: 
     assert m.metrics["conservative_step"] == {"alpha": 0.25, "toward_version": 2}
     assert pub.promoted == [10] and gate.pending is None
     assert gate.metrics.registry.get_sample_value("causalmem_gate_conservative_steps_total", {"alpha": "0.25"}) == 1
-    # The serving policy is now the step, not the candidate, and the halves were disjoint.
+    # The serving policy is now the step, not the candidate; the step was judged on the whole window.
     assert gate.serving_net is not None and gate.serving_manifest is not None and gate.serving_manifest.version == 10
-    expected = conservative.interpolate(gate_with(Publisher(), True)[0].serving_net, candidate, 0.25)  # type: ignore[arg-type]
+    expected = interpolate(gate_with(Publisher(), True)[0].serving_net, candidate, 0.25)  # type: ignore[arg-type]
     got = gate.serving_net.tensors()
     assert all(np.array_equal(t.numpy(), got[k].numpy()) for k, t in expected.tensors().items())
-    ((a, b),) = certified
-    assert a + b == 200 and a > 0 and b > 0
+    assert certified == [(200, GateConfig().trust_region)]
 
 
 async def test_a_published_step_is_kept_locally_before_it_is_sent(
-    certified: list[tuple[int, int]], tmp_path: Path
+    certified: list[tuple[int, float]], tmp_path: Path
 ) -> None:
     # A rollback to a step must not need the model topic to still hold it: the learner saves its
     # local copy (Publishing.keep_step) as it does for every version it publishes.
@@ -115,7 +117,7 @@ async def test_a_published_step_is_kept_locally_before_it_is_sent(
     assert store.optimizer_of(10, meta["manifest"]["sha256"]) == {}  # a restore starts a fresh optimizer
 
 
-async def test_a_step_takes_the_candidates_rows_where_a_slot_changed_owner(certified: list[tuple[int, int]]) -> None:
+async def test_a_step_takes_the_candidates_rows_where_a_slot_changed_owner(certified: list[tuple[int, float]]) -> None:
     pub = Publisher()
     gate, candidate = gate_with(pub, on=True)
     asked: list[tuple[int, int]] = []
@@ -132,7 +134,7 @@ async def test_a_step_takes_the_candidates_rows_where_a_slot_changed_owner(certi
     assert torch.allclose(step.out.weight[4], blend)  # every other row is the step
 
 
-async def test_off_by_setting_and_for_label_candidates(certified: list[tuple[int, int]]) -> None:
+async def test_off_by_setting_and_for_label_candidates(certified: list[tuple[int, float]]) -> None:
     pub = Publisher()
     gate, candidate = gate_with(pub, on=False)
     d = await gate.consider(manifest(2), candidate.tensors())
@@ -159,3 +161,36 @@ def test_after_a_step_serves_the_next_checkpoint_is_a_full_snapshot() -> None:
     planner.record(2, True, rows)
     pub.head = (3, "step")  # the gate published and promoted a step, v3
     assert planner.plan("periodic", rows) is None
+
+
+def _worse(*_: Any, **__: Any) -> tuple[str, str, dict[str, Estimate]]:
+    """A judgement that finds the candidate worse than serving: undecided, gain upper bound < 0."""
+    return "insufficient", "gain below serving", {"gain": Estimate(-0.05, -0.09, -0.01, 90.0, 200, "dr-gain", 0.0)}
+
+
+async def test_a_candidate_worse_than_serving_sends_the_learner_back_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(promotion_gate, "judge_window", _worse)
+    gate, candidate = gate_with(Publisher(), on=False)
+    back: list[tuple[int, Any]] = []
+    gate.on_regression = lambda version, net: back.append((version, net))
+    d = await gate.consider(manifest(2), candidate.tensors())
+    assert d.decision == "insufficient" and gate.pending is not None
+    assert back == [(1, gate.serving_net)]  # the serving version and its network
+    assert gate.metrics.registry.get_sample_value("causalmem_gate_reanchors_total") == 1
+    await gate.reconsider()  # the same held candidate judged again: the learner already went back
+    assert len(back) == 1
+    await gate.consider(manifest(3), candidate.tensors())  # a new candidate, worse again
+    assert len(back) == 2
+
+
+@pytest.mark.parametrize("case", ["setting off", "label fine-tune"])
+async def test_no_return_to_serving_when_off_or_for_expert_answers(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    monkeypatch.setattr(promotion_gate, "judge_window", _worse)
+    gate, candidate = gate_with(Publisher(), on=False)
+    if case == "setting off":
+        gate.config = dataclasses.replace(gate.config, reanchor=False)
+    back: list[int] = []
+    gate.on_regression = lambda version, net: back.append(version)
+    m = dataclasses.replace(manifest(2), reason="label") if case == "label fine-tune" else manifest(2)
+    await gate.consider(m, candidate.tensors())
+    assert back == []
