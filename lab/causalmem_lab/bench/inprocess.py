@@ -67,6 +67,7 @@ class InProcessRow:
     lr: float | None = None
     gate_epsilon: float | None = None
     conservative: bool | None = None  # the gate's conservative steps; None: the learner's default
+    reanchor: bool | None = None  # the learner resumes from serving after a worse candidate; None: the default
 
     def canary(self) -> dict[str, Any]:
         """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
@@ -124,17 +125,24 @@ ROWS: dict[str, InProcessRow] = {
         explore_rate=1.0,
         minimal_client=True,
     ),
-    "minimal_t1_conservative": InProcessRow(
-        "minimal contract client, every request at T = 1, gated with conservative steps",
+    # The defaults before 2026-12-03, for comparison: the gate without conservative steps and
+    # without resuming from serving (docs/learning.md, "At the defaults").
+    "minimal_t1_nosteps": InProcessRow(
+        "minimal contract client, every request at T = 1, gated without steps or resuming from serving",
         0.0,
         gate=True,
         explore_temperature=1.0,
         explore_rate=1.0,
         minimal_client=True,
-        conservative=True,
+        conservative=False,
+        reanchor=False,
     ),
-    "credit25_gated_conservative": InProcessRow(
-        "per-memory credit on 25%, imputed between, gated with conservative steps", 0.25, gate=True, conservative=True
+    "credit25_gated_nosteps": InProcessRow(
+        "per-memory credit on 25%, imputed between, gated without steps or resuming from serving",
+        0.25,
+        gate=True,
+        conservative=False,
+        reanchor=False,
     ),
     # The freshness bench's traffic in process: step reward, a candidate every 200 steps (its
     # 2 s cadence at 100 pairs/s), 15 days (docs/benchmarks.md, "Freshness").
@@ -148,11 +156,20 @@ ROWS: dict[str, InProcessRow] = {
     "fresh_credit25_gated": InProcessRow(
         "per-memory credit on 25%, gated, a candidate every 200 steps", 0.25, gate=True, **_FRESH
     ),
-    "fresh_step_gated_conservative": InProcessRow(
-        "step reward, gated with conservative steps, a candidate every 200 steps",
+    "fresh_step_gated_nosteps": InProcessRow(
+        "step reward, gated without steps or resuming from serving, a candidate every 200 steps",
         0.0,
         gate=True,
-        conservative=True,
+        conservative=False,
+        reanchor=False,
+        **_FRESH,
+    ),
+    "fresh_credit25_gated_nosteps": InProcessRow(
+        "per-memory credit on 25%, gated without steps or resuming from serving, a candidate every 200 steps",
+        0.25,
+        gate=True,
+        conservative=False,
+        reanchor=False,
         **_FRESH,
     ),
     "fresh_step_lr3e4": InProcessRow("step reward, lr 3e-4, a candidate every 200 steps", 0.0, lr=3e-4, **_FRESH),
@@ -309,6 +326,7 @@ def promotions(result: Any) -> dict[str, float | None]:
         "canary_utility": float(np.mean(cu)) if cu else None,
         "all_utility": float(np.mean(result.tally.utility)),
         "served_version": float(result.served.version) if result.served is not None else None,
+        "reanchors": float(len(getattr(result, "reanchors", ()))),  # the learner resumed from serving
         **conservative_steps(result),
     }
 
@@ -426,6 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 explore_rate=row.explore_rate,
                 minimal_client=row.minimal_client,
                 gate_conservative=OfflineConfig.gate_conservative if row.conservative is None else row.conservative,
+                gate_reanchor=OfflineConfig.gate_reanchor if row.reanchor is None else row.reanchor,
                 **row.canary(),
             )
             if row.lm:

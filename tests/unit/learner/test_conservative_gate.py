@@ -194,3 +194,9 @@ async def test_no_return_to_serving_when_off_or_for_expert_answers(monkeypatch: 
     m = dataclasses.replace(manifest(2), reason="label") if case == "label fine-tune" else manifest(2)
     await gate.consider(m, candidate.tensors())
     assert back == []
+
+
+@pytest.mark.parametrize("radius", [0.0, -0.1, 1.5])
+def test_a_trust_region_outside_0_1_is_refused_at_start(radius: float) -> None:
+    with pytest.raises(ValueError, match="gate_trust_region"):
+        GateConfig(trust_region=radius)
