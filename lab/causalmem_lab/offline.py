@@ -311,7 +311,7 @@ def run_offline(
                 trainer.resume_from(serving.net.tensors())
                 result.reanchors.append((steps, candidate.manifest.version, serving.version))
 
-        if d.action == "hold" and gate.conservative and not label:
+        if d.action == "hold" and gate.conservative and not label and window:
             # As the learner's gate: where the candidate would wait, the largest step toward it
             # within the trust region, judged on the whole window, published as a version of its own.
             step = step_on_window(

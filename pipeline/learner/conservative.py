@@ -142,6 +142,8 @@ def trust_region_step(
     """
     if serving.arch != candidate.arch:
         return StepDecision("insufficient", "no smaller step: the architecture changed")
+    if len(decisions) == 0:
+        return StepDecision("insufficient", "no logged decisions to judge a step on")
     found = largest_step(
         decisions,
         serving,

@@ -508,7 +508,8 @@ class PromotionGate:
         )
         held, held_manifest = outcome, manifest
         label = manifest.reason == "label" or outcome.by_label_rule  # expert answers are served whole
-        if outcome.action == "hold" and self.config.conservative and not label and serving_net is not None:
+        stepping = self.config.conservative and not label and serving_net is not None and len(window) > 0
+        if outcome.action == "hold" and stepping:
             # Where the candidate would wait: the largest step toward it within the trust region,
             # judged on the whole window (pipeline/learner/conservative.py); a promoted one is
             # published and served instead.

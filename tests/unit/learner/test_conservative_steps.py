@@ -139,6 +139,11 @@ def test_alpha_is_chosen_from_the_contexts_alone_and_judged_on_every_decision(wi
     assert served_tv(window, Served(larger, PARAMS), Served(SERVING, PARAMS)).mean() > RADIUS
 
 
+def test_no_step_is_judged_on_an_empty_window(window) -> None:
+    s = step(window.subset(np.zeros(len(window), bool)), net_with(2.0, 4.0, -1.0))
+    assert s.decision == "insufficient" and s.alpha is None and s.reason == "no logged decisions to judge a step on"
+
+
 def test_no_step_when_even_the_smallest_leaves_the_region(window) -> None:
     s = step(window, net_with(2.0, 4.0, -1.0), radius=1e-9)
     assert s.decision == "insufficient" and s.net is None and s.alpha is None
