@@ -62,4 +62,4 @@ def test_conservative_steps_are_looked_for_where_a_candidate_is_undecided() -> N
         assert r["step"]["decision"] in ("promoted", "insufficient")
         assert (r["step"]["true_gain"] is not None) == (r["step"]["decision"] == "promoted")
     s = report["summary"]["near-greedy"]["auto"]
-    assert s["steps_looked"] == len(undecided) and "conservative steps certified" in bench.table(report)
+    assert s["steps_looked"] == len(undecided) and "conservative steps promoted" in bench.table(report)
