@@ -39,12 +39,13 @@ from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import reanchors, step_on_window
+from pipeline.learner.conservative import canary_regressed, reanchors, step_on_window
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
 from pipeline.learner.promotion_gate import judge_window, step_judge
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
+from pipeline.learner.similarity_witness import Witness, next_witness
 from pipeline.metrics import Metrics
 from topics.internal import Experience
 from topics.manifest import Manifest
@@ -237,6 +238,10 @@ def run_offline(
     logging_policies = LoggingPolicies(Metrics())
     logging_policies.hold(first.manifest, first.net)
 
+    # As the learner's gate: the latest version promoted with a direct bound over similarity-only
+    # (pipeline/learner/similarity_witness.py); a checkpoint served without the gate drops it.
+    witness: Witness | None = None
+
     def end_canary() -> None:
         nonlocal canary
         canary = None
@@ -257,10 +262,11 @@ def run_offline(
     def refresh(candidate: LoadedPolicy) -> None:
         """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
         as the learner's gate takes them (pipeline/learner/promotion_gate.py)."""
-        nonlocal canary, version
+        nonlocal canary, version, witness
         if gate is None or not is_candidate(candidate.manifest.reason, True):
             end_canary()
             serve_as_configured(candidate)
+            witness = None
             return
         assert retriever.policy is not None
         full = replay.gate_window()
@@ -272,6 +278,9 @@ def run_offline(
             if ended is not None:
                 if run.serving_version == retriever.policy.version:  # ended on its own arms: as the learner
                     backoff.ended(run, now)
+                    if gate.reanchor and canary_regressed(ended):  # as the learner's gate: its requests show it worse
+                        trainer.resume_from(retriever.policy.net.tensors())
+                        result.reanchors.append((steps, run.version, retriever.policy.version))
                 n = len(run.coupled) or len(run.arms.canary)
                 result.canary.append(f"{ended.verdict} v{run.version} ({n} canary decisions)")
                 if ended.serve:
@@ -291,6 +300,7 @@ def run_offline(
                 n_boot=100,
                 params=serving_params,  # judged as this loop serves
                 serving_params=current,
+                witness=witness,
             )
             return Verdict(decision, reason, est)
 
@@ -318,7 +328,7 @@ def run_offline(
                 window,
                 candidate.net,
                 serving.net,
-                step_judge(gate, serving_params, current),
+                step_judge(gate, serving_params, current, witness=witness),
                 params=serving_params,
                 radius=gate.trust_region,
                 serving_params=current,
@@ -336,6 +346,7 @@ def run_offline(
                 result.gate.append("promoted")
                 end_canary()
                 serve_as_configured(stepped)
+                witness = next_witness(witness, version, step.net, serving_params, step.estimates, gate.epsilon)
                 resume_if_worse()
                 return
         resume_if_worse()
@@ -344,6 +355,10 @@ def run_offline(
             end_canary()
         if d.action == "promote":
             serve_as_configured(candidate)
+            if not d.by_label_rule:
+                witness = next_witness(
+                    witness, candidate.manifest.version, candidate.net, serving_params, d.estimates, gate.epsilon
+                )
         elif d.start_canary:
             canary = CanaryRun(candidate.manifest, candidate.net, serving.version, window, canary_rate, gate.canary_max)
             retriever.set_canary(candidate)

@@ -50,7 +50,7 @@ from models.offpolicy.trust_region import STEP_GRID, largest_step
 from models.policy.network import PolicyNetwork
 from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
-from pipeline.learner.promotion_decision import Decision
+from pipeline.learner.promotion_decision import CanaryDecision, Decision
 from pipeline.modeltopic import CheckpointPublisher
 from topics.internal import Experience
 from topics.manifest import Manifest
@@ -94,6 +94,22 @@ def reanchors(decision: Decision, candidate_reason: str) -> bool:
     False
     """
     return decision.action != "promote" and candidate_reason != "label" and regressed(decision.estimates)
+
+
+def canary_regressed(outcome: CanaryDecision) -> bool:
+    """Whether a canary that ended on its own requests showed the candidate worse than serving
+    (not served, the gain's upper bound below 0): the learner resumes from the serving weights,
+    as after :func:`reanchors`.
+
+    >>> worse = Estimate(-0.06, -0.11, -0.004, 130.0, 130, "canary", 0.0)
+    >>> canary_regressed(CanaryDecision("retired", worse)), canary_regressed(CanaryDecision("refused", worse))
+    (True, True)
+    >>> from dataclasses import replace
+    >>> undecided = replace(worse, high=0.01)
+    >>> canary_regressed(CanaryDecision("retired", undecided)), canary_regressed(CanaryDecision("retired"))
+    (False, False)
+    """
+    return not outcome.serve and outcome.gain is not None and regressed({"gain": outcome.gain})
 
 
 def regressed(estimates: Mapping[str, Estimate]) -> bool:

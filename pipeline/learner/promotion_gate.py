@@ -25,7 +25,8 @@ A candidate is
 * **refused** when its gain over the serving policy, or over similarity-only, is below
   −ε with 95% confidence (upper bound < −ε);
 * **promoted** — republished under ``"{policy}"``, the key clients follow — when both
-  gains' lower bounds are above −ε.
+  gains' lower bounds are above −ε; the gain over similarity-only may also be bounded
+  through the latest version promoted above it (:mod:`pipeline.learner.similarity_witness`).
 
 A candidate that waits is replaced, where the gate's rule promotes it, by the largest step
 toward it within the trust region around the serving policy (``gate_conservative``,
@@ -70,9 +71,10 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import Judge, Keep, StepDecision, reanchors, step_toward
+from pipeline.learner.conservative import Judge, Keep, StepDecision, canary_regressed, reanchors, step_toward
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Decision, Verdict, canary_decision, decide
+from pipeline.learner.similarity_witness import CHAINED, Witness, next_witness, through
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -163,6 +165,7 @@ def judge(
     params: ServingParams | None = None,
     cache: MomentCache | None = None,
     serving_params: ServingParams | None = None,
+    witness: Witness | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """The gate's rule on a log, without Kafka: ``(decision, reason, estimates)``.
 
@@ -170,8 +173,9 @@ def judge(
     defaults), the serving policy by its own manifest's ``serving_params`` where given;
     similarity-only is plain top-k (``"topk"``, :func:`models.offpolicy.logged.topk_logits`).
     ``estimates`` holds ``gain`` (over serving), ``gain_similarity``, ``candidate``,
-    ``serving`` and ``similarity``. ``cache`` keeps the logging moments of each step
-    for the next judgement (:class:`~models.offpolicy.slate.MomentCache`).
+    ``serving`` and ``similarity``, and with a ``witness`` the gain over similarity-only
+    bounded through it (:mod:`pipeline.learner.similarity_witness`). ``cache`` keeps the
+    logging moments of each step for the next judgement (:class:`~models.offpolicy.slate.MomentCache`).
     """
     params = params or ServingParams()
     if len(decisions) == 0:
@@ -185,7 +189,7 @@ def judge(
         method, note = "ips", f" [ips: {slog.left_out} of {len(decisions)} events lack candidate_probs]"
         slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=False)
     decision, reason, estimates = judge_log(
-        slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed, serving_params
+        slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed, serving_params, witness
     )
     return decision, reason + note, estimates
 
@@ -201,9 +205,11 @@ def judge_log(
     n_boot: int = 200,
     seed: int = 0,
     serving_params: ServingParams | None = None,
+    witness: Witness | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """:func:`judge`'s rule on a log already prepared (:class:`~models.offpolicy.served.SlateLog`):
-    the estimators, the gains over serving and over similarity-only, and :func:`rule`."""
+    the estimators, the gains over serving and over similarity-only (directly, and through
+    ``witness`` where given), and :func:`rule`."""
     targets = {"candidate": Served(candidate, params), "serving": Served(serving, serving_params or params)}
     # Similarity-only is plain top-k, as a client without the policy serves it, not similarity
     # drawn at the serving temperature: on near-tied similarity scores (real embeddings) a
@@ -219,7 +225,12 @@ def judge_log(
         for m in methods
     )["g"]
     estimates = {"gain": g, "gain_similarity": gs, **values}
-    decision, reason = rule(g, gs, values["candidate"], epsilon, min_ess, len(slog))
+    if witness is not None:
+        # Computed whatever the direct bound says: the next witness is the tighter of the two.
+        over = Served(witness.net, witness.params)
+        ga = widest({"g": gain_served(slog, targets["candidate"], over, m, n_boot=n_boot, seed=seed)} for m in methods)
+        estimates[CHAINED] = through(ga["g"], witness)
+    decision, reason = rule(g, gs, values["candidate"], epsilon, min_ess, len(slog), estimates.get(CHAINED))
     return decision, reason + note, estimates
 
 
@@ -243,16 +254,31 @@ def estimators(slog: SlateLog, method: str, epsilon: float) -> tuple[tuple[str, 
     return (method,), ""
 
 
-def rule(g: Estimate, gs: Estimate, candidate: Estimate, epsilon: float, min_ess: float, n: int) -> tuple[str, str]:
-    """The decision on the gains over serving (``g``) and over similarity-only (``gs``)."""
+def rule(
+    g: Estimate,
+    gs: Estimate,
+    candidate: Estimate,
+    epsilon: float,
+    min_ess: float,
+    n: int,
+    chained: Estimate | None = None,
+) -> tuple[str, str]:
+    """The decision on the gains over serving (``g``) and over similarity-only (``gs``, and
+    ``chained``: the same bounded through the witness, :mod:`pipeline.learner.similarity_witness`).
+
+    The chained bound can only certify: a refusal over similarity-only takes the direct one.
+    """
     if g.ess < min_ess:
         return "insufficient", f"ESS {g.ess:.0f} < {min_ess:.0f} needed ({n} logged decisions)"
     if g.high < -epsilon:
         return "refused", f"gain over serving {g.value:+.4f}, upper bound {g.high:+.4f} < −ε"
     if gs.high < -epsilon:
         return "refused", f"below similarity-only by {-gs.value:.4f} (upper bound {gs.high:+.4f} < −ε)"
-    if g.low > -epsilon and gs.low > -epsilon:
-        return "promoted", f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {candidate.value:+.4f}"
+    certified = gs if chained is None or gs.low >= chained.low else chained
+    if g.low > -epsilon and certified.low > -epsilon:
+        how = "" if certified is gs else f"; over similarity-only {certified.low:+.4f} ({certified.method})"
+        return "promoted", f"gain {g.value:+.4f} (lower bound {g.low:+.4f}), estimate {candidate.value:+.4f}{how}"
+    gs = certified
     undecided = g if not g.low > -epsilon else gs
     what = "over serving" if undecided is g else "over similarity-only"
     return "insufficient", f"{what}: {more_needed(undecided, epsilon)} (ESS {g.ess:.0f})"
@@ -263,9 +289,10 @@ def step_judge(
     params: ServingParams,
     serving_params: ServingParams | None = None,
     cache: MomentCache | None = None,
+    witness: Witness | None = None,
 ) -> Judge:
-    """The gate's judgement with its ε, ESS, method and serving parameters bound: what a
-    conservative step is selected and certified by (:mod:`pipeline.learner.conservative`)."""
+    """The gate's judgement with its ε, ESS, method, serving parameters and witness bound: what
+    a conservative step is selected and certified by (:mod:`pipeline.learner.conservative`)."""
     return partial(
         judge,
         epsilon=config.epsilon,
@@ -274,6 +301,7 @@ def step_judge(
         params=params,
         cache=cache,
         serving_params=serving_params,
+        witness=witness,
     )
 
 
@@ -286,6 +314,7 @@ def judge_window(
     params: ServingParams | None = None,
     cache: MomentCache | None = None,
     serving_params: ServingParams | None = None,
+    witness: Witness | None = None,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """:func:`judge` on the last ``config.window`` of ``experiences`` (the gate's window)."""
     decisions = LoggedDecisions.from_experiences(list(experiences)[-config.window :])
@@ -300,6 +329,7 @@ def judge_window(
         params=params,
         cache=cache,
         serving_params=serving_params,
+        witness=witness,
     )
 
 
@@ -352,10 +382,16 @@ class PromotionGate:
         # serving (``gate_reanchor``): the learner resumes training from them. None: nothing is done.
         self.on_regression: Callable[[int, PolicyNetwork], None] | None = None
         self._reanchored_for: int | None = None  # the candidate version that last sent the learner back
+        # The latest version promoted with a direct bound over similarity-only: later candidates'
+        # gains over similarity-only are also bounded through it (pipeline/learner/similarity_witness.py).
+        self.witness: Witness | None = None
 
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve ``manifest`` without a judgement (the learner's start, a reset, a rollback): the
+        witness goes, since nothing vouches for its margin over what is served now."""
         self.serving_manifest, self.serving_net = manifest, network(tensors)
         self.logging_policies.hold(manifest, self.serving_net)
+        self.witness = None
 
     async def promote(self, manifest: Manifest, net: PolicyNetwork) -> None:
         """Publish ``manifest`` as the serving policy and judge later candidates against it."""
@@ -415,6 +451,10 @@ class PromotionGate:
             return
         if run.serving_version == serving_version:  # ended on its own arms: the back-off counts it
             self.backoff.ended(run, time.time())
+            if canary_regressed(outcome):
+                # Its own requests show the learner's trajectory below serving: as for a candidate
+                # the window shows worse, training goes on from the serving weights.
+                self._resume_from_serving(run.version)
         reason = run.describe(outcome.gain)
         if outcome.serve:
             await self.promote(run.manifest, run.net)
@@ -447,7 +487,7 @@ class PromotionGate:
         assert self.serving_net is not None and self.serving_manifest is not None
         wire = self.serving_manifest.serving
         serving_params = ServingParams.from_wire(wire) if wire is not None else None
-        judge_step = step_judge(self.config, self.params, serving_params, self.moments)
+        judge_step = step_judge(self.config, self.params, serving_params, self.moments, self.witness)
         stepped, step = await step_toward(
             self.publisher,
             manifest,
@@ -465,6 +505,25 @@ class PromotionGate:
             self.metrics.gate_conservative_steps.labels(alpha=f"{step.alpha:g}").inc()
         return stepped, step
 
+    def _resume_from_serving(self, candidate_version: int) -> None:
+        """The learner has wandered below the policy it serves (``candidate_version`` was found
+        worse): it goes on from the serving weights, so that its next candidates (and steps
+        toward them) start where the log vouches. Once per candidate: a held one judged again,
+        or its canary ending, changes nothing more (``gate_reanchor``)."""
+        regression = self.on_regression if self.config.reanchor else None
+        if regression is None or self.serving_net is None or self.serving_manifest is None:
+            return
+        if self._reanchored_for == candidate_version:
+            return
+        self._reanchored_for = candidate_version
+        regression(self.serving_manifest.version, self.serving_net)
+        self.metrics.gate_reanchors.inc()
+        log.info(
+            "gate: v%d is worse than the serving v%d: training resumes from it",
+            candidate_version,
+            self.serving_manifest.version,
+        )
+
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         """Judge the canary, then decide on ``manifest`` (:func:`decide`) and carry the decision out."""
         if not self._canary_cleared:
@@ -476,7 +535,7 @@ class PromotionGate:
         for event, detail in self.logging_policies.take_mismatched():
             if self.on_mismatch is not None:
                 self.on_mismatch(event, detail)
-        serving_net, serving_manifest = self.serving_net, self.serving_manifest
+        serving_net, serving_manifest, witness = self.serving_net, self.serving_manifest, self.witness
         serving_version = serving_manifest.version if serving_manifest is not None else 0
 
         def judged() -> Verdict:
@@ -491,6 +550,7 @@ class PromotionGate:
                 serving_params=ServingParams.from_wire(serving_manifest.serving)
                 if serving_manifest.serving is not None
                 else None,
+                witness=witness,
             )
             return Verdict(decision, reason, est)
 
@@ -520,21 +580,8 @@ class PromotionGate:
                 manifest, candidate = stepped, step.net
             else:
                 outcome = replace(outcome, reason=f"{outcome.reason}; {step.reason}")
-        regression = self.on_regression if self.config.reanchor else None
-        once = self._reanchored_for != held_manifest.version  # a held candidate judged again: once is enough
-        worse = reanchors(held, held_manifest.reason)
-        if worse and once and regression is not None and serving_net is not None:
-            # The learner has wandered below the policy it serves: it goes on from the serving
-            # weights, so that its next candidates (and steps toward them) start where the log
-            # vouches. Once per candidate: a held one judged again changes nothing.
-            self._reanchored_for = held_manifest.version
-            regression(serving_version, serving_net)
-            self.metrics.gate_reanchors.inc()
-            log.info(
-                "gate: v%d is worse than the serving v%d: training resumes from it",
-                held_manifest.version,
-                serving_version,
-            )
+        if reanchors(held, held_manifest.reason):
+            self._resume_from_serving(held_manifest.version)
         est = outcome.estimates
         result = GateDecision(
             outcome.decision,
@@ -559,6 +606,10 @@ class PromotionGate:
             await self.end_canary()
         if outcome.action == "promote":
             await self.promote(manifest, candidate)
+            if not outcome.by_label_rule:
+                self.witness = next_witness(
+                    self.witness, manifest.version, candidate, self.params, est, self.config.epsilon
+                )
             if "gain" in est and not outcome.by_label_rule:
                 m.gate_promoted_gain.observe(est["gain"].value)
             if outcome.by_label_rule:
