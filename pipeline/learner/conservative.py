@@ -13,7 +13,9 @@ The step is
 
 (:func:`models.offpolicy.trust_region.largest_step`). Close to the serving policy, its
 importance weights relative to serving's stay near 1 and the paired gain's terms shrink with
-the distance, so the gain's interval is tight where the whole step's straddles −ε.
+the distance, so the gain's interval is tight where the whole step's straddles −ε. Where that
+step is still undecided and its estimated gain is not below 0, the smallest step of the grid is
+judged too; each of the two judgements runs at half the gate's error rate (:data:`STEP_LEVEL`).
 
 α is chosen from the logged contexts and candidates alone — no utility is read — so the
 gate judges θ_α on the *whole* window with its own rule
@@ -40,13 +42,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from models.offpolicy.estimators import Estimate
-from models.offpolicy.logged import LoggedDecisions
-from models.offpolicy.trust_region import STEP_GRID, largest_step
+from models.offpolicy.estimators import DEFAULT_LEVEL, Estimate
+from models.offpolicy.logged import LoggedDecisions, Served
+from models.offpolicy.trust_region import STEP_GRID, interpolate, largest_step, served_tv
 from models.policy.network import PolicyNetwork
 from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
@@ -55,8 +57,20 @@ from pipeline.modeltopic import CheckpointPublisher
 from topics.internal import Experience
 from topics.manifest import Manifest
 
-# (decisions, candidate, serving) → the gate's (decision, reason, estimates)
-Judge = Callable[[LoggedDecisions, PolicyNetwork, PolicyNetwork], tuple[str, str, dict[str, Estimate]]]
+
+class Judge(Protocol):
+    """(decisions, candidate, serving; the intervals' confidence level) → the gate's (decision, reason, estimates)."""
+
+    def __call__(
+        self, decisions: LoggedDecisions, candidate: PolicyNetwork, serving: PolicyNetwork, *, level: float
+    ) -> tuple[str, str, dict[str, Estimate]]: ...
+
+
+# At most two steps are judged on a window (the largest within the trust region, then the
+# smallest of the grid), each at half the gate's error rate (Bonferroni): the chance that either
+# promotes a step truly worse than serving by ε stays within the gate's for one judgement.
+STEP_TRIES = 2
+STEP_LEVEL = 1.0 - (1.0 - DEFAULT_LEVEL) / STEP_TRIES
 # (the step's manifest, its tensors, the published blob) → its local copy, saved before it is sent
 Keep = Callable[[Manifest, dict[str, torch.Tensor], bytes], None]
 
@@ -136,7 +150,10 @@ def trust_region_step(
     grid: Sequence[float] = STEP_GRID,
     fresh: Sequence[int] = (),
 ) -> StepDecision:
-    """The largest step toward ``candidate`` within the trust region, judged on all of ``decisions``.
+    """The largest step toward ``candidate`` within the trust region, judged on all of ``decisions``;
+    where it is undecided and the log does not show it worse (its gain's estimate ≥ 0), the
+    smallest step of ``grid`` too. Each judgement runs at :data:`STEP_LEVEL` (half the gate's
+    error rate each), so that two tries keep one judgement's promise.
 
     Parameters
     ----------
@@ -173,11 +190,23 @@ def trust_region_step(
     if found is None:
         return StepDecision("insufficient", f"no step of α ≥ {min(grid):g} serves within TV {radius:g} of serving")
     alpha, net, tv = found
-    decision, reason, est = judge(decisions, net, serving)
+    decision, reason, est = judge(decisions, net, serving, level=STEP_LEVEL)
     where = f"step α={alpha:g} (TV {tv:.3f} ≤ {radius:g}) on {len(decisions)} decisions"
-    if decision != "promoted":
-        return StepDecision("insufficient", f"{where}: {reason}", alpha=alpha, estimates=est, tv=tv)
-    return StepDecision("promoted", f"{where}: {reason}", alpha=alpha, net=net, estimates=est, tv=tv)
+    if decision == "promoted":
+        return StepDecision("promoted", f"{where}: {reason}", alpha=alpha, net=net, estimates=est, tv=tv)
+    held = StepDecision("insufficient", f"{where}: {reason}", alpha=alpha, estimates=est, tv=tv)
+    smallest, gain = min(grid), est.get("gain")
+    if decision != "insufficient" or alpha <= smallest or gain is None or gain.value < 0.0:
+        return held
+    # The largest step's interval is too wide, not its estimate wrong: the smallest step's
+    # interval shrinks with its distance from serving, so it may be decided where the larger one is not.
+    net = interpolate(serving, candidate, smallest, fresh)
+    tv = float(served_tv(decisions, Served(net, params), Served(serving, serving_params or params)).mean())
+    decision, reason, est = judge(decisions, net, serving, level=STEP_LEVEL)
+    where = f"{held.reason}; step α={smallest:g} (TV {tv:.3f}) on {len(decisions)} decisions"
+    if decision == "promoted":
+        return StepDecision("promoted", f"{where}: {reason}", alpha=smallest, net=net, estimates=est, tv=tv)
+    return StepDecision("insufficient", f"{where}: {reason}", alpha=smallest, estimates=est, tv=tv)
 
 
 def step_on_window(

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from models.offpolicy.estimators import Estimate
+from models.offpolicy.estimators import DEFAULT_LEVEL, Estimate
 from models.offpolicy.logged import TOPK, LoggedDecisions, Served
 from models.offpolicy.served import SlateLog, evaluate_served, gain_served
 from models.offpolicy.setlevel import additivity
@@ -166,6 +166,7 @@ def judge(
     cache: MomentCache | None = None,
     serving_params: ServingParams | None = None,
     witness: Witness | None = None,
+    level: float = DEFAULT_LEVEL,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """The gate's rule on a log, without Kafka: ``(decision, reason, estimates)``.
 
@@ -176,6 +177,8 @@ def judge(
     ``serving`` and ``similarity``, and with a ``witness`` the gain over similarity-only
     bounded through it (:mod:`pipeline.learner.similarity_witness`). ``cache`` keeps the
     logging moments of each step for the next judgement (:class:`~models.offpolicy.slate.MomentCache`).
+    ``level``: the intervals' confidence (two-sided; a conservative step's judgements run at a
+    higher one, :data:`pipeline.learner.conservative.STEP_LEVEL`).
     """
     params = params or ServingParams()
     if len(decisions) == 0:
@@ -189,7 +192,7 @@ def judge(
         method, note = "ips", f" [ips: {slog.left_out} of {len(decisions)} events lack candidate_probs]"
         slog = SlateLog.prepare(decisions, prior_quantile=PESSIMISM, seed=seed, moments=False)
     decision, reason, estimates = judge_log(
-        slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed, serving_params, witness
+        slog, candidate, serving, epsilon, min_ess, method, params, n_boot, seed, serving_params, witness, level
     )
     return decision, reason + note, estimates
 
@@ -206,6 +209,7 @@ def judge_log(
     seed: int = 0,
     serving_params: ServingParams | None = None,
     witness: Witness | None = None,
+    level: float = DEFAULT_LEVEL,
 ) -> tuple[str, str, dict[str, Estimate]]:
     """:func:`judge`'s rule on a log already prepared (:class:`~models.offpolicy.served.SlateLog`):
     the estimators, the gains over serving and over similarity-only (directly, and through
@@ -216,19 +220,15 @@ def judge_log(
     # draw at T = 0.05 is far below top-k, and a candidate above it may still be below top-k.
     targets["similarity"] = Served(TOPK, params)
     methods, note = estimators(slog, method, epsilon)
-    values = widest(evaluate_served(slog, targets, m, n_boot=n_boot, seed=seed) for m in methods)
-    g = widest(
-        {"g": gain_served(slog, targets["candidate"], targets["serving"], m, n_boot=n_boot, seed=seed)} for m in methods
-    )["g"]
-    gs = widest(
-        {"g": gain_served(slog, targets["candidate"], targets["similarity"], m, n_boot=n_boot, seed=seed)}
-        for m in methods
-    )["g"]
+    kw: dict[str, Any] = {"n_boot": n_boot, "seed": seed, "level": level}
+    values = widest(evaluate_served(slog, targets, m, **kw) for m in methods)
+    g = widest({"g": gain_served(slog, targets["candidate"], targets["serving"], m, **kw)} for m in methods)["g"]
+    gs = widest({"g": gain_served(slog, targets["candidate"], targets["similarity"], m, **kw)} for m in methods)["g"]
     estimates = {"gain": g, "gain_similarity": gs, **values}
     if witness is not None:
         # Computed whatever the direct bound says: the next witness is the tighter of the two.
         over = Served(witness.net, witness.params)
-        ga = widest({"g": gain_served(slog, targets["candidate"], over, m, n_boot=n_boot, seed=seed)} for m in methods)
+        ga = widest({"g": gain_served(slog, targets["candidate"], over, m, **kw)} for m in methods)
         estimates[CHAINED] = through(ga["g"], witness)
     decision, reason = rule(g, gs, values["candidate"], epsilon, min_ess, len(slog), estimates.get(CHAINED))
     return decision, reason + note, estimates

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from models.offpolicy.estimators import DEFAULT_LEVEL, Estimate
 from models.offpolicy.logged import LoggedDecisions, Served
-from models.offpolicy.trust_region import interpolate, served_tv
+from models.offpolicy.trust_region import STEP_GRID, interpolate, served_tv
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from models.serving.rule import (
@@ -21,7 +22,7 @@ from models.serving.rule import (
     plackett_luce_logprob,
     sample_plackett_luce,
 )
-from pipeline.learner.conservative import trust_region_step
+from pipeline.learner.conservative import STEP_LEVEL, STEP_TRIES, trust_region_step
 from pipeline.learner.promotion_gate import judge
 
 D, S, K = 4, 12, 2
@@ -122,7 +123,8 @@ def test_a_step_toward_a_truly_worse_policy_keeps_the_promise(window, worse: tup
 def test_alpha_is_chosen_from_the_contexts_alone_and_judged_on_every_decision(window) -> None:
     seen: list[tuple[int, float]] = []  # (decisions judged, α) of each judgement
 
-    def recording(log: LoggedDecisions, net: PolicyNetwork, serving: PolicyNetwork):  # type: ignore[no-untyped-def]
+    def recording(log: LoggedDecisions, net: PolicyNetwork, serving: PolicyNetwork, *, level: float):  # type: ignore[no-untyped-def]
+        assert level == STEP_LEVEL
         seen.append((len(log), round(float((net.out.bias[4] - serving.out.bias[4]).detach()) / 3.0, 6)))
         return "insufficient", "test", {}
 
@@ -175,3 +177,41 @@ def test_rates_over_windows_keep_the_promise(radius: float) -> None:
     if radius <= 0.02:  # at this log's noise (σ = 1 a decision) the default radius is too coarse
         assert promoted["better"] and all(g > 0 for g in promoted["better"])
     assert all(g > -0.02 for gains in promoted.values() for g in gains)  # never worse than serving by ε
+
+
+def _judging(verdicts: dict[float, tuple[str, float]], seen: list[tuple[float, float]]):  # type: ignore[no-untyped-def]
+    """A judgement that answers by the step's α (B's bias moves by 3α): (decision, gain estimate)."""
+
+    def judge(log: LoggedDecisions, net: PolicyNetwork, serving: PolicyNetwork, *, level: float):  # type: ignore[no-untyped-def]
+        alpha = round(float((net.out.bias[4] - serving.out.bias[4]).detach()) / 3.0, 6)
+        seen.append((alpha, level))
+        decision, value = verdicts.get(alpha, ("insufficient", 0.0))
+        return (
+            decision,
+            decision,
+            {"gain": Estimate(value, value - 0.05, value + 0.05, 500.0, len(log), "dr-gain", 0.0)},
+        )
+
+    return judge
+
+
+def test_where_the_largest_step_is_undecided_the_smallest_is_judged_too(window) -> None:
+    seen: list[tuple[float, float]] = []
+    s = step(window, net_with(2.0, 4.0, -1.0), _judging({STEP_GRID[-1]: ("promoted", 0.001)}, seen))
+    assert s.decision == "promoted" and s.alpha == STEP_GRID[-1] and s.net is not None
+    first = seen[0][0]
+    assert first > STEP_GRID[-1] and seen == [(first, STEP_LEVEL), (STEP_GRID[-1], STEP_LEVEL)]
+    assert f"step α={first:g}" in s.reason and f"step α={STEP_GRID[-1]:g}" in s.reason
+    # Both at half the gate's error rate: together no more than one judgement at the gate's level.
+    assert pytest.approx(1.0 - DEFAULT_LEVEL) == STEP_TRIES * (1.0 - STEP_LEVEL)
+
+
+@pytest.mark.parametrize("first", [("insufficient", -0.004), ("refused", 0.0)])
+def test_no_second_step_toward_a_candidate_the_log_shows_worse(window, first: tuple[str, float]) -> None:
+    seen: list[tuple[float, float]] = []
+    candidate = net_with(2.0, 4.0, -1.0)
+    probe: list[tuple[float, float]] = []
+    step(window, candidate, _judging({}, probe))
+    alpha = probe[0][0]  # the largest step within the region
+    s = step(window, candidate, _judging({alpha: first, STEP_GRID[-1]: ("promoted", 0.001)}, seen))
+    assert s.decision == "insufficient" and s.net is None and len(seen) == 1
