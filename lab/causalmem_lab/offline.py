@@ -347,6 +347,8 @@ def run_offline(
                 end_canary()
                 serve_as_configured(stepped)
                 witness = next_witness(witness, version, step.net, serving_params, step.estimates, gate.epsilon)
+                if gate.reanchor:  # as the learner: it goes on from the step served, not from beyond it
+                    trainer.resume_from(step.net.tensors())
                 resume_if_worse()
                 return
         resume_if_worse()

@@ -225,7 +225,8 @@ class ControlHandler:
 
     def resume_from_serving(self, version: int, serving: PolicyNetwork) -> None:
         """The gate judged the learner's candidate worse than the serving ``version``
-        (``gate_reanchor``): training goes on from the serving weights, with a fresh optimizer.
+        (``gate_reanchor``): training goes on from the serving weights, the optimizer's second
+        moments kept and its momentum restarted (:meth:`PolicyTrainer.resume_from`).
 
         Unlike a rollback nothing is published (clients already serve ``version``), and the
         memories given a slot since ``version`` keep the rows the trainer holds for them (a

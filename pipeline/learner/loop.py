@@ -166,7 +166,7 @@ class Learner(Service):
         if self.publishing.gate is not None:
             self.publishing.gate.on_mismatch = self._dead_letter_copy
             self.publishing.gate.slots_given = self.memories.given_between
-            self.publishing.gate.on_regression = self.control.resume_from_serving
+            self.publishing.gate.on_resume = self.control.resume_from_serving
         self._election = Election(self.bootstrap, conn, on_lost=self.become_standby)
         await self._election.start()
         self.fence = Fence(self.bootstrap, conn, self._election, self.config.signing_key)

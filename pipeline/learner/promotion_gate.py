@@ -32,7 +32,8 @@ A candidate that waits is replaced, where the gate's rule promotes it, by the la
 toward it within the trust region around the serving policy (``gate_conservative``,
 :mod:`pipeline.learner.conservative`), judged on the same window; and a candidate the window
 shows worse than serving (its gain's upper bound below 0) sends the learner back to the serving
-weights (``gate_reanchor``, :attr:`PromotionGate.on_regression`).
+weights, as a promoted step does: the learner goes on from the step served, not from its own
+candidate beyond it (``gate_reanchor``, :attr:`PromotionGate.on_resume`).
 
 A full candidate that the window cannot decide becomes the *canary* when the serving
 parameters give clients a ``canary_rate`` (contract 1.4, :mod:`pipeline.learner.canary`):
@@ -379,8 +380,9 @@ class PromotionGate:
         # (the learner's memory bank sets it); a step takes the candidate's rows there.
         self.slots_given: Callable[[int, int], list[int]] | None = None
         # Called with the serving version and its network when a candidate is judged worse than
-        # serving (``gate_reanchor``): the learner resumes training from them. None: nothing is done.
-        self.on_regression: Callable[[int, PolicyNetwork], None] | None = None
+        # serving, or a step toward it was promoted (``gate_reanchor``): the learner resumes
+        # training from them. None: nothing is done.
+        self.on_resume: Callable[[int, PolicyNetwork], None] | None = None
         self._reanchored_for: int | None = None  # the candidate version that last sent the learner back
         # The latest version promoted with a direct bound over similarity-only: later candidates'
         # gains over similarity-only are also bounded through it (pipeline/learner/similarity_witness.py).
@@ -510,7 +512,7 @@ class PromotionGate:
         worse): it goes on from the serving weights, so that its next candidates (and steps
         toward them) start where the log vouches. Once per candidate: a held one judged again,
         or its canary ending, changes nothing more (``gate_reanchor``)."""
-        regression = self.on_regression if self.config.reanchor else None
+        regression = self.on_resume if self.config.reanchor else None
         if regression is None or self.serving_net is None or self.serving_manifest is None:
             return
         if self._reanchored_for == candidate_version:
@@ -567,6 +569,7 @@ class PromotionGate:
             canary_paused=not self.backoff.plan(time.time()).start,
         )
         held, held_manifest = outcome, manifest
+        follow = False
         label = manifest.reason == "label" or outcome.by_label_rule  # expert answers are served whole
         stepping = self.config.conservative and not label and serving_net is not None and len(window) > 0
         if outcome.action == "hold" and stepping:
@@ -577,7 +580,7 @@ class PromotionGate:
             if step.decision == "promoted" and step.net is not None:
                 reason = f"v{stepped.version}, {step.reason}"
                 outcome = Decision("promoted", reason, "promote", end_canary=True, estimates=step.estimates)
-                manifest, candidate = stepped, step.net
+                manifest, candidate, follow = stepped, step.net, True
             else:
                 outcome = replace(outcome, reason=f"{outcome.reason}; {step.reason}")
         if reanchors(held, held_manifest.reason):
@@ -606,6 +609,12 @@ class PromotionGate:
             await self.end_canary()
         if outcome.action == "promote":
             await self.promote(manifest, candidate)
+            if follow and self.config.reanchor and self.on_resume is not None:
+                # Served: a step part of the way toward the learner's candidate. The learner goes
+                # on from the step, within the trust region the log vouches for, rather than from
+                # its own weights beyond it (where its next candidates could not be judged).
+                self.on_resume(manifest.version, candidate)
+                log.info("gate: the learner goes on from the step v%d", manifest.version)
             if not outcome.by_label_rule:
                 self.witness = next_witness(
                     self.witness, manifest.version, candidate, self.params, est, self.config.epsilon

@@ -95,6 +95,18 @@ async def test_a_waiting_candidate_is_replaced_by_its_promoted_step(certified: l
     assert certified == [(200, GateConfig().trust_region)]
 
 
+@pytest.mark.parametrize("reanchor", [True, False])
+async def test_the_learner_goes_on_from_a_promoted_step(certified: list[tuple[int, float]], reanchor: bool) -> None:
+    # Its own weights are beyond what the log vouches for: its next candidates start from the step served.
+    gate, candidate = gate_with(Publisher(), on=True)
+    gate.config = dataclasses.replace(gate.config, reanchor=reanchor)
+    resumed: list[tuple[int, Any]] = []
+    gate.on_resume = lambda version, net: resumed.append((version, net))
+    await gate.consider(manifest(2), candidate.tensors())
+    assert resumed == ([(10, gate.serving_net)] if reanchor else [])
+    assert gate.metrics.registry.get_sample_value("causalmem_gate_reanchors_total") == 0  # not a regression
+
+
 async def test_a_published_step_is_kept_locally_before_it_is_sent(
     certified: list[tuple[int, float]], tmp_path: Path
 ) -> None:
@@ -172,7 +184,7 @@ async def test_a_candidate_worse_than_serving_sends_the_learner_back_once(monkey
     monkeypatch.setattr(promotion_gate, "judge_window", _worse)
     gate, candidate = gate_with(Publisher(), on=False)
     back: list[tuple[int, Any]] = []
-    gate.on_regression = lambda version, net: back.append((version, net))
+    gate.on_resume = lambda version, net: back.append((version, net))
     d = await gate.consider(manifest(2), candidate.tensors())
     assert d.decision == "insufficient" and gate.pending is not None
     assert back == [(1, gate.serving_net)]  # the serving version and its network
@@ -190,7 +202,7 @@ async def test_no_return_to_serving_when_off_or_for_expert_answers(monkeypatch: 
     if case == "setting off":
         gate.config = dataclasses.replace(gate.config, reanchor=False)
     back: list[int] = []
-    gate.on_regression = lambda version, net: back.append(version)
+    gate.on_resume = lambda version, net: back.append(version)
     m = dataclasses.replace(manifest(2), reason="label") if case == "label fine-tune" else manifest(2)
     await gate.consider(m, candidate.tensors())
     assert back == []

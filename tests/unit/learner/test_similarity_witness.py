@@ -145,7 +145,7 @@ class _Run(SimpleNamespace):
 async def test_a_canary_shown_worse_sends_the_learner_back(verdict: str, high: float, resumed: bool) -> None:
     gate, _ = gate_with(Publisher(), on=False)
     back: list[int] = []
-    gate.on_regression = lambda version, net: back.append(version)
+    gate.on_resume = lambda version, net: back.append(version)
     gain = Estimate(-0.06, -0.11, high, 130.0, 130, "canary", 0.0)
     arms = SimpleNamespace(canary=[1] * 130, serving=[1] * 700)
     gate.canary = _Run(verdict=verdict, gain=gain, version=7, serving_version=1, arms=arms, coupled=[])  # type: ignore[assignment]
