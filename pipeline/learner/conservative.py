@@ -24,8 +24,8 @@ not biased by the choice: promoted when the gain's lower bounds over serving and
 similarity-only are above −ε, as for any candidate. A converged policy's small steps get
 through; a large one never does without the whole candidate's own certificate, since no step
 is larger than the trust region; a step that the log finds worse than −ε is not promoted at
-any size. The learner keeps training its own θ_new; the serving version published for the
-step carries θ_α's weights (:func:`publish_step`).
+any size. The serving version published for the step carries θ_α's weights
+(:func:`publish_step`), and with ``gate_reanchor`` the learner goes on from them.
 
 :func:`regressed` is the other half of the design: a candidate whose gain over serving is
 below 0 with confidence (the upper bound) shows that the learner has wandered off from the

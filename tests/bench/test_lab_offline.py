@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from causalmem_lab import offline
 from causalmem_lab.offline import OfflineConfig, run_offline
 from causalmem_lab.simulator import Scenario
@@ -142,11 +143,23 @@ def test_where_a_candidate_would_wait_the_loop_serves_the_gates_promoted_step(mo
         return conservative.StepDecision("promoted", "promoted", 0.25, net, {}, 0.01)
 
     monkeypatch.setattr(conservative, "trust_region_step", certify)
+    resumed: list[dict[str, Any]] = []
+    real = offline.PolicyTrainer.resume_from
+
+    def spy(self: Any, tensors: Any, keep_rows: Any = ()) -> None:
+        resumed.append(tensors)
+        real(self, tensors, keep_rows)
+
+    monkeypatch.setattr(offline.PolicyTrainer, "resume_from", spy)
     cfg = OfflineConfig(
         hidden=16, refresh_every=40, reset=False, gate=True, gate_min_ess=1e9, canary_rate=0.0, gate_conservative=True
     )
     result = run_offline(TINY, cfg)
     assert result.steps_taken and len(result.steps_taken) == len(seen)
+    # As the learner (gate_reanchor): the trainer goes on from each step served, not from beyond it.
+    for _, _, net in seen:
+        step = net.tensors()
+        assert any(all(torch.equal(t, step[k]) for k, t in r.items()) for r in resumed)
     versions = [v for _, _, v, _, _, _ in result.steps_taken]
     assert set(versions) <= set(result.tally.version)  # each step was served
     assert all(toward == v - 1 and before < toward for _, _, v, toward, before, _ in result.steps_taken)
