@@ -9,15 +9,16 @@ top-k directly (e.g. +0.44 in [−0.95, +1.31] on 2,000 decisions, docs/benchmar
 already judged above top-k. The log still bounds the gain over that earlier policy tightly:
 both serve close to the logging policy.
 
-The **witness** is the latest promoted version whose own judgement bounded its gain over
-similarity-only *directly*, with that lower bound (its *margin* m). A later candidate c is
-then also bounded through it:
+The **witness** is a promoted version whose own judgement bounded its gain over
+similarity-only *directly*, with that lower bound (its *margin* m): the latest one whose direct
+bound was at least its bound through the witness before it (:func:`next_witness`). A later
+candidate c is then also bounded through it:
 
     V(c) − V(top-k) = [V(c) − V(witness)] + [V(witness) − V(top-k)] ≥ low(c − witness) + m,
 
 where low(c − witness) is the gate's interval on the current window. Each of the two
-statements holds at the gate's confidence, so the chained bound holds at least at twice its
-error rate (a union bound), and the candidate's *direct* bound is always taken when it is
+statements holds at the gate's confidence, so the chained bound fails at most twice as often
+as one interval (a union bound), and the candidate's *direct* bound is always taken when it is
 the larger. Only one witness is kept (several would multiply the error rate), and there is no
 chain of chains: a version promoted through the witness does not become one. The witness is
 dropped where the policies' values may have changed under it: a drift reset, a rollback,
