@@ -223,14 +223,15 @@ def judge_log(
     methods, note = estimators(slog, method, epsilon)
     kw: dict[str, Any] = {"n_boot": n_boot, "seed": seed, "level": level}
     values = widest(evaluate_served(slog, targets, m, **kw) for m in methods)
-    g = widest({"g": gain_served(slog, targets["candidate"], targets["serving"], m, **kw)} for m in methods)["g"]
-    gs = widest({"g": gain_served(slog, targets["candidate"], targets["similarity"], m, **kw)} for m in methods)["g"]
+
+    def gain_over(baseline: Served) -> Estimate:
+        return widest({"g": gain_served(slog, targets["candidate"], baseline, m, **kw)} for m in methods)["g"]
+
+    g, gs = gain_over(targets["serving"]), gain_over(targets["similarity"])
     estimates = {"gain": g, "gain_similarity": gs, **values}
     if witness is not None:
         # Computed whatever the direct bound says: the next witness is the tighter of the two.
-        over = Served(witness.net, witness.params)
-        ga = widest({"g": gain_served(slog, targets["candidate"], over, m, **kw)} for m in methods)
-        estimates[CHAINED] = through(ga["g"], witness)
+        estimates[CHAINED] = through(gain_over(Served(witness.net, witness.params)), witness)
     decision, reason = rule(g, gs, values["candidate"], epsilon, min_ess, len(slog), estimates.get(CHAINED))
     return decision, reason + note, estimates
 
@@ -507,18 +508,25 @@ class PromotionGate:
             self.metrics.gate_conservative_steps.labels(alpha=f"{step.alpha:g}").inc()
         return stepped, step
 
+    def _resume_learner(self, version: int, net: PolicyNetwork) -> bool:
+        """Send the learner's training to ``version``'s weights (``gate_reanchor``); False: off or no hook."""
+        if not self.config.reanchor or self.on_resume is None:
+            return False
+        self.on_resume(version, net)
+        return True
+
     def _resume_from_serving(self, candidate_version: int) -> None:
         """The learner has wandered below the policy it serves (``candidate_version`` was found
         worse): it goes on from the serving weights, so that its next candidates (and steps
         toward them) start where the log vouches. Once per candidate: a held one judged again,
         or its canary ending, changes nothing more (``gate_reanchor``)."""
-        regression = self.on_resume if self.config.reanchor else None
-        if regression is None or self.serving_net is None or self.serving_manifest is None:
+        if self.serving_net is None or self.serving_manifest is None:
             return
         if self._reanchored_for == candidate_version:
             return
+        if not self._resume_learner(self.serving_manifest.version, self.serving_net):
+            return
         self._reanchored_for = candidate_version
-        regression(self.serving_manifest.version, self.serving_net)
         self.metrics.gate_reanchors.inc()
         log.info(
             "gate: v%d is worse than the serving v%d: training resumes from it",
@@ -609,11 +617,10 @@ class PromotionGate:
             await self.end_canary()
         if outcome.action == "promote":
             await self.promote(manifest, candidate)
-            if follow and self.config.reanchor and self.on_resume is not None:
-                # Served: a step part of the way toward the learner's candidate. The learner goes
-                # on from the step, within the trust region the log vouches for, rather than from
-                # its own weights beyond it (where its next candidates could not be judged).
-                self.on_resume(manifest.version, candidate)
+            # Served: a step part of the way toward the learner's candidate. The learner goes on
+            # from the step, within the trust region the log vouches for, rather than from its
+            # own weights beyond it (where its next candidates could not be judged).
+            if follow and self._resume_learner(manifest.version, candidate):
                 log.info("gate: the learner goes on from the step v%d", manifest.version)
             if not outcome.by_label_rule:
                 self.witness = next_witness(
