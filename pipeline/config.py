@@ -177,8 +177,8 @@ class Settings:
     gate_reanchor: bool = setting(
         True,
         "resume training from the serving policy's weights when the gate finds the learner's candidate "
-        "worse than it (the gain's upper bound below 0, on the logged decisions or on the canary's requests), "
-        "and from a conservative step when one is promoted",
+        "worse than it (the gain's upper bound below 0, on the logged decisions or on the canary's requests) "
+        "or after 3 candidates in a row waited, and from a conservative step when one is promoted",
     )
     # -- serving: how clients serve the policy, recorded in each manifest (models/serving/params.py) --
     serve_temperature: float = setting(ServingParams.temperature, "T of the Plackett–Luce draw")

@@ -366,6 +366,12 @@ class Metrics:
             "resumed training from the serving weights",
             registry=self._reg("learner"),
         )
+        self.gate_stall_resumes = Counter(
+            "causalmem_gate_stall_resumes_total",
+            "Times the learner resumed training from the serving weights because its candidates waited "
+            "several in a row (neither they nor a step toward them could be certified)",
+            registry=self._reg("learner"),
+        )
         self.cluster_resets = Counter(
             "causalmem_broker_resets_detected_total",
             "Broker resets (lost topics) detected",

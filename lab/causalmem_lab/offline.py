@@ -39,7 +39,7 @@ from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import canary_regressed, reanchors, step_on_window
+from pipeline.learner.conservative import Stall, canary_regressed, reanchors, step_on_window
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
 from pipeline.learner.promotion_gate import judge_window, step_judge
@@ -92,7 +92,8 @@ class OfflineConfig:
     # The gate's conservative steps (pipeline/learner/conservative.py) where a candidate would wait.
     gate_conservative: bool = PRODUCT.gate_conservative
     gate_trust_region: float = PRODUCT.gate_trust_region
-    # The learner resumes from the serving weights where the gate finds its candidate worse.
+    # The learner resumes from the serving weights where the gate finds its candidate worse, or
+    # where STALL_WAITS candidates in a row waited.
     gate_reanchor: bool = PRODUCT.gate_reanchor
     # A client that sends only the contract's required fields (required_only) and serves no canary.
     minimal_client: bool = False
@@ -155,6 +156,8 @@ class OfflineResult:
     steps_taken: list[tuple[int, float, int, int, int, float]] = field(default_factory=list)
     # (step, candidate version, serving version) where the learner resumed from the serving weights
     reanchors: list[tuple[int, int, int]] = field(default_factory=list)
+    # (step, candidate version, serving version) where it resumed because candidates waited in a row
+    stalls: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _snapshot(
@@ -241,6 +244,17 @@ def run_offline(
     # As the learner's gate: the latest version promoted with a direct bound over similarity-only
     # (pipeline/learner/similarity_witness.py); a checkpoint served without the gate drops it.
     witness: Witness | None = None
+    # As the learner's gate: candidates that waited in a row, and the newest candidate judged
+    # when the learner last took other weights (a canary up to it is of the weights it left).
+    stall = Stall()
+    latest, left_at = 0, 0
+
+    def resume(net: PolicyNetwork) -> None:
+        """As PromotionGate._resume_learner: training goes on from ``net``'s weights."""
+        nonlocal left_at
+        trainer.resume_from(net.tensors())
+        left_at = latest
+        stall.reset()
 
     def end_canary() -> None:
         nonlocal canary
@@ -262,13 +276,14 @@ def run_offline(
     def refresh(candidate: LoadedPolicy) -> None:
         """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
         as the learner's gate takes them (pipeline/learner/promotion_gate.py)."""
-        nonlocal canary, version, witness
+        nonlocal canary, version, witness, latest
         if gate is None or not is_candidate(candidate.manifest.reason, True):
             end_canary()
             serve_as_configured(candidate)
             witness = None
             return
         assert retriever.policy is not None
+        latest = max(latest, candidate.manifest.version)
         full = replay.gate_window()
         if canary is not None:
             run = canary
@@ -279,12 +294,14 @@ def run_offline(
                 if run.serving_version == retriever.policy.version:  # ended on its own arms: as the learner
                     backoff.ended(run, now)
                     if gate.reanchor and canary_regressed(ended):  # as the learner's gate: its requests show it worse
-                        trainer.resume_from(retriever.policy.net.tensors())
+                        resume(retriever.policy.net)
                         result.reanchors.append((steps, run.version, retriever.policy.version))
                 n = len(run.coupled) or len(run.arms.canary)
                 result.canary.append(f"{ended.verdict} v{run.version} ({n} canary decisions)")
                 if ended.serve:
                     serve_as_configured(LoadedPolicy(manifest=run.manifest, net=run.net))
+                    if gate.reanchor and run.version <= left_at:  # as the learner: it goes on from the canary
+                        resume(run.net)
                 end_canary()
         window = [e for e in full if not is_canary(e)][-gate.window :]
         # As the learner's gate: each event's logging probabilities before any judgement.
@@ -314,13 +331,21 @@ def run_offline(
         )
         label = d.by_label_rule or candidate.manifest.reason == "label"  # expert answers are served whole
 
-        def resume_if_worse() -> None:
+        def resume_if_worse(action: str, step_judged: bool) -> None:
             # As the learner (ControlHandler.resume_from_serving): the candidate is worse than
-            # serving, so training goes on from the serving weights (no memory changes slots here).
-            if gate.reanchor and reanchors(d, candidate.manifest.reason):
-                trainer.resume_from(serving.net.tensors())
-                result.reanchors.append((steps, candidate.manifest.version, serving.version))
+            # serving, or STALL_WAITS candidates in a row waited, so training goes on from the
+            # serving weights (no memory changes slots here).
+            if not gate.reanchor:
+                return
+            record = (steps, candidate.manifest.version, serving.version)
+            if reanchors(d, candidate.manifest.reason):
+                resume(serving.net)
+                result.reanchors.append(record)
+            elif stall.judged(candidate.manifest.version, action, candidate.manifest.reason, step_judged):
+                resume(serving.net)
+                result.stalls.append(record)
 
+        step_judged = False
         if d.action == "hold" and gate.conservative and not label and window:
             # As the learner's gate: where the candidate would wait, the largest step toward it
             # within the trust region, judged on the whole window, published as a version of its own.
@@ -333,7 +358,9 @@ def run_offline(
                 radius=gate.trust_region,
                 serving_params=current,
             )
+            step_judged = step.tv is not None
             if step.decision == "promoted" and step.net is not None and step.alpha is not None:
+                resume_if_worse("promote", True)  # in the gate's order: before the step is served
                 version += 1
                 stepped = LoadedPolicy(manifest=replace(candidate.manifest, version=version), net=step.net)
                 result.created[version] = result.created[candidate.manifest.version]  # learnt from the same steps
@@ -348,10 +375,9 @@ def run_offline(
                 serve_as_configured(stepped)
                 witness = next_witness(witness, version, step.net, serving_params, step.estimates, gate.epsilon)
                 if gate.reanchor:  # as the learner: it goes on from the step served, not from beyond it
-                    trainer.resume_from(step.net.tensors())
-                resume_if_worse()
+                    resume(step.net)
                 return
-        resume_if_worse()
+        resume_if_worse(d.action, step_judged)
         result.gate.append(d.decision)
         if d.end_canary:
             end_canary()

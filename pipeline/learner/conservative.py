@@ -32,6 +32,8 @@ below 0 with confidence (the upper bound) shows that the learner has wandered of
 policy it serves; the learner then resumes training from the serving weights
 (``gate_reanchor``, :meth:`pipeline.learner.promotion_gate.PromotionGate.consider`), so that
 its next candidates, and the steps toward them, start from the policy the log vouches for.
+It does the same after :data:`STALL_WAITS` candidates in a row waited (:class:`Stall`): not
+shown worse, but moved beyond what the window can judge.
 
 Everything here but :func:`publish_step` and :func:`step_toward` is a pure function of the
 log and the networks.
@@ -124,6 +126,71 @@ def canary_regressed(outcome: CanaryDecision) -> bool:
     (False, False)
     """
     return not outcome.serve and outcome.gain is not None and regressed({"gain": outcome.gain})
+
+
+# Candidates in a row that wait (neither they nor a step toward them within the trust region
+# could be promoted) before the learner resumes from the serving weights (:class:`Stall`).
+# Measured through the pipeline, the learner's candidates on near-greedy traffic that wait once
+# go on drifting from serving (the window's ESS for them falls from ~1,000 to ~100 within ten
+# candidates), so waiting longer only lengthens the stall; three is ~6 s at the default 2 s cadence.
+STALL_WAITS = 3
+
+
+@dataclass
+class Stall:
+    """The learner's candidates that waited in a row; at ``limit`` of them it resumes from serving.
+
+    A candidate that waits, and whose step within the trust region the log cannot certify
+    either, shows that the learner has moved out of the region the window can judge: its next
+    candidates, a few updates further on, are judged on fewer effective decisions still. Its
+    weights are not shown worse (that is :func:`reanchors`), only unjudgeable; going on from the
+    serving weights brings the next candidates back to where the log can decide them.
+
+    Only waits where a step was judged count (``step_judged``): where no step fits the trust
+    region (from the first policy, served at T = 0.001) or steps are off, a whole candidate is
+    the only way forward, and the learner must be let go far enough for one to be decided. A
+    candidate judged again (it waited for data) counts once; a label fine-tune is never
+    abandoned, and a promotion or a refusal starts the count again.
+
+    >>> s = Stall(limit=2)
+    >>> s.judged(5, "hold", "periodic", True), s.judged(5, "hold", "periodic", True)
+    (False, False)
+    >>> s.judged(6, "hold", "periodic", False)  # no step fitted: not counted
+    False
+    >>> s.judged(7, "hold", "periodic", True)
+    True
+    >>> s.waited  # it starts again after a resume
+    0
+    >>> s.judged(8, "hold", "periodic", True), s.judged(9, "promote", "periodic", False)
+    (False, False)
+    >>> s.judged(10, "hold", "periodic", True), s.judged(11, "hold", "label", True)
+    (False, False)
+    """
+
+    limit: int = STALL_WAITS
+    waited: int = 0
+    last: int = 0  # the latest candidate version counted
+
+    def judged(self, version: int, action: str, candidate_reason: str, step_judged: bool) -> bool:
+        """Record the gate's ``action`` on candidate ``version`` (``step_judged``: a step toward it
+        within the trust region was judged); True: the learner resumes from serving now."""
+        if version <= self.last and action == "hold":
+            return False  # the same candidate again: it waited once
+        self.last = max(self.last, version)
+        if action != "hold" or candidate_reason == "label":
+            self.waited = 0
+            return False
+        if not step_judged:
+            return False
+        self.waited += 1
+        if self.waited < self.limit:
+            return False
+        self.waited = 0
+        return True
+
+    def reset(self) -> None:
+        """The learner resumed for another reason: its candidates start a new count."""
+        self.waited = 0
 
 
 def regressed(estimates: Mapping[str, Estimate]) -> bool:

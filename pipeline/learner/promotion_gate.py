@@ -72,7 +72,15 @@ from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import Judge, Keep, StepDecision, canary_regressed, reanchors, step_toward
+from pipeline.learner.conservative import (
+    Judge,
+    Keep,
+    Stall,
+    StepDecision,
+    canary_regressed,
+    reanchors,
+    step_toward,
+)
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import DECISIONS, Candidate, Decision, Verdict, canary_decision, decide
 from pipeline.learner.similarity_witness import CHAINED, Witness, next_witness, through
@@ -385,6 +393,12 @@ class PromotionGate:
         # training from them. None: nothing is done.
         self.on_resume: Callable[[int, PolicyNetwork], None] | None = None
         self._reanchored_for: int | None = None  # the candidate version that last sent the learner back
+        # The learner's candidates that waited in a row: at STALL_WAITS it resumes from serving too.
+        self.stall = Stall()
+        self._latest_candidate = 0  # the newest candidate version judged
+        # The newest candidate judged when the learner last took other weights: candidates up to it
+        # (a canary among them) are of the weights it left, those after it of the weights it took.
+        self._left_at = 0
         # The latest version promoted with a direct bound over similarity-only: later candidates'
         # gains over similarity-only are also bounded through it (pipeline/learner/similarity_witness.py).
         self.witness: Witness | None = None
@@ -462,6 +476,10 @@ class PromotionGate:
         if outcome.serve:
             await self.promote(run.manifest, run.net)
             log.info("gate: promoted %s", reason)
+            if run.version <= self._left_at and self._resume_learner(run.version, run.net):
+                # The learner took other weights after this candidate was published: its next
+                # candidates would be judged against a policy they do not descend from.
+                log.info("gate: the learner goes on from the canary v%d", run.version)
         else:
             log.info("gate: %s %s", outcome.verdict, reason)
         result = GateDecision(
@@ -513,13 +531,16 @@ class PromotionGate:
         if not self.config.reanchor or self.on_resume is None:
             return False
         self.on_resume(version, net)
+        self._left_at = self._latest_candidate
+        self.stall.reset()
         return True
 
-    def _resume_from_serving(self, candidate_version: int) -> None:
+    def _resume_from_serving(self, candidate_version: int, *, stalled: bool = False) -> None:
         """The learner has wandered below the policy it serves (``candidate_version`` was found
-        worse): it goes on from the serving weights, so that its next candidates (and steps
-        toward them) start where the log vouches. Once per candidate: a held one judged again,
-        or its canary ending, changes nothing more (``gate_reanchor``)."""
+        worse) or, ``stalled``, beyond what the window can judge (:class:`Stall`): it goes on
+        from the serving weights, so that its next candidates (and steps toward them) start
+        where the log vouches. Once per candidate: a held one judged again, or its canary
+        ending, changes nothing more (``gate_reanchor``)."""
         if self.serving_net is None or self.serving_manifest is None:
             return
         if self._reanchored_for == candidate_version:
@@ -527,17 +548,24 @@ class PromotionGate:
         if not self._resume_learner(self.serving_manifest.version, self.serving_net):
             return
         self._reanchored_for = candidate_version
-        self.metrics.gate_reanchors.inc()
-        log.info(
-            "gate: v%d is worse than the serving v%d: training resumes from it",
-            candidate_version,
-            self.serving_manifest.version,
-        )
+        serving = self.serving_manifest.version
+        if stalled:
+            self.metrics.gate_stall_resumes.inc()
+            log.info(
+                "gate: %d candidates in a row waited (the last v%d): training resumes from the serving v%d",
+                self.stall.limit,
+                candidate_version,
+                serving,
+            )
+        else:
+            self.metrics.gate_reanchors.inc()
+            log.info("gate: v%d is worse than the serving v%d: training resumes from it", candidate_version, serving)
 
     async def _decide_now(self, manifest: Manifest, candidate: PolicyNetwork) -> GateDecision:
         """Judge the canary, then decide on ``manifest`` (:func:`decide`) and carry the decision out."""
         if not self._canary_cleared:
             await self.end_canary()
+        self._latest_candidate = max(self._latest_candidate, manifest.version)
         await self._judge_canary()
         window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
         # Each event's logging probabilities (recomputed where it lacks them) before any judgement.
@@ -577,7 +605,7 @@ class PromotionGate:
             canary_paused=not self.backoff.plan(time.time()).start,
         )
         held, held_manifest = outcome, manifest
-        follow = False
+        follow = step_judged = False
         label = manifest.reason == "label" or outcome.by_label_rule  # expert answers are served whole
         stepping = self.config.conservative and not label and serving_net is not None and len(window) > 0
         if outcome.action == "hold" and stepping:
@@ -585,6 +613,7 @@ class PromotionGate:
             # judged on the whole window (pipeline/learner/conservative.py); a promoted one is
             # published and served instead.
             stepped, step = await self._step_toward(manifest, candidate, window)
+            step_judged = step.tv is not None
             if step.decision == "promoted" and step.net is not None:
                 reason = f"v{stepped.version}, {step.reason}"
                 outcome = Decision("promoted", reason, "promote", end_canary=True, estimates=step.estimates)
@@ -593,6 +622,10 @@ class PromotionGate:
                 outcome = replace(outcome, reason=f"{outcome.reason}; {step.reason}")
         if reanchors(held, held_manifest.reason):
             self._resume_from_serving(held_manifest.version)
+        elif self.config.reanchor and self.stall.judged(
+            held_manifest.version, outcome.action, held_manifest.reason, step_judged
+        ):
+            self._resume_from_serving(held_manifest.version, stalled=True)
         est = outcome.estimates
         result = GateDecision(
             outcome.decision,

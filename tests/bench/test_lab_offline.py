@@ -3,6 +3,7 @@ resets and gates with the learner's own rules."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -192,3 +193,25 @@ def test_where_the_gate_finds_a_candidate_worse_the_loop_resumes_from_serving(mo
     assert all(serving == 1 for _, _, serving in result.reanchors)  # nothing was promoted: v1 serves
     off = run_offline(TINY, OfflineConfig(**base, gate_conservative=False, gate_reanchor=False))
     assert not off.reanchors and len(resumed) == len(judged)
+
+
+def test_where_candidates_wait_in_a_row_the_loop_resumes_from_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the learner's gate (conservative.Stall): every STALL_WAITS-th undecided candidate in a
+    # row sends the trainer back to the serving weights; none is shown worse.
+    undecided = {"gain": Estimate(0.01, -0.09, 0.11, 90.0, 200, "dr-gain", 0.0)}
+    monkeypatch.setattr(offline, "judge_window", lambda *a, **k: ("insufficient", "straddles", undecided))
+    step = conservative.StepDecision("insufficient", "step α=0.5: straddles", 0.5, None, {}, 0.01)
+    monkeypatch.setattr(conservative, "trust_region_step", lambda *a, **k: step)
+    assert offline.Stall is conservative.Stall
+    base = {"hidden": 16, "refresh_every": 40, "reset": False, "gate": True, "canary_rate": 0.0}
+    result = run_offline(TINY, OfflineConfig(**base))
+    judged = [r for r in result.refreshes if r[2] > 0]
+    assert not result.reanchors and len(judged) >= 2 * conservative.STALL_WAITS
+    # Every STALL_WAITS-th candidate whose step was judged (the first has no window to step on yet).
+    stalled = [v for _, v, _ in result.stalls]
+    assert len(stalled) >= 2 and all(b - a == conservative.STALL_WAITS for a, b in itertools.pairwise(stalled))
+    assert set(stalled) <= {v for _, v, _ in judged}
+    off = run_offline(TINY, OfflineConfig(**base, gate_reanchor=False))
+    assert not off.stalls
+    nosteps = run_offline(TINY, OfflineConfig(**base, gate_conservative=False))  # only a whole candidate can go
+    assert not nosteps.stalls

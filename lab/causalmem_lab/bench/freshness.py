@@ -72,6 +72,7 @@ class Run:
     gain_count: float = 0.0
     steps_by_alpha: dict[str, float] = field(default_factory=dict)
     reanchors: float = 0.0
+    stall_resumes: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         def q(values: list[float], p: float) -> float | None:
@@ -108,6 +109,7 @@ class Run:
             "certified_gain_per_promotion": self.gain_sum / self.gain_count if self.gain_count else None,
             "conservative_steps": self.steps_by_alpha,
             "reanchors": self.reanchors,
+            "stall_resumes": self.stall_resumes,
             "freshness_s": [v if math.isfinite(v) else None for v in self.all_freshness_s],  # None: never
             "warmup_pairs": len(self.all_freshness_s) - len(self.freshness_s),
         }
@@ -236,6 +238,7 @@ async def one_run(
         run.gain_count = metric(values, "causalmem_gate_promoted_gain_count")
         run.steps_by_alpha = labelled(values, "causalmem_gate_conservative_steps_total", "alpha")
         run.reanchors = metric(values, "causalmem_gate_reanchors_total")
+        run.stall_resumes = metric(values, "causalmem_gate_stall_resumes_total")
         offsets: dict[str, int] = {}
         for msg in await kafka.read_all(bootstrap, settings, settings.topics().experiences.name, partitions=[0]):
             try:
@@ -281,7 +284,8 @@ def table(runs: list[Run]) -> str:
             lines.append(
                 f"{r.name}: {x['promotions_per_min'] or 0:.1f} promotions/min, certified gain per promotion "
                 f"{'–' if gain is None else f'{gain:+.4f}'}, conservative steps {x['conservative_steps'] or 'none'}, "
-                f"training resumed from serving {x['reanchors']:.0f}×"
+                f"training resumed from serving {x['reanchors']:.0f}× (candidate worse) and "
+                f"{x['stall_resumes']:.0f}× (candidates waited in a row)"
             )
     return "\n".join(lines)
 

@@ -327,6 +327,7 @@ def promotions(result: Any) -> dict[str, float | None]:
         "all_utility": float(np.mean(result.tally.utility)),
         "served_version": float(result.served.version) if result.served is not None else None,
         "reanchors": float(len(getattr(result, "reanchors", ()))),  # the learner resumed from serving
+        "stall_resumes": float(len(getattr(result, "stalls", ()))),  # … after candidates waited in a row
         **conservative_steps(result),
     }
 

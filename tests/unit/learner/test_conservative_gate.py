@@ -212,3 +212,110 @@ async def test_no_return_to_serving_when_off_or_for_expert_answers(monkeypatch: 
 def test_a_trust_region_outside_0_1_is_refused_at_start(radius: float) -> None:
     with pytest.raises(ValueError, match="gate_trust_region"):
         GateConfig(trust_region=radius)
+
+
+def _undecided(*_: Any, **__: Any) -> tuple[str, str, dict[str, Estimate]]:
+    """A judgement that cannot decide: the gain's interval straddles −ε and 0."""
+    return "insufficient", "straddles", {"gain": Estimate(0.01, -0.09, 0.11, 90.0, 200, "dr-gain", 0.0)}
+
+
+@pytest.fixture
+def undecided_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trust_region_step replaced by one that judges a step within the trust region and cannot decide it."""
+
+    def fake(*_: Any, **__: Any) -> StepDecision:
+        return StepDecision("insufficient", "step α=0.5 (TV 0.010 ≤ 0.05): straddles", 0.5, None, {}, 0.01)
+
+    monkeypatch.setattr(conservative, "trust_region_step", fake)
+
+
+async def test_candidates_that_wait_in_a_row_send_the_learner_back(
+    monkeypatch: pytest.MonkeyPatch, undecided_step: None
+) -> None:
+    # Measured through the pipeline: a learner whose candidates wait goes on drifting out of what
+    # the window can judge. After STALL_WAITS of them in a row (each with its step undecided
+    # too) it goes on from the serving weights.
+    monkeypatch.setattr(promotion_gate, "judge_window", _undecided)
+    gate, candidate = gate_with(Publisher(), on=True)
+    back: list[int] = []
+    gate.on_resume = lambda version, net: back.append(version)
+    stalls = "causalmem_gate_stall_resumes_total"
+    for v in range(2, 1 + conservative.STALL_WAITS):
+        await gate.consider(manifest(v), candidate.tensors())
+        await gate.reconsider()  # the same candidate judged again counts once
+    assert back == [] and gate.metrics.registry.get_sample_value(stalls) == 0
+    await gate.consider(manifest(1 + conservative.STALL_WAITS), candidate.tensors())
+    assert back == [1] and gate.metrics.registry.get_sample_value(stalls) == 1
+    assert gate.metrics.registry.get_sample_value("causalmem_gate_reanchors_total") == 0  # not shown worse
+    for v in range(2 + conservative.STALL_WAITS, 1 + 2 * conservative.STALL_WAITS):
+        await gate.consider(manifest(v), candidate.tensors())
+    assert back == [1]  # a new count after the resume
+    gate.config = dataclasses.replace(gate.config, reanchor=False)
+    for v in range(1 + 2 * conservative.STALL_WAITS, 1 + 4 * conservative.STALL_WAITS):
+        await gate.consider(manifest(v), candidate.tensors())
+    assert back == [1]  # off with gate_reanchor
+
+
+@pytest.mark.parametrize("case", ["steps off", "no step fits"])
+async def test_without_a_step_to_judge_the_learner_is_let_go_on(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    # From the first policy (served at T = 0.001) no step fits the trust region, and with steps
+    # off there are none: only a whole candidate can be promoted, so the learner must go far
+    # enough for one to be decided.
+    monkeypatch.setattr(promotion_gate, "judge_window", _undecided)
+    gate, candidate = gate_with(Publisher(), on=case == "no step fits")
+    if case == "no step fits":
+        gate.config = dataclasses.replace(gate.config, trust_region=1e-9)
+    back: list[int] = []
+    gate.on_resume = lambda version, net: back.append(version)
+    for v in range(2, 2 + 2 * conservative.STALL_WAITS):
+        d = await gate.consider(manifest(v), candidate.tensors())
+    assert d.decision == "insufficient" and ("no step of α" in d.reason) == (case == "no step fits")
+    assert back == [] and gate.stall.waited == 0
+
+
+async def test_a_promoted_step_starts_the_count_again(
+    monkeypatch: pytest.MonkeyPatch, certified: list[tuple[int, float]]
+) -> None:
+    monkeypatch.setattr(promotion_gate, "judge_window", _undecided)
+    gate, candidate = gate_with(Publisher(), on=True)
+    back: list[int] = []
+    gate.on_resume = lambda version, net: back.append(version)
+    gate.stall.waited = conservative.STALL_WAITS - 1
+    d = await gate.consider(manifest(2), candidate.tensors())
+    assert d.decision == "promoted" and back == [10]  # it goes on from the step, not from serving
+    assert gate.stall.waited == 0
+
+
+async def test_a_canary_promoted_after_the_learner_left_its_weights_is_where_it_goes_on() -> None:
+    # The canary v7 was published before the learner resumed from serving: its next candidates
+    # descend from the serving weights, not from v7, so once v7 serves the learner goes on from it.
+    from tests.unit.learner.test_similarity_witness import _Run
+
+    gate, candidate = gate_with(Publisher(), on=False)
+    back: list[int] = []
+    gate.on_resume = lambda version, net: back.append(version)
+    arms = SimpleNamespace(canary=[1] * 130, serving=[1] * 700)
+    gain = Estimate(0.12, 0.02, 0.22, 90.0, 90, "canary", 0.0)
+
+    def canary(version: int) -> _Run:
+        return _Run(
+            verdict="promoted",
+            gain=gain,
+            version=version,
+            serving_version=1,
+            arms=arms,
+            coupled=[],
+            manifest=manifest(version),
+            net=candidate,
+        )
+
+    gate._latest_candidate = 8
+    gate.canary = canary(7)  # type: ignore[assignment]
+    await gate._judge_canary()
+    assert gate.serving_manifest is not None and gate.serving_manifest.version == 7
+    assert back == []  # the learner's weights descend from v7: nothing to do
+    gate._resume_learner(7, candidate)  # it resumes (from serving, a step…) while judging v8
+    gate.canary = canary(8)  # type: ignore[assignment]
+    gate.canary.serving_version = 7
+    await gate._judge_canary()
+    assert back == [7, 8]
