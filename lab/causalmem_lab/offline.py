@@ -39,7 +39,7 @@ from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import Stall, canary_regressed, reanchors, step_on_window
+from pipeline.learner.conservative import Lineage, canary_regressed, reanchors, step_on_window
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
 from pipeline.learner.promotion_gate import judge_window, step_judge
@@ -244,17 +244,14 @@ def run_offline(
     # As the learner's gate: the latest version promoted with a direct bound over similarity-only
     # (pipeline/learner/similarity_witness.py); a checkpoint served without the gate drops it.
     witness: Witness | None = None
-    # As the learner's gate: candidates that waited in a row, and the newest candidate judged
-    # when the learner last took other weights (a canary up to it is of the weights it left).
-    stall = Stall()
-    latest, left_at = 0, 0
+    # As the learner's gate: which candidates descend from the trainer's weights, and the
+    # candidates that waited in a row.
+    lineage = Lineage()
 
     def resume(net: PolicyNetwork) -> None:
         """As PromotionGate._resume_learner: training goes on from ``net``'s weights."""
-        nonlocal left_at
         trainer.resume_from(net.tensors())
-        left_at = latest
-        stall.reset()
+        lineage.resumed()
 
     def end_canary() -> None:
         nonlocal canary
@@ -276,14 +273,14 @@ def run_offline(
     def refresh(candidate: LoadedPolicy) -> None:
         """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
         as the learner's gate takes them (pipeline/learner/promotion_gate.py)."""
-        nonlocal canary, version, witness, latest
+        nonlocal canary, version, witness
         if gate is None or not is_candidate(candidate.manifest.reason, True):
             end_canary()
             serve_as_configured(candidate)
             witness = None
             return
         assert retriever.policy is not None
-        latest = max(latest, candidate.manifest.version)
+        lineage.judging(candidate.manifest.version)
         full = replay.gate_window()
         if canary is not None:
             run = canary
@@ -300,7 +297,7 @@ def run_offline(
                 result.canary.append(f"{ended.verdict} v{run.version} ({n} canary decisions)")
                 if ended.serve:
                     serve_as_configured(LoadedPolicy(manifest=run.manifest, net=run.net))
-                    if gate.reanchor and run.version <= left_at:  # as the learner: it goes on from the canary
+                    if gate.reanchor and lineage.follows_canary(run.version):  # as the learner: it goes on from it
                         resume(run.net)
                 end_canary()
         window = [e for e in full if not is_canary(e)][-gate.window :]
@@ -341,7 +338,7 @@ def run_offline(
             if reanchors(d, candidate.manifest.reason):
                 resume(serving.net)
                 result.reanchors.append(record)
-            elif stall.judged(candidate.manifest.version, action, candidate.manifest.reason, step_judged):
+            elif lineage.stall.judged(candidate.manifest.version, action, candidate.manifest.reason, step_judged):
                 resume(serving.net)
                 result.stalls.append(record)
 

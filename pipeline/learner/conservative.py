@@ -193,6 +193,40 @@ class Stall:
         self.waited = 0
 
 
+@dataclass
+class Lineage:
+    """Which candidates descend from the weights the learner trains now: the gate's bookkeeping
+    of its resumes, shared by the gate and the lab's loop.
+
+    ``left_at`` is the newest candidate judged when the learner last took other weights (a
+    resume from serving, a step served): candidates up to it, a canary among them, are of the
+    weights it left. ``stall`` counts the waits in a row since (:class:`Stall`).
+
+    >>> g = Lineage()
+    >>> g.judging(7); g.follows_canary(7)  # the learner's weights descend from v7
+    False
+    >>> g.judging(8); g.resumed(); g.follows_canary(7), g.follows_canary(9)
+    (True, False)
+    """
+
+    stall: Stall = field(default_factory=Stall)
+    latest: int = 0  # the newest candidate version judged
+    left_at: int = 0
+
+    def judging(self, version: int) -> None:
+        """Candidate ``version`` is being judged."""
+        self.latest = max(self.latest, version)
+
+    def resumed(self) -> None:
+        """The learner took other weights: the candidates so far are of those it left."""
+        self.left_at = self.latest
+        self.stall.reset()
+
+    def follows_canary(self, version: int) -> bool:
+        """Whether the learner goes on from canary ``version`` once it is promoted."""
+        return version <= self.left_at
+
+
 def regressed(estimates: Mapping[str, Estimate]) -> bool:
     """Whether a judgement shows the candidate worse than serving: the gain's upper bound below 0.
 

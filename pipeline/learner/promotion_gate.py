@@ -75,7 +75,7 @@ from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
 from pipeline.learner.conservative import (
     Judge,
     Keep,
-    Stall,
+    Lineage,
     StepDecision,
     canary_regressed,
     reanchors,
@@ -393,12 +393,9 @@ class PromotionGate:
         # training from them. None: nothing is done.
         self.on_resume: Callable[[int, PolicyNetwork], None] | None = None
         self._reanchored_for: int | None = None  # the candidate version that last sent the learner back
-        # The learner's candidates that waited in a row: at STALL_WAITS it resumes from serving too.
-        self.stall = Stall()
-        self._latest_candidate = 0  # the newest candidate version judged
-        # The newest candidate judged when the learner last took other weights: candidates up to it
-        # (a canary among them) are of the weights it left, those after it of the weights it took.
-        self._left_at = 0
+        # Which candidates descend from the learner's weights, and its candidates that waited in
+        # a row (at STALL_WAITS it resumes from serving too).
+        self.lineage = Lineage()
         # The latest version promoted with a direct bound over similarity-only: later candidates'
         # gains over similarity-only are also bounded through it (pipeline/learner/similarity_witness.py).
         self.witness: Witness | None = None
@@ -476,7 +473,7 @@ class PromotionGate:
         if outcome.serve:
             await self.promote(run.manifest, run.net)
             log.info("gate: promoted %s", reason)
-            if run.version <= self._left_at and self._resume_learner(run.version, run.net):
+            if self.lineage.follows_canary(run.version) and self._resume_learner(run.version, run.net):
                 # The learner took other weights after this candidate was published: its next
                 # candidates would be judged against a policy they do not descend from.
                 log.info("gate: the learner goes on from the canary v%d", run.version)
@@ -531,8 +528,7 @@ class PromotionGate:
         if not self.config.reanchor or self.on_resume is None:
             return False
         self.on_resume(version, net)
-        self._left_at = self._latest_candidate
-        self.stall.reset()
+        self.lineage.resumed()
         return True
 
     def _resume_from_serving(self, candidate_version: int, *, stalled: bool = False) -> None:
@@ -553,7 +549,7 @@ class PromotionGate:
             self.metrics.gate_stall_resumes.inc()
             log.info(
                 "gate: %d candidates in a row waited (the last v%d): training resumes from the serving v%d",
-                self.stall.limit,
+                self.lineage.stall.limit,
                 candidate_version,
                 serving,
             )
@@ -565,7 +561,7 @@ class PromotionGate:
         """Judge the canary, then decide on ``manifest`` (:func:`decide`) and carry the decision out."""
         if not self._canary_cleared:
             await self.end_canary()
-        self._latest_candidate = max(self._latest_candidate, manifest.version)
+        self.lineage.judging(manifest.version)
         await self._judge_canary()
         window = [e for e in self.window() if not is_canary(e)][-self.config.window :]
         # Each event's logging probabilities (recomputed where it lacks them) before any judgement.
@@ -622,7 +618,7 @@ class PromotionGate:
                 outcome = replace(outcome, reason=f"{outcome.reason}; {step.reason}")
         if reanchors(held, held_manifest.reason):
             self._resume_from_serving(held_manifest.version)
-        elif self.config.reanchor and self.stall.judged(
+        elif self.config.reanchor and self.lineage.stall.judged(
             held_manifest.version, outcome.action, held_manifest.reason, step_judged
         ):
             self._resume_from_serving(held_manifest.version, stalled=True)

@@ -202,7 +202,7 @@ def test_where_candidates_wait_in_a_row_the_loop_resumes_from_serving(monkeypatc
     monkeypatch.setattr(offline, "judge_window", lambda *a, **k: ("insufficient", "straddles", undecided))
     step = conservative.StepDecision("insufficient", "step α=0.5: straddles", 0.5, None, {}, 0.01)
     monkeypatch.setattr(conservative, "trust_region_step", lambda *a, **k: step)
-    assert offline.Stall is conservative.Stall
+    assert offline.Lineage is conservative.Lineage
     base = {"hidden": 16, "refresh_every": 40, "reset": False, "gate": True, "canary_rate": 0.0}
     result = run_offline(TINY, OfflineConfig(**base))
     judged = [r for r in result.refreshes if r[2] > 0]

@@ -270,7 +270,7 @@ async def test_without_a_step_to_judge_the_learner_is_let_go_on(monkeypatch: pyt
     for v in range(2, 2 + 2 * conservative.STALL_WAITS):
         d = await gate.consider(manifest(v), candidate.tensors())
     assert d.decision == "insufficient" and ("no step of α" in d.reason) == (case == "no step fits")
-    assert back == [] and gate.stall.waited == 0
+    assert back == [] and gate.lineage.stall.waited == 0
 
 
 async def test_a_promoted_step_starts_the_count_again(
@@ -280,10 +280,10 @@ async def test_a_promoted_step_starts_the_count_again(
     gate, candidate = gate_with(Publisher(), on=True)
     back: list[int] = []
     gate.on_resume = lambda version, net: back.append(version)
-    gate.stall.waited = conservative.STALL_WAITS - 1
+    gate.lineage.stall.waited = conservative.STALL_WAITS - 1
     d = await gate.consider(manifest(2), candidate.tensors())
     assert d.decision == "promoted" and back == [10]  # it goes on from the step, not from serving
-    assert gate.stall.waited == 0
+    assert gate.lineage.stall.waited == 0
 
 
 async def test_a_canary_promoted_after_the_learner_left_its_weights_is_where_it_goes_on() -> None:
@@ -309,7 +309,7 @@ async def test_a_canary_promoted_after_the_learner_left_its_weights_is_where_it_
             net=candidate,
         )
 
-    gate._latest_candidate = 8
+    gate.lineage.judging(8)
     gate.canary = canary(7)  # type: ignore[assignment]
     await gate._judge_canary()
     assert gate.serving_manifest is not None and gate.serving_manifest.version == 7
