@@ -1,0 +1,327 @@
+"""The promotion rule: one promise, one state machine, ``decide(state, event) → (state, actions)``.
+
+**The promise.** With probability ≥ 1 − δ, at every moment of a run of any length and any
+number of candidates, the policy served (as its manifest says to serve it) is
+
+* not worse than the *anchor* — the best version certified so far, similarity-only retrieval
+  (the client's own ranking) before any — by more than ε, and
+* the anchors only ever improve: a version becomes the anchor only when the log shows it
+  better than the anchor before it.
+
+So the served policy is never worse than similarity-only, nor than any anchor before, by
+more than ε: the margins do not add up over promotions, and no bound is chained through an
+older estimate (each anchor step is a test of its own, and all tests hold together).
+
+**The rule.** Each candidate the learner publishes starts a *trial*: an anytime-valid
+confidence sequence (:class:`models.offpolicy.confidence.GainSequence`) for its gain over the
+anchor, fed with *held-out* logged decisions — events the learner never trains on
+(:func:`held_out`), so a candidate is always tested on data it was not chosen on (a
+Seldonian safety test, Thomas et al. 2019). Trial j of the run gets the error rate
+δ/(j(j+1)) (:func:`models.offpolicy.confidence.spend`): the rates of all trials add up to δ,
+and each trial may be looked at after every batch. After each batch, the newest trial whose
+lower bound is
+
+* above 0 is **promoted and becomes the anchor** (``improved``);
+* above −ε is **promoted** (``within-epsilon``): served, the anchor unchanged; its trial goes
+  on, and the version becomes the anchor once its lower bound passes 0 (``anchor``), so that
+  later candidates are held to what it gained;
+
+and a trial whose upper bound is below 0 is **refused** with evidence that the candidate is
+worse than the anchor: the learner resumes from the serving weights (``worse``). A trial
+neither certified nor refused **waits**, and its bounds say what it waits for; it is never
+evidence against the candidate. Older trials than one promoted end (``superseded``).
+
+**The guardrail.** The served version's own held-out decisions (logged while it served) are
+compared, by the same kind of sequence, with similarity-only; where the served version is
+shown worse by more than ε, it is **rolled back** to the anchor (or to the first policy, when
+the served version is the anchor). This is a check on what is actually served, under
+whatever the estimators' inputs got wrong.
+
+The learner's async code only gathers the evidence (the probabilities, under each version
+as served, of the sets each held-out decision read) and carries out the actions; the lab
+calls the same :func:`decide`.
+
+>>> s = State.start(serving=1)
+>>> s, acts = decide(s, Candidate(2), Rule())
+>>> [a.kind for a in acts], s.trials[0].version
+(['trial'], 2)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from models.offpolicy.confidence import GainSequence, spend
+
+SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k): the first anchor
+HOLDOUT_BUCKETS = 10_000
+
+ActionKind = Literal["trial", "promote", "anchor", "refuse", "wait", "rollback", "superseded"]
+
+
+def held_out(query_id: str, share: float) -> bool:
+    """Whether a query's decisions are held out of training, for the promotion rule's tests.
+
+    A hash of the query id, so that every process (and every restart) splits alike.
+
+    >>> held_out("q-1", 0.0), held_out("q-1", 1.0)
+    (False, True)
+    >>> 0.2 < sum(held_out(f"q-{i}", 0.25) for i in range(4000)) / 4000 < 0.3
+    True
+    """
+    digest = hashlib.blake2b(query_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % HOLDOUT_BUCKETS < share * HOLDOUT_BUCKETS
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The rule's parameters.
+
+    Parameters
+    ----------
+    delta
+        The error rate of the whole run's promise.
+    epsilon
+        The margin: how much worse than the anchor (utility units) a promoted version may be.
+    max_trials
+        Trials open at once; a newer candidate ends the oldest (``superseded``).
+    """
+
+    delta: float = 0.05
+    epsilon: float = 0.02
+    max_trials: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta must be in (0, 1), not {self.delta!r}")
+        if not self.epsilon >= 0.0:
+            raise ValueError(f"epsilon must be >= 0, not {self.epsilon!r}")
+        if self.max_trials < 1:
+            raise ValueError("max_trials must be >= 1")
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A candidate under test: its gain over ``anchor``, from held-out decisions logged after it started."""
+
+    version: int
+    anchor: int
+    index: int  # the trial's number in the run (its share of δ)
+    bounds: GainSequence
+
+    def describe(self) -> str:
+        b = self.bounds
+        if b.n == 0:
+            return f"v{self.version}: no held-out decisions yet"
+        return f"v{self.version} over v{self.anchor}: gain in [{b.low:+.4f}, {b.high:+.4f}] after {b.n} decisions"
+
+
+@dataclass(frozen=True)
+class State:
+    """What the rule knows: the version served, the anchor, the open trials and the guardrail."""
+
+    serving: int
+    anchor: int = SIMILARITY
+    first: int = 1  # the first policy of the run (what a rollback of the anchor itself goes to)
+    trials: tuple[Trial, ...] = ()
+    tests: int = 0  # trials started in the run (δ spent)
+    incumbent: Trial | None = None  # the served version, promoted within ε, still tested against the anchor
+    guard: GainSequence | None = None  # the served version over similarity-only, on its own decisions
+    guards: int = 0  # guardrail sequences started (their own share of δ)
+
+    @classmethod
+    def start(cls, serving: int) -> State:
+        """The state at the learner's start: ``serving`` served at once, similarity-only the anchor."""
+        return cls(serving=serving, first=serving)
+
+    def versions(self) -> set[int]:
+        """The versions whose probabilities the next evidence must carry."""
+        out = {SIMILARITY, self.serving, self.anchor}
+        for t in (*self.trials, *([self.incumbent] if self.incumbent else [])):
+            out.update((t.version, t.anchor))
+        return out
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The learner published candidate ``version``."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class ServedAtOnce:
+    """A version served without a trial (a rollback, a drift reset, an operator's command).
+
+    ``reanchor``: the anchor goes back to similarity-only (a drift reset: what was certified
+    describes the world before the change); else it stays.
+    """
+
+    version: int
+    reanchor: bool = False
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A batch of held-out decisions, in the order they were logged.
+
+    ``probs[v]``: each decision's probability, under version ``v`` as served (its manifest's
+    serving parameters; :data:`SIMILARITY` is plain top-k), of the set it read; ``logging``:
+    the same under the policy that drew it; ``utility``: its utility; ``version``: the
+    version that logged it.
+    """
+
+    utility: np.ndarray
+    logging: np.ndarray
+    version: np.ndarray
+    probs: Mapping[int, np.ndarray]
+
+    def weights(self, v: int) -> np.ndarray:
+        p = self.probs[v]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            w = np.where(self.logging > 0, p / self.logging, 0.0)
+        out: np.ndarray = np.nan_to_num(w, nan=0.0, posinf=0.0)
+        return out
+
+
+Event = Candidate | ServedAtOnce | Evidence
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the learner does: ``kind``, the version it is about, and why (the path taken)."""
+
+    kind: ActionKind
+    version: int
+    reason: str
+    path: str = ""  # promote: "improved" | "within-epsilon"; refuse: "worse"; rollback: "guardrail"
+    to: int | None = None  # rollback: the version served instead; refuse: the version the learner resumes from
+
+
+# --------------------------------------------------------------------------- decide
+
+
+def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]:
+    """The next state and the actions, for one event. Pure: ``state`` is not changed."""
+    if isinstance(event, Candidate):
+        return _candidate(state, event, rule)
+    if isinstance(event, ServedAtOnce):
+        anchor = SIMILARITY if event.reanchor else state.anchor
+        ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]
+        return replace(state, serving=event.version, anchor=anchor, trials=(), guard=None, incumbent=None), ended
+    return _evidence(state, event, rule)
+
+
+def _trial(state: State, version: int, rule: Rule) -> tuple[State, Trial]:
+    index = state.tests + 1
+    bounds = GainSequence(spend(index, rule.delta / 2))  # half of δ for trials
+    return replace(state, tests=index), Trial(version, state.anchor, index, bounds)
+
+
+def _candidate(state: State, event: Candidate, rule: Rule) -> tuple[State, list[Action]]:
+    if event.version <= state.serving or any(t.version == event.version for t in state.trials):
+        return state, [Action("superseded", event.version, f"not newer than the serving v{state.serving}")]
+    state, trial = _trial(state, event.version, rule)
+    trials = (*state.trials, trial)
+    actions = [Action("trial", trial.version, f"trial {trial.index} against v{trial.anchor}")]
+    while len(trials) > rule.max_trials:
+        actions.append(Action("superseded", trials[0].version, f"v{event.version} is newer"))
+        trials = trials[1:]
+    return replace(state, trials=trials), actions
+
+
+def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Action]]:
+    if len(ev.utility) == 0:
+        return state, []
+    state = copy.deepcopy(state)  # the sequences are updated in place: the caller's state stays as it was
+    for t in (*state.trials, *([state.incumbent] if state.incumbent else [])):
+        t.bounds.update(ev.weights(t.version), ev.weights(t.anchor), ev.utility)
+    actions: list[Action] = []
+    state = _guard(state, ev, rule, actions)
+    if any(a.kind == "rollback" for a in actions):
+        return state, actions
+    inc = state.incumbent
+    if inc is not None and inc.bounds.low > 0.0:
+        # The version served within ε of the anchor is now shown better than it: the new anchor.
+        actions.append(Action("anchor", inc.version, inc.describe(), "improved"))
+        state = _new_anchor(replace(state, anchor=inc.version, incumbent=None), rule, actions)
+    kept: list[Trial] = []
+    for t in state.trials:
+        if t.bounds.high < 0.0:
+            actions.append(Action("refuse", t.version, t.describe(), "worse", to=state.serving))
+        else:
+            kept.append(t)
+    promoted = next((t for t in reversed(kept) if t.bounds.low > -rule.epsilon), None)
+    if promoted is None:
+        actions += [Action("wait", t.version, t.describe()) for t in kept]
+        return replace(state, trials=tuple(kept)), actions
+    improved = promoted.bounds.low > 0.0
+    actions.append(
+        Action("promote", promoted.version, promoted.describe(), "improved" if improved else "within-epsilon")
+    )
+    actions += [
+        Action("superseded", t.version, f"v{promoted.version} promoted") for t in kept if t.version < promoted.version
+    ]
+    newer = tuple(t for t in kept if t.version > promoted.version)
+    # A version served within ε goes on being tested against the anchor: it becomes the anchor
+    # once shown better (above), so that later candidates cannot undo what it gained.
+    state = replace(state, serving=promoted.version, trials=newer, guard=None, incumbent=None if improved else promoted)
+    if improved:
+        state = _new_anchor(replace(state, anchor=promoted.version), rule, actions)
+    return state, actions
+
+
+def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
+    """The open trials were against the old anchor: each starts again against the new one."""
+    trials: list[Trial] = []
+    for t in state.trials:
+        state, restarted = _trial(state, t.version, rule)
+        trials.append(restarted)
+        actions.append(Action("trial", t.version, f"trial {restarted.index} against the new anchor v{state.anchor}"))
+    return replace(state, trials=tuple(trials))
+
+
+def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> State:
+    """Update the guardrail with the served version's own decisions; roll back on evidence of harm."""
+    own = ev.version == state.serving
+    if (state.serving == state.first and state.anchor == SIMILARITY) or not own.any():
+        return state  # nothing to fall back to, or nothing of the served version's own yet
+    guard, guards = state.guard, state.guards
+    if guard is None:
+        guards += 1
+        guard = GainSequence(spend(guards, rule.delta / 2))  # the other half of δ
+    sub = Evidence(ev.utility[own], ev.logging[own], ev.version[own], {v: p[own] for v, p in ev.probs.items()})
+    guard.update(sub.weights(state.serving), sub.weights(SIMILARITY), sub.utility)
+    state = replace(state, guard=guard, guards=guards)
+    if guard.high < -rule.epsilon:
+        to = state.anchor if state.anchor not in (SIMILARITY, state.serving) else state.first
+        reason = f"v{state.serving} below similarity-only: gain in [{guard.low:+.4f}, {guard.high:+.4f}] < −ε"
+        actions.append(Action("rollback", state.serving, reason, "guardrail", to=to))
+        for t in state.trials:
+            actions.append(Action("superseded", t.version, f"rolled back to v{to}"))
+        anchor = state.anchor if state.anchor != state.serving else SIMILARITY
+        state = replace(state, serving=to, anchor=anchor, trials=(), guard=None, incumbent=None)
+    return state
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What ``status``, the metrics and the UI show of the rule's state."""
+
+    serving: int
+    anchor: int
+    tests: int
+    waiting: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def of(cls, state: State) -> Summary:
+        return cls(state.serving, state.anchor, state.tests, tuple(t.describe() for t in state.trials))
