@@ -38,6 +38,8 @@ from models.policy.trainer import PolicyTrainer, TrainerConfig
 from models.serving.params import ServingParams
 from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
+from pipeline.learner import evidence as gate_evidence
+from pipeline.learner import promotion
 from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
 from pipeline.learner.conservative import Lineage, canary_regressed, reanchors, step_on_window
 from pipeline.learner.logging_policy import LoggingPolicies
@@ -97,6 +99,11 @@ class OfflineConfig:
     gate_reanchor: bool = PRODUCT.gate_reanchor
     # A client that sends only the contract's required fields (required_only) and serves no canary.
     minimal_client: bool = False
+    # "window": today's gate (its rule on the last gate_window decisions); "sequences": the
+    # promotion rule of pipeline/learner/promotion.py on held-out decisions.
+    gate_rule: str = "window"
+    gate_delta: float = 0.05  # "sequences": the run's error rate
+    gate_holdout: float = 0.25  # "sequences": the share of queries held out of training for its tests
     seed: int = PRODUCT.seed
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -158,6 +165,8 @@ class OfflineResult:
     reanchors: list[tuple[int, int, int]] = field(default_factory=list)
     # (step, candidate version, serving version) where it resumed because candidates waited in a row
     stalls: list[tuple[int, int, int]] = field(default_factory=list)
+    # gate_rule "sequences": every action of the promotion rule, (step, kind, version, path)
+    actions: list[tuple[int, str, int, str]] = field(default_factory=list)
 
 
 def _snapshot(
@@ -388,6 +397,22 @@ def run_offline(
             canary = CanaryRun(candidate.manifest, candidate.net, serving.version, window, canary_rate, gate.canary_max)
             retriever.set_canary(candidate)
 
+    sequences: SequenceGate | None = None
+    if gate is not None and cfg.gate_rule == "sequences":
+        sequences = SequenceGate(
+            promotion.Rule(delta=cfg.gate_delta, epsilon=cfg.gate_epsilon),
+            first,
+            serving_params,
+            canary_rate,
+            trainer,
+            logging_policies,
+            result,
+            serve_as_configured,
+            retriever.set_canary,
+        )
+    elif cfg.gate_rule not in ("window", "sequences"):
+        raise ValueError(f"gate_rule must be 'window' or 'sequences', not {cfg.gate_rule!r}")
+
     for _ in range(scenario.total_queries):
         q = env.next_query()
         for step in range(q.steps):
@@ -409,8 +434,14 @@ def run_offline(
                 effects = {m: v - nll_with for m, v in (nll_without_slot or {}).items()} or None
                 pending.append(Experience(event.event_id, "feedback", event, u, slot_effects=effects))
             if len(pending) >= cfg.batch_size:
-                if cfg.learn:
-                    trainer.update(pending)
+                if sequences is not None:
+                    # The rule's tests are on queries the trainer never learns from.
+                    kept = [e for e in pending if not promotion.held_out(e.event.query_id, cfg.gate_holdout)]
+                    sequences.held.extend(e for e in pending if e not in kept)
+                else:
+                    kept = pending
+                if cfg.learn and kept:
+                    trainer.update(kept)
                 replay.extend(pending)
                 pending = []
             steps += 1
@@ -419,7 +450,10 @@ def run_offline(
                 version += 1
                 candidate = snapshot(serving_params)
                 result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
-                refresh(candidate)
+                if sequences is not None:
+                    sequences.refresh(candidate, steps)
+                else:
+                    refresh(candidate)
 
         rating = env.rating(q.intent)
         if rating is not None:
@@ -437,8 +471,93 @@ def run_offline(
                 )
                 result.resets.append(t)
                 version += 1
-                refresh(snapshot(serving_params, "reset"))
+                if sequences is not None:
+                    sequences.refresh(snapshot(serving_params, "reset"), steps)
+                else:
+                    refresh(snapshot(serving_params, "reset"))
         if progress is not None:
             progress()
     result.served = retriever.policy
     return result
+
+
+class SequenceGate:
+    """gate_rule "sequences": the promotion rule (:func:`pipeline.learner.promotion.decide`) as the
+    learner carries it out, on the held-out decisions (:mod:`pipeline.learner.evidence`).
+
+    Carries each action out on the loop's retriever and trainer: ``promote`` and ``rollback``
+    serve a version, ``refuse`` (the candidate shown worse) sends training back to the serving
+    weights; while a full candidate's trial waits and clients serve canaries, it is the canary.
+    """
+
+    def __init__(
+        self,
+        rule: promotion.Rule,
+        first: LoadedPolicy,
+        params: ServingParams,
+        canary_rate: float,
+        trainer: PolicyTrainer,
+        logging_policies: LoggingPolicies,
+        result: OfflineResult,
+        serve: Callable[[LoadedPolicy], None],
+        set_canary: Callable[[LoadedPolicy | None], None],
+    ) -> None:
+        self.rule = rule
+        self.state = promotion.State.start(first.version)
+        self.nets: dict[int, LoadedPolicy] = {first.version: first}
+        self.params = params
+        self.canary_rate = canary_rate
+        self.canary: int | None = None
+        self.trainer = trainer
+        self.logging_policies = logging_policies
+        self.result = result
+        self.serve = serve
+        self.set_canary = set_canary
+        self.held: list[Experience] = []
+
+    def refresh(self, candidate: LoadedPolicy, step: int) -> None:
+        """A checkpoint: a candidate starts a trial, anything else is served at once; then a look."""
+        v = candidate.version
+        self.nets[v] = candidate
+        if is_candidate(candidate.manifest.reason, True):
+            self.state, actions = promotion.decide(self.state, promotion.Candidate(v), self.rule)
+        else:
+            event = promotion.ServedAtOnce(v, reanchor=candidate.manifest.reason == "reset")
+            self.state, actions = promotion.decide(self.state, event, self.rule)
+            self.serve(candidate)
+        self._carry(actions, step)
+        self.look(step)
+
+    def look(self, step: int) -> None:
+        """The held-out decisions since the last look, as evidence."""
+        held, self.held = self.logging_policies.complete(self.held), []
+        versions = {
+            v: (self.nets[v].net, ServingParams.from_wire(self.nets[v].manifest.serving))
+            for v in self.state.versions()
+            if v != promotion.SIMILARITY
+        }
+        ev = gate_evidence.build(gate_evidence.usable(held), versions, self.params)
+        self.state, actions = promotion.decide(self.state, ev, self.rule)
+        self._carry(actions, step)
+
+    def _carry(self, actions: list[promotion.Action], step: int) -> None:
+        for a in actions:
+            self.result.actions.append((step, a.kind, a.version, a.path))
+            if a.kind in ("promote", "refuse", "wait", "superseded"):
+                self.result.gate.append({"promote": "promoted", "refuse": "refused"}.get(a.kind, "insufficient"))
+            if a.kind == "promote":
+                self.serve(self.nets[a.version])
+            elif a.kind == "rollback" and a.to is not None:
+                self.serve(self.nets[a.to])
+            elif a.kind == "refuse":
+                self.trainer.resume_from(self.nets[self.state.serving].net.tensors())
+        # The newest waiting full candidate is the canary, where clients serve canaries.
+        waiting = [t.version for t in self.state.trials]
+        canary = waiting[-1] if waiting and self.canary_rate > 0 else None
+        if canary != self.canary:
+            self.canary = canary
+            self.set_canary(self.nets[canary] if canary is not None else None)
+            if canary is not None:
+                self.logging_policies.hold(self.nets[canary].manifest, self.nets[canary].net)
+        keep = self.state.versions() | {self.state.first}
+        self.nets = {v: p for v, p in self.nets.items() if v in keep}

@@ -101,7 +101,8 @@ def test_the_loop_takes_the_learners_promotion_decisions(monkeypatch: pytest.Mon
     assert promotion_gate.canary_decision is promotion_decision.canary_decision
     # The loop holds no rule of its own: it defines no function but its snapshot and itself.
     own = {n for n, v in vars(offline).items() if callable(v) and getattr(v, "__module__", "") == offline.__name__}
-    assert own == {"OfflineConfig", "OfflineResult", "_snapshot", "run_offline"}
+    # SequenceGate only carries out pipeline.learner.promotion.decide's actions (tested below).
+    assert own == {"OfflineConfig", "OfflineResult", "SequenceGate", "_snapshot", "run_offline"}
     calls: list[tuple[promotion_decision.Candidate, int | None, str]] = []
     ended: list[str] = []
 
@@ -215,3 +216,18 @@ def test_where_candidates_wait_in_a_row_the_loop_resumes_from_serving(monkeypatc
     assert not off.stalls
     nosteps = run_offline(TINY, OfflineConfig(**base, gate_conservative=False))  # only a whole candidate can go
     assert not nosteps.stalls
+
+
+def test_the_sequence_rule_decides_from_held_out_decisions_only() -> None:
+    """gate_rule "sequences": the loop carries out pipeline.learner.promotion.decide; the trainer
+    learns from the queries outside the hold-out alone, and every promotion names its path."""
+    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, gate_rule="sequences", canary_rate=0.0)
+    result = run_offline(TINY, cfg)
+    kinds = {k for _, k, _, _ in result.actions}
+    assert "trial" in kinds
+    assert all(p in ("improved", "within-epsilon") for _, k, _, p in result.actions if k == "promote")
+    served = set(result.tally.version)
+    promoted = {v for _, k, v, _ in result.actions if k == "promote"}
+    assert served - {1} <= promoted  # nothing but the first policy is served without the rule
+    with pytest.raises(ValueError, match="gate_rule"):
+        run_offline(TINY, OfflineConfig(hidden=16, refresh_every=40, gate=True, gate_rule="other"))
