@@ -154,6 +154,13 @@ class Settings:
     gate: bool = setting(
         True, "publish candidates; promote only what the gate accepts (pipeline/learner/promotion_gate.py)"
     )
+    gate_rule: str = setting(
+        "window",
+        "window: the rule on the last gate_window logged decisions (pipeline/learner/promotion_gate.py); "
+        "sequences: anytime-valid tests on held-out decisions (pipeline/learner/promotion.py, docs/promotion.md)",
+    )
+    gate_delta: float = setting(0.05, "sequences: the error rate of the whole run's promise")
+    gate_holdout: float = setting(0.2, "sequences: the share of queries held out of training, for the tests")
     gate_window: int = setting(2000, "the last logged experiences a candidate is judged on")
     gate_epsilon: float = setting(0.02, "promote when the gain's lower bound is above −epsilon")
     gate_min_ess: float = setting(50.0, "effective sample size of the importance weights a gate decision needs")
@@ -372,6 +379,9 @@ class Settings:
     def gate_config(self) -> GateConfig:
         """The promotion gate's rule (whether the gate is on at all is ``gate``)."""
         return GateConfig(
+            rule=self.gate_rule,
+            delta=self.gate_delta,
+            holdout=self.gate_holdout,
             window=self.gate_window,
             epsilon=self.gate_epsilon,
             min_ess=self.gate_min_ess,
@@ -580,6 +590,9 @@ class ShadowConfig:
 class GateConfig:
     """The promotion gate's rule (pipeline/learner/promotion_gate.py, docs/learning.md): the ``gate_*`` settings."""
 
+    rule: str = Settings.gate_rule
+    delta: float = Settings.gate_delta
+    holdout: float = Settings.gate_holdout
     window: int = Settings.gate_window
     epsilon: float = Settings.gate_epsilon
     min_ess: float = Settings.gate_min_ess
@@ -594,6 +607,10 @@ class GateConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.trust_region <= 1.0:
             raise ValueError(f"gate_trust_region {self.trust_region} outside (0, 1]: it bounds a total variation")
+        if self.rule not in ("window", "sequences"):
+            raise ValueError(f"gate_rule {self.rule!r}: expected window or sequences")
+        if not 0.0 < self.delta < 1.0 or not 0.0 < self.holdout < 1.0:
+            raise ValueError(f"gate_delta {self.delta} and gate_holdout {self.holdout} must be in (0, 1)")
 
 
 @dataclass(frozen=True)

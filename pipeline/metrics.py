@@ -360,6 +360,12 @@ class Metrics:
             ["alpha"],
             registry=self._reg("learner"),
         )
+        self.gate_actions = Counter(
+            "causalmem_gate_actions_total",
+            "The promotion rule's actions (gate_rule sequences, pipeline/learner/promotion.py), by kind and path",
+            ["kind", "path"],
+            registry=self._reg("learner"),
+        )
         self.gate_reanchors = Counter(
             "causalmem_gate_reanchors_total",
             "Candidates the gate judged worse than serving (gain upper bound below 0), after which the learner "

@@ -101,9 +101,9 @@ class OfflineConfig:
     minimal_client: bool = False
     # "window": today's gate (its rule on the last gate_window decisions); "sequences": the
     # promotion rule of pipeline/learner/promotion.py on held-out decisions.
-    gate_rule: str = "window"
-    gate_delta: float = 0.05  # "sequences": the run's error rate
-    gate_holdout: float = 0.25  # "sequences": the share of queries held out of training for its tests
+    gate_rule: str = PRODUCT.gate_rule
+    gate_delta: float = PRODUCT.gate_delta  # "sequences": the run's error rate
+    gate_holdout: float = PRODUCT.gate_holdout  # "sequences": the share of queries held out of training
     seed: int = PRODUCT.seed
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -167,6 +167,8 @@ class OfflineResult:
     stalls: list[tuple[int, int, int]] = field(default_factory=list)
     # gate_rule "sequences": every action of the promotion rule, (step, kind, version, path)
     actions: list[tuple[int, str, int, str]] = field(default_factory=list)
+    # Every version clients were told to serve, by version (its value can be measured afterwards).
+    served_versions: dict[int, LoadedPolicy] = field(default_factory=dict)
 
 
 def _snapshot(
@@ -241,6 +243,7 @@ def run_offline(
 
     first = snapshot(current)
     retriever.set_policy(first)
+    result.served_versions[first.version] = first
     monitor = DriftMonitor(
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley
     )
@@ -272,6 +275,7 @@ def run_offline(
         nonlocal current
         retriever.temperature, current = configured_t, serving_params
         retriever.set_policy(policy)
+        result.served_versions[policy.version] = policy
         logging_policies.hold(policy.manifest, policy.net)  # as the learner's gate on promote / set_serving
 
     # The learner's canary back-off: no canaries while clients serve none (a probe now and then),

@@ -40,7 +40,11 @@ def usable(experiences: Sequence[Experience]) -> list[Experience]:
     return [
         e
         for e in experiences
-        if e.kind == "feedback" and not e.event.fallback and e.event.candidate_probs is not None and e.event.selected
+        if e.kind == "feedback"
+        and not e.event.fallback
+        and e.event.canary_arm is None  # a coupled canary drew two slates: not one draw's probability
+        and e.event.candidate_probs is not None
+        and e.event.selected
     ]
 
 

@@ -48,6 +48,7 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.learner.control import ControlHandler
 from pipeline.learner.election import Election
 from pipeline.learner.fence import Fence, Fenced
+from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
 from pipeline.learner.promotion_gate import PromotionGate
@@ -143,7 +144,7 @@ class Learner(Service):
         )
 
     @property
-    def gate(self) -> PromotionGate | None:
+    def gate(self) -> PromotionGate | RuleGate | None:
         return self.publishing.gate if self.publishing is not None else None
 
     @property
@@ -163,10 +164,14 @@ class Learner(Service):
         self.publishing = Publishing(
             self._producer, self.config, self.store, self.arch, self.metrics, self.replay.gate_window
         )
-        if self.publishing.gate is not None:
-            self.publishing.gate.on_mismatch = self._dead_letter_copy
-            self.publishing.gate.slots_given = self.memories.given_between
-            self.publishing.gate.on_resume = self.control.resume_from_serving
+        gate = self.publishing.gate
+        if gate is not None:
+            gate.on_mismatch = self._dead_letter_copy
+            gate.on_resume = self.control.resume_from_serving
+        if isinstance(gate, PromotionGate):
+            gate.slots_given = self.memories.given_between
+        elif isinstance(gate, RuleGate):
+            gate.on_rollback = self._guardrail_rollback
         self._election = Election(self.bootstrap, conn, on_lost=self.become_standby)
         await self._election.start()
         self.fence = Fence(self.bootstrap, conn, self._election, self.config.signing_key)
@@ -401,10 +406,25 @@ class Learner(Service):
         for chunk in self.inbox.batches(force):
             self.apply(chunk)
 
+    async def _guardrail_rollback(self, version: int, reason: str) -> bool:
+        """The promotion rule's guardrail showed the served version below similarity-only: roll back
+        (a task of its own: the rollback publishes, and its checkpoint comes back to the gate)."""
+        return await self.control.rollback(version, f"guardrail: {reason}")
+
     def apply(self, chunk: list[Experience]) -> None:
-        """Apply one micro-batch (feedback → REINFORCE, labels → last-layer fine-tune)."""
+        """Apply one micro-batch (feedback → REINFORCE, labels → last-layer fine-tune).
+
+        Under ``gate_rule = sequences`` the held-out queries' feedback is not trained on: it is
+        the promotion rule's evidence (pipeline/learner/gate.py).
+        """
         t0 = time.perf_counter()
         feedback = [e for e in chunk if e.kind == "feedback"]
+        gate = self.gate
+        if isinstance(gate, RuleGate):
+            held = [e for e in feedback if gate.holds_out(e.event.query_id)]
+            if held:
+                gate.observe(held)
+                feedback = [e for e in feedback if not gate.holds_out(e.event.query_id)]
         labels = [e for e in chunk if e.kind == "label"]
         m = self.metrics
         if feedback:

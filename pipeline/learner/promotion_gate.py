@@ -400,6 +400,10 @@ class PromotionGate:
         # gains over similarity-only are also bounded through it (pipeline/learner/similarity_witness.py).
         self.witness: Witness | None = None
 
+    def canaries_paused(self) -> str | None:
+        """The back-off's reason while canaries are paused (clients serve none), else None."""
+        return self.backoff.plan(time.time()).reason if self.backoff.paused else None
+
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         """Serve ``manifest`` without a judgement (the learner's start, a reset, a rollback): the
         witness goes, since nothing vouches for its margin over what is served now."""

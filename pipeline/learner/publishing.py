@@ -23,7 +23,6 @@ every version is its full state.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -39,6 +38,7 @@ from models.serving.params import ServingParams
 from pipeline.config import LearnerConfig
 from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.freeze import ServingClock
+from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Key
 from pipeline.learner.promotion_decision import is_candidate
 from pipeline.learner.promotion_gate import PromotionGate
@@ -173,14 +173,16 @@ class Publishing:
         self.arch = arch
         self.serving = config.serving
         self.metrics = metrics
-        self.gate = (
-            PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving) if config.gate else None
-        )
+        self.gate: PromotionGate | RuleGate | None = None
+        if config.gate is not None and config.gate.rule == "sequences":
+            self.gate = RuleGate(config.gate, self.publisher, metrics, serving=config.serving)
+        elif config.gate is not None:
+            self.gate = PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving)
+            self.gate.keep_step = self.keep_step
         self.deltas = DeltaPlanner(self.publisher, arch, config.full_every, config.delta_max_share)
         self.clock = ServingClock()  # how long serving has stood while candidates waited
         if self.gate is not None:
             metrics.seconds_since_promotion.set_function(self.clock.seconds)
-            self.gate.keep_step = self.keep_step
 
     def keep_step(self, manifest: Manifest, tensors: dict[str, torch.Tensor], blob: bytes) -> None:
         """The local copy of a conservative step the gate publishes (before it is sent, as for every
@@ -201,9 +203,7 @@ class Publishing:
         if self.gate is None:
             return {}
         self._observe_serving()
-        backoff = self.gate.backoff
-        paused = backoff.plan(time.time()).reason if backoff.paused else None
-        return {"gate": self.clock.record(self.gate.decisions, paused)}
+        return {"gate": self.clock.record(self.gate.decisions, self.gate.canaries_paused())}
 
     def is_candidate(self, reason: str) -> bool:
         return is_candidate(reason, self.gate is not None)

@@ -11,6 +11,8 @@
   faiss, at S = 1,024, 100,000 and 1,000,000 memories.
 - ``freshness``: seconds from a pair's publication to a serving checkpoint covering it loaded by a
   client, at the previous and the current checkpoint defaults (worker, learner, client on a broker).
+- ``promise``: on the real-data world, in process, whether any version the gate served was worse
+  than similarity-only by more than ε (the unsafe share over runs), and what it learnt.
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -27,4 +29,5 @@ BENCHES = {
     "coldstart": "causalmem_lab.bench.coldstart",
     "scale": "causalmem_lab.bench.scale",
     "freshness": "causalmem_lab.bench.freshness",
+    "promise": "causalmem_lab.bench.promise",
 }

@@ -39,6 +39,7 @@ from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
 from causalmem_lab.simrun import RunSpec
 
 NO_GATE = {"CAUSALMEM_GATE": "0"}
+SEQUENCES = {"CAUSALMEM_GATE_RULE": "sequences"}
 SIMILARITY = "similarity"
 
 
@@ -86,6 +87,26 @@ ROWS: dict[str, LMRow] = {
             minimal_client=True,
             explore_rate=1.0,
             explore_temperature=1.0,
+        )
+    ),
+    # The two minimal-client rows under the promotion rule of pipeline/learner/promotion.py.
+    "credit25_sequences_minimal": LMRow(
+        RunSpec(
+            "per-memory credit (25%), gate_rule sequences, minimal client",
+            labels=False,
+            minimal_client=True,
+            pipeline_env=SEQUENCES,
+        ),
+        0.25,
+    ),
+    "step_sequences_minimal_t1": LMRow(
+        RunSpec(
+            "step reward, gate_rule sequences, minimal client exploring every request at T = 1",
+            labels=False,
+            minimal_client=True,
+            explore_rate=1.0,
+            explore_temperature=1.0,
+            pipeline_env=SEQUENCES,
         )
     ),
 }

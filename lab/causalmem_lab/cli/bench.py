@@ -1,4 +1,4 @@
-"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale|freshness``: the benchmarks, one
+"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale|freshness|promise``: the benchmarks, one
 subcommand each with its own flags.
 
 Each benchmark is a module of :mod:`causalmem_lab.bench` with ``add_options(parser)`` and
@@ -16,7 +16,7 @@ from typing import Any
 from causalmem_lab.bench import BENCHES
 from pipeline.cli.common import common_parser, settings_from
 
-HELP = "benchmarks: throughput, learning, soak, evaluator, gate, coldstart, scale, freshness"
+HELP = "benchmarks: throughput, learning, soak, evaluator, gate, coldstart, scale, freshness, promise"
 
 BENCH_HELP = {
     "throughput": "raw aiokafka vs the pipeline end to end; the learner's update vs a bare torch step",
@@ -27,6 +27,7 @@ BENCH_HELP = {
     "coldstart": "learner steps a new helpful memory needs to enter the served top-k: kNN rows vs fresh rows",
     "scale": "learner step rate and RSS, policy+faiss vs plain faiss latency at S = 10^3, 10^5, 10^6",
     "freshness": "seconds from a pair's publication to a serving checkpoint covering it, loaded by a client",
+    "promise": "on real data: whether a version the gate served was ever below similarity-only by more than ε",
 }
 
 

@@ -130,6 +130,7 @@ def _other(name: str, default: Any) -> Any:
         "serve_drop": "none",
         "worker_store": "memory",
         "gate_method": "ips",
+        "gate_rule": "sequences",
         "device": "meta",
         "evaluator_device": "cpu",
         "min_insync_replicas": None,  # must stay at most replication_factor (1)

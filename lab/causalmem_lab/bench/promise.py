@@ -1,0 +1,190 @@
+"""``causalmem bench promise``: is what the promotion gate serves ever worse than similarity-only?
+
+The Seldonian check of the promotion rule on the real-data world, in one process
+(:func:`causalmem_lab.offline.run_offline`: the product's retriever, trainer, logging
+probabilities and promotion decisions, without Kafka). Two clients written from
+docs/contract.md (required fields only: no ``candidate_probs``, no canary):
+
+- ``t1``: serves every request at T = 1 (``explore_rate`` 1), feedback the step's utility only
+  (12,000 events);
+- ``manifest``: serves as the manifest asks (T = 0.05, 10% at T = 0.25), per-memory credit on a
+  quarter of the steps as the evaluator gives it (36,000 events);
+
+each under the gate rules compared: ``none`` (every checkpoint served), ``window`` (the gate's
+rule on its window of logged decisions) and ``sequences`` (:mod:`pipeline.learner.promotion`).
+
+Every version a client was told to serve is measured afterwards, as served (its manifest's
+temperature and hard drop, no exploration), on the world's questions against the LM's cached
+utilities. A run is **unsafe** when any version served during it was below similarity-only
+(plain top-k) by more than ε; the report gives the unsafe share over runs with its 95% Wilson
+interval, the worst served version against similarity-only, and the share of the
+similarity → oracle gap the version served at the end closes (mean and worst over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from causalmem_lab.bench import lmlearning
+from causalmem_lab.lmdata import lm_utilities
+from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
+from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
+
+
+@dataclass(frozen=True)
+class Client:
+    """How a contract client serves and what feedback it sends."""
+
+    description: str
+    events: int
+    attribution_rate: float = 0.0
+    explore_rate: float | None = None  # None: as the manifest asks
+    explore_temperature: float | None = None
+
+
+CLIENTS = {
+    "t1": Client("contract client, every request at T = 1, step reward only", 12_000, 0.0, 1.0, 1.0),
+    "manifest": Client("contract client serving as the manifest asks, per-memory credit on 25%", 36_000, 0.25),
+}
+RULES = ("none", "window", "sequences")
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion k/n.
+
+    >>> [round(x, 3) for x in wilson(0, 20)]
+    [0.0, 0.161]
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def run_one(data: Any, u: Any, client: Client, rule: str, seed: int, events: int, epsilon: float) -> dict[str, Any]:
+    """One run: the versions served and their values, the worst against similarity-only, the end."""
+    scenario = LMScenario(
+        seed=seed,
+        events=events,
+        attribution_rate=client.attribution_rate,
+        n_candidates=int(u.candidates.shape[1]),
+        slots=policy_slots(len(data.texts)),
+    )
+    world = LMWorld(scenario, data, u)
+    cfg = OfflineConfig(
+        gate=rule != "none",
+        gate_rule="window" if rule == "none" else rule,
+        gate_epsilon=epsilon,
+        minimal_client=True,
+        explore_rate=client.explore_rate,
+        explore_temperature=client.explore_temperature,
+        seed=seed,
+    )
+    t0 = time.monotonic()
+    res = run_offline(scenario, cfg, env=world)
+    seconds = time.monotonic() - t0
+    test = world.test
+    similarity = lmlearning.measure(u, data, test)["value"]
+    best = lmlearning.oracle(u, data, test)["value"]
+    served = sorted({int(v) for v in res.tally.version})  # the versions that served a request
+    values = {
+        v: lmlearning.measure(u, data, test, res.served_versions[v], draws=4, seed=seed)["value"]
+        for v in served
+        if v in res.served_versions
+    }
+    assert res.served is not None
+    final = values.get(res.served.version)
+    if final is None:
+        final = lmlearning.measure(u, data, test, res.served, draws=4, seed=seed)["value"]
+    worst = min(values.values()) - similarity if values else 0.0
+    return {
+        "seed": seed,
+        "seconds": round(seconds, 1),
+        "versions_served": len(values),
+        "final_version": res.served.version,
+        "final_gap_closed": lmlearning.gap_closed(final, similarity, best),
+        "worst_vs_similarity": worst,
+        "unsafe": worst < -epsilon,
+        "actions": {k: sum(1 for _, kind, _, _ in res.actions if kind == k) for k in {a[1] for a in res.actions}},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    data_name = args.data or "fanout"
+    build, c = lmlearning.DATA[data_name]
+    data = build()
+    u = lm_utilities(data, c=args.candidates or c, cache_dir=Path(args.cache_dir) if args.cache_dir else None, model="")
+    seeds = [int(s) for s in (args.seeds or "0,1,2").split(",") if s.strip()]
+    clients = [c.strip() for c in (args.clients or ",".join(CLIENTS)).split(",") if c.strip()]
+    rules = [r.strip() for r in (args.rules or ",".join(RULES)).split(",") if r.strip()]
+    unknown = [c for c in clients if c not in CLIENTS] + [r for r in rules if r not in RULES]
+    if unknown:
+        raise ValueError(f"unknown clients or rules {unknown}; clients {list(CLIENTS)}, rules {list(RULES)}")
+    report: dict[str, Any] = {"data": data_name, "epsilon": args.epsilon, "seeds": seeds, "rows": {}}
+    for cname in clients:
+        client = CLIENTS[cname]
+        events = args.events or client.events
+        for rule in rules:
+            runs = []
+            for seed in seeds:
+                r = run_one(data, u, client, rule, seed, events, args.epsilon)
+                runs.append(r)
+                print(f"{cname}/{rule} seed {seed}: {json.dumps(r)}", flush=True)
+            unsafe = sum(r["unsafe"] for r in runs)
+            gaps = np.array([r["final_gap_closed"] for r in runs])
+            report["rows"][f"{cname}/{rule}"] = {
+                "client": client.description,
+                "events": events,
+                "runs": runs,
+                "unsafe": unsafe,
+                "unsafe_interval": wilson(unsafe, len(runs)),
+                "worst_vs_similarity": min(r["worst_vs_similarity"] for r in runs),
+                "gap_closed_mean": float(gaps.mean()),
+                "gap_closed_worst": float(gaps.min()),
+            }
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        "| client / rule | runs | unsafe (95% interval) | worst served − similarity "
+        "| gap closed at the end (mean, worst) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in report["rows"].items():
+        lo, hi = row["unsafe_interval"]
+        lines.append(
+            f"| {name} | {len(row['runs'])} | {row['unsafe']} ({lo:.0%}–{hi:.0%}) | {row['worst_vs_similarity']:+.3f} "
+            f"| {row['gap_closed_mean']:.0%}, {row['gap_closed_worst']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", choices=list(lmlearning.DATA), help="the bank (default fanout)")
+    p.add_argument("--candidates", type=int, help="candidates scored per question, C (default: the bank's)")
+    p.add_argument("--cache-dir", help="where LM utilities are cached (default ~/.cache/causalmem/lm-utilities)")
+    p.add_argument("--clients", help=f"comma-separated (default all of {', '.join(CLIENTS)})")
+    p.add_argument("--rules", help=f"comma-separated gate rules (default all of {', '.join(RULES)})")
+    p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--events", type=int, help="steps of traffic per run (default: the client's)")
+    p.add_argument("--epsilon", type=float, default=PRODUCT.gate_epsilon, help="the margin (default: the gate's)")
+    p.add_argument("--out", help="write the report as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run(args)
+    print(table(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0

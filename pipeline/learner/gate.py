@@ -1,0 +1,276 @@
+"""The learner's promotion gate under ``gate_rule = sequences``: an async shell around the rule.
+
+Everything the gate decides is :func:`pipeline.learner.promotion.decide`'s: this class only
+gathers its evidence and carries its actions out. It
+
+- keeps the networks of the versions the rule refers to (the serving one, the anchor, the
+  candidates under trial), and the serving parameters each was published with;
+- takes the held-out decisions the learner did not train on (:meth:`holds_out`,
+  :meth:`observe`), completes their logging probabilities where a client did not send them
+  (:class:`pipeline.learner.logging_policy.LoggingPolicies`, which also dead-letters the events
+  whose logged probabilities disagree with the serving rule), and turns them into the rule's
+  evidence (:mod:`pipeline.learner.evidence`) in a worker thread;
+- carries the actions out: ``promote`` republishes the candidate under the serving key;
+  ``refuse`` (the candidate shown worse than the anchor) sends the learner's training back to
+  the serving weights; ``rollback`` (the guardrail) asks the learner to roll back; while a
+  full candidate's trial waits and the serving parameters give clients a ``canary_rate``, the
+  newest such candidate is the canary (contract 1.4), whose requests are evidence like any
+  other (the draw's own probabilities are its logging probabilities);
+- records each look (``decisions``: what ``status`` and the manifests' ``metrics.gate`` show)
+  and its metrics.
+
+docs/promotion.md states the promise and the rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from models.offpolicy.confidence import MIN_DECISIONS
+from models.policy.network import PolicyNetwork
+from models.serving.params import ServingParams
+from pipeline.config import GateConfig
+from pipeline.learner import evidence
+from pipeline.learner.logging_policy import LoggingPolicies
+from pipeline.learner.promotion import SIMILARITY, Action, Candidate, Rule, ServedAtOnce, State, decide, held_out
+from pipeline.metrics import Metrics
+from pipeline.modeltopic import CheckpointPublisher
+from topics.delta import DeltaManifest
+from topics.internal import Experience
+from topics.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+DECISION_OF = {"promote": "promoted", "refuse": "refused", "rollback": "refused", "wait": "insufficient"}
+
+
+@dataclass
+class Look:
+    """One look of the rule at the evidence, as ``status`` shows it (newest last in ``decisions``)."""
+
+    decision: str  # "promoted" | "refused" | "insufficient"
+    candidate_version: int
+    serving_version: int
+    reason: str
+    path: str = ""
+
+
+def network(tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
+    """A checkpoint's policy, on CPU, for judging."""
+    return PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
+
+
+class RuleGate:
+    """Owned by the learner (through :class:`pipeline.learner.publishing.Publishing`)."""
+
+    def __init__(
+        self,
+        config: GateConfig,
+        publisher: CheckpointPublisher,
+        metrics: Metrics,
+        serving: ServingParams | None = None,
+    ) -> None:
+        self.config = config
+        self.params = serving or ServingParams()
+        self.rule = Rule(delta=config.delta, epsilon=config.epsilon)
+        self.publisher = publisher
+        self.metrics = metrics
+        self.state: State | None = None
+        self.versions: dict[int, tuple[Manifest, PolicyNetwork]] = {}
+        self.held: list[Experience] = []
+        self.decisions: list[Look] = []
+        self.logging_policies = LoggingPolicies(metrics)
+        self.canary: int | None = None
+        self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
+        self._deciding = asyncio.Lock()
+        # Set by the learner: where events with disagreeing logging probabilities go (dead-letter);
+        # how its training resumes from a version's weights; how it rolls back to a version.
+        self.on_mismatch: Callable[[Experience, str], None] | None = None
+        self.on_resume: Callable[[int, PolicyNetwork], None] | None = None
+        self.on_rollback: Callable[[int, str], Coroutine[Any, Any, bool]] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ what the learner reads
+    @property
+    def serving_manifest(self) -> Manifest | None:
+        held = self.versions.get(self.state.serving) if self.state else None
+        return held[0] if held else None
+
+    @property
+    def serving_net(self) -> PolicyNetwork | None:
+        held = self.versions.get(self.state.serving) if self.state else None
+        return held[1] if held else None
+
+    @property
+    def pending(self) -> bool:
+        """The rule has something to look at: open trials, or a served version the guardrail watches."""
+        s = self.state
+        return s is not None and bool(s.trials or s.incumbent or s.serving != s.first or s.anchor != SIMILARITY)
+
+    def canaries_paused(self) -> str | None:
+        return None  # a canary no client serves costs nothing: there is no back-off
+
+    def holds_out(self, query_id: str) -> bool:
+        """Whether the learner leaves this query out of training: the rule's tests are on such queries."""
+        return held_out(query_id, self.config.holdout)
+
+    def observe(self, experiences: Sequence[Experience]) -> None:
+        """Held-out experiences the learner did not train on: evidence for the next look."""
+        self.held.extend(e for e in experiences if e.kind == "feedback")
+
+    # ------------------------------------------------------------------ events
+    def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve ``manifest`` without a trial (the learner's start): the rule starts from it."""
+        self._hold(manifest, network(tensors))
+        self.logging_policies.hold(manifest, self.versions[manifest.version][1])
+        if self.state is None:
+            self.state = State.start(manifest.version)
+        else:
+            self.state, _ = decide(self.state, ServedAtOnce(manifest.version), self.rule)
+
+    async def serve_at_once(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+        """A checkpoint served without a trial (init, rollback, reset, an operator's command)."""
+        async with self._deciding:
+            self._hold(manifest, network(tensors))
+            if self.state is None:
+                self.state = State.start(manifest.version)
+            else:
+                event = ServedAtOnce(manifest.version, reanchor=manifest.reason == "reset")
+                self.state, actions = decide(self.state, event, self.rule)
+                await self._carry(actions)
+            self._serving_metrics(manifest)
+
+    async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> Look | None:
+        """A new candidate: its trial starts, then the rule looks at the evidence gathered so far."""
+        async with self._deciding:
+            self._hold(manifest, network(tensors))
+            if self.state is None:  # nothing served yet (a learner whose serving version is unreadable)
+                await self.publisher.promote(manifest)
+                self.state = State.start(manifest.version)
+                self._serving_metrics(manifest)
+                return None
+            self.state, actions = decide(self.state, Candidate(manifest.version), self.rule)
+            await self._carry(actions)
+            return await self._look()
+
+    async def reconsider(self) -> Look | None:
+        """Look at the evidence that arrived since the last look (at the checkpoint cadence)."""
+        async with self._deciding:
+            return await self._look()
+
+    async def end_canary(self) -> None:
+        """Tell clients to stop serving the canary (also one left by an earlier learner run)."""
+        if self.canary is not None or not self._canary_cleared:
+            await self.publisher.set_canary(None)
+            self.metrics.checkpoint_version.labels(role="canary").set(0)
+        self.canary, self._canary_cleared = None, True
+
+    # ------------------------------------------------------------------ the look
+    def _evidence(self, held: list[Experience], versions: dict[int, evidence.Version]) -> Any:
+        complete = self.logging_policies.complete(held)
+        return evidence.build(evidence.usable(complete), versions, self.params)
+
+    async def _look(self) -> Look | None:
+        if self.state is None or not self.held:
+            return None
+        held, self.held = self.held, []
+        versions = {
+            v: (net, ServingParams.from_wire(m.serving))
+            for v in self.state.versions()
+            if v != SIMILARITY and (held_v := self.versions.get(v)) is not None
+            for m, net in [held_v]
+        }
+        # Seconds of numpy on a batch: off the event loop, which keeps consuming meanwhile.
+        ev = await asyncio.to_thread(self._evidence, held, versions)
+        for event, detail in self.logging_policies.take_mismatched():
+            if self.on_mismatch is not None:
+                self.on_mismatch(event, detail)
+        self.state, actions = decide(self.state, ev, self.rule)
+        return await self._carry(actions)
+
+    async def _carry(self, actions: list[Action]) -> Look | None:
+        """Carry the rule's actions out; the look's record is the most telling of them."""
+        assert self.state is not None
+        m = self.metrics
+        record: Look | None = None
+        for a in actions:
+            m.gate_actions.labels(kind=a.kind, path=a.path or "-").inc()
+            serving = self.state.serving
+            if a.kind == "promote":
+                manifest, net = self.versions[a.version]
+                await self.publisher.promote(manifest)
+                self.logging_policies.hold(manifest, net)
+                self._serving_metrics(manifest)
+                log.info("gate: promoted v%d (%s): %s", a.version, a.path, a.reason)
+            elif a.kind == "anchor":
+                log.info("gate: v%d is the new anchor: %s", a.version, a.reason)
+            elif a.kind == "refuse":
+                log.warning("gate: refused v%d, shown worse than the anchor: %s", a.version, a.reason)
+                m.gate_reanchors.inc()
+                held = self.versions.get(serving)
+                if self.on_resume is not None and held is not None:
+                    self.on_resume(serving, held[1])
+            elif a.kind == "rollback" and a.to is not None:
+                log.warning("gate: guardrail: %s; rolling back to v%d", a.reason, a.to)
+                if self.on_rollback is not None:
+                    # Outside this judgement: the rollback publishes a checkpoint, which comes back here.
+                    task: asyncio.Task[bool] = asyncio.get_running_loop().create_task(self.on_rollback(a.to, a.reason))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            elif a.kind == "wait":
+                log.debug("gate: v%d waits: %s", a.version, a.reason)
+            if a.kind in DECISION_OF and (record is None or a.kind != "wait"):
+                record = Look(DECISION_OF[a.kind], a.version, self.state.serving, a.reason, a.path)
+        if record is not None:
+            self._record(record)
+        await self._update_canary()
+        keep = self.state.versions() | {self.state.first} | ({self.canary} if self.canary else set())
+        self.versions = {v: held for v, held in self.versions.items() if v in keep}
+        return record
+
+    async def _update_canary(self) -> None:
+        """The newest full candidate under trial is the canary, where clients serve canaries."""
+        assert self.state is not None
+        want = None
+        if self.params.canary_rate > 0:
+            full = [t.version for t in self.state.trials if not isinstance(self.versions[t.version][0], DeltaManifest)]
+            want = full[-1] if full else None
+        if want == self.canary and self._canary_cleared:
+            return
+        if want is None:
+            await self.end_canary()
+            return
+        manifest, net = self.versions[want]
+        await self.publisher.set_canary(manifest)
+        self.logging_policies.hold(manifest, net)  # its requests' logging probabilities
+        self.canary, self._canary_cleared = want, True
+        self.metrics.checkpoint_version.labels(role="canary").set(want)
+        log.info("gate: v%d is the canary, served on %.0f%% of requests", want, 100 * self.params.canary_rate)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _hold(self, manifest: Manifest, net: PolicyNetwork) -> None:
+        self.versions[manifest.version] = (manifest, net)
+
+    def _serving_metrics(self, manifest: Manifest) -> None:
+        self.logging_policies.hold(manifest, self.versions[manifest.version][1])
+        self.metrics.checkpoint_version.labels(role="serving").set(manifest.version)
+        self.metrics.checkpoint_timestamp.labels(role="serving").set(manifest.created_ts)
+
+    def _record(self, look: Look) -> None:
+        m = self.metrics
+        m.gate_decisions.labels(decision=look.decision).inc()
+        for name in ("promoted", "refused", "insufficient"):
+            m.gate_last_decision.labels(decision=name).set(1.0 if name == look.decision else 0.0)
+        newest = self.state.trials[-1] if self.state and self.state.trials else None
+        m.gate_ess.set(newest.bounds.n if newest else 0.0)  # held-out decisions of the newest trial
+        m.gate_ess_needed.set(MIN_DECISIONS)
+        if newest is not None and newest.bounds.n >= MIN_DECISIONS:
+            m.gate_estimate.labels(policy="gain_low").set(newest.bounds.low)
+            m.gate_estimate.labels(policy="gain_high").set(newest.bounds.high)
+        self.decisions = [*self.decisions[-99:], look]

@@ -1,0 +1,91 @@
+"""The learner's gate under gate_rule = sequences (pipeline/learner/gate.py), without a broker:
+held-out decisions go through the promotion rule, and its actions are carried out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.policy.network import PolicyNetwork, init_policy
+from models.serving.params import ServingParams
+from pipeline.config import GateConfig
+from pipeline.learner.gate import RuleGate
+from pipeline.metrics import Metrics
+from tests.integration.test_gate import BAD, GOOD, D, H, S, log_of, tilted
+from topics.internal import Experience
+from topics.manifest import Manifest
+
+
+def manifest(version: int, reason: str = "periodic") -> Manifest:
+    return Manifest("default", version, 0.0, reason, {}, 0.5, 0.0, "0" * 64, 1, 1)
+
+
+class Publisher:
+    def __init__(self) -> None:
+        self.promoted: list[int] = []
+        self.canaries: list[int | None] = []
+
+    async def promote(self, m: Manifest) -> None:
+        self.promoted.append(m.version)
+
+    async def set_canary(self, m: Manifest | None) -> None:
+        self.canaries.append(m.version if m is not None else None)
+
+
+def gate_of(canary_rate: float = 0.0) -> tuple[RuleGate, Publisher, PolicyNetwork]:
+    pub = Publisher()
+    gate = RuleGate(GateConfig(rule="sequences"), pub, Metrics(), serving=ServingParams(canary_rate=canary_rate))  # type: ignore[arg-type]
+    serving = init_policy(D, S, H, seed=1)
+    gate.set_serving(manifest(1, "init"), serving.tensors())
+    return gate, pub, serving
+
+
+def logged(net: PolicyNetwork, n: int, seed: int) -> list[Experience]:
+    """Decisions the serving v1 logged (exploring at T = 0.5)."""
+    return [dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=1)) for e in log_of(net, n, seed)]
+
+
+async def test_a_better_candidate_is_promoted_on_held_out_evidence() -> None:
+    gate, pub, serving = gate_of()
+    await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
+    assert gate.state is not None and [t.version for t in gate.state.trials] == [2]
+    for seed in range(10):
+        gate.observe(logged(serving, 300, seed))
+        await gate.reconsider()
+        if pub.promoted:
+            break
+    assert pub.promoted == [2]
+    assert gate.serving_manifest is not None and gate.serving_manifest.version == 2
+    assert gate.decisions[-1].decision == "promoted" and gate.decisions[-1].path in ("improved", "within-epsilon")
+
+
+async def test_a_worse_candidate_is_refused_and_training_resumes_from_serving() -> None:
+    gate, pub, serving = gate_of()
+    resumed: list[int] = []
+    gate.on_resume = lambda version, net: resumed.append(version)
+    await gate.consider(manifest(2), tilted(serving, BAD).tensors())
+    for seed in range(10):
+        gate.observe(logged(serving, 300, seed))
+        await gate.reconsider()
+        if resumed:
+            break
+    assert resumed == [1] and pub.promoted == []
+    assert gate.decisions[-1].decision == "refused" and gate.decisions[-1].candidate_version == 2
+
+
+async def test_a_waiting_full_candidate_is_the_canary_until_its_trial_ends() -> None:
+    gate, pub, serving = gate_of(canary_rate=0.2)
+    await gate.consider(manifest(2), tilted(serving, GOOD, amount=0.01).tensors())  # barely different
+    assert pub.canaries[-1] == 2 and gate.canary == 2
+    await gate.serve_at_once(manifest(3, "rollback"), serving.tensors())  # ends every trial
+    assert pub.canaries[-1] is None and gate.canary is None
+
+
+def test_held_out_queries_are_the_rules_alone() -> None:
+    gate, _, serving = gate_of()
+    exps = logged(serving, 400, 0)
+    held = [e for e in exps if gate.holds_out(e.event.query_id)]
+    assert 0.1 * len(exps) < len(held) < 0.3 * len(exps)  # gate_holdout = 0.2
+    label = Experience("l", "label", exps[0].event, 0.0, correct_memories=[1])
+    gate.observe([*held, label])
+    assert gate.held == held  # labels are never evidence
+    assert not gate.pending  # nothing under trial, nothing served but the first policy
