@@ -18,7 +18,10 @@ anchor, fed with *held-out* logged decisions — events the learner never trains
 (:func:`held_out`), so a candidate is always tested on data it was not chosen on (a
 Seldonian safety test, Thomas et al. 2019). Trial j of the run gets the error rate
 δ/(j(j+1)) (:func:`models.offpolicy.confidence.spend`): the rates of all trials add up to δ,
-and each trial may be looked at after every batch. After each batch, the newest trial whose
+and each trial may be looked at after every batch. A new candidate starts a trial only once
+the newest open one has the decisions a bound needs (it takes the place of one that has seen
+none); otherwise it is passed over, so that every trial lives long enough to decide.
+After each batch, the newest trial whose
 lower bound is
 
 * above 0 is **promoted and becomes the anchor** (``improved``);
@@ -57,7 +60,7 @@ from typing import Literal
 
 import numpy as np
 
-from models.offpolicy.confidence import GainSequence, spend
+from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, spend
 
 SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k): the first anchor
 HOLDOUT_BUCKETS = 10_000
@@ -230,9 +233,20 @@ def _trial(state: State, version: int, rule: Rule) -> tuple[State, Trial]:
 def _candidate(state: State, event: Candidate, rule: Rule) -> tuple[State, list[Action]]:
     if event.version <= state.serving or any(t.version == event.version for t in state.trials):
         return state, [Action("superseded", event.version, f"not newer than the serving v{state.serving}")]
+    newest = state.trials[-1] if state.trials else None
+    actions: list[Action] = []
+    if newest is not None and newest.bounds.n == 0:
+        # Not looked at yet: nothing of δ was spent on it, so the newer candidate takes its place.
+        actions.append(Action("superseded", newest.version, f"v{event.version} is newer (no decision seen yet)"))
+        state = replace(state, trials=state.trials[:-1], tests=state.tests - 1)
+    elif newest is not None and newest.bounds.n < MIN_DECISIONS:
+        # The newest trial is gathering the decisions a bound needs: a trial per candidate would
+        # end each before it could decide (and spend δ on every one).
+        reason = f"v{newest.version}'s trial has {newest.bounds.n} of the {MIN_DECISIONS} decisions a bound needs"
+        return state, [Action("superseded", event.version, reason)]
     state, trial = _trial(state, event.version, rule)
     trials = (*state.trials, trial)
-    actions = [Action("trial", trial.version, f"trial {trial.index} against v{trial.anchor}")]
+    actions.append(Action("trial", trial.version, f"trial {trial.index} against v{trial.anchor}"))
     while len(trials) > rule.max_trials:
         actions.append(Action("superseded", trials[0].version, f"v{event.version} is newer"))
         trials = trials[1:]
