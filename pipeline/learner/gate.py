@@ -38,7 +38,17 @@ from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner import evidence
 from pipeline.learner.logging_policy import LoggingPolicies
-from pipeline.learner.promotion import SIMILARITY, Action, Candidate, Rule, ServedAtOnce, State, decide, held_out
+from pipeline.learner.promotion import (
+    SIMILARITY,
+    Action,
+    Candidate,
+    Rule,
+    ServedAtOnce,
+    State,
+    Withdrawn,
+    decide,
+    held_out,
+)
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
@@ -229,10 +239,23 @@ class RuleGate:
                 record = Look(DECISION_OF[a.kind], a.version, self.state.serving, a.reason, a.path)
         if record is not None:
             self._record(record)
+        await self._withdraw_stale_deltas()
         await self._update_canary()
         keep = self.state.versions() | {self.state.first} | ({self.canary} if self.canary else set())
         self.versions = {v: held for v, held in self.versions.items() if v in keep}
+        self.publisher.pinned = {t.version for t in self.state.trials}
         return record
+
+    async def _withdraw_stale_deltas(self) -> None:
+        """A delta candidate is promotable only on the base it was published on: once another
+        version serves, its trial ends (clients could not load it)."""
+        assert self.state is not None
+        head = self.publisher.head
+        for t in self.state.trials:
+            manifest = self.versions[t.version][0]
+            if isinstance(manifest, DeltaManifest) and (head is None or manifest.base_version != head[0]):
+                self.state, _ = decide(self.state, Withdrawn(t.version), self.rule)
+                log.info("gate: v%d withdrawn: a delta on v%d, no longer served", t.version, manifest.base_version)
 
     async def _update_canary(self) -> None:
         """The newest full candidate under trial is the canary, where clients serve canaries."""

@@ -196,7 +196,15 @@ class Evidence:
         return out
 
 
-Event = Candidate | ServedAtOnce | Evidence
+@dataclass(frozen=True)
+class Withdrawn:
+    """The learner can no longer serve candidate ``version`` as published (a delta whose base is no
+    longer served): its trial ends."""
+
+    version: int
+
+
+Event = Candidate | ServedAtOnce | Withdrawn | Evidence
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,11 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
     """The next state and the actions, for one event. Pure: ``state`` is not changed."""
     if isinstance(event, Candidate):
         return _candidate(state, event, rule)
+    if isinstance(event, Withdrawn):
+        trials = tuple(t for t in state.trials if t.version != event.version)
+        if len(trials) == len(state.trials):
+            return state, []
+        return replace(state, trials=trials), [Action("superseded", event.version, "withdrawn by the learner")]
     if isinstance(event, ServedAtOnce):
         anchor = SIMILARITY if event.reanchor else state.anchor
         ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]

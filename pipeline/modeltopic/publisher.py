@@ -67,6 +67,7 @@ class CheckpointPublisher:
         self.before_send = before_send
         self.live: dict[int, int] = {}  # version -> chunk count, not yet tombstoned
         self.canary_version: int | None = None  # contract 1.4: the canary's chunks stay while it runs
+        self.pinned: set[int] = set()  # candidates the promotion gate is still testing: their chunks stay
         self.protected: set[int] = set()  # versions that must stay (the serving one)
         self.delta_live: dict[int, int] = {}  # delta version -> chunk count, not yet tombstoned
         self.head: tuple[int, str] | None = None  # the serving link (version, id): deltas' base
@@ -233,13 +234,13 @@ class CheckpointPublisher:
         await self._tombstone_old()
 
     async def _tombstone_old(self) -> None:
-        keep = set(sorted(self.live)[-self.keep_versions :]) | self.protected
+        keep = set(sorted(self.live)[-self.keep_versions :]) | self.protected | self.pinned
         if self.canary_version is not None:
             keep.add(self.canary_version)
         # Deltas are needed from the serving full snapshot on (a client replays them from it).
         chain_start = max(self.protected, default=0)
         doomed = [(v, chunk_key) for v in sorted(self.live) if v not in keep]
-        doomed += [(v, delta_chunk_key) for v in sorted(self.delta_live) if v < chain_start]
+        doomed += [(v, delta_chunk_key) for v in sorted(self.delta_live) if v < chain_start and v not in self.pinned]
         futures = []
         for version, part_key in doomed:
             table = self.live if part_key is chunk_key else self.delta_live

@@ -23,9 +23,12 @@ class Publisher:
     def __init__(self) -> None:
         self.promoted: list[int] = []
         self.canaries: list[int | None] = []
+        self.head: tuple[int, str] | None = (1, "link")
+        self.pinned: set[int] = set()
 
     async def promote(self, m: Manifest) -> None:
         self.promoted.append(m.version)
+        self.head = (m.version, "link")
 
     async def set_canary(self, m: Manifest | None) -> None:
         self.canaries.append(m.version if m is not None else None)

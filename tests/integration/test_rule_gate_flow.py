@@ -1,0 +1,69 @@
+"""gate_rule = sequences through the broker: the learner trains on the queries outside the
+hold-out, the promotion rule decides on the held-out ones, clients load only what it promotes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from models.policy.network import PolicyNetwork
+from pipeline.client.subscriber import PolicySubscriber
+from pipeline.learner.gate import RuleGate
+from tests.helpers import until
+from tests.integration.test_gate import BAD, _send, learner_running, log_of, tilted
+from topics.internal import Experience
+
+
+def served_by(exps: list[Experience], version: int) -> list[Experience]:
+    return [dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=version)) for e in exps]
+
+
+@pytest.mark.broker
+async def test_the_rule_promotes_on_held_out_queries_and_refuses_a_worse_candidate(topics_ready) -> None:
+    s = topics_ready.replace(
+        gate=True, gate_rule="sequences", lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0
+    )
+    loaded: list[int] = []
+    sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=lambda p: loaded.append(p.version))
+    async with learner_running(s) as learner, sub:
+        gate = learner.gate
+        assert isinstance(gate, RuleGate)
+        await sub.wait_for_policy(1, timeout=30)
+        init = PolicyNetwork.from_tensors(learner.trainer.tensors())
+        sent = 0
+        for seed in range(3, 12):  # traffic logged by the first policy, in rounds, until a promotion
+            batch = served_by(log_of(init, 600, seed=seed, policy=s.policy), 1)
+            await _send(s, batch)
+            sent += len(batch)
+            if any(d.decision == "promoted" for d in gate.decisions):
+                break
+            await until(lambda: learner.trainer.experiences + len(gate.held) > 0, 30, "input read")
+            await until(lambda: not learner.dirty, 30, "a checkpoint")
+        await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
+        # The hold-out was not trained on: the trainer saw about 80% of the feedback.
+        await until(lambda: learner.trainer.experiences >= 0.7 * sent, 60, "training")
+        assert learner.trainer.experiences < 0.9 * sent
+        promoted = {d.candidate_version for d in gate.decisions if d.decision == "promoted"}
+        assert all(d.path in ("improved", "within-epsilon") for d in gate.decisions if d.decision == "promoted")
+        await until(lambda: bool(set(loaded) & promoted), 30, "the client to load a promoted version")
+        assert set(loaded) <= promoted | {1}, (loaded, promoted)
+
+        # The learner wanders off toward the harmful slots: its candidate is refused on the
+        # held-out evidence, and training resumes from the serving weights.
+        serving = gate.serving_manifest
+        assert serving is not None and gate.serving_net is not None
+        resumed_before = learner.metrics.gate_reanchors._value.get()
+        learner.trainer.load(tilted(gate.serving_net, BAD).tensors())
+        learner.dirty = True
+        for seed in range(20, 30):
+            await _send(s, served_by(log_of(gate.serving_net, 600, seed=seed, policy=s.policy), serving.version))
+            if learner.metrics.gate_reanchors._value.get() > resumed_before:
+                break
+            await until(lambda: not learner.dirty, 30, "a checkpoint")
+        await until(lambda: learner.metrics.gate_reanchors._value.get() > resumed_before, 60, "a refusal")
+        assert any(d.decision == "refused" for d in gate.decisions)
+        refused = [d for d in gate.decisions if d.decision == "refused"]
+        assert refused[-1].path == "worse" and refused[-1].candidate_version > serving.version
+        assert gate.serving_manifest is not None
+        assert gate.serving_manifest.version not in {d.candidate_version for d in refused}  # nothing worse served
