@@ -442,6 +442,7 @@ def run_offline(
                     # The rule's tests are on queries the trainer never learns from.
                     kept = [e for e in pending if not promotion.held_out(e.event.query_id, cfg.gate_holdout)]
                     sequences.held.extend(e for e in pending if e not in kept)
+                    sequences.table.add(kept)
                 else:
                     kept = pending
                 if cfg.learn and kept:
@@ -518,6 +519,7 @@ class SequenceGate:
         self.serve = serve
         self.set_canary = set_canary
         self.held: list[Experience] = []
+        self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
 
     def refresh(self, candidate: LoadedPolicy, step: int) -> None:
         """A checkpoint: a candidate starts a trial, anything else is served at once; then a look."""
@@ -540,7 +542,9 @@ class SequenceGate:
             for v in self.state.versions()
             if v != promotion.SIMILARITY
         }
-        ev = gate_evidence.build(gate_evidence.usable(held), versions, self.params)
+        usable = gate_evidence.usable(held)
+        ev = gate_evidence.build(usable, versions, self.params, self.table)
+        self.table.add(usable)
         self.state, actions = promotion.decide(self.state, ev, self.rule)
         self._carry(actions, step)
 

@@ -33,8 +33,7 @@ decisions with large weights says nothing reliable about its spread.
 
 >>> g = GainSequence(alpha=0.05)
 >>> rng = np.random.default_rng(0)
->>> w = np.ones(2000)
->>> g.update(w, w, rng.normal(size=2000))  # the same policy twice: the gain is 0
+>>> g.update(gain_terms(rng.uniform(0, 2, 2000), np.ones(2000), rng.normal(size=2000)))  # E[w] = 1: no gain
 >>> g.low <= 0.0 <= g.high
 True
 """
@@ -83,7 +82,6 @@ class GainSequence:
     n: int = 0
     total: float = 0.0  # Σ D
     squares: float = 0.0  # Σ D²
-    utility_sum: float = 0.0  # Σ u: the baseline of the next decision
     low: float = -math.inf
     high: float = math.inf
 
@@ -95,34 +93,37 @@ class GainSequence:
     def mean(self) -> float:
         return self.total / self.n if self.n else 0.0
 
-    def update(self, w_target: np.ndarray, w_reference: np.ndarray, utility: np.ndarray) -> None:
-        """Take a batch, in the order it was logged: each decision's set weight under the target
-        and the reference, and its utility. Non-finite input raises ``ValueError``."""
-        wc = np.asarray(w_target, np.float64).reshape(-1)
-        wa = np.asarray(w_reference, np.float64).reshape(-1)
-        u = np.asarray(utility, np.float64).reshape(-1)
-        if not (wc.shape == wa.shape == u.shape):
-            raise ValueError("weights and utilities differ in length")
-        if u.size == 0:
+    def update(self, terms: np.ndarray) -> None:
+        """Take a batch of per-decision gain terms (:func:`gain_terms`), in the order they were
+        logged. Non-finite terms raise ``ValueError``."""
+        d = np.asarray(terms, np.float64).reshape(-1)
+        if d.size == 0:
             return
-        if not (np.isfinite(wc).all() and np.isfinite(wa).all() and np.isfinite(u).all()):
-            raise ValueError("weights and utilities must be finite")
-        if (wc < 0).any() or (wa < 0).any():
-            raise ValueError("weights must be >= 0")
-        seen = self.n + np.arange(u.size, dtype=np.float64)  # decisions before each
-        before = self.utility_sum + np.concatenate([[0.0], np.cumsum(u)[:-1]])
-        baseline = np.divide(before, seen, out=np.zeros(u.size), where=seen > 0)
-        d = (wc - wa) * (u - baseline)
+        if not np.isfinite(d).all():
+            raise ValueError("gain terms must be finite")
         self.total += float(d.sum())
         self.squares += float((d * d).sum())
-        self.utility_sum += float(u.sum())
-        self.n += int(u.size)
+        self.n += int(d.size)
         if self.n >= MIN_DECISIONS:
             mean = self.mean
             variance = self.squares / self.n - mean * mean
             r = radius(self.n, variance, self.alpha)
             # The running intersection: each bound only ever tightens (itself a valid sequence).
             self.low, self.high = max(self.low, mean - r), min(self.high, mean + r)
+
+
+def gain_terms(w_target: np.ndarray, w_reference: np.ndarray, utility: np.ndarray) -> np.ndarray:
+    """D_i = (w_c − w_a)·(u_i − b_{i−1}), b the mean utility of the decisions before i (0 for the first).
+
+    >>> gain_terms(np.array([2.0, 0.0]), np.array([1.0, 1.0]), np.array([1.0, 3.0])).tolist()
+    [1.0, -2.0]
+    """
+    u = np.asarray(utility, np.float64)
+    seen = np.arange(u.size, dtype=np.float64)
+    before = np.concatenate([[0.0], np.cumsum(u)[:-1]])
+    baseline = np.divide(before, seen, out=np.zeros(u.size), where=seen > 0)
+    out: np.ndarray = (np.asarray(w_target) - np.asarray(w_reference)) * (u - baseline)
+    return out
 
 
 def spend(j: int, delta: float) -> float:

@@ -6,7 +6,8 @@ gathers its evidence and carries its actions out. It
 - keeps the networks of the versions the rule refers to (the serving one, the anchor, the
   candidates under trial), and the serving parameters each was published with;
 - takes the held-out decisions the learner did not train on (:meth:`holds_out`,
-  :meth:`observe`), completes their logging probabilities where a client did not send them
+  :meth:`observe`) and learns a direct model from those it trained on (:meth:`trained_on`),
+  completes their logging probabilities where a client did not send them
   (:class:`pipeline.learner.logging_policy.LoggingPolicies`, which also dead-letters the events
   whose logged probabilities disagree with the serving rule), and turns them into the rule's
   evidence (:mod:`pipeline.learner.evidence`) in a worker thread;
@@ -96,6 +97,7 @@ class RuleGate:
         self.held: list[Experience] = []
         self.decisions: list[Look] = []
         self.logging_policies = LoggingPolicies(metrics)
+        self.table = evidence.RewardTable()  # the gain terms' direct model
         self.canary: int | None = None
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
         self._deciding = asyncio.Lock()
@@ -133,6 +135,10 @@ class RuleGate:
     def observe(self, experiences: Sequence[Experience]) -> None:
         """Held-out experiences the learner did not train on: evidence for the next look."""
         self.held.extend(e for e in experiences if e.kind == "feedback")
+
+    def trained_on(self, experiences: Sequence[Experience]) -> None:
+        """Experiences the learner trained on: what the direct model learns from."""
+        self.table.add(experiences)
 
     # ------------------------------------------------------------------ events
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
@@ -183,8 +189,10 @@ class RuleGate:
 
     # ------------------------------------------------------------------ the look
     def _evidence(self, held: list[Experience], versions: dict[int, evidence.Version]) -> Any:
-        complete = self.logging_policies.complete(held)
-        return evidence.build(evidence.usable(complete), versions, self.params)
+        usable = evidence.usable(self.logging_policies.complete(held))
+        ev = evidence.build(usable, versions, self.params, self.table)
+        self.table.add(usable)  # after its own predictions: later batches may learn from it
+        return ev
 
     async def _look(self) -> Look | None:
         if self.state is None or not self.held:

@@ -425,6 +425,7 @@ class Learner(Service):
             if held:
                 gate.observe(held)
                 feedback = [e for e in feedback if not gate.holds_out(e.event.query_id)]
+            gate.trained_on(feedback)
         labels = [e for e in chunk if e.kind == "label"]
         m = self.metrics
         if feedback:

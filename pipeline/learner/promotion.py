@@ -180,13 +180,19 @@ class Evidence:
     ``probs[v]``: each decision's probability, under version ``v`` as served (its manifest's
     serving parameters; :data:`SIMILARITY` is plain top-k), of the set it read; ``logging``:
     the same under the policy that drew it; ``utility``: its utility; ``version``: the
-    version that logged it.
+    version that logged it. ``fitted`` and ``direct[v]`` are a reward model's: its prediction
+    for the set read, and its value under version ``v`` (relative to a per-query constant,
+    which cancels in a gain); a model fit only on other decisions (the training queries, and
+    held-out ones logged before) cannot bias a gain, it only takes the variance it explains
+    away. Without one (``direct`` empty), ``fitted`` is a constant baseline.
     """
 
     utility: np.ndarray
     logging: np.ndarray
     version: np.ndarray
     probs: Mapping[int, np.ndarray]
+    fitted: np.ndarray | None = None
+    direct: Mapping[int, np.ndarray] = field(default_factory=dict)
 
     def weights(self, v: int) -> np.ndarray:
         p = self.probs[v]
@@ -194,6 +200,30 @@ class Evidence:
             w = np.where(self.logging > 0, p / self.logging, 0.0)
         out: np.ndarray = np.nan_to_num(w, nan=0.0, posinf=0.0)
         return out
+
+    def gains(self, c: int, a: int) -> np.ndarray:
+        """Each decision's term of the gain V(c) − V(a), the doubly robust way:
+        (direct_c − direct_a) + (w_c − w_a)·(u − fitted), whose mean is the gain for any model.
+
+        >>> ev = Evidence(np.array([1.0]), np.array([0.5]), np.array([1]), {1: np.array([0.5]), 2: np.array([1.0])})
+        >>> ev.gains(2, 1).tolist()  # (2 − 1)·(1 − 0)
+        [1.0]
+        """
+        fitted = self.fitted if self.fitted is not None else np.zeros(len(self.utility))
+        out: np.ndarray = (self.weights(c) - self.weights(a)) * (self.utility - fitted)
+        if c in self.direct and a in self.direct:
+            out = out + self.direct[c] - self.direct[a]
+        return out
+
+    def subset(self, rows: np.ndarray) -> Evidence:
+        return Evidence(
+            self.utility[rows],
+            self.logging[rows],
+            self.version[rows],
+            {v: p[rows] for v, p in self.probs.items()},
+            None if self.fitted is None else self.fitted[rows],
+            {v: d[rows] for v, d in self.direct.items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -271,7 +301,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
         return state, []
     state = copy.deepcopy(state)  # the sequences are updated in place: the caller's state stays as it was
     for t in (*state.trials, *([state.incumbent] if state.incumbent else [])):
-        t.bounds.update(ev.weights(t.version), ev.weights(t.anchor), ev.utility)
+        t.bounds.update(ev.gains(t.version, t.anchor))
     actions: list[Action] = []
     state = _guard(state, ev, rule, actions)
     if any(a.kind == "rollback" for a in actions):
@@ -326,8 +356,7 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     if guard is None:
         guards += 1
         guard = GainSequence(spend(guards, rule.delta / 2))  # the other half of δ
-    sub = Evidence(ev.utility[own], ev.logging[own], ev.version[own], {v: p[own] for v, p in ev.probs.items()})
-    guard.update(sub.weights(state.serving), sub.weights(SIMILARITY), sub.utility)
+    guard.update(ev.subset(own).gains(state.serving, SIMILARITY))
     state = replace(state, guard=guard, guards=guards)
     if guard.high < -rule.epsilon:
         to = state.anchor if state.anchor not in (SIMILARITY, state.serving) else state.first
