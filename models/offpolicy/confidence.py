@@ -80,8 +80,10 @@ class GainSequence:
 
     alpha: float
     n: int = 0
-    total: float = 0.0  # Σ D
+    total: float = 0.0  # Σ D (the lower bound's terms)
     squares: float = 0.0  # Σ D²
+    total_high: float = 0.0  # the upper bound's terms, where they differ (see update)
+    squares_high: float = 0.0
     low: float = -math.inf
     high: float = math.inf
 
@@ -93,23 +95,31 @@ class GainSequence:
     def mean(self) -> float:
         return self.total / self.n if self.n else 0.0
 
-    def update(self, terms: np.ndarray) -> None:
+    def update(self, terms: np.ndarray, terms_high: np.ndarray | None = None) -> None:
         """Take a batch of per-decision gain terms (:func:`gain_terms`), in the order they were
-        logged. Non-finite terms raise ``ValueError``."""
+        logged; ``terms_high``, where given, are the upper bound's (terms whose mean is at least
+        the gain, where ``terms``' mean is at most it: what the log cannot show of a policy
+        valued pessimistically for one bound and optimistically for the other). Non-finite terms
+        raise ``ValueError``."""
         d = np.asarray(terms, np.float64).reshape(-1)
+        h = d if terms_high is None else np.asarray(terms_high, np.float64).reshape(-1)
         if d.size == 0:
             return
-        if not np.isfinite(d).all():
+        if h.shape != d.shape:
+            raise ValueError("the two bounds' terms differ in length")
+        if not (np.isfinite(d).all() and np.isfinite(h).all()):
             raise ValueError("gain terms must be finite")
         self.total += float(d.sum())
         self.squares += float((d * d).sum())
+        self.total_high += float(h.sum())
+        self.squares_high += float((h * h).sum())
         self.n += int(d.size)
         if self.n >= MIN_DECISIONS:
-            mean = self.mean
-            variance = self.squares / self.n - mean * mean
-            r = radius(self.n, variance, self.alpha)
+            low, high = self.total / self.n, self.total_high / self.n
+            r_low = radius(self.n, self.squares / self.n - low * low, self.alpha)
+            r_high = radius(self.n, self.squares_high / self.n - high * high, self.alpha)
             # The running intersection: each bound only ever tightens (itself a valid sequence).
-            self.low, self.high = max(self.low, mean - r), min(self.high, mean + r)
+            self.low, self.high = max(self.low, low - r_low), min(self.high, high + r_high)
 
 
 def gain_terms(w_target: np.ndarray, w_reference: np.ndarray, utility: np.ndarray) -> np.ndarray:

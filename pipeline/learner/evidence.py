@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from models.offpolicy.logged import TOPK, LoggedDecisions, Served
+from models.offpolicy.logged import TOPK, LoggedDecisions, Served, component_logits
 from models.offpolicy.setlevel import set_probability, target_set_probability
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
@@ -71,6 +71,7 @@ class RewardTable:
         self.max_sets, self.max_queries = max_sets, max_queries
         self._sets: OrderedDict[bytes, dict[frozenset[int], list[float]]] = OrderedDict()
         self._total = [0.0, 0.0]
+        self._range: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
     def add(self, experiences: Iterable[Experience]) -> None:
@@ -91,11 +92,21 @@ class RewardTable:
                 acc[1] += 1.0
                 self._total[0] += u
                 self._total[1] += 1.0
+                lo, hi = self._range or (u, u)
+                self._range = (min(lo, u), max(hi, u))
                 if len(sets) > 2 * self.max_sets:  # keep the most read
                     kept = sorted(sets.items(), key=lambda kv: -kv[1][1])[: self.max_sets]
                     self._sets[key] = dict(kept)
             while len(self._sets) > self.max_queries:
                 self._sets.popitem(last=False)
+
+    def range(self, fallback: np.ndarray) -> tuple[float, float]:
+        """The lowest and highest utility seen (``fallback``'s before any): what a read the log
+        cannot show may be worth."""
+        with self._lock:
+            if self._range is not None:
+                return self._range
+        return (float(np.min(fallback)), float(np.max(fallback))) if len(fallback) else (0.0, 0.0)
 
     def query_mean(self, key: bytes) -> float:
         """The mean utility of ``key``'s reads (every query's before it was seen; 0 before any)."""
@@ -169,28 +180,39 @@ def build(
     logging = logging_probability(decisions)
     if table is None:
         return Evidence(decisions.utility, logging, logged_by, probs)
-    fitted, pair_rows, pair_members, pair_values = _table_terms(experiences, decisions, table)
-    direct = {}
+    fitted, means, pair_rows, pair_members, pair_values = _table_terms(experiences, decisions, table)
+    direct, unsupported = {}, {}
     for v, t in targets.items():
         p = target_set_probability(decisions, t, pair_rows, pair_members) if len(pair_rows) else np.zeros(0)
-        direct[v] = np.bincount(pair_rows, weights=p * pair_values, minlength=n)
-    return Evidence(decisions.utility, logging, logged_by, probs, fitted, direct)
+        direct[v] = means + np.bincount(pair_rows, weights=p * pair_values, minlength=n)
+        unsupported[v] = reads_fewer(decisions, t)
+    worst, best = table.range(decisions.utility)
+    return Evidence(decisions.utility, logging, logged_by, probs, fitted, direct, unsupported, worst, best)
+
+
+def reads_fewer(decisions: LoggedDecisions, target: Served) -> np.ndarray:
+    """Where the target's hard drop keeps fewer of the logged candidates than the decision read:
+    it would read a smaller set, which the log never shows (so its value there is unknown)."""
+    _, _, kept, _ = component_logits(decisions, target)[0]
+    out: np.ndarray = kept.sum(axis=1) < decisions.n_selected
+    return out
 
 
 def _table_terms(
     experiences: Sequence[Experience], decisions: LoggedDecisions, table: RewardTable
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per decision, the table's prediction for the set it read; and the (decision, set) pairs of
-    the sets its query was seen reading (of its size k), with the table's value minus the query's
-    mean (the constant cancels in every gain)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per decision, the table's prediction for the set it read and its query's mean; and the
+    (decision, set) pairs of the sets its query was seen reading (of its size k), with the table's
+    value minus the query's mean (what a version's reads of other sets are valued at)."""
     fitted = np.zeros(len(decisions))
+    means = np.zeros(len(decisions))
     pair_rows: list[int] = []
     pair_members: list[list[int]] = []
     pair_values: list[float] = []
     k_max = decisions.selected.shape[1]
     for i, e in enumerate(experiences):
         key = query_key(e)
-        mean = table.query_mean(key)
+        mean = means[i] = table.query_mean(key)
         k = int(decisions.n_selected[i])
         known = {m: v for m, v in table.sets(key).items() if len(m) == k}
         fitted[i] = known.get(frozenset(int(s) for s in e.event.selected), mean)
@@ -202,6 +224,7 @@ def _table_terms(
     shape = (len(pair_rows), k_max)
     return (
         fitted,
+        means,
         np.asarray(pair_rows, np.int64),
         np.asarray(pair_members, np.int64).reshape(shape),
         np.asarray(pair_values, np.float64),

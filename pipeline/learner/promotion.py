@@ -181,8 +181,7 @@ class Evidence:
     serving parameters; :data:`SIMILARITY` is plain top-k), of the set it read; ``logging``:
     the same under the policy that drew it; ``utility``: its utility; ``version``: the
     version that logged it. ``fitted`` and ``direct[v]`` are a reward model's: its prediction
-    for the set read, and its value under version ``v`` (relative to a per-query constant,
-    which cancels in a gain); a model fit only on other decisions (the training queries, and
+    for the set read, and its value under version ``v``; a model fit only on other decisions (the training queries, and
     held-out ones logged before) cannot bias a gain, it only takes the variance it explains
     away. Without one (``direct`` empty), ``fitted`` is a constant baseline.
     """
@@ -193,6 +192,12 @@ class Evidence:
     probs: Mapping[int, np.ndarray]
     fitted: np.ndarray | None = None
     direct: Mapping[int, np.ndarray] = field(default_factory=dict)
+    # Where version v would read fewer memories than the decision did (its hard drop keeps fewer
+    # than k of the logged candidates): the log cannot show what it reads there, so its value
+    # is taken as ``worst`` for its lower bounds and ``best`` for its upper bounds.
+    unsupported: Mapping[int, np.ndarray] = field(default_factory=dict)
+    worst: float = 0.0
+    best: float = 0.0
 
     def weights(self, v: int) -> np.ndarray:
         p = self.probs[v]
@@ -201,19 +206,32 @@ class Evidence:
         out: np.ndarray = np.nan_to_num(w, nan=0.0, posinf=0.0)
         return out
 
-    def gains(self, c: int, a: int) -> np.ndarray:
-        """Each decision's term of the gain V(c) − V(a), the doubly robust way:
-        (direct_c − direct_a) + (w_c − w_a)·(u − fitted), whose mean is the gain for any model.
+    def value(self, v: int) -> np.ndarray:
+        """Each decision's doubly robust term of V(v): direct_v + w_v·(u − fitted), whose mean is
+        V(v) for any model (NaN where the log cannot show what v reads)."""
+        fitted = self.fitted if self.fitted is not None else np.zeros(len(self.utility))
+        out: np.ndarray = self.weights(v) * (self.utility - fitted)
+        if v in self.direct:
+            out = out + self.direct[v]
+        if v in self.unsupported:
+            out = np.where(self.unsupported[v], np.nan, out)
+        return out
+
+    def gains(self, c: int, a: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each decision's terms of the gain V(c) − V(a): for its lower bound and for its upper bound.
+
+        They differ only where a version's reads are not in the log: valued at ``worst`` for the
+        bound it could make too good, at ``best`` for the other.
 
         >>> ev = Evidence(np.array([1.0]), np.array([0.5]), np.array([1]), {1: np.array([0.5]), 2: np.array([1.0])})
-        >>> ev.gains(2, 1).tolist()  # (2 − 1)·(1 − 0)
-        [1.0]
+        >>> [t.tolist() for t in ev.gains(2, 1)]  # (2 − 1)·(1 − 0)
+        [[1.0], [1.0]]
         """
-        fitted = self.fitted if self.fitted is not None else np.zeros(len(self.utility))
-        out: np.ndarray = (self.weights(c) - self.weights(a)) * (self.utility - fitted)
-        if c in self.direct and a in self.direct:
-            out = out + self.direct[c] - self.direct[a]
-        return out
+        vc, va = self.value(c), self.value(a)
+        lo, hi = self.worst, self.best
+        low: np.ndarray = np.where(np.isnan(vc), lo, vc) - np.where(np.isnan(va), hi, va)
+        high: np.ndarray = np.where(np.isnan(vc), hi, vc) - np.where(np.isnan(va), lo, va)
+        return low, high
 
     def subset(self, rows: np.ndarray) -> Evidence:
         return Evidence(
@@ -223,6 +241,9 @@ class Evidence:
             {v: p[rows] for v, p in self.probs.items()},
             None if self.fitted is None else self.fitted[rows],
             {v: d[rows] for v, d in self.direct.items()},
+            {v: d[rows] for v, d in self.unsupported.items()},
+            self.worst,
+            self.best,
         )
 
 
@@ -301,7 +322,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
         return state, []
     state = copy.deepcopy(state)  # the sequences are updated in place: the caller's state stays as it was
     for t in (*state.trials, *([state.incumbent] if state.incumbent else [])):
-        t.bounds.update(ev.gains(t.version, t.anchor))
+        t.bounds.update(*ev.gains(t.version, t.anchor))
     actions: list[Action] = []
     state = _guard(state, ev, rule, actions)
     if any(a.kind == "rollback" for a in actions):
@@ -356,7 +377,7 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     if guard is None:
         guards += 1
         guard = GainSequence(spend(guards, rule.delta / 2))  # the other half of δ
-    guard.update(ev.subset(own).gains(state.serving, SIMILARITY))
+    guard.update(*ev.subset(own).gains(state.serving, SIMILARITY))
     state = replace(state, guard=guard, guards=guards)
     if guard.high < -rule.epsilon:
         to = state.anchor if state.anchor not in (SIMILARITY, state.serving) else state.first

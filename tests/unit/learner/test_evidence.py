@@ -63,7 +63,7 @@ def test_the_table_makes_the_gain_terms_tight_and_leaves_their_mean() -> None:
     table = evidence.RewardTable()
     table.add(train)
     doubly = evidence.build(evidence.usable(held), versions, params, table)
-    ipw, dr = plain.gains(2, 1), doubly.gains(2, 1)
+    ipw, dr = plain.gains(2, 1)[0], doubly.gains(2, 1)[0]
     # Both estimate the same gain (these decisions' queries never recur: the table knows only the mean).
     assert abs(ipw.mean() - dr.mean()) < 3 * dr.std() / np.sqrt(len(dr))
     assert dr.mean() > 0  # the tilted policy reads the good slots
@@ -79,7 +79,7 @@ def test_on_recurring_questions_the_table_predicts_the_utility() -> None:
     held = evidence.usable(recurring(serving, 600, seed=2))
     plain = evidence.build(held, versions, params)
     doubly = evidence.build(held, versions, params, table)
-    ipw, dr = plain.gains(2, 1), doubly.gains(2, 1)
+    ipw, dr = plain.gains(2, 1)[0], doubly.gains(2, 1)[0]
     assert dr.std() < 0.5 * ipw.std()  # most of each utility is predicted
     assert abs(ipw.mean() - dr.mean()) < 3 * ipw.std() / np.sqrt(len(ipw))
     assert doubly.fitted is not None and np.abs(doubly.fitted - doubly.utility).mean() < 0.2
@@ -92,3 +92,21 @@ def test_unusable_events_are_left_out() -> None:
     coupled = dataclasses.replace(exps[2], event=dataclasses.replace(exps[2].event, canary_arm="canary"))
     label = Experience("l", "label", exps[3].event, 0.0, correct_memories=[1])
     assert evidence.usable([no_probs, fallback, coupled, label, exps[3]]) == [exps[3]]
+
+
+def test_what_the_log_cannot_show_is_valued_pessimistically_for_each_bound() -> None:
+    serving = init_policy(D, S, H, seed=1)
+    params = ServingParams(explore_rate=0.0, temperature=0.5)
+    # A version whose hard drop keeps fewer candidates than a decision reads: it reads smaller sets.
+    narrow = tilted(serving, {next(iter(GOOD))}, amount=12.0)
+    versions = {1: (serving, params), 2: (narrow, params)}
+    table = evidence.RewardTable()
+    train = log_of(serving, 200, seed=1)
+    table.add(train)
+    ev = evidence.build(evidence.usable(log_of(serving, 300, seed=2)), versions, params, table)
+    assert ev.unsupported[2].mean() > 0.2 and not ev.unsupported[1].any()
+    low, high = ev.gains(2, 1)
+    where = ev.unsupported[2]
+    assert (low[where] < high[where]).all() and np.allclose(low[~where], high[~where])
+    # The range is what the table saw before this batch (predictable), not the batch's own.
+    assert (ev.worst, ev.best) == (min(e.utility for e in train), max(e.utility for e in train))
