@@ -1,0 +1,56 @@
+"""``causalmem bench promise`` on a slice of the real-data world, with a fake LM and embedder:
+every version served is measured, and a run is unsafe when one was below similarity-only by ε."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+from causalmem_lab.bench import lmlearning, promise
+from causalmem_lab.fanout import build_fanout_dataset
+from causalmem_lab.lmdata import lm_utilities
+
+from tests.bench.test_fanout_world import FakeScorer, fake_embed, head
+
+
+def test_wilson_interval() -> None:
+    lo, hi = promise.wilson(1, 20)
+    assert 0.0 < lo < 0.05 < hi < 0.3
+    assert promise.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = head(build_fanout_dataset(questions=20, lookalikes="every"), 6)
+    monkeypatch.setitem(lmlearning.DATA, "fanout", (lambda: ds, 6))
+
+    def cached(data: Any, **kw: Any) -> Any:  # the fake LM and embedder
+        return lm_utilities(data, FakeScorer(), c=kw["c"], cache_dir=tmp_path, embedder=fake_embed)
+
+    monkeypatch.setattr(promise, "lm_utilities", cached)
+    args = argparse.Namespace(
+        data="fanout",
+        candidates=None,
+        cache_dir=None,
+        clients="t1",
+        rules="sequences,none",
+        seeds="0",
+        events=1200,
+        epsilon=0.02,
+        out=str(tmp_path / "promise.json"),
+    )
+    assert promise.main(args) == 0
+    report = promise.run(args)
+    rows = report["rows"]
+    assert set(rows) == {"t1/sequences", "t1/none"}
+    ungated = rows["t1/none"]["runs"][0]
+    assert ungated["versions_served"] > 1  # every checkpoint served
+    for row in rows.values():
+        run = row["runs"][0]
+        assert run["unsafe"] == (run["worst_vs_similarity"] < -0.02)
+        lo, hi = row["unsafe_interval"]
+        assert 0.0 <= lo <= hi <= 1.0
+    assert "trial" in rows["t1/sequences"]["runs"][0]["actions"]
+    with pytest.raises(ValueError, match="unknown"):
+        promise.run(argparse.Namespace(**{**vars(args), "rules": "other"}))
