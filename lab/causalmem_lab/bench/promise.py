@@ -10,6 +10,9 @@ docs/contract.md (required fields only: no ``candidate_probs``, no canary):
 - ``manifest``: serves as the manifest asks (T = 0.05, 10% at T = 0.25), per-memory credit on a
   quarter of the steps as the evaluator gives it (36,000 events);
 
+and ``retriever``, :class:`~pipeline.client.retriever.CausalRetriever` as the manifest asks, which
+also logs ``candidate_probs`` and serves the canary (36,000 events, credit on a quarter);
+
 each under the gate rules compared: ``none`` (every checkpoint served), ``window`` (the gate's
 rule on its window of logged decisions) and ``sequences`` (:mod:`pipeline.learner.promotion`).
 
@@ -48,11 +51,15 @@ class Client:
     attribution_rate: float = 0.0
     explore_rate: float | None = None  # None: as the manifest asks
     explore_temperature: float | None = None
+    minimal: bool = True  # required fields only, no canary; False: CausalRetriever, which serves the canary
 
 
-CLIENTS = {
+CLIENTS = {  # the first two are the contract clients: required fields only, no canary
     "t1": Client("contract client, every request at T = 1, step reward only", 12_000, 0.0, 1.0, 1.0),
     "manifest": Client("contract client serving as the manifest asks, per-memory credit on 25%", 36_000, 0.25),
+    "retriever": Client(
+        "CausalRetriever (candidate_probs, the canary), per-memory credit on 25%", 36_000, 0.25, minimal=False
+    ),
 }
 RULES = ("none", "window", "sequences")
 
@@ -85,7 +92,7 @@ def run_one(data: Any, u: Any, client: Client, rule: str, seed: int, events: int
         gate=rule != "none",
         gate_rule="window" if rule == "none" else rule,
         gate_epsilon=epsilon,
-        minimal_client=True,
+        minimal_client=client.minimal,
         explore_rate=client.explore_rate,
         explore_temperature=client.explore_temperature,
         seed=seed,
