@@ -21,7 +21,6 @@ from pipeline.client import chain
 from pipeline.client.adapter import CausalServing
 from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import AdapterConfig, Settings
-from pipeline.learner.canary import CanaryBackoff
 from pipeline.modeltopic import ModelTopicIndex, check_blob, scan_model_topic
 from pipeline.policy_evaluation import evaluate, rollback, shadow
 from pipeline.status.collect import checkpoint_view
@@ -71,7 +70,7 @@ async def test_evaluate_reads_the_serving_delta_and_a_delta_candidate(
     held = {k: v.clone() for k, v in t.tensors().items()}
     # The next checkpoint is a candidate: is_candidate says so, and the manifest's gate record
     # reads a gate that has judged nothing yet.
-    p.gate = SimpleNamespace(serving_manifest=None, backoff=CanaryBackoff(), decisions=[])
+    p.gate = SimpleNamespace(serving_manifest=None, canaries_paused=lambda: None, decisions=[])
     monkeypatch.setattr(type(p), "is_candidate", lambda self, reason: True)
     train(t, [4])
     cand = await publish(p, t)
