@@ -213,10 +213,12 @@ class RuleGate:
         return await self._carry(actions)
 
     async def _carry(self, actions: list[Action]) -> Look | None:
-        """Carry the rule's actions out; the look's record is the most telling of them."""
+        """Carry the rule's actions out and record them: each promotion, refusal and rollback, else
+        one wait (the newest trial's); the last record is returned."""
         assert self.state is not None
         m = self.metrics
-        record: Look | None = None
+        records: list[Look] = []
+        waiting: Look | None = None
         for a in actions:
             m.gate_actions.labels(kind=a.kind, path=a.path or "-").inc()
             serving = self.state.serving
@@ -243,10 +245,15 @@ class RuleGate:
                     task.add_done_callback(self._tasks.discard)
             elif a.kind == "wait":
                 log.debug("gate: v%d waits: %s", a.version, a.reason)
-            if a.kind in DECISION_OF and (record is None or a.kind != "wait"):
-                record = Look(DECISION_OF[a.kind], a.version, self.state.serving, a.reason, a.path)
-        if record is not None:
-            self._record(record)
+            if a.kind in DECISION_OF:
+                look = Look(DECISION_OF[a.kind], a.version, self.state.serving, a.reason, a.path)
+                if a.kind == "wait":
+                    waiting = look
+                else:
+                    records.append(look)
+        for look in records or ([waiting] if waiting else []):
+            self._record(look)
+        record = records[-1] if records else waiting
         await self._withdraw_stale_deltas()
         await self._update_canary()
         keep = self.state.versions() | {self.state.first} | ({self.canary} if self.canary else set())
