@@ -421,10 +421,9 @@ class Learner(Service):
         feedback = [e for e in chunk if e.kind == "feedback"]
         gate = self.gate
         if isinstance(gate, RuleGate):
-            held = [e for e in feedback if gate.holds_out(e.event.query_id)]
-            if held:
-                gate.observe(held)
-                feedback = [e for e in feedback if not gate.holds_out(e.event.query_id)]
+            out = [gate.holds_out(e.event.query_id) for e in feedback]  # one hash per event
+            gate.observe([e for e, o in zip(feedback, out, strict=True) if o])
+            feedback = [e for e, o in zip(feedback, out, strict=True) if not o]
             gate.trained_on(feedback)
         labels = [e for e in chunk if e.kind == "label"]
         m = self.metrics
