@@ -227,7 +227,6 @@ def run_offline(
     if gate is not None:
         # As the learner publishes a fresh first policy under the gate (first_serving).
         current = first_serving(serving_params, True, "init", 0)
-        retriever.temperature = current.temperature
     version = 1
     pending: list[Experience] = []
     result = OfflineResult(Tally())
@@ -243,6 +242,7 @@ def run_offline(
 
     first = snapshot(current)
     retriever.set_policy(first)
+    retriever.temperature = current.temperature  # as its manifest says (the lab's clients fix their own T)
     result.served_versions[first.version] = first
     monitor = DriftMonitor(
         min_pairs=cfg.drift_min_pairs, cooldown_s=cfg.drift_cooldown_s, page_hinkley=cfg.page_hinkley

@@ -8,35 +8,37 @@ ordered slates: a prompt's utility does not depend on the order of its memories,
 probability under Plackett–Luce is the sum over its k! orderings
 (:func:`models.offpolicy.setlevel.set_probability`), far larger than any one ordering's.
 
-The logging probability is the one of the draw that happened: each event's first-draw
-probabilities (its ``candidate_probs``, or the learner's recomputation from the version that
-served it, :class:`pipeline.learner.logging_policy.LoggingPolicies`) at the temperature it
-logged. That the request explored or not is a coin the client tossed before the draw and the
-logged temperature reveals, so the draw's own probability is the exact propensity given it.
+The logging probability is that of the policy that drew the set (:func:`logging_components`):
+the manifest's mixture of temperatures where the client served as the manifest says and nothing
+was dropped, else the draw's own (each event's ``candidate_probs``, or the learner's
+recomputation from the version that served it,
+:class:`pipeline.learner.logging_policy.LoggingPolicies`).
 
 Similarity-only (:data:`pipeline.learner.promotion.SIMILARITY`) is plain top-k over the
 logged candidates: what the client serves without the policy.
 
-The gain terms are doubly robust (:meth:`pipeline.learner.promotion.Evidence.gains`), with a
-:class:`RewardTable` as the direct model: the mean utility each query (by its embedding) was
-seen with after reading each set, learnt from the decisions the learner trains on and from
-held-out decisions of earlier batches, never from the batch it predicts. LM utilities are a
-function of the question and the set read, so on traffic where questions recur the table
-predicts most of each utility, and the importance-weighted residual that remains is small;
-where nothing is known of a query, the table predicts the mean utility, and the terms are the
-plain importance-weighted differences.
+The terms are bounds (:meth:`pipeline.learner.promotion.Evidence.bounds`): every set a decision
+could read is enumerated (:func:`every_set`), weights are clipped at :data:`CLIP`, and what a
+version reads beyond the clip, or in sets no log shows, is valued at the utility's extremes. A
+:class:`RewardTable`, the mean utility each query (by its embedding) was seen with after reading
+each set, learnt from the decisions the learner trains on and from held-out decisions of earlier
+batches, never from the batch it predicts, is a control variate: LM utilities are a function of
+the question and the set read, so where questions recur it takes most of each utility's variance
+away, and whatever it predicts, the bounds hold.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from models.offpolicy.logged import TOPK, LoggedDecisions, Served, component_logits
+from models.offpolicy.logged import TOPK, LoggedDecisions, Served
 from models.offpolicy.setlevel import set_probability, target_set_probability
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
@@ -48,6 +50,8 @@ Version = tuple[PolicyNetwork, ServingParams]  # a version's network and how cli
 
 MAX_SETS = 32  # the sets the table holds per query (the most often read)
 MAX_QUERIES = 50_000  # the queries it holds (the least recently seen go)
+CLIP = 20.0  # importance weights are clipped here; the mass above goes to the bounds' extremes
+MAX_SETS_PER_DECISION = 2_048  # sets enumerated per decision (C choose k); beyond, no bound is made
 
 
 def query_key(e: Experience) -> bytes:
@@ -63,14 +67,13 @@ class RewardTable:
 
     >>> t = RewardTable()
     >>> t.fold([(b"q", frozenset({1, 2}), 1.0), (b"q", frozenset({1, 2}), 3.0), (b"q", frozenset({3}), 0.0)])
-    >>> t.query_mean(b"q"), t.sets(b"q")[frozenset({1, 2})], t.query_mean(b"other")
-    (1.3333333333333333, 2.0, 1.3333333333333333)
+    >>> t.sets(b"q")[frozenset({1, 2})], t.sets(b"other"), t.range(np.zeros(0))
+    (2.0, {}, (0.0, 3.0))
     """
 
     def __init__(self, max_sets: int = MAX_SETS, max_queries: int = MAX_QUERIES) -> None:
         self.max_sets, self.max_queries = max_sets, max_queries
         self._sets: OrderedDict[bytes, dict[frozenset[int], list[float]]] = OrderedDict()
-        self._total = [0.0, 0.0]
         self._range: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
@@ -90,8 +93,6 @@ class RewardTable:
                 acc = sets.setdefault(members, [0.0, 0.0])
                 acc[0] += u
                 acc[1] += 1.0
-                self._total[0] += u
-                self._total[1] += 1.0
                 lo, hi = self._range or (u, u)
                 self._range = (min(lo, u), max(hi, u))
                 if len(sets) > 2 * self.max_sets:  # keep the most read
@@ -107,13 +108,6 @@ class RewardTable:
             if self._range is not None:
                 return self._range
         return (float(np.min(fallback)), float(np.max(fallback))) if len(fallback) else (0.0, 0.0)
-
-    def query_mean(self, key: bytes) -> float:
-        """The mean utility of ``key``'s reads (every query's before it was seen; 0 before any)."""
-        with self._lock:
-            sets = self._sets.get(key)
-            acc = [sum(a[0] for a in sets.values()), sum(a[1] for a in sets.values())] if sets else self._total
-            return acc[0] / acc[1] if acc[1] else 0.0
 
     def sets(self, key: bytes) -> dict[frozenset[int], float]:
         """The mean utility of each set ``key`` was seen reading (the most read :attr:`max_sets`)."""
@@ -137,21 +131,113 @@ def usable(experiences: Sequence[Experience]) -> list[Experience]:
     ]
 
 
-def logging_probability(decisions: LoggedDecisions) -> np.ndarray:
-    """P(S_i | x_i) of each logged set under the draw that read it, from its first-draw probabilities.
+def logging_components(
+    decisions: LoggedDecisions, served: Sequence[ServingParams | None] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """How each decision was drawn: (weights [N, J], first-draw probabilities [N, J, C]).
+
+    Where ``served[i]`` gives how the version that logged decision i is served, the decision was
+    drawn at one of its temperatures and that version drops nothing (so every request, explored
+    or not, drew from the same candidates), the components are the manifest's mixture: each
+    temperature's share, the logits recovered from the logged ones (``T·log p``). The client
+    tossed the coin before the draw, so the draw's own probability is a valid propensity too;
+    but near-greedy draws make it vanish for every set but the greedy one, and the weights of
+    the rare explored reads of those sets explode. The mixture's is the same propensity without
+    the coin, bounded by the exploration's share. Elsewhere (a client serving its own way, a drop
+    a client's own revival of dropped candidates may have undone), the draw's own (J = 1).
+    """
+    assert decisions.first_probs is not None
+    first = np.where(decisions.valid, np.nan_to_num(decisions.first_probs), 0.0)
+    n, c = first.shape
+    weights = np.zeros((n, 2))
+    weights[:, 0] = 1.0
+    probs = np.zeros((n, 2, c))
+    probs[:, 0] = first
+    with np.errstate(divide="ignore"):
+        logits = decisions.temperature[:, None] * np.log(first)
+    for i, params in enumerate(served or ()):
+        if params is None or params.drop != "none":
+            continue
+        parts = params.components()
+        if not any(np.isclose(t, decisions.temperature[i], rtol=1e-6) for _, t in parts):
+            continue
+        for j, (w, t) in enumerate(parts):
+            weights[i, j], probs[i, j] = w, _softmax(logits[i] / t)
+    return weights, probs
+
+
+def mixture_probability(
+    components: tuple[np.ndarray, np.ndarray], rows: np.ndarray, members: np.ndarray, ks: np.ndarray
+) -> np.ndarray:
+    """P(set ``members[j]`` | decision ``rows[j]``) under the decisions' :func:`logging_components`."""
+    weights, probs = components
+    out = np.zeros(len(rows))
+    for j in range(weights.shape[1]):
+        w = weights[rows, j]
+        use = w > 0
+        if use.any():
+            out[use] += w[use] * _set_probability(probs[rows[use], j], members[use], ks[use])
+    return out
+
+
+def logging_probability(decisions: LoggedDecisions, served: Sequence[ServingParams | None] | None = None) -> np.ndarray:
+    """P(S_i | x_i) of each logged set under the policy that drew it (:func:`logging_components`).
 
     >>> d = LoggedDecisions.from_lists([[1, 2, 3]], [[0.3, 0.2, 0.1]], [[1, 2]], [1.0], [-1.0], [0.0],
     ...                                first_probs=[[0.5, 0.3, 0.2]])
     >>> round(float(logging_probability(d)[0]), 6)  # 0.5·0.3/0.5 + 0.3·0.5/0.7
     0.514286
+    >>> mix = ServingParams(temperature=1.0, explore_rate=0.5, explore_temperature=0.5, drop="none")
+    >>> round(float(logging_probability(d, [mix])[0]), 6)  # ½·0.514286 + ½·P at T = 0.5
+    0.586963
     """
-    assert decisions.first_probs is not None
-    out = np.zeros(len(decisions))
-    ks = decisions.n_selected
+    rows = np.arange(len(decisions))
+    return mixture_probability(logging_components(decisions, served), rows, decisions.selected, decisions.n_selected)
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(z)
+    if not finite.any():
+        return np.zeros_like(z)
+    e = np.where(finite, np.exp(z - z[finite].max()), 0.0)
+    out: np.ndarray = e / e.sum()
+    return out
+
+
+def _set_probability(first: np.ndarray, selected: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(ks))
     for k in np.unique(ks):
         rows = np.flatnonzero(ks == k)
-        out[rows] = set_probability(np.nan_to_num(decisions.first_probs[rows]), decisions.selected[rows, : int(k)])
+        out[rows] = set_probability(first[rows], selected[rows, : int(k)])
     return out
+
+
+def every_set(
+    decisions: LoggedDecisions, limit: int = MAX_SETS_PER_DECISION
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows [P], members [P, K], enumerated [N]): every set of k of each decision's candidates
+    (k its number of reads), for the decisions with at most ``limit`` such sets.
+
+    >>> d = LoggedDecisions.from_lists([[1, 2, 3]], [[0.3, 0.2, 0.1]], [[1, 2]], [1.0], [-1.0], [0.0])
+    >>> rows, members, done = every_set(d)
+    >>> members.tolist(), done.tolist()
+    [[[0, 1], [0, 2], [1, 2]], [True]]
+    """
+    rows: list[int] = []
+    members: list[tuple[int, ...]] = []
+    k_max = decisions.selected.shape[1]
+    enumerated = np.zeros(len(decisions), bool)
+    counts, ks = decisions.valid.sum(axis=1), decisions.n_selected
+    for i in range(len(decisions)):
+        c, k = int(counts[i]), int(ks[i])
+        if k == 0 or math.comb(c, k) > limit:
+            continue
+        enumerated[i] = True
+        positions = np.flatnonzero(decisions.valid[i])
+        for combo in itertools.combinations(positions.tolist(), k):
+            rows.append(i)
+            members.append(combo + (-1,) * (k_max - k))
+    return np.asarray(rows, np.int64), np.asarray(members, np.int64).reshape(len(rows), k_max), enumerated
 
 
 def build(
@@ -159,13 +245,16 @@ def build(
     versions: Mapping[int, Version],
     params: ServingParams,
     table: RewardTable | None = None,
+    clip: float = CLIP,
 ) -> Evidence:
     """The evidence of ``experiences`` (already :func:`usable`) for each of ``versions``.
 
     ``versions`` maps each version the rule tests to its network and serving parameters;
     :data:`SIMILARITY` needs none (``params`` gives its k and nothing else). With a ``table``
-    the gain terms are doubly robust (its predictions are taken before the batch is added to it,
-    which the caller does afterwards).
+    (its predictions taken before the batch is added to it, which the caller does afterwards)
+    the terms are bounds (:meth:`pipeline.learner.promotion.Evidence.bounds`): every set each
+    decision could read is enumerated, weights are clipped at ``clip`` and what a version reads
+    beyond that (sets the log shows too rarely, or never) is valued at the utility's extremes.
     """
     if not experiences:
         empty = np.zeros(0)
@@ -177,55 +266,47 @@ def build(
     rows, members = np.arange(n), decisions.selected
     probs = {v: target_set_probability(decisions, t, rows, members) for v, t in targets.items()}
     logged_by = np.array([e.event.policy_version for e in experiences], np.int64)
-    logging = logging_probability(decisions)
+    components = logging_components(decisions, [versions[v][1] if v in versions else None for v in logged_by.tolist()])
+    logging = mixture_probability(components, rows, members, decisions.n_selected)
     if table is None:
         return Evidence(decisions.utility, logging, logged_by, probs)
-    fitted, means, pair_rows, pair_members, pair_values = _table_terms(experiences, decisions, table)
-    direct, unsupported = {}, {}
+    pair_rows, pair_members, enumerated = every_set(decisions)
+    fitted, pair_values = _table_terms(experiences, decisions, table, pair_rows, pair_members)
+    fitted = np.where(enumerated, fitted, np.nan)  # no correction where no bound is made
+    pair_ks = decisions.n_selected[pair_rows]
+    pair_logging = mixture_probability(components, pair_rows, pair_members, pair_ks)
+    worst, best = table.range(decisions.utility)
+    direct, low, high = {}, {}, {}
     for v, t in targets.items():
         p = target_set_probability(decisions, t, pair_rows, pair_members) if len(pair_rows) else np.zeros(0)
-        direct[v] = means + np.bincount(pair_rows, weights=p * pair_values, minlength=n)
-        unsupported[v] = reads_fewer(decisions, t)
-    worst, best = table.range(decisions.utility)
-    return Evidence(decisions.utility, logging, logged_by, probs, fitted, direct, unsupported, worst, best)
-
-
-def reads_fewer(decisions: LoggedDecisions, target: Served) -> np.ndarray:
-    """Where the target's hard drop keeps fewer of the logged candidates than the decision read:
-    it would read a smaller set, which the log never shows (so its value there is unknown)."""
-    _, _, kept, _ = component_logits(decisions, target)[0]
-    out: np.ndarray = kept.sum(axis=1) < decisions.n_selected
-    return out
+        excess = np.maximum(p - clip * pair_logging, 0.0)  # the mass clipped weights leave out
+        missing = np.where(enumerated, np.clip(1.0 - np.bincount(pair_rows, weights=p, minlength=n), 0.0, 1.0), 1.0)
+        direct[v] = np.bincount(pair_rows, weights=p * pair_values, minlength=n)
+        low[v] = np.bincount(pair_rows, weights=excess * (worst - pair_values), minlength=n) + missing * worst
+        high[v] = np.bincount(pair_rows, weights=excess * (best - pair_values), minlength=n) + missing * best
+    return Evidence(decisions.utility, logging, logged_by, probs, fitted, direct, low, high, clip)
 
 
 def _table_terms(
-    experiences: Sequence[Experience], decisions: LoggedDecisions, table: RewardTable
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per decision, the table's prediction for the set it read and its query's mean; and the
-    (decision, set) pairs of the sets its query was seen reading (of its size k), with the table's
-    value minus the query's mean (what a version's reads of other sets are valued at)."""
+    experiences: Sequence[Experience],
+    decisions: LoggedDecisions,
+    table: RewardTable,
+    pair_rows: np.ndarray,
+    pair_members: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The table's utility for the set each decision read, and for each (decision, set) pair: the
+    mean its query was seen with after reading that set, else the mean of the query's sets of
+    that size seen, else 0 (a control variate only: any value keeps the bounds valid)."""
     fitted = np.zeros(len(decisions))
-    means = np.zeros(len(decisions))
-    pair_rows: list[int] = []
-    pair_members: list[list[int]] = []
-    pair_values: list[float] = []
-    k_max = decisions.selected.shape[1]
+    values = np.zeros(len(pair_rows))
+    starts = np.searchsorted(pair_rows, np.arange(len(decisions) + 1))
     for i, e in enumerate(experiences):
-        key = query_key(e)
-        mean = means[i] = table.query_mean(key)
         k = int(decisions.n_selected[i])
-        known = {m: v for m, v in table.sets(key).items() if len(m) == k}
-        fitted[i] = known.get(frozenset(int(s) for s in e.event.selected), mean)
-        pos = {int(s): j for j, s in enumerate(e.event.candidates)}
-        for m, v in known.items():
-            pair_rows.append(i)
-            pair_members.append([pos.get(s, -1) for s in sorted(m)] + [-1] * (k_max - k))
-            pair_values.append(v - mean)
-    shape = (len(pair_rows), k_max)
-    return (
-        fitted,
-        means,
-        np.asarray(pair_rows, np.int64),
-        np.asarray(pair_members, np.int64).reshape(shape),
-        np.asarray(pair_values, np.float64),
-    )
+        cands = [int(c) for c in e.event.candidates]
+        known = {m: v for m, v in table.sets(query_key(e)).items() if len(m) == k}
+        baseline = float(np.mean(list(known.values()))) if known else 0.0
+        fitted[i] = known.get(frozenset(int(s) for s in e.event.selected), baseline)
+        for j in range(starts[i], starts[i + 1]):
+            m = frozenset(cands[int(p)] for p in pair_members[j, :k])
+            values[j] = known.get(m, baseline)
+    return fitted, values

@@ -180,10 +180,17 @@ class Evidence:
     ``probs[v]``: each decision's probability, under version ``v`` as served (its manifest's
     serving parameters; :data:`SIMILARITY` is plain top-k), of the set it read; ``logging``:
     the same under the policy that drew it; ``utility``: its utility; ``version``: the
-    version that logged it. ``fitted`` and ``direct[v]`` are a reward model's: its prediction
-    for the set read, and its value under version ``v``; a model fit only on other decisions (the training queries, and
-    held-out ones logged before) cannot bias a gain, it only takes the variance it explains
-    away. Without one (``direct`` empty), ``fitted`` is a constant baseline.
+    version that logged it.
+
+    Bounds without a model of the reward (Thomas et al. 2015 clip importance weights for a lower
+    bound on non-negative returns; here both ends): with weights clipped at ``clip``, the mean of
+    ``min(w_v, clip)·u`` misses the probability a version puts beyond the clip (sets the log shows
+    too rarely, or never), and that mass is valued at the utility's extremes, ``worst`` for the
+    lower bound and ``best`` for the upper: ``low[v]`` and ``high[v]`` are those terms. A reward
+    model, fit only on other decisions, is a control variate: ``direct[v]`` its value of what
+    ``v`` reads within the clip, ``fitted`` its prediction for the set read (NaN: no correction),
+    so the terms are ``direct_v + min(w_v, clip)·(u − fitted) + low_v`` (``high_v``), whose mean
+    bounds V(v) whatever the model predicts.
     """
 
     utility: np.ndarray
@@ -192,46 +199,37 @@ class Evidence:
     probs: Mapping[int, np.ndarray]
     fitted: np.ndarray | None = None
     direct: Mapping[int, np.ndarray] = field(default_factory=dict)
-    # Where version v would read fewer memories than the decision did (its hard drop keeps fewer
-    # than k of the logged candidates): the log cannot show what it reads there, so its value
-    # is taken as ``worst`` for its lower bounds and ``best`` for its upper bounds.
-    unsupported: Mapping[int, np.ndarray] = field(default_factory=dict)
-    worst: float = 0.0
-    best: float = 0.0
+    low: Mapping[int, np.ndarray] = field(default_factory=dict)
+    high: Mapping[int, np.ndarray] = field(default_factory=dict)
+    clip: float = float("inf")
 
     def weights(self, v: int) -> np.ndarray:
         p = self.probs[v]
         with np.errstate(divide="ignore", invalid="ignore"):
             w = np.where(self.logging > 0, p / self.logging, 0.0)
-        out: np.ndarray = np.nan_to_num(w, nan=0.0, posinf=0.0)
+        out: np.ndarray = np.minimum(np.nan_to_num(w, nan=0.0, posinf=0.0), self.clip)
         return out
 
-    def value(self, v: int) -> np.ndarray:
-        """Each decision's doubly robust term of V(v): direct_v + w_v·(u − fitted), whose mean is
-        V(v) for any model (NaN where the log cannot show what v reads)."""
-        fitted = self.fitted if self.fitted is not None else np.zeros(len(self.utility))
-        out: np.ndarray = self.weights(v) * (self.utility - fitted)
-        if v in self.direct:
-            out = out + self.direct[v]
-        if v in self.unsupported:
-            out = np.where(self.unsupported[v], np.nan, out)
-        return out
+    def bounds(self, v: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each decision's terms of a lower and an upper bound on V(v) (without a model and
+        unclipped, both are ``w_v·u``, whose mean is V(v))."""
+        if self.fitted is None:
+            plain: np.ndarray = self.weights(v) * self.utility
+            return plain, plain
+        residual = np.where(np.isnan(self.fitted), 0.0, self.utility - np.nan_to_num(self.fitted))
+        known: np.ndarray = self.weights(v) * residual + self.direct.get(v, 0.0)
+        zero = np.zeros(len(self.utility))
+        return known + self.low.get(v, zero), known + self.high.get(v, zero)
 
     def gains(self, c: int, a: int) -> tuple[np.ndarray, np.ndarray]:
         """Each decision's terms of the gain V(c) − V(a): for its lower bound and for its upper bound.
-
-        They differ only where a version's reads are not in the log: valued at ``worst`` for the
-        bound it could make too good, at ``best`` for the other.
 
         >>> ev = Evidence(np.array([1.0]), np.array([0.5]), np.array([1]), {1: np.array([0.5]), 2: np.array([1.0])})
         >>> [t.tolist() for t in ev.gains(2, 1)]  # (2 − 1)·(1 − 0)
         [[1.0], [1.0]]
         """
-        vc, va = self.value(c), self.value(a)
-        lo, hi = self.worst, self.best
-        low: np.ndarray = np.where(np.isnan(vc), lo, vc) - np.where(np.isnan(va), hi, va)
-        high: np.ndarray = np.where(np.isnan(vc), hi, vc) - np.where(np.isnan(va), lo, va)
-        return low, high
+        (c_low, c_high), (a_low, a_high) = self.bounds(c), self.bounds(a)
+        return c_low - a_high, c_high - a_low
 
     def subset(self, rows: np.ndarray) -> Evidence:
         return Evidence(
@@ -241,9 +239,9 @@ class Evidence:
             {v: p[rows] for v, p in self.probs.items()},
             None if self.fitted is None else self.fitted[rows],
             {v: d[rows] for v, d in self.direct.items()},
-            {v: d[rows] for v, d in self.unsupported.items()},
-            self.worst,
-            self.best,
+            {v: d[rows] for v, d in self.low.items()},
+            {v: d[rows] for v, d in self.high.items()},
+            self.clip,
         )
 
 

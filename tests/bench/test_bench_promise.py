@@ -38,6 +38,7 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
         seeds="0",
         events=1200,
         epsilon=0.02,
+        drop="none",
         out=str(tmp_path / "promise.json"),
     )
     assert promise.main(args) == 0
@@ -52,5 +53,6 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
         lo, hi = row["unsafe_interval"]
         assert 0.0 <= lo <= hi <= 1.0
     assert "trial" in rows["t1/sequences"]["runs"][0]["actions"]
+    assert report["drop"] == "none"
     with pytest.raises(ValueError, match="unknown"):
         promise.run(argparse.Namespace(**{**vars(args), "rules": "other"}))

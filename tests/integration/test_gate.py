@@ -43,15 +43,33 @@ def _masks(net: PolicyNetwork, emb: np.ndarray, slots: list[int]) -> np.ndarray:
 
 
 def log_of(
-    net: PolicyNetwork, n: int, seed: int = 0, temperature: float = 0.5, policy: str = "default"
+    net: PolicyNetwork,
+    n: int,
+    seed: int = 0,
+    temperature: float = 0.5,
+    policy: str = "default",
+    questions: int | None = None,
 ) -> list[Experience]:
-    """Decisions logged by ``net`` serving with the §4 rule; utility +1 per good slot, −1 per bad one."""
+    """Decisions logged by ``net`` serving with the §4 rule; utility +1 per good slot, −1 per bad one.
+
+    ``questions``: the queries recur, drawn from that many (the same for every seed), as users'
+    questions do; else each decision has a query of its own.
+    """
     rng = np.random.default_rng(seed)
+    fixed = np.random.default_rng(99)
+    asked = [
+        (fixed.normal(size=D).astype(np.float32), fixed.choice(16, size=8, replace=False), fixed.uniform(0.3, 0.9, 8))
+        for _ in range(questions or 0)
+    ]
     out = []
     for i in range(n):
-        emb = rng.normal(size=D).astype(np.float32)
-        cands = [int(c) for c in rng.choice(16, size=8, replace=False)]
-        scores = rng.uniform(0.3, 0.9, size=8)
+        if asked:
+            emb, drawn, scores = asked[int(rng.integers(len(asked)))]
+            cands = [int(c) for c in drawn]
+        else:
+            emb = rng.normal(size=D).astype(np.float32)
+            cands = [int(c) for c in rng.choice(16, size=8, replace=False)]
+            scores = rng.uniform(0.3, 0.9, size=8)
         m = _masks(net, emb, cands)
         keep = keep_dynamic(m)
         kept = [c for c, k in zip(cands, keep, strict=True) if k]

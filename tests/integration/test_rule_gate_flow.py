@@ -33,7 +33,7 @@ async def test_the_rule_promotes_on_held_out_queries_and_refuses_a_worse_candida
         init = PolicyNetwork.from_tensors(learner.trainer.tensors())
         sent = 0
         for seed in range(3, 12):  # traffic logged by the first policy, in rounds, until a promotion
-            batch = served_by(log_of(init, 600, seed=seed, policy=s.policy), 1)
+            batch = served_by(log_of(init, 600, seed=seed, policy=s.policy, questions=20), 1)
             await _send(s, batch)
             sent += len(batch)
             if any(d.decision == "promoted" for d in gate.decisions):
@@ -57,7 +57,8 @@ async def test_the_rule_promotes_on_held_out_queries_and_refuses_a_worse_candida
         learner.trainer.load(tilted(gate.serving_net, BAD).tensors())
         learner.dirty = True
         for seed in range(20, 30):
-            await _send(s, served_by(log_of(gate.serving_net, 600, seed=seed, policy=s.policy), serving.version))
+            batch = log_of(gate.serving_net, 600, seed=seed, policy=s.policy, questions=20)
+            await _send(s, served_by(batch, serving.version))
             if learner.metrics.gate_reanchors._value.get() > resumed_before:
                 break
             await until(lambda: not learner.dirty, 30, "a checkpoint")

@@ -78,7 +78,9 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def run_one(data: Any, u: Any, client: Client, rule: str, seed: int, events: int, epsilon: float) -> dict[str, Any]:
+def run_one(
+    data: Any, u: Any, client: Client, rule: str, seed: int, events: int, epsilon: float, drop: str = PRODUCT.serve_drop
+) -> dict[str, Any]:
     """One run: the versions served and their values, the worst against similarity-only, the end."""
     scenario = LMScenario(
         seed=seed,
@@ -93,6 +95,7 @@ def run_one(data: Any, u: Any, client: Client, rule: str, seed: int, events: int
         gate_rule="window" if rule == "none" else rule,
         gate_epsilon=epsilon,
         minimal_client=client.minimal,
+        drop=drop,
         explore_rate=client.explore_rate,
         explore_temperature=client.explore_temperature,
         seed=seed,
@@ -137,14 +140,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [c for c in clients if c not in CLIENTS] + [r for r in rules if r not in RULES]
     if unknown:
         raise ValueError(f"unknown clients or rules {unknown}; clients {list(CLIENTS)}, rules {list(RULES)}")
-    report: dict[str, Any] = {"data": data_name, "epsilon": args.epsilon, "seeds": seeds, "rows": {}}
+    report: dict[str, Any] = {
+        "data": data_name,
+        "epsilon": args.epsilon,
+        "drop": args.drop or PRODUCT.serve_drop,
+        "seeds": seeds,
+        "rows": {},
+    }
     for cname in clients:
         client = CLIENTS[cname]
         events = args.events or client.events
         for rule in rules:
             runs = []
             for seed in seeds:
-                r = run_one(data, u, client, rule, seed, events, args.epsilon)
+                r = run_one(data, u, client, rule, seed, events, args.epsilon, args.drop or PRODUCT.serve_drop)
                 runs.append(r)
                 print(f"{cname}/{rule} seed {seed}: {json.dumps(r)}", flush=True)
             unsafe = sum(r["unsafe"] for r in runs)
@@ -186,6 +195,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--events", type=int, help="steps of traffic per run (default: the client's)")
     p.add_argument("--epsilon", type=float, default=PRODUCT.gate_epsilon, help="the margin (default: the gate's)")
+    p.add_argument("--drop", choices=("dynamic", "none"), help="the hard drop clients serve (default: the product's)")
     p.add_argument("--out", help="write the report as JSON here")
 
 

@@ -54,7 +54,7 @@ def recurring(net: PolicyNetwork, n: int, seed: int, questions: int = 5) -> list
     return out
 
 
-def test_the_table_makes_the_gain_terms_tight_and_leaves_their_mean() -> None:
+def test_the_bounds_hold_the_gain_and_the_clip_only_widens_them() -> None:
     serving = init_policy(D, S, H, seed=1)
     params = ServingParams(explore_rate=0.0, temperature=0.5)  # as log_of draws
     versions = {1: (serving, params), 2: (tilted(serving, GOOD), params)}
@@ -62,27 +62,34 @@ def test_the_table_makes_the_gain_terms_tight_and_leaves_their_mean() -> None:
     plain = evidence.build(evidence.usable(held), versions, params)
     table = evidence.RewardTable()
     table.add(train)
-    doubly = evidence.build(evidence.usable(held), versions, params, table)
-    ipw, dr = plain.gains(2, 1)[0], doubly.gains(2, 1)[0]
-    # Both estimate the same gain (these decisions' queries never recur: the table knows only the mean).
-    assert abs(ipw.mean() - dr.mean()) < 3 * dr.std() / np.sqrt(len(dr))
-    assert dr.mean() > 0  # the tilted policy reads the good slots
-    assert set(doubly.probs) == {1, 2, SIMILARITY} and (doubly.logging > 0).all()
+    ipw = plain.gains(2, 1)[0]
+    assert ipw.mean() > 0  # the tilted policy reads the good slots
+    se = 3 * ipw.std() / np.sqrt(len(ipw))
+    widths = []
+    for clip in (evidence.CLIP, 2.0):
+        ev = evidence.build(evidence.usable(held), versions, params, table, clip=clip)
+        low, high = ev.gains(2, 1)
+        assert (low <= high + 1e-12).all() and low.mean() - se < ipw.mean() < high.mean() + se
+        widths.append(float((high - low).mean()))
+        # The serving version drew these decisions: its weights are 1, nothing is left to the extremes.
+        v_low, v_high = ev.bounds(1)
+        assert np.allclose(v_low, v_high)
+    assert widths[0] < widths[1]  # clipping harder leaves more of the version's reads to the extremes
+    assert set(ev.probs) == {1, 2, SIMILARITY} and (ev.logging > 0).all()
 
 
-def test_on_recurring_questions_the_table_predicts_the_utility() -> None:
+def test_on_recurring_questions_the_table_narrows_the_terms() -> None:
     serving = init_policy(D, S, H, seed=1)
     params = ServingParams(explore_rate=0.0, temperature=0.5)
-    versions = {1: (serving, params), 2: (tilted(serving, GOOD), params)}
+    versions = {1: (serving, params), 2: (tilted(serving, GOOD, amount=1.0), params)}
     table = evidence.RewardTable()
     table.add(recurring(serving, 600, seed=1))
     held = evidence.usable(recurring(serving, 600, seed=2))
-    plain = evidence.build(held, versions, params)
-    doubly = evidence.build(held, versions, params, table)
-    ipw, dr = plain.gains(2, 1)[0], doubly.gains(2, 1)[0]
-    assert dr.std() < 0.5 * ipw.std()  # most of each utility is predicted
-    assert abs(ipw.mean() - dr.mean()) < 3 * ipw.std() / np.sqrt(len(ipw))
-    assert doubly.fitted is not None and np.abs(doubly.fitted - doubly.utility).mean() < 0.2
+    plain = evidence.build(held, versions, params, evidence.RewardTable())  # a table that knows nothing
+    bounded = evidence.build(held, versions, params, table)
+    blind, low = plain.gains(2, 1)[0], bounded.gains(2, 1)[0]
+    assert low.std() < 0.5 * blind.std()  # most of each utility is known
+    assert bounded.fitted is not None and np.isclose(bounded.fitted, bounded.utility).mean() > 0.9
 
 
 def test_unusable_events_are_left_out() -> None:
@@ -101,12 +108,33 @@ def test_what_the_log_cannot_show_is_valued_pessimistically_for_each_bound() -> 
     narrow = tilted(serving, {next(iter(GOOD))}, amount=12.0)
     versions = {1: (serving, params), 2: (narrow, params)}
     table = evidence.RewardTable()
-    train = log_of(serving, 200, seed=1)
+    train = recurring(serving, 600, seed=1)
     table.add(train)
-    ev = evidence.build(evidence.usable(log_of(serving, 300, seed=2)), versions, params, table)
-    assert ev.unsupported[2].mean() > 0.2 and not ev.unsupported[1].any()
+    ev = evidence.build(evidence.usable(recurring(serving, 300, seed=2)), versions, params, table)
     low, high = ev.gains(2, 1)
-    where = ev.unsupported[2]
-    assert (low[where] < high[where]).all() and np.allclose(low[~where], high[~where])
-    # The range is what the table saw before this batch (predictable), not the batch's own.
-    assert (ev.worst, ev.best) == (min(e.utility for e in train), max(e.utility for e in train))
+    fewer = ev.probs[2] == 0.0
+    assert fewer.mean() > 0.2
+    assert (high[fewer] - low[fewer] >= ev_range(table, train) - 1e-9).all()
+    assert np.allclose(*ev.bounds(1))  # the serving version's own reads: nothing unknown
+
+
+def ev_range(table: evidence.RewardTable, train: list[Experience]) -> float:
+    """best − worst: the range is what the table saw before this batch (predictable), not the batch's own."""
+    worst, best = table.range(np.zeros(0))
+    assert (worst, best) == (min(e.utility for e in train), max(e.utility for e in train))
+    return best - worst
+
+
+def test_the_logging_probability_is_the_manifests_mixture_where_nothing_is_dropped() -> None:
+    serving = init_policy(D, S, H, seed=1)
+    held = [  # drawn by version 1 at T = 0.5
+        dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=1))
+        for e in evidence.usable(recurring(serving, 50, seed=3))
+    ]
+    mixture = ServingParams(temperature=0.05, explore_rate=0.1, explore_temperature=0.5, drop="none")
+    own = evidence.build(held, {1: (serving, dataclasses.replace(mixture, drop="dynamic"))}, mixture)
+    mixed = evidence.build(held, {1: (serving, mixture)}, mixture)
+    # At T = 0.05 the draw's own probability of a set is nearly 0 or 1; the mixture keeps a
+    # tenth of the explored draw's, so no weight exceeds 1 / 0.1.
+    assert (mixed.logging >= 0.1 * own.logging - 1e-12).all()
+    assert mixed.weights(1).max() <= 10.0 + 1e-9 and not np.allclose(mixed.logging, own.logging)

@@ -10,7 +10,8 @@ from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.gate import RuleGate
 from pipeline.metrics import Metrics
-from tests.integration.test_gate import BAD, GOOD, D, H, S, log_of, tilted
+from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
+from tests.unit.learner.test_evidence import recurring
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -43,8 +44,10 @@ def gate_of(canary_rate: float = 0.0) -> tuple[RuleGate, Publisher, PolicyNetwor
 
 
 def logged(net: PolicyNetwork, n: int, seed: int) -> list[Experience]:
-    """Decisions the serving v1 logged (exploring at T = 0.5)."""
-    return [dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=1)) for e in log_of(net, n, seed)]
+    """Decisions the serving v1 logged (exploring at T = 0.5) on a few recurring questions."""
+    return [
+        dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=1)) for e in recurring(net, n, seed)
+    ]
 
 
 async def test_a_better_candidate_is_promoted_on_held_out_evidence() -> None:
@@ -66,7 +69,7 @@ async def test_a_worse_candidate_is_refused_and_training_resumes_from_serving() 
     resumed: list[int] = []
     gate.on_resume = lambda version, net: resumed.append(version)
     await gate.consider(manifest(2), tilted(serving, BAD).tensors())
-    for seed in range(10):
+    for seed in range(30):  # the bounds narrow as the table learns the sets the candidate reads
         gate.observe(logged(serving, 300, seed))
         await gate.reconsider()
         if resumed:
