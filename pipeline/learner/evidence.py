@@ -221,7 +221,7 @@ def every_set(
     >>> d = LoggedDecisions.from_lists([[1, 2, 3]], [[0.3, 0.2, 0.1]], [[1, 2]], [1.0], [-1.0], [0.0])
     >>> rows, members, done = every_set(d)
     >>> members.tolist(), done.tolist()
-    [[[0, 1], [0, 2], [1, 2]], [True]]
+    ([[0, 1], [0, 2], [1, 2]], [True])
     """
     rows: list[int] = []
     members: list[tuple[int, ...]] = []
