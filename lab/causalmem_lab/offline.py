@@ -522,8 +522,10 @@ class SequenceGate:
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
 
     def refresh(self, candidate: LoadedPolicy, step: int) -> None:
-        """A checkpoint: a candidate starts a trial, anything else is served at once; then a look."""
+        """A checkpoint: a look at the decisions logged so far, then a candidate starts a trial
+        (anything else is served at once)."""
         v = candidate.version
+        self.look(step)  # the decisions logged before it are evidence on the trials already open
         self.nets[v] = candidate
         if is_candidate(candidate.manifest.reason, True):
             self.state, actions = promotion.decide(self.state, promotion.Candidate(v), self.rule)
@@ -532,7 +534,6 @@ class SequenceGate:
             self.state, actions = promotion.decide(self.state, event, self.rule)
             self.serve(candidate)
         self._carry(actions, step)
-        self.look(step)
 
     def look(self, step: int) -> None:
         """The held-out decisions since the last look, as evidence."""

@@ -163,17 +163,20 @@ class RuleGate:
             self._serving_metrics(manifest)
 
     async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> Look | None:
-        """A new candidate: its trial starts, then the rule looks at the evidence gathered so far."""
+        """A new candidate: the rule looks at the evidence gathered so far, then its trial starts
+        (a trial is fed only decisions logged after it started)."""
         async with self._deciding:
-            self._hold(manifest, network(tensors))
             if self.state is None:  # nothing served yet (a learner whose serving version is unreadable)
+                self._hold(manifest, network(tensors))
                 await self.publisher.promote(manifest)
                 self.state = State.start(manifest.version)
                 self._serving_metrics(manifest)
                 return None
+            look = await self._look()
+            self._hold(manifest, network(tensors))
             self.state, actions = decide(self.state, Candidate(manifest.version), self.rule)
             await self._carry(actions)
-            return await self._look()
+            return look
 
     async def reconsider(self) -> Look | None:
         """Look at the evidence that arrived since the last look (at the checkpoint cadence)."""
