@@ -94,6 +94,8 @@ class RetrievalEvent(WireValue):
         "canary_arm",
         "canary_version",
         "canary_other",
+        "canary_rate",
+        "alternative_version",
     )
     NESTED = ("features", "memory_texts")
 
@@ -132,6 +134,11 @@ class RetrievalEvent(WireValue):
     canary_version: int | None = None
     # Contract 1.5: where the two slates differed, the other policy's (memories by slot only).
     canary_other: list[int] | None = None
+    # Contract 1.9: on a request of a client holding a (not coupled) canary, the share of requests
+    # it serves the canary on and the other policy's version (the serving one on a canary request,
+    # the canary's on a serving one): the request was drawn from that mixture (docs/contract.md §7.2).
+    canary_rate: float | None = None
+    alternative_version: int | None = None
 
 
 CANARY_ARMS = ("tie", "canary", "serving")
@@ -200,6 +207,13 @@ def _fast_retrieval_event(
             return None
         other = obj.get("canary_other")
         if other is not None and (arm not in ("canary", "serving") or not _slot_list(other, limits) or not other):
+            return None
+        rate, alternative = obj.get("canary_rate"), obj.get("alternative_version")  # contract 1.9
+        if (rate is None) != (alternative is None) or (rate is not None and arm is not None):
+            return None
+        if rate is not None and (not _num(rate, 0.0, 1.0) or rate in (0, 1) or type(alternative) is not int):
+            return None
+        if alternative is not None and not 0 <= alternative <= 2**62:
             return None
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
@@ -280,6 +294,8 @@ def _fast_retrieval_event(
         canary_arm=arm,
         canary_version=arm_version,
         canary_other=other,
+        canary_rate=float(rate) if rate is not None else None,
+        alternative_version=alternative,
     )
 
 
@@ -346,6 +362,7 @@ def _validated_retrieval_event(
     event.candidate_ids = read_candidate_ids(f, n)
     event.canary = True if f.bool_("canary", required=False) else None
     read_canary_arm(f, event)
+    read_canary_mixture(f, event)
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
         arr = f.floats_(name, required=False, lo=lo)
         if arr is not None:
@@ -418,3 +435,32 @@ def read_canary_arm(f: Fields, event: RetrievalEvent) -> None:
             f'canary_arm "{arm}" without canary: true' if arm == "canary" else f'canary_arm "{arm}" with canary: true',
         )
     event.canary_arm, event.canary_version, event.canary_other = arm, version, other
+
+
+def read_canary_mixture(f: Fields, event: RetrievalEvent) -> None:
+    """Contract 1.9's ``canary_rate`` and ``alternative_version``: both or neither, not on a coupled
+    request, the rate strictly between 0 and 1.
+
+    >>> e = RetrievalEvent("e", "q", 0, 0.0, Features(np.zeros(1, np.float32), 0.0, 0.0), [1], np.zeros(1), [1],
+    ...                    0.05, 0.0, False)
+    >>> read_canary_mixture(Fields({"canary_rate": 0.2, "alternative_version": 3}, Limits()), e)
+    >>> e.canary_rate, e.alternative_version
+    (0.2, 3)
+    >>> read_canary_mixture(Fields({"canary_rate": 0.2}, Limits()), e)
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: inconsistent: canary_rate without alternative_version
+    """
+    rate = f.float_("canary_rate", 0.0, 1.0, required=False)
+    alternative = f.int_("alternative_version", 0, 2**62, required=False)
+    if rate is None and alternative is None:
+        return
+    if rate is None:
+        raise Rejected("inconsistent", "alternative_version without canary_rate")
+    if alternative is None:
+        raise Rejected("inconsistent", "canary_rate without alternative_version")
+    if rate in (0.0, 1.0):
+        raise Rejected("out_of_range", "canary_rate must be strictly between 0 and 1")
+    if event.canary_arm is not None:
+        raise Rejected("inconsistent", "canary_rate on a coupled request (canary_arm says its arm)")
+    event.canary_rate, event.alternative_version = rate, alternative

@@ -64,6 +64,9 @@ class Arm:
     name: ArmName
     other: LoadedPolicy | None = None
     other_values: ServingValues | None = None
+    # Contract 1.9: while a (not coupled) canary is held, the request was drawn from a mixture:
+    # the other policy's version and the canary's share.
+    mixture: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,14 @@ class Slate:
     @property
     def canary_version(self) -> int | None:
         return self.arm.other.version if self.canary_arm is not None and self.arm.other is not None else None
+
+    @property
+    def canary_rate(self) -> float | None:
+        return self.arm.mixture[1] if self.arm.mixture is not None and self.arm.mixture[1] < 1.0 else None
+
+    @property
+    def alternative_version(self) -> int | None:
+        return self.arm.mixture[0] if self.canary_rate is not None and self.arm.mixture is not None else None
 
     @property
     def canary_other(self) -> list[int] | None:
@@ -173,14 +184,18 @@ class ServingCore:
     def arm(self) -> Arm:
         """This request's arm; the canary's arms take ``canary_rate`` of the requests (one draw, only
         while a canary is held and the rate is above 0)."""
-        canary, values, own = self.canary, self.canary_values, self.values
-        if canary is not None and values is not None and own.canary_rate > 0 and self.rng.random() < own.canary_rate:
-            if canary is self.policy:
+        canary, values, own, policy = self.canary, self.canary_values, self.values, self.policy
+        if canary is None or values is None or own.canary_rate <= 0:
+            return Arm(policy, own, "serving")
+        split = policy is not None and canary is not policy and not own.canary_coupled
+        if self.rng.random() < own.canary_rate:
+            if canary is policy:
                 return Arm(canary, values, "serving")
             if own.canary_coupled:
-                return Arm(self.policy, own, "coupled", canary, values)
-            return Arm(canary, values, "canary")
-        return Arm(self.policy, own, "serving")
+                return Arm(policy, own, "coupled", canary, values)
+            mixture = (policy.version, own.canary_rate) if split and policy is not None else None
+            return Arm(canary, values, "canary", mixture=mixture)
+        return Arm(policy, own, "serving", mixture=(canary.version, own.canary_rate) if split else None)
 
     def serve(self, arm: Arm, found: Found, drop_scale: float = 1.0) -> Slate:
         """Serve one request from ``found`` under ``arm`` (``drop_scale``: the hard drop's threshold times it)."""
@@ -258,4 +273,6 @@ class ServingCore:
             canary_arm=slate.canary_arm,
             canary_version=slate.canary_version,
             canary_other=slate.canary_other,
+            canary_rate=slate.canary_rate,
+            alternative_version=slate.alternative_version,
         )

@@ -268,23 +268,82 @@ def build(
     logged_by = np.array([e.event.policy_version for e in experiences], np.int64)
     components = logging_components(decisions, [versions[v][1] if v in versions else None for v in logged_by.tolist()])
     logging = mixture_probability(components, rows, members, decisions.n_selected)
+    mixtures = canary_mixtures(experiences, decisions, versions)
+    logging = _mixed(logging, probs, mixtures)
     if table is None:
         return Evidence(decisions.utility, logging, logged_by, probs)
     pair_rows, pair_members, enumerated = every_set(decisions)
     fitted, pair_values = _table_terms(experiences, decisions, table, pair_rows, pair_members)
     fitted = np.where(enumerated, fitted, np.nan)  # no correction where no bound is made
     pair_ks = decisions.n_selected[pair_rows]
+    pair_probs = {
+        v: target_set_probability(decisions, t, pair_rows, pair_members) if len(pair_rows) else np.zeros(0)
+        for v, t in targets.items()
+    }
     pair_logging = mixture_probability(components, pair_rows, pair_members, pair_ks)
+    pair_logging = _mixed(pair_logging, pair_probs, mixtures, pair_rows)
     worst, best = table.range(decisions.utility)
     direct, low, high = {}, {}, {}
-    for v, t in targets.items():
-        p = target_set_probability(decisions, t, pair_rows, pair_members) if len(pair_rows) else np.zeros(0)
+    for v in targets:
+        p = pair_probs[v]
         excess = np.maximum(p - clip * pair_logging, 0.0)  # the mass clipped weights leave out
         missing = np.where(enumerated, np.clip(1.0 - np.bincount(pair_rows, weights=p, minlength=n), 0.0, 1.0), 1.0)
         direct[v] = np.bincount(pair_rows, weights=p * pair_values, minlength=n)
         low[v] = np.bincount(pair_rows, weights=excess * (worst - pair_values), minlength=n) + missing * worst
         high[v] = np.bincount(pair_rows, weights=excess * (best - pair_values), minlength=n) + missing * best
     return Evidence(decisions.utility, logging, logged_by, probs, fitted, direct, low, high, clip)
+
+
+Mixture = tuple[int, int, float]  # (the serving version, the canary's, the canary's share)
+
+
+def canary_mixtures(
+    experiences: Sequence[Experience], decisions: LoggedDecisions, versions: Mapping[int, Version]
+) -> dict[int, Mixture]:
+    """The decisions drawn from a client's mix of the serving policy and the canary (contract 1.9's
+    ``canary_rate`` and ``alternative_version``), where the learner holds both versions, neither
+    drops anything and the draw was at one of the drawing version's temperatures (the client
+    served as the manifests say): there the logging probability of a set is the mixture's,
+    ``(1 − ρ)·P_serving + ρ·P_canary``, under which both the serving policy's reads and the
+    canary's are in the log (weights at most 1/(1 − ρ) and 1/ρ)."""
+    out: dict[int, Mixture] = {}
+    for i, e in enumerate(experiences):
+        rate, other = e.event.canary_rate, e.event.alternative_version
+        drew = e.event.policy_version
+        if rate is None or other is None or drew not in versions or other not in versions:
+            continue
+        if versions[drew][1].drop != "none" or versions[other][1].drop != "none":
+            continue
+        if not any(np.isclose(t, decisions.temperature[i], rtol=1e-6) for _, t in versions[drew][1].components()):
+            continue
+        out[i] = (other, drew, rate) if e.event.canary else (drew, other, rate)
+    return out
+
+
+def _mixed(
+    own: np.ndarray,
+    probs: Mapping[int, np.ndarray],
+    mixtures: Mapping[int, Mixture],
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """``own`` with the entries of the decisions drawn from a mixture replaced by its probability
+    (``probs[v]``: each version's, per entry; ``rows``: each entry's decision, else entry = decision)."""
+    if not mixtures:
+        return own
+    of = np.arange(len(own)) if rows is None else rows
+    out = own.copy()
+    for (serving, canary, rate), entries in _group(of, mixtures).items():
+        out[entries] = (1.0 - rate) * probs[serving][entries] + rate * probs[canary][entries]
+    return out
+
+
+def _group(of: np.ndarray, mixtures: Mapping[int, Mixture]) -> dict[Mixture, np.ndarray]:
+    keys: dict[Mixture, list[int]] = {}
+    for j, i in enumerate(of.tolist()):
+        m = mixtures.get(i)
+        if m is not None:
+            keys.setdefault(m, []).append(j)
+    return {m: np.asarray(js, np.int64) for m, js in keys.items()}
 
 
 def _table_terms(

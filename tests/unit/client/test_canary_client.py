@@ -100,6 +100,11 @@ async def test_a_subscriber_loads_the_canary_and_a_retriever_serves_it_on_its_sh
     assert {e.policy_version for e in canary} == {2}
     assert {e.policy_version for e in events if not e.canary} == {1}
     assert all(e.canary is None for e in events if e.policy_version == 1)
+    # Contract 1.9: every request says it was drawn from the mixture, and the other policy's version.
+    assert all(e.canary_rate == 0.5 for e in events)
+    assert {e.alternative_version for e in canary} == {1} and {
+        e.alternative_version for e in events if not e.canary
+    } == {2}
     # The canary promoted: its network is taken over, and the canary ends.
     canary_net = sub.canary.net
     await pub.promote(m2)
@@ -121,7 +126,8 @@ async def test_a_tombstone_ends_the_canary_and_an_explicit_rate_wins() -> None:
     await pub.set_canary(m2)
     done = await _feed(sub, producer)
     assert opted_out.canary is not None and opted_out.canary_rate == 0.0
-    assert not any(opted_out.retrieve(rng.normal(size=8), f"q{i}").event.canary for i in range(100))
+    served = [opted_out.retrieve(rng.normal(size=8), f"q{i}").event for i in range(100)]
+    assert not any(e.canary for e in served) and all(e.canary_rate is None for e in served)  # no mixture
     await pub.set_canary(None)
     await _feed(sub, producer, done)
     assert sub.canary is None and opted_out.canary is None

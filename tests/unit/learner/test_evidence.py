@@ -138,3 +138,22 @@ def test_the_logging_probability_is_the_manifests_mixture_where_nothing_is_dropp
     # tenth of the explored draw's, so no weight exceeds 1 / 0.1.
     assert (mixed.logging >= 0.1 * own.logging - 1e-12).all()
     assert mixed.weights(1).max() <= 10.0 + 1e-9 and not np.allclose(mixed.logging, own.logging)
+
+
+def test_a_clients_mix_of_serving_and_canary_is_the_logging_probability() -> None:
+    serving = init_policy(D, S, H, seed=1)
+    canary = tilted(serving, GOOD, amount=1.0)
+    params = ServingParams(explore_rate=0.0, temperature=0.5, drop="none")
+    versions = {1: (serving, params), 2: (canary, params)}
+    held = [  # serving requests of a client that serves the canary on a fifth (contract 1.9)
+        dataclasses.replace(
+            e, event=dataclasses.replace(e.event, policy_version=1, canary_rate=0.2, alternative_version=2)
+        )
+        for e in evidence.usable(recurring(serving, 80, seed=4))
+    ]
+    ev = evidence.build(held, versions, params)
+    assert np.allclose(ev.logging, 0.8 * ev.probs[1] + 0.2 * ev.probs[2])
+    assert ev.weights(2).max() <= 1 / 0.2 + 1e-9 and ev.weights(1).max() <= 1 / 0.8 + 1e-9
+    # Where the learner does not hold the other version, the draw's own probability.
+    alone = evidence.build(held, {1: (serving, params)}, params)
+    assert np.allclose(alone.logging, alone.probs[1])

@@ -149,6 +149,9 @@ def valid_events(draw: st.DrawFn) -> dict[str, Any]:
         d["canary_arm"], d["canary_version"] = arm, draw(st.integers(0, 2**40))
         if arm != "tie":
             d["canary_other"] = draw(st.lists(st.integers(0, S_PROP - 1), min_size=1, max_size=4, unique=True))
+    elif draw(st.booleans()):  # contract 1.9: drawn from the serving policy and the canary's mixture
+        d["canary_rate"] = draw(st.floats(0.001, 0.999))
+        d["alternative_version"] = draw(st.integers(0, 2**40))
     return d
 
 
@@ -167,6 +170,7 @@ def test_generated_valid_events_decode_and_round_trip(d: dict[str, Any]) -> None
     assert (ev.canary_arm, ev.canary_version, ev.canary_other) == tuple(
         d.get(k) for k in ("canary_arm", "canary_version", "canary_other")
     )
+    assert (ev.canary_rate, ev.alternative_version) == (d.get("canary_rate"), d.get("alternative_version"))
     again = decode_retrieval_event(encode(ev.to_dict()), LIMITS_PROP, key=ev.query_id)
     assert_same(ev, again)
 
@@ -401,17 +405,27 @@ _PATHS = [
     "canary_arm",
     "canary_version",
     "canary_other",
+    "canary_rate",  # contract 1.9: both or neither, never on a coupled request
+    "alternative_version",
 ]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(path=st.sampled_from(_PATHS), value=_JSON_VALUES, drop=st.booleans(), coupled=st.booleans())
+@given(
+    path=st.sampled_from(_PATHS),
+    value=_JSON_VALUES,
+    drop=st.booleans(),
+    coupled=st.booleans(),
+    mixed=st.booleans(),
+)
 def test_fast_path_never_accepts_what_the_full_validator_rejects(
-    path: str, value: Any, drop: bool, coupled: bool
+    path: str, value: Any, drop: bool, coupled: bool, mixed: bool
 ) -> None:
     obj = retrieval_dict()
     if coupled:  # contract 1.5: a coupled request that served the serving policy's slate
         obj.update(canary_arm="serving", canary_version=3, canary_other=[1, 0])
+    elif mixed:  # contract 1.9: a request drawn from the serving policy and the canary's mixture
+        obj.update(canary_rate=0.2, alternative_version=4)
     obj.pop("memory_texts", None)  # texts always take the full path
     target, _, leaf = path.rpartition(".")
     holder = obj[target] if target else obj
