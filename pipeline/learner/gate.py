@@ -123,7 +123,7 @@ class RuleGate:
     def pending(self) -> bool:
         """The rule has something to look at: open trials, or a served version the guardrail watches."""
         s = self.state
-        return s is not None and bool(s.trials or s.incumbent or s.serving != s.first or s.anchor != SIMILARITY)
+        return s is not None and bool(s.trials or s.serving != s.first or s.anchor != SIMILARITY)
 
     def canaries_paused(self) -> str | None:
         return None  # a canary no client serves costs nothing: there is no back-off
@@ -231,8 +231,6 @@ class RuleGate:
                 self.logging_policies.hold(manifest, net)
                 self._serving_metrics(manifest)
                 log.info("gate: promoted v%d (%s): %s", a.version, a.path, a.reason)
-            elif a.kind == "anchor":
-                log.info("gate: v%d is the new anchor: %s", a.version, a.reason)
             elif a.kind == "refuse":
                 log.warning("gate: refused v%d, shown worse than the anchor: %s", a.version, a.reason)
                 m.gate_reanchors.inc()

@@ -3,14 +3,14 @@
 **The promise.** With probability ≥ 1 − δ, at every moment of a run of any length and any
 number of candidates, the policy served (as its manifest says to serve it) is
 
-* not worse than the *anchor* — the best version certified so far, similarity-only retrieval
-  (the client's own ranking) before any — by more than ε, and
-* the anchors only ever improve: a version becomes the anchor only when the log shows it
-  better than the anchor before it.
+* not worse than similarity-only retrieval (the client's own ranking) by more than ε, and
+* the anchors only ever improve, after at most one step within ε of similarity-only: a
+  version becomes the anchor only when the log shows it better than the anchor before it.
 
 So the served policy is never worse than similarity-only, nor than any anchor before, by
-more than ε: the margins do not add up over promotions, and no bound is chained through an
-older estimate (each anchor step is a test of its own, and all tests hold together).
+more than ε: the margin is spent once and does not add up over promotions. Each step is a test
+of its own, and all tests hold together at every moment (anytime-valid sequences whose error
+rates add up to δ), so the sum of the steps' lower bounds is a valid bound too.
 
 **The rule.** Each candidate the learner publishes starts a *trial*: an anytime-valid
 confidence sequence (:class:`models.offpolicy.confidence.GainSequence`) for its gain over the
@@ -21,18 +21,22 @@ Seldonian safety test, Thomas et al. 2019). Trial j of the run gets the error ra
 and each trial may be looked at after every batch. A new candidate starts a trial only once
 the newest open one has the decisions a bound needs (it takes the place of one that has seen
 none); otherwise it is passed over, so that every trial lives long enough to decide.
-After each batch, the newest trial whose
-lower bound is
+After each batch, the newest trial whose lower bound is
 
-* above 0 is **promoted and becomes the anchor** (``improved``);
-* above −ε is **promoted** (``within-epsilon``): served, the anchor unchanged; its trial goes
-  on, and the version becomes the anchor once its lower bound passes 0 (``anchor``), so that
-  later candidates are held to what it gained;
+* above 0 (the candidate is shown better than the anchor), or, when the anchor is
+  similarity-only, above −ε,
 
-and a trial whose upper bound is below 0 is **refused** with evidence that the candidate is
-worse than the anchor: the learner resumes from the serving weights (``worse``). A trial
-neither certified nor refused **waits**, and its bounds say what it waits for; it is never
-evidence against the candidate. Older trials than one promoted end (``superseded``).
+and for which the anchor's *margin* (its own certified lower bound over similarity-only, 0 for
+similarity-only) plus that lower bound stays above −ε, is **promoted**: served, and the new
+anchor, with that sum as its margin (``improved`` where the bound is above 0, else
+``within-epsilon``). So ε is spent at most once: after a version served within ε of
+similarity-only, every promotion must improve on the version served, and each served version
+is compared with the one clients serve now, whose reads the log shows. A trial whose upper
+bound is below 0 is **refused** with evidence that the candidate is worse than the anchor: the
+learner resumes from the serving weights (``worse``). A trial neither promoted nor refused
+**waits**, and its bounds say what it waits for; it is never evidence against the candidate.
+Older trials than one promoted end (``superseded``); newer ones start again against the new
+anchor.
 
 **The guardrail.** The served version's own held-out decisions (logged while it served) are
 compared, by the same kind of sequence, with similarity-only; where the served version is
@@ -65,7 +69,7 @@ from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, spend
 SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k): the first anchor
 HOLDOUT_BUCKETS = 10_000
 
-ActionKind = Literal["trial", "promote", "anchor", "refuse", "wait", "rollback", "superseded"]
+ActionKind = Literal["trial", "promote", "refuse", "wait", "rollback", "superseded"]
 
 
 def held_out(query_id: str, share: float) -> bool:
@@ -134,7 +138,9 @@ class State:
     first: int = 1  # the first policy of the run (what a rollback of the anchor itself goes to)
     trials: tuple[Trial, ...] = ()
     tests: int = 0  # trials started in the run (δ spent)
-    incumbent: Trial | None = None  # the served version, promoted within ε, still tested against the anchor
+    # The anchor's certified lower bound over similarity-only (0 for similarity-only itself): the
+    # sum of the lower bounds of the promotions that led to it, each from a test of its own.
+    margin: float = 0.0
     guard: GainSequence | None = None  # the served version over similarity-only, on its own decisions
     guards: int = 0  # guardrail sequences started (their own share of δ)
 
@@ -146,7 +152,7 @@ class State:
     def versions(self) -> set[int]:
         """The versions whose probabilities the next evidence must carry."""
         out = {SIMILARITY, self.serving, self.anchor}
-        for t in (*self.trials, *([self.incumbent] if self.incumbent else [])):
+        for t in self.trials:
             out.update((t.version, t.anchor))
         return out
 
@@ -280,9 +286,9 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
             return state, []
         return replace(state, trials=trials), [Action("superseded", event.version, "withdrawn by the learner")]
     if isinstance(event, ServedAtOnce):
-        anchor = SIMILARITY if event.reanchor else state.anchor
+        anchor, margin = (SIMILARITY, 0.0) if event.reanchor else (state.anchor, state.margin)
         ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]
-        return replace(state, serving=event.version, anchor=anchor, trials=(), guard=None, incumbent=None), ended
+        return replace(state, serving=event.version, anchor=anchor, margin=margin, trials=(), guard=None), ended
     return _evidence(state, event, rule)
 
 
@@ -319,24 +325,19 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     if len(ev.utility) == 0:
         return state, []
     state = copy.deepcopy(state)  # the sequences are updated in place: the caller's state stays as it was
-    for t in (*state.trials, *([state.incumbent] if state.incumbent else [])):
+    for t in state.trials:
         t.bounds.update(*ev.gains(t.version, t.anchor))
     actions: list[Action] = []
     state = _guard(state, ev, rule, actions)
     if any(a.kind == "rollback" for a in actions):
         return state, actions
-    inc = state.incumbent
-    if inc is not None and inc.bounds.low > 0.0:
-        # The version served within ε of the anchor is now shown better than it: the new anchor.
-        actions.append(Action("anchor", inc.version, inc.describe(), "improved"))
-        state = _new_anchor(replace(state, anchor=inc.version, incumbent=None), rule, actions)
     kept: list[Trial] = []
     for t in state.trials:
         if t.bounds.high < 0.0:
             actions.append(Action("refuse", t.version, t.describe(), "worse", to=state.serving))
         else:
             kept.append(t)
-    promoted = next((t for t in reversed(kept) if t.bounds.low > -rule.epsilon), None)
+    promoted = next((t for t in reversed(kept) if _promotable(state, t, rule)), None)
     if promoted is None:
         actions += [Action("wait", t.version, t.describe()) for t in kept]
         return replace(state, trials=tuple(kept)), actions
@@ -348,12 +349,19 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
         Action("superseded", t.version, f"v{promoted.version} promoted") for t in kept if t.version < promoted.version
     ]
     newer = tuple(t for t in kept if t.version > promoted.version)
-    # A version served within ε goes on being tested against the anchor: it becomes the anchor
-    # once shown better (above), so that later candidates cannot undo what it gained.
-    state = replace(state, serving=promoted.version, trials=newer, guard=None, incumbent=None if improved else promoted)
-    if improved:
-        state = _new_anchor(replace(state, anchor=promoted.version), rule, actions)
-    return state, actions
+    margin = (state.margin if promoted.anchor == state.anchor else 0.0) + promoted.bounds.low
+    state = replace(state, serving=promoted.version, anchor=promoted.version, margin=margin, trials=newer, guard=None)
+    return _new_anchor(state, rule, actions), actions
+
+
+def _promotable(state: State, t: Trial, rule: Rule) -> bool:
+    """Whether trial ``t``'s candidate may be served: shown better than the anchor, or, against
+    similarity-only itself, not worse by more than ε; and, through the anchor's own margin, not
+    worse than similarity-only by more than ε. So the margin is spent once: every promotion after
+    a version served within ε must improve on it."""
+    low = t.bounds.low
+    margin = state.margin if t.anchor == state.anchor else 0.0
+    return (low > 0.0 or t.anchor == SIMILARITY) and margin + low > -rule.epsilon
 
 
 def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
@@ -383,8 +391,8 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
         actions.append(Action("rollback", state.serving, reason, "guardrail", to=to))
         for t in state.trials:
             actions.append(Action("superseded", t.version, f"rolled back to v{to}"))
-        anchor = state.anchor if state.anchor != state.serving else SIMILARITY
-        state = replace(state, serving=to, anchor=anchor, trials=(), guard=None, incumbent=None)
+        anchor, margin = (state.anchor, state.margin) if state.anchor != state.serving else (SIMILARITY, 0.0)
+        state = replace(state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None)
     return state
 
 
