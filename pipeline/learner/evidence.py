@@ -8,11 +8,9 @@ ordered slates: a prompt's utility does not depend on the order of its memories,
 probability under Plackett–Luce is the sum over its k! orderings
 (:func:`models.offpolicy.setlevel.set_probability`), far larger than any one ordering's.
 
-The logging probability is that of the policy that drew the set (:func:`logging_components`):
-the manifest's mixture of temperatures where the client served as the manifest says and nothing
-was dropped, else the draw's own (each event's ``candidate_probs``, or the learner's
-recomputation from the version that served it,
-:class:`pipeline.learner.logging_policy.LoggingPolicies`).
+The logging probability is that of the policy that drew the set (:func:`drawn_from`): the
+mixture clients draw from (the manifest's temperatures; with contract 1.9, the serving policy
+and the canary) where it is known exactly, else the draw's own (:func:`logging_probability`).
 
 Similarity-only (:data:`pipeline.learner.promotion.SIMILARITY`) is plain top-k over the
 logged candidates: what the client serves without the policy.
@@ -131,77 +129,19 @@ def usable(experiences: Sequence[Experience]) -> list[Experience]:
     ]
 
 
-def logging_components(
-    decisions: LoggedDecisions, served: Sequence[ServingParams | None] | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """How each decision was drawn: (weights [N, J], first-draw probabilities [N, J, C]).
-
-    Where ``served[i]`` gives how the version that logged decision i is served, the decision was
-    drawn at one of its temperatures and that version drops nothing (so every request, explored
-    or not, drew from the same candidates), the components are the manifest's mixture: each
-    temperature's share, the logits recovered from the logged ones (``T·log p``). The client
-    tossed the coin before the draw, so the draw's own probability is a valid propensity too;
-    but near-greedy draws make it vanish for every set but the greedy one, and the weights of
-    the rare explored reads of those sets explode. The mixture's is the same propensity without
-    the coin, bounded by the exploration's share. Elsewhere (a client serving its own way, a drop
-    a client's own revival of dropped candidates may have undone), the draw's own (J = 1).
-    """
-    assert decisions.first_probs is not None
-    first = np.where(decisions.valid, np.nan_to_num(decisions.first_probs), 0.0)
-    n, c = first.shape
-    weights = np.zeros((n, 2))
-    weights[:, 0] = 1.0
-    probs = np.zeros((n, 2, c))
-    probs[:, 0] = first
-    with np.errstate(divide="ignore"):
-        logits = decisions.temperature[:, None] * np.log(first)
-    for i, params in enumerate(served or ()):
-        if params is None or params.drop != "none":
-            continue
-        parts = params.components()
-        if not any(np.isclose(t, decisions.temperature[i], rtol=1e-6) for _, t in parts):
-            continue
-        for j, (w, t) in enumerate(parts):
-            weights[i, j], probs[i, j] = w, _softmax(logits[i] / t)
-    return weights, probs
-
-
-def mixture_probability(
-    components: tuple[np.ndarray, np.ndarray], rows: np.ndarray, members: np.ndarray, ks: np.ndarray
-) -> np.ndarray:
-    """P(set ``members[j]`` | decision ``rows[j]``) under the decisions' :func:`logging_components`."""
-    weights, probs = components
-    out = np.zeros(len(rows))
-    for j in range(weights.shape[1]):
-        w = weights[rows, j]
-        use = w > 0
-        if use.any():
-            out[use] += w[use] * _set_probability(probs[rows[use], j], members[use], ks[use])
-    return out
-
-
-def logging_probability(decisions: LoggedDecisions, served: Sequence[ServingParams | None] | None = None) -> np.ndarray:
-    """P(S_i | x_i) of each logged set under the policy that drew it (:func:`logging_components`).
+def logging_probability(decisions: LoggedDecisions, rows: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """P(set ``members[j]`` | decision ``rows[j]``) under the draw that read decision ``rows[j]``'s
+    set, from its logged first-draw probabilities (its ``candidate_probs``, or the learner's
+    recomputation from the version that served it).
 
     >>> d = LoggedDecisions.from_lists([[1, 2, 3]], [[0.3, 0.2, 0.1]], [[1, 2]], [1.0], [-1.0], [0.0],
     ...                                first_probs=[[0.5, 0.3, 0.2]])
-    >>> round(float(logging_probability(d)[0]), 6)  # 0.5·0.3/0.5 + 0.3·0.5/0.7
+    >>> round(float(logging_probability(d, np.array([0]), d.selected)[0]), 6)  # 0.5·0.3/0.5 + 0.3·0.5/0.7
     0.514286
-    >>> mix = ServingParams(temperature=1.0, explore_rate=0.5, explore_temperature=0.5, drop="none")
-    >>> round(float(logging_probability(d, [mix])[0]), 6)  # ½·0.514286 + ½·P at T = 0.5
-    0.586963
     """
-    rows = np.arange(len(decisions))
-    return mixture_probability(logging_components(decisions, served), rows, decisions.selected, decisions.n_selected)
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    finite = np.isfinite(z)
-    if not finite.any():
-        return np.zeros_like(z)
-    e = np.where(finite, np.exp(z - z[finite].max()), 0.0)
-    out: np.ndarray = e / e.sum()
-    return out
+    assert decisions.first_probs is not None
+    first = np.where(decisions.valid, np.nan_to_num(decisions.first_probs), 0.0)
+    return _set_probability(first[rows], members, decisions.n_selected[rows])
 
 
 def _set_probability(first: np.ndarray, selected: np.ndarray, ks: np.ndarray) -> np.ndarray:
@@ -266,22 +206,18 @@ def build(
     rows, members = np.arange(n), decisions.selected
     probs = {v: target_set_probability(decisions, t, rows, members) for v, t in targets.items()}
     logged_by = np.array([e.event.policy_version for e in experiences], np.int64)
-    components = logging_components(decisions, [versions[v][1] if v in versions else None for v in logged_by.tolist()])
-    logging = mixture_probability(components, rows, members, decisions.n_selected)
-    mixtures = canary_mixtures(experiences, decisions, versions)
-    logging = _mixed(logging, probs, mixtures)
+    mixtures = drawn_from(experiences, decisions, versions)
+    logging = _mixed(logging_probability(decisions, rows, members), probs, mixtures)
     if table is None:
         return Evidence(decisions.utility, logging, logged_by, probs)
     pair_rows, pair_members, enumerated = every_set(decisions)
     fitted, pair_values = _table_terms(experiences, decisions, table, pair_rows, pair_members)
     fitted = np.where(enumerated, fitted, np.nan)  # no correction where no bound is made
-    pair_ks = decisions.n_selected[pair_rows]
     pair_probs = {
         v: target_set_probability(decisions, t, pair_rows, pair_members) if len(pair_rows) else np.zeros(0)
         for v, t in targets.items()
     }
-    pair_logging = mixture_probability(components, pair_rows, pair_members, pair_ks)
-    pair_logging = _mixed(pair_logging, pair_probs, mixtures, pair_rows)
+    pair_logging = _mixed(logging_probability(decisions, pair_rows, pair_members), pair_probs, mixtures, pair_rows)
     worst, best = table.range(decisions.utility)
     direct, low, high = {}, {}, {}
     for v in targets:
@@ -297,26 +233,35 @@ def build(
 Mixture = tuple[int, int, float]  # (the serving version, the canary's, the canary's share)
 
 
-def canary_mixtures(
+def drawn_from(
     experiences: Sequence[Experience], decisions: LoggedDecisions, versions: Mapping[int, Version]
 ) -> dict[int, Mixture]:
-    """The decisions drawn from a client's mix of the serving policy and the canary (contract 1.9's
-    ``canary_rate`` and ``alternative_version``), where the learner holds both versions, neither
-    drops anything and the draw was at one of the drawing version's temperatures (the client
-    served as the manifests say): there the logging probability of a set is the mixture's,
-    ``(1 − ρ)·P_serving + ρ·P_canary``, under which both the serving policy's reads and the
-    canary's are in the log (weights at most 1/(1 − ρ) and 1/ρ)."""
+    """The decisions whose draw is known as a mixture the rule can value exactly: drawn by a
+    version the learner holds, as its manifest says to serve it (the draw at one of its
+    temperatures) and dropping nothing (so every request, explored or not, drew from the same
+    candidates); with contract 1.9's ``canary_rate`` and ``alternative_version``, from the
+    client's mix of that version and the other, if held and dropping nothing too.
+
+    There the logging probability of a set is the mixture's: each temperature's share times the
+    set's probability at it, and ``(1 − ρ)·P_serving + ρ·P_canary`` over a canary's mix. The
+    client tossed those coins before the draw, so the draw's own probability is a valid
+    propensity too; but near-greedy draws make it vanish for every set but the greedy one, and
+    the weights of the rare explored reads of those sets explode. The mixture's is the same
+    propensity without the coins, under which the serving policy's reads and the canary's are
+    both in the log (weights at most 1/(1 − ρ) and 1/ρ). Elsewhere (a client serving its own
+    way, a drop that a client's own revival of dropped candidates may have undone), the draw's own.
+    """
     out: dict[int, Mixture] = {}
     for i, e in enumerate(experiences):
-        rate, other = e.event.canary_rate, e.event.alternative_version
-        drew = e.event.policy_version
-        if rate is None or other is None or drew not in versions or other not in versions:
-            continue
-        if versions[drew][1].drop != "none" or versions[other][1].drop != "none":
+        drew, rate, other = e.event.policy_version, e.event.canary_rate, e.event.alternative_version
+        if drew not in versions or versions[drew][1].drop != "none":
             continue
         if not any(np.isclose(t, decisions.temperature[i], rtol=1e-6) for _, t in versions[drew][1].components()):
             continue
-        out[i] = (other, drew, rate) if e.event.canary else (drew, other, rate)
+        if rate is None or other is None:
+            out[i] = (drew, drew, 0.0)
+        elif other in versions and versions[other][1].drop == "none":
+            out[i] = (other, drew, rate) if e.event.canary else (drew, other, rate)
     return out
 
 

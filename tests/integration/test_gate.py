@@ -49,11 +49,12 @@ def log_of(
     temperature: float = 0.5,
     policy: str = "default",
     questions: int | None = None,
+    noise: float = 0.1,
 ) -> list[Experience]:
     """Decisions logged by ``net`` serving with the §4 rule; utility +1 per good slot, −1 per bad one.
 
     ``questions``: the queries recur, drawn from that many (the same for every seed), as users'
-    questions do; else each decision has a query of its own.
+    questions do; else each decision has a query of its own. ``noise``: the sd of the utility noise.
     """
     rng = np.random.default_rng(seed)
     fixed = np.random.default_rng(99)
@@ -76,7 +77,7 @@ def log_of(
         z = adjusted_logits(scores[keep], m[keep], float(net.alpha.detach()[0]), temperature)
         pos = sample_plackett_luce(z, 2, rng)
         sel = [kept[p] for p in pos]
-        u = sum(1.0 if s in GOOD else -1.0 for s in sel) / 2 + 0.1 * rng.normal()
+        u = sum(1.0 if s in GOOD else -1.0 for s in sel) / 2 + noise * rng.normal()
         ev = RetrievalEvent(
             f"g{seed}-{i}",
             f"gq{seed}-{i}",

@@ -9,49 +9,16 @@ import numpy as np
 
 from models.policy.network import PolicyNetwork, init_policy
 from models.serving.params import ServingParams
-from models.serving.rule import adjusted_logits, first_draw_probs, plackett_luce_logprob, sample_plackett_luce
 from pipeline.learner import evidence
 from pipeline.learner.promotion import SIMILARITY
-from tests.integration.test_gate import GOOD, D, H, S, _masks, log_of, tilted
-from topics.events import Features, RetrievalEvent
+from tests.integration.test_gate import GOOD, D, H, S, log_of, tilted
 from topics.internal import Experience
 
 
-def recurring(net: PolicyNetwork, n: int, seed: int, questions: int = 5) -> list[Experience]:
-    """Decisions logged by ``net`` (T = 0.5) over a few recurring questions, each with its own
-    candidates: the utility is a function of the question and the set read, as an LM's is."""
-    fixed = np.random.default_rng(99)
-    asked = [
-        (fixed.normal(size=D).astype(np.float32), [int(c) for c in fixed.choice(16, size=8, replace=False)])
-        for _ in range(questions)
-    ]
-    scores = fixed.uniform(0.3, 0.9, size=(questions, 8))
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        q = i % questions
-        emb, cands = asked[q]
-        m = _masks(net, emb, cands)
-        z = adjusted_logits(scores[q], m, float(net.alpha.detach()[0]), 0.5)
-        pos = sample_plackett_luce(z, 2, rng)
-        sel = [cands[p] for p in pos]
-        u = sum(1.0 if s in GOOD else -1.0 for s in sel) / 2 + 0.3 * q
-        ev = RetrievalEvent(
-            f"r{seed}-{i}",
-            f"rq{seed}-{i}",
-            0,
-            1_800_000_000.0 + i,
-            Features(emb, 0.0, 0.0),
-            cands,
-            scores[q],
-            sel,
-            0.5,
-            plackett_luce_logprob(z, pos),
-            False,
-            candidate_probs=first_draw_probs(z),
-        )
-        out.append(Experience(ev.event_id, "feedback", ev, float(u)))
-    return out
+def recurring(net: PolicyNetwork, n: int, seed: int) -> list[Experience]:
+    """Decisions logged by ``net`` (T = 0.5) over a few recurring questions, the utility a
+    function of the question and the set read, as an LM's is."""
+    return log_of(net, n, seed, questions=5, noise=0.0)
 
 
 def test_the_bounds_hold_the_gain_and_the_clip_only_widens_them() -> None:
