@@ -9,7 +9,7 @@ default (the serving rule's in :class:`models.serving.params.ServingParams`, the
 
 Each component (client, learner, worker, evaluator, write gate, UI) takes a small frozen
 dataclass of what it needs, defined below. Their defaults are derived from the declarations
-(``GateConfig.window`` *is* ``Settings.gate_window``), so a component built directly and one
+(``GateConfig.holdout`` *is* ``Settings.gate_holdout``), so a component built directly and one
 built by ``Settings()`` are equal (tests/unit/config/test_single_declaration.py); options
 that only one component has (the adapters', the UI's flags) are declared there, once.
 
@@ -18,7 +18,7 @@ Configuration is passed into every component; nothing reads the environment deep
 >>> s = Settings.from_env({"CAUSALMEM_SLOTS": "64", "CAUSALMEM_EMBEDDING_DIM": "16"})
 >>> (s.slots, s.embedding_dim, s.partitions)
 (64, 16, 8)
->>> GateConfig().window == Settings().learner().gate.window == Settings.gate_window
+>>> GateConfig().holdout == Settings().learner().gate.holdout == Settings.gate_holdout
 True
 """
 
@@ -151,42 +151,10 @@ class Settings:
     keep_versions: int = setting(3, "checkpoint versions left on the model topic")
     checkpoint_full_every: int = setting(50, "contract 1.3: deltas between full snapshots; 1: full only")
     checkpoint_delta_max_share: float = setting(0.25, "a delta above this share of a full snapshot's bytes: full")
-    gate: bool = setting(
-        True, "publish candidates; promote only what the gate accepts (pipeline/learner/promotion_gate.py)"
-    )
-    gate_rule: str = setting(
-        "window",
-        "window: the rule on the last gate_window logged decisions (pipeline/learner/promotion_gate.py); "
-        "sequences: anytime-valid tests on held-out decisions (pipeline/learner/promotion.py, docs/promotion.md)",
-    )
-    gate_delta: float = setting(0.05, "sequences: the error rate of the whole run's promise")
-    gate_holdout: float = setting(0.2, "sequences: the share of queries held out of training, for the tests")
-    gate_window: int = setting(2000, "the last logged experiences a candidate is judged on")
-    gate_epsilon: float = setting(0.02, "promote when the gain's lower bound is above −epsilon")
-    gate_min_ess: float = setting(50.0, "effective sample size of the importance weights a gate decision needs")
-    gate_method: str = setting("auto", "the gate's estimator: auto | dr-pi | dr-set | dr | pi | set-dr | ... | ips")
-    gate_canary_max: int = setting(100, "canary decisions after which an undecided canary gives way")
-    gate_canary_idle: int = setting(
-        3, "canaries in a row without a canary decision after which the learner starts none (clients serve none)"
-    )
-    gate_canary_probe_s: float = setting(
-        1800.0, "while canaries are paused, one probe canary each time this long has passed since the last"
-    )
-    gate_conservative: bool = setting(
-        True,
-        "where a candidate would wait, judge a smaller step toward it, within the trust region, on the "
-        "whole window (pipeline/learner/conservative.py)",
-    )
-    gate_trust_region: float = setting(
-        0.05,
-        "the largest mean total variation between a step's served first draw and the serving policy's",
-    )
-    gate_reanchor: bool = setting(
-        True,
-        "resume training from the serving policy's weights when the gate finds the learner's candidate "
-        "worse than it (the gain's upper bound below 0, on the logged decisions or on the canary's requests) "
-        "or after 3 candidates in a row waited, and from a conservative step when one is promoted",
-    )
+    gate: bool = setting(True, "publish candidates; serve only what the promotion rule promotes (docs/promotion.md)")
+    gate_delta: float = setting(0.05, "the error rate of the whole run's promise (docs/promotion.md)")
+    gate_holdout: float = setting(0.2, "the share of queries held out of training, for the promotion rule's tests")
+    gate_epsilon: float = setting(0.02, "the margin: how much worse than similarity-only a served version may be")
     # -- serving: how clients serve the policy, recorded in each manifest (models/serving/params.py) --
     serve_temperature: float = setting(ServingParams.temperature, "T of the Plackett–Luce draw")
     serve_explore_rate: float = setting(ServingParams.explore_rate, "share of requests at serve_explore_temperature")
@@ -377,22 +345,8 @@ class Settings:
         )
 
     def gate_config(self) -> GateConfig:
-        """The promotion gate's rule (whether the gate is on at all is ``gate``)."""
-        return GateConfig(
-            rule=self.gate_rule,
-            delta=self.gate_delta,
-            holdout=self.gate_holdout,
-            window=self.gate_window,
-            epsilon=self.gate_epsilon,
-            min_ess=self.gate_min_ess,
-            method=self.gate_method,
-            canary_max=self.gate_canary_max,
-            canary_idle=self.gate_canary_idle,
-            canary_probe_s=self.gate_canary_probe_s,
-            conservative=self.gate_conservative,
-            trust_region=self.gate_trust_region,
-            reanchor=self.gate_reanchor,
-        )
+        """The promotion rule's parameters (whether the gate is on at all is ``gate``)."""
+        return GateConfig(delta=self.gate_delta, holdout=self.gate_holdout, epsilon=self.gate_epsilon)
 
     def learner(self) -> LearnerConfig:
         return LearnerConfig(
@@ -588,29 +542,17 @@ class ShadowConfig:
 
 @dataclass(frozen=True)
 class GateConfig:
-    """The promotion gate's rule (pipeline/learner/promotion_gate.py, docs/learning.md): the ``gate_*`` settings."""
+    """The promotion rule's parameters (pipeline/learner/promotion.py, docs/promotion.md): the ``gate_*`` settings."""
 
-    rule: str = Settings.gate_rule
     delta: float = Settings.gate_delta
     holdout: float = Settings.gate_holdout
-    window: int = Settings.gate_window
     epsilon: float = Settings.gate_epsilon
-    min_ess: float = Settings.gate_min_ess
-    method: str = Settings.gate_method
-    canary_max: int = Settings.gate_canary_max
-    canary_idle: int = Settings.gate_canary_idle
-    canary_probe_s: float = Settings.gate_canary_probe_s
-    conservative: bool = Settings.gate_conservative
-    trust_region: float = Settings.gate_trust_region
-    reanchor: bool = Settings.gate_reanchor
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.trust_region <= 1.0:
-            raise ValueError(f"gate_trust_region {self.trust_region} outside (0, 1]: it bounds a total variation")
-        if self.rule not in ("window", "sequences"):
-            raise ValueError(f"gate_rule {self.rule!r}: expected window or sequences")
         if not 0.0 < self.delta < 1.0 or not 0.0 < self.holdout < 1.0:
             raise ValueError(f"gate_delta {self.delta} and gate_holdout {self.holdout} must be in (0, 1)")
+        if not self.epsilon >= 0.0:
+            raise ValueError(f"gate_epsilon {self.epsilon} must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from prometheus_client import (
 )
 
 from pipeline.probes import Probes, ProbeServer
+from pipeline.promtext import metric
 
 if TYPE_CHECKING:
     from models.memory.stats import MemoryStats
@@ -40,6 +41,19 @@ ROLES = {
     "writes": {"process", "input", "broker"},  # and its own causalmem_writes_* (pipeline/writes/metrics.py)
     "all": {"process", "input", "worker", "learner", "broker"},
 }
+
+
+def feedback_taken(values: dict[str, float]) -> float:
+    """Feedback the learner has taken, from its scraped ``values`` (:func:`pipeline.promtext.parse`):
+    trained on, or held out of training as the promotion rule's evidence.
+
+    >>> feedback_taken({'causalmem_learner_experiences_total{kind="feedback"}': 8.0,
+    ...                 'causalmem_learner_experiences_total{kind="held_out"}': 2.0,
+    ...                 'causalmem_learner_experiences_total{kind="label"}': 5.0})
+    10.0
+    """
+    name = "causalmem_learner_experiences_total"
+    return metric(values, name, kind="feedback") + metric(values, name, kind="held_out")
 
 
 class Metrics:
@@ -192,7 +206,8 @@ class Metrics:
         # ---- learner
         self.experiences_applied = Counter(
             "causalmem_learner_experiences_total",
-            "Experiences applied to the policy",
+            "Experiences the learner took: applied to the policy (feedback, label) or held out of training "
+            "as the promotion rule's evidence (held_out)",
             ["kind"],
             registry=self._reg("learner"),
         )
@@ -346,36 +361,23 @@ class Metrics:
             ["field"],
             registry=self._reg("learner"),
         )
-        # A summary, not a histogram: a gain may be negative (down to −ε), and a histogram with
+        # A summary, not a histogram: a bound may be negative (down to −ε), and a histogram with
         # negative buckets exposes no sum, which the mean gain per promotion needs.
         self.gate_promoted_gain = Summary(
             "causalmem_gate_promoted_gain",
-            "The certified gain over serving (the estimate) of each candidate or conservative step the "
-            "gate promoted on the logged decisions",
-            registry=self._reg("learner"),
-        )
-        self.gate_conservative_steps = Counter(
-            "causalmem_gate_conservative_steps_total",
-            "Conservative steps the gate promoted in place of a waiting candidate, by step size α",
-            ["alpha"],
+            "The certified lower bound of each promoted version's gain over the anchor it was tested against",
             registry=self._reg("learner"),
         )
         self.gate_actions = Counter(
             "causalmem_gate_actions_total",
-            "The promotion rule's actions (gate_rule sequences, pipeline/learner/promotion.py), by kind and path",
+            "The promotion rule's actions (pipeline/learner/promotion.py), by kind and path",
             ["kind", "path"],
             registry=self._reg("learner"),
         )
         self.gate_reanchors = Counter(
             "causalmem_gate_reanchors_total",
-            "Candidates the gate judged worse than serving (gain upper bound below 0), after which the learner "
-            "resumed training from the serving weights",
-            registry=self._reg("learner"),
-        )
-        self.gate_stall_resumes = Counter(
-            "causalmem_gate_stall_resumes_total",
-            "Times the learner resumed training from the serving weights because its candidates waited "
-            "several in a row (neither they nor a step toward them could be certified)",
+            "Candidates the promotion rule refused as worse than the anchor (gain upper bound below 0), after "
+            "which the learner resumed training from the serving weights",
             registry=self._reg("learner"),
         )
         self.cluster_resets = Counter(

@@ -1,23 +1,18 @@
 """The learning loop in one process, without Kafka: for tuning and quick experiments.
 
 It wires the same pieces as the running system (Environment, CausalRetriever,
-PolicyTrainer, DriftMonitor) with the pipeline's delays emulated: the serving policy is
-refreshed from the learner every ``refresh_every`` steps (the checkpoint cadence), and
-the learner applies micro-batches in arrival order. The learner's own parts decide what
-it keeps, judges and serves: :class:`~pipeline.learner.replay.Replay` (the kept window of
-event time, the drift warm-up and the gate's window),
-:func:`~pipeline.learner.promotion_gate.judge_window` (the gate's rule),
-:mod:`pipeline.learner.promotion_decision` (what is a candidate and what is served at once,
-the superseded check, the label rule, the delta exclusion, canary start and end: the same
-functions the learner's gate calls), :class:`~pipeline.learner.canary.CanaryRun` and
-:class:`~pipeline.learner.logging_policy.LoggingPolicies` (the logging probabilities of
-events that lack them, computed from the versions served, as the learner's gate does before
-every judgement). ``minimal_client`` serves as a client written from docs/contract.md that
-fills only the required fields: its events carry no ``candidate_probs``,
-``candidate_masks``, ``dropped`` or other optional field, and it serves no canary. This
-loop only holds the networks and tells the retriever what to serve. ``causalmem bench
-learning`` runs the real pipeline; this is where its settings were explored first
-(docs/learning.md).
+PolicyTrainer, DriftMonitor) with the pipeline's delays emulated: the learner publishes a
+checkpoint every ``refresh_every`` steps (the checkpoint cadence), and applies micro-batches
+in arrival order. The learner's own parts decide what it keeps, judges and serves:
+:class:`~pipeline.learner.replay.Replay` (the drift warm-up), :func:`pipeline.learner.promotion.decide`
+(the promotion rule) on the evidence :mod:`pipeline.learner.evidence` builds, and
+:class:`~pipeline.learner.logging_policy.LoggingPolicies` (the logging probabilities of events
+that lack them, computed from the versions served, as the learner's gate does before every
+look). ``minimal_client`` serves as a client written from docs/contract.md that fills only the
+required fields: its events carry no ``candidate_probs``, ``candidate_masks``, ``dropped`` or
+other optional field, and it serves no canary. This loop only holds the networks and tells the
+retriever what to serve. ``causalmem bench learning`` runs the real pipeline; this is where its
+settings were explored first (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -40,14 +35,10 @@ from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner import evidence as gate_evidence
 from pipeline.learner import promotion
-from pipeline.learner.canary import CanaryBackoff, CanaryRun, is_canary
-from pipeline.learner.conservative import Lineage, canary_regressed, reanchors, step_on_window
 from pipeline.learner.logging_policy import LoggingPolicies
-from pipeline.learner.promotion_decision import Candidate, Verdict, canary_decision, decide, is_candidate
-from pipeline.learner.promotion_gate import judge_window, step_judge
+from pipeline.learner.promotion import is_candidate
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
-from pipeline.learner.similarity_witness import Witness, next_witness
 from pipeline.metrics import Metrics
 from topics.internal import Experience
 from topics.manifest import Manifest
@@ -84,26 +75,13 @@ class OfflineConfig:
     replay_window_s: float = PRODUCT.drift_window_days * DAY  # what the learner keeps
     learn: bool = True
     gate: bool = PRODUCT.gate
-    gate_method: str = PRODUCT.gate_method
-    gate_window: int = PRODUCT.gate_window
     gate_epsilon: float = PRODUCT.gate_epsilon
-    gate_min_ess: float = PRODUCT.gate_min_ess
+    gate_delta: float = PRODUCT.gate_delta  # the run's error rate
+    gate_holdout: float = PRODUCT.gate_holdout  # the share of queries held out of training
     canary_rate: float = PRODUCT.serve_canary_rate  # share of requests that serve the canary (gated; 0: none)
-    canary_max: int = PRODUCT.gate_canary_max  # canary decisions after which an undecided canary gives way
     canary_coupled: bool = PRODUCT.serve_canary_coupled  # contract 1.5: canary requests draw both slates
-    # The gate's conservative steps (pipeline/learner/conservative.py) where a candidate would wait.
-    gate_conservative: bool = PRODUCT.gate_conservative
-    gate_trust_region: float = PRODUCT.gate_trust_region
-    # The learner resumes from the serving weights where the gate finds its candidate worse, or
-    # where STALL_WAITS candidates in a row waited.
-    gate_reanchor: bool = PRODUCT.gate_reanchor
     # A client that sends only the contract's required fields (required_only) and serves no canary.
     minimal_client: bool = False
-    # "window": today's gate (its rule on the last gate_window decisions); "sequences": the
-    # promotion rule of pipeline/learner/promotion.py on held-out decisions.
-    gate_rule: str = PRODUCT.gate_rule
-    gate_delta: float = PRODUCT.gate_delta  # "sequences": the run's error rate
-    gate_holdout: float = PRODUCT.gate_holdout  # "sequences": the share of queries held out of training
     seed: int = PRODUCT.seed
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -126,18 +104,11 @@ class OfflineConfig:
         return PolicyTrainer(self.trainer(scenario))
 
     def gate_config(self) -> GateConfig | None:
-        """The learner's gate rule (``Settings.gate_config()``) with this loop's settings; None ungated."""
+        """The learner's promotion rule (``Settings.gate_config()``) with this loop's settings; None ungated."""
         if not self.gate:
             return None
         return PRODUCT.replace(
-            gate_window=self.gate_window,
-            gate_epsilon=self.gate_epsilon,
-            gate_min_ess=self.gate_min_ess,
-            gate_method=self.gate_method,
-            gate_canary_max=self.canary_max,
-            gate_conservative=self.gate_conservative,
-            gate_trust_region=self.gate_trust_region,
-            gate_reanchor=self.gate_reanchor,
+            gate_epsilon=self.gate_epsilon, gate_delta=self.gate_delta, gate_holdout=self.gate_holdout
         ).gate_config()
 
 
@@ -148,8 +119,7 @@ class OfflineResult:
     corr: list[tuple[float, float, int]] = field(default_factory=list)
     alpha: list[tuple[float, float]] = field(default_factory=list)  # (event time, α) at each refresh
     pairs: list[tuple[float, float, int]] = field(default_factory=list)  # (t, U_query, rating)
-    gate: list[str] = field(default_factory=list)  # the gate's decision at each refresh
-    canary: list[str] = field(default_factory=list)  # the canary's verdicts, e.g. "promoted v7 (212 canary decisions)"
+    gate: list[str] = field(default_factory=list)  # the rule's decisions: promoted, refused, insufficient
     served: LoadedPolicy | None = None  # the policy the retriever serves at the end
     canary_utility: list[float] = field(default_factory=list)  # true utility of each canary request
     # Each policy version: the step whose experiences it has learnt from (all steps before
@@ -158,15 +128,14 @@ class OfflineResult:
     values: dict[int, float] = field(default_factory=dict)
     # At each refresh: (step, the candidate's version, the version served before its judgement).
     refreshes: list[tuple[int, int, int]] = field(default_factory=list)
-    # Each conservative step promoted: (step, α, the step's version, the candidate it stepped toward,
-    # the version served before it, the certificate's estimated gain over that version).
-    steps_taken: list[tuple[int, float, int, int, int, float]] = field(default_factory=list)
     # (step, candidate version, serving version) where the learner resumed from the serving weights
     reanchors: list[tuple[int, int, int]] = field(default_factory=list)
-    # (step, candidate version, serving version) where it resumed because candidates waited in a row
-    stalls: list[tuple[int, int, int]] = field(default_factory=list)
-    # gate_rule "sequences": every action of the promotion rule, (step, kind, version, path)
+    # Every action of the promotion rule, (step, kind, version, path)
     actions: list[tuple[int, str, int, str]] = field(default_factory=list)
+    # Every bound the rule looked at: (step, candidate, its anchor, the gain's lower and upper bound)
+    looks: list[tuple[int, int, int, float, float]] = field(default_factory=list)
+    # Every candidate that started a trial, by version (its value can be measured afterwards).
+    trialled: dict[int, LoadedPolicy] = field(default_factory=dict)
     # Every version clients were told to serve, by version (its value can be measured afterwards).
     served_versions: dict[int, LoadedPolicy] = field(default_factory=dict)
 
@@ -212,7 +181,6 @@ def run_offline(
         **revive,
     )
     trainer = cfg.make_trainer(scenario)
-    canary: CanaryRun | None = None  # the pending candidate clients serve on canary_rate of requests
     serving_params = ServingParams(
         temperature=retriever.temperature,
         explore_rate=retriever.explore_rate,
@@ -253,23 +221,6 @@ def run_offline(
     logging_policies = LoggingPolicies(Metrics())
     logging_policies.hold(first.manifest, first.net)
 
-    # As the learner's gate: the latest version promoted with a direct bound over similarity-only
-    # (pipeline/learner/similarity_witness.py); a checkpoint served without the gate drops it.
-    witness: Witness | None = None
-    # As the learner's gate: which candidates descend from the trainer's weights, and the
-    # candidates that waited in a row.
-    lineage = Lineage()
-
-    def resume(net: PolicyNetwork) -> None:
-        """As PromotionGate._resume_learner: training goes on from ``net``'s weights."""
-        trainer.resume_from(net.tensors())
-        lineage.resumed()
-
-    def end_canary() -> None:
-        nonlocal canary
-        canary = None
-        retriever.set_canary(None)
-
     def serve_as_configured(policy: LoadedPolicy) -> None:
         """Clients serve ``policy`` with the configured parameters (it is the serving reference)."""
         nonlocal current
@@ -278,133 +229,10 @@ def run_offline(
         result.served_versions[policy.version] = policy
         logging_policies.hold(policy.manifest, policy.net)  # as the learner's gate on promote / set_serving
 
-    # The learner's canary back-off: no canaries while clients serve none (a probe now and then),
-    # timed by the simulated clock (the newest step's event time).
-    backoff = CanaryBackoff(gate.canary_idle, gate.canary_probe_s) if gate is not None else CanaryBackoff()
-    now = 0.0
-
-    def refresh(candidate: LoadedPolicy) -> None:
-        """A checkpoint: served at once ungated; gated, the canary's and the candidate's decisions,
-        as the learner's gate takes them (pipeline/learner/promotion_gate.py)."""
-        nonlocal canary, version, witness
-        if gate is None or not is_candidate(candidate.manifest.reason, True):
-            end_canary()
-            serve_as_configured(candidate)
-            witness = None
-            return
-        assert retriever.policy is not None
-        lineage.judging(candidate.manifest.version)
-        full = replay.gate_window()
-        if canary is not None:
-            run = canary
-            ended = canary_decision(
-                run.serving_version, retriever.policy.version, lambda: run.judge(full, gate.epsilon)
-            )
-            if ended is not None:
-                if run.serving_version == retriever.policy.version:  # ended on its own arms: as the learner
-                    backoff.ended(run, now)
-                    if gate.reanchor and canary_regressed(ended):  # as the learner's gate: its requests show it worse
-                        resume(retriever.policy.net)
-                        result.reanchors.append((steps, run.version, retriever.policy.version))
-                n = len(run.coupled) or len(run.arms.canary)
-                result.canary.append(f"{ended.verdict} v{run.version} ({n} canary decisions)")
-                if ended.serve:
-                    serve_as_configured(LoadedPolicy(manifest=run.manifest, net=run.net))
-                    if gate.reanchor and lineage.follows_canary(run.version):  # as the learner: it goes on from it
-                        resume(run.net)
-                end_canary()
-        window = [e for e in full if not is_canary(e)][-gate.window :]
-        # As the learner's gate: each event's logging probabilities before any judgement.
-        window = logging_policies.complete(window)
-        serving = retriever.policy
-
-        def judged() -> Verdict:
-            decision, reason, est = judge_window(
-                window,
-                candidate.net,
-                serving.net,
-                gate,
-                n_boot=100,
-                params=serving_params,  # judged as this loop serves
-                serving_params=current,
-                witness=witness,
-            )
-            return Verdict(decision, reason, est)
-
-        d = decide(
-            Candidate(candidate.manifest.version, candidate.manifest.reason),
-            serving.version,
-            judged,
-            canary_running=canary is not None,
-            canary_rate=canary_rate,
-            canary_paused=not backoff.plan(now).start,
-        )
-        label = d.by_label_rule or candidate.manifest.reason == "label"  # expert answers are served whole
-
-        def resume_if_worse(action: str, step_judged: bool) -> None:
-            # As the learner (ControlHandler.resume_from_serving): the candidate is worse than
-            # serving, or STALL_WAITS candidates in a row waited, so training goes on from the
-            # serving weights (no memory changes slots here).
-            if not gate.reanchor:
-                return
-            record = (steps, candidate.manifest.version, serving.version)
-            if reanchors(d, candidate.manifest.reason):
-                resume(serving.net)
-                result.reanchors.append(record)
-            elif lineage.stall.judged(candidate.manifest.version, action, candidate.manifest.reason, step_judged):
-                resume(serving.net)
-                result.stalls.append(record)
-
-        step_judged = False
-        if d.action == "hold" and gate.conservative and not label and window:
-            # As the learner's gate: where the candidate would wait, the largest step toward it
-            # within the trust region, judged on the whole window, published as a version of its own.
-            step = step_on_window(
-                window,
-                candidate.net,
-                serving.net,
-                step_judge(gate, serving_params, current, witness=witness),
-                params=serving_params,
-                radius=gate.trust_region,
-                serving_params=current,
-            )
-            step_judged = step.tv is not None
-            if step.decision == "promoted" and step.net is not None and step.alpha is not None:
-                resume_if_worse("promote", True)  # in the gate's order: before the step is served
-                version += 1
-                stepped = LoadedPolicy(manifest=replace(candidate.manifest, version=version), net=step.net)
-                result.created[version] = result.created[candidate.manifest.version]  # learnt from the same steps
-                if value is not None:
-                    result.values[version] = value(step.net)
-                gain = step.estimates.get("gain")
-                est = gain.value if gain else float("nan")
-                toward = candidate.manifest.version
-                result.steps_taken.append((steps, step.alpha, version, toward, serving.version, est))
-                result.gate.append("promoted")
-                end_canary()
-                serve_as_configured(stepped)
-                witness = next_witness(witness, version, step.net, serving_params, step.estimates, gate.epsilon)
-                if gate.reanchor:  # as the learner: it goes on from the step served, not from beyond it
-                    resume(step.net)
-                return
-        resume_if_worse(d.action, step_judged)
-        result.gate.append(d.decision)
-        if d.end_canary:
-            end_canary()
-        if d.action == "promote":
-            serve_as_configured(candidate)
-            if not d.by_label_rule:
-                witness = next_witness(
-                    witness, candidate.manifest.version, candidate.net, serving_params, d.estimates, gate.epsilon
-                )
-        elif d.start_canary:
-            canary = CanaryRun(candidate.manifest, candidate.net, serving.version, window, canary_rate, gate.canary_max)
-            retriever.set_canary(candidate)
-
     sequences: SequenceGate | None = None
-    if gate is not None and cfg.gate_rule == "sequences":
+    if gate is not None:
         sequences = SequenceGate(
-            promotion.Rule(delta=cfg.gate_delta, epsilon=cfg.gate_epsilon),
+            promotion.Rule(delta=gate.delta, epsilon=gate.epsilon),
             first,
             serving_params,
             canary_rate,
@@ -414,14 +242,18 @@ def run_offline(
             serve_as_configured,
             retriever.set_canary,
         )
-    elif cfg.gate_rule not in ("window", "sequences"):
-        raise ValueError(f"gate_rule must be 'window' or 'sequences', not {cfg.gate_rule!r}")
+
+    def refresh(candidate: LoadedPolicy) -> None:
+        """A checkpoint: served at once ungated; gated, the promotion rule's."""
+        if sequences is None:
+            serve_as_configured(candidate)
+        else:
+            sequences.refresh(candidate, steps)
 
     for _ in range(scenario.total_queries):
         q = env.next_query()
         for step in range(q.steps):
             st = env.step_features(q, step)
-            now = st.ts
             res = serve(retriever, st, with_texts=False)
             event = required_only(res.event) if cfg.minimal_client else res.event
             true_u, nll_with, nll_without, nll_without_slot = env.feedback(q.intent, res.slots)
@@ -447,7 +279,7 @@ def run_offline(
                     kept = pending
                 if cfg.learn and kept:
                     trainer.update(kept)
-                replay.extend(pending)
+                replay.extend(kept)  # as the learner: the hold-out is not kept for a drift warm-up
                 pending = []
             steps += 1
             if steps % cfg.refresh_every == 0:
@@ -455,10 +287,7 @@ def run_offline(
                 version += 1
                 candidate = snapshot(serving_params)
                 result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
-                if sequences is not None:
-                    sequences.refresh(candidate, steps)
-                else:
-                    refresh(candidate)
+                refresh(candidate)
 
         rating = env.rating(q.intent)
         if rating is not None:
@@ -476,10 +305,7 @@ def run_offline(
                 )
                 result.resets.append(t)
                 version += 1
-                if sequences is not None:
-                    sequences.refresh(snapshot(serving_params, "reset"), steps)
-                else:
-                    refresh(snapshot(serving_params, "reset"))
+                refresh(snapshot(serving_params, "reset"))
         if progress is not None:
             progress()
     result.served = retriever.policy
@@ -487,8 +313,8 @@ def run_offline(
 
 
 class SequenceGate:
-    """gate_rule "sequences": the promotion rule (:func:`pipeline.learner.promotion.decide`) as the
-    learner carries it out, on the held-out decisions (:mod:`pipeline.learner.evidence`).
+    """The promotion rule (:func:`pipeline.learner.promotion.decide`) as the learner carries it
+    out, on the held-out decisions (:mod:`pipeline.learner.evidence`).
 
     Carries each action out on the loop's retriever and trainer: ``promote`` and ``rollback``
     serve a version, ``refuse`` (the candidate shown worse) sends training back to the serving
@@ -546,12 +372,18 @@ class SequenceGate:
         usable = gate_evidence.usable(held)
         ev = gate_evidence.build(usable, versions, self.params, self.table)
         self.table.add(usable)
+        anchors = {t.version: t.anchor for t in self.state.trials}
         self.state, actions = promotion.decide(self.state, ev, self.rule)
+        for a in actions:
+            if a.interval is not None:
+                self.result.looks.append((step, a.version, anchors[a.version], *a.interval))
         self._carry(actions, step)
 
     def _carry(self, actions: list[promotion.Action], step: int) -> None:
         for a in actions:
             self.result.actions.append((step, a.kind, a.version, a.path))
+            if a.kind == "trial":
+                self.result.trialled[a.version] = self.nets[a.version]
             if a.kind in ("promote", "refuse", "wait", "superseded"):
                 self.result.gate.append({"promote": "promoted", "refuse": "refused"}.get(a.kind, "insufficient"))
             if a.kind == "promote":
@@ -560,6 +392,7 @@ class SequenceGate:
                 self.serve(self.nets[a.to])
             elif a.kind == "refuse":
                 self.trainer.resume_from(self.nets[self.state.serving].net.tensors())
+                self.result.reanchors.append((step, a.version, self.state.serving))
         # The newest waiting full candidate is the canary, where clients serve canaries.
         waiting = [t.version for t in self.state.trials]
         canary = waiting[-1] if waiting and self.canary_rate > 0 else None

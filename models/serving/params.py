@@ -56,14 +56,14 @@ class ServingParams:
     drop: str = "dynamic"
     drop_ratio: float = DYNAMIC_DROP_RATIO
     # Contract 1.4: the share of requests on which clients serve the learner's canary (a
-    # pending candidate, models/offpolicy/canary.py), as its own manifest says it is served. Not part
+    # pending candidate, docs/promotion.md), as its own manifest says it is served. Not part
     # of this policy's served mixture: those requests are the canary's. 0.2 is measured
     # (docs/learning.md, the serve_canary_rate row); a manifest that leaves it out means
     # :data:`CANARY_RATE_ABSENT`.
     canary_rate: float = 0.2
     # Contract 1.5: clients draw the canary's and the serving policy's slates on those requests
     # with the same random numbers and serve the canary's on half of those where they differ
-    # (models/offpolicy/coupled.py); false: the canary serves every such request (1.4's A/B split).
+    # (pipeline/client/choice.py); false: the canary serves every such request (1.4's A/B split).
     canary_coupled: bool = False
 
     def __post_init__(self) -> None:

@@ -107,7 +107,7 @@ def sample_plackett_luce(
     Adding independent Gumbel noise and sorting gives exactly the Plackett–Luce
     distribution over ordered prefixes. ``gumbel``: that noise, drawn by the caller (one
     standard Gumbel per position of ``z``), so that two policies' draws can share it (a
-    coupled canary, :mod:`models.offpolicy.coupled`); else drawn from ``rng``.
+    coupled canary, :func:`pipeline.client.choice.coupled`); else drawn from ``rng``.
 
     >>> g = np.array([0.0, 2.0, 0.0])
     >>> sample_plackett_luce(np.array([1.0, 0.0, 0.5]), 2, None, gumbel=g)

@@ -20,7 +20,7 @@ import orjson
 
 from pipeline.cli.common import default_of, resolve_bootstrap, settings_from
 from pipeline.config import Settings, ShadowConfig
-from pipeline.policy_evaluation.evaluate import METHODS, evaluate_window, print_report
+from pipeline.policy_evaluation.evaluate import METHODS, WINDOW, evaluate_window, print_report
 from pipeline.policy_evaluation.shadow import format_report, shadow_report, watch
 
 
@@ -28,8 +28,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--window",
         type=int,
-        default=Settings.gate_window,
-        help=f"the last N joined experiences, as the promotion gate judges ({default_of('gate_window')})",
+        default=WINDOW,
+        help=f"the last N joined experiences (default {WINDOW})",
     )
     p.add_argument("--method", choices=[*METHODS, "all"], default="all")
     p.add_argument(

@@ -9,8 +9,8 @@ import argparse
 import asyncio
 from typing import Any
 
-from pipeline.cli.common import default_of, resolve_bootstrap, settings_from
-from pipeline.config import Settings
+from pipeline.cli.common import resolve_bootstrap, settings_from
+from pipeline.policy_evaluation.evaluate import WINDOW
 from pipeline.policy_evaluation.shadow import format_report, shadow_report
 from pipeline.promtext import metrics_url
 from pipeline.status.collect import StatusCollector
@@ -59,8 +59,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--window",
         type=int,
-        default=Settings.gate_window,
-        help=f"with --shadow: the last N joined steps, as the promotion gate judges ({default_of('gate_window')})",
+        default=WINDOW,
+        help=f"with --shadow: the last N joined steps (default {WINDOW})",
     )
 
 

@@ -3,9 +3,8 @@
 The serving core (:class:`~pipeline.client.serving_core.ServingCore`, which every client
 front serves through) makes it once per request, or twice
 with the same random draws (:class:`Noise` with ``shared``) when a coupled canary
-(contract 1.5, :mod:`models.offpolicy.coupled`) compares the canary's slate with the serving
-policy's on the same request: where the two policies agree, the shared draws give both
-the same slate.
+(contract 1.5) compares the canary's slate with the serving policy's on the same request:
+where the two policies agree, the shared draws give both the same slate.
 """
 
 from __future__ import annotations
@@ -18,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from models.offpolicy.coupled import CANARY_SHARE
 from models.serving.rule import plackett_luce_logprob, revive_dropped
 from pipeline.client.serving import ServingValues, draw, keep_flags
 from pipeline.client.subscriber import LoadedPolicy
+
+CANARY_SHARE = 0.5  # q: the share of differing requests that the canary's slate serves (contract 1.5)
 
 
 def event_labels(known: list[int | None]) -> list[int]:

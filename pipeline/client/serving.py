@@ -59,7 +59,7 @@ class ServingValues:
     explore_rate: float
     explore_temperature: float
     canary_rate: float = 0.0  # contract 1.4: the share of requests that serve the canary
-    canary_coupled: bool = False  # contract 1.5: those requests draw both slates (models/offpolicy/coupled.py)
+    canary_coupled: bool = False  # contract 1.5: those requests draw both slates (pipeline/client/choice.py)
 
 
 def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> ServingValues:

@@ -224,8 +224,8 @@ class ControlHandler:
             self.progress.suppressed = kept
 
     def resume_from_serving(self, version: int, serving: PolicyNetwork) -> None:
-        """The gate judged the learner's candidate worse than the serving ``version``
-        (``gate_reanchor``): training goes on from the serving weights, the optimizer's second
+        """The promotion rule refused the learner's candidate as worse than the anchor, while
+        ``version`` serves: training goes on from the serving weights, the optimizer's second
         moments kept and its momentum restarted (:meth:`PolicyTrainer.resume_from`).
 
         Unlike a rollback nothing is published (clients already serve ``version``), and the

@@ -12,8 +12,8 @@ A full snapshot is published instead when
 - there is no serving link yet, or this learner has not published since it took over (it
   does not know what changed since the serving version);
 - the reason is ``init``, ``reset`` or ``rollback`` (the whole state may change);
-- the serving link is a version this planner did not publish (a conservative step the gate
-  published, ``pipeline.learner.conservative``: its weights are not the trainer's);
+- the serving link is a version this planner did not publish (its weights are not the
+  trainer's);
 - ``full_every`` − 1 deltas followed the last full snapshot;
 - the delta would exceed ``max_share`` of a full snapshot's bytes.
 """
@@ -65,7 +65,7 @@ class DeltaPlanner:
             return None
         if self.tracked_from is None or head[0] < self.tracked_from or self.since_full + 1 >= self.full_every:
             return None
-        if head[0] not in self.known:  # e.g. a conservative step: every row may differ from the trainer's
+        if head[0] not in self.known:  # not this planner's: every row may differ from the trainer's
             return None
         parts = [r for v, r in self.rows.items() if v > head[0]] + [np.asarray(changed_rows, dtype=np.int64)]
         rows = np.unique(np.concatenate(parts))

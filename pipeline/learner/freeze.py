@@ -53,19 +53,18 @@ class ServingClock:
         """Seconds since the serving version last changed (0 before one is known)."""
         return 0.0 if self.since is None else max(0.0, self.clock() - self.since)
 
-    def record(self, decisions: Sequence[Any], canaries_paused: str | None) -> dict[str, Any]:
+    def record(self, decisions: Sequence[Any]) -> dict[str, Any]:
         """``metrics.gate`` of the next manifest: what status shows without scraping the learner.
 
         ``decisions``: the gate's recorded decisions (objects with ``decision``,
-        ``candidate_version`` and ``reason``), newest last; ``canaries_paused``: the back-off's
-        reason while canaries are paused.
+        ``candidate_version`` and ``reason``), newest last.
 
         >>> c = ServingClock(clock=lambda: 100.0)
         >>> c.serving(Manifest("p", 1, 40.0, "init", {}, 0.5, 0.0, "a" * 64, 1, 1)); c.candidate(2)
-        >>> class D: decision, candidate_version, reason = "insufficient", 2, "ESS 8 < 50 needed"
-        >>> c.record([D()], None)
+        >>> class D: decision, candidate_version, reason = "insufficient", 2, "v2: no held-out decisions yet"
+        >>> c.record([D()])
         {'serving_version': 1, 'serving_since': 40.0, 'candidates_waiting': 1, 'decision': 'insufficient', \
-'candidate_version': 2, 'reason': 'ESS 8 < 50 needed'}
+'candidate_version': 2, 'reason': 'v2: no held-out decisions yet'}
         """
         out: dict[str, Any] = {
             "serving_version": self.serving_version,
@@ -75,6 +74,4 @@ class ServingClock:
         if decisions:
             last = decisions[-1]
             out.update(decision=last.decision, candidate_version=last.candidate_version, reason=last.reason)
-        if canaries_paused:
-            out["canaries_paused"] = canaries_paused
         return out

@@ -1,4 +1,4 @@
-"""The learner's promotion gate under ``gate_rule = sequences``: an async shell around the rule.
+"""The learner's promotion gate: an async shell around the promotion rule.
 
 Everything the gate decides is :func:`pipeline.learner.promotion.decide`'s: this class only
 gathers its evidence and carries its actions out. It
@@ -125,9 +125,6 @@ class RuleGate:
         s = self.state
         return s is not None and bool(s.trials or s.serving != s.first or s.anchor != SIMILARITY)
 
-    def canaries_paused(self) -> str | None:
-        return None  # a canary no client serves costs nothing: there is no back-off
-
     def holds_out(self, query_id: str) -> bool:
         """Whether the learner leaves this query out of training: the rule's tests are on such queries."""
         return held_out(query_id, self.config.holdout)
@@ -176,6 +173,11 @@ class RuleGate:
             self._hold(manifest, network(tensors))
             self.state, actions = decide(self.state, Candidate(manifest.version), self.rule)
             await self._carry(actions)
+            if look is None and self.state.trials:
+                # Nothing to look at yet: status still says what the newest trial waits for.
+                newest = self.state.trials[-1]
+                look = Look("insufficient", newest.version, self.state.serving, newest.describe())
+                self._record(look)
             return look
 
     async def reconsider(self) -> Look | None:
@@ -230,6 +232,8 @@ class RuleGate:
                 await self.publisher.promote(manifest)
                 self.logging_policies.hold(manifest, net)
                 self._serving_metrics(manifest)
+                if a.interval is not None:
+                    m.gate_promoted_gain.observe(a.interval[0])
                 log.info("gate: promoted v%d (%s): %s", a.version, a.path, a.reason)
             elif a.kind == "refuse":
                 log.warning("gate: refused v%d, shown worse than the anchor: %s", a.version, a.reason)

@@ -1,38 +1,36 @@
-"""The logging probabilities of the promotion gate's window, computed by the learner itself.
+"""The logging probabilities of the promotion rule's evidence, computed by the learner itself.
 
-The gate's estimators need, for each logged decision, the logging policy's first-draw
+The rule's evidence needs, for each held-out decision, the logging policy's first-draw
 probabilities over its candidates (``candidate_probs``). ``CausalRetriever`` logs them; a
-client written from docs/contract.md that fills only the required fields does not, and
-without them the gate could only use full-slate IPS, whose effective sample size on a
-window of 2,000 decisions never reaches ``gate_min_ess``: such a client was served its
-first policy forever. The learner published every version a client may serve, so it can
-compute them itself: :class:`LoggingPolicies` keeps the networks of the versions clients
-may be serving and, before the gate builds its logged decisions, gives each event the
-probabilities its ``policy_version`` served it with: the masks over the event's candidates
-(its own ``candidate_masks`` where it sends them, else that version's by the client's own
-function, :func:`pipeline.client.serving.policy_masks`, from the event's query embedding,
+client written from docs/contract.md that fills only the required fields does not. The learner
+published every version a client may serve, so it can compute them itself:
+:class:`LoggingPolicies` keeps the networks of the versions clients may be serving and, before
+the gate builds its logged decisions, gives each event the probabilities its ``policy_version``
+served it with: the masks over the event's candidates (its own ``candidate_masks`` where it
+sends them, else that version's by the client's own function,
+:func:`pipeline.client.serving.policy_masks`, from the event's query embedding,
 ``last_step_loss`` and ``last_step_entropy``), then the serving rule's
-(:func:`models.offpolicy.logging_policy.recompute`) with that version's α at the event's
-logged temperature.
+(:func:`models.offpolicy.logging_policy.recompute`) with that version's α at the event's logged
+temperature.
 
-Where an event carries its own ``logprob`` (every event does) or ``candidate_probs`` and
-they disagree with the recomputation beyond tolerance, the event is left out of the gate's
-window (never out of training), counted in ``causalmem_gate_logging_mismatch_total{field}``,
-logged, and handed to the gate (:meth:`LoggingPolicies.take_mismatched`), which writes a copy
-to ``dead-letter`` with reason ``logging_mismatch`` (contract 1.8): the gate must not judge on
+Where an event carries its own ``logprob`` (every event does) or ``candidate_probs`` and they
+disagree with the recomputation beyond tolerance, the event is left out of the rule's evidence
+(never out of training), counted in ``causalmem_gate_logging_mismatch_total{field}``, logged,
+and handed to the gate (:meth:`LoggingPolicies.take_mismatched`), which writes a copy to
+``dead-letter`` with reason ``logging_mismatch`` (contract 1.8): the rule must not decide on
 propensities that one side or the other has wrong, and the client's operator must be able to
-see which events and why. The consumer record is long gone by then (the gate reads the
-learner's replay), so the copy is the experience as the learner holds it, without a position.
+see which events and why. The consumer record is long gone by then, so the copy is the
+experience as the learner holds it, without a position.
 
 Which versions are held: the serving version and the ones served before it, at most
 :data:`HELD_VERSIONS` (clients move to a new version seconds after it is promoted, so the
-window's events are of the newest few). An event of a version no longer (or never) held —
-after a learner restart, its replay's older versions — keeps what it carries, as before
-this module: with ``candidate_probs`` it is judged on them, without them it counts toward
-the full-slate IPS fallback. So does an event of version 0 whose fields are not those of
-a client without a policy (m = 0): ``policy_version`` is optional, and a client may serve
-a policy without naming its version. ``causalmem_gate_logging_probs_total{source}`` says how many
-events went which way. Each event is looked at once (by its id).
+held-out events are of the newest few). An event of a version no longer (or never) held — after
+a learner restart — keeps what it carries: with ``candidate_probs`` it is valued on them,
+without them it is no evidence (:func:`pipeline.learner.evidence.usable`). So does an event of
+version 0 whose fields are not those of a client without a policy (m = 0): ``policy_version``
+is optional, and a client may serve a policy without naming its version.
+``causalmem_gate_logging_probs_total{source}`` says how many events went which way. Each event
+is looked at once (by its id).
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ class LoggingPolicies:
     ``hold`` is called on the event loop (a version becomes the serving one), ``complete``
     in the gate's worker thread: ``hold`` replaces the table of networks, never changes it
     in place, so a judgement reads one consistent table. ``remember``: how many events'
-    verdicts are kept (a few gate windows), so that each is computed and counted once.
+    verdicts are kept (a few batches of evidence), so that each is computed and counted once.
     """
 
     def __init__(self, metrics: Metrics, *, held: int = HELD_VERSIONS, remember: int = 20_000) -> None:

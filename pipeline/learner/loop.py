@@ -16,13 +16,13 @@ arrive on ``control``; memory ids arrive on ``memory-lifecycle`` (contract 1.3).
   resume from;
 - :mod:`~pipeline.learner.inbox`: pending and held experiences, positions, reorder mode,
   dedupe, micro-batches;
-- :mod:`~pipeline.learner.replay`: the kept experiences (drift warm-up, gate window);
+- :mod:`~pipeline.learner.replay`: the kept experiences (drift warm-up);
 - :mod:`~pipeline.learner.control`: the commands, carried out by a
   :class:`~pipeline.learner.control.ControlHandler` this loop builds and hands what they change;
 - :mod:`~pipeline.learner.memories`: the memory-lifecycle topic, slots for memory ids, the
   id → slot map published with the checkpoints;
-- :mod:`~pipeline.learner.publishing` and :mod:`~pipeline.learner.promotion_gate`: checkpoints,
-  candidates and promotion;
+- :mod:`~pipeline.learner.publishing` and :mod:`~pipeline.learner.gate`: checkpoints, candidates
+  and promotion (the rule: :mod:`~pipeline.learner.promotion`);
 - :mod:`~pipeline.learner.store`: the local copy of its checkpoints.
 
 Long work (a drift reset's warm-up, decoding the history, loading a checkpoint) runs in
@@ -51,7 +51,6 @@ from pipeline.learner.fence import Fence, Fenced
 from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
-from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.learner.publishing import Progress, Publishing, manifest_metrics
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import (
@@ -144,7 +143,7 @@ class Learner(Service):
         )
 
     @property
-    def gate(self) -> PromotionGate | RuleGate | None:
+    def gate(self) -> RuleGate | None:
         return self.publishing.gate if self.publishing is not None else None
 
     @property
@@ -161,16 +160,11 @@ class Learner(Service):
         self._producer = kafka.producer(self.bootstrap, conn, linger_ms=5)
         await self._producer.start()
         self._dead = DeadLetterWriter(self._producer, conn.topics.dead_letter.name, self.metrics)
-        self.publishing = Publishing(
-            self._producer, self.config, self.store, self.arch, self.metrics, self.replay.gate_window
-        )
+        self.publishing = Publishing(self._producer, self.config, self.store, self.arch, self.metrics)
         gate = self.publishing.gate
         if gate is not None:
             gate.on_mismatch = self._dead_letter_copy
             gate.on_resume = self.control.resume_from_serving
-        if isinstance(gate, PromotionGate):
-            gate.slots_given = self.memories.given_between
-        elif isinstance(gate, RuleGate):
             gate.on_rollback = self._guardrail_rollback
         self._election = Election(self.bootstrap, conn, on_lost=self.become_standby)
         await self._election.start()
@@ -414,17 +408,21 @@ class Learner(Service):
     def apply(self, chunk: list[Experience]) -> None:
         """Apply one micro-batch (feedback → REINFORCE, labels → last-layer fine-tune).
 
-        Under ``gate_rule = sequences`` the held-out queries' feedback is not trained on: it is
-        the promotion rule's evidence (pipeline/learner/gate.py).
+        With the gate on, the held-out queries' feedback is not trained on: it is the promotion
+        rule's evidence (pipeline/learner/gate.py).
         """
         t0 = time.perf_counter()
         feedback = [e for e in chunk if e.kind == "feedback"]
         gate = self.gate
-        if isinstance(gate, RuleGate):
+        if gate is not None:
             out = [gate.holds_out(e.event.query_id) for e in feedback]  # one hash per event
-            gate.observe([e for e, o in zip(feedback, out, strict=True) if o])
+            held = [e for e, o in zip(feedback, out, strict=True) if o]
+            gate.observe(held)
             feedback = [e for e, o in zip(feedback, out, strict=True) if not o]
             gate.trained_on(feedback)
+            self.metrics.experiences_applied.labels(kind="held_out").inc(len(held))
+            out_of_training = {id(e) for e in held}
+            chunk = [e for e in chunk if id(e) not in out_of_training]  # nor kept for a drift warm-up
         labels = [e for e in chunk if e.kind == "label"]
         m = self.metrics
         if feedback:

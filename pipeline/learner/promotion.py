@@ -68,8 +68,26 @@ from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, spend
 
 SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k): the first anchor
 HOLDOUT_BUCKETS = 10_000
+# Checkpoints served at once, without a trial: the first policy, a rollback, a drift reset (the
+# detector has just shown that the served policy no longer agrees with human judgement), shadow
+# mode's cut-over and a "do not use" (pipeline/learner/control.py).
+SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress")
 
 ActionKind = Literal["trial", "promote", "refuse", "wait", "rollback", "superseded"]
+
+
+def is_candidate(reason: str, gated: bool) -> bool:
+    """Whether a checkpoint published for ``reason`` starts a trial (else it is served at once).
+
+    A label fine-tune is a candidate like any other: what experts answered is served once the
+    rule shows it better, as everything served is.
+
+    >>> is_candidate("periodic", True), is_candidate("label", True), is_candidate("reset", True)
+    (True, True, False)
+    >>> is_candidate("periodic", False)  # no gate: every checkpoint serves
+    False
+    """
+    return gated and reason not in SERVED_AT_ONCE
 
 
 def held_out(query_id: str, share: float) -> bool:
@@ -121,6 +139,11 @@ class Trial:
     anchor: int
     index: int  # the trial's number in the run (its share of δ)
     bounds: GainSequence
+
+    def interval(self) -> tuple[float, float] | None:
+        """The gain's interval after the decisions seen so far (None before a bound)."""
+        b = self.bounds
+        return (b.low, b.high) if b.n >= MIN_DECISIONS else None
 
     def describe(self) -> str:
         b = self.bounds
@@ -271,6 +294,8 @@ class Action:
     reason: str
     path: str = ""  # promote: "improved" | "within-epsilon"; refuse: "worse"; rollback: "guardrail"
     to: int | None = None  # rollback: the version served instead; refuse: the version the learner resumes from
+    # promote, refuse, wait: the trial's gain interval over its anchor at this look (None: no bound yet)
+    interval: tuple[float, float] | None = None
 
 
 # --------------------------------------------------------------------------- decide
@@ -334,16 +359,22 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     kept: list[Trial] = []
     for t in state.trials:
         if t.bounds.high < 0.0:
-            actions.append(Action("refuse", t.version, t.describe(), "worse", to=state.serving))
+            actions.append(Action("refuse", t.version, t.describe(), "worse", to=state.serving, interval=t.interval()))
         else:
             kept.append(t)
     promoted = next((t for t in reversed(kept) if _promotable(state, t, rule)), None)
     if promoted is None:
-        actions += [Action("wait", t.version, t.describe()) for t in kept]
+        actions += [Action("wait", t.version, t.describe(), interval=t.interval()) for t in kept]
         return replace(state, trials=tuple(kept)), actions
     improved = promoted.bounds.low > 0.0
     actions.append(
-        Action("promote", promoted.version, promoted.describe(), "improved" if improved else "within-epsilon")
+        Action(
+            "promote",
+            promoted.version,
+            promoted.describe(),
+            "improved" if improved else "within-epsilon",
+            interval=promoted.interval(),
+        )
     )
     actions += [
         Action("superseded", t.version, f"v{promoted.version} promoted") for t in kept if t.version < promoted.version

@@ -9,9 +9,9 @@ once (docs/learning.md).
 The manifest's ``metrics`` are written by :func:`manifest_metrics` and read back on a
 restore by :meth:`Progress.from_metrics` and :func:`applied_through`.
 
-Which checkpoints are candidates and which are served at once, and what the gate does with a
-candidate (the label rule for label fine-tunes included), is decided by
-:mod:`pipeline.learner.promotion_decision`.
+Which checkpoints are candidates and which are served at once is
+:func:`pipeline.learner.promotion.is_candidate`; what the gate does with a candidate is the
+promotion rule's (:mod:`pipeline.learner.promotion`, docs/promotion.md).
 
 *Delta checkpoints* (contract 1.3): with ``full_every`` > 1, checkpoints between full
 snapshots are published as deltas of the serving version (``pipeline.learner.deltas``).
@@ -23,7 +23,6 @@ every version is its full state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -40,14 +39,12 @@ from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.freeze import ServingClock
 from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Key
-from pipeline.learner.promotion_decision import is_candidate
-from pipeline.learner.promotion_gate import PromotionGate
+from pipeline.learner.promotion import is_candidate
 from pipeline.learner.store import LocalStore
 from pipeline.learner.suppression import read_audit
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
-from topics.internal import Experience
 from topics.manifest import Manifest, sha256_hex, split_chunks
 
 log = logging.getLogger(__name__)
@@ -159,7 +156,6 @@ class Publishing:
         store: LocalStore,
         arch: Arch,
         metrics: Metrics,
-        window: Callable[[], Sequence[Experience]],
     ) -> None:
         conn = config.connection
         self.publisher = CheckpointPublisher(
@@ -173,24 +169,13 @@ class Publishing:
         self.arch = arch
         self.serving = config.serving
         self.metrics = metrics
-        self.gate: PromotionGate | RuleGate | None = None
-        if config.gate is not None and config.gate.rule == "sequences":
+        self.gate: RuleGate | None = None
+        if config.gate is not None:
             self.gate = RuleGate(config.gate, self.publisher, metrics, serving=config.serving)
-        elif config.gate is not None:
-            self.gate = PromotionGate(config.gate, self.publisher, metrics, window, serving=config.serving)
-            self.gate.keep_step = self.keep_step
         self.deltas = DeltaPlanner(self.publisher, arch, config.full_every, config.delta_max_share)
         self.clock = ServingClock()  # how long serving has stood while candidates waited
         if self.gate is not None:
             metrics.seconds_since_promotion.set_function(self.clock.seconds)
-
-    def keep_step(self, manifest: Manifest, tensors: dict[str, torch.Tensor], blob: bytes) -> None:
-        """The local copy of a conservative step the gate publishes (before it is sent, as for every
-        version): its weights, no optimizer moments (a restore from it starts a fresh optimizer)
-        and the baseline kept with the candidate it steps toward."""
-        toward = (manifest.metrics.get("conservative_step") or {}).get("toward_version")
-        meta = self.store.manifest_of(int(toward)) if isinstance(toward, int) else None
-        self.store.save(manifest, tensors, {}, (meta or {}).get("baseline") or {}, blob)
 
     def _observe_serving(self) -> None:
         """The serving version after a judgement (or a restore): the clock and its gauges."""
@@ -203,7 +188,7 @@ class Publishing:
         if self.gate is None:
             return {}
         self._observe_serving()
-        return {"gate": self.clock.record(self.gate.decisions, self.gate.canaries_paused())}
+        return {"gate": self.clock.record(self.gate.decisions)}
 
     def is_candidate(self, reason: str) -> bool:
         return is_candidate(reason, self.gate is not None)
@@ -291,8 +276,8 @@ class Publishing:
 
     @property
     def candidate_waiting(self) -> bool:
-        """A candidate lacked data for a decision: :meth:`reconsider` looks at it again."""
-        return self.gate is not None and self.gate.pending is not None
+        """The rule has open trials or a served version to watch: :meth:`reconsider` looks again."""
+        return self.gate is not None and self.gate.pending
 
     async def reconsider(self) -> None:
         if self.gate is not None:

@@ -1,10 +1,8 @@
-"""The experiences the learner keeps: warm-up material for a drift reset and the gate's window.
+"""The experiences the learner keeps: warm-up material for a drift reset.
 
 Pure, no Kafka. The learner keeps the applied experiences of the last ``window_s`` of
 event time (the drift detector's window, 7 days by default; at most ``max_len``). A drift
-reset warms the new last layer up on those from the detected change on, and from then
-on the promotion gate judges candidates on what happened after the change only
-(docs/learning.md).
+reset warms the new last layer up on those from the detected change on (docs/learning.md).
 
 >>> from topics.events import Features, RetrievalEvent
 >>> from topics.internal import Experience
@@ -17,8 +15,8 @@ on the promotion gate judges candidates on what happened after the change only
 >>> r.extend([exp(0, 0.0), exp(1, 5.0), exp(2, 12.0)])
 >>> [e.id for e in r]  # e0 is more than 10 s older than the newest
 ['e1', 'e2']
->>> [e.id for e in r.after_drift(since=6.0)], [e.id for e in r.gate_window()]
-(['e2'], ['e2'])
+>>> [e.id for e in r.after_drift(since=6.0)]
+['e2']
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ class Replay:
     def __init__(self, window_s: float, max_len: int | None = None) -> None:
         self.window_s = window_s
         self.items: deque[Experience] = deque(maxlen=max_len)
-        self.gate_since = 0.0  # event time from which the gate's window counts (moved by resets)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -56,16 +53,9 @@ class Replay:
             self.items.popleft()
 
     def after_drift(self, since: float | None) -> list[Experience]:
-        """A drift reset: the experiences to warm up on; the gate's window starts there too.
+        """A drift reset: the experiences to warm up on.
 
         ``since`` is the detector's estimate of when the drift began: what came before
-        teaches the world that changed. Without it, the warm-up takes everything kept and
-        the gate's window starts at the newest experience.
+        teaches the world that changed. Without it, the warm-up takes everything kept.
         """
-        warm = [e for e in self.items if since is None or e.event.ts >= since]
-        self.gate_since = since if since is not None else max((e.event.ts for e in self.items), default=0.0)
-        return warm
-
-    def gate_window(self) -> list[Experience]:
-        """What the gate may judge candidates on (from the last reset's change on)."""
-        return [e for e in self.items if e.event.ts >= self.gate_since]
+        return [e for e in self.items if since is None or e.event.ts >= since]

@@ -33,6 +33,7 @@ from topics.fields import Rejected
 from topics.internal import Experience, decode_experience
 
 METHODS: tuple[str, ...] = SLATE_METHODS
+WINDOW = 2000  # the last joined experiences an evaluation reads, unless told otherwise
 
 
 async def experiences_tail(bootstrap: str, conn: Connection, window: int) -> list[Experience]:

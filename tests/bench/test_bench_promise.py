@@ -34,7 +34,7 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
         candidates=None,
         cache_dir=None,
         clients="t1",
-        rules="sequences,none",
+        rules="gate,none",
         seeds="0",
         events=1200,
         epsilon=0.02,
@@ -44,7 +44,7 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
     assert promise.main(args) == 0
     report = promise.run(args)
     rows = report["rows"]
-    assert set(rows) == {"t1/sequences", "t1/none"}
+    assert set(rows) == {"t1/gate", "t1/none"}
     ungated = rows["t1/none"]["runs"][0]
     assert ungated["versions_served"] > 1  # every checkpoint served
     for row in rows.values():
@@ -52,7 +52,7 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
         assert run["unsafe"] == (run["worst_vs_similarity"] < -0.02)
         lo, hi = row["unsafe_interval"]
         assert 0.0 <= lo <= hi <= 1.0
-    assert "trial" in rows["t1/sequences"]["runs"][0]["actions"]
+    assert "trial" in rows["t1/gate"]["runs"][0]["actions"]
     assert report["drop"] == "none"
     with pytest.raises(ValueError, match="unknown"):
         promise.run(argparse.Namespace(**{**vars(args), "rules": "other"}))

@@ -187,18 +187,9 @@ def test_served_measures_similarity_oracle_and_gap(tmp_path: Path) -> None:
 
 def test_rows_differ_in_attribution_rate_and_gate_and_the_cli_accepts_the_flags() -> None:
     gated = {k for k, r in lmlearning.ROWS.items() if r.spec.pipeline_env.get("CAUSALMEM_GATE") != "0"}
-    sequences = {"credit25_sequences_minimal", "step_sequences_minimal_t1"}  # gate_rule sequences
-    assert gated == {
-        "step_gated",
-        "credit_gated",
-        "credit25_gated",
-        "credit25_gated_minimal",
-        "step_gated_minimal_t1",
-        *sequences,
-    }
-    assert {k for k, r in lmlearning.ROWS.items() if r.spec.pipeline_env.get("CAUSALMEM_GATE_RULE")} == sequences
+    assert gated == {"step_gated", "credit_gated", "credit25_gated", "credit25_gated_minimal", "step_gated_minimal_t1"}
     minimal = {k for k, r in lmlearning.ROWS.items() if r.spec.minimal_client}
-    assert minimal == {"credit25_gated_minimal", "step_gated_minimal_t1", *sequences}
+    assert minimal == {"credit25_gated_minimal", "step_gated_minimal_t1"}
     assert {r.attribution_rate for r in lmlearning.ROWS.values()} == {0.0, 0.25, 1.0}
     assert all(isinstance(r.spec, RunSpec) and not r.spec.labels for r in lmlearning.ROWS.values())
     line = "bench learning --lm --quick --seeds 0,1 --events 300 --rows similarity,credit --lr 0.0003"

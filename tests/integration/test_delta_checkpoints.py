@@ -58,7 +58,7 @@ def learner(tmp_path: Path, full_every: int = 3, producer: Any = None, **kw: Any
         full_every=full_every,
         **kw,
     )
-    publishing = Publishing(producer or RecordingProducer(), config, LocalStore(tmp_path), ARCH, Metrics(), lambda: [])
+    publishing = Publishing(producer or RecordingProducer(), config, LocalStore(tmp_path), ARCH, Metrics())
     return publishing, PolicyTrainer(config.trainer)
 
 
@@ -428,7 +428,7 @@ async def delta_publishing(
             full_every=full_every,
             delta_max_share=0.9,
         )
-        p = Publishing(producer, config, LocalStore(tmp_path), ARCH, Metrics(), lambda: [])
+        p = Publishing(producer, config, LocalStore(tmp_path), ARCH, Metrics())
         yield p, PolicyTrainer(config.trainer)
     finally:
         await producer.stop()

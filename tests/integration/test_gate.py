@@ -1,4 +1,4 @@
-"""The promotion gate, rollback and evaluate, through the broker."""
+"""Rollback and evaluate through the broker, and the logged traffic the promotion rule's tests send."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.offpolicy.logged import LoggedDecisions
-from models.policy.network import PolicyNetwork, init_policy
+from models.policy.network import PolicyNetwork
 from models.serving.rule import (
     adjusted_logits,
     first_draw_probs,
@@ -19,9 +18,8 @@ from models.serving.rule import (
     sample_plackett_luce,
 )
 from pipeline import kafka
-from pipeline.client.subscriber import PolicySubscriber, fetch_checkpoint
+from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.learner.loop import Learner
-from pipeline.learner.promotion_gate import judge
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.policy_evaluation.evaluate import evaluate_window
@@ -106,26 +104,6 @@ def tilted(base: PolicyNetwork, towards: set[int], amount: float = 4.0) -> Polic
     return net
 
 
-def test_judge_refuses_a_harmful_candidate_and_promotes_a_better_one() -> None:
-    serving = init_policy(D, S, H, seed=1)
-    decisions = LoggedDecisions.from_experiences(log_of(serving, 1500))
-    harmful, better = tilted(serving, BAD), tilted(serving, GOOD)
-    decision, reason, est = judge(decisions, harmful, serving, epsilon=0.02, min_ess=30)
-    assert decision == "refused", reason
-    assert est["gain"].high < 0
-    decision, reason, est = judge(decisions, better, serving, epsilon=0.02, min_ess=30)
-    assert decision == "promoted", reason
-    assert est["gain"].low > 0 and est["candidate"].value > est["similarity"].value
-
-
-def test_judge_waits_for_data() -> None:
-    serving = init_policy(D, S, H, seed=1)
-    decisions = LoggedDecisions.from_experiences(log_of(serving, 20))
-    decision, reason, _ = judge(decisions, tilted(serving, GOOD), serving, epsilon=0.02, min_ess=50)
-    assert decision == "insufficient", reason
-    assert judge(LoggedDecisions.from_experiences([]), serving, serving, 0.02, 1)[0] == "insufficient"
-
-
 @contextlib.asynccontextmanager
 async def learner_running(settings):
     learner = Learner(settings.learner(), settings.bootstrap, Metrics())
@@ -153,55 +131,6 @@ async def _send(settings, exps: list[Experience]) -> None:
 
 
 @pytest.mark.broker
-async def test_gated_learner_serves_only_promoted_checkpoints(topics_ready) -> None:
-    s = topics_ready.replace(
-        gate=True, gate_min_ess=30.0, gate_window=1500, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3
-    )
-    loaded: list[int] = []
-    sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=lambda p: loaded.append(p.version))
-    async with learner_running(s) as learner, sub:
-        await sub.wait_for_policy(1, timeout=30)
-        init = PolicyNetwork.from_tensors(learner.trainer.tensors())
-        # Traffic logged by the serving policy; the learner learns to prefer the good slots.
-        await _send(s, log_of(init, 1200, seed=3, policy=s.policy))
-        await until(lambda: any(d.decision == "promoted" for d in learner.gate.decisions), 60, "a promotion")
-        promoted = [d for d in learner.gate.decisions if d.decision == "promoted"]
-        assert promoted[0].gain is not None and promoted[0].gain.low > -s.gate_epsilon
-        await until(
-            lambda: (
-                learner.trainer.experiences >= 1200
-                and not learner.dirty
-                # the trainer's last checkpoint, or a conservative step toward it (a version of its own)
-                and learner.gate.decisions[-1].candidate_version >= learner.version
-                # decided, or undecided because it barely differs from the policy just
-                # promoted (its gain straddles −ε): either way judged, and not serving
-                and (learner.gate.pending is None or learner.gate.decisions[-1].decision == "insufficient")
-            ),
-            180,  # each judgement computes slate moments (1–2 s) while the learner keeps training
-            "the gate to have judged the last candidate",
-        )
-        # Now poison it: mislabelled answers drag the last layer toward the harmful slots.
-        serving_before = learner.gate.serving_manifest.version
-
-        bad_labels = []
-        for i, e in enumerate(log_of(init, 300, seed=4, policy=s.policy)):
-            bad = [c for c in e.event.candidates if c in BAD]
-            if bad:
-                bad_labels.append(Experience(f"bad-{i}", "label", e.event, 0.0, correct_memories=bad))
-        learner.trainer.label_optimizer.param_groups[0]["lr"] = 0.5
-        await _send(s, bad_labels)
-        await until(lambda: learner.trainer.labels_applied >= len(bad_labels) and not learner.dirty, 60, "labels")
-        await until(lambda: learner.gate.decisions[-1].candidate_version == learner.version, 30, "gate decision")
-        last = learner.gate.decisions[-1]
-        assert last.decision == "refused", last.reason
-        assert learner.gate.serving_manifest.version == serving_before
-    index = await scan_model_topic(s.bootstrap, s)
-    promoted_versions = {d.candidate_version for d in learner.gate.decisions if d.decision == "promoted"} | {1}
-    assert loaded and set(loaded) <= promoted_versions, (loaded, promoted_versions)
-    assert index.candidate[s.policy].version > index.serving[s.policy].version
-
-
-@pytest.mark.broker
 async def test_rollback_serves_an_earlier_checkpoint_and_evaluate_reports(topics_ready) -> None:
     s = topics_ready.replace(checkpoint_interval_s=0.3, batch_size=16)
     async with learner_running(s) as learner:
@@ -226,40 +155,3 @@ async def test_rollback_serves_an_earlier_checkpoint_and_evaluate_reports(topics
     for per in est.values():
         for e in per.values():
             assert e["low"] <= e["value"] <= e["high"] and e["ess"] > 0
-
-
-@pytest.mark.broker
-async def test_a_candidate_worse_than_serving_sends_the_learner_back_to_the_serving_weights(topics_ready) -> None:
-    # gate_reanchor at its default: the learner wanders toward the harmful slots (here: made to),
-    # the gate finds its candidate worse than serving, and training resumes from the serving weights.
-    s = topics_ready.replace(
-        gate=True, gate_min_ess=30.0, gate_window=1500, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0
-    )
-    assert s.gate_reanchor and s.gate_conservative
-    async with learner_running(s) as learner:
-        gate = learner.gate
-        assert gate is not None
-        await until(lambda: gate.serving_manifest is not None, 30, "the first policy")
-        init = PolicyNetwork.from_tensors(learner.trainer.tensors())
-        await _send(s, log_of(init, 1200, seed=5, policy=s.policy))
-        await until(
-            lambda: (
-                learner.trainer.experiences >= 1200
-                and not learner.dirty
-                and bool(gate.decisions)
-                and gate.decisions[-1].candidate_version >= learner.version
-            ),
-            120,
-            "the gate to have judged the learner's last candidate",
-        )
-        serving_version = gate.serving_manifest.version
-        assert gate.serving_net is not None
-        learner.trainer.load(tilted(gate.serving_net, BAD).tensors())  # the learner has wandered off
-        learner.dirty = True
-        await until(lambda: learner.metrics.gate_reanchors._value.get() >= 1, 60, "a resume from serving")
-        last = gate.decisions[-1]
-        assert last.decision != "promoted" and last.gain is not None and last.gain.high < 0, last.reason
-        assert gate.serving_manifest.version == serving_version  # nothing worse was served
-        # The trainer now holds the serving weights (no experience arrived since).
-        served = gate.serving_net.tensors()
-        assert all(torch.equal(t, served[k]) for k, t in learner.trainer.tensors().items())

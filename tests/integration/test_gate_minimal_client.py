@@ -1,5 +1,5 @@
 """A client that fills only the contract's required fields (no candidate_probs, no canary)
-sees the serving version rise: the learner computes the logging probabilities its gate needs."""
+sees the serving version rise: the learner computes the logging probabilities its rule needs."""
 
 from __future__ import annotations
 
@@ -18,25 +18,29 @@ from tests.integration.test_gate import _send, learner_running, log_of
 
 @pytest.mark.broker
 async def test_a_minimal_clients_serving_version_rises(topics_ready: Settings) -> None:
-    # The gate at its defaults (window 2000, ESS 50, no canary); the client explores at T = 1,
-    # the most favourable logging there is, and sends what the contract requires, nothing more.
-    s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3)
+    # The rule at its defaults (held-out queries, no canary); the client sends what the contract
+    # requires, nothing more, serving the first policy until the learner promotes another.
+    s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     assert s.bootstrap is not None
     loaded: list[int] = []
     sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=lambda p: loaded.append(p.version))
     async with learner_running(s) as learner, sub:
+        gate = learner.gate
+        assert gate is not None
         first = await sub.wait_for_policy(1, timeout=30)
         served = PolicyNetwork.from_tensors(learner.trainer.tensors())  # what v1 serves
-        minimal = [
-            dataclasses.replace(
-                e, event=dataclasses.replace(e.event, policy_version=first.version, candidate_probs=None)
-            )
-            for e in log_of(served, 1500, seed=3, temperature=1.0, policy=s.policy)
-        ]
-        await _send(s, minimal)
-        await until(lambda: any(d.decision == "promoted" for d in learner.gate.decisions), 150, "a promotion")
-        promoted = next(d for d in learner.gate.decisions if d.decision == "promoted")
-        assert "lack candidate_probs" not in promoted.reason
+        for seed in range(3, 12):  # in rounds, until a promotion
+            minimal = [
+                dataclasses.replace(
+                    e, event=dataclasses.replace(e.event, policy_version=first.version, candidate_probs=None)
+                )
+                for e in log_of(served, 600, seed=seed, policy=s.policy, questions=20)
+            ]
+            await _send(s, minimal)
+            if any(d.decision == "promoted" for d in gate.decisions):
+                break
+            await until(lambda: not learner.dirty, 30, "a checkpoint")
+        await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
         await until(lambda: max(loaded) > first.version, 30, "the client to load the promoted version")
         recomputed = learner.metrics.registry.get_sample_value(
             "causalmem_gate_logging_probs_total", {"source": "recomputed"}

@@ -209,10 +209,12 @@ async def test_stopping_while_publishing_writes_one_final_checkpoint(topics_read
         assert len(shas) == len(set(shas)), f"trial {trial}: the same state published twice"
 
 
-async def test_expert_answers_reach_clients_in_a_quiet_deployment(topics_ready: Settings) -> None:
-    """A label fine-tune is served although the gate lacks logged decisions."""
+async def test_expert_answers_are_a_candidate_like_any_other(topics_ready: Settings) -> None:
+    """A label fine-tune is published, signed, as a candidate: in a quiet deployment, without
+    held-out decisions to test it on, it waits (docs/promotion.md: one promise for every version
+    served), and status says so."""
     # With a signing key: the learner signs, and the subscriber (built from the same settings) checks.
-    s = topics_ready.replace(gate=True, gate_min_ess=50.0, checkpoint_interval_s=0.3, checkpoint_signing_key="k1")
+    s = topics_ready.replace(gate=True, checkpoint_interval_s=0.3, checkpoint_signing_key="k1")
     sub = PolicySubscriber(s.bootstrap, s.policy, s)
     async with _running(Learner(s.learner(), s.bootstrap, Metrics())) as (learner, _), sub:
         await sub.wait_for_policy(1, timeout=30)
@@ -222,10 +224,14 @@ async def test_expert_answers_reach_clients_in_a_quiet_deployment(topics_ready: 
             answers.append(Experience(f"label-{i}", "label", ev, 0.0, correct_memories=ev.candidates[:1]))
         await _send(s, s.topics().experiences.name, [encode(a.to_dict()) for a in answers])
         await until(lambda: learner.trainer.labels_applied >= 1 and not learner.dirty, 30, "labels applied")
-        loaded = await sub.wait_for_policy(2, timeout=30)
-        assert loaded.manifest.reason == "label" and (loaded.manifest.signature or "").startswith("hmac-sha256:")
-        assert not sub.rejections
-        assert learner.gate is not None and learner.gate.decisions[-1].decision == "insufficient"
+        gate = learner.gate
+        assert gate is not None
+        await until(lambda: bool(gate.decisions), 30, "the gate's record of the candidate")
+        last = gate.decisions[-1]
+        manifest = gate.versions[last.candidate_version][0]
+        assert manifest.reason == "label" and (manifest.signature or "").startswith("hmac-sha256:")
+        assert last.decision == "insufficient" and "no held-out decisions yet" in last.reason
+        assert sub.current is not None and sub.current.version == 1 and not sub.rejections
 
 
 async def test_a_restart_reads_history_up_to_the_resume_offset_only(topics_ready: Settings) -> None:

@@ -1,4 +1,4 @@
-"""gate_rule = sequences through the broker: the learner trains on the queries outside the
+"""The promotion rule through the broker: the learner trains on the queries outside the
 hold-out, the promotion rule decides on the held-out ones, clients load only what it promotes."""
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ def served_by(exps: list[Experience], version: int) -> list[Experience]:
 
 @pytest.mark.broker
 async def test_the_rule_promotes_on_held_out_queries_and_refuses_a_worse_candidate(topics_ready) -> None:
-    s = topics_ready.replace(
-        gate=True, gate_rule="sequences", lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0
-    )
+    s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     loaded: list[int] = []
     sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=lambda p: loaded.append(p.version))
     async with learner_running(s) as learner, sub:

@@ -5,7 +5,8 @@
 - ``learning``: what each policy learns on a scenario with known ground truth;
 - ``soak``: a steady input rate for a set time, with lag and memory sampled;
 - ``evaluator``: evaluations/s and tokens/s of the evaluator's LM scoring, and of the service.
-- ``gate``: the promotion gate's calibration on the simulator (coverage, false and missed promotions).
+- ``gate``: whether the promotion rule's intervals hold on the real-data world (coverage at every look,
+  false promotions and refusals).
 - ``coldstart``: learner steps a new helpful memory needs to enter the served top-k, kNN vs fresh rows.
 - ``scale``: the learner's step rate and RSS, and retrieval latency with the policy against plain
   faiss, at S = 1,024, 100,000 and 1,000,000 memories.

@@ -66,13 +66,11 @@ class Run:
     gate_decisions: dict[str, float] = field(default_factory=dict)
     checkpoints: float = 0.0
     traffic_s: float = 0.0  # wall seconds of traffic (the achieved rate is pairs / traffic_s)
-    # The learner's gate metrics at the end: the certified gain of each promotion on the logged
-    # decisions (sum, count), its conservative steps by α and how often training resumed from serving.
+    # The learner's gate metrics at the end: the certified lower bound of each promotion's gain
+    # (sum, count) and how often training resumed from serving (a candidate refused as worse).
     gain_sum: float = 0.0
     gain_count: float = 0.0
-    steps_by_alpha: dict[str, float] = field(default_factory=dict)
     reanchors: float = 0.0
-    stall_resumes: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         def q(values: list[float], p: float) -> float | None:
@@ -107,9 +105,7 @@ class Run:
             if self.traffic_s
             else None,
             "certified_gain_per_promotion": self.gain_sum / self.gain_count if self.gain_count else None,
-            "conservative_steps": self.steps_by_alpha,
             "reanchors": self.reanchors,
-            "stall_resumes": self.stall_resumes,
             "freshness_s": [v if math.isfinite(v) else None for v in self.all_freshness_s],  # None: never
             "warmup_pairs": len(self.all_freshness_s) - len(self.freshness_s),
         }
@@ -152,7 +148,7 @@ async def one_run(
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
     from pipeline.client.subscriber import PolicySubscriber
-    from pipeline.promtext import labelled, metric
+    from pipeline.promtext import metric
     from topics.feedback import LLMFeedback
     from topics.internal import decode_experience
 
@@ -236,9 +232,7 @@ async def one_run(
         run.checkpoints = metric(values, "causalmem_checkpoint_publishes_total")
         run.gain_sum = metric(values, "causalmem_gate_promoted_gain_sum")
         run.gain_count = metric(values, "causalmem_gate_promoted_gain_count")
-        run.steps_by_alpha = labelled(values, "causalmem_gate_conservative_steps_total", "alpha")
         run.reanchors = metric(values, "causalmem_gate_reanchors_total")
-        run.stall_resumes = metric(values, "causalmem_gate_stall_resumes_total")
         offsets: dict[str, int] = {}
         for msg in await kafka.read_all(bootstrap, settings, settings.topics().experiences.name, partitions=[0]):
             try:
@@ -283,9 +277,8 @@ def table(runs: list[Run]) -> str:
             gain = x["certified_gain_per_promotion"]
             lines.append(
                 f"{r.name}: {x['promotions_per_min'] or 0:.1f} promotions/min, certified gain per promotion "
-                f"{'–' if gain is None else f'{gain:+.4f}'}, conservative steps {x['conservative_steps'] or 'none'}, "
-                f"training resumed from serving {x['reanchors']:.0f}× (candidate worse) and "
-                f"{x['stall_resumes']:.0f}× (candidates waited in a row)"
+                f"{'–' if gain is None else f'{gain:+.4f}'}, "
+                f"training resumed from serving {x['reanchors']:.0f}× (candidate worse)"
             )
     return "\n".join(lines)
 

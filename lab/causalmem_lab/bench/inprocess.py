@@ -54,8 +54,7 @@ class InProcessRow:
     explore_temperature: float | None = None  # None: the scenario's (the learner's default)
     explore_rate: float | None = None  # None: the scenario's; 1.0: every request explored
     minimal_client: bool = False  # events with the contract's required fields only, no canary
-    # The gate's canary (pipeline/learner/canary.py): the share of requests serving it; None:
-    # the learner's default. An undecided canary gives way after the learner's gate_canary_max.
+    # The gate's canary (docs/promotion.md): the share of requests serving it; None: the learner's default.
     canary_rate: float | None = None
     coupled: bool | None = None  # contract 1.5's coupled canary; None: the learner's default
     # The freshness rows (lab/causalmem_lab/bench/staleness.py): a candidate every ``refresh_every``
@@ -66,8 +65,6 @@ class InProcessRow:
     days: float | None = None
     lr: float | None = None
     gate_epsilon: float | None = None
-    conservative: bool | None = None  # the gate's conservative steps; None: the learner's default
-    reanchor: bool | None = None  # the learner resumes from serving after a worse candidate; None: the default
 
     def canary(self) -> dict[str, Any]:
         """The loop's canary settings: the learner's defaults unless the row sets them; none ungated."""
@@ -75,7 +72,7 @@ class InProcessRow:
             return {"canary_rate": 0.0}
         rate = PRODUCT.serve_canary_rate if self.canary_rate is None else self.canary_rate
         coupled = PRODUCT.serve_canary_coupled if self.coupled is None else self.coupled
-        return {"canary_rate": rate, "canary_max": PRODUCT.gate_canary_max, "canary_coupled": coupled}
+        return {"canary_rate": rate, "canary_coupled": coupled}
 
 
 _FRESH: dict[str, Any] = {"freshness": True, "refresh_every": 200, "days": 15.0}
@@ -125,25 +122,6 @@ ROWS: dict[str, InProcessRow] = {
         explore_rate=1.0,
         minimal_client=True,
     ),
-    # The defaults before 2026-12-03, for comparison: the gate without conservative steps and
-    # without resuming from serving (docs/learning.md, "At the defaults").
-    "minimal_t1_nosteps": InProcessRow(
-        "minimal contract client, every request at T = 1, gated without steps or resuming from serving",
-        0.0,
-        gate=True,
-        explore_temperature=1.0,
-        explore_rate=1.0,
-        minimal_client=True,
-        conservative=False,
-        reanchor=False,
-    ),
-    "credit25_gated_nosteps": InProcessRow(
-        "per-memory credit on 25%, imputed between, gated without steps or resuming from serving",
-        0.25,
-        gate=True,
-        conservative=False,
-        reanchor=False,
-    ),
     # The freshness bench's traffic in process: step reward, a candidate every 200 steps (its
     # 2 s cadence at 100 pairs/s), 15 days (docs/benchmarks.md, "Freshness").
     "fresh_step": InProcessRow("step reward, a candidate every 200 steps", 0.0, **_FRESH),
@@ -155,22 +133,6 @@ ROWS: dict[str, InProcessRow] = {
     "fresh_credit25": InProcessRow("per-memory credit on 25%, a candidate every 200 steps", 0.25, **_FRESH),
     "fresh_credit25_gated": InProcessRow(
         "per-memory credit on 25%, gated, a candidate every 200 steps", 0.25, gate=True, **_FRESH
-    ),
-    "fresh_step_gated_nosteps": InProcessRow(
-        "step reward, gated without steps or resuming from serving, a candidate every 200 steps",
-        0.0,
-        gate=True,
-        conservative=False,
-        reanchor=False,
-        **_FRESH,
-    ),
-    "fresh_credit25_gated_nosteps": InProcessRow(
-        "per-memory credit on 25%, gated without steps or resuming from serving, a candidate every 200 steps",
-        0.25,
-        gate=True,
-        conservative=False,
-        reanchor=False,
-        **_FRESH,
     ),
     "fresh_step_lr3e4": InProcessRow("step reward, lr 3e-4, a candidate every 200 steps", 0.0, lr=3e-4, **_FRESH),
     "fresh_step_gated_lr3e4": InProcessRow(
@@ -316,47 +278,17 @@ def at_step_reward_level(report: dict[str, Any], curves: dict[str, dict[int, np.
 
 
 def promotions(result: Any) -> dict[str, float | None]:
-    """Candidates promoted by the off-policy gate and by a canary's on-policy verdict, and
-    what the canary requests themselves were worth (true utility; None without a canary)."""
+    """Candidates the promotion rule promoted, and what the canary requests themselves were
+    worth (true utility; None without a canary)."""
     cu = result.canary_utility
     return {
         "promoted": float(sum(d == "promoted" for d in result.gate)),
-        "canary_promoted": float(sum(v.startswith("promoted") for v in result.canary)),
         "canary_share": len(cu) / max(1, len(result.tally.utility)),
         "canary_utility": float(np.mean(cu)) if cu else None,
         "all_utility": float(np.mean(result.tally.utility)),
         "served_version": float(result.served.version) if result.served is not None else None,
         "reanchors": float(len(getattr(result, "reanchors", ()))),  # the learner resumed from serving
-        "stall_resumes": float(len(getattr(result, "stalls", ()))),  # … after candidates waited in a row
-        **conservative_steps(result),
     }
-
-
-def conservative_steps(result: Any) -> dict[str, float | None]:
-    """The gate's conservative steps (``OfflineResult.steps_taken``): how many, their mean α and
-    certified (estimated) gain, and, where every version's true value is known, their true gain
-    over the version served before each and the worst of them.
-
-    >>> from types import SimpleNamespace as NS
-    >>> r = NS(steps_taken=[(10, 0.25, 3, 2, 1, 0.02), (20, 0.5, 5, 4, 3, 0.04)], values={1: 0.5, 3: 0.52, 5: 0.51})
-    >>> s = conservative_steps(r)
-    >>> s["steps"], s["step_alpha"], round(s["step_gain_est"], 3)
-    (2.0, 0.375, 0.03)
-    >>> round(s["step_gain_true"], 3), round(s["step_gain_true_min"], 3)
-    (0.005, -0.01)
-    """
-    taken = getattr(result, "steps_taken", [])
-    out: dict[str, float | None] = {"steps": float(len(taken)), "step_alpha": None, "step_gain_est": None}
-    out.update(step_gain_true=None, step_gain_true_min=None)
-    if not taken:
-        return out
-    out["step_alpha"] = float(np.mean([t[1] for t in taken]))
-    out["step_gain_est"] = float(np.mean([t[5] for t in taken]))
-    values = result.values
-    true = [values[t[2]] - values[t[4]] for t in taken if t[2] in values and t[4] in values]
-    if true:
-        out["step_gain_true"], out["step_gain_true_min"] = float(np.mean(true)), float(min(true))
-    return out
 
 
 def mean_of(per_seed: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -444,8 +376,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 explore_temperature=row.explore_temperature,
                 explore_rate=row.explore_rate,
                 minimal_client=row.minimal_client,
-                gate_conservative=OfflineConfig.gate_conservative if row.conservative is None else row.conservative,
-                gate_reanchor=OfflineConfig.gate_reanchor if row.reanchor is None else row.reanchor,
                 **row.canary(),
             )
             if row.lm:
@@ -536,7 +466,7 @@ def _minimal_cells(ps: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         _cell([s["leak_start"] for s in ps], m["leak_start"], _pct),
         _cell([s["leak"] for s in ps], m["leak"], _pct),
         _cell([s["requests_to_half_leak"] for s in ps], m["requests_to_half_leak"], lambda v: f"{v:,.0f}"),
-        _cell([s["promoted"] + s["canary_promoted"] for s in ps], m["promoted"] + m["canary_promoted"], count),
+        _cell([s["promoted"] for s in ps], m["promoted"], count),
         _cell([s["served_version"] for s in ps], m["served_version"], count),
         _cell([s["pairs"] for s in ps], m["pairs"], lambda v: f"{v:,.0f}"),
     ]

@@ -39,7 +39,6 @@ from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
 from causalmem_lab.simrun import RunSpec
 
 NO_GATE = {"CAUSALMEM_GATE": "0"}
-SEQUENCES = {"CAUSALMEM_GATE_RULE": "sequences"}
 SIMILARITY = "similarity"
 
 
@@ -89,26 +88,6 @@ ROWS: dict[str, LMRow] = {
             explore_temperature=1.0,
         )
     ),
-    # The two minimal-client rows under the promotion rule of pipeline/learner/promotion.py.
-    "credit25_sequences_minimal": LMRow(
-        RunSpec(
-            "per-memory credit (25%), gate_rule sequences, minimal client",
-            labels=False,
-            minimal_client=True,
-            pipeline_env=SEQUENCES,
-        ),
-        0.25,
-    ),
-    "step_sequences_minimal_t1": LMRow(
-        RunSpec(
-            "step reward, gate_rule sequences, minimal client exploring every request at T = 1",
-            labels=False,
-            minimal_client=True,
-            explore_rate=1.0,
-            explore_temperature=1.0,
-            pipeline_env=SEQUENCES,
-        )
-    ),
 }
 QUICK_ROWS = (SIMILARITY, "credit")
 TARGET_GAP = 0.5
@@ -129,13 +108,20 @@ DATA: dict[str, tuple[Any, int]] = {
 
 
 def measure(
-    u: LMUtilities, data: LMDataset, questions: list[int], policy: Any = None, draws: int = 16, seed: int = 0
+    u: LMUtilities,
+    data: LMDataset,
+    questions: list[int],
+    policy: Any = None,
+    draws: int = 16,
+    seed: int = 0,
+    explore: bool = False,
 ) -> dict[str, float]:
     """Mean utility, gold-fact read rate and harmful leak of a policy as clients serve it.
 
     ``policy`` (a LoadedPolicy) is served by a :class:`CausalRetriever` as its manifest's
-    ``serving`` says (T = 0.05 by default, dynamic hard drop) and no exploration, ``draws``
-    times per question; ``None`` is similarity-only: plain top-k.
+    ``serving`` says (T = 0.05 by default, dynamic hard drop), ``draws`` times per question,
+    without exploration unless ``explore`` (then with the manifest's: what the promotion rule
+    values); ``None`` is similarity-only: plain top-k.
     """
     from pipeline.client.retriever import CausalRetriever
 
@@ -148,7 +134,7 @@ def measure(
         # otherwise: a fresh first policy under the gate is served as top-k); similarity-only:
         # the draw is the ranking.
         temperature=None if policy is not None else 1e-4,
-        explore_rate=0.0,  # as its docstring says: no exploration (the manifest's would apply)
+        explore_rate=None if explore else 0.0,  # None: the manifest's
         seed=seed,
     )
     retriever.set_policy(policy)

@@ -13,8 +13,8 @@ docs/contract.md (required fields only: no ``candidate_probs``, no canary):
 and ``retriever``, :class:`~pipeline.client.retriever.CausalRetriever` as the manifest asks, which
 also logs ``candidate_probs`` and serves the canary (36,000 events, credit on a quarter);
 
-each under the gate rules compared: ``none`` (every checkpoint served), ``window`` (the gate's
-rule on its window of logged decisions) and ``sequences`` (:mod:`pipeline.learner.promotion`).
+each with the gate (``gate``: the promotion rule, :mod:`pipeline.learner.promotion`) and without
+(``none``: every checkpoint served).
 
 Every version a client was told to serve is measured afterwards, as served (its manifest's
 temperature and hard drop, no exploration), on the world's questions against the LM's cached
@@ -61,7 +61,7 @@ CLIENTS = {  # the first two are the contract clients: required fields only, no 
         "CausalRetriever (candidate_probs, the canary), per-memory credit on 25%", 36_000, 0.25, minimal=False
     ),
 }
-RULES = ("none", "window", "sequences")
+RULES = ("none", "gate")
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -78,10 +78,8 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def run_one(
-    data: Any, u: Any, client: Client, rule: str, seed: int, events: int, epsilon: float, drop: str = PRODUCT.serve_drop
-) -> dict[str, Any]:
-    """One run: the versions served and their values, the worst against similarity-only, the end."""
+def world_of(data: Any, u: Any, client: Client, seed: int, events: int) -> tuple[LMScenario, LMWorld]:
+    """The real-data world a client's run sends its traffic from."""
     scenario = LMScenario(
         seed=seed,
         events=events,
@@ -89,10 +87,13 @@ def run_one(
         n_candidates=int(u.candidates.shape[1]),
         slots=policy_slots(len(data.texts)),
     )
-    world = LMWorld(scenario, data, u)
-    cfg = OfflineConfig(
-        gate=rule != "none",
-        gate_rule="window" if rule == "none" else rule,
+    return scenario, LMWorld(scenario, data, u)
+
+
+def config(client: Client, gate: bool, seed: int, epsilon: float, drop: str) -> OfflineConfig:
+    """The loop's settings for a client's run: the product's defaults but the client's serving."""
+    return OfflineConfig(
+        gate=gate,
         gate_epsilon=epsilon,
         minimal_client=client.minimal,
         drop=drop,
@@ -100,6 +101,14 @@ def run_one(
         explore_temperature=client.explore_temperature,
         seed=seed,
     )
+
+
+def run_one(
+    data: Any, u: Any, client: Client, rule: str, seed: int, events: int, epsilon: float, drop: str = PRODUCT.serve_drop
+) -> dict[str, Any]:
+    """One run: the versions served and their values, the worst against similarity-only, the end."""
+    scenario, world = world_of(data, u, client, seed, events)
+    cfg = config(client, rule == "gate", seed, epsilon, drop)
     t0 = time.monotonic()
     res = run_offline(scenario, cfg, env=world)
     seconds = time.monotonic() - t0
@@ -191,7 +200,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", type=int, help="candidates scored per question, C (default: the bank's)")
     p.add_argument("--cache-dir", help="where LM utilities are cached (default ~/.cache/causalmem/lm-utilities)")
     p.add_argument("--clients", help=f"comma-separated (default all of {', '.join(CLIENTS)})")
-    p.add_argument("--rules", help=f"comma-separated gate rules (default all of {', '.join(RULES)})")
+    p.add_argument("--rules", help=f"comma-separated: with the gate or without (default both of {', '.join(RULES)})")
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--events", type=int, help="steps of traffic per run (default: the client's)")
     p.add_argument("--epsilon", type=float, default=PRODUCT.gate_epsilon, help="the margin (default: the gate's)")

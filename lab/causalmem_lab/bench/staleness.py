@@ -45,8 +45,8 @@ def freshness_steps(versions: np.ndarray, created: dict[int, int]) -> np.ndarray
 
 def true_value(scenario: Any, queries: int = 1500) -> Callable[[PolicyNetwork], float]:
     """A policy's exact value as served (the serving temperature, no exploration) on
-    ``queries`` of the simulator's queries: mean θᵀφ/k, as ``causalmem bench gate`` computes it."""
-    from causalmem_lab.bench.gate_calibration import World, full_decisions, value_of
+    ``queries`` of the simulator's queries: mean θᵀφ/k (:mod:`causalmem_lab.simvalue`)."""
+    from causalmem_lab.simvalue import World, full_decisions, value_of
 
     world = World(scenario, scenario.n_candidates)
     intents, emb = world.queries(queries)

@@ -129,8 +129,6 @@ def _other(name: str, default: Any) -> Any:
         "reset_scope": "last_layer",
         "serve_drop": "none",
         "worker_store": "memory",
-        "gate_method": "ips",
-        "gate_rule": "sequences",
         "device": "meta",
         "evaluator_device": "cpu",
         "min_insync_replicas": None,  # must stay at most replication_factor (1)
@@ -202,7 +200,7 @@ RESOLVED = {("device", TrainerConfig, "device")}
 @pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_each_component_default_that_a_setting_sets_is_that_declaration_not_a_second_literal() -> None:
     pairs = [p for p in _derived_pairs() if p not in RESOLVED]
-    assert ("gate_window", GateConfig, "window") in pairs and (
+    assert ("gate_holdout", GateConfig, "holdout") in pairs and (
         "serve_temperature",
         ServingParams,
         "temperature",

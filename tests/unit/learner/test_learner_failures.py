@@ -17,7 +17,6 @@ from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.learner.fence import Fence
 from pipeline.learner.inbox import Inbox
-from pipeline.learner.promotion_decision import label_rule
 from pipeline.learner.restore import newest_local
 from pipeline.learner.store import LocalStore
 from pipeline.learner.supervise import supervise
@@ -189,14 +188,6 @@ def test_a_far_future_experience_is_refused_in_reorder_mode() -> None:
     applied = [e.id for chunk in inbox.batches(force=True) for e in chunk]
     assert applied == ["a"] + [f"b{i}" for i in range(1, 20)]
     assert inbox.applied_key == (BASE_TS + 19, "b19")  # what a manifest would record
-
-
-# --------------------------------------------------------------------------- 9: labels
-
-
-def test_label_fine_tunes_are_promoted_when_the_gate_lacks_data() -> None:
-    assert label_rule("insufficient") and label_rule("promoted")
-    assert not label_rule("refused")
 
 
 # --------------------------------------------------------------------------- supervision

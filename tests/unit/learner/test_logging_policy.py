@@ -16,11 +16,8 @@ from models.offpolicy.logging_policy import recompute
 from models.policy.network import PolicyNetwork, init_policy
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
-from pipeline.config import GateConfig
 from pipeline.learner.logging_policy import LoggingPolicies, masks_of
-from pipeline.learner.promotion_gate import PromotionGate
 from pipeline.metrics import Metrics
-from tests.integration.test_gate import BAD, GOOD, log_of, tilted
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -181,34 +178,6 @@ class Publisher:
 
     async def set_canary(self, m: Manifest | None) -> None:
         pass
-
-
-async def test_a_minimal_clients_better_candidate_is_promoted_not_left_waiting() -> None:
-    """The freeze: a client that fills only the required fields (no candidate_probs, no canary),
-    exploring at T = 1 under serving v1, and a clearly better candidate. Without the learner's
-    own logging probabilities the gate fell back to full-slate IPS and said "waits" forever."""
-    serving = init_policy(8, 32, 16, seed=1)
-    better = tilted(serving, GOOD)
-    window = [
-        dataclasses.replace(e, event=dataclasses.replace(e.event, policy_version=1, candidate_probs=None))
-        for e in log_of(serving, 1000, seed=11, temperature=1.0)
-    ]
-    metrics = Metrics()
-    gate = PromotionGate(GateConfig(window=1000), Publisher(), metrics, lambda: window)  # type: ignore[arg-type]
-    gate.set_serving(manifest(1), serving.tensors())
-    d = await gate.consider(manifest(2), better.tensors())
-    assert "lack candidate_probs" not in d.reason
-    assert d.decision == "promoted", d.reason
-    assert gate.serving_manifest is not None and gate.serving_manifest.version == 2
-    assert metrics.registry.get_sample_value("causalmem_gate_logging_probs_total", {"source": "recomputed"}) == 1000
-    # The certified gain of the promotion, for "gain per promotion" on a dashboard.
-    assert metrics.registry.get_sample_value("causalmem_gate_promoted_gain_count") == 1
-    assert d.gain is not None
-    assert metrics.registry.get_sample_value("causalmem_gate_promoted_gain_sum") == pytest.approx(d.gain.value)
-    # A harmful candidate on the same minimal log is still refused, now against v2 (held, with v1).
-    worse = tilted(serving, BAD)
-    d = await gate.consider(manifest(3), worse.tensors())
-    assert d.decision == "refused", d.reason
 
 
 def test_an_events_own_masks_are_what_its_draw_used() -> None:

@@ -1,4 +1,4 @@
-"""The learner's gate under gate_rule = sequences (pipeline/learner/gate.py), without a broker:
+"""The learner's gate (pipeline/learner/gate.py), without a broker:
 held-out decisions go through the promotion rule, and its actions are carried out."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Publisher:
 
 def gate_of(canary_rate: float = 0.0) -> tuple[RuleGate, Publisher, PolicyNetwork]:
     pub = Publisher()
-    gate = RuleGate(GateConfig(rule="sequences"), pub, Metrics(), serving=ServingParams(canary_rate=canary_rate))  # type: ignore[arg-type]
+    gate = RuleGate(GateConfig(), pub, Metrics(), serving=ServingParams(canary_rate=canary_rate))  # type: ignore[arg-type]
     serving = init_policy(D, S, H, seed=1)
     gate.set_serving(manifest(1, "init"), serving.tensors())
     return gate, pub, serving
@@ -51,17 +51,32 @@ def logged(net: PolicyNetwork, n: int, seed: int) -> list[Experience]:
 
 
 async def test_a_better_candidate_is_promoted_on_held_out_evidence() -> None:
+    """Also from a client that fills only the required fields (no candidate_probs, no canary):
+    the learner computes the logging probabilities the rule needs."""
     gate, pub, serving = gate_of()
     await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
     assert gate.state is not None and [t.version for t in gate.state.trials] == [2]
+    assert gate.decisions[-1].decision == "insufficient" and "no held-out decisions yet" in gate.decisions[-1].reason
+    sent = 0
     for seed in range(10):
-        gate.observe(logged(serving, 300, seed))
+        minimal = [
+            dataclasses.replace(e, event=dataclasses.replace(e.event, candidate_probs=None))
+            for e in logged(serving, 300, seed)
+        ]
+        gate.observe(minimal)
+        sent += len(minimal)
         await gate.reconsider()
         if pub.promoted:
             break
     assert pub.promoted == [2]
     assert gate.serving_manifest is not None and gate.serving_manifest.version == 2
-    assert gate.decisions[-1].decision == "promoted" and gate.decisions[-1].path in ("improved", "within-epsilon")
+    last = gate.decisions[-1]
+    assert last.decision == "promoted" and last.path in ("improved", "within-epsilon")
+    value = gate.metrics.registry.get_sample_value
+    assert value("causalmem_gate_logging_probs_total", {"source": "recomputed"}) == sent
+    # The certified lower bound of the promotion, for "gain per promotion" on a dashboard.
+    assert value("causalmem_gate_promoted_gain_count") == 1
+    assert value("causalmem_gate_promoted_gain_sum") > (-0.02 if last.path == "within-epsilon" else 0.0)
 
 
 async def test_a_worse_candidate_is_refused_and_training_resumes_from_serving() -> None:

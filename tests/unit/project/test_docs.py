@@ -40,9 +40,12 @@ def test_every_doc_link_points_to_a_file() -> None:
 
 def _documented_commands() -> list[tuple[str, list[str]]]:
     """Every ``causalmem …`` command line in the README and docs: code-block lines, and inline
-    code with arguments (a bare ``causalmem rollback`` names a verb; it is not a command line)."""
+    code with arguments (a bare ``causalmem rollback`` names a verb; it is not a command line).
+    Not the changelog's: it records commands as they were run, some with options since retired."""
     out = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if page.name == "changelog.md":
+            continue
         text = page.read_text()
         lines = re.findall(r"^causalmem (.+)$", text, flags=re.M)
         lines += [c for c in re.findall(r"`causalmem ([^`]+)`", text) if " " in c.strip()]

@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 
 from models.offpolicy.logged import TOPK, LoggedDecisions, Served
-from models.offpolicy.served import SlateLog, evaluate_served
 from models.offpolicy.setlevel import (
     MAX_SET_K,
     SetTable,
     logging_set_probability,
     set_probability,
     set_terms,
-    target_set_probability,
 )
 from models.offpolicy.slate import behaviour_moments, inclusion, slate_terms, target_inclusion
 from models.serving.params import ServingParams
@@ -150,41 +148,3 @@ def test_set_dr_by_hand_uses_the_other_steps_of_the_same_query_and_set() -> None
     d1 = (1 / 1.5 + 5 / 1.5) / 3 + (3.0 - 1 / 1.5)
     d2 = (4 / 2.5 + 0.0) / 3 + 5.0
     assert terms.tolist() == pytest.approx([d0, d1, d2])
-
-
-def test_set_estimators_through_the_served_log_and_the_gate() -> None:
-    from pipeline.learner.promotion_gate import judge_log
-
-    scores, logp, reward = _world(n_queries=4, c=6, k=3, seed=2)
-    rng = np.random.default_rng(0)
-    cands, sc, sel, fp, emb, utils = [], [], [], [], [], []
-    for _ in range(400):
-        q = int(rng.integers(4))
-        order = np.argsort(-(np.log(logp[q]) + rng.gumbel(size=6)))[:3]
-        s = tuple(sorted(int(i) for i in order))
-        cands.append(list(range(10 * q, 10 * q + 6)))
-        sc.append(scores[q])
-        sel.append([10 * q + int(i) for i in order])
-        fp.append(logp[q])
-        emb.append(np.eye(4)[q])
-        utils.append(reward[q, list(itertools.combinations(range(6), 3)).index(s)])
-    d = LoggedDecisions.from_lists(
-        cands, sc, sel, [1.0] * 400, [0.0] * 400, utils, embedding=np.array(emb), first_probs=fp
-    )
-    slog = SlateLog.prepare(d)
-    topk = Served(TOPK, ServingParams())
-    sets = list(itertools.combinations(range(6), 3))
-    truth = np.mean([reward[q, sets.index(tuple(sorted(np.argsort(-scores[q])[:3])))] for q in range(4)])
-    for method in ("set-ips", "set-snips", "set-dr"):
-        est = evaluate_served(slog, {"t": topk}, method, n_boot=100)["t"]
-        assert est.n == 400 and np.isfinite(est.value) and est.low <= est.high
-        # set-dr: every query's top-3 set was logged, the reward deterministic: r̂ is close.
-        if method == "set-dr":
-            assert est.value == pytest.approx(truth, abs=0.05)
-    probs = target_set_probability(d, topk, np.arange(3), slog.sets.pair_members[slog.sets.own][:3])
-    assert ((probs < 1e-9) | (probs > 1 - 1e-9)).all()  # top-k: one set, surely
-    from models.policy.network import PolicyNetwork
-
-    net = PolicyNetwork(4, 64, hidden=8).eval()
-    decision, reason, est = judge_log(slog, net, net, 0.02, 50.0, "set-dr", ServingParams())
-    assert decision in ("promoted", "refused", "insufficient") and "gain" in est and reason
