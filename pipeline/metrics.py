@@ -47,9 +47,9 @@ def feedback_taken(values: dict[str, float]) -> float:
     """Feedback the learner has taken, from its scraped ``values`` (:func:`pipeline.promtext.parse`):
     trained on, or held out of training as the promotion rule's evidence.
 
-    >>> feedback_taken({'causalmem_learner_experiences_total{kind="feedback"}': 8.0,
-    ...                 'causalmem_learner_experiences_total{kind="held_out"}': 2.0,
-    ...                 'causalmem_learner_experiences_total{kind="label"}': 5.0})
+    >>> feedback_taken({"causalmem_learner_experiences_total{kind=feedback}": 8.0,
+    ...                 "causalmem_learner_experiences_total{kind=held_out}": 2.0,
+    ...                 "causalmem_learner_experiences_total{kind=label}": 5.0})
     10.0
     """
     name = "causalmem_learner_experiences_total"

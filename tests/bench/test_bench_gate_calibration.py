@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import pytest
 from causalmem_lab.bench import gate_calibration as bench
-from causalmem_lab.bench import lmlearning
-from causalmem_lab.fanout import build_fanout_dataset
-from causalmem_lab.lmdata import lm_utilities
 
-from tests.bench.test_fanout_world import FakeScorer, fake_embed, head
+from tests.bench.test_fanout_world import use_a_slice
 
 
 def test_the_bench_judges_every_trial_against_the_truth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ds = head(build_fanout_dataset(questions=20, lookalikes="every"), 6)
-    monkeypatch.setitem(lmlearning.DATA, "fanout-lookalike", (lambda: ds, 6))
-
-    def cached(data: Any, **kw: Any) -> Any:  # the fake LM and embedder
-        return lm_utilities(data, FakeScorer(), c=kw["c"], cache_dir=tmp_path, embedder=fake_embed)
-
-    monkeypatch.setattr(bench, "lm_utilities", cached)
+    use_a_slice(monkeypatch, tmp_path, bench, "fanout-lookalike")
     p = argparse.ArgumentParser()
     bench.add_options(p)
     args = p.parse_args(["--clients", "t1", "--seeds", "0", "--events", "3000", "--drop", "none"])

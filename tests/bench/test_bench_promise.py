@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import pytest
-from causalmem_lab.bench import lmlearning, promise
-from causalmem_lab.fanout import build_fanout_dataset
-from causalmem_lab.lmdata import lm_utilities
+from causalmem_lab.bench import promise
 
-from tests.bench.test_fanout_world import FakeScorer, fake_embed, head
+from tests.bench.test_fanout_world import use_a_slice
 
 
 def test_wilson_interval() -> None:
@@ -22,13 +19,7 @@ def test_wilson_interval() -> None:
 
 
 def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ds = head(build_fanout_dataset(questions=20, lookalikes="every"), 6)
-    monkeypatch.setitem(lmlearning.DATA, "fanout", (lambda: ds, 6))
-
-    def cached(data: Any, **kw: Any) -> Any:  # the fake LM and embedder
-        return lm_utilities(data, FakeScorer(), c=kw["c"], cache_dir=tmp_path, embedder=fake_embed)
-
-    monkeypatch.setattr(promise, "lm_utilities", cached)
+    use_a_slice(monkeypatch, tmp_path, promise, "fanout")
     args = argparse.Namespace(
         data="fanout",
         candidates=None,

@@ -127,6 +127,18 @@ def head(full: LMDataset, n: int) -> LMDataset:
     )
 
 
+def use_a_slice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bench: Any, data: str) -> None:
+    """Make ``bench``'s bank ``data`` a 6-question slice of the look-alike bank, scored by the fake
+    LM and embedder (what the benches on the real-data world are tested on)."""
+    ds = head(build_fanout_dataset(questions=20, lookalikes="every"), 6)
+    monkeypatch.setitem(lmlearning.DATA, data, (lambda: ds, 6))
+
+    def cached(data: Any, **kw: Any) -> Any:
+        return lm_utilities(data, FakeScorer(), c=kw["c"], cache_dir=tmp_path, embedder=fake_embed)
+
+    monkeypatch.setattr(bench, "lm_utilities", cached)
+
+
 def test_a_slice_of_the_bank_runs_through_the_cache_the_world_and_the_measures(
     worlds: dict[str, LMDataset], tmp_path: Path
 ) -> None:

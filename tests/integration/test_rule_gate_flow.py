@@ -47,15 +47,17 @@ async def test_the_rule_promotes_on_held_out_queries_and_refuses_a_worse_candida
         await until(lambda: bool(set(loaded) & promoted), 30, "the client to load a promoted version")
         assert set(loaded) <= promoted | {1}, (loaded, promoted)
 
-        # The learner wanders off toward the harmful slots: its candidate is refused on the
-        # held-out evidence, and training resumes from the serving weights.
+        # The learner wanders off toward the harmful slots, round after round (a candidate
+        # published while the newest trial gathers its decisions is passed over), while the client
+        # explores at T = 1 (a log must read a candidate's sets to show it worse): a candidate is
+        # refused on the held-out evidence, and training resumes from the serving weights.
         serving = gate.serving_manifest
         assert serving is not None and gate.serving_net is not None
         resumed_before = learner.metrics.gate_reanchors._value.get()
-        learner.trainer.load(tilted(gate.serving_net, BAD).tensors())
-        learner.dirty = True
-        for seed in range(20, 30):
-            batch = log_of(gate.serving_net, 600, seed=seed, policy=s.policy, questions=20)
+        for seed in range(20, 35):
+            learner.trainer.load(tilted(gate.serving_net, BAD).tensors())
+            learner.dirty = True
+            batch = log_of(gate.serving_net, 600, seed=seed, temperature=1.0, policy=s.policy, questions=20)
             await _send(s, served_by(batch, serving.version))
             if learner.metrics.gate_reanchors._value.get() > resumed_before:
                 break
