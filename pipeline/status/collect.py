@@ -8,7 +8,7 @@ What it shows, and where each number comes from:
   counters recorded in the manifest), and the learner's update rate between the two
   newest manifests: ``Δupdates / Δcreated_ts``; and, while candidates newer than the serving
   version wait, why serving has not moved (:mod:`pipeline.status.freeze`): "serving v1 for 12m
-  while 20 candidates waited: <the gate's last reason>", and whether the learner paused canaries;
+  while 20 candidates waited: <the gate's last reason>";
 - **active-learning queue depth** — per partition, the fetch high watermark minus the
   labeler group's committed offset (``{prefix}causalmem-labelers``); high watermarks
   come from fetch responses, never from ``end_offsets`` (wrong on the embedded broker);

@@ -4,7 +4,7 @@ A learner whose candidates the gate cannot decide trains and publishes as usual;
 serving version standing still shows it. The view counts the candidates newer than the
 serving version on the model topic, and takes from the newest manifest's ``metrics.gate``
 (written by the learner, :mod:`pipeline.learner.freeze`) since when that version serves,
-the gate's last decision and reason, and whether canaries are paused. Without that record
+and the gate's last decision and reason. Without that record
 (a learner from before it, or the gate off) the serving manifest's creation time stands in.
 """
 
@@ -51,13 +51,12 @@ def freeze_view(
     """The serving version's standing: how long, how many candidates newer than it, the gate's last word.
 
     ``line`` is None while no candidate waits; ``frozen`` once candidates waited for
-    ``frozen_after_s``. ``canaries_paused`` is the learner's reason while it starts no canary.
+    ``frozen_after_s``.
     """
     serving = index.serving_head(policy)
     newest = index.newest(policy)
     record = newest.metrics.get("gate") if newest is not None else None
     record = record if isinstance(record, dict) else {}
-    paused = record.get("canaries_paused")
     out: dict[str, Any] = {
         "serving_version": None,
         "seconds": None,
@@ -66,7 +65,6 @@ def freeze_view(
         "reason": None,
         "frozen": False,
         "line": None,
-        "canaries_paused": paused if isinstance(paused, str) else None,
     }
     if serving is None:
         return out

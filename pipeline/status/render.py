@@ -107,10 +107,10 @@ def do_not_use_text(d: dict[str, Any]) -> Text:
 
 
 def freeze_text(f: dict[str, Any] | None) -> list[Text]:
-    """Why serving has not moved while candidates wait (red once that is a freeze), and paused canaries.
+    """Why serving has not moved while candidates wait (red once that is a freeze).
 
     >>> [t.plain for t in freeze_text({"line": "serving v1 for 12m while 20 candidates waited: x",
-    ...                                "frozen": False, "canaries_paused": None})]
+    ...                                "frozen": False})]
     ['serving v1 for 12m while 20 candidates waited: x']
     """
     if not f:
@@ -120,8 +120,6 @@ def freeze_text(f: dict[str, Any] | None) -> list[Text]:
         out.append(
             Text(f"{'FROZEN: ' if f.get('frozen') else ''}{f['line']}", style="bold red" if f["frozen"] else "yellow")
         )
-    if f.get("canaries_paused"):
-        out.append(Text(f["canaries_paused"], style="dim"))
     return out
 
 

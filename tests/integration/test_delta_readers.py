@@ -70,7 +70,7 @@ async def test_evaluate_reads_the_serving_delta_and_a_delta_candidate(
     held = {k: v.clone() for k, v in t.tensors().items()}
     # The next checkpoint is a candidate: is_candidate says so, and the manifest's gate record
     # reads a gate that has judged nothing yet.
-    p.gate = SimpleNamespace(serving_manifest=None, canaries_paused=lambda: None, decisions=[])
+    p.gate = SimpleNamespace(serving_manifest=None, decisions=[])
     monkeypatch.setattr(type(p), "is_candidate", lambda self, reason: True)
     train(t, [4])
     cand = await publish(p, t)

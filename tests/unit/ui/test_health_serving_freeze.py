@@ -8,8 +8,9 @@ from typing import Any
 from pipeline.ui.health import Trends, health_page
 from pipeline.ui.web import templates
 
-LINE = "serving v1 for 12m while 20 candidates waited: v20 waits: ESS 8 < 50 needed (2000 logged decisions)"
-PAUSED = "canaries paused: the last 3 canaries saw no canary decision (clients serve none)"
+LINE = (
+    "serving v1 for 12m while 20 candidates waited: v20 waits: v20 over v0: gain in [-0.31, +0.42] after 380 decisions"
+)
 
 
 def page(freeze: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
@@ -21,18 +22,16 @@ def page(freeze: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
     return h, html
 
 
-def test_the_health_page_shows_the_serving_freeze_line_and_paused_canaries() -> None:
-    h, html = page({"line": LINE, "frozen": False, "canaries_paused": PAUSED, "candidates_waiting": 20})
+def test_the_health_page_shows_the_serving_freeze_line() -> None:
+    h, html = page({"line": LINE, "frozen": False, "candidates_waiting": 20})
     assert h["serving_freeze"]["line"] == LINE  # also in /health/data
     assert 'id="serving-freeze" class="advice"' in html and LINE.replace("<", "&lt;") in html
-    assert 'id="canaries-paused"' in html and PAUSED in html
-    _, html = page({"line": LINE, "frozen": True, "canaries_paused": None})
+    _, html = page({"line": LINE, "frozen": True})
     assert 'id="serving-freeze" class="error">Frozen: serving v1 for 12m' in html
-    assert 'id="canaries-paused"' not in html
 
 
 def test_the_health_page_says_nothing_while_no_candidate_waits() -> None:
-    for freeze in (None, {"line": None, "frozen": False, "canaries_paused": None}):
+    for freeze in (None, {"line": None, "frozen": False}):
         h, html = page(freeze)
-        assert 'id="serving-freeze"' not in html and 'id="canaries-paused"' not in html
-    assert h["serving_freeze"] == {"line": None, "frozen": False, "canaries_paused": None}
+        assert 'id="serving-freeze"' not in html
+    assert h["serving_freeze"] == {"line": None, "frozen": False}
