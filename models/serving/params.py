@@ -20,7 +20,7 @@ settings) and the clients (:data:`pipeline.client.serving.UNSERVED`) take theirs
 ((0.9, 0.05), (0.1, 0.25))
 >>> ServingParams.from_wire(p.to_wire()) == p
 True
->>> ServingParams.from_wire(None) == ServingParams(canary_rate=0.0)  # manifests before contract 1.2: no canary
+>>> ServingParams.from_wire(None) == ServingParams(drop="dynamic", canary_rate=0.0)  # before 1.2: the contract's
 True
 """
 
@@ -39,6 +39,10 @@ DROP_MODES = ("dynamic", "fixed", "none")
 # Contract 1.4: a manifest's ``serving`` without ``canary_rate`` (and a manifest without ``serving``)
 # means no canary; this is what the wire's absence means, not the learner's default below.
 CANARY_RATE_ABSENT = 0.0
+# A manifest's ``serving`` without ``drop`` (and one without ``serving``) means the contract's
+# dynamic drop (§6); the learner's own default below is no drop, which the promotion rule needs:
+# a version that drops reads sets of fewer than k memories that no log shows (docs/promotion.md).
+DROP_ABSENT = "dynamic"
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class ServingParams:
     temperature: float = 0.05
     explore_rate: float = 0.1
     explore_temperature: float = 0.25
-    drop: str = "dynamic"
+    drop: str = "none"
     drop_ratio: float = DYNAMIC_DROP_RATIO
     # Contract 1.4: the share of requests on which clients serve the learner's canary (a
     # pending candidate, docs/promotion.md), as its own manifest says it is served. Not part
@@ -113,14 +117,14 @@ class ServingParams:
         Missing keys take their defaults, so later additions stay optional; a missing
         ``canary_rate`` means no canary (contract 1.4).
 
-        >>> ServingParams.from_wire({"temperature": 0.2}).canary_rate
-        0.0
+        >>> ServingParams.from_wire({"temperature": 0.2}).canary_rate, ServingParams.from_wire(None).drop
+        (0.0, 'dynamic')
         """
         if obj is None:
-            return cls(canary_rate=CANARY_RATE_ABSENT)
+            return cls(drop=DROP_ABSENT, canary_rate=CANARY_RATE_ABSENT)
         names = ("temperature", "explore_rate", "explore_temperature", "drop_ratio", "canary_rate")
         known = {k: obj[k] for k in names if k in obj}
-        values: dict[str, Any] = {"canary_rate": CANARY_RATE_ABSENT}
+        values: dict[str, Any] = {"canary_rate": CANARY_RATE_ABSENT, "drop": DROP_ABSENT}
         values.update({k: float(v) for k, v in known.items()})
         if "drop" in obj:
             values["drop"] = str(obj["drop"])

@@ -139,7 +139,9 @@ def test_a_coupled_canary_compares_slates_by_memory_id() -> None:
     table = SlotTable()
     table.apply(SlotRecord("default", 5, "a", True, version=3, since=3, ts=BASE_TS))
     table.apply(SlotRecord("default", 1, "b", True, version=4, since=4, ts=BASE_TS))
-    coupled = ServingParams(explore_rate=0.0, canary_rate=1.0, canary_coupled=True).to_wire()  # no revival
+    coupled = ServingParams(
+        explore_rate=0.0, canary_rate=1.0, canary_coupled=True, drop="dynamic"
+    ).to_wire()  # no revival
     serving, canary = policy(3, table), policy(4, table, suppressed=[5])  # v4 drops "a"
     serving.manifest.serving = canary.manifest.serving = coupled
     r = retriever()

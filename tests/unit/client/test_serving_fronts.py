@@ -182,7 +182,7 @@ FRONTS: dict[str, Callable[..., Front]] = {
 }
 
 # The serving manifests of the scenarios: exploration (with revival), an A/B canary, a coupled one.
-EXPLORING = ServingParams(explore_rate=0.5, explore_temperature=0.5)
+EXPLORING = ServingParams(explore_rate=0.5, explore_temperature=0.5, drop="dynamic")  # what exploration revives
 AB = ServingParams(explore_rate=0.2, canary_rate=0.5)
 COUPLED = ServingParams(explore_rate=0.2, canary_rate=0.6, canary_coupled=True)
 CANARY_SERVED = ServingParams(temperature=0.1, explore_rate=0.3, explore_temperature=0.7)  # the canary's own

@@ -23,7 +23,7 @@ def recurring(net: PolicyNetwork, n: int, seed: int) -> list[Experience]:
 
 def test_the_bounds_hold_the_gain_and_the_clip_only_widens_them() -> None:
     serving = init_policy(D, S, H, seed=1)
-    params = ServingParams(explore_rate=0.0, temperature=0.5)  # as log_of draws
+    params = ServingParams(explore_rate=0.0, temperature=0.5, drop="dynamic")  # as log_of draws
     versions = {1: (serving, params), 2: (tilted(serving, GOOD), params)}
     train, held = log_of(serving, 600, seed=1), log_of(serving, 800, seed=2)
     plain = evidence.build(evidence.usable(held), versions, params)
@@ -47,7 +47,7 @@ def test_the_bounds_hold_the_gain_and_the_clip_only_widens_them() -> None:
 
 def test_on_recurring_questions_the_table_narrows_the_terms() -> None:
     serving = init_policy(D, S, H, seed=1)
-    params = ServingParams(explore_rate=0.0, temperature=0.5)
+    params = ServingParams(explore_rate=0.0, temperature=0.5, drop="dynamic")  # as log_of draws
     versions = {1: (serving, params), 2: (tilted(serving, GOOD, amount=1.0), params)}
     table = evidence.RewardTable()
     table.add(recurring(serving, 600, seed=1))
@@ -70,7 +70,7 @@ def test_unusable_events_are_left_out() -> None:
 
 def test_what_the_log_cannot_show_is_valued_pessimistically_for_each_bound() -> None:
     serving = init_policy(D, S, H, seed=1)
-    params = ServingParams(explore_rate=0.0, temperature=0.5)
+    params = ServingParams(explore_rate=0.0, temperature=0.5, drop="dynamic")  # as log_of draws
     # A version whose hard drop keeps fewer candidates than a decision reads: it reads smaller sets.
     narrow = tilted(serving, {next(iter(GOOD))}, amount=12.0)
     versions = {1: (serving, params), 2: (narrow, params)}

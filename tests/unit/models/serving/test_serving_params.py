@@ -42,7 +42,7 @@ def test_params_validate_and_round_trip_through_the_manifest() -> None:
     # A manifest written before contract 1.2 has no "serving": readers take the defaults, and no canary.
     old = decode_manifest(encode(_manifest(None).to_dict()))
     assert old.serving is None and "serving" not in _manifest(None).to_dict()
-    assert ServingParams.from_wire(old.serving) == ServingParams(canary_rate=0.0)
+    assert ServingParams.from_wire(old.serving) == ServingParams(drop="dynamic", canary_rate=0.0)
     assert DYNAMIC_DROP_RATIO == RULE_RATIO
     for bad in ({"temperature": -1.0}, {"explore_rate": 1.5}, {"drop": "sometimes"}, {"temperature": "hot"}):
         with pytest.raises(Rejected):
