@@ -1,4 +1,4 @@
-"""Served policies evaluated on one log: :class:`SlateLog`, :func:`evaluate_served`, :func:`gain_served`.
+"""Served policies evaluated on one log: :class:`SlateLog`, :func:`evaluate_served`.
 
 The promotion gate and ``causalmem evaluate`` judge policies *as clients serve them*
 (:class:`~models.offpolicy.logged.Served`: the serving parameters' mixture of temperatures and hard
@@ -177,20 +177,3 @@ def evaluate_served(
         est = estimate_from_parts([served_parts(log, target, method)], [1.0], method, n_boot, level, seed)
         out[name] = _clip(est, lo, hi) if len(log) else est
     return out
-
-
-def gain_served(
-    log: SlateLog,
-    candidate: Served,
-    baseline: Served,
-    method: str = "dr",
-    *,
-    n_boot: int = DEFAULT_BOOT,
-    level: float = DEFAULT_LEVEL,
-    seed: int = 0,
-) -> Estimate:
-    """V(candidate) − V(baseline), both as served, with a paired bootstrap interval (clipped to ±range)."""
-    parts = [served_parts(log, t, method) for t in (candidate, baseline)]
-    est = estimate_from_parts(parts, [1.0, -1.0], f"{method}-gain", n_boot, level, seed)
-    lo, hi = log.value_range
-    return _clip(est, lo - hi, hi - lo) if len(log) else est

@@ -36,13 +36,6 @@ Estimators (per-decision terms, :func:`set_terms`):
   Each step's own reward is left out of its direct model (leave-one-out), so that its
   residual is not shrunk by a model that saw it.
 
-Which family fits a log is checked on the log itself (:func:`additivity`): where the same
-query read the same set several times, the spread of its rewards is the pure error, and
-the distance of the set's mean reward from the additive model's prediction the lack of
-fit (the classical lack-of-fit test of regression). The promotion gate's ``auto``
-estimator uses the set-level DR where the additive model does not fit, the pseudo-inverse
-where it does or where no query repeats (docs/learning.md, "The promotion gate").
-
 >>> p = np.array([[0.5, 0.3, 0.2]])
 >>> round(float(set_probability(p, np.array([[0, 1]]))[0]), 6)  # 0.5·0.3/0.5 + 0.3·0.5/0.7
 0.514286
@@ -62,8 +55,6 @@ from models.offpolicy.slate import logging_components, target_components
 MAX_SET_K = 6  # k! orderings per set: 720 at k = 6; larger k are not supported (ValueError)
 PRIOR_WEIGHT = 0.5  # pseudo-count of the additive prediction in a logged set's mean reward
 MAX_SETS_PER_QUERY = 64  # the direct model's logged sets per query (most frequent first)
-MIN_REPEATED_SETS = 20  # (query, set) pairs logged at least twice before additivity can be judged
-LACK_OF_FIT = 4.0  # lack of fit beyond this many times the pure error: not additive
 SET_METHODS = ("set-ips", "set-snips", "set-dr")
 
 
@@ -291,72 +282,3 @@ def set_terms(
     corr = np.bincount(table.pair_row, weights=p_pairs * (r_hat - table.pair_additive), minlength=len(decisions))
     terms = additive + corr + w * (u - r_hat[table.own])
     return terms, w
-
-
-@dataclass(frozen=True)
-class Additivity:
-    """The lack-of-fit check of the additive model on a log (:func:`additivity`)."""
-
-    repeated: int  # (query, set) pairs logged at least twice
-    lack_of_fit: float  # RMS of (set mean − additive prediction) over those pairs
-    pure_error: float  # RMS spread of the rewards within a pair (pooled)
-    additive: bool  # False: the additive model does not fit; True: it fits or cannot be judged
-
-    def describe(self) -> str:
-        """One line for the gate's reason.
-
-        >>> Additivity(30, 0.4, 0.0, False).describe()
-        'not additive: 30 repeated sets miss the additive model by 0.4000 (pure error 0.0000)'
-        """
-        if self.repeated < MIN_REPEATED_SETS:
-            return f"additivity not judged: {self.repeated} repeated sets < {MIN_REPEATED_SETS}"
-        verdict = "additive" if self.additive else "not additive"
-        return (
-            f"{verdict}: {self.repeated} repeated sets miss the additive model by {self.lack_of_fit:.4f} "
-            f"(pure error {self.pure_error:.4f})"
-        )
-
-
-def additivity(decisions: LoggedDecisions, pred: np.ndarray, tolerance: float) -> Additivity:
-    """Does the additive reward model fit the sets this log read repeatedly?
-
-    Over the (query, set) pairs logged at least twice: the pure error s² (pooled variance of
-    the rewards within a pair) and the lack of fit, the mean over pairs of n·(ū − r̂)², with
-    r̂ the cross-fitted additive prediction ``pred`` [N]. Under additivity the lack of fit is
-    about s² (plus the model's own error); the log is judged not additive when it exceeds
-    :data:`LACK_OF_FIT`·s² *and* the RMS gap between set means and predictions exceeds
-    ``tolerance`` (the gate's ε: a misfit smaller than that cannot change a decision).
-    Fewer than :data:`MIN_REPEATED_SETS` repeated pairs: additive (nothing to judge on).
-
-    >>> d = LoggedDecisions.from_lists([[1, 2, 3]] * 40, [[0.3, 0.2, 0.1]] * 40, [[1, 2]] * 40,
-    ...                                [1.0] * 40, [0.0] * 40, [1.0, 0.0] * 20, embedding=np.eye(20).repeat(2, 0))
-    >>> additivity(d, np.full(40, 0.5), 0.02).additive  # 20 queries, each read {1, 2} twice: 1, then 0
-    True
-    >>> d2 = LoggedDecisions.from_lists([[1, 2, 3]] * 40, [[0.3, 0.2, 0.1]] * 40, [[1, 2]] * 40, [1.0] * 40,
-    ...                                 [0.0] * 40, [1.0] * 40, embedding=np.eye(20).repeat(2, 0))
-    >>> a = additivity(d2, np.full(40, 0.5), 0.02)
-    >>> a.additive, a.repeated, round(a.lack_of_fit, 3)
-    (False, 20, 0.5)
-    """
-    n = len(decisions)
-    if n == 0 or decisions.embedding.shape[1] == 0:
-        return Additivity(0, 0.0, 0.0, True)
-    pad = np.iinfo(np.int64).max
-    sets = np.sort(np.where(decisions.selected_valid, decisions.selected_slots(), pad), axis=1)
-    feats = np.concatenate([decisions.embedding, decisions.loss[:, None], decisions.entropy[:, None]], axis=1)
-    keys = np.concatenate([feats.astype(np.float32).view(np.int32), sets.view(np.int64).astype(np.int64)], axis=1)
-    _, gid = np.unique(keys, axis=0, return_inverse=True)
-    gid = gid.reshape(-1)
-    count = np.bincount(gid).astype(np.float64)
-    mean = np.bincount(gid, weights=decisions.utility) / count
-    pmean = np.bincount(gid, weights=pred) / count
-    rep = count >= 2
-    repeated = int(rep.sum())
-    if repeated < MIN_REPEATED_SETS:
-        return Additivity(repeated, 0.0, 0.0, True)
-    within = np.bincount(gid, weights=(decisions.utility - mean[gid]) ** 2)
-    s2 = float(within[rep].sum() / max(1.0, (count[rep] - 1).sum()))
-    lof = float((count[rep] * (mean[rep] - pmean[rep]) ** 2).mean())
-    gap = float(np.sqrt(((mean[rep] - pmean[rep]) ** 2).mean()))
-    additive = not (lof > LACK_OF_FIT * s2 and gap > tolerance)
-    return Additivity(repeated, gap, float(np.sqrt(s2)), additive)
