@@ -96,13 +96,16 @@ def set_probability(p: np.ndarray, members: np.ndarray) -> np.ndarray:
     inside = np.zeros(p.shape, bool)
     np.put_along_axis(inside, pos, present, axis=1)
     outside = np.where(inside, 0.0, p).sum(axis=1)  # R, summed from the small terms
+    cols = [np.ascontiguousarray(ps[:, j]) for j in range(k)]
     total = np.zeros(n)
-    for order in _orderings(k):
-        po = ps[:, order]  # [N, k] in this drawing order
-        tails = np.cumsum(po[:, ::-1], axis=1)[:, ::-1]  # Σ_{l ≥ j} p_{o_l}
-        denom = outside[:, None] + tails
-        ratio = np.divide(po, denom, out=np.zeros_like(po), where=denom > 0)
-        total += np.clip(ratio, 0.0, 1.0).prod(axis=1)
+    for order in _orderings(k).tolist():
+        # The draw in this order: Π_j p_{o_j} / (R + Σ_{l ≥ j} p_{o_l}), the tails summed from
+        # the last (the smallest terms first, as near-greedy draws need).
+        tail, product = outside.copy(), np.ones(n)
+        for j in reversed(order):
+            tail += cols[j]
+            product *= np.clip(np.divide(cols[j], tail, out=np.zeros(n), where=tail > 0), 0.0, 1.0)
+        total += product
     out: np.ndarray = np.where(present.all(axis=1), np.minimum(total, 1.0), 0.0)
     return out
 

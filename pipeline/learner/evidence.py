@@ -33,6 +33,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -163,21 +164,23 @@ def every_set(
     >>> members.tolist(), done.tolist()
     ([[0, 1], [0, 2], [1, 2]], [True])
     """
-    rows: list[int] = []
-    members: list[tuple[int, ...]] = []
     k_max = decisions.selected.shape[1]
-    enumerated = np.zeros(len(decisions), bool)
     counts, ks = decisions.valid.sum(axis=1), decisions.n_selected
-    for i in range(len(decisions)):
+    enumerated = np.array([k > 0 and math.comb(int(c), int(k)) <= limit for c, k in zip(counts, ks, strict=True)], bool)
+    rows, members = [np.zeros(0, np.int64)], [np.zeros((0, k_max), np.int64)]
+    for i in np.flatnonzero(enumerated).tolist():
         c, k = int(counts[i]), int(ks[i])
-        if k == 0 or math.comb(c, k) > limit:
-            continue
-        enumerated[i] = True
-        positions = np.flatnonzero(decisions.valid[i])
-        for combo in itertools.combinations(positions.tolist(), k):
-            rows.append(i)
-            members.append(combo + (-1,) * (k_max - k))
-    return np.asarray(rows, np.int64), np.asarray(members, np.int64).reshape(len(rows), k_max), enumerated
+        combos = np.flatnonzero(decisions.valid[i])[_combinations(c, k)]  # [C(c, k), k] positions
+        padded = np.full((len(combos), k_max), -1, np.int64)
+        padded[:, :k] = combos
+        rows.append(np.full(len(combos), i, np.int64))
+        members.append(padded)
+    return np.concatenate(rows), np.concatenate(members), enumerated
+
+
+@lru_cache(maxsize=64)
+def _combinations(n: int, k: int) -> np.ndarray:
+    return np.array(list(itertools.combinations(range(n), k)), np.int64).reshape(-1, k)
 
 
 def build(
@@ -276,19 +279,16 @@ def _mixed(
     if not mixtures:
         return own
     of = np.arange(len(own)) if rows is None else rows
+    kinds = sorted(set(mixtures.values()))
+    code = np.full(max(len(own), int(of.max(initial=-1)) + 1, max(mixtures) + 1), -1, np.int64)
+    for i, m in mixtures.items():
+        code[i] = kinds.index(m)
+    entry_code = code[of]
     out = own.copy()
-    for (serving, canary, rate), entries in _group(of, mixtures).items():
+    for c, (serving, canary, rate) in enumerate(kinds):
+        entries = np.flatnonzero(entry_code == c)
         out[entries] = (1.0 - rate) * probs[serving][entries] + rate * probs[canary][entries]
     return out
-
-
-def _group(of: np.ndarray, mixtures: Mapping[int, Mixture]) -> dict[Mixture, np.ndarray]:
-    keys: dict[Mixture, list[int]] = {}
-    for j, i in enumerate(of.tolist()):
-        m = mixtures.get(i)
-        if m is not None:
-            keys.setdefault(m, []).append(j)
-    return {m: np.asarray(js, np.int64) for m, js in keys.items()}
 
 
 def _table_terms(
@@ -306,11 +306,37 @@ def _table_terms(
     starts = np.searchsorted(pair_rows, np.arange(len(decisions) + 1))
     for i, e in enumerate(experiences):
         k = int(decisions.n_selected[i])
-        cands = [int(c) for c in e.event.candidates]
         known = {m: v for m, v in table.sets(query_key(e)).items() if len(m) == k}
-        baseline = float(np.mean(list(known.values()))) if known else 0.0
+        if not known:
+            continue  # a query never seen: 0 everywhere
+        baseline = float(np.mean(list(known.values())))
         fitted[i] = known.get(frozenset(int(s) for s in e.event.selected), baseline)
-        for j in range(starts[i], starts[i + 1]):
-            m = frozenset(cands[int(p)] for p in pair_members[j, :k])
-            values[j] = known.get(m, baseline)
+        lo, hi = int(starts[i]), int(starts[i + 1])
+        if hi == lo:
+            continue
+        values[lo:hi] = baseline
+        # The pairs of decision i are every_set's combinations of its valid positions, in
+        # lexicographic order: a known set's pair is found by its rank, not by a search.
+        positions = np.flatnonzero(decisions.valid[i]).tolist()
+        index = {int(e.event.candidates[p]): j for j, p in enumerate(positions)}
+        for members, v in known.items():
+            idx = sorted(index[m] for m in members if m in index)
+            if len(idx) == k:
+                values[lo + combination_rank(idx, len(positions))] = v
     return fitted, values
+
+
+def combination_rank(idx: Sequence[int], n: int) -> int:
+    """The rank of the sorted combination ``idx`` of ``range(n)`` among
+    ``itertools.combinations(range(n), len(idx))`` (lexicographic order).
+
+    >>> combos = list(itertools.combinations(range(5), 3))
+    >>> all(combination_rank(c, 5) == r for r, c in enumerate(combos))
+    True
+    """
+    k, rank, prev = len(idx), 0, -1
+    for j, a in enumerate(idx):
+        for x in range(prev + 1, a):
+            rank += math.comb(n - 1 - x, k - 1 - j)
+        prev = a
+    return rank
