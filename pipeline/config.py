@@ -9,7 +9,7 @@ default (the serving rule's in :class:`models.serving.params.ServingParams`, the
 
 Each component (client, learner, worker, evaluator, write gate, UI) takes a small frozen
 dataclass of what it needs, defined below. Their defaults are derived from the declarations
-(``GateConfig.holdout`` *is* ``Settings.gate_holdout``), so a component built directly and one
+(``GateConfig.epsilon`` *is* ``Settings.gate_epsilon``), so a component built directly and one
 built by ``Settings()`` are equal (tests/unit/config/test_single_declaration.py); options
 that only one component has (the adapters', the UI's flags) are declared there, once.
 
@@ -18,7 +18,7 @@ Configuration is passed into every component; nothing reads the environment deep
 >>> s = Settings.from_env({"CAUSALMEM_SLOTS": "64", "CAUSALMEM_EMBEDDING_DIM": "16"})
 >>> (s.slots, s.embedding_dim, s.partitions)
 (64, 16, 8)
->>> GateConfig().holdout == Settings().learner().gate.holdout == Settings.gate_holdout
+>>> GateConfig().epsilon == Settings().learner().gate.epsilon == Settings.gate_epsilon
 True
 """
 
@@ -153,7 +153,6 @@ class Settings:
     checkpoint_delta_max_share: float = setting(0.25, "a delta above this share of a full snapshot's bytes: full")
     gate: bool = setting(True, "publish candidates; serve only what the promotion rule promotes (docs/promotion.md)")
     gate_delta: float = setting(0.05, "the error rate of the whole run's promise (docs/promotion.md)")
-    gate_holdout: float = setting(0.2, "the share of queries held out of training, for the promotion rule's tests")
     gate_epsilon: float = setting(0.02, "the margin: how much worse than similarity-only a served version may be")
     # -- serving: how clients serve the policy, recorded in each manifest (models/serving/params.py) --
     serve_temperature: float = setting(ServingParams.temperature, "T of the Plackett–Luce draw")
@@ -346,7 +345,7 @@ class Settings:
 
     def gate_config(self) -> GateConfig:
         """The promotion rule's parameters (whether the gate is on at all is ``gate``)."""
-        return GateConfig(delta=self.gate_delta, holdout=self.gate_holdout, epsilon=self.gate_epsilon)
+        return GateConfig(delta=self.gate_delta, epsilon=self.gate_epsilon)
 
     def learner(self) -> LearnerConfig:
         return LearnerConfig(
@@ -545,12 +544,11 @@ class GateConfig:
     """The promotion rule's parameters (pipeline/learner/promotion.py, docs/promotion.md): the ``gate_*`` settings."""
 
     delta: float = Settings.gate_delta
-    holdout: float = Settings.gate_holdout
     epsilon: float = Settings.gate_epsilon
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.delta < 1.0 or not 0.0 < self.holdout < 1.0:
-            raise ValueError(f"gate_delta {self.delta} and gate_holdout {self.holdout} must be in (0, 1)")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"gate_delta {self.delta} must be in (0, 1)")
         if not self.epsilon >= 0.0:
             raise ValueError(f"gate_epsilon {self.epsilon} must be >= 0")
 

@@ -44,16 +44,13 @@ ROLES = {
 
 
 def feedback_taken(values: dict[str, float]) -> float:
-    """Feedback the learner has taken, from its scraped ``values`` (:func:`pipeline.promtext.parse`):
-    trained on, or held out of training as the promotion rule's evidence.
+    """Feedback the learner has applied, from its scraped ``values`` (:func:`pipeline.promtext.parse`).
 
     >>> feedback_taken({"causalmem_learner_experiences_total{kind=feedback}": 8.0,
-    ...                 "causalmem_learner_experiences_total{kind=held_out}": 2.0,
     ...                 "causalmem_learner_experiences_total{kind=label}": 5.0})
-    10.0
+    8.0
     """
-    name = "causalmem_learner_experiences_total"
-    return metric(values, name, kind="feedback") + metric(values, name, kind="held_out")
+    return metric(values, "causalmem_learner_experiences_total", kind="feedback")
 
 
 class Metrics:
@@ -206,8 +203,7 @@ class Metrics:
         # ---- learner
         self.experiences_applied = Counter(
             "causalmem_learner_experiences_total",
-            "Experiences the learner took: applied to the policy (feedback, label) or held out of training "
-            "as the promotion rule's evidence (held_out)",
+            "Experiences the learner applied to the policy (feedback, label)",
             ["kind"],
             registry=self._reg("learner"),
         )

@@ -77,7 +77,6 @@ class OfflineConfig:
     gate: bool = PRODUCT.gate
     gate_epsilon: float = PRODUCT.gate_epsilon
     gate_delta: float = PRODUCT.gate_delta  # the run's error rate
-    gate_holdout: float = PRODUCT.gate_holdout  # the share of queries held out of training
     canary_rate: float = PRODUCT.serve_canary_rate  # share of requests that serve the canary (gated; 0: none)
     canary_coupled: bool = PRODUCT.serve_canary_coupled  # contract 1.5: canary requests draw both slates
     # A client that sends only the contract's required fields (required_only) and serves no canary.
@@ -107,9 +106,7 @@ class OfflineConfig:
         """The learner's promotion rule (``Settings.gate_config()``) with this loop's settings; None ungated."""
         if not self.gate:
             return None
-        return PRODUCT.replace(
-            gate_epsilon=self.gate_epsilon, gate_delta=self.gate_delta, gate_holdout=self.gate_holdout
-        ).gate_config()
+        return PRODUCT.replace(gate_epsilon=self.gate_epsilon, gate_delta=self.gate_delta).gate_config()
 
 
 @dataclass
@@ -271,15 +268,10 @@ def run_offline(
                 pending.append(Experience(event.event_id, "feedback", event, u, slot_effects=effects))
             if len(pending) >= cfg.batch_size:
                 if sequences is not None:
-                    # The rule's tests are on queries the trainer never learns from.
-                    kept = [e for e in pending if not promotion.held_out(e.event.query_id, cfg.gate_holdout)]
-                    sequences.held.extend(e for e in pending if e not in kept)
-                    sequences.table.add(kept)
-                else:
-                    kept = pending
-                if cfg.learn and kept:
-                    trainer.update(kept)
-                replay.extend(kept)  # as the learner: the hold-out is not kept for a drift warm-up
+                    sequences.observe(pending)  # as the learner: evidence on the trials open now
+                if cfg.learn:
+                    trainer.update(pending)
+                replay.extend(pending)
                 pending = []
             steps += 1
             if steps % cfg.refresh_every == 0:
@@ -314,7 +306,7 @@ def run_offline(
 
 class SequenceGate:
     """The promotion rule (:func:`pipeline.learner.promotion.decide`) as the learner carries it
-    out, on the held-out decisions (:mod:`pipeline.learner.evidence`).
+    out, on the decisions applied after each trial started (:mod:`pipeline.learner.evidence`).
 
     Carries each action out on the loop's retriever and trainer: ``promote`` and ``rollback``
     serve a version, ``refuse`` (the candidate shown worse) sends training back to the serving
@@ -347,6 +339,10 @@ class SequenceGate:
         self.held: list[Experience] = []
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
 
+    def observe(self, experiences: list[Experience]) -> None:
+        """Decisions about to be trained on: evidence for the trials open now (:meth:`RuleGate.observe`)."""
+        self.held.extend(experiences)
+
     def refresh(self, candidate: LoadedPolicy, step: int) -> None:
         """A checkpoint: a look at the decisions logged so far, then a candidate starts a trial
         (anything else is served at once)."""
@@ -362,8 +358,8 @@ class SequenceGate:
         self._carry(actions, step)
 
     def look(self, step: int) -> None:
-        """The held-out decisions since the last look, as evidence."""
-        held, self.held = self.logging_policies.complete(self.held), []
+        """The decisions since the last look, as evidence."""
+        held, self.held = self.logging_policies.complete(gate_evidence.sample(self.held)), []
         versions = {
             v: (self.nets[v].net, ServingParams.from_wire(self.nets[v].manifest.serving))
             for v in self.state.versions()

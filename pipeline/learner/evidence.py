@@ -1,6 +1,6 @@
-"""The promotion rule's evidence: what each held-out decision says about each version.
+"""The promotion rule's evidence: what each decision says about each version.
 
-For every held-out logged decision the rule (:mod:`pipeline.learner.promotion`) needs the
+For every logged decision the rule (:mod:`pipeline.learner.promotion`) needs the
 probability, under each version it tests *as clients serve it* (the manifest's serving
 parameters: the mixture of the serving and exploration temperatures, the hard drop), of the
 set of memories the decision read, and the same under the policy that drew it. Sets, not
@@ -19,8 +19,8 @@ The terms are bounds (:meth:`pipeline.learner.promotion.Evidence.bounds`): every
 could read is enumerated (:func:`every_set`), weights are clipped at :data:`CLIP`, and what a
 version reads beyond the clip, or in sets no log shows, is valued at the utility's extremes. A
 :class:`RewardTable`, the mean utility each query (by its embedding) was seen with after reading
-each set, learnt from the decisions the learner trains on and from held-out decisions of earlier
-batches, never from the batch it predicts, is a control variate: LM utilities are a function of
+each set, learnt from the decisions of earlier batches, never from the batch it predicts, is a
+control variate: LM utilities are a function of
 the question and the set read, so where questions recur it takes most of each utility's variance
 away, and whatever it predicts, the bounds hold.
 """
@@ -34,6 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from typing import TypeVar
 
 import numpy as np
 
@@ -44,12 +45,14 @@ from models.serving.params import ServingParams
 from pipeline.learner.promotion import SIMILARITY, Evidence
 from topics.internal import Experience
 
+T = TypeVar("T")
 Version = tuple[PolicyNetwork, ServingParams]  # a version's network and how clients serve it
 
 
 MAX_SETS = 32  # the sets the table holds per query (the most often read)
 MAX_QUERIES = 50_000  # the queries it holds (the least recently seen go)
 CLIP = 20.0  # importance weights are clipped here; the mass above goes to the bounds' extremes
+PER_LOOK = 512  # decisions a look values at most: each costs milliseconds (every set is valued)
 MAX_SETS_PER_DECISION = 2_048  # sets enumerated per decision (C choose k); beyond, no bound is made
 
 
@@ -114,6 +117,20 @@ class RewardTable:
             sets = self._sets.get(key) or {}
             top = sorted(sets.items(), key=lambda kv: -kv[1][1])[: self.max_sets]
             return {m: a[0] / a[1] for m, a in top}
+
+
+def sample(items: list[T], at_most: int = PER_LOOK) -> list[T]:
+    """At most ``at_most`` of ``items``, in their order: a uniform sample where there are more.
+    Which are kept depends on their number alone, never on what they read or were worth, so the
+    sample is evidence as the whole would be.
+
+    >>> sample(list(range(5)), 10), len(sample(list(range(100)), 10))
+    ([0, 1, 2, 3, 4], 10)
+    """
+    if len(items) <= at_most:
+        return items
+    keep = np.sort(np.random.default_rng(len(items)).choice(len(items), at_most, replace=False))
+    return [items[i] for i in keep.tolist()]
 
 
 def usable(experiences: Sequence[Experience]) -> list[Experience]:

@@ -61,10 +61,10 @@ class ServingClock:
 
         >>> c = ServingClock(clock=lambda: 100.0)
         >>> c.serving(Manifest("p", 1, 40.0, "init", {}, 0.5, 0.0, "a" * 64, 1, 1)); c.candidate(2)
-        >>> class D: decision, candidate_version, reason = "insufficient", 2, "v2: no held-out decisions yet"
+        >>> class D: decision, candidate_version, reason = "insufficient", 2, "v2: no decisions yet"
         >>> c.record([D()])
         {'serving_version': 1, 'serving_since': 40.0, 'candidates_waiting': 1, 'decision': 'insufficient', \
-'candidate_version': 2, 'reason': 'v2: no held-out decisions yet'}
+'candidate_version': 2, 'reason': 'v2: no decisions yet'}
         """
         out: dict[str, Any] = {
             "serving_version": self.serving_version,

@@ -5,8 +5,9 @@ gathers its evidence and carries its actions out. It
 
 - keeps the networks of the versions the rule refers to (the serving one, the anchor, the
   candidates under trial), and the serving parameters each was published with;
-- takes the held-out decisions the learner did not train on (:meth:`holds_out`,
-  :meth:`observe`) and learns a direct model from those it trained on (:meth:`trained_on`),
+- takes every decision the learner applies (:meth:`observe`), as evidence on the trials opened
+  before it was applied (so on candidates that were not trained on it), at most
+  :data:`pipeline.learner.evidence.PER_LOOK` a look (a sample, where more came: the look's cost is bounded),
   completes their logging probabilities where a client did not send them
   (:class:`pipeline.learner.logging_policy.LoggingPolicies`, which also dead-letters the events
   whose logged probabilities disagree with the serving rule), and turns them into the rule's
@@ -48,7 +49,6 @@ from pipeline.learner.promotion import (
     State,
     Withdrawn,
     decide,
-    held_out,
 )
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
@@ -125,17 +125,11 @@ class RuleGate:
         s = self.state
         return s is not None and bool(s.trials or s.serving != s.first or s.anchor != SIMILARITY)
 
-    def holds_out(self, query_id: str) -> bool:
-        """Whether the learner leaves this query out of training: the rule's tests are on such queries."""
-        return held_out(query_id, self.config.holdout)
-
     def observe(self, experiences: Sequence[Experience]) -> None:
-        """Held-out experiences the learner did not train on: evidence for the next look."""
+        """Experiences the learner applies now: evidence for the next look. Call it before the
+        learner publishes the checkpoint trained on them: a trial is fed only what arrives after
+        its candidate was published."""
         self.held.extend(e for e in experiences if e.kind == "feedback")
-
-    def trained_on(self, experiences: Sequence[Experience]) -> None:
-        """Experiences the learner trained on: what the direct model learns from."""
-        self.table.add(experiences)
 
     # ------------------------------------------------------------------ events
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
@@ -202,7 +196,7 @@ class RuleGate:
     async def _look(self) -> Look | None:
         if self.state is None or not self.held:
             return None
-        held, self.held = self.held, []
+        held, self.held = evidence.sample(self.held), []
         versions = {
             v: (net, ServingParams.from_wire(m.serving))
             for v in self.state.versions()
@@ -311,7 +305,7 @@ class RuleGate:
         for name in ("promoted", "refused", "insufficient"):
             m.gate_last_decision.labels(decision=name).set(1.0 if name == look.decision else 0.0)
         newest = self.state.trials[-1] if self.state and self.state.trials else None
-        m.gate_ess.set(newest.bounds.n if newest else 0.0)  # held-out decisions of the newest trial
+        m.gate_ess.set(newest.bounds.n if newest else 0.0)  # decisions of the newest trial
         m.gate_ess_needed.set(MIN_DECISIONS)
         if newest is not None and newest.bounds.n >= MIN_DECISIONS:
             m.gate_estimate.labels(policy="gain_low").set(newest.bounds.low)

@@ -1,6 +1,6 @@
 """The logging probabilities of the promotion rule's evidence, computed by the learner itself.
 
-The rule's evidence needs, for each held-out decision, the logging policy's first-draw
+The rule's evidence needs, for each decision, the logging policy's first-draw
 probabilities over its candidates (``candidate_probs``). ``CausalRetriever`` logs them; a
 client written from docs/contract.md that fills only the required fields does not. The learner
 published every version a client may serve, so it can compute them itself:
@@ -24,7 +24,7 @@ experience as the learner holds it, without a position.
 
 Which versions are held: the serving version and the ones served before it, at most
 :data:`HELD_VERSIONS` (clients move to a new version seconds after it is promoted, so the
-held-out events are of the newest few). An event of a version no longer (or never) held — after
+events are of the newest few). An event of a version no longer (or never) held — after
 a learner restart — keeps what it carries: with ``candidate_probs`` it is valued on them,
 without them it is no evidence (:func:`pipeline.learner.evidence.usable`). So does an event of
 version 0 whose fields are not those of a client without a policy (m = 0): ``policy_version``

@@ -408,21 +408,14 @@ class Learner(Service):
     def apply(self, chunk: list[Experience]) -> None:
         """Apply one micro-batch (feedback → REINFORCE, labels → last-layer fine-tune).
 
-        With the gate on, the held-out queries' feedback is not trained on: it is the promotion
-        rule's evidence (pipeline/learner/gate.py).
+        With the gate on, the feedback is also the promotion rule's evidence
+        (pipeline/learner/gate.py): the trials open now were published before it was applied, so
+        none of them was trained on it.
         """
         t0 = time.perf_counter()
         feedback = [e for e in chunk if e.kind == "feedback"]
-        gate = self.gate
-        if gate is not None:
-            out = [gate.holds_out(e.event.query_id) for e in feedback]  # one hash per event
-            held = [e for e, o in zip(feedback, out, strict=True) if o]
-            gate.observe(held)
-            feedback = [e for e, o in zip(feedback, out, strict=True) if not o]
-            gate.trained_on(feedback)
-            self.metrics.experiences_applied.labels(kind="held_out").inc(len(held))
-            out_of_training = {id(e) for e in held}
-            chunk = [e for e in chunk if id(e) not in out_of_training]  # nor kept for a drift warm-up
+        if self.gate is not None:
+            self.gate.observe(feedback)
         labels = [e for e in chunk if e.kind == "label"]
         m = self.metrics
         if feedback:

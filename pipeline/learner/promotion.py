@@ -14,13 +14,14 @@ rates add up to δ), so the sum of the steps' lower bounds is a valid bound too.
 
 **The rule.** Each candidate the learner publishes starts a *trial*: an anytime-valid
 confidence sequence (:class:`models.offpolicy.confidence.GainSequence`) for its gain over the
-anchor, fed with *held-out* logged decisions — events the learner never trains on
-(:func:`held_out`), so a candidate is always tested on data it was not chosen on (a
-Seldonian safety test, Thomas et al. 2019). Trial j of the run gets the error rate
-δ/(j(j+1)) (:func:`models.offpolicy.confidence.spend`): the rates of all trials add up to δ,
-and each trial may be looked at after every batch. A new candidate starts a trial only once
-the newest open one has the decisions a bound needs (it takes the place of one that has seen
-none); otherwise it is passed over, so that every trial lives long enough to decide.
+anchor, fed with the decisions the learner applies *after* the candidate was published — data
+the candidate was not trained on, so it is always tested on data it was not chosen on (a
+Seldonian safety test, Thomas et al. 2019), and the learner still trains on every decision.
+Trial j of the run gets the error rate δ/(j(j+1)) (:func:`models.offpolicy.confidence.spend`):
+the rates of all trials add up to δ, and each trial may be looked at after every batch. A new
+candidate starts a trial only once the newest open one has the decisions a bound needs (it
+takes the place of one that has seen none); otherwise it is passed over, so that every trial
+lives long enough to decide.
 After each batch, the newest trial whose lower bound is
 
 * above 0 (the candidate is shown better than the anchor), or, when the anchor is
@@ -38,14 +39,14 @@ learner resumes from the serving weights (``worse``). A trial neither promoted n
 Older trials than one promoted end (``superseded``); newer ones start again against the new
 anchor.
 
-**The guardrail.** The served version's own held-out decisions (logged while it served) are
+**The guardrail.** The served version's own decisions (logged while it served) are
 compared, by the same kind of sequence, with similarity-only; where the served version is
 shown worse by more than ε, it is **rolled back** to the anchor (or to the first policy, when
 the served version is the anchor). This is a check on what is actually served, under
 whatever the estimators' inputs got wrong.
 
 The learner's async code only gathers the evidence (the probabilities, under each version
-as served, of the sets each held-out decision read) and carries out the actions; the lab
+as served, of the sets each decision read) and carries out the actions; the lab
 calls the same :func:`decide`.
 
 >>> s = State.start(serving=1)
@@ -57,7 +58,6 @@ calls the same :func:`decide`.
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -67,7 +67,6 @@ import numpy as np
 from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, spend
 
 SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k): the first anchor
-HOLDOUT_BUCKETS = 10_000
 # Checkpoints served at once, without a trial: the first policy, a rollback, a drift reset (the
 # detector has just shown that the served policy no longer agrees with human judgement), shadow
 # mode's cut-over and a "do not use" (pipeline/learner/control.py).
@@ -88,20 +87,6 @@ def is_candidate(reason: str, gated: bool) -> bool:
     False
     """
     return gated and reason not in SERVED_AT_ONCE
-
-
-def held_out(query_id: str, share: float) -> bool:
-    """Whether a query's decisions are held out of training, for the promotion rule's tests.
-
-    A hash of the query id, so that every process (and every restart) splits alike.
-
-    >>> held_out("q-1", 0.0), held_out("q-1", 1.0)
-    (False, True)
-    >>> 0.2 < sum(held_out(f"q-{i}", 0.25) for i in range(4000)) / 4000 < 0.3
-    True
-    """
-    digest = hashlib.blake2b(query_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % HOLDOUT_BUCKETS < share * HOLDOUT_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -133,7 +118,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class Trial:
-    """A candidate under test: its gain over ``anchor``, from held-out decisions logged after it started."""
+    """A candidate under test: its gain over ``anchor``, from the decisions applied after it started."""
 
     version: int
     anchor: int
@@ -148,7 +133,7 @@ class Trial:
     def describe(self) -> str:
         b = self.bounds
         if b.n == 0:
-            return f"v{self.version}: no held-out decisions yet"
+            return f"v{self.version}: no decisions yet"
         return f"v{self.version} over v{self.anchor}: gain in [{b.low:+.4f}, {b.high:+.4f}] after {b.n} decisions"
 
 
@@ -204,7 +189,7 @@ class ServedAtOnce:
 
 @dataclass(frozen=True)
 class Evidence:
-    """A batch of held-out decisions, in the order they were logged.
+    """A batch of decisions, in the order they were logged.
 
     ``probs[v]``: each decision's probability, under version ``v`` as served (its manifest's
     serving parameters; :data:`SIMILARITY` is plain top-k), of the set it read; ``logging``:

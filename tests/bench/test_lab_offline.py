@@ -29,8 +29,8 @@ def test_refreshes_and_resets_each_serve_a_new_version() -> None:
 
 
 def test_a_gate_without_enough_data_keeps_the_first_policy() -> None:
-    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, canary_rate=0.0, gate_holdout=0.01)
-    result = run_offline(TINY, cfg)  # too few held-out decisions for a bound
+    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, canary_rate=0.0)
+    result = run_offline(TINY, cfg)  # too few decisions for a bound
     assert result.gate and set(result.gate) == {"insufficient"}
     assert set(result.tally.version) == {1}
     # Served as the learner serves a fresh first policy under the gate: the similarity
@@ -80,9 +80,8 @@ def test_without_a_canary_share_nothing_is_canaried() -> None:
     assert not result.canary_utility
 
 
-def test_the_loop_decides_with_the_promotion_rule_on_held_out_decisions_only() -> None:
-    """The loop carries out pipeline.learner.promotion.decide; the trainer learns from the queries
-    outside the hold-out alone, and every promotion names its path."""
+def test_the_loop_decides_with_the_promotion_rule() -> None:
+    """The loop carries out pipeline.learner.promotion.decide, and every promotion names its path."""
     assert offline.is_candidate is promotion.is_candidate
     # The loop holds no rule of its own: it defines no function but its snapshot and itself.
     own = {n for n, v in vars(offline).items() if callable(v) and getattr(v, "__module__", "") == offline.__name__}

@@ -18,7 +18,7 @@ from tests.integration.test_gate import _send, learner_running, log_of
 
 @pytest.mark.broker
 async def test_a_minimal_clients_serving_version_rises(topics_ready: Settings) -> None:
-    # The rule at its defaults (held-out queries, no canary); the client sends what the contract
+    # The rule at its defaults (no canary); the client sends what the contract
     # requires, nothing more, serving the first policy until the learner promotes another.
     s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     assert s.bootstrap is not None

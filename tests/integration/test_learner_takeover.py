@@ -211,7 +211,7 @@ async def test_stopping_while_publishing_writes_one_final_checkpoint(topics_read
 
 async def test_expert_answers_are_a_candidate_like_any_other(topics_ready: Settings) -> None:
     """A label fine-tune is published, signed, as a candidate: in a quiet deployment, without
-    held-out decisions to test it on, it waits (docs/promotion.md: one promise for every version
+    decisions to test it on, it waits (docs/promotion.md: one promise for every version
     served), and status says so."""
     # With a signing key: the learner signs, and the subscriber (built from the same settings) checks.
     s = topics_ready.replace(gate=True, checkpoint_interval_s=0.3, checkpoint_signing_key="k1")
@@ -230,7 +230,7 @@ async def test_expert_answers_are_a_candidate_like_any_other(topics_ready: Setti
         last = gate.decisions[-1]
         manifest = gate.versions[last.candidate_version][0]
         assert manifest.reason == "label" and (manifest.signature or "").startswith("hmac-sha256:")
-        assert last.decision == "insufficient" and "no held-out decisions yet" in last.reason
+        assert last.decision == "insufficient" and "no decisions yet" in last.reason
         assert sub.current is not None and sub.current.version == 1 and not sub.rejections
 
 

@@ -196,9 +196,8 @@ async def test_shadow_mode_end_to_end_incumbent_logs_estimate_cutover(topics_rea
                 final = await watch(bootstrap, conn, 1000, config, 0.5, shown.append, timeout_s=25)
                 assert final["mode"] == "policy", shown[-1]
                 await until(lambda: r.mode == "policy", 15, "the adapter sees the cut-over")
-                held = learner.metrics.experiences_applied.labels(kind="held_out")._value.get()
-                # It learnt from the exploration log, save the promotion rule's held-out queries.
-                assert learner.trainer.experiences > 0 and learner.trainer.experiences + held >= explored
+                # It learnt from the exploration log.
+                assert learner.trainer.experiences >= explored
             cut = sub.current
             assert cut is not None and cut.manifest.reason == "cutover"
             for name, tensor in net.tensors().items():  # the weights whose gain was estimated (v1)

@@ -202,7 +202,7 @@ RESOLVED = {("device", TrainerConfig, "device")}
 @pytest.mark.slow  # several seconds: make test runs it, make check does not
 def test_each_component_default_that_a_setting_sets_is_that_declaration_not_a_second_literal() -> None:
     pairs = [p for p in _derived_pairs() if p not in RESOLVED]
-    assert ("gate_holdout", GateConfig, "holdout") in pairs and (
+    assert ("gate_epsilon", GateConfig, "epsilon") in pairs and (
         "serve_temperature",
         ServingParams,
         "temperature",

@@ -200,7 +200,7 @@ def test_manifest_metrics_round_trip_through_a_restore() -> None:
 
 @pytest.mark.parametrize("gate", [True, False])
 def test_what_the_gate_judges_and_what_serves_at_once(gate: bool, tmp_path: object) -> None:
-    config = Settings(embedding_dim=4, slots=8, hidden=8, device="cpu", gate=gate, gate_holdout=0.3).learner()
+    config = Settings(embedding_dim=4, slots=8, hidden=8, device="cpu", gate=gate, gate_epsilon=0.03).learner()
     assert (config.gate is not None) == gate
     store = LocalStore(tmp_path)  # type: ignore[arg-type]
     arch = PolicyTrainer(config.trainer).net.arch
@@ -211,7 +211,7 @@ def test_what_the_gate_judges_and_what_serves_at_once(gate: bool, tmp_path: obje
     for reason in ("init", "rollback", "reset"):
         assert not pub.is_candidate(reason)
     if gate:
-        assert pub.gate is not None and pub.gate.config == GateConfig(holdout=0.3)
+        assert pub.gate is not None and pub.gate.config == GateConfig(epsilon=0.03)
 
 
 def test_settings_build_the_learner_configuration() -> None:

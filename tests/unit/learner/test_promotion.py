@@ -21,7 +21,6 @@ from pipeline.learner.promotion import (
     State,
     Summary,
     decide,
-    held_out,
 )
 
 MEANS = np.array([0.2, 0.5, -0.5, 0.1, 0.0])  # set 0 is similarity-only's top-k set
@@ -168,9 +167,3 @@ def test_the_promise_holds_over_runs_of_random_candidates() -> None:
         broken += unsafe
     assert broken <= 3  # δ = 5% of 30 is 1.5
     assert promoted > 0
-
-
-def test_held_out_is_a_stable_split() -> None:
-    ids = [f"q-{i}" for i in range(2000)]
-    assert [held_out(q, 0.25) for q in ids] == [held_out(q, 0.25) for q in ids]
-    assert all(held_out(q, 0.5) for q in ids if held_out(q, 0.25))  # nested: a larger share keeps these

@@ -1,5 +1,5 @@
 """The learner's gate (pipeline/learner/gate.py), without a broker:
-held-out decisions go through the promotion rule, and its actions are carried out."""
+the decisions it observes go through the promotion rule, and its actions are carried out."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 from models.policy.network import PolicyNetwork, init_policy
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
+from pipeline.learner import evidence
 from pipeline.learner.gate import RuleGate
 from pipeline.metrics import Metrics
 from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
@@ -50,13 +51,13 @@ def logged(net: PolicyNetwork, n: int, seed: int) -> list[Experience]:
     ]
 
 
-async def test_a_better_candidate_is_promoted_on_held_out_evidence() -> None:
+async def test_a_better_candidate_is_promoted_on_the_decisions_after_it() -> None:
     """Also from a client that fills only the required fields (no candidate_probs, no canary):
     the learner computes the logging probabilities the rule needs."""
     gate, pub, serving = gate_of()
     await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
     assert gate.state is not None and [t.version for t in gate.state.trials] == [2]
-    assert gate.decisions[-1].decision == "insufficient" and "no held-out decisions yet" in gate.decisions[-1].reason
+    assert gate.decisions[-1].decision == "insufficient" and "no decisions yet" in gate.decisions[-1].reason
     sent = 0
     for seed in range(10):
         minimal = [
@@ -101,12 +102,30 @@ async def test_a_waiting_full_candidate_is_the_canary_until_its_trial_ends() -> 
     assert pub.canaries[-1] is None and gate.canary is None
 
 
-def test_held_out_queries_are_the_rules_alone() -> None:
+def test_every_feedback_is_evidence_and_no_label_is() -> None:
     gate, _, serving = gate_of()
-    exps = logged(serving, 400, 0)
-    held = [e for e in exps if gate.holds_out(e.event.query_id)]
-    assert 0.1 * len(exps) < len(held) < 0.3 * len(exps)  # gate_holdout = 0.2
+    exps = logged(serving, 40, 0)
     label = Experience("l", "label", exps[0].event, 0.0, correct_memories=[1])
-    gate.observe([*held, label])
-    assert gate.held == held  # labels are never evidence
+    gate.observe([*exps, label])
+    assert gate.held == exps  # labels are never evidence
     assert not gate.pending  # nothing under trial, nothing served but the first policy
+
+
+async def test_a_trial_is_fed_only_decisions_observed_after_its_candidate() -> None:
+    """The decisions observed before a candidate is considered (those it was trained on) go to
+    the trials already open: the new trial starts with none."""
+    gate, _, serving = gate_of()
+    await gate.consider(manifest(2), tilted(serving, GOOD, amount=0.01).tensors())
+    gate.observe(logged(serving, 250, 0))  # applied after v2 was published: v2's evidence
+    await gate.consider(manifest(3), tilted(serving, GOOD).tensors())  # v2 has its 200: v3's trial starts
+    assert gate.state is not None
+    seen = {t.version: t.bounds.n for t in gate.state.trials}
+    assert seen[3] == 0 and seen[2] > 0
+
+
+def test_a_look_values_a_uniform_sample_of_at_most_its_budget() -> None:
+    items = list(range(10_000))
+    kept = evidence.sample(items, 500)
+    assert len(kept) == 500 and kept == sorted(kept)  # in their logged order
+    assert 3_000 < sum(kept) / 500 < 7_000  # spread over the whole batch, not its head
+    assert evidence.sample(items[:10], 500) == items[:10]

@@ -68,7 +68,7 @@ def test_the_serving_clock_restarts_when_serving_moves_and_counts_the_candidates
 async def test_a_learner_whose_candidates_all_wait_says_so_in_metrics_and_status(tmp_path: Path) -> None:
     """The reproduction: every candidate waits (the gate never has the data), and the learner
     publishes as if all were well. Status read only the checkpoints' ages and versions."""
-    config = Settings(embedding_dim=4, slots=8, hidden=8, device="cpu").learner()  # no held-out decision comes
+    config = Settings(embedding_dim=4, slots=8, hidden=8, device="cpu").learner()  # no decision comes
     trainer = PolicyTrainer(config.trainer)
     producer = RecordingProducer()
     metrics = Metrics(role="learner")
@@ -94,11 +94,11 @@ async def test_a_learner_whose_candidates_all_wait_says_so_in_metrics_and_status
     assert record["serving_version"] == 1 and record["candidates_waiting"] == 19  # v21 itself not yet published
     assert record["decision"] == "insufficient" and record["candidate_version"] == 20
     view = checkpoint_view(index, "default", since + 720.0)["freeze"]
-    assert view["line"] == "serving v1 for 12m while 20 candidates waited: v20 waits: v20: no held-out decisions yet"
+    assert view["line"] == "serving v1 for 12m while 20 candidates waited: v20 waits: v20: no decisions yet"
     assert not view["frozen"]
     assert checkpoint_view(index, "default", since + FROZEN_AFTER_S)["freeze"]["frozen"]
     text = render_text({"checkpoints": checkpoint_view(index, "default", since + 720.0)})
-    assert "serving v1 for 12m while 20 candidates waited: v20 waits: v20: no held-out decisions yet" in text
+    assert "serving v1 for 12m while 20 candidates waited: v20 waits: v20: no decisions yet" in text
 
 
 def rows(trainer: PolicyTrainer) -> Any:
