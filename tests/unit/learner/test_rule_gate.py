@@ -9,6 +9,7 @@ from models.policy.network import PolicyNetwork, init_policy
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner import evidence
+from pipeline.learner.evidence import PER_LOOK
 from pipeline.learner.gate import RuleGate
 from pipeline.metrics import Metrics
 from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
@@ -62,7 +63,7 @@ async def test_a_better_candidate_is_promoted_on_the_decisions_after_it() -> Non
     for seed in range(10):
         minimal = [
             dataclasses.replace(e, event=dataclasses.replace(e.event, candidate_probs=None))
-            for e in logged(serving, 300, seed)
+            for e in logged(serving, PER_LOOK, seed)  # a look values them all
         ]
         gate.observe(minimal)
         sent += len(minimal)
