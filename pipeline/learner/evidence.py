@@ -20,9 +20,9 @@ could read is enumerated (:func:`every_set`), weights are clipped at :data:`CLIP
 version reads beyond the clip, or in sets no log shows, is valued at the utility's extremes. A
 :class:`RewardTable`, the mean utility each query (by its embedding) was seen with after reading
 each set, learnt from the decisions of earlier batches, never from the batch it predicts, is a
-control variate: LM utilities are a function of
-the question and the set read, so where questions recur it takes most of each utility's variance
-away, and whatever it predicts, the bounds hold.
+control variate: LM utilities are a function of the question and the set read, so where
+questions recur it takes most of each utility's variance away, and whatever it predicts, the
+bounds hold.
 """
 
 from __future__ import annotations
@@ -135,11 +135,12 @@ def sample(items: list[T], at_most: int = PER_LOOK) -> list[T]:
 
 def usable(experiences: Sequence[Experience]) -> list[Experience]:
     """The experiences that can be evidence: joined feedback of a policy draw (not a fallback) whose
-    first-draw probabilities are known."""
+    first-draw probabilities are known, with a finite utility (the trainer skips the others too)."""
     return [
         e
         for e in experiences
         if e.kind == "feedback"
+        and math.isfinite(e.utility)
         and not e.event.fallback
         and e.event.canary_arm is None  # a coupled canary drew two slates: not one draw's probability
         and e.event.candidate_probs is not None

@@ -7,8 +7,8 @@ gathers its evidence and carries its actions out. It
   candidates under trial), and the serving parameters each was published with;
 - takes every decision the learner applies (:meth:`observe`), as evidence on the trials opened
   before it was applied (so on candidates that were not trained on it), at most
-  :data:`pipeline.learner.evidence.PER_LOOK` a look (a sample, where more came: the look's cost is bounded),
-  completes their logging probabilities where a client did not send them
+  :data:`pipeline.learner.evidence.PER_LOOK` a look (a sample where more came: a look's cost
+  is bounded), completes their logging probabilities where a client did not send them
   (:class:`pipeline.learner.logging_policy.LoggingPolicies`, which also dead-letters the events
   whose logged probabilities disagree with the serving rule), and turns them into the rule's
   evidence (:mod:`pipeline.learner.evidence`) in a worker thread;

@@ -65,7 +65,8 @@ def test_unusable_events_are_left_out() -> None:
     fallback = dataclasses.replace(exps[1], event=dataclasses.replace(exps[1].event, fallback=True))
     coupled = dataclasses.replace(exps[2], event=dataclasses.replace(exps[2].event, canary_arm="canary"))
     label = Experience("l", "label", exps[3].event, 0.0, correct_memories=[1])
-    assert evidence.usable([no_probs, fallback, coupled, label, exps[3]]) == [exps[3]]
+    infinite = dataclasses.replace(exps[3], utility=float("inf"))  # the trainer skips it; so does the rule
+    assert evidence.usable([no_probs, fallback, coupled, label, infinite, exps[3]]) == [exps[3]]
 
 
 def test_what_the_log_cannot_show_is_valued_pessimistically_for_each_bound() -> None:
