@@ -389,9 +389,7 @@ class SequenceGate:
             elif a.kind == "refuse":
                 self.trainer.resume_from(self.nets[self.state.serving].net.tensors())
                 self.result.reanchors.append((step, a.version, self.state.serving))
-        # The newest waiting full candidate is the canary, where clients serve canaries.
-        waiting = [t.version for t in self.state.trials]
-        canary = waiting[-1] if waiting and self.canary_rate > 0 else None
+        canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full
         if canary != self.canary:
             self.canary = canary
             self.set_canary(self.nets[canary] if canary is not None else None)

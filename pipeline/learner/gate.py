@@ -48,6 +48,7 @@ from pipeline.learner.promotion import (
     ServedAtOnce,
     State,
     Withdrawn,
+    canary,
     decide,
 )
 from pipeline.metrics import Metrics
@@ -274,10 +275,7 @@ class RuleGate:
     async def _update_canary(self) -> None:
         """The newest full candidate under trial is the canary, where clients serve canaries."""
         assert self.state is not None
-        want = None
-        if self.params.canary_rate > 0:
-            full = [t.version for t in self.state.trials if not isinstance(self.versions[t.version][0], DeltaManifest)]
-            want = full[-1] if full else None
+        want = canary(self.state, self.params.canary_rate, lambda v: not isinstance(self.versions[v][0], DeltaManifest))
         if want == self.canary and self._canary_cleared:
             return
         if want is None:

@@ -58,7 +58,7 @@ calls the same :func:`decide`.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -410,6 +410,22 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
         anchor, margin = (state.anchor, state.margin) if state.anchor != state.serving else (SIMILARITY, 0.0)
         state = replace(state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None)
     return state
+
+
+def canary(state: State, rate: float, full: Callable[[int], bool] = lambda version: True) -> int | None:
+    """The version clients serve as the canary (contract 1.4), where they serve one at all
+    (``rate`` > 0): the newest candidate under trial that they can load beside the serving one
+    (``full``: a full snapshot, not a delta). Its requests are evidence like any other.
+
+    >>> trials = tuple(Trial(v, 0, j, GainSequence(0.01)) for j, v in enumerate((2, 3), 1))
+    >>> s = replace(State.start(serving=1), trials=trials)
+    >>> canary(s, 0.2), canary(s, 0.0), canary(s, 0.2, full=lambda v: v != 3)
+    (3, None, 2)
+    """
+    if rate <= 0.0:
+        return None
+    loadable = [t.version for t in state.trials if full(t.version)]
+    return loadable[-1] if loadable else None
 
 
 @dataclass(frozen=True)
