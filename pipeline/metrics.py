@@ -21,7 +21,6 @@ from prometheus_client import (
 )
 
 from pipeline.probes import Probes, ProbeServer
-from pipeline.promtext import metric
 
 if TYPE_CHECKING:
     from models.memory.stats import MemoryStats
@@ -41,16 +40,6 @@ ROLES = {
     "writes": {"process", "input", "broker"},  # and its own causalmem_writes_* (pipeline/writes/metrics.py)
     "all": {"process", "input", "worker", "learner", "broker"},
 }
-
-
-def feedback_taken(values: dict[str, float]) -> float:
-    """Feedback the learner has applied, from its scraped ``values`` (:func:`pipeline.promtext.parse`).
-
-    >>> feedback_taken({"causalmem_learner_experiences_total{kind=feedback}": 8.0,
-    ...                 "causalmem_learner_experiences_total{kind=label}": 5.0})
-    8.0
-    """
-    return metric(values, "causalmem_learner_experiences_total", kind="feedback")
 
 
 class Metrics:

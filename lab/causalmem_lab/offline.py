@@ -336,12 +336,12 @@ class SequenceGate:
         self.result = result
         self.serve = serve
         self.set_canary = set_canary
-        self.held: list[Experience] = []
+        self.gathered: list[Experience] = []
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
 
     def observe(self, experiences: list[Experience]) -> None:
         """Decisions about to be trained on: evidence for the trials open now (:meth:`RuleGate.observe`)."""
-        self.held.extend(experiences)
+        self.gathered.extend(experiences)
 
     def refresh(self, candidate: LoadedPolicy, step: int) -> None:
         """A checkpoint: a look at the decisions logged so far, then a candidate starts a trial
@@ -359,15 +359,13 @@ class SequenceGate:
 
     def look(self, step: int) -> None:
         """The decisions since the last look, as evidence."""
-        held, self.held = self.logging_policies.complete(gate_evidence.sample(self.held)), []
+        gathered, self.gathered = self.gathered, []
         versions = {
             v: (self.nets[v].net, ServingParams.from_wire(self.nets[v].manifest.serving))
             for v in self.state.versions()
             if v != promotion.SIMILARITY
         }
-        usable = gate_evidence.usable(held)
-        ev = gate_evidence.build(usable, versions, self.params, self.table)
-        self.table.add(usable)
+        ev = gate_evidence.of_look(gathered, versions, self.params, self.table, self.logging_policies.complete)
         anchors = {t.version: t.anchor for t in self.state.trials}
         self.state, actions = promotion.decide(self.state, ev, self.rule)
         for a in actions:

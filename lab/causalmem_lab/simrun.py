@@ -147,8 +147,7 @@ async def _wait_for_learner(
 
 
 async def _drain(worker: Any, learner: Any, steps: int, timeout: float) -> None:
-    """Wait until the worker joined every step and the learner took every join (or it stalls)."""
-    from pipeline.metrics import feedback_taken
+    """Wait until the worker joined every step and the learner applied every join (or it stalls)."""
     from pipeline.promtext import metric
 
     deadline = time.monotonic() + timeout
@@ -156,7 +155,7 @@ async def _drain(worker: Any, learner: Any, steps: int, timeout: float) -> None:
     while time.monotonic() < deadline:
         w, lm = await asyncio.to_thread(worker.metrics), await asyncio.to_thread(learner.metrics)
         joins = metric(w, "causalmem_joins_total")
-        applied = feedback_taken(lm)
+        applied = metric(lm, "causalmem_learner_experiences_total", kind="feedback")
         if joins >= steps and applied >= joins - metric(w, "causalmem_fallbacks_total"):
             return
         stable = stable + 1 if applied == last else 0

@@ -32,7 +32,7 @@ import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import TypeVar
 
@@ -249,6 +249,23 @@ def build(
         low[v] = np.bincount(pair_rows, weights=excess * (worst - pair_values), minlength=n) + missing * worst
         high[v] = np.bincount(pair_rows, weights=excess * (best - pair_values), minlength=n) + missing * best
     return Evidence(decisions.utility, logging, logged_by, probs, fitted, direct, low, high, clip)
+
+
+def of_look(
+    gathered: list[Experience],
+    versions: Mapping[int, Version],
+    params: ServingParams,
+    table: RewardTable,
+    complete: Callable[[list[Experience]], list[Experience]],
+) -> Evidence:
+    """One look's evidence, as the learner's gate and the lab's loop take it: a :func:`sample` of
+    what was gathered since the last look, its logging probabilities completed (``complete``:
+    :meth:`pipeline.learner.logging_policy.LoggingPolicies.complete`), the :func:`usable` ones
+    :func:`build`-t on the table's predictions, and only then added to the table."""
+    decisions = usable(complete(sample(gathered)))
+    ev = build(decisions, versions, params, table)
+    table.add(decisions)  # after its own predictions: later looks may learn from them
+    return ev
 
 
 Mixture = tuple[int, int, float]  # (the serving version, the canary's, the canary's share)

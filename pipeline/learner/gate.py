@@ -95,7 +95,7 @@ class RuleGate:
         self.metrics = metrics
         self.state: State | None = None
         self.versions: dict[int, tuple[Manifest, PolicyNetwork]] = {}
-        self.held: list[Experience] = []
+        self.gathered: list[Experience] = []
         self.decisions: list[Look] = []
         self.logging_policies = LoggingPolicies(metrics)
         self.table = evidence.RewardTable()  # the gain terms' direct model
@@ -130,7 +130,7 @@ class RuleGate:
         """Experiences the learner applies now: evidence for the next look. Call it before the
         learner publishes the checkpoint trained on them: a trial is fed only what arrives after
         its candidate was published."""
-        self.held.extend(e for e in experiences if e.kind == "feedback")
+        self.gathered.extend(e for e in experiences if e.kind == "feedback")
 
     # ------------------------------------------------------------------ events
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
@@ -188,16 +188,10 @@ class RuleGate:
         self.canary, self._canary_cleared = None, True
 
     # ------------------------------------------------------------------ the look
-    def _evidence(self, held: list[Experience], versions: dict[int, evidence.Version]) -> Any:
-        usable = evidence.usable(self.logging_policies.complete(held))
-        ev = evidence.build(usable, versions, self.params, self.table)
-        self.table.add(usable)  # after its own predictions: later batches may learn from it
-        return ev
-
     async def _look(self) -> Look | None:
-        if self.state is None or not self.held:
+        if self.state is None or not self.gathered:
             return None
-        held, self.held = evidence.sample(self.held), []
+        gathered, self.gathered = self.gathered, []
         versions = {
             v: (net, ServingParams.from_wire(m.serving))
             for v in self.state.versions()
@@ -205,7 +199,8 @@ class RuleGate:
             for m, net in [held_v]
         }
         # Seconds of numpy on a batch: off the event loop, which keeps consuming meanwhile.
-        ev = await asyncio.to_thread(self._evidence, held, versions)
+        complete = self.logging_policies.complete
+        ev = await asyncio.to_thread(evidence.of_look, gathered, versions, self.params, self.table, complete)
         for event, detail in self.logging_policies.take_mismatched():
             if self.on_mismatch is not None:
                 self.on_mismatch(event, detail)

@@ -36,7 +36,7 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
             sent += len(batch)
             if any(d.decision == "promoted" for d in gate.decisions):
                 break
-            await until(lambda: learner.trainer.experiences + len(gate.held) > 0, 30, "input read")
+            await until(lambda: learner.trainer.experiences + len(gate.gathered) > 0, 30, "input read")
             await until(lambda: not learner.dirty, 30, "a checkpoint")
         await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
         # Evidence is not held out of training: the trainer saw every decision.

@@ -46,7 +46,7 @@ from models.serving.rule import adjusted_logits_torch, plackett_luce_logprob_tor
 from pipeline import kafka
 from pipeline.config import Settings
 from pipeline.learner.loop import Learner
-from pipeline.metrics import Metrics, feedback_taken
+from pipeline.metrics import Metrics
 from pipeline.promtext import metric
 from topics.events import Features, RetrievalEvent
 from topics.feedback import LLMFeedback
@@ -157,7 +157,7 @@ def pipeline_run(
     learner = Child("learner", bootstrap, env, log_path=logdir / "learner.log")
 
     def applied() -> float:
-        return feedback_taken(learner.metrics())
+        return metric(learner.metrics(), "causalmem_learner_experiences_total", kind="feedback")
 
     def check() -> None:
         if not worker.alive() or not learner.alive():
@@ -187,7 +187,7 @@ def pipeline_run(
                 time.sleep(0.02)
             else:
                 lm = learner.metrics()
-                if feedback_taken(lm) >= w + n:
+                if metric(lm, "causalmem_learner_experiences_total", kind="feedback") >= w + n:
                     learner_end = metric(lm, "causalmem_learner_last_update_timestamp_seconds")
                     end = max(learner_end, asyncio.run(outcomes_done(bootstrap, settings, w + n)))
                     producer.join()

@@ -108,7 +108,7 @@ def test_every_feedback_is_evidence_and_no_label_is() -> None:
     exps = logged(serving, 40, 0)
     label = Experience("l", "label", exps[0].event, 0.0, correct_memories=[1])
     gate.observe([*exps, label])
-    assert gate.held == exps  # labels are never evidence
+    assert gate.gathered == exps  # labels are never evidence
     assert not gate.pending  # nothing under trial, nothing served but the first policy
 
 

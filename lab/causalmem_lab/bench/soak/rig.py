@@ -24,7 +24,6 @@ from causalmem_lab.bench.throughput import make_events
 from causalmem_lab.procs import Child
 from pipeline import kafka
 from pipeline.config import Settings
-from pipeline.metrics import feedback_taken
 from pipeline.promtext import labelled, metric
 from topics.events import RetrievalEvent
 from topics.feedback import LLMFeedback
@@ -227,7 +226,7 @@ class Rig:
             vals["join_expired"] = metric(w, "causalmem_join_expired_total")
         if lm:
             vals["learner_lag"] = metric(lm, "causalmem_consumer_lag_messages", topic=self.exp_topic)
-            vals["applied"] = feedback_taken(lm)
+            vals["applied"] = metric(lm, "causalmem_learner_experiences_total", kind="feedback")
             vals["checkpoints"] = metric(lm, "causalmem_checkpoint_publishes_total")
         for k in ("worker_lag", "events_in", "joined", "join_expired", "learner_lag", "applied", "checkpoints"):
             vals.setdefault(k, 0.0)
