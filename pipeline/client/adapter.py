@@ -212,16 +212,23 @@ class CausalServing(Outbox, Generic[D]):
         last_step_loss: float = 0.0,
         last_step_entropy: float = 0.0,
         ts: float | None = None,
+        *,
+        k: int | None = None,
     ) -> Served[D]:
-        """Serve ``query`` with candidates from ``search(query, n)``; publishes through a sync publisher."""
+        """Serve ``query`` with candidates from ``search(query, n)``; publishes through a sync publisher.
+
+        ``k``: the memories to serve for this request (None: ``config.k``); the search is asked
+        for ``max(config.n_candidates, k)``, so that a larger k can be served.
+        """
+        k = self._k(k)
         q = self._embed(query)
         decision, arm = self._decide(q, last_step_loss, last_step_entropy)
         cands: list[Candidate[D]] = []
         if decision != "early_exit":
             t0 = time.perf_counter()
-            cands = search(query, self.config.n_candidates)
+            cands = search(query, max(self.config.n_candidates, k))
             self._timed(time.perf_counter() - t0)
-        served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts)
+        served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts, k)
         for event in self._remember(served.event):
             self._publish_sync(event)
         return served
@@ -235,19 +242,30 @@ class CausalServing(Outbox, Generic[D]):
         last_step_loss: float = 0.0,
         last_step_entropy: float = 0.0,
         ts: float | None = None,
+        *,
+        k: int | None = None,
     ) -> Served[D]:
         """:meth:`serve` with an async search and publisher (``EventPublisher`` or ``SyncEventPublisher``)."""
+        k = self._k(k)
         q = self._embed(query)
         decision, arm = self._decide(q, last_step_loss, last_step_entropy)
         cands: list[Candidate[D]] = []
         if decision != "early_exit":
             t0 = time.perf_counter()
-            cands = await search(query, self.config.n_candidates)
+            cands = await search(query, max(self.config.n_candidates, k))
             self._timed(time.perf_counter() - t0)
-        served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts)
+        served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts, k)
         for event in self._remember(served.event):
             await self._publish_async(event)
         return served
+
+    def _k(self, k: int | None) -> int:
+        """This request's k: ``k``, else the config's; a positive integer."""
+        if k is None:
+            return self.config.k
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        return int(k)
 
     def _timed(self, seconds: float) -> None:
         old = self.search_latency_s
@@ -270,6 +288,7 @@ class CausalServing(Outbox, Generic[D]):
         loss: float,
         entropy: float,
         ts: float | None,
+        k: int,
     ) -> Served[D]:
         cfg = self.config
         seen: dict[int, Candidate[D]] = {}
@@ -287,21 +306,21 @@ class CausalServing(Outbox, Generic[D]):
 
         def fallback() -> list[int]:
             out = []
-            for c in self.fallback(query, cfg.k)[: cfg.k] if self.fallback is not None else []:
+            for c in self.fallback(query, k)[:k] if self.fallback is not None else []:
                 s = self.idmap.slot(c.key)
                 found_by_fallback.setdefault(s, c)
                 out.append(s)
             return out
 
         if arm is None:  # shadow mode: the incumbent's ranking, or the logged exploration over it
-            slate = self._shadow(decision, slots, masks, scores)
+            slate = self._shadow(decision, slots, masks, scores, k)
         else:
 
             def under(other: LoadedPolicy) -> tuple[np.ndarray, np.ndarray]:  # a coupled canary's view
                 return slots, policy_masks(other, q, loss, entropy, slots) if len(slots) else np.zeros(0)
 
             scale = self._threshold_scale(float(scores.max())) if len(scores) else 1.0
-            slate = self.core.serve(arm, Found(slots, masks, scores, fallback, under=under), drop_scale=scale)
+            slate = self.core.serve(arm, Found(slots, masks, scores, fallback, under=under), drop_scale=scale, k=k)
             if slate.choice.fallback and decision != "early_exit":
                 decision = "fallback"
         items = found_by_fallback if slate.choice.fallback and decision != "incumbent" else seen
@@ -332,10 +351,10 @@ class CausalServing(Outbox, Generic[D]):
             saved_latency_s=saved,
         )
 
-    def _shadow(self, decision: str, slots: np.ndarray, masks: np.ndarray, scores: np.ndarray) -> Slate:
+    def _shadow(self, decision: str, slots: np.ndarray, masks: np.ndarray, scores: np.ndarray, k: int) -> Slate:
         """Shadow mode's slate (:mod:`pipeline.client.shadow`): the incumbent's top k (logged as a
         fallback: another retriever served it), or k of its candidates in a uniformly random order."""
-        k, v, policy = self.config.k, self.core.values, self.policy
+        v, policy = self.core.values, self.policy
         every = np.ones(len(slots), dtype=bool)
         if decision == "incumbent":
             choice = Choice(

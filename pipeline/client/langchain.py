@@ -3,21 +3,22 @@
 It wraps the retriever a LangChain application already has — a ``VectorStore``, a
 ``VectorStoreRetriever`` (its store is asked directly, for scores) or any other
 ``BaseRetriever`` (scores from ``metadata["score"]`` when it sets one, else from the
-rank) — asks it for ``n_candidates`` documents, serves k of them under the policy
-(:class:`~pipeline.client.adapter.CausalServing`) and publishes the retrieval event::
+rank) — asks it for ``n_candidates`` documents (at least k), serves k of them under the
+policy (:class:`~pipeline.client.adapter.CausalServing`) and publishes the retrieval event::
 
     retriever = CausalMemoryRetriever(vector_store, conn=conn, idmap="~/.causalmem/ids.json",
                                       publisher=publisher)
     async with PolicySubscriber(bootstrap, conn=conn, on_update=retriever.set_policy,
                                 on_canary=retriever.set_canary):
-        docs = await retriever.ainvoke("what did I order?", query_id="conv-1:q1")
+        docs = await retriever.ainvoke("what did I order?", query_id="conv-1:q1")  # k=... per call
         await retriever.afeedback("conv-1:q1", utility=0.4)   # or aanswer(...) for the evaluator
 
 Document ids are ``Document.id``, else ``metadata["id"]``, else a hash of the text. Each
 returned document is a copy whose ``metadata["causalmem"]`` holds the query id, the
 event id, its slot and the step's ``memory_conflict`` flag; :attr:`CausalMemoryRetriever.last`
-is the whole :class:`~pipeline.client.adapter.Served` result. docs/byo-retriever.md has
-the details.
+is the whole :class:`~pipeline.client.adapter.Served` result. The class passes LangChain's
+standard retriever suite (tests/integration/test_langchain_standard.py). docs/byo-retriever.md
+has the details.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from langchain_core.callbacks import (  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.vectorstores import VectorStore, VectorStoreRetriever  # noqa: E402
+from pydantic import ConfigDict, Field  # noqa: E402
 
 from pipeline.client.adapter import Candidate, CausalServing, Served  # noqa: E402
 from pipeline.client.idmap import IdSlotMap  # noqa: E402
@@ -87,13 +89,24 @@ class CausalMemoryRetriever(BaseRetriever):
     fallback
         A ``BaseRetriever`` (e.g. keyword search) or ``(query, k) → documents``, used when
         the hard drop leaves nothing or on early exit.
+    k
+        Documents served per query (at most: the hard drop may leave fewer); default
+        ``config.k``. Given with a ``config`` whose k differs, it is refused (ValueError).
+    **kwargs
+        ``BaseRetriever``'s own fields (``tags``, ``metadata``); any other name is refused
+        (pydantic's ``ValidationError``).
 
-    ``invoke`` / ``ainvoke`` take ``query_id``, ``step``, ``last_step_loss`` and
-    ``last_step_entropy`` as keyword arguments (default: a fresh query id, step 0).
+    ``invoke`` / ``ainvoke`` take ``query_id``, ``step``, ``last_step_loss``,
+    ``last_step_entropy`` and ``k`` (this call's number of documents; default :attr:`k`) as
+    keyword arguments (default: a fresh query id, step 0).
     """
+
+    # A misspelt argument (``top_k=``) must fail, not be ignored.
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     wrapped: Any
     serving: Any
+    k: int = Field(ge=1)
     last: Any = None
 
     def __init__(
@@ -108,8 +121,13 @@ class CausalMemoryRetriever(BaseRetriever):
         fallback: BaseRetriever | Callable[[str, int], list[Document]] | None = None,
         shadow: ShadowMode | None = None,
         publish_on: str = "retrieve",
+        k: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if config is None:
+            config = AdapterConfig() if k is None else AdapterConfig(k=k)
+        elif k is not None and k != config.k:
+            raise ValueError(f"k={k} and the config's k={config.k} differ; give k once, or the same in both")
         if embed_query is None:
             store = _store_of(wrapped)
             emb = getattr(store, "embeddings", None) if store is not None else None
@@ -127,7 +145,7 @@ class CausalMemoryRetriever(BaseRetriever):
         serving: CausalServing[Document] = CausalServing(
             embed_query, conn, config, idmap, publisher, fb, shadow, publish_on
         )
-        super().__init__(wrapped=wrapped, serving=serving, **kwargs)  # type: ignore[call-arg]  # pydantic fields
+        super().__init__(wrapped=wrapped, serving=serving, k=config.k, **kwargs)  # type: ignore[call-arg]  # pydantic fields
 
     # ------------------------------------------------------------------ search
     def _search(self, query: str, n: int) -> list[Candidate[Document]]:
@@ -165,8 +183,18 @@ class CausalMemoryRetriever(BaseRetriever):
         step: int = 0,
         last_step_loss: float = 0.0,
         last_step_entropy: float = 0.0,
+        k: int | None = None,
     ) -> list[Document]:
-        served = self.serving.serve(query, self._search, query_id, step, last_step_loss, last_step_entropy)
+        # self.k is read per call: it is a field, which a user may change after construction.
+        served = self.serving.serve(
+            query,
+            self._search,
+            query_id,
+            step,
+            last_step_loss,
+            last_step_entropy,
+            k=self.k if k is None else k,
+        )
         return self._documents(served)
 
     async def _aget_relevant_documents(
@@ -178,8 +206,18 @@ class CausalMemoryRetriever(BaseRetriever):
         step: int = 0,
         last_step_loss: float = 0.0,
         last_step_entropy: float = 0.0,
+        k: int | None = None,
     ) -> list[Document]:
-        served = await self.serving.aserve(query, self._asearch, query_id, step, last_step_loss, last_step_entropy)
+        # self.k is read per call: it is a field, which a user may change after construction.
+        served = await self.serving.aserve(
+            query,
+            self._asearch,
+            query_id,
+            step,
+            last_step_loss,
+            last_step_entropy,
+            k=self.k if k is None else k,
+        )
         return self._documents(served)
 
     # ------------------------------------------------------------------ policy, answers, feedback

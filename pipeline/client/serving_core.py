@@ -197,15 +197,17 @@ class ServingCore:
             return Arm(canary, values, "canary", mixture=mixture)
         return Arm(policy, own, "serving", mixture=(canary.version, own.canary_rate) if split else None)
 
-    def serve(self, arm: Arm, found: Found, drop_scale: float = 1.0) -> Slate:
-        """Serve one request from ``found`` under ``arm`` (``drop_scale``: the hard drop's threshold times it)."""
+    def serve(self, arm: Arm, found: Found, drop_scale: float = 1.0, k: int | None = None) -> Slate:
+        """Serve one request from ``found`` under ``arm`` (``drop_scale``: the hard drop's threshold times
+        it; ``k``: this request's number of memories, None: :attr:`k`)."""
+        k = self.k if k is None else k
         noise = Noise(self.rng, shared=arm.name == "coupled")
-        c = self._choose(arm.policy, scaled(arm.values, drop_scale), found.labels, found.masks, found, noise)
+        c = self._choose(arm.policy, scaled(arm.values, drop_scale), found.labels, found.masks, found, noise, k)
         if arm.name == "coupled" and arm.other is not None and arm.other_values is not None:
             if found.under is None:
                 raise ValueError("a coupled canary needs the candidates' masks under the canary (Found.under)")
             labels, masks = found.under(arm.other)
-            o = self._choose(arm.other, scaled(arm.other_values, drop_scale), labels, masks, found, noise)
+            o = self._choose(arm.other, scaled(arm.other_values, drop_scale), labels, masks, found, noise, k)
             served, canary_arm, unserved = coupled(c, o, self.rng)
             return Slate(served, arm, canary_arm, unserved, by_id=found.ids is not None)
         return Slate(c, arm, by_id=found.ids is not None)
@@ -218,9 +220,10 @@ class ServingCore:
         masks: np.ndarray,
         found: Found,
         noise: Noise,
+        k: int,
     ) -> Choice:
         return choose(
-            policy, values, labels, masks, found.scores, self.k, noise, self.explore_revive, found.fallback, found.ids
+            policy, values, labels, masks, found.scores, k, noise, self.explore_revive, found.fallback, found.ids
         )
 
     def event(
