@@ -31,6 +31,10 @@ from models.serving.rule import adjusted_logits, first_draw_probs
 
 log = logging.getLogger(__name__)
 
+# A simulated run publishes as fast as it can; a service's publisher drops the oldest events
+# beyond its buffer, the lab holds every one (the run's events fit in memory).
+LAB_BUFFER = 1_000_000
+
 
 @dataclass
 class RunSpec:
@@ -283,7 +287,7 @@ async def run_scenario(
                 on_update=on_update,
                 on_canary=retriever.set_canary if spec.use_policy and not spec.minimal_client else None,
             ) as sub,
-            EventPublisher(bootstrap, settings) as pub,
+            EventPublisher(bootstrap, settings, max_events=LAB_BUFFER) as pub,
             LabelQueue(bootstrap, settings, "auto-labeler") as queue,
         ):
             await sub.wait_for_policy(timeout=90)
@@ -384,7 +388,8 @@ async def run_scenario(
                         wall0 += waited
 
                 progress.update(task, completed=total)
-            await pub.flush()
+            if not await pub.flush(timeout=120) or pub.dropped:
+                raise RuntimeError(f"the broker took {pub.sent} events; {pub.dropped} dropped")
             await _drain(worker, learner, published["retrieval-events"], timeout=90)
             await asyncio.sleep(spec.checkpoint_interval + 1.0)
             stop.set()

@@ -13,6 +13,7 @@ anything with a ``publish(value)`` method.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from typing import Any
 
 from topics.events import RetrievalEvent
 from topics.feedback import LLMFeedback
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Outbox:
         self.max_pending = max_pending
         self.text_limit = text_limit
         self.utility = SlotUtility()
+        self.publish_failures = 0  # events and feedback the publisher raised on (served all the same)
+        self._failure_logged = 0.0
         self._recent: OrderedDict[tuple[str, int], tuple[RetrievalEvent, bool]] = OrderedDict()
 
     def _remember(self, event: RetrievalEvent) -> list[RetrievalEvent]:
@@ -97,7 +102,11 @@ class Outbox:
     def _publish_sync(self, value: RetrievalEvent | LLMFeedback) -> None:
         if self.publisher is None:
             return
-        result = self.publisher.publish(value)
+        try:
+            result = self.publisher.publish(value)
+        except Exception as exc:
+            self._failed(exc)
+            return
         if inspect.isawaitable(result):
             close = getattr(result, "close", None)
             if close is not None:
@@ -107,9 +116,21 @@ class Outbox:
     async def _publish_async(self, value: RetrievalEvent | LLMFeedback) -> None:
         if self.publisher is None:
             return
-        result = self.publisher.publish(value)
-        if inspect.isawaitable(result):
-            await result
+        try:
+            result = self.publisher.publish(value)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """A publisher that raised (one of the user's own, or a value it rejected): the request is
+        served all the same; the failure is counted and logged at most every ten seconds."""
+        self.publish_failures += 1
+        now = time.monotonic()
+        if now - self._failure_logged >= 10.0:
+            self._failure_logged = now
+            log.warning("not published (%d so far): %r", self.publish_failures, exc)
 
     def _answered(self, query_id: str, step: int, answer_text: str | None) -> RetrievalEvent | None:
         """The event to publish now (None when it was published already)."""

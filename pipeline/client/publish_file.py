@@ -19,6 +19,7 @@ from pipeline.config import Connection, Settings
 from topics.fields import Rejected, loads_object
 
 MAX_REPORTED = 50
+FLUSH_EVERY = 2_000  # lines put between waits for the broker (the buffer holds 10,000)
 
 
 async def publish_file(path: str, bootstrap: str, conn: Connection | Settings, validate: bool = True) -> int:
@@ -58,13 +59,17 @@ async def publish_file(path: str, bootstrap: str, conn: Connection | Settings, v
                 await pub.send_raw(topic, raw, query_id)
                 sent += 1
                 counts[topic] = counts.get(topic, 0) + 1
-        await pub.flush()
+                if sent % FLUSH_EVERY == 0:  # a file is not a request path: wait rather than drop
+                    await pub.flush()
+        delivered = await pub.flush()
+    if not delivered or pub.dropped:
+        print(f"the broker acknowledged {pub.sent} of {sent} line(s); {pub.dropped} dropped", file=sys.stderr)
     summary = ", ".join(f"{n} to {t}" for t, n in sorted(counts.items())) or "nothing"
     if rejected > MAX_REPORTED:
         print(f"... {rejected - MAX_REPORTED} more rejected lines not shown", file=sys.stderr)
     why = f" ({', '.join(f'{r}: {n}' for r, n in sorted(reasons.items()))})" if reasons else ""
     print(f"published {sent} line(s): {summary}; rejected {rejected}{why}")
-    return 1 if rejected else 0
+    return 1 if rejected or not delivered or pub.dropped else 0
 
 
 def dumps_line(obj: dict[str, Any]) -> bytes:

@@ -1,8 +1,12 @@
 """Client side: publish events to the input topics (docs/contract.md).
 
-:class:`EventPublisher` is async (aiokafka); :class:`SyncEventPublisher` wraps it for
-code without an event loop. Values are validated before they are sent, so a service
-learns of a malformed event at once instead of finding it in ``dead-letter``.
+:class:`EventPublisher` (async methods) and :class:`SyncEventPublisher` (blocking methods)
+validate each value as the pipeline will, so a service learns of a malformed event at once
+instead of finding it in ``dead-letter``, and hand it to a :class:`~pipeline.client.sender.Sender`:
+a bounded buffer sent by a thread of its own. Publishing never waits on the broker and never
+fails because of it: with the broker away, both start, events wait in the buffer (the
+oldest dropped and counted once it is full) and go out when it is back; ``flush`` and
+``close`` take a deadline (docs/byo-retriever.md, "When the broker is away").
 
     async with EventPublisher("127.0.0.1:19092") as pub:
         await pub.publish(event)            # a RetrievalEvent, LLMFeedback or HumanLabel
@@ -12,12 +16,9 @@ learns of a malformed event at once instead of finding it in ``dead-letter``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
-from collections.abc import Coroutine
 from typing import Any
 
-from pipeline import kafka
+from pipeline.client.sender import MAX_BYTES, MAX_EVENTS, Sender
 from pipeline.config import Connection, Settings
 from pipeline.service import Service
 from topics.events import RetrievalEvent, decode_retrieval_event
@@ -31,10 +32,68 @@ DECODE = {
     SCHEMA_FEEDBACK: decode_llm_feedback,
     SCHEMA_LABEL: decode_human_label,
 }
+FLUSH_TIMEOUT_S = 30.0  # flush's default deadline
+CLOSE_TIMEOUT_S = 10.0  # how long stop/close flush before they give up what is left
 
 
-class EventPublisher(Service):
+class _Publishing:
+    """What both publishers share: validation, the topic and key of each value, the sender."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        conn: Connection | Settings | None,
+        validate: bool,
+        max_events: int,
+        max_bytes: int,
+        producer_kwargs: dict[str, Any],
+    ) -> None:
+        self.conn = Connection.of(conn)
+        self.bootstrap = bootstrap
+        self.validate = validate
+        self.topics = self.conn.topics
+        self.limits = self.conn.limits
+        self.sender = Sender(
+            bootstrap,
+            self.conn,
+            max_events=max_events,
+            max_bytes=max_bytes,
+            producer_kwargs={"linger_ms": 10, **producer_kwargs},
+        )
+
+    @property
+    def sent(self) -> int:
+        """Events the broker acknowledged."""
+        return self.sender.sent
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped: out of a full buffer, or unsent at close."""
+        return self.sender.dropped
+
+    def health(self) -> str:
+        """``"ok"``, or ``"degraded: no broker since …"``."""
+        return self.sender.health()
+
+    def put(self, obj: dict[str, Any]) -> None:
+        """Validate (unless disabled) and buffer; raises :class:`Rejected` for bad values only."""
+        raw = encode(obj)
+        schema = obj.get("schema")
+        if schema not in SCHEMA_TOPIC:
+            raise Rejected("unknown_schema", f"{schema!r}")
+        if self.validate:
+            DECODE[schema](raw, self.limits)
+        self.put_raw(SCHEMA_TOPIC[schema], raw, str(obj.get("query_id", "")))
+
+    def put_raw(self, short_topic: str, raw: bytes | None, query_id: str | None) -> None:
+        topic = self.topics.by_short_name(short_topic).name
+        self.sender.put(topic, raw, query_id.encode("utf-8") if query_id else None)
+
+
+class EventPublisher(_Publishing, Service):
     """Async publisher of RetrievalEvent, LLMFeedback and HumanLabel values, keyed by query_id.
+
+    ``start`` returns at once, broker or not; the sender connects in the background.
 
     Parameters
     ----------
@@ -45,6 +104,8 @@ class EventPublisher(Service):
         ``Settings``, whose part is taken); default: the product's defaults.
     validate
         Decode every value as the pipeline will before sending it.
+    max_events, max_bytes
+        The buffer's bounds (:class:`~pipeline.client.sender.Sender`).
     producer_kwargs
         Passed on to the aiokafka producer.
     """
@@ -54,101 +115,70 @@ class EventPublisher(Service):
         bootstrap: str,
         conn: Connection | Settings | None = None,
         validate: bool = True,
+        *,
+        max_events: int = MAX_EVENTS,
+        max_bytes: int = MAX_BYTES,
         **producer_kwargs: Any,
     ) -> None:
-        super().__init__()
-        self.conn = Connection.of(conn)
-        self.bootstrap = bootstrap
-        self.validate = validate
-        self.topics = self.conn.topics
-        self.limits = self.conn.limits
-        self._producer_kwargs = {"linger_ms": 10, **producer_kwargs}
-        self._producer: Any = None
-        self._inflight: list[asyncio.Future[Any]] = []
-        self.sent = 0
+        Service.__init__(self)
+        _Publishing.__init__(self, bootstrap, conn, validate, max_events, max_bytes, producer_kwargs)
 
     async def _start(self) -> None:
-        self._producer = kafka.producer(self.bootstrap, self.conn, **self._producer_kwargs)
-        await self._producer.start()
+        self.sender.start()
 
     async def _stop(self) -> None:
-        if self._producer is not None:
-            with contextlib.suppress(Exception):
-                await self.flush()
-            await self._producer.stop()
-            self._producer = None
+        await asyncio.to_thread(self.sender.close, CLOSE_TIMEOUT_S)
 
     async def publish(self, value: RetrievalEvent | LLMFeedback | HumanLabel) -> None:
-        await self.publish_dict(value.to_dict())
+        """Validate and buffer ``value`` (never waits on the broker)."""
+        self.put(value.to_dict())
 
     async def publish_dict(self, obj: dict[str, Any]) -> None:
-        """Validate (unless disabled) and send; raises :class:`Rejected` for bad values."""
-        raw = encode(obj)
-        schema = obj.get("schema")
-        if schema not in SCHEMA_TOPIC:
-            raise Rejected("unknown_schema", f"{schema!r}")
-        if self.validate:
-            DECODE[schema](raw, self.limits)
-        await self.send_raw(SCHEMA_TOPIC[schema], raw, str(obj.get("query_id", "")))
+        """Validate (unless disabled) and buffer; raises :class:`Rejected` for bad values."""
+        self.put(obj)
 
-    async def send_raw(self, short_topic: str, raw: bytes, query_id: str | None) -> None:
+    async def send_raw(self, short_topic: str, raw: bytes | None, query_id: str | None) -> None:
         """Send bytes unvalidated to an input topic (tests use it to send bad input on purpose)."""
-        topic = self.topics.by_short_name(short_topic).name
-        key = query_id.encode("utf-8") if query_id else None
-        self._inflight.append(await self._producer.send(topic, raw, key=key))
-        self.sent += 1
-        if len(self._inflight) >= 10_000:
-            await self.flush()
+        self.put_raw(short_topic, raw, query_id)
 
-    async def flush(self) -> None:
-        """Wait until everything sent so far is acknowledged by the broker."""
-        inflight, self._inflight = self._inflight, []
-        if inflight:
-            await asyncio.gather(*inflight)
+    async def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait up to ``timeout`` s until everything published so far was acknowledged (True) or not (False)."""
+        return await asyncio.to_thread(self.sender.flush, timeout)
 
 
-class SyncEventPublisher:
-    """Blocking wrapper around :class:`EventPublisher` (runs its own loop in a thread).
+class SyncEventPublisher(_Publishing):
+    """The same publisher for code without an event loop; nothing here blocks on the broker.
 
     >>> pub = SyncEventPublisher("127.0.0.1:19092")  # doctest: +SKIP
     >>> pub.publish(event); pub.flush(); pub.close()  # doctest: +SKIP
     """
 
-    def __init__(self, bootstrap: str, conn: Connection | Settings | None = None, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="causalmem-publisher", daemon=True)
-        self._thread.start()
-        self._pub = EventPublisher(bootstrap, conn, **kwargs)
-        try:
-            self._call(self._pub.start())
-        except BaseException:
-            self._shutdown_loop()
-            raise
-
-    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def __init__(
+        self,
+        bootstrap: str,
+        conn: Connection | Settings | None = None,
+        validate: bool = True,
+        *,
+        max_events: int = MAX_EVENTS,
+        max_bytes: int = MAX_BYTES,
+        **producer_kwargs: Any,
+    ) -> None:
+        super().__init__(bootstrap, conn, validate, max_events, max_bytes, producer_kwargs)
+        self.sender.start()
 
     def publish(self, value: RetrievalEvent | LLMFeedback | HumanLabel) -> None:
-        self._call(self._pub.publish(value))
+        self.put(value.to_dict())
 
     def publish_dict(self, obj: dict[str, Any]) -> None:
-        self._call(self._pub.publish_dict(obj))
+        self.put(obj)
 
-    def flush(self) -> None:
-        self._call(self._pub.flush())
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait up to ``timeout`` s until everything published so far was acknowledged (True) or not (False)."""
+        return self.sender.flush(timeout)
 
-    def close(self) -> None:
-        try:
-            self._call(self._pub.stop())
-        finally:
-            self._shutdown_loop()
-
-    def _shutdown_loop(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Flush for up to ``timeout`` s and stop; what is left is counted in ``dropped``. Idempotent."""
+        self.sender.close(timeout)
 
     def __enter__(self) -> SyncEventPublisher:
         return self

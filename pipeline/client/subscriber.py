@@ -15,12 +15,20 @@ that fails a check, is reached by replaying its chain from its full snapshot
 
     async with PolicySubscriber("127.0.0.1:19092", on_update=retriever.set_policy) as sub:
         await sub.wait_for_policy()
+
+The subscriber reads on a thread of its own (:class:`~pipeline.client.background.Background`):
+a caller whose loop is busy (a blocking LLM call inside ``async def``) still gets new
+policies, and ``on_update``/``on_canary`` are called on that thread (swapping a reference,
+as ``set_policy`` does, is all they should do). ``start`` returns at once, broker or not: an
+unreachable broker is retried with backoff (:meth:`PolicySubscriber.health` says since
+when), and the caller serves what it has meanwhile. A subscriber that starts on a topic
+with history reads it to its end before loading anything, then loads the newest verified
+serving version only (and the canary, when one is open), instead of every version in turn.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import hashlib
 import logging
@@ -35,6 +43,7 @@ from models.policy.network import Arch, PolicyNetwork
 from models.policy.weights import verify_and_load
 from models.serving.params import ServingParams
 from pipeline import kafka
+from pipeline.client.background import Background, Backoff
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.config import Connection, Settings
 from pipeline.modeltopic import KEEP_REJECTIONS, ModelTopicIndex, model_topic, unsigned_warning
@@ -50,6 +59,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LoadedPolicy", "PolicySubscriber", "arch_of", "fetch_checkpoint"]
 
 STATE_CHECK_BYTES = 64 * 1024 * 1024  # states up to this size are re-hashed after every delta
+KEEP_DEFERRED = 8  # serving manifests kept while catching up (the newest that verifies is loaded)
 
 
 # Fetch a manifest's chunks, verify and load them (a delta's version rebuilt from its chain's
@@ -107,7 +117,8 @@ class PolicySubscriber(Service):
         Topic names, limits and SASL/TLS (a :class:`~pipeline.config.Connection`, or
         ``Settings``, whose part is taken); default: the product's defaults.
     on_update
-        Called (and awaited when it returns a coroutine) with each newly loaded policy.
+        Called (and awaited when it returns a coroutine) with each newly loaded policy, on
+        the subscriber's own thread.
     on_canary
         Contract 1.4: called the same way with the learner's canary when one is loaded,
         and with None when it ends (e.g. ``CausalRetriever.set_canary``). The canary is a
@@ -166,10 +177,15 @@ class PolicySubscriber(Service):
         self.index = ModelTopicIndex(signing_key=signing_key)
         self.slots = SlotTable()  # contract 1.3: "{policy}/slot/{slot}" records, newest per slot
         self._recent: dict[int, dict[int, bytes]] = {}  # version -> {chunk index: bytes}
-        self._consumer: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Condition()
+        self.backoff = Backoff()
+        self._bg: Background | None = None
         self._after_reset = False
+        # While reading the history there was when the subscriber connected: the serving
+        # manifests (offset, manifest) and the last canary record seen, loaded at its end.
+        self._catching_up = False
+        self._catch_up_to = 0
+        self._deferred: dict[int, tuple[int, Manifest]] = {}
+        self._deferred_canary: tuple[int, Manifest | None] | None = None
         self._buffer = bytearray()  # delta chunks are assembled here (see _assemble)
         self._digests: dict[int, tuple[int, Any]] = {}  # delta version -> (chunks hashed, running sha256)
 
@@ -177,48 +193,90 @@ class PolicySubscriber(Service):
         warning = unsigned_warning("client", self.signing_key, self.bootstrap, self.conn.security.security_protocol)
         if warning:
             log.warning(warning)
-        self._consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
-        await self._consumer.start()
-        tp = TopicPartition(self.topic, 0)
-        self._consumer.assign([tp])
-        await self._consumer.seek_to_beginning(tp)
-        self._task = asyncio.create_task(self._run(), name="policy-subscriber")
+        self._bg = Background("causalmem-subscriber")
+        self._bg.submit(self._follow())
 
     async def _stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._consumer:
-            await self._consumer.stop()
-            self._consumer = None
+        if self._bg is not None:
+            await asyncio.to_thread(self._bg.close)
+            self._bg = None
+
+    def health(self) -> str:
+        """``"ok"``, or ``"degraded: no broker since …"`` while the model topic cannot be read."""
+        return self.backoff.health()
 
     async def wait_for_policy(self, min_version: int = 1, timeout: float = 60.0) -> LoadedPolicy:
-        """Wait until a serving policy of at least ``min_version`` is loaded."""
-
-        async def ready() -> LoadedPolicy:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self.current is not None and self.current.version >= min_version)
-                assert self.current is not None
-                return self.current
-
-        return await asyncio.wait_for(ready(), timeout)
-
-    async def _run(self) -> None:
+        """Wait until a serving policy of at least ``min_version`` is loaded (``TimeoutError`` after ``timeout`` s)."""
+        deadline = asyncio.get_running_loop().time() + timeout
         while True:
+            current = self.current
+            if current is not None and current.version >= min_version:
+                return current
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TimeoutError(f"no policy v{min_version} or later after {timeout} s ({self.health()})")
+            await asyncio.sleep(0.02)
+
+    async def _connect(self) -> tuple[Any, TopicPartition]:
+        """A consumer at the start of the model topic; retried with backoff while the broker is away."""
+        tp = TopicPartition(self.topic, 0)
+        while True:
+            consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
             try:
-                batch = await self._consumer.getmany(timeout_ms=500)
+                await consumer.start()
+                consumer.assign([tp])
+                await self._read_from_start(consumer, tp)
             except asyncio.CancelledError:
+                await consumer.stop()
                 raise
             except Exception as exc:
-                log.warning("subscriber: fetch failed: %r", exc)
-                await asyncio.sleep(1.0)
+                await consumer.stop()
+                delay = self.backoff.failed()
+                log.warning("subscriber: cannot read the model topic (%r); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
                 continue
-            for msgs in batch.values():
-                for msg in msgs:
-                    await self._handle_safely(msg.offset, msg.key, msg.value, msg.headers)
-            await self._check_reset()
+            self.backoff.succeeded()
+            return consumer, tp
+
+    async def _read_from_start(self, consumer: Any, tp: TopicPartition) -> None:
+        """Seek to the beginning; what is there now is history, caught up with before loading."""
+        await consumer.seek_to_beginning(tp)
+        self._catch_up_to = (await consumer.end_offsets([tp]))[tp]
+        self._catching_up = self._catch_up_to > 0
+
+    async def _follow(self) -> None:
+        consumer, tp = await self._connect()
+        try:
+            while True:
+                try:
+                    batch = await consumer.getmany(timeout_ms=500)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    delay = self.backoff.failed()
+                    log.warning("subscriber: fetch failed: %r", exc)
+                    await asyncio.sleep(delay)
+                    continue
+                self.backoff.succeeded()
+                for msgs in batch.values():
+                    for msg in msgs:
+                        await self._handle_safely(msg.offset, msg.key, msg.value, msg.headers)
+                if self._catching_up and await consumer.position(tp) >= self._catch_up_to:
+                    await self._caught_up()
+                await self._check_reset(consumer, tp)
+        finally:
+            await consumer.stop()
+
+    async def _caught_up(self) -> None:
+        """The history is read: load the newest serving version that verifies, then the open canary."""
+        self._catching_up = False
+        deferred, self._deferred = self._deferred, {}
+        for version in sorted(deferred, reverse=True):
+            offset, manifest = deferred[version]
+            if await self._serve(offset, manifest):
+                break
+        canary, self._deferred_canary = self._deferred_canary, None
+        if canary is not None:
+            await self._canary(*canary)
 
     async def _handle_safely(self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None) -> None:
         """:meth:`handle`, with anything it raises a rejection of that message: the subscriber keeps
@@ -230,24 +288,23 @@ class PolicySubscriber(Service):
         except Exception as exc:
             self._reject(offset, f"unparseable message: {exc!r}"[:300])
 
-    async def _check_reset(self) -> None:
+    async def _check_reset(self, consumer: Any, tp: TopicPartition) -> None:
         """A log end below our position means the cluster lost the topic (docs/operations.md)."""
-        tp = TopicPartition(self.topic, 0)
-        hw = self._consumer.highwater(tp)
-        if hw is None or hw >= await self._consumer.position(tp):
+        hw = consumer.highwater(tp)
+        if hw is None or hw >= await consumer.position(tp):
             return
         log.error(
             "subscriber: the model topic restarted (log end %d < position %d): the Kafka cluster was reset; "
             "keeping v%s and reading the topic again from the beginning",
             hw,
-            await self._consumer.position(tp),
+            await consumer.position(tp),
             self.current.version if self.current else "-",
         )
         self.index = ModelTopicIndex(signing_key=self.signing_key)
         self.slots = SlotTable()  # the loaded policy keeps the old map until the next one loads
         self._recent.clear()
         self._after_reset = True
-        await self._consumer.seek_to_beginning(tp)
+        await self._read_from_start(consumer, tp)
 
     async def handle(self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None) -> None:
         """Process one model-topic message (public so tests can feed crafted messages); ``headers``:
@@ -263,14 +320,26 @@ class PolicySubscriber(Service):
             self._keep_chunk(key, value, delta=kind == "delta_chunk")
             return
         if kind == "canary" and key is not None and parse_key(key.decode("utf-8", "replace"))[1] == self.policy:
-            await self._canary(offset, manifest)
+            if self._catching_up:
+                self._deferred_canary = (offset, manifest)
+            else:
+                await self._canary(offset, manifest)
             return
         if kind not in ("serving", "delta") or manifest is None or manifest.policy != self.policy:
             return
+        if self._catching_up:
+            self._deferred[manifest.version] = (offset, manifest)
+            for old in sorted(self._deferred)[:-KEEP_DEFERRED]:
+                del self._deferred[old]
+            return
+        await self._serve(offset, manifest)
+
+    async def _serve(self, offset: int, manifest: Manifest) -> bool:
+        """Load and swap in a serving manifest; False when it was not loaded (older, or it failed a check)."""
         if self.current is not None and manifest.version <= self.current.version and not self._after_reset:
             if manifest.version < self.current.version:
                 self._reject(offset, f"older version {manifest.version} after {self.current.version}")
-            return
+            return False
         try:
             held = self.canary
             if held is not None and (held.version, held.manifest.sha256) == (manifest.version, manifest.sha256):
@@ -279,7 +348,7 @@ class PolicySubscriber(Service):
                 loaded = await self._load(manifest)
         except CheckpointError as exc:
             self._reject(offset, f"version {manifest.version}: {exc}")
-            return
+            return False
         self.current = loaded
         if self.canary is not None and self.canary.version <= loaded.version:
             await self._set_canary(None)  # served now, or older than what is served
@@ -291,8 +360,7 @@ class PolicySubscriber(Service):
             result = self.on_update(loaded)
             if asyncio.iscoroutine(result):
                 await result
-        async with self._changed:
-            self._changed.notify_all()
+        return True
 
     async def _canary(self, offset: int, manifest: Manifest | None) -> None:
         """Contract 1.4: load the canary named under ``"{policy}/canary"``; a tombstone ends it."""

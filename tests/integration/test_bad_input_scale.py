@@ -88,10 +88,10 @@ def dl_signature(key: bytes | None, record: dict) -> tuple:
 
 
 async def _publish(s: Settings, msgs: list[Msg]) -> None:
-    async with EventPublisher(s.bootstrap, s, validate=False) as pub:
+    async with EventPublisher(s.bootstrap, s, validate=False, max_events=len(msgs)) as pub:  # a bulk load: hold all
         for m in msgs:
             await pub.send_raw(m.topic, m.value, m.key)
-        await pub.flush()
+        assert await pub.flush(timeout=120) and pub.dropped == 0
 
 
 def _wait(pred: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:

@@ -1,0 +1,292 @@
+"""The client's outgoing events: a bounded buffer, and a sender on a thread of its own.
+
+A service's request path hands an encoded event to :meth:`Sender.put` and goes on: ``put``
+appends to a buffer bounded in events and in bytes and returns; it never waits on the
+broker and never raises because of it. A task on the sender's own loop
+(:class:`~pipeline.client.background.Background`) connects to the broker (retrying with
+backoff while it is away), sends what is buffered in batches and counts what the broker
+acknowledged. Each event ends in exactly one of three counters:
+
+* ``sent``: acknowledged by the broker;
+* ``dropped``: pushed out of a full buffer (the oldest first, as the broker was away or
+  slower than the service), or still unsent when :meth:`Sender.close`'s deadline passed;
+* ``refused``: the broker refused it for good (too large, not authorised): retrying cannot help.
+
+An event whose send failed for a reason that may pass (the broker away, a leader moving)
+goes back to the head of the buffer and is sent again; a batch that failed part-way may be
+delivered twice (at least once: the pipeline keys what it learns by event id). Dropping and
+refusing are logged at most every :data:`LOG_EVERY_S` seconds, with counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from aiokafka.errors import BrokerResponseError
+
+from pipeline import kafka
+from pipeline.client.background import Background, Backoff
+from pipeline.config import Connection
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS = 10_000  # events buffered at most
+MAX_BYTES = 32 * 1024 * 1024  # bytes buffered at most (values and keys)
+BATCH = 500  # events handed to the producer before waiting for their acknowledgements
+LOG_EVERY_S = 10.0
+
+Item = tuple[str, bytes | None, bytes | None]  # topic, value (None: a tombstone), key
+
+
+def _size(item: Item) -> int:
+    return (len(item[1]) if item[1] else 0) + (len(item[2]) if item[2] else 0)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether the broker refused an event for good (retrying the same bytes cannot succeed)."""
+    return (isinstance(exc, BrokerResponseError) and not exc.retriable) or isinstance(exc, ValueError)
+
+
+class Sender:
+    """A bounded buffer of events and the background task that sends them (module docstring).
+
+    Parameters
+    ----------
+    bootstrap
+        The Kafka bootstrap address.
+    conn
+        The connection's SASL/TLS settings.
+    max_events, max_bytes
+        The buffer's bounds; beyond either, the oldest events are dropped.
+    producer_kwargs
+        Passed on to the aiokafka producer.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        conn: Connection,
+        *,
+        max_events: int = MAX_EVENTS,
+        max_bytes: int = MAX_BYTES,
+        producer_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if max_events < 1 or max_bytes < 1:
+            raise ValueError("max_events and max_bytes must be >= 1")
+        self.bootstrap = bootstrap
+        self.conn = conn
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self._producer_kwargs = producer_kwargs or {}
+        self._buffer: deque[Item] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._inflight = 0  # taken from the buffer, not yet acknowledged
+        self.sent = 0
+        self.dropped = 0
+        self.refused = 0
+        self._logged: dict[str, tuple[float, int]] = {}  # what -> (last logged, count then)
+        self.backoff = Backoff()
+        self._bg: Background | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: concurrent.futures.Future[None] | None = None
+
+    # ------------------------------------------------------------------ caller's side (any thread)
+    @property
+    def buffered(self) -> int:
+        """Events waiting to be sent or acknowledged."""
+        return len(self._buffer) + self._inflight
+
+    def health(self) -> str:
+        """``"ok"``, or ``"degraded: no broker since …"`` while the broker cannot be reached."""
+        return self.backoff.health()
+
+    def start(self) -> None:
+        """Start the sender's thread; it connects in the background (a broker away is retried)."""
+        if self._bg is not None:
+            raise RuntimeError("Sender already started")
+        self._bg = Background("causalmem-sender")
+        ready = threading.Event()
+
+        async def begin() -> None:
+            self._wake = asyncio.Event()
+            ready.set()
+            await self._run()
+
+        self._task = self._bg.submit(begin())
+        ready.wait(5.0)
+
+    def put(self, topic: str, value: bytes | None, key: bytes | None) -> None:
+        """Buffer one event for sending; never blocks, never raises because of the broker."""
+        item = (topic, value, key)
+        dropped = 0
+        with self._lock:
+            self._buffer.append(item)
+            self._bytes += _size(item)
+            while len(self._buffer) > 1 and (len(self._buffer) > self.max_events or self._bytes > self.max_bytes):
+                self._bytes -= _size(self._buffer.popleft())
+                dropped += 1
+            self.dropped += dropped
+        if dropped:
+            self._note("dropped", f"events dropped, oldest first: the buffer is full ({self.health()})")
+        self._kick()
+
+    def flush(self, timeout: float = 30.0, *, give_up_when_away: bool = False) -> bool:
+        """Wait up to ``timeout`` s until everything put so far was acknowledged or given up;
+        True when nothing is left. ``give_up_when_away``: return at once while the broker is away."""
+        deadline = time.monotonic() + timeout
+        while self.buffered and time.monotonic() < deadline and self._bg is not None and not self._bg.closed:
+            if give_up_when_away and self.backoff.since is not None:
+                break
+            self._kick()
+            time.sleep(0.01)
+        return self.buffered == 0
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush for up to ``timeout`` s (not at all while the broker is away), then stop; what is
+        still unsent is counted as dropped. Idempotent."""
+        bg = self._bg
+        if bg is None or bg.closed:
+            return
+        self.flush(timeout, give_up_when_away=True)
+        bg.close(timeout=2.0)
+        with self._lock:
+            lost = len(self._buffer) + self._inflight
+            self._buffer.clear()
+            self._bytes = 0
+            self._inflight = 0
+            self.dropped += lost
+        if lost:
+            log.warning("sender: closed with %d events unsent (counted as dropped; %s)", lost, self.health())
+
+    def _kick(self) -> None:
+        bg, wake = self._bg, self._wake
+        if bg is not None and wake is not None and not wake.is_set() and not bg.closed:
+            try:
+                bg.loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _note(self, what: str, message: str) -> None:
+        """Log ``message`` with the count of ``what`` at most every :data:`LOG_EVERY_S` seconds."""
+        now = time.monotonic()
+        last, count = self._logged.get(what, (0.0, 0))
+        total = getattr(self, what)
+        if now - last >= LOG_EVERY_S:
+            log.warning("sender: %d %s (%d in all)", total - count, message, total)
+            self._logged[what] = (now, total)
+
+    # ------------------------------------------------------------------ the sender's loop
+    def _take(self) -> list[Item]:
+        with self._lock:
+            n = min(BATCH, len(self._buffer))
+            batch = [self._buffer.popleft() for _ in range(n)]
+            self._bytes -= sum(_size(i) for i in batch)
+            self._inflight = n
+        return batch
+
+    def _requeue(self, failed: list[Item]) -> None:
+        """Put ``failed`` back at the head; what no longer fits is dropped, the oldest first."""
+        with self._lock:
+            self._inflight = 0
+            self._buffer.extendleft(reversed(failed))
+            self._bytes += sum(_size(i) for i in failed)
+            dropped = 0
+            while len(self._buffer) > self.max_events or self._bytes > self.max_bytes:
+                self._bytes -= _size(self._buffer.popleft())
+                dropped += 1
+            self.dropped += dropped
+
+    async def _connect(self) -> Any:
+        while True:
+            producer = kafka.producer(self.bootstrap, self.conn, **self._producer_kwargs)
+            try:
+                await producer.start()
+            except asyncio.CancelledError:
+                await producer.stop()
+                raise
+            except Exception as exc:
+                await producer.stop()
+                delay = self.backoff.failed()
+                self._note_failure(exc, delay)
+                await asyncio.sleep(delay)
+                continue
+            self.backoff.succeeded()
+            return producer
+
+    def _note_failure(self, exc: BaseException, delay: float) -> None:
+        now = time.monotonic()
+        last, _ = self._logged.get("failure", (0.0, 0))
+        if now - last >= LOG_EVERY_S:
+            log.warning(
+                "sender: the broker cannot be reached (%r); %d events buffered, retrying in %.1f s",
+                exc,
+                self.buffered,
+                delay,
+            )
+            self._logged["failure"] = (now, 0)
+
+    async def _run(self) -> None:
+        producer = await self._connect()
+        try:
+            while True:
+                batch = self._take()
+                if not batch:
+                    assert self._wake is not None
+                    self._wake.clear()
+                    if not self._buffer:
+                        await self._wake.wait()
+                    continue
+                failed, error = await self._send(producer, batch)
+                self._requeue(failed)
+                if error is not None:
+                    delay = self.backoff.failed()
+                    self._note_failure(error, delay)
+                    await asyncio.sleep(delay)
+                else:
+                    self.backoff.succeeded()
+        finally:
+            with self._lock:
+                self._inflight = 0
+            await producer.stop()
+
+    async def _send(self, producer: Any, batch: list[Item]) -> tuple[list[Item], BaseException | None]:
+        """Send ``batch``; returns the events to send again and the error that may pass (None: all went)."""
+        futures: list[tuple[Item, asyncio.Future[Any]]] = []
+        retry: list[Item] = []
+        error: BaseException | None = None
+        try:
+            for i, item in enumerate(batch):
+                try:
+                    futures.append((item, await producer.send(item[0], item[1], key=item[2])))
+                except Exception as exc:
+                    if not _refused(exc):
+                        retry, error = batch[i:], exc
+                        break
+                    self._refuse(exc)
+            results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
+        except asyncio.CancelledError:
+            self._requeue(batch)
+            raise
+        done = 0
+        for (item, _), result in zip(futures, results, strict=True):
+            if not isinstance(result, BaseException):
+                done += 1
+            elif _refused(result):
+                self._refuse(result)
+            else:
+                retry.append(item)
+                error = error or result
+        self.sent += done
+        return retry, error
+
+    def _refuse(self, exc: BaseException) -> None:
+        with self._lock:
+            self.refused += 1
+        self._note("refused", f"events refused by the broker, not sent again ({exc!r})")
