@@ -321,7 +321,9 @@ class CausalServing(Outbox, Generic[D]):
 
             scale = self._threshold_scale(float(scores.max())) if len(scores) else 1.0
             slate = self.core.serve(arm, Found(slots, masks, scores, fallback, under=under), drop_scale=scale, k=k)
-            if slate.choice.fallback and decision != "early_exit":
+            if slate.choice.wrapped:
+                decision = "incumbent"  # cold start: no policy yet, the wrapped ranking serves
+            elif slate.choice.fallback and decision != "early_exit":
                 decision = "fallback"
         items = found_by_fallback if slate.choice.fallback and decision != "incumbent" else seen
         chosen = [items[s] for s in slate.choice.selected]

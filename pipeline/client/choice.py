@@ -105,6 +105,9 @@ class Choice:
     fallback: bool
     id_of: dict[int, str]  # event label -> memory id (memories by id)
     z: np.ndarray | None = None  # the draw's logits over ``candidates``
+    # Cold start (contract 1.10): no policy yet, so the search's own ranking served, logged as a
+    # fallback step; ``selected`` are the first k of the candidates found, in the search's order.
+    wrapped: bool = False
 
     def logprob_of(self, read: tuple[int | str, ...]) -> float:
         """log-probability that this policy's draw serves ``read`` (:meth:`read`'s form); −inf if it cannot."""
@@ -145,9 +148,11 @@ def choose(
     memory ids of a text search with ``ids``, else slots); ``revive``: the chance an
     exploratory request gives each dropped candidate back.
     """
-    keep = keep_flags(masks, v.drop, v.drop_ratio)
     explore = v.explore_rate > 0 and noise.explore() < v.explore_rate
     temperature = v.explore_temperature if explore else v.temperature
+    if policy is None and not explore:
+        return _wrapped(labels, masks, scores, k, temperature, ids)
+    keep = keep_flags(masks, v.drop, v.drop_ratio)
     if explore and revive > 0:
         keep = revive_dropped(keep, revive, noise.rng, noise.revive(len(keep))) & np.isfinite(masks)
     kept = np.flatnonzero(keep)
@@ -183,6 +188,29 @@ def choose(
         False,
         id_of,
         d.z,
+    )
+
+
+def _wrapped(
+    labels: np.ndarray, masks: np.ndarray, scores: np.ndarray, k: int, temperature: float, ids: list[str] | None
+) -> Choice:
+    """Cold start (docs/contract.md §6, step 2, 1.10): the first k candidates as the search found them.
+
+    A policy that does not exist yet cannot have been shown better than the client's own
+    ranking, so that ranking serves, item for item, except on the exploration share. It is
+    logged as a fallback step (no draw of a policy chose it): it counts in the metrics, not in
+    the gradient or the promotion rule's evidence.
+
+    >>> c = _wrapped(np.array([7, 3, 5]), np.zeros(3), np.array([0.9, 0.8, 0.1]), 2, 0.05, None)
+    >>> c.selected, c.fallback, c.wrapped, c.candidates
+    ([7, 3], True, True, [])
+    """
+    id_of = dict(zip(labels.tolist(), ids, strict=True)) if ids is not None else {}
+    every = np.ones(len(labels), dtype=bool)
+    selected = [int(s) for s in labels[:k]]
+    empty = np.zeros(0)
+    return Choice(
+        None, labels, masks, every, temperature, selected, 0.0, None, [], empty, None, True, id_of, wrapped=True
     )
 
 

@@ -17,7 +17,8 @@ each query a fresh query id; :meth:`CausalMemoryRetriever.retrieve_step` and
 :meth:`~CausalMemoryRetriever.aretrieve_step` take the query id and step. A wrapped
 retriever with a smaller ``similarity_top_k`` is asked, through a copy, for
 ``max(n_candidates, k)`` nodes. Node ids map to slots. The nodes come back in the order
-served, as copies: each one's ``score`` is its served rank's, ``1 / (1 + rank)``, and its
+served, as copies: each one's ``score`` is its served rank's, ``1 / (1 + rank)`` (the
+wrapped retriever's own where its ranking served: before any policy, or in shadow mode), and its
 ``metadata["causalmem"]`` holds the query id, step, event id, slot, ``memory_conflict``,
 ``rank`` and the wrapped retriever's own ``score``; that key is excluded from what the
 LLM and the embedding model read. :attr:`CausalMemoryRetriever.last` holds the whole
@@ -185,7 +186,9 @@ class CausalMemoryRetriever(BaseRetriever):
 
         The serving draw, not the similarity, orders them, and LlamaIndex reads ``score`` as
         that order (postprocessors, rerankers): each node's score is ``1 / (1 + rank)``, and
-        the wrapped retriever's own score stays in ``metadata["causalmem"]["score"]``. The
+        the wrapped retriever's own score stays in ``metadata["causalmem"]["score"]``. Where the
+        wrapped retriever's own ranking served (``decision == "incumbent"``: no policy yet, or
+        shadow mode), its nodes keep their scores: that order is theirs. The
         copies hide that key from the LLM and the embedding model; the user's nodes keep
         their metadata and excluded keys.
         """
@@ -208,7 +211,9 @@ class CausalMemoryRetriever(BaseRetriever):
                     "excluded_embed_metadata_keys": _excluding(item.node.excluded_embed_metadata_keys),
                 }
             )
-            out.append(NodeWithScore(node=node, score=1.0 / (1.0 + rank)))
+            own = served.decision == "incumbent" and item.score is not None
+            score = float(item.score) if own and item.score is not None else 1.0 / (1.0 + rank)
+            out.append(NodeWithScore(node=node, score=score))
         return out
 
     def retrieve_step(

@@ -55,6 +55,7 @@ def adapter(**kw: object) -> tuple[CausalMemoryRetriever, Recorder]:
 
 def test_serves_k_documents_maps_ids_to_slots_and_publishes_a_valid_event() -> None:
     r, rec = adapter()
+    r.set_policy(policy())
     docs = r.invoke("what pizza did the user order", query_id="q1", step=2)
     assert len(docs) == 2
     (event,) = rec.values
@@ -115,6 +116,7 @@ def test_plain_retrievers_get_rank_scores_and_hashed_ids() -> None:
     doc = Document(page_content="no id here")
     assert document_id(doc).startswith("sha1:") and document_id(Document(page_content="x", metadata={"id": 7})) == "7"
     r, rec = adapter(wrapped=Counting(docs=[doc, Document(page_content="second")]), embed_query=hashed_embedding)
+    r.set_policy(policy())
     r.invoke("anything", query_id="q")
     assert rec.values[0].scores.tolist() == [1.0, 0.5]
 

@@ -43,6 +43,7 @@ def adapter(**kw: object) -> tuple[CausalMemoryRetriever, Recorder]:
 
 def test_retrieve_serves_k_nodes_with_their_slots_and_publishes_the_event() -> None:
     r, rec = adapter()
+    r.set_policy(policy())
     nodes = r.retrieve("where is the hotel in lisbon")
     assert len(nodes) == 2 and all(isinstance(n, NodeWithScore) for n in nodes)
     (event,) = rec.values

@@ -46,6 +46,7 @@ def retriever(**kw: object) -> CausalRetriever:
 
 def test_memories_by_id_are_searchable_at_once_and_events_name_them() -> None:
     r = retriever()
+    r.set_policy(policy(1, SlotTable()))  # none of the memories has a row yet: neutral masks
     out = r.retrieve(unit(1, 0.1, 0, 0), query_id="q1", ts=BASE_TS)
     assert set(out.ids or []) == {"a", "b"} and out.texts is not None and "alpha memory" in out.texts
     ev = out.event

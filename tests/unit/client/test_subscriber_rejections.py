@@ -46,41 +46,14 @@ class _Msg:
         self.offset, self.key, self.value, self.headers = offset, key, value, ()
 
 
-class _OneBatchConsumer:
-    """Answers one batch, then cancels the subscriber's loop (the test's end)."""
+class _FakeConsumer:
+    """A model topic of ``msgs`` (none: an empty topic), answered in one batch, then idle."""
 
-    def __init__(self, msgs: list[_Msg]) -> None:
-        self.msgs = msgs
+    def __init__(self, msgs: list[_Msg] | None = None) -> None:
+        self.msgs = msgs or []
+        self.end = len(self.msgs)
+        self.read = 0
 
-    async def getmany(self, timeout_ms: int = 0) -> dict[str, list[_Msg]]:
-        if not self.msgs:
-            raise asyncio.CancelledError
-        msgs, self.msgs = self.msgs, []
-        return {"tp": msgs}
-
-    def highwater(self, tp: object) -> None:
-        return None
-
-
-def test_any_exception_while_handling_a_message_is_a_rejection(caplog: pytest.LogCaptureFixture) -> None:
-    sub = PolicySubscriber("127.0.0.1:1", policy="default")
-    seen: list[int] = []
-
-    async def handle(offset: int, key: bytes | None, value: bytes | None, headers: object = None) -> None:
-        seen.append(offset)
-        if offset == 0:
-            raise ValueError("invalid literal for int() with base 10: '²'")
-
-    sub.handle = handle  # type: ignore[method-assign]  # whatever a parse raises, the loop goes on
-    sub._consumer = _OneBatchConsumer([_Msg(0, "default/²/0".encode(), b"x"), _Msg(1, b"default/1/0", b"y")])
-    with caplog.at_level(logging.WARNING), pytest.raises(asyncio.CancelledError):
-        asyncio.run(sub._run())
-    assert seen == [0, 1]  # the message after the bad one was handled
-    assert sub.rejections == [(0, "unparseable message: ValueError(\"invalid literal for int() with base 10: '²'\")")]
-    assert "rejected checkpoint at offset 0" in caplog.text
-
-
-class _IdleConsumer:
     async def start(self) -> None:
         return None
 
@@ -93,9 +66,53 @@ class _IdleConsumer:
     async def seek_to_beginning(self, tp: object) -> None:
         return None
 
+    async def end_offsets(self, tps: list[object]) -> dict[object, int]:
+        return {tp: self.end for tp in tps}
+
+    async def position(self, tp: object) -> int:
+        return self.read
+
+    def highwater(self, tp: object) -> int:
+        return self.end
+
     async def getmany(self, timeout_ms: int = 0) -> dict[str, list[_Msg]]:
-        await asyncio.sleep(3600)
-        return {}
+        if not self.msgs:
+            await asyncio.sleep(timeout_ms / 1000)
+            return {}
+        msgs, self.msgs = self.msgs, []
+        self.read = self.end
+        return {"tp": msgs}
+
+
+def test_any_exception_while_handling_a_message_is_a_rejection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pipeline import kafka
+
+    topic = [_Msg(0, "default/²/0".encode(), b"x"), _Msg(1, b"default/1/0", b"y")]
+    monkeypatch.setattr(kafka, "consumer", lambda *a, **kw: _FakeConsumer(topic))
+    sub = PolicySubscriber("127.0.0.1:1", policy="default")
+    seen: list[int] = []
+
+    async def handle(offset: int, key: bytes | None, value: bytes | None, headers: object = None) -> None:
+        seen.append(offset)
+        if offset == 0:
+            raise ValueError("invalid literal for int() with base 10: '²'")
+
+    sub.handle = handle  # type: ignore[method-assign]  # whatever a parse raises, the loop goes on
+
+    async def follow() -> None:
+        async with sub:
+            for _ in range(500):
+                if len(seen) == 2:
+                    break
+                await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(follow())
+    assert seen == [0, 1]  # the message after the bad one was handled
+    assert sub.rejections == [(0, "unparseable message: ValueError(\"invalid literal for int() with base 10: '²'\")")]
+    assert "rejected checkpoint at offset 0" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -119,7 +136,7 @@ def test_an_unsigned_client_outside_the_embedded_broker_warns_at_start(
     from pipeline import kafka
     from pipeline.config import Settings
 
-    monkeypatch.setattr(kafka, "consumer", lambda *a, **kw: _IdleConsumer())
+    monkeypatch.setattr(kafka, "consumer", lambda *a, **kw: _FakeConsumer())
     conn = Settings().connection()
     conn.security.security_protocol = protocol
     sub = PolicySubscriber(bootstrap, conn=conn, signing_key=signing_key)
