@@ -15,12 +15,16 @@ the policy once a loaded checkpoint holds their row (``LoadedPolicy.slot_of``).
 
 A record that fails validation, or whose embedding has the wrong size, is skipped and kept
 in :attr:`MemoryFollower.rejections` (the learner dead-letters the same record).
+
+The follower reads on a thread of its own (:class:`~pipeline.client.background.Background`;
+the retriever's index is safe to change while searched), so a caller whose event loop is
+busy still gets new memories, and ``start`` returns at once without a broker: it connects in
+the background with backoff (:meth:`MemoryFollower.health`). ``embed`` is called on that thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +33,7 @@ import numpy as np
 from aiokafka import TopicPartition
 
 from pipeline import kafka
+from pipeline.client.background import Background, Backoff
 from pipeline.client.retriever import CausalRetriever
 from pipeline.config import Connection, Settings
 from pipeline.service import Service
@@ -73,42 +78,62 @@ class MemoryFollower(Service):
         self.position = 0
         self.applied = 0
         self.rejections: list[tuple[int, str]] = []
-        self._consumer: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Condition()
+        self._consumer: Any = None  # set on the follower's thread once connected
+        self.backoff = Backoff()
+        self._bg: Background | None = None
 
     async def _start(self) -> None:
-        self._consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
-        await self._consumer.start()
-        self._consumer.assign([self.tp])
-        await self._consumer.seek_to_beginning(self.tp)
-        self._task = asyncio.create_task(self._run(), name="memory-follower")
+        self._bg = Background("causalmem-memory-follower")
+        self._bg.submit(self._follow())
 
     async def _stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._consumer:
-            await self._consumer.stop()
+        if self._bg is not None:
+            await asyncio.to_thread(self._bg.close)
+            self._bg = None
             self._consumer = None
 
-    async def _run(self) -> None:
+    def health(self) -> str:
+        """``"ok"``, or ``"degraded: no broker since …"`` while the lifecycle topic cannot be read."""
+        return self.backoff.health()
+
+    async def _connect(self) -> Any:
         while True:
+            consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
             try:
-                batch = await self._consumer.getmany(timeout_ms=500)
+                await consumer.start()
+                consumer.assign([self.tp])
+                await consumer.seek_to_beginning(self.tp)
             except asyncio.CancelledError:
+                await consumer.stop()
                 raise
             except Exception as exc:
-                log.warning("memory follower: fetch failed: %r", exc)
-                await asyncio.sleep(1.0)
+                await consumer.stop()
+                delay = self.backoff.failed()
+                log.warning("memory follower: cannot read %s (%r); retrying in %.1f s", self.tp.topic, exc, delay)
+                await asyncio.sleep(delay)
                 continue
-            for msgs in batch.values():
-                for msg in msgs:
-                    self.handle(msg.offset, msg.key, msg.value)
-            async with self._changed:
-                self._changed.notify_all()
+            self.backoff.succeeded()
+            return consumer
+
+    async def _follow(self) -> None:
+        consumer = await self._connect()
+        self._consumer = consumer
+        try:
+            while True:
+                try:
+                    batch = await consumer.getmany(timeout_ms=500)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("memory follower: fetch failed: %r", exc)
+                    await asyncio.sleep(self.backoff.failed())
+                    continue
+                self.backoff.succeeded()
+                for msgs in batch.values():
+                    for msg in msgs:
+                        self.handle(msg.offset, msg.key, msg.value)
+        finally:
+            await consumer.stop()
 
     def handle(self, offset: int, key: bytes | None, value: bytes | None) -> None:
         """Apply one lifecycle message (public so tests can feed crafted ones)."""
@@ -137,31 +162,36 @@ class MemoryFollower(Service):
         self.applied += 1
 
     async def wait_caught_up(self, timeout: float = 30.0) -> int:
-        """Wait until everything on the topic when called is applied; returns the position."""
-        target = await self._end_offset()
-
-        async def caught_up() -> int:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self.position >= target)
+        """Wait until everything on the topic when called is applied; returns the position
+        (``TimeoutError`` after ``timeout`` s, e.g. while the broker is away)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        target: int | None = None
+        while True:
+            if target is None and self._consumer is not None and self._bg is not None:
+                target = await asyncio.wait_for(self._bg.wait(self._end_offset()), max(0.0, deadline - loop.time()))
+            if target is not None and self.position >= target:
                 return self.position
-
-        return await asyncio.wait_for(caught_up(), timeout)
+            if loop.time() >= deadline:
+                raise TimeoutError(f"not caught up with {self.tp.topic} after {timeout} s ({self.health()})")
+            await asyncio.sleep(0.02)
 
     async def wait_for(self, memory_id: str, present: bool = True, timeout: float = 30.0) -> None:
         """Wait until ``memory_id`` is (``present``) or is no longer in the retriever's index."""
         memories = self.retriever.memories
         assert memories is not None
-
-        async def ready() -> None:
-            async with self._changed:
-                await self._changed.wait_for(lambda: (memory_id in memories) == present)
-
-        await asyncio.wait_for(ready(), timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (memory_id in memories) != present:
+            if loop.time() >= deadline:
+                where = "not yet in" if present else "still in"
+                raise TimeoutError(f"{memory_id!r} {where} the index after {timeout} s")
+            await asyncio.sleep(0.02)
 
     async def _end_offset(self) -> int:
         # A fetch's high watermark: end_offsets is wrong on the embedded broker (docs/contract.md §7).
         for _ in range(100):
-            hw = self._consumer.highwater(self.tp)
+            hw = self._consumer.highwater(self.tp) if self._consumer is not None else None
             if hw is not None:
                 return int(hw)
             await asyncio.sleep(0.05)

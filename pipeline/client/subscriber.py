@@ -183,7 +183,6 @@ class PolicySubscriber(Service):
         # While reading the history there was when the subscriber connected: the serving
         # manifests (offset, manifest) and the last canary record seen, loaded at its end.
         self._catching_up = False
-        self._catch_up_to = 0
         self._deferred: dict[int, tuple[int, Manifest]] = {}
         self._deferred_canary: tuple[int, Manifest | None] | None = None
         self._buffer = bytearray()  # delta chunks are assembled here (see _assemble)
@@ -238,10 +237,9 @@ class PolicySubscriber(Service):
             return consumer, tp
 
     async def _read_from_start(self, consumer: Any, tp: TopicPartition) -> None:
-        """Seek to the beginning; what is there now is history, caught up with before loading."""
+        """Seek to the beginning; what is there is history, caught up with before loading."""
         await consumer.seek_to_beginning(tp)
-        self._catch_up_to = (await consumer.end_offsets([tp]))[tp]
-        self._catching_up = self._catch_up_to > 0
+        self._catching_up = True
 
     async def _follow(self) -> None:
         consumer, tp = await self._connect()
@@ -260,8 +258,12 @@ class PolicySubscriber(Service):
                 for msgs in batch.values():
                     for msg in msgs:
                         await self._handle_safely(msg.offset, msg.key, msg.value, msg.headers)
-                if self._catching_up and await consumer.position(tp) >= self._catch_up_to:
-                    await self._caught_up()
+                if self._catching_up:
+                    # The high watermark the fetches return (contract §7: end_offsets points into the
+                    # last batch on the embedded broker); None until the first fetch answered.
+                    hw = consumer.highwater(tp)
+                    if hw is not None and await consumer.position(tp) >= hw:
+                        await self._caught_up()
                 await self._check_reset(consumer, tp)
         finally:
             await consumer.stop()

@@ -1,9 +1,10 @@
-"""The subscriber on the service's request path: it never waits on the caller, and never makes it wait.
+"""The subscriber and the memory follower on the service's request path: they never wait on the
+caller, and never make it wait.
 
 Each test is a failure a user saw: a fresh subscriber replayed every version of the topic's
 history through ``on_update`` (v1 → v46 over ~5 s, serving stale versions meanwhile); the
 README's service snippet, whose blocking LLM call kept the event loop busy, never got a new
-policy; and without a broker, ``async with PolicySubscriber(...)`` raised at once.
+policy; and without a broker, ``async with PolicySubscriber(...)`` (and ``MemoryFollower``) raised at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 from models.policy.network import Arch, init_policy
 from pipeline import kafka
 from pipeline.broker import free_port
+from pipeline.client.follower import MemoryFollower
+from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.modeltopic import CheckpointPublisher, scan_model_topic
@@ -76,5 +79,17 @@ def test_starts_without_a_broker_and_says_so() -> None:
                 await sub.wait_for_policy(timeout=1.0)
             assert sub.current is None  # the caller serves its own ranking meanwhile
             return sub.health()
+
+    assert asyncio.run(run()).startswith("degraded: no broker since ")
+
+
+def test_the_memory_follower_starts_without_a_broker_and_says_so() -> None:
+    retriever = CausalRetriever.by_id(8, k=2)
+
+    async def run() -> str:
+        async with MemoryFollower(f"127.0.0.1:{free_port()}", retriever) as follower:
+            with pytest.raises(TimeoutError):
+                await follower.wait_caught_up(timeout=1.0)
+            return follower.health()
 
     assert asyncio.run(run()).startswith("degraded: no broker since ")

@@ -66,9 +66,6 @@ class _FakeConsumer:
     async def seek_to_beginning(self, tp: object) -> None:
         return None
 
-    async def end_offsets(self, tps: list[object]) -> dict[object, int]:
-        return {tp: self.end for tp in tps}
-
     async def position(self, tp: object) -> int:
         return self.read
 
