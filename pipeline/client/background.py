@@ -23,7 +23,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -127,3 +127,35 @@ class Backoff:
         if self.since is None:
             return "ok"
         return "degraded: no broker since " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
+
+
+async def keep_trying(
+    attempt: Callable[[], Awaitable[T]], backoff: Backoff, failed: Callable[[BaseException, float], None]
+) -> T:
+    """``await attempt()`` until it succeeds, waiting as ``backoff`` says after each failure
+    (``failed(error, delay)`` is told of each: log it). An attempt cleans up after itself.
+
+    >>> tries = iter([OSError("refused"), OSError("refused"), "connected"])
+    >>> async def attempt() -> str:
+    ...     x = next(tries)
+    ...     if isinstance(x, Exception):
+    ...         raise x
+    ...     return x
+    >>> b = Backoff(first=0.001)
+    >>> asyncio.run(keep_trying(attempt, b, lambda e, d: print(f"{e}; again in {d} s"))), b.health()
+    refused; again in 0.001 s
+    refused; again in 0.002 s
+    ('connected', 'ok')
+    """
+    while True:
+        try:
+            result = await attempt()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            delay = backoff.failed()
+            failed(exc, delay)
+            await asyncio.sleep(delay)
+            continue
+        backoff.succeeded()
+        return result

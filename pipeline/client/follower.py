@@ -33,7 +33,7 @@ import numpy as np
 from aiokafka import TopicPartition
 
 from pipeline import kafka
-from pipeline.client.background import Background, Backoff
+from pipeline.client.background import Background, Backoff, keep_trying
 from pipeline.client.retriever import CausalRetriever
 from pipeline.config import Connection, Settings
 from pipeline.service import Service
@@ -97,23 +97,21 @@ class MemoryFollower(Service):
         return self.backoff.health()
 
     async def _connect(self) -> Any:
-        while True:
+        async def attempt() -> Any:
             consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
             try:
                 await consumer.start()
                 consumer.assign([self.tp])
                 await consumer.seek_to_beginning(self.tp)
-            except asyncio.CancelledError:
+            except BaseException:
                 await consumer.stop()
                 raise
-            except Exception as exc:
-                await consumer.stop()
-                delay = self.backoff.failed()
-                log.warning("memory follower: cannot read %s (%r); retrying in %.1f s", self.tp.topic, exc, delay)
-                await asyncio.sleep(delay)
-                continue
-            self.backoff.succeeded()
             return consumer
+
+        def failed(exc: BaseException, delay: float) -> None:
+            log.warning("memory follower: cannot read %s (%r); retrying in %.1f s", self.tp.topic, exc, delay)
+
+        return await keep_trying(attempt, self.backoff, failed)
 
     async def _follow(self) -> None:
         consumer = await self._connect()

@@ -31,7 +31,7 @@ from typing import Any
 from aiokafka.errors import BrokerResponseError
 
 from pipeline import kafka
-from pipeline.client.background import Background, Backoff
+from pipeline.client.background import Background, Backoff, keep_trying
 from pipeline.config import Connection
 
 log = logging.getLogger(__name__)
@@ -204,21 +204,16 @@ class Sender:
             self.dropped += dropped
 
     async def _connect(self) -> Any:
-        while True:
+        async def attempt() -> Any:
             producer = kafka.producer(self.bootstrap, self.conn, **self._producer_kwargs)
             try:
                 await producer.start()
-            except asyncio.CancelledError:
+            except BaseException:
                 await producer.stop()
                 raise
-            except Exception as exc:
-                await producer.stop()
-                delay = self.backoff.failed()
-                self._note_failure(exc, delay)
-                await asyncio.sleep(delay)
-                continue
-            self.backoff.succeeded()
             return producer
+
+        return await keep_trying(attempt, self.backoff, self._note_failure)
 
     def _note_failure(self, exc: BaseException, delay: float) -> None:
         now = time.monotonic()

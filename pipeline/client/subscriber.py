@@ -43,7 +43,7 @@ from models.policy.network import Arch, PolicyNetwork
 from models.policy.weights import verify_and_load
 from models.serving.params import ServingParams
 from pipeline import kafka
-from pipeline.client.background import Background, Backoff
+from pipeline.client.background import Background, Backoff, keep_trying
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
 from pipeline.config import Connection, Settings
 from pipeline.modeltopic import KEEP_REJECTIONS, ModelTopicIndex, model_topic, unsigned_warning
@@ -218,23 +218,22 @@ class PolicySubscriber(Service):
     async def _connect(self) -> tuple[Any, TopicPartition]:
         """A consumer at the start of the model topic; retried with backoff while the broker is away."""
         tp = TopicPartition(self.topic, 0)
-        while True:
+
+        async def attempt() -> Any:
             consumer = kafka.consumer(self.bootstrap, self.conn, group_id=None)
             try:
                 await consumer.start()
                 consumer.assign([tp])
                 await self._read_from_start(consumer, tp)
-            except asyncio.CancelledError:
+            except BaseException:
                 await consumer.stop()
                 raise
-            except Exception as exc:
-                await consumer.stop()
-                delay = self.backoff.failed()
-                log.warning("subscriber: cannot read the model topic (%r); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
-                continue
-            self.backoff.succeeded()
-            return consumer, tp
+            return consumer
+
+        def failed(exc: BaseException, delay: float) -> None:
+            log.warning("subscriber: cannot read the model topic (%r); retrying in %.1f s", exc, delay)
+
+        return await keep_trying(attempt, self.backoff, failed), tp
 
     async def _read_from_start(self, consumer: Any, tp: TopicPartition) -> None:
         """Seek to the beginning; what is there is history, caught up with before loading."""
