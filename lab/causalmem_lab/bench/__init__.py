@@ -14,6 +14,9 @@
   client, at the previous and the current checkpoint defaults (worker, learner, client on a broker).
 - ``promise``: on the real-data world, in process, whether any version the gate served was worse
   than similarity-only by more than ε (the unsafe share over runs), and what it learnt.
+- ``serving``: the latency a request pays for the product: ``CausalRetriever.retrieve`` against its
+  faiss search, the LangChain adapter against the store's own retriever, and the adapter with a
+  publisher while the broker is up, stopped, flapping or refusing.
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -31,4 +34,5 @@ BENCHES = {
     "scale": "causalmem_lab.bench.scale",
     "freshness": "causalmem_lab.bench.freshness",
     "promise": "causalmem_lab.bench.promise",
+    "serving": "causalmem_lab.bench.serving",
 }

@@ -1,5 +1,5 @@
-"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale|freshness|promise``: the benchmarks, one
-subcommand each with its own flags.
+"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale|freshness|promise|serving``: the
+benchmarks, one subcommand each with its own flags.
 
 Each benchmark is a module of :mod:`causalmem_lab.bench` with ``add_options(parser)`` and
 ``main(args)``; only the chosen one is imported (they pull in torch), and only when its
@@ -16,7 +16,7 @@ from typing import Any
 from causalmem_lab.bench import BENCHES
 from pipeline.cli.common import common_parser, settings_from
 
-HELP = "benchmarks: throughput, learning, soak, evaluator, gate, coldstart, scale, freshness, promise"
+HELP = "benchmarks: throughput, learning, soak, evaluator, gate, coldstart, scale, freshness, promise, serving"
 
 BENCH_HELP = {
     "throughput": "raw aiokafka vs the pipeline end to end; the learner's update vs a bare torch step",
@@ -28,6 +28,7 @@ BENCH_HELP = {
     "scale": "learner step rate and RSS, policy+faiss vs plain faiss latency at S = 10^3, 10^5, 10^6",
     "freshness": "seconds from a pair's publication to a serving checkpoint covering it, loaded by a client",
     "promise": "on real data: whether a version the gate served was ever below similarity-only by more than ε",
+    "serving": "latency a request pays for the product: retriever, LangChain adapter, publishing with the broker away",
 }
 
 
