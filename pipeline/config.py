@@ -25,6 +25,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -36,6 +37,7 @@ from models.policy.trainer_config import TrainerConfig
 from models.serving.params import ServingParams
 from topics.fields import Limits
 from topics.names import DAY_MS, DEFAULT_MIN_INSYNC, DEFAULT_PARTITIONS, SEVEN_DAYS_MS, Topics, TopicSpec
+from topics.signing import Key, is_public, load_key, verify_key
 
 T = TypeVar("T")
 
@@ -167,6 +169,9 @@ class Settings:
     join_batch: int = setting(2000, "records per fetch in the join stage")
     max_future_skew_s: float = setting(300.0, "seconds an input's ts may be ahead; beyond: dead-letter ts_in_future")
     max_outcomes_bytes: int = setting(900 * 1024, "outcomes are split into messages under this size")
+    join_state_max_bytes: int = setting(
+        512 * 1024 * 1024, "the join's pending halves and remembered ids, counted bytes, over every partition"
+    )
     label_window_s: float = setting(86400.0, "event time a verdict/rating can wait for its query")
     query_state_max: int = setting(500_000, "per-query table entries a worker keeps at most, per table")
     al_pending_max: int = setting(20_000, "error candidates (whole events) waiting for a verdict, at most")
@@ -218,8 +223,11 @@ class Settings:
         DEFAULT_MIN_INSYNC, "copies an acks=all write needs; 1 leaves the broker's default"
     )
     # -- checkpoint signing (docs/operations.md, "Signed checkpoints") --------------------
-    checkpoint_signing_key: str = setting("", "HMAC-SHA256 secret of manifests; empty: unsigned", repr=False)
-    checkpoint_signing_key_file: str = setting("", "a file holding that secret")
+    checkpoint_signing_key: str = setting(
+        "", "the learner's key: an Ed25519 private key (PEM) or an HMAC-SHA256 secret; empty: unsigned", repr=False
+    )
+    checkpoint_signing_key_file: str = setting("", "a file holding that key (causalmem keygen writes a pair)")
+    checkpoint_verify_key_file: str = setting("", "readers: the learner's Ed25519 public key (PEM) to verify with")
     # CAUSALMEM_KAFKA_* (KafkaSecurity's own settings)
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
 
@@ -260,6 +268,7 @@ class Settings:
             ),
             max_future_skew_s=self.max_future_skew_s,
             max_outcomes_bytes=self.max_outcomes_bytes,
+            state_max_bytes=self.join_state_max_bytes,
         )
 
     def drift(self) -> DriftConfig:
@@ -378,16 +387,28 @@ class Settings:
         (the ``causalmem ui`` flags: host, port, labelers_file, overlap, …)."""
         return UiConfig(connection=self.connection(), state_dir=self.state_path(), **options)
 
-    def signing_key(self) -> bytes | None:
-        """The checkpoint signing key: ``checkpoint_signing_key``, else the file's content; None: unsigned."""
+    def signing_key(self) -> Key | None:
+        """The learner's checkpoint signing key (``topics.signing.load_key``): ``checkpoint_signing_key``,
+        else the file's content; None: unsigned."""
         if self.checkpoint_signing_key:
-            return self.checkpoint_signing_key.encode()
+            return load_key(self.checkpoint_signing_key)
         if self.checkpoint_signing_key_file:
-            key = Path(os.path.expanduser(self.checkpoint_signing_key_file)).read_bytes().strip()
-            if not key:
+            text = Path(os.path.expanduser(self.checkpoint_signing_key_file)).read_bytes()
+            if not text.strip():
                 raise ValueError(f"checkpoint signing key file {self.checkpoint_signing_key_file} is empty")
-            return key
+            return load_key(text)
         return None
+
+    def verify_key(self) -> Key | None:
+        """What a reader checks checkpoints with: the public key of ``checkpoint_verify_key_file``, else
+        the public half of the signing key (or the shared secret itself); None: nothing is checked."""
+        if self.checkpoint_verify_key_file:
+            key = load_key(Path(os.path.expanduser(self.checkpoint_verify_key_file)).read_bytes())
+            if not is_public(key):
+                raise ValueError(f"{self.checkpoint_verify_key_file} does not hold an Ed25519 public key (PEM)")
+            return key
+        signing = self.signing_key()
+        return verify_key(signing) if signing is not None else None
 
     def state_path(self) -> Path:
         path = _state_path(self.state_dir)
@@ -579,7 +600,7 @@ class LearnerConfig:
     # An experience whose ts is further ahead of the wall clock goes to dead-letter (ts_in_future).
     max_future_skew_s: float = Settings.max_future_skew_s
     dedupe_horizon_s: float = dedupe_horizon_s(Settings.join_window_s, Settings.max_future_skew_s)
-    signing_key: bytes | None = field(default=None, repr=False)  # HMAC-SHA256 key for manifests (Settings.signing_key)
+    signing_key: Key | None = field(default=None, repr=False)  # signs manifests (Settings.signing_key)
     # Contract 1.3: the learner follows memory-lifecycle and assigns slots by memory id (docs/contract.md §9.1).
     lifecycle_grace_s: float = Settings.lifecycle_grace_s
     # Operators' suppress/unsuppress (pipeline/learner/suppression.py): slots per command, checkpoints per hour.
@@ -614,6 +635,15 @@ class JoinConfig:
     active_learning: ActiveLearningConfig = field(default_factory=ActiveLearningConfig)
     max_future_skew_s: float = Settings.max_future_skew_s
     max_outcomes_bytes: int = Settings.max_outcomes_bytes  # under Kafka's default 1 MB message limit
+    state_max_bytes: int = Settings.join_state_max_bytes  # a worker owning every partition holds at most this
+
+    @property
+    def partition_max_bytes(self) -> int:
+        """The bytes one input partition's join state may hold: its even share of ``state_max_bytes``.
+
+        The same on whichever worker owns the partition, so a takeover rebuilds the same state.
+        """
+        return self.state_max_bytes // self.connection.topics.retrieval_events.partitions
 
 
 @dataclass(frozen=True)
@@ -681,24 +711,43 @@ class UiConfig:
     max_events: int = 200_000  # retrieval steps remembered for the memory pages (older ones are forgotten)
     recent_per_memory: int = 20  # recent queries listed on a memory's page
     memory_view_bytes: int = 64 * 1024 * 1024  # the memory pages' texts and recent queries, at most (estimated)
+    label_book_bytes: int = 64 * 1024 * 1024  # labels and samples the agreement pages keep, at most (estimated)
     worker_urls: tuple[str, ...] = ()  # Prometheus endpoints for the health page
     learner_urls: tuple[str, ...] = ()
     shadow_window: int = 0  # >0: the health page shows shadow mode's estimate over the last N joined steps
     shadow_every_s: float = 60.0  # that estimate reads the window and judges it again at most this often
-    # Login throttling (pipeline/ui/throttle.py): per name, this many failed attempts, then one
-    # every refill seconds; per client address likewise (larger: labelers behind one proxy share it).
+    # Login throttling (pipeline/ui/throttle.py), address first: per client address, this many
+    # failed attempts, then one every refill seconds (larger: labelers behind one proxy share it);
+    # per name from one address likewise; per name from every address together, more attempts and
+    # a short refill, so that guesses from elsewhere slow a name for seconds and never lock it out.
     login_name_burst: int = 5
     login_name_refill_s: float = 60.0
     login_address_burst: int = 20
     login_address_refill_s: float = 15.0
+    login_name_all_burst: int = 30
+    login_name_all_refill_s: float = 5.0
+    # Reverse proxies whose X-Forwarded-For names the client (addresses or networks); none by
+    # default: the client is the connection's peer, whatever a request's headers say.
+    trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.overlap < 1:
             raise ValueError("overlap must be at least 1 (labelers per sample)")
-        if min(self.login_name_burst, self.login_address_burst) < 1:
+        if min(self.login_name_burst, self.login_address_burst, self.login_name_all_burst) < 1:
             raise ValueError("login bursts must be at least 1 (attempts before the throttle holds)")
-        if min(self.login_name_refill_s, self.login_address_refill_s) <= 0:
+        if min(self.login_name_refill_s, self.login_address_refill_s, self.login_name_all_refill_s) <= 0:
             raise ValueError("login refill seconds must be positive")
+        if self.label_book_bytes <= 0:
+            raise ValueError("label_book_bytes must be positive")
+        if isinstance(self.trusted_proxies, str):
+            raise ValueError("trusted_proxies: a tuple of addresses, not one string")
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"trusted_proxies: {proxy!r} is not an IP address or network (a proxy is named by its address)"
+                ) from None
         if self.lease_s <= 0 or self.refresh_s <= 0 or self.undo_s < 0:
             raise ValueError("lease_s and refresh_s must be positive, undo_s not negative")
 

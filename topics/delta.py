@@ -33,7 +33,8 @@ from typing import Any
 import orjson
 
 from topics.fields import Limits, Rejected, open_value
-from topics.manifest import DELTA, MAX_VERSION, Manifest, hex64, manifest_fields, verify_signature
+from topics.manifest import DELTA, MAX_VERSION, Manifest, hex64, manifest_fields
+from topics.signing import Key, verify_signature
 
 SCHEMA_DELTA = "policy_delta/v1"
 
@@ -77,7 +78,7 @@ def link_id(manifest: Manifest) -> str:
     return manifest.sha256
 
 
-def decode_delta_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes | None = None) -> DeltaManifest:
+def decode_delta_manifest(raw: bytes, limits: Limits | None = None, signing_key: Key | None = None) -> DeltaManifest:
     """A delta manifest, validated like a full one (``topics.manifest.decode_manifest``) plus its chain fields.
 
     Raises

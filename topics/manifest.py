@@ -12,8 +12,11 @@ tombstone (null value) ends it.
 
 Contract 1.2 adds, all optional (docs/contract.md §7): the writer's ``epoch`` on each
 manifest and the epoch claim a learner writes under ``"{policy}/epoch"`` when it takes
-over (fencing: readers ignore an older epoch), an HMAC-SHA256 ``signature`` over the
-manifest, and bounds on ``size``, ``chunks`` and version jumps.
+over (fencing: readers ignore an older epoch), a ``signature`` over the manifest
+(``topics.signing``: HMAC-SHA256, or Ed25519 since 1.11), and bounds on ``size``, ``chunks``
+and version jumps. Contract 1.11 adds ``role``, signed with the rest: the key a manifest is
+published under (``serving``, ``candidate``, ``canary``, ``delta``, ``delta_candidate``), so a
+signed candidate replayed under the serving key is refused by a reader that checks signatures.
 
 >>> chunk_key("default", 7, 2)
 'default/7/2'
@@ -30,7 +33,6 @@ manifest, and bounds on ``size``, ``chunks`` and version jumps.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import math
 import re
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from typing import Any, ClassVar
 import orjson
 
 from topics.fields import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Fields, Limits, Rejected, WireValue, open_value
+from topics.signing import Key, sign, verify_signature
 
 MAX_CHUNK_BYTES = 512 * 1024
 MIN_CHUNK_BYTES = 1024  # every chunk but the last holds at least this much (bounds ``chunks``)
@@ -51,7 +54,6 @@ CANDIDATE_SUFFIX = "/candidate"
 EPOCH_SUFFIX = "/epoch"
 CANARY_SUFFIX = "/canary"  # contract 1.4
 SCHEMA_EPOCH_CLAIM = "writer_epoch/v1"
-SIGNATURE_PREFIX = "hmac-sha256:"
 DELTA = "delta"  # contract 1.3: the key segment of delta checkpoints ("{policy}/delta", ...)
 # A key's version or chunk index: ASCII digits only, at most 16 (2^53 has 16). ``str.isdigit``
 # also accepts '²' and other Unicode digits that ``int`` refuses, and ``int`` refuses more than
@@ -165,64 +167,6 @@ def max_chunks(size: int) -> int:
     return max(1, math.ceil(size / MIN_CHUNK_BYTES))
 
 
-def _canonical(obj: dict[str, Any]) -> bytes:
-    return orjson.dumps({k: v for k, v in obj.items() if k != "signature"}, option=orjson.OPT_SORT_KEYS)
-
-
-def sign(obj: dict[str, Any], key: bytes) -> str:
-    """The HMAC-SHA256 signature of a manifest or epoch claim (its JSON object, without ``signature``).
-
-    The object is serialized with sorted keys, so a reader verifies what it parsed, whatever
-    the field order on the wire.
-
-    >>> sig = sign({"b": 1, "a": 2.5}, b"k")
-    >>> sig.startswith(SIGNATURE_PREFIX), verify_signature({"a": 2.5, "b": 1, "signature": sig}, b"k")
-    (True, True)
-    >>> verify_signature({"a": 2.5, "b": 2, "signature": sig}, b"k"), verify_signature({"a": 2.5, "b": 1}, b"k")
-    (False, False)
-    """
-    return SIGNATURE_PREFIX + hmac.new(key, _canonical(obj), hashlib.sha256).hexdigest()
-
-
-def verify_signature(obj: dict[str, Any], key: bytes) -> bool:
-    """Whether ``obj["signature"]`` is ``key``'s signature of the rest of ``obj``.
-
-    Compared as bytes: ``hmac.compare_digest`` raises TypeError on a non-ASCII *str*, and a
-    forged signature is a wrong signature, never an exception.
-
-    >>> verify_signature({"a": 1, "signature": "hmac-sha256:é"}, b"k")
-    False
-    """
-    sig = obj.get("signature")
-    if not isinstance(sig, str):
-        return False
-    return hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), sign(obj, key).encode("ascii"))
-
-
-# Contract 1.6: a tombstone (null value) cannot carry a signature in its value, so with a
-# signing key the learner sends it with this record header, its HMAC over the message key.
-TOMBSTONE_HEADER = "causalmem-signature"
-
-
-def tombstone_signature(message_key: bytes, key: bytes) -> bytes:
-    """The ``causalmem-signature`` header of a tombstone sent under ``message_key``.
-
-    >>> sig = tombstone_signature(b"default/3/0", b"k")
-    >>> verify_tombstone(b"default/3/0", [(TOMBSTONE_HEADER, sig)], b"k")
-    True
-    >>> verify_tombstone(b"default/4/0", [(TOMBSTONE_HEADER, sig)], b"k"), verify_tombstone(b"default/3/0", None, b"k")
-    (False, False)
-    """
-    return (SIGNATURE_PREFIX + hmac.new(key, b"tombstone\x00" + message_key, hashlib.sha256).hexdigest()).encode()
-
-
-def verify_tombstone(message_key: bytes, headers: Any, key: bytes) -> bool:
-    """Whether a tombstone's record headers carry ``key``'s signature of its message key."""
-    expected = tombstone_signature(message_key, key)
-    found = [v for k, v in (headers or ()) if k == TOMBSTONE_HEADER]
-    return len(found) == 1 and isinstance(found[0], bytes) and hmac.compare_digest(found[0], expected)
-
-
 @dataclass
 class EpochClaim:
     """A learner's claim to write a policy from ``epoch`` on (key ``"{policy}/epoch"``).
@@ -253,14 +197,14 @@ class EpochClaim:
             out["signature"] = self.signature
         return out
 
-    def to_bytes(self, key: bytes | None = None) -> bytes:
+    def to_bytes(self, key: Key | None = None) -> bytes:
         obj = self.to_dict()
         if key is not None:
             obj["signature"] = self.signature = sign(obj, key)
         return orjson.dumps(obj)
 
 
-def decode_epoch_claim(raw: bytes, signing_key: bytes | None = None) -> EpochClaim:
+def decode_epoch_claim(raw: bytes, signing_key: Key | None = None) -> EpochClaim:
     """An epoch claim, validated (and its signature checked when ``signing_key`` is set)."""
     f = open_value(raw, Limits(max_bytes=64 * 1024), SCHEMA_EPOCH_CLAIM)
     if signing_key is not None and not verify_signature(f.obj, signing_key):
@@ -301,7 +245,7 @@ class Manifest(WireValue):
         "metrics",
         "input_offsets",
     )
-    OPTIONAL = ("epoch", "signature", "serving")  # contract 1.2
+    OPTIONAL = ("epoch", "signature", "serving", "role")  # contract 1.2; role: 1.11
 
     policy: str
     version: int
@@ -316,18 +260,27 @@ class Manifest(WireValue):
     metrics: dict[str, Any] = field(default_factory=dict)
     input_offsets: dict[str, int] = field(default_factory=dict)
     epoch: int | None = None  # the writer's epoch (fencing); absent before contract 1.2
-    signature: str | None = None  # "hmac-sha256:<hex>" when the learner has a signing key
+    signature: str | None = None  # "ed25519:…" or "hmac-sha256:…" when the learner has a signing key
     serving: dict[str, Any] | None = None  # contract 1.2: how clients serve it (models.serving.params)
+    role: str | None = None  # contract 1.11: the key it is published under (ROLES), signed with the rest
 
-    def signed(self, key: bytes | None) -> Manifest:
-        """This manifest with its signature set (unchanged without a key)."""
+    def signed(self, key: Key | None, role: str | None = None) -> Manifest:
+        """This manifest for the key ``role`` (kept when None), with its signature set (none without a key)."""
+        if role is not None:
+            if role not in ROLES:
+                raise ValueError(f"role {role!r} is not one of {ROLES}")
+            self.role = role
         if key is not None:
             self.signature = None
             self.signature = sign(self.to_dict(), key)
         return self
 
 
-def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: bytes | None = None) -> Manifest:
+# Contract 1.11: the keys a manifest may be published under, as ``parse_key`` names them.
+ROLES = ("serving", "candidate", "canary", "delta", "delta_candidate")
+
+
+def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: Key | None = None) -> Manifest:
     """A manifest from the model topic, validated (``limits`` default: 1 MiB values).
 
     Beyond the fields' types it bounds ``version`` (≤ 2^53), ``size`` (what ``arch``'s
@@ -393,7 +346,17 @@ def manifest_fields(f: Fields) -> dict[str, Any]:
         "epoch": f.int_("epoch", 0, MAX_VERSION, required=False),
         "signature": f.str_("signature", required=False, empty_ok=True),
         "serving": serving,
+        "role": _role(f),
     }
+
+
+def _role(f: Fields) -> str | None:
+    role = f.str_("role", required=False)
+    if role is None:
+        return None
+    if role not in ROLES:
+        raise Rejected("out_of_range", f"role {role!r}")
+    return str(role)
 
 
 def hex64(f: Fields, name: str) -> str:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from topics.fields import Limits, Rejected, WireValue, check_key, encode, open_value
-from topics.manifest import key_number, sign, verify_signature
+from topics.manifest import key_number
+from topics.signing import Key, sign, verify_signature
 
 SCHEMA_SLOT = "slot_map/v1"
 SLOT_KEY_PART = "slot"
@@ -73,7 +74,7 @@ class SlotRecord(WireValue):
     def key(self) -> str:
         return slot_key(self.policy, self.slot)
 
-    def to_bytes(self, signing_key: bytes | None = None) -> bytes:
+    def to_bytes(self, signing_key: Key | None = None) -> bytes:
         """The record's value; signed (the manifests' HMAC, ``topics.manifest.sign``) with ``signing_key``.
 
         >>> r = SlotRecord("default", 5, "doc-7", live=True, version=12, since=12, ts=1.0)
@@ -91,7 +92,7 @@ class SlotRecord(WireValue):
 
 
 def decode_slot_record(
-    raw: bytes, key: Any = None, limits: Limits | None = None, signing_key: bytes | None = None
+    raw: bytes, key: Any = None, limits: Limits | None = None, signing_key: Key | None = None
 ) -> SlotRecord:
     """A slot-map value, validated; ``key`` (when given) must be the record's own key; with
     ``signing_key`` its signature must be that key's (contract 1.7)."""

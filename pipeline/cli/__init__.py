@@ -45,6 +45,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "suppress": ("suppress", "operator: 'do not use' for memories, served at once (capped, rate-limited, audited)"),
     "unsuppress": ("suppress", "operator: undo suppress (the memories get neutral rows again), served at once"),
     "ui": ("ui", "the web app: label queued samples, agreement, each memory's record, health"),
+    "keygen": ("keygen", "an Ed25519 key pair: the learner signs checkpoints, readers verify them"),
 }
 
 

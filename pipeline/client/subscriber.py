@@ -51,6 +51,7 @@ from pipeline.service import Service
 from topics.delta import DeltaManifest, link_id
 from topics.fields import Rejected
 from topics.manifest import CheckpointError, Manifest, parse_key, validate_policy_name
+from topics.signing import Key
 from topics.slotmap import SlotTable, decode_slot_record, parse_slot_key
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,11 @@ class PolicySubscriber(Service):
     keep_recent
         How many versions' chunk bytes to keep while waiting for their manifest.
     signing_key
-        The HMAC-SHA256 key the learner signs manifests with: set, unsigned or wrongly
-        signed manifests are rejected. Default: ``Settings``' key when ``conn`` is one
-        (``CAUSALMEM_CHECKPOINT_SIGNING_KEY`` or its file), else none.
+        What the learner's signatures are checked with (``topics.signing``): its Ed25519
+        public key, or the shared HMAC secret. Set, unsigned or wrongly signed manifests, and
+        manifests signed for another key than the one they arrive under (contract 1.11), are
+        rejected. Default: ``Settings.verify_key()`` when ``conn`` is ``Settings``
+        (``CAUSALMEM_CHECKPOINT_VERIFY_KEY_FILE``, else the signing key's public half), else none.
 
     state_check_bytes
         Delta checkpoints (contract 1.3): a state of at most this many bytes is copied,
@@ -152,7 +155,7 @@ class PolicySubscriber(Service):
         on_update: UpdateCallback | None = None,
         expected_arch: Arch | None = None,
         keep_recent: int = 2,
-        signing_key: bytes | None = None,
+        signing_key: Key | None = None,
         state_check_bytes: int = STATE_CHECK_BYTES,
         on_canary: Callable[[LoadedPolicy | None], Any] | None = None,
     ) -> None:
@@ -162,7 +165,7 @@ class PolicySubscriber(Service):
         self.state_check_bytes = state_check_bytes
         self.replays = 0  # times a delta was reached by replaying its chain (a missed link, a failed check)
         if signing_key is None and isinstance(conn, Settings):
-            signing_key = conn.signing_key()
+            signing_key = conn.verify_key()
         self.signing_key = signing_key
         self.conn = Connection.of(conn)
         self.bootstrap = bootstrap

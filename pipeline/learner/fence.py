@@ -33,6 +33,7 @@ from pipeline.config import Connection
 from pipeline.learner.election import Election
 from topics.fields import Rejected
 from topics.manifest import decode_epoch_claim, decode_manifest, parse_key
+from topics.signing import Key
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Fenced(RuntimeError):
 class Fence:
     """Follows the model topic's tail to tell whether this learner still owns its policy's epoch."""
 
-    def __init__(self, bootstrap: str, conn: Connection, election: Election | None, signing_key: bytes | None) -> None:
+    def __init__(self, bootstrap: str, conn: Connection, election: Election | None, signing_key: Key | None) -> None:
         self.bootstrap = bootstrap
         self.conn = conn
         self.election = election

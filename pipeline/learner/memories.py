@@ -41,6 +41,7 @@ from pipeline.modeltopic import CheckpointPublisher
 from topics.fields import Limits, Rejected
 from topics.internal import Experience
 from topics.lifecycle import MemoryRecord, decode_memory_record
+from topics.signing import Key
 from topics.slotmap import SlotRecord, decode_slot_record, parse_slot_key
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class MemoryBank:
         publishes is signed, and a restore ignores records not signed with the key)."""
         return cls(config.connection, config.trainer.slots, config.lifecycle_grace_s, config.signing_key)
 
-    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0, signing_key: bytes | None = None) -> None:
+    def __init__(self, conn: Connection, slots: int, grace_s: float = 3600.0, signing_key: Key | None = None) -> None:
         self.conn = conn
         self.signing_key = signing_key  # contract 1.7: the map's records are signed and verified with it
         self.policy = conn.policy

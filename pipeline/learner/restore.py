@@ -47,6 +47,7 @@ from topics.delta import DeltaManifest
 from topics.fields import Rejected
 from topics.internal import Experience, decode_experience
 from topics.manifest import CheckpointError, Manifest
+from topics.signing import Key as SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ async def read_history(
 
 
 async def find_version(
-    bootstrap: str, conn: Connection, store: LocalStore, arch: Arch, version: int, signing_key: bytes | None = None
+    bootstrap: str, conn: Connection, store: LocalStore, arch: Arch, version: int, signing_key: SigningKey | None = None
 ) -> dict[str, torch.Tensor] | None:
     """A version's weights for a rollback: from the model topic, else from the local directory.
 

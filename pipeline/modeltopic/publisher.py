@@ -8,6 +8,7 @@ safetensors bytes; the caller serializes. ``pipeline.modeltopic`` re-exports it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -16,19 +17,19 @@ from typing import TYPE_CHECKING, Any
 from topics.delta import DeltaManifest, delta_candidate_key, delta_chunk_key, delta_key, link_id
 from topics.fields import encode
 from topics.manifest import (
-    TOMBSTONE_HEADER,
     EpochClaim,
     Manifest,
     canary_key,
     candidate_key,
     chunk_key,
     epoch_key,
+    parse_key,
     serving_key,
     sha256_hex,
     split_chunks,
-    tombstone_signature,
     validate_policy_name,
 )
+from topics.signing import TOMBSTONE_HEADER, Key, tombstone_signature
 
 if TYPE_CHECKING:
     from pipeline.modeltopic.reader import ModelTopicIndex
@@ -56,7 +57,7 @@ class CheckpointPublisher:
         topic: str,
         policy: str,
         keep_versions: int = 3,
-        signing_key: bytes | None = None,
+        signing_key: Key | None = None,
         before_send: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.producer = producer
@@ -173,13 +174,15 @@ class CheckpointPublisher:
             epoch=self.epoch,
             serving=serving,
             **(delta or {}),
-        ).signed(self.signing_key)
-        if prepare is not None:
-            prepare(manifest)
+        )
         if delta:
             key, part_key = (delta_candidate_key if candidate else delta_key)(self.policy), delta_chunk_key
         else:
             key, part_key = (candidate_key if candidate else serving_key)(self.policy), chunk_key
+        # The role is the key it goes under, signed with the rest (contract 1.11).
+        manifest.signed(self.signing_key, role=parse_key(key)[0])
+        if prepare is not None:
+            prepare(manifest)
         await self._fence()
         futures = [
             await self.producer.send(self.topic, chunk, key=part_key(self.policy, version, i).encode(), partition=0)
@@ -214,7 +217,9 @@ class CheckpointPublisher:
             return
         await self._fence()
         key = (delta_key if delta else serving_key)(self.policy)
-        fut = await self.producer.send(self.topic, encode(manifest.to_dict()), key=key.encode(), partition=0)
+        # Signed again for the serving key: the candidate's signature names its own (contract 1.11).
+        served = dataclasses.replace(manifest).signed(self.signing_key, role=parse_key(key)[0])
+        fut = await self.producer.send(self.topic, encode(served.to_dict()), key=key.encode(), partition=0)
         await fut
         self._serve(manifest)
         await self._tombstone_old()
@@ -225,8 +230,9 @@ class CheckpointPublisher:
         if isinstance(manifest, DeltaManifest):
             raise ValueError("a canary is a full snapshot: clients load it beside the serving policy")
         await self._fence()
-        value = encode(manifest.to_dict()) if manifest is not None else None
         key = canary_key(self.policy).encode()
+        canary = dataclasses.replace(manifest).signed(self.signing_key, role="canary") if manifest is not None else None
+        value = encode(canary.to_dict()) if canary is not None else None
         signed = self._tombstone_headers(key) if value is None else {}
         fut = await self.producer.send(self.topic, value, key=key, partition=0, **signed)
         await fut

@@ -51,8 +51,8 @@ from topics.manifest import (
     decode_manifest,
     parse_key,
     sha256_hex,
-    verify_tombstone,
 )
+from topics.signing import Key, verify_tombstone
 
 __all__ = [
     "ModelTopicIndex",
@@ -84,7 +84,7 @@ class ModelTopicIndex:
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (offset, reason): the newest ones
     rejected_total: int = 0  # every rejection since the index was made (``rejected`` keeps the newest)
     end_offset: int = 0
-    signing_key: bytes | None = None  # set: unsigned or wrongly signed manifests are rejected
+    signing_key: Key | None = None  # set: unsigned or wrongly signed manifests are rejected
     epochs: dict[str, int] = field(default_factory=dict)  # the newest epoch seen per policy
     claims: dict[str, EpochClaim] = field(default_factory=dict)  # the newest epoch claim per policy
     claim_offsets: dict[str, int] = field(default_factory=dict)
@@ -165,7 +165,7 @@ class ModelTopicIndex:
         if kind == "canary":
             return self._observe_canary(offset, policy, value)
         if kind in ("serving", "candidate", "delta", "delta_candidate") and value is not None:
-            manifest = self._followable(policy, value, delta=kind.startswith("delta"))
+            manifest = self._followable(policy, value, delta=kind.startswith("delta"), role=kind)
             if isinstance(manifest, str):
                 return self._reject(offset, manifest)
             if manifest.epoch is not None:
@@ -195,16 +195,17 @@ class ModelTopicIndex:
         if value is None:
             self.canary[policy] = None
             return "canary", None
-        manifest = self._followable(policy, value, delta=False, what="canary manifest")
+        manifest = self._followable(policy, value, delta=False, what="canary manifest", role="canary")
         if isinstance(manifest, str):
             return self._reject(offset, manifest)
         self.canary[policy] = manifest
         return "canary", manifest
 
-    def _followable(self, policy: str, value: bytes, delta: bool, what: str = "manifest") -> Manifest | str:
-        """The manifest under a ``policy`` key, or why it must not be followed: it does not
-        decode (or verify), names another policy, comes from a fenced writer, or jumps
-        beyond the newest version seen by more than :data:`MAX_VERSION_JUMP`."""
+    def _followable(self, policy: str, value: bytes, delta: bool, role: str, what: str = "manifest") -> Manifest | str:
+        """The manifest under a ``policy`` key of kind ``role``, or why it must not be followed:
+        it does not decode (or verify), names another policy, was signed for another key
+        (contract 1.11: a signed candidate replayed as serving), comes from a fenced writer, or
+        jumps beyond the newest version seen by more than :data:`MAX_VERSION_JUMP`."""
         try:
             decode = decode_delta_manifest if delta else decode_manifest
             manifest: Manifest = decode(value, signing_key=self.signing_key)
@@ -212,6 +213,8 @@ class ModelTopicIndex:
             return f"bad {what}: {exc.reason}: {exc.detail}"
         if manifest.policy != policy:
             return "manifest policy differs from its key"
+        if self.signing_key is not None and manifest.role != role:
+            return f"{what} signed for the {manifest.role or 'unnamed'} key, found under the {role} key"
         why = self._fenced(manifest)
         if why:
             return why
@@ -323,7 +326,7 @@ class ModelTopicIndex:
 _LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
 
 
-def unsigned_warning(role: str, signing_key: bytes | None, bootstrap: str | None, security_protocol: str) -> str | None:
+def unsigned_warning(role: str, signing_key: Key | None, bootstrap: str | None, security_protocol: str) -> str | None:
     """What an unsigned ``role`` ("learner", "client") logs at start as a WARNING; None when it signs
     or runs on the embedded broker.
 
@@ -336,7 +339,7 @@ def unsigned_warning(role: str, signing_key: bytes | None, bootstrap: str | None
     >>> unsigned_warning("client", b"k", "kafka:9092", "SASL_SSL") is None
     True
     >>> print(unsigned_warning("learner", None, "kafka:9092", "PLAINTEXT"))  # doctest: +ELLIPSIS
-    learner: checkpoints are NOT signed ... set CAUSALMEM_CHECKPOINT_SIGNING_KEY ...
+    learner: checkpoints are NOT signed ... CAUSALMEM_CHECKPOINT_SIGNING_KEY_FILE ...
     """
     if signing_key is not None:
         return None
@@ -347,9 +350,9 @@ def unsigned_warning(role: str, signing_key: bytes | None, bootstrap: str | None
     what = "publishes checkpoints no client can tell from a forgery" if role == "learner" else "serves any manifest"
     return (
         f"{role}: checkpoints are NOT signed on broker {bootstrap}: this {role} {what}, so any producer "
-        "on the model topic can serve its own weights and lock the learner out; set "
-        "CAUSALMEM_CHECKPOINT_SIGNING_KEY or CAUSALMEM_CHECKPOINT_SIGNING_KEY_FILE (the same key on the learner "
-        "and every client; docs/operations.md, 'Signed checkpoints')"
+        "on the model topic can serve its own weights and lock the learner out; run causalmem keygen and set "
+        "CAUSALMEM_CHECKPOINT_SIGNING_KEY_FILE on the learner and CAUSALMEM_CHECKPOINT_VERIFY_KEY_FILE on every "
+        "client (docs/operations.md, 'Signed checkpoints')"
     )
 
 
@@ -359,7 +362,7 @@ def model_topic(conn: Connection | Settings | None) -> str:
 
 
 async def scan_model_topic(
-    bootstrap: str, conn: Connection | Settings, topic: str | None = None, signing_key: bytes | None = None
+    bootstrap: str, conn: Connection | Settings, topic: str | None = None, signing_key: Key | None = None
 ) -> ModelTopicIndex:
     """Read the whole model topic once, from the beginning, into an index.
 

@@ -4,7 +4,7 @@ is rejected, a signed one followed; without a key tombstones are followed as bef
 from __future__ import annotations
 
 from pipeline.modeltopic import ModelTopicIndex
-from topics.manifest import TOMBSTONE_HEADER, tombstone_signature
+from topics.signing import TOMBSTONE_HEADER, tombstone_signature
 
 KEY = b"k"
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from topics.delta import decode_delta_manifest
 from topics.fields import REASONS, SCHEMA_MANIFEST, Rejected
-from topics.manifest import Manifest, decode_epoch_claim, decode_manifest, parse_key, sha256_hex, verify_signature
+from topics.manifest import Manifest, decode_epoch_claim, decode_manifest, parse_key, sha256_hex
+from topics.signing import verify_signature
 from topics.slotmap import decode_slot_record, parse_slot_key
 
 KEY = b"secret"
