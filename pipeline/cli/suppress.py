@@ -13,8 +13,16 @@ from pipeline.policy_evaluation.suppress import change_suppression
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
+    # Not ``dest="slots"``: that is the setting S (Settings.slots), which settings_from() reads from the
+    # namespace; the memories a command names are another thing and must not overwrite it.
     p.add_argument(
-        "--slots", type=int, nargs="+", required=True, help="the memories (slots); at most suppress_max_slots"
+        "--slots",
+        dest="memory_slots",
+        metavar="SLOT",
+        type=int,
+        nargs="+",
+        required=True,
+        help="the memories (slots); at most suppress_max_slots",
     )
     p.add_argument("--reason", default="", help="why: recorded in the audit trail (checkpoint metrics, status)")
     p.add_argument(
@@ -41,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             bootstrap,
             conn,
             args.verb,
-            args.slots,
+            args.memory_slots,
             by=by,
             reason=args.reason,
             timeout=args.timeout,
