@@ -10,6 +10,7 @@ signed with the rest, and with an Ed25519 pair the readers hold a key that canno
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from models.policy.network import Arch, init_policy
 from pipeline import kafka
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
+from pipeline.learner.loop import Learner
+from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher, scan_model_topic
 from tests.helpers import publish_tensors
 from topics.fields import encode
@@ -111,21 +114,29 @@ def test_a_reader_holds_a_key_that_cannot_sign(tmp_path: Path) -> None:
     assert not verify_signature({**m.to_dict(), "version": 10}, reader_key)
 
 
-def test_the_learners_ed25519_checkpoints_load_in_a_client_holding_only_the_public_key(
+def test_the_learner_signs_with_its_private_key_and_a_client_with_only_the_public_key_serves_it(
     topics_ready: Settings, tmp_path: Path
 ) -> None:
-    s = topics_ready
     private_pem, public_pem = generate_pem()
+    (tmp_path / "learner.pem").write_bytes(private_pem)
     (tmp_path / "readers.pem").write_bytes(public_pem)
-    client = Settings(**{**s.__dict__, "checkpoint_verify_key_file": str(tmp_path / "readers.pem")})
+    s = topics_ready.replace(checkpoint_interval_s=0.3, checkpoint_signing_key_file=str(tmp_path / "learner.pem"))
+    client = topics_ready.replace(checkpoint_verify_key_file=str(tmp_path / "readers.pem"))
 
-    async def run() -> int:
-        producer, pub = await _publisher(s, load_key(private_pem))
+    async def run() -> tuple[Manifest, list[tuple[int, str]]]:
+        learner = Learner(s.learner(), s.bootstrap or "", Metrics())
+        await learner.start()
+        task = asyncio.create_task(learner.run())
         try:
-            await _publish(pub, s, 0, candidate=False)
+            async with PolicySubscriber(s.bootstrap or "", conn=client) as sub:
+                loaded = await sub.wait_for_policy(1, timeout=60)
+                return loaded.manifest, sub.rejections
         finally:
-            await producer.stop()  # type: ignore[attr-defined]
-        async with PolicySubscriber(s.bootstrap or "", conn=client) as sub:
-            return (await sub.wait_for_policy(1, timeout=30)).version
+            await learner.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
-    assert asyncio.run(run()) == 1
+    manifest, rejections = asyncio.run(run())
+    assert (manifest.signature or "").startswith("ed25519:") and manifest.role == "serving"
+    assert rejections == []
