@@ -44,8 +44,8 @@ def test_the_rate_limit_holds_within_the_hour_and_frees_after_it() -> None:
     assert refused.reason.startswith("rate_limited") and refused.suppressed == suppressed
     later = decide(SUPPRESS_COMMAND, [30], suppressed, audit, 1000.0 + RATE_WINDOW_S + 1, **CAPS)  # the first aged out
     assert later.verdict == "apply"
-    # an undo is a checkpoint too: it counts against the same limit
-    assert decide(UNSUPPRESS_COMMAND, [0], suppressed, audit, 1000.0 + 60 * 20, **CAPS).verdict == "refused"
+    # an undo is never refused for the rate: it must be possible to take a mistaken suppression back
+    assert decide(UNSUPPRESS_COMMAND, [0], suppressed, audit, 1000.0 + 60 * 20, **CAPS).verdict == "apply"
 
 
 def test_a_command_that_changes_nothing_forces_no_checkpoint() -> None:
@@ -92,3 +92,48 @@ def test_a_restarted_learner_keeps_the_suppressed_memories_and_their_audit() -> 
     Learner._resume(learner, restored)  # type: ignore[arg-type]
     assert held.suppressed == [3, 7] and held.suppression_audit == [entry] and held.resets == 1
     assert learner.version == 5 and resumed == [None]
+
+
+def test_an_undo_is_never_rate_limited_and_does_not_use_up_the_limit() -> None:
+    """Four suppressions in the hour used to leave a mistaken one impossible to undo for an hour."""
+    now = 1000.0 + 60 * 4
+    audit = [audit_entry(SUPPRESS_COMMAND, [i], "ops", "", f"c{i}", 1000.0 + 60 * i) for i in range(4)]
+    undo = decide(UNSUPPRESS_COMMAND, [3], (0, 1, 2, 3), audit, now, **CAPS)
+    assert (undo.verdict, undo.suppressed, undo.changed) == ("apply", (0, 1, 2), (3,))
+    # undos leave the hour's allowance of suppressions alone
+    undos = [audit_entry(UNSUPPRESS_COMMAND, [i], "ops", "", f"u{i}", 1000.0 + 60 * i) for i in range(8)]
+    assert decide(SUPPRESS_COMMAND, [9], [], undos, now, **CAPS).verdict == "apply"
+    # the cap on memories per command still holds for an undo (it is not a rate)
+    assert decide(UNSUPPRESS_COMMAND, list(range(9)), list(range(9)), [], now, **CAPS).verdict == "refused"
+
+
+def test_the_audit_records_that_who_asked_is_the_senders_unverified_claim() -> None:
+    """``by`` is free text on ``control``: a forged ``by='ops-bob'`` reached the trail as if proven."""
+    entry = audit_entry(SUPPRESS_COMMAND, [4], "ops-bob", "leaks", "c1", 5.0)
+    assert entry["by"] == "ops-bob" and entry["by_verified"] is False
+    assert read_audit([entry]) == [entry]
+    older = {"command": "suppress", "slots": [1], "by": "a", "ts": 1.0}  # a learner before the field
+    assert read_audit([older])[0]["by_verified"] is False
+
+
+def test_rollbacks_resets_and_cutovers_share_an_hourly_cap_counted_from_their_audit() -> None:
+    """The reported flood: 10 rollbacks and 3 resets gave 13 checkpoints past the gate in 20 s."""
+    from pipeline.learner.suppression import command_entry, decide_command
+
+    recent: list[dict[str, object]] = []
+    verdicts = []
+    for i, command in enumerate(["rollback"] * 10 + ["reset"] * 3):
+        now = 1000.0 + 1.5 * i
+        d = decide_command(command, recent, now, per_hour=6)
+        verdicts.append(d.verdict)
+        if d.verdict == "apply":
+            recent.append(command_entry(command, "ops", "", f"c{i}", now))
+        else:
+            assert d.reason == "rate_limited" and "6" in d.detail
+    assert verdicts == ["apply"] * 6 + ["refused"] * 7
+    assert decide_command("cutover", recent, 1000.0 + 30, per_hour=6).verdict == "refused"
+    assert decide_command("cutover", recent, 1000.0 + RATE_WINDOW_S + 1, per_hour=6).verdict == "apply"  # aged out
+    # suppressions have a limit of their own: they neither count here nor are counted here
+    suppressions = [audit_entry(SUPPRESS_COMMAND, [i], "ops", "", f"s{i}", 1000.0) for i in range(10)]
+    assert decide_command("rollback", suppressions, 1001.0, per_hour=6).verdict == "apply"
+    assert decide(SUPPRESS_COMMAND, [1], [], recent, 1001.0, **CAPS).verdict == "apply"
