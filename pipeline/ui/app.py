@@ -82,8 +82,38 @@ def _login_form(request: Request, status_code: int = 200, **context: Any) -> Res
     return render(request, "login.html", status_code=status_code, csrf=csrf_token(request), **context)
 
 
+# The client address of every request that carries X-Forwarded-For when the app cannot tell
+# whether the server took the client from it (it was not started by :func:`serve`).
+FORWARDED_UNVERIFIED = "forwarded-unverified"
+
+
+def client_address(peer: str | None, forwarded: bool, server_checks_forwarded: bool) -> str:
+    """The address the login throttle counts a request under.
+
+    ``peer`` is the ASGI client's host; ``forwarded``, whether the request carries
+    ``X-Forwarded-For``. Started by :func:`serve`, the server itself replaces the peer with the
+    forwarded client only when the peer is one of ``trusted_proxies`` (none by default), so
+    the client it reports is believed. Started otherwise (uvicorn's defaults trust the header
+    from loopback, so any local client could name a fresh address with each request), a
+    request with the header is counted under one shared address, whatever it claims: the
+    header never earns anyone a fresh allowance. The app never reads the header's value.
+
+    >>> client_address("10.0.0.7", True, True), client_address("10.0.0.7", False, False)
+    ('10.0.0.7', '10.0.0.7')
+    >>> client_address("203.0.113.9", True, False), client_address(None, False, True)
+    ('forwarded-unverified', 'unknown')
+    """
+    if forwarded and not server_checks_forwarded:
+        return FORWARDED_UNVERIFIED
+    return peer if peer is not None else "unknown"
+
+
 def _address(request: Request) -> str:
-    return request.client.host if request.client is not None else "unknown"
+    return client_address(
+        request.client.host if request.client is not None else None,
+        "x-forwarded-for" in request.headers,
+        state(request).server_checks_forwarded,
+    )
 
 
 async def login(request: Request) -> Response:
@@ -140,6 +170,36 @@ async def logout(request: Request) -> Response:
 
 async def home(request: Request) -> Response:
     return RedirectResponse("/queue", status_code=303)
+
+
+def uvicorn_options(config: UiConfig) -> dict[str, Any]:
+    """How :func:`serve` starts uvicorn: on ``config``'s host and port, taking the client from
+    ``X-Forwarded-For`` (and the scheme from ``X-Forwarded-Proto``) only when the connection
+    comes from one of ``config.trusted_proxies``; with none (the default), never.
+
+    >>> from pipeline.config import Settings
+    >>> o = uvicorn_options(Settings().ui())
+    >>> o["proxy_headers"], o["forwarded_allow_ips"]
+    (False, [])
+    >>> uvicorn_options(Settings().ui(trusted_proxies=("127.0.0.1",)))["forwarded_allow_ips"]
+    ['127.0.0.1']
+    """
+    proxies = list(config.trusted_proxies)
+    return {
+        "host": config.host,
+        "port": config.port,
+        "log_level": "warning",
+        "proxy_headers": bool(proxies),
+        "forwarded_allow_ips": proxies,  # never uvicorn's default (loopback, or $FORWARDED_ALLOW_IPS)
+    }
+
+
+def serve(app: Starlette, config: UiConfig) -> None:
+    """Run ``app`` (from :func:`create_app`) under uvicorn until it is stopped: ``causalmem ui``'s server."""
+    import uvicorn
+
+    app.state.ui.server_checks_forwarded = True
+    uvicorn.run(app, **uvicorn_options(config))
 
 
 def create_app(

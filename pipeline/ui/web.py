@@ -56,7 +56,10 @@ class UiState:
     pool: SamplePool
     feeds: Feeds
     sasl: SaslLogin | None = None  # labelers log in with their SASL principal (no labelers file)
-    throttle: LoginThrottle = field(default_factory=LoginThrottle)  # login attempts, by name and address
+    throttle: LoginThrottle = field(default_factory=LoginThrottle)  # login attempts, by address and name
+    # True once :func:`pipeline.ui.app.serve` started the server: the client address it reports is the
+    # connection's peer, or what a configured proxy forwarded (pipeline.ui.app.client_address).
+    server_checks_forwarded: bool = False
 
 
 def state(request: Request) -> UiState:

@@ -16,7 +16,7 @@ def test_a_name_gets_its_burst_then_one_guess_per_refill_and_a_success_costs_not
     now = [0.0]
     t = LoginThrottle(per_name=Rate(3, 60.0), per_address=Rate(100, 1.0), clock=lambda: now[0])
     assert [t.acquire("ann", "a").allowed for _ in range(4)] == [True, True, True, False]
-    refused = t.acquire("ANN ", "b")  # the same name, spelled otherwise, from elsewhere
+    refused = t.acquire("ANN ", "a")  # the same name, spelled otherwise (from elsewhere: test_ui_login_throttle.py)
     assert not refused.allowed and refused.retry_after_s == 60.0 and refused.retry_after == "60"
     assert t.refused == 2
     now[0] = 30.0
@@ -31,7 +31,7 @@ def test_a_name_gets_its_burst_then_one_guess_per_refill_and_a_success_costs_not
 
 
 def test_an_address_is_held_across_names_and_a_refused_attempt_takes_nothing() -> None:
-    t = LoginThrottle(per_name=Rate(5, 60.0), per_address=Rate(3, 10.0), clock=lambda: 0.0)
+    t = LoginThrottle(per_name=Rate(5, 60.0), per_address=Rate(3, 10.0), per_name_all=Rate(5, 60.0), clock=lambda: 0.0)
     assert [t.acquire(f"u{i}", "10.0.0.1").allowed for i in range(4)] == [True, True, True, False]
     assert t.acquire("u9", "10.0.0.2").allowed
     for _ in range(3):
