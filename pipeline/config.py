@@ -213,7 +213,10 @@ class Settings:
     lifecycle_grace_s: float = setting(3600.0, "contract 1.3: event time a removed memory's slot waits before reuse")
     suppress_max_slots: int = setting(8, "memories one operator suppress/unsuppress command may name")
     suppress_checkpoints_per_hour: int = setting(
-        4, "out-of-cadence checkpoints operators' suppress/unsuppress commands may force per hour"
+        4, "out-of-cadence checkpoints operators' suppress commands may force per hour (unsuppress: never limited)"
+    )
+    control_checkpoints_per_hour: int = setting(
+        6, "checkpoints past the gate that rollback, reset and cut-over commands may force per hour, together"
     )
     # -- limits --------------------------------------------------------------------------
     max_message_bytes: int = setting(Limits.max_bytes, "larger input messages are dead-lettered as oversize")
@@ -380,6 +383,7 @@ class Settings:
             lifecycle_grace_s=self.lifecycle_grace_s,
             suppress_max_slots=self.suppress_max_slots,
             suppress_checkpoints_per_hour=self.suppress_checkpoints_per_hour,
+            control_checkpoints_per_hour=self.control_checkpoints_per_hour,
         )
 
     def ui(self, **options: Any) -> UiConfig:
@@ -603,9 +607,11 @@ class LearnerConfig:
     signing_key: Key | None = field(default=None, repr=False)  # signs manifests (Settings.signing_key)
     # Contract 1.3: the learner follows memory-lifecycle and assigns slots by memory id (docs/contract.md §9.1).
     lifecycle_grace_s: float = Settings.lifecycle_grace_s
-    # Operators' suppress/unsuppress (pipeline/learner/suppression.py): slots per command, checkpoints per hour.
+    # Operators' suppress/unsuppress (pipeline/learner/suppression.py): slots per command, checkpoints per hour;
+    # and the checkpoints past the gate rollback, reset and cut-over commands may force per hour.
     suppress_max_slots: int = Settings.suppress_max_slots
     suppress_checkpoints_per_hour: int = Settings.suppress_checkpoints_per_hour
+    control_checkpoints_per_hour: int = Settings.control_checkpoints_per_hour
 
     @property
     def policy(self) -> str:

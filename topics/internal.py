@@ -351,15 +351,15 @@ def _check_details(command: str, details: Fields) -> None:
 
     ``rollback`` needs ``to_version`` (an integer ≥ 1); ``reset`` may carry ``since_ts``
     (a finite time, seconds since the epoch); ``suppress`` and ``unsuppress`` need ``slots`` (a
-    non-empty list of slots) and may carry ``by`` (who asked, for the audit trail). Other keys
-    are informational.
+    non-empty list of slots). Every command may carry ``by``, a string: who the sender says asked,
+    for the audit trail (a claim: nothing on ``control`` proves it). Other keys are informational.
     """
+    details.str_("by", required=False, empty_ok=True)
     if command == "rollback":
         details.int_("to_version", 1)
     elif command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
         if not details.slots_("slots"):
             raise Rejected("inconsistent", f"{command} needs at least one slot")
-        details.str_("by", required=False, empty_ok=True)
     elif command == "reset":
         details.float_("since_ts", 0.0, 1e11, required=False)
 

@@ -5,14 +5,20 @@ Commands apply between micro-batches, in offset order with the experiences. The 
 (``topics.internal.decode_control``) checks each command's ``details``; a message it
 rejects, or a command that still cannot be carried out, goes to ``dead-letter`` with its
 reason and its offset is passed: a bad command never stops training (docs/architecture.md,
-"Failure model").
+"Failure model"). Every command that forces a checkpoint past the promotion gate is bounded
+(:mod:`pipeline.learner.suppression`): a rollback, reset or cut-over beyond
+``control_checkpoints_per_hour`` is refused (``rate_limited``), and so is a rollback to a
+version the learner no longer keeps (``out_of_range``); the operator's verb reads that answer
+from ``dead-letter`` by the command's ``id``, or the checkpoint that carries the id.
 
 :class:`ControlHandler` carries the commands out for the learner
 (:class:`pipeline.learner.loop.Learner`), which builds it and hands it what the commands
 read and change: the trainer, the memory bank, the replay, the checkpoints' counters, and
 callables for the rest (apply the experiences read before a command, find a version's
 weights, publish the changed policy, dead-letter a message). It never imports the loop.
-Which weights a cut-over serves is a pure decision (:func:`cutover_version`).
+Which weights a cut-over serves, and whether a command is carried out at all, are pure
+decisions (:func:`cutover_version`; :func:`~pipeline.learner.suppression.decide` and
+:func:`~pipeline.learner.suppression.decide_command`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,15 @@ from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
 from pipeline.learner.publishing import Progress
 from pipeline.learner.replay import Replay
-from pipeline.learner.suppression import AUDIT_KEEP, audit_entry, decide
+from pipeline.learner.suppression import (
+    AUDIT_KEEP,
+    RATE_WINDOW_S,
+    audit_entry,
+    command_entry,
+    decide,
+    decide_command,
+    read_commands,
+)
 from pipeline.metrics import Metrics
 from topics.fields import Rejected
 from topics.internal import CUTOVER_COMMAND, SUPPRESS_COMMAND, UNSUPPRESS_COMMAND, Control, decode_control
@@ -89,6 +103,8 @@ class ControlHandler:
         these extra manifest metrics; returns the version published.
     dead_letter
         Sends a message to ``dead-letter`` with a reason and a detail.
+    clock
+        The learner's clock (seconds since the epoch): the audit's times and the rate limits.
     """
 
     def __init__(
@@ -106,6 +122,7 @@ class ControlHandler:
         local_dir: Path,
         publish_change: Callable[[str, dict[str, Any]], Awaitable[int]],
         dead_letter: Callable[[Any, str, str], None],
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.trainer = trainer
@@ -119,6 +136,19 @@ class ControlHandler:
         self.local_dir = local_dir
         self.publish_change = publish_change
         self.dead_letter = dead_letter
+        self.clock = clock
+        # The rollbacks, resets and cut-overs carried out in the last hour (their audit entries,
+        # which their checkpoints carry as ``control``): what control_checkpoints_per_hour counts.
+        self.recent: list[dict[str, Any]] = []
+
+    def recall(self, metrics: Iterable[Any], now: float | None = None) -> None:
+        """After a restore: the commands the model topic's checkpoints carry (each manifest's
+        ``metrics``) count against the hourly limit as if this learner had carried them out."""
+        now = self.clock() if now is None else now
+        known = {(e["command"], e["id"], e["ts"]) for e in self.recent}
+        found = [e for e in read_commands(metrics) if (e["command"], e["id"], e["ts"]) not in known]
+        self.recent = sorted([*self.recent, *found], key=lambda e: float(e["ts"]))
+        self.recent = [e for e in self.recent if now - RATE_WINDOW_S < float(e["ts"])]
 
     async def handle(self, msg: Any) -> None:
         """Carry out the command in ``msg`` (a consumer record), or dead-letter it."""
@@ -132,24 +162,53 @@ class ControlHandler:
         if ctl.id:
             self.inbox.mark_seen(ctl.id)
         try:
-            if ctl.command == "reset":
-                await self.reset(ctl.reason, ctl.details)
-            elif ctl.command == "rollback":
-                await self.rollback(int(ctl.details["to_version"]), ctl.reason)
-            elif ctl.command == CUTOVER_COMMAND:
-                await self.cutover(ctl.reason, ctl.details)
-            elif ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
+            if ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
                 await self.change_suppression(ctl, msg)
+            else:
+                await self.bypass_gate(ctl, msg)
         except (ValueError, TypeError, KeyError) as exc:
             # The codec checks details; a command it let through and that still cannot be
             # carried out is dead-lettered, and its offset passed like any other.
             log.error("learner: control command %s at offset %d failed: %r", ctl.command, msg.offset, exc)
             self.dead_letter(msg, "inconsistent", f"{ctl.command} failed: {exc!r}")
 
-    async def cutover(self, reason: str, details: dict[str, Any]) -> None:
+    async def bypass_gate(self, ctl: Control, msg: Any = None) -> bool:
+        """A ``rollback``, ``reset`` or ``cutover`` command: carried out (True) when
+        :func:`~pipeline.learner.suppression.decide_command` allows it, else refused and dead-lettered
+        (``msg`` being the control record) with nothing applied; a rollback to a version the learner no
+        longer keeps is refused too (``out_of_range``). The checkpoint it forces carries its audit entry
+        (``control``: the command, who the sender says asked, when, why and the command's id)."""
+        now = self.clock()
+        by = str(ctl.details.get("by") or "")
+        decision = decide_command(ctl.command, self.recent, now, per_hour=self.config.control_checkpoints_per_hour)
+        if decision.verdict == "refused":
+            log.error("learner: %s by %r (as the sender claims): %s", ctl.command, by, decision.detail)
+            if msg is not None:
+                self.dead_letter(msg, decision.reason, decision.detail)
+            return False
+        entry = command_entry(ctl.command, by, ctl.reason, ctl.id, now)
+        if ctl.command == "reset":
+            await self.reset(ctl.reason, ctl.details, entry=entry)
+        elif ctl.command == CUTOVER_COMMAND:
+            await self.cutover(ctl.reason, ctl.details, entry=entry)
+        else:
+            version = int(ctl.details["to_version"])
+            if not await self.rollback(version, ctl.reason, entry=entry):
+                if msg is not None:
+                    why = (
+                        f"rollback to v{version} refused: neither the model topic nor the learner's local directory "
+                        f"({self.local_dir}) keeps v{version}; causalmem rollback --list shows the versions kept"
+                    )
+                    self.dead_letter(msg, "out_of_range", why)
+                return False
+        self.recent = [e for e in self.recent if now - RATE_WINDOW_S < float(e["ts"])] + [entry]
+        return True
+
+    async def cutover(self, reason: str, details: dict[str, Any], entry: dict[str, Any] | None = None) -> None:
         """Shadow mode's switch to the policy (docs/byo-retriever.md): a checkpoint of reason ``cutover``.
 
         It serves the weights :func:`cutover_version` names, when they are found, else the current ones.
+        ``entry``: the command's audit entry, carried in the checkpoint's metrics (``control``).
         """
         await self.apply_pending()
         version = cutover_version(details, gated=self.config.gate is not None)
@@ -159,7 +218,7 @@ class ControlHandler:
                 self.trainer.load(tensors, self.trainer.baseline.state())
                 self.memories.rows_from(version, self.trainer)
                 self._keep_suppressed()
-        await self.publish_change(CUTOVER_COMMAND, {"cutover_reason": reason, "cutover": details})
+        await self.publish_change(CUTOVER_COMMAND, {"cutover_reason": reason, "cutover": details, **_carried(entry)})
 
     async def change_suppression(self, ctl: Control, msg: Any = None) -> str:
         """An operator's ``suppress`` (pin the memories' masks near 0) or ``unsuppress`` (neutral
@@ -172,7 +231,7 @@ class ControlHandler:
         checkpoints' metrics; the set is applied again after a drift reset, a rollback or a
         cut-over, which load other weights.
         """
-        now = time.time()
+        now = self.clock()
         by = str(ctl.details.get("by") or "")
         decision = decide(
             ctl.command,
@@ -185,7 +244,13 @@ class ControlHandler:
         )
         self.metrics.suppressions.labels(command=ctl.command, verdict=decision.verdict).inc()
         if decision.verdict == "refused":
-            log.error("learner: %s %s by %r refused: %s", ctl.command, ctl.details["slots"], by, decision.reason)
+            log.error(
+                "learner: %s %s by %r (as the sender claims) refused: %s",
+                ctl.command,
+                ctl.details["slots"],
+                by,
+                decision.reason,
+            )
             if msg is not None:
                 self.dead_letter(msg, decision.reason.split(":")[0], f"{ctl.command} by {by!r}: {decision.reason}")
             return decision.verdict
@@ -203,7 +268,7 @@ class ControlHandler:
         self.progress.suppression_audit = [*self.progress.suppression_audit, entry][-AUDIT_KEEP:]
         version = await self.publish_change(SUPPRESS_COMMAND, {"suppression": entry})
         log.warning(
-            "learner: %s of memories %s by %r (%s), now serving as v%d; suppressed: %s",
+            "learner: %s of memories %s by %r (as the sender claims) (%s), now serving as v%d; suppressed: %s",
             ctl.command,
             changed,
             by,
@@ -250,14 +315,15 @@ class ControlHandler:
         if self.progress.suppressed:
             self.trainer.net.suppress(self.progress.suppressed)
 
-    async def rollback(self, version: int, reason: str = "") -> bool:
+    async def rollback(self, version: int, reason: str = "", entry: dict[str, Any] | None = None) -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
 
         The weights come from the model topic when its chunks are still there, else from
         the local directory (which keeps more versions than the topic). Training goes on
         from them with a fresh optimizer: the policy that was rolled back is abandoned.
         Memories given a slot after ``version`` get fresh rows (they would otherwise serve
-        the rows of the slot's earlier owner).
+        the rows of the slot's earlier owner). ``entry``: the command's audit entry (None: the
+        promotion rule's guardrail asked), carried in the checkpoint's metrics (``control``).
         """
         tensors = await self.find_version(version)
         if tensors is None:
@@ -269,15 +335,21 @@ class ControlHandler:
         self.trainer.load(tensors, self.trainer.baseline.state())
         self.memories.rows_from(version, self.trainer)
         self._keep_suppressed()
-        published = await self.publish_change("rollback", {"rolled_back_to": version, "rollback_reason": reason})
-        log.warning("learner: rolled back to the weights of v%d, now serving as v%d", version, published)
+        extra = {"rolled_back_to": version, "rollback_reason": reason, **_carried(entry)}
+        published = await self.publish_change("rollback", extra)
+        log.warning(
+            "learner: rolled back to the weights of v%d, now serving as v%d%s", version, published, _asked_by(entry)
+        )
         return True
 
-    async def reset(self, reason: str = "", details: dict[str, Any] | None = None) -> None:
+    async def reset(
+        self, reason: str = "", details: dict[str, Any] | None = None, entry: dict[str, Any] | None = None
+    ) -> None:
         """Drift reset: a re-initialised policy (``reset_scope``), warm-up on the kept experiences, publish ``reset``.
 
         The warm-up uses the kept experiences from the detector's estimate of when the
         drift began (``since_ts``) on: what came before teaches the world that changed.
+        ``entry``: the command's audit entry, carried in the checkpoint's metrics (``control``).
         """
         since = (details or {}).get("since_ts")
         warm = self.replay.after_drift(float(since) if since is not None else None)
@@ -295,9 +367,23 @@ class ControlHandler:
         self.progress.resets += 1
         self.metrics.resets.inc()
         log.warning(
-            "learner: drift reset (%s): policy re-initialised, warmed up on %d experiences in %.1f s",
+            "learner: drift reset (%s): policy re-initialised, warmed up on %d experiences in %.1f s%s",
             reason or "requested",
             len(warm),
             time.perf_counter() - t0,
+            _asked_by(entry),
         )
-        await self.publish_change("reset", {"warmup_experiences": stats.applied, "reset_details": details or {}})
+        extra = {"warmup_experiences": stats.applied, "reset_details": details or {}, **_carried(entry)}
+        await self.publish_change("reset", extra)
+
+
+def _carried(entry: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest metrics that carry a command's audit entry (none without one)."""
+    return {"control": entry} if entry is not None else {}
+
+
+def _asked_by(entry: dict[str, Any] | None) -> str:
+    """For the log: who the sender says asked (never verified: docs/operations.md, "Security")."""
+    if entry is None:
+        return ""
+    return f"; asked by {entry['by']!r} (as the sender claims), command {entry['id'] or '(no id)'}"

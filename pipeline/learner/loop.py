@@ -265,6 +265,9 @@ class Learner(Service):
         publisher = self.publishing.publisher
         index = await scan_model_topic(self.bootstrap, conn, signing_key=self.config.signing_key)
         publisher.adopt(index)
+        # Control commands: the rollbacks, resets and cut-overs of the last hour that the checkpoints
+        # carry count against control_checkpoints_per_hour, so a restart does not reset the limit.
+        self.control.recall(m.metrics for m in index.links(conn.policy))
         # Own the policy before anything else: claim the next epoch, then make sure no
         # other learner claimed one meanwhile.
         epoch = index.epochs.get(conn.policy, 0) + 1

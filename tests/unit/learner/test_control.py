@@ -148,7 +148,8 @@ async def test_a_rollback_serves_the_old_weights_and_fresh_rows_for_memories_add
     assert h.memories.apply(MemoryRecord("add", "doc-new", BASE_TS), h.trainer) is None  # not in v3
     slot = h.memories.allocator.live["doc-new"]
     await h.send("rollback", details={"to_version": 3}, reason="regression")
-    assert h.published == [("rollback", {"rolled_back_to": 3, "rollback_reason": "regression"})]
+    [(reason, extra)] = h.published
+    assert (reason, extra["rolled_back_to"], extra["rollback_reason"]) == ("rollback", 3, "regression")
     bias = h.trainer.net.out.bias.detach()
     assert float(bias[(slot + 1) % S.slots]) == 1.5  # v3's weights
     assert float(bias[slot]) != 1.5  # not the row of the slot's owner in v3
@@ -169,7 +170,9 @@ async def test_a_cutover_loads_the_judged_version_only_under_the_gate(gated: boo
     h = Harness(gated=gated, versions={3: weights(bias=1.5)})
     details = {"serving_version": 3, "gain": 0.02}
     await h.send(CUTOVER_COMMAND, details=details, reason="shadow gain")
-    assert h.published == [(CUTOVER_COMMAND, {"cutover_reason": "shadow gain", "cutover": details})]
+    [(reason, extra)] = h.published
+    assert (reason, extra["cutover_reason"], extra["cutover"]) == (CUTOVER_COMMAND, "shadow gain", details)
+    assert extra["control"]["command"] == CUTOVER_COMMAND  # its audit entry rides along
     assert h.looked_up == ([3] if gated else [])
     assert (float(h.trainer.net.out.bias[0].detach()) == 1.5) is gated
 
@@ -236,3 +239,57 @@ def test_resuming_from_serving_keeps_newer_memories_rows_and_suppressions_and_pu
     other = PolicyNetwork(S.embedding_dim, S.slots + 1, S.hidden)
     h.handler.resume_from_serving(4, other)  # another architecture: the trainer goes on from its own
     assert float(h.trainer.net.out.bias.detach()[slot]) == 0.75
+
+
+async def test_rollbacks_and_resets_beyond_the_hourly_cap_are_refused_and_dead_lettered() -> None:
+    """The reported flood: 10 rollbacks and 3 resets forced 13 checkpoints past the gate in 20 s."""
+    h = Harness(gated=True, versions={3: weights(bias=1.5)})
+    for i in range(10):
+        await h.send("rollback", offset=i, details={"to_version": 3}, id=f"rb-{i}")
+    for i in range(3):
+        await h.send("reset", offset=10 + i, details={}, reason="drift", id=f"rs-{i}")
+    refused = [(offset, reason) for offset, reason, _ in h.dead]
+    assert refused, f"{len(h.published)} checkpoints past the gate, none refused"
+    cap = S.control_checkpoints_per_hour
+    assert len(h.published) == cap and 0 < cap < 13
+    assert refused == [(offset, "rate_limited") for offset in range(cap, 13)]
+    version = h.trainer.tensors()
+    await h.send(CUTOVER_COMMAND, offset=13, details={"serving_version": 3}, id="cut-1")  # the same allowance
+    assert h.dead[-1][:2] == (13, "rate_limited") and len(h.published) == cap
+    assert all(torch.equal(version[k], v) for k, v in h.trainer.tensors().items())  # a refusal changes nothing
+
+
+async def test_the_control_rate_limit_holds_across_a_restart() -> None:
+    """A restarted learner counts the commands its checkpoints on the model topic carry."""
+    import time
+
+    h = Harness(gated=True, versions={3: weights(bias=1.5)})
+    for i in range(S.control_checkpoints_per_hour):
+        await h.send("rollback", offset=i, details={"to_version": 3}, id=f"rb-{i}")
+    restarted = Harness(gated=True, versions={3: weights(bias=1.5)})
+    restarted.handler.recall([{"updates": 1}, "junk", *(extra for _, extra in h.published)], now=time.time())
+    await restarted.send("rollback", offset=99, details={"to_version": 3}, id="rb-next")
+    assert restarted.published == [] and [r for _, r, _ in restarted.dead] == ["rate_limited"]
+
+
+async def test_a_rollback_to_a_version_the_learner_does_not_keep_is_dead_lettered_with_why() -> None:
+    """``causalmem rollback --to 5`` of a version no longer kept: the learner only logged why."""
+    h = Harness(gated=True, versions={3: weights(bias=1.5)})
+    await h.send("rollback", offset=4, details={"to_version": 5}, id="rb-1")
+    assert h.published == [] and h.looked_up == [5]
+    [(offset, reason, detail)] = h.dead
+    assert (offset, reason) == (4, "out_of_range") and "v5" in detail
+    assert len(h.handler.recent) == 0  # a refused command uses up nothing of the hourly allowance
+
+
+async def test_a_rollback_is_audited_with_who_claims_to_ask_and_the_command_id() -> None:
+    h = Harness(gated=True, versions={3: weights(bias=1.5)})
+    await h.send("rollback", details={"to_version": 3, "by": "ops-bob"}, reason="regression", id="rb-7")
+    [(reason, extra)] = h.published
+    entry = extra["control"]
+    assert reason == "rollback" and extra["rolled_back_to"] == 3
+    assert (entry["command"], entry["by"], entry["by_verified"], entry["id"]) == ("rollback", "ops-bob", False, "rb-7")
+    await h.send(SUPPRESS_COMMAND, offset=1, details={"slots": [2], "by": "ops-bob"}, id="s-1")
+    assert h.published[-1][1]["suppression"]["by_verified"] is False  # a claim, not a proven principal
+    await h.send("reset", offset=2, details={"by": 7})  # who asked is text, on every command
+    assert [(offset, reason) for offset, reason, _ in h.dead] == [(2, "wrong_type")]
