@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlparse
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -25,7 +26,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from pipeline.config import UiConfig
-from pipeline.ui import agreement, health_pages, labeling, memory_pages
+from pipeline.ui import agreement, health_pages, labeling, memory_pages, metrics
 from pipeline.ui.auth import (
     SESSION_MAX_AGE_S,
     Labeler,
@@ -172,6 +173,11 @@ async def home(request: Request) -> Response:
     return RedirectResponse("/queue", status_code=303)
 
 
+async def metrics_page(request: Request) -> Response:
+    """The app's Prometheus metrics (counts only; no login, like every role's ``/metrics``)."""
+    return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)
+
+
 def uvicorn_options(config: UiConfig) -> dict[str, Any]:
     """How :func:`serve` starts uvicorn: on ``config``'s host and port, taking the client from
     ``X-Forwarded-For`` (and the scheme from ``X-Forwarded-Proto``) only when the connection
@@ -241,6 +247,7 @@ def create_app(
         Route("/login", login_page, methods=["GET"]),
         Route("/login", login, methods=["POST"]),
         Route("/logout", logout, methods=["POST"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
         *labeling.routes,
         *agreement.routes,
         *memory_pages.routes,
@@ -259,5 +266,6 @@ def create_app(
     ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.ui = UiState(config, labelers, pool, feeds, sasl, LoginThrottle.of(config))
+    app.state.metrics = metrics.registry(app.state.ui)
     app.state.sessions = Sessions(SESSION_MAX_AGE_S)
     return app

@@ -21,12 +21,15 @@ import base64
 import binascii
 import contextlib
 import logging
+import sys
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import orjson
 
 from pipeline import kafka
@@ -84,18 +87,142 @@ def decode_any_size(decode: Callable[[bytes, Limits], Any], raw: bytes, limits: 
         return decode(raw, replace(limits, embedding_dim=n))
 
 
-class LabelBook:
-    """Labels and the samples they answer, for the agreement and review pages (bounded)."""
+def footprint(obj: Any, _seen: set[int] | None = None) -> int:
+    """Bytes ``obj`` holds, estimated: ``sys.getsizeof`` of it and of everything it refers to
+    (containers, dataclass fields, numpy arrays' data), each object counted once.
 
-    def __init__(self, max_labels: int = 200_000, max_samples: int = 50_000) -> None:
-        self.labels: deque[HumanLabel] = deque(maxlen=max_labels)
-        self.samples: OrderedDict[str, ActiveLearningSample] = OrderedDict()
+    A decoded label costs several times its message: a 5 KiB ``memory_choice`` naming 1 024
+    slots holds about 32 KiB (a list of ints is 8 bytes a pointer and 28 an int).
+
+    >>> footprint("") < footprint("x" * 1000) and footprint([1000, 2000]) > footprint([])
+    True
+    """
+    size = sys.getsizeof(obj)
+    if type(obj) in _SCALARS:
+        return size
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        return size if obj.base is None else size + obj.nbytes
+    if isinstance(obj, dict):
+        return size + _items_size(obj.keys(), seen) + _items_size(obj.values(), seen)
+    if isinstance(obj, list | tuple | set | frozenset | deque):
+        return size + _items_size(obj, seen)
+    if hasattr(obj, "__dict__"):
+        size += footprint(vars(obj), seen)
+    for name in getattr(type(obj), "__slots__", ()):
+        size += footprint(getattr(obj, name, None), seen)
+    return size
+
+
+_SCALARS = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _items_size(items: Any, seen: set[int]) -> int:
+    """The footprints of a container's items; a run of scalars (a list of slots) summed in C."""
+    if set(map(type, items)) <= _SCALARS:
+        return sum(map(sys.getsizeof, items))
+    return sum(footprint(v, seen) for v in items)
+
+
+SHED_LOG_EVERY_S = 60.0  # the label store says it is shedding at most this often
+
+
+class LabelBook:
+    """Labels and the samples they answer, for the agreement and review pages, bounded in bytes.
+
+    Each label and sample is charged its :func:`footprint` when it is read; past ``max_bytes``
+    (``label_book_bytes``) the oldest entries read, labels or samples, are forgotten first,
+    counted in :attr:`shed` (exported as ``causalmem_ui_label_book_shed_total``) and logged.
+    The counts ``max_labels`` and ``max_samples`` still apply.
+    """
+
+    def __init__(
+        self,
+        max_labels: int = 200_000,
+        max_samples: int = 50_000,
+        max_bytes: int = UiConfig.label_book_bytes,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_labels = max_labels
         self.max_samples = max_samples
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self.bytes = 0  # estimated bytes of what is kept (footprints summed)
+        self.shed = {"label": 0, "sample": 0}  # entries forgotten, by kind
+        self._seq = 0  # the order entries were read in, across both kinds
+        self._labels: deque[tuple[int, int, HumanLabel]] = deque()  # (seq, bytes, label), oldest first
+        self._samples: dict[str, ActiveLearningSample] = {}  # oldest read first
+        self._sample_sizes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # id → (seq, bytes), same order
+        self._logged_at: float | None = None
+
+    @property
+    def labels(self) -> tuple[HumanLabel, ...]:
+        """The labels kept, oldest first."""
+        return tuple(label for _, _, label in self._labels)
+
+    @property
+    def samples(self) -> Mapping[str, ActiveLearningSample]:
+        """The samples kept by id, oldest first (read-only)."""
+        return MappingProxyType(self._samples)
+
+    def add_label(self, label: HumanLabel) -> None:
+        size = footprint(label)
+        self._labels.append((self._next(), size, label))
+        self.bytes += size
+        self._shrink()
 
     def add_sample(self, sample: ActiveLearningSample) -> None:
-        self.samples[sample.sample_id] = sample
-        while len(self.samples) > self.max_samples:
-            self.samples.popitem(last=False)
+        sid = sample.sample_id
+        if sid in self._samples:  # read again: charged once, now the newest
+            del self._samples[sid]
+            self.bytes -= self._sample_sizes.pop(sid)[1]
+        size = footprint(sample)
+        self._samples[sid] = sample
+        self._sample_sizes[sid] = (self._next(), size)
+        self.bytes += size
+        self._shrink()
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _shrink(self) -> None:
+        """Forget the oldest entries until within every bound."""
+        shed = 0
+        while len(self._labels) > self.max_labels:
+            shed += self._drop("label")
+        while len(self._samples) > self.max_samples:
+            shed += self._drop("sample")
+        while self.bytes > self.max_bytes and (self._labels or self._samples):
+            label_seq = self._labels[0][0] if self._labels else None
+            sample_seq = next(iter(self._sample_sizes.values()))[0] if self._sample_sizes else None
+            older = "label" if sample_seq is None or (label_seq is not None and label_seq < sample_seq) else "sample"
+            shed += self._drop(older)
+        now = self.clock()
+        if shed and (self._logged_at is None or now - self._logged_at >= SHED_LOG_EVERY_S):
+            self._logged_at = now
+            log.warning(
+                "ui: the label store is full (label_book_bytes=%d): forgetting the oldest; "
+                "%d labels and %d samples forgotten so far, %d labels and %d samples kept",
+                self.max_bytes,
+                self.shed["label"],
+                self.shed["sample"],
+                len(self._labels),
+                len(self._samples),
+            )
+
+    def _drop(self, kind: str) -> int:
+        if kind == "label":
+            _, size, _ = self._labels.popleft()
+        else:
+            sid, (_, size) = self._sample_sizes.popitem(last=False)
+            del self._samples[sid]
+        self.bytes -= size
+        self.shed[kind] += 1
+        return 1
 
 
 class TopicFollower:
@@ -132,7 +259,7 @@ class Feeds(Service):
             config.max_events, config.recent_per_memory, self.limits.slots, max_bytes=config.memory_view_bytes
         )
         self.trends = Trends()
-        self.book = LabelBook()
+        self.book = LabelBook(max_bytes=config.label_book_bytes)
         self.manifests: dict[int, dict[str, Any]] = {}
         self.snapshot: dict[str, Any] | None = None
         # Shadow mode's estimate re-reads and re-judges a window of steps: not at every refresh.
@@ -215,7 +342,7 @@ class Feeds(Service):
             self.memories.observe_experience(exp)
             self.trends.observe_experience(exp)
         elif name == "labels":
-            self.book.labels.append(decode_human_label(msg.value, self.limits, msg.key))
+            self.book.add_label(decode_human_label(msg.value, self.limits, msg.key))
         elif name == "samples":
             self.book.add_sample(decode_active_learning_sample(msg.value, self.limits, msg.key, any_shape=True))
         elif name == "model" and msg.key is not None and msg.value is not None:

@@ -412,12 +412,8 @@ def test_fleiss_kappa_matches_the_published_example() -> None:
 def test_agreement_page_lists_disagreements_and_a_review_settles_one(tmp_path: Path) -> None:
     pool, feeds = Pool([]), Feeds()
     feeds.book.add_sample(sample("s1"))
-    feeds.book.labels.extend(
-        [
-            memory_choice_label(sample("s1"), "ann", [9]),
-            memory_choice_label(sample("s1"), "bob", [9, 17]),
-        ]
-    )
+    feeds.book.add_label(memory_choice_label(sample("s1"), "ann", [9]))
+    feeds.book.add_label(memory_choice_label(sample("s1"), "bob", [9, 17]))
     with client_for(tmp_path, pool, feeds) as c:
         login(c)
         page = c.get("/agreement").text
