@@ -70,8 +70,11 @@ class Served(Generic[D]):
     saved_latency_s: float = 0.0
 
 
-Search = Callable[[str, int], list[Candidate[D]]]
-AsyncSearch = Callable[[str, int], Awaitable[list[Candidate[D]]]]
+# ``search(query, n, embedding)``: the n candidates of ``query``; ``embedding`` is the query's
+# embedding as ``embed_query`` returned it, which a front may search by instead of embedding
+# the query again where the wrapped store embeds with the same model.
+Search = Callable[[str, int, np.ndarray], list[Candidate[D]]]
+AsyncSearch = Callable[[str, int, np.ndarray], Awaitable[list[Candidate[D]]]]
 Fallback = Callable[[str, int], list[Candidate[D]]]
 
 
@@ -181,13 +184,16 @@ class CausalServing(Outbox, Generic[D]):
         return self.shadow.mode if self.shadow is not None else "policy"
 
     # ------------------------------------------------------------------ serving
-    def _embed(self, query: str) -> np.ndarray:
-        q = np.ascontiguousarray(np.asarray(self.embed_query(query), dtype=np.float32).reshape(-1))
+    def _embed(self, query: str) -> tuple[np.ndarray, np.ndarray]:
+        """The query's embedding as ``embed_query`` gave it (what a store searches by) and as the
+        policy reads it (float32)."""
+        raw = np.asarray(self.embed_query(query)).reshape(-1)
+        q = np.ascontiguousarray(raw, dtype=np.float32)
         if q.shape[0] != self.conn.limits.embedding_dim:
             raise ValueError(
                 f"the query embedding has {q.shape[0]} values; the pipeline expects {self.conn.limits.embedding_dim}"
             )
-        return q
+        return raw, q
 
     def _decide(self, q: np.ndarray, loss: float, entropy: float) -> tuple[Decision | str, Arm | None]:
         """Shadow mode's decision, then (when the policy serves) the arm; ``"early_exit"`` when the
@@ -215,18 +221,18 @@ class CausalServing(Outbox, Generic[D]):
         *,
         k: int | None = None,
     ) -> Served[D]:
-        """Serve ``query`` with candidates from ``search(query, n)``; publishes through a sync publisher.
+        """Serve ``query`` with candidates from ``search(query, n, embedding)``; publishes through a sync publisher.
 
         ``k``: the memories to serve for this request (None: ``config.k``); the search is asked
         for ``max(config.n_candidates, k)``, so that a larger k can be served.
         """
         k = self._k(k)
-        q = self._embed(query)
+        raw, q = self._embed(query)
         decision, arm = self._decide(q, last_step_loss, last_step_entropy)
         cands: list[Candidate[D]] = []
         if decision != "early_exit":
             t0 = time.perf_counter()
-            cands = search(query, max(self.config.n_candidates, k))
+            cands = search(query, max(self.config.n_candidates, k), raw)
             self._timed(time.perf_counter() - t0)
         served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts, k)
         for event in self._remember(served.event):
@@ -247,12 +253,12 @@ class CausalServing(Outbox, Generic[D]):
     ) -> Served[D]:
         """:meth:`serve` with an async search and publisher (``EventPublisher`` or ``SyncEventPublisher``)."""
         k = self._k(k)
-        q = self._embed(query)
+        raw, q = self._embed(query)
         decision, arm = self._decide(q, last_step_loss, last_step_entropy)
         cands: list[Candidate[D]] = []
         if decision != "early_exit":
             t0 = time.perf_counter()
-            cands = await search(query, max(self.config.n_candidates, k))
+            cands = await search(query, max(self.config.n_candidates, k), raw)
             self._timed(time.perf_counter() - t0)
         served = self._finish(query, q, decision, arm, cands, query_id, step, last_step_loss, last_step_entropy, ts, k)
         for event in self._remember(served.event):

@@ -27,6 +27,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from pipeline.extras import require
 
 require("langchain_core", "langchain")
@@ -108,6 +110,7 @@ class CausalMemoryRetriever(BaseRetriever):
     serving: Any
     k: int = Field(ge=1)
     last: Any = None
+    by_vector: bool = False  # the store is searched by the policy's query embedding (the same model's)
 
     def __init__(
         self,
@@ -128,12 +131,16 @@ class CausalMemoryRetriever(BaseRetriever):
             config = AdapterConfig() if k is None else AdapterConfig(k=k)
         elif k is not None and k != config.k:
             raise ValueError(f"k={k} and the config's k={config.k} differ; give k once, or the same in both")
+        by_vector = False
         if embed_query is None:
             store = _store_of(wrapped)
             emb = getattr(store, "embeddings", None) if store is not None else None
             if emb is None:
                 raise ValueError("pass embed_query: the wrapped retriever has no embeddings to embed the query with")
             embed_query = emb.embed_query
+            # The store embeds queries with the same model: search by the policy's embedding, one
+            # model call a request instead of two.
+            by_vector = hasattr(store, "similarity_search_with_score_by_vector")
         fb = None
         if fallback is not None:
             fb_fn = fallback
@@ -145,17 +152,21 @@ class CausalMemoryRetriever(BaseRetriever):
         serving: CausalServing[Document] = CausalServing(
             embed_query, conn, config, idmap, publisher, fb, shadow, publish_on
         )
-        super().__init__(wrapped=wrapped, serving=serving, k=config.k, **kwargs)  # type: ignore[call-arg]  # pydantic fields
+        super().__init__(wrapped=wrapped, serving=serving, k=config.k, by_vector=by_vector, **kwargs)  # type: ignore[call-arg]  # pydantic fields
 
     # ------------------------------------------------------------------ search
-    def _search(self, query: str, n: int) -> list[Candidate[Document]]:
+    def _search(self, query: str, n: int, vector: np.ndarray) -> list[Candidate[Document]]:
         store = _store_of(self.wrapped)
+        if store is not None and self.by_vector:
+            return _candidates(store.similarity_search_with_score_by_vector(vector.tolist(), k=n))  # type: ignore[attr-defined]
         if store is not None:
             return _candidates(store.similarity_search_with_score(query, k=n))
         return _candidates(_scored(self.wrapped.invoke(query)[:n]))
 
-    async def _asearch(self, query: str, n: int) -> list[Candidate[Document]]:
+    async def _asearch(self, query: str, n: int, vector: np.ndarray) -> list[Candidate[Document]]:
         store = _store_of(self.wrapped)
+        if store is not None and self.by_vector:  # a store's own in-memory search: no I/O to await
+            return self._search(query, n, vector)
         if store is not None:
             return _candidates(await store.asimilarity_search_with_score(query, k=n))
         return _candidates(_scored((await self.wrapped.ainvoke(query))[:n]))

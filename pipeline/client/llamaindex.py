@@ -32,6 +32,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from pipeline.extras import require
 
 require("llama_index.core", "llamaindex")
@@ -171,11 +173,11 @@ class CausalMemoryRetriever(BaseRetriever):
             retriever = _widened(self.wrapped, wanted)
             return retriever, wanted, (_top_k(retriever) or 0) >= wanted
 
-        def search(_text: str, n: int) -> list[Candidate[NodeWithScore]]:
+        def search(_text: str, n: int, _vector: np.ndarray) -> list[Candidate[NodeWithScore]]:
             retriever, wanted, sized = wrapped(n)
             return self._found(retriever.retrieve(query), wanted, sized)
 
-        async def asearch(_text: str, n: int) -> list[Candidate[NodeWithScore]]:
+        async def asearch(_text: str, n: int, _vector: np.ndarray) -> list[Candidate[NodeWithScore]]:
             retriever, wanted, sized = wrapped(n)
             return self._found(await retriever.aretrieve(query), wanted, sized)
 

@@ -200,7 +200,7 @@ def test_the_adapters_follow_the_manifests_serving_parameters() -> None:
     docs = {k: (k, 1.0 - 0.1 * i, f"text {k}", k) for i, k in enumerate("abcdef")}
     temps = set()
     for i in range(30):
-        served = follows.serve(f"q{i}", lambda q, n: [chain_candidate(*v) for v in docs.values()][:n])
+        served = follows.serve(f"q{i}", lambda q, n, _: [chain_candidate(*v) for v in docs.values()][:n])
         temps.add(served.event.temperature)
     assert temps == {0.4, 0.9}
 

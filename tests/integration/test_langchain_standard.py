@@ -109,7 +109,9 @@ def test_k_disagreeing_with_the_config_or_below_one_is_refused() -> None:
 
 
 def test_documents_carry_causalmem_metadata_and_the_step_keywords() -> None:
-    r = retriever(k=2)
+    # Every request explores, so that it is a logged draw (else, before any policy, the store's
+    # own ranking serves as a fallback step: tests/unit/client/test_cold_start.py).
+    r = retriever(config=AdapterConfig(k=2, explore_rate=1.0))
     docs = r.invoke("pizza", query_id="conv-1:q3", step=3, last_step_loss=0.5, last_step_entropy=1.25, k=3)
     assert len(docs) == 3
     event = r.last.event

@@ -347,7 +347,9 @@ def test_the_score_is_the_served_rank_and_the_wrapped_score_stays_in_the_metadat
 def test_the_wrapped_retriever_is_asked_for_n_candidates_and_at_least_k() -> None:
     corpus = Corpus()
     wrapped = corpus.index_retriever(similarity_top_k=2)
-    retriever = CausalMemoryRetriever(wrapped, conn=CONN, config=AdapterConfig(k=3, n_candidates=7, seed=0))
+    # Every request explores: a logged draw lists its candidates (a cold-start fallback step does not).
+    config = AdapterConfig(k=3, n_candidates=7, seed=0, explore_rate=1.0)
+    retriever = CausalMemoryRetriever(wrapped, conn=CONN, config=config)
     retriever.retrieve("what is the cat called")
     assert retriever.last is not None and len(retriever.last.event.candidates) == 7
     few = CausalMemoryRetriever(wrapped, conn=CONN, config=AdapterConfig(k=4, n_candidates=2, seed=0))

@@ -237,7 +237,7 @@ def test_difficulty_scaling_drops_more_on_hard_queries_only() -> None:
     from pipeline.client.adapter import Candidate, CausalServing
 
     def found(top: float):
-        return lambda q, n: [Candidate("a", top, "a", "a"), Candidate("b", top - 0.1, "b", "b")]
+        return lambda q, n, v: [Candidate("a", top, "a", "a"), Candidate("b", top - 0.1, "b", "b")]
 
     net = policy(bias={0: 5.0, 1: float(np.log(np.expm1(0.1)))}, zero=True)  # m_b / m_a ≈ 0.02
     for beta, top, kept in [(0.0, 0.5, 2), (4.0, 0.5, 1), (4.0, 1.0, 2)]:  # ratio 0.01·(1 + β·(1 − top))
