@@ -247,3 +247,24 @@ def test_difficulty_scaling_drops_more_on_hard_queries_only() -> None:
         serving.set_policy(net)
         served = serving.serve("q", found(top))
         assert len(served.event.candidates) == kept, (beta, top)
+
+
+def test_each_request_embeds_the_query_once() -> None:
+    """The store embeds with the same model as the policy: it is searched by the policy's embedding
+    (a real embedding model's call is the slowest part of a request; it used to be made twice)."""
+
+    class Counting(HashEmbeddings):
+        calls = 0
+
+        def embed_query(self, text: str) -> list[float]:
+            Counting.calls += 1
+            return super().embed_query(text)
+
+    vs = InMemoryVectorStore(Counting())
+    vs.add_documents([Document(id=k, page_content=t) for k, t in TEXTS.items()])
+    r, _ = adapter(wrapped=vs)
+    for i in range(5):
+        r.invoke("what pizza did the user order", query_id=f"q{i}")
+    assert Counting.calls == 5
+    asyncio.run(r.ainvoke("pizza", query_id="q5"))
+    assert Counting.calls == 6
