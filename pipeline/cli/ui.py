@@ -66,13 +66,22 @@ def add_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="show shadow mode's gain estimate over the last N joined steps (default 2000; docs/byo-retriever.md)",
     )
-    login = p.add_argument_group("login throttling (per name and per client address; docs/ui.md, Safety)")
+    p.add_argument(
+        "--trusted-proxy",
+        dest="trusted_proxies",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a reverse proxy's address or network whose X-Forwarded-For is believed (repeatable; default: none)",
+    )
+    login = p.add_argument_group("login throttling (per client address, then per name; docs/operations.md)")
     for who, what in (("name", "labeler name"), ("address", "client address")):
         login.add_argument(
             f"--login-{who}-burst",
             type=int,
             default=getattr(UiConfig, f"login_{who}_burst"),
-            help=f"failed attempts per {what} before the throttle holds (default %(default)s)",
+            help=f"failed attempts per {what}{' from one client address' if who == 'name' else ''} "
+            "before the throttle holds (default %(default)s)",
         )
         login.add_argument(
             f"--login-{who}-refill",
@@ -100,9 +109,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("an empty password")
         print(hash_password(password))
         return 0
-    import uvicorn
-
-    from pipeline.ui.app import LOOPBACK, create_app
+    from pipeline.ui.app import LOOPBACK, create_app, serve
 
     settings = settings_from(args)
     config = settings.ui(
@@ -117,11 +124,12 @@ def run(args: argparse.Namespace) -> int:
         refresh_s=args.refresh_s,
         worker_urls=tuple(args.worker_urls),
         learner_urls=tuple(args.learner_urls),
+        trusted_proxies=tuple(args.trusted_proxies),
         **{k: getattr(args, k) for k in LOGIN_OPTIONS},
     )
     app = create_app(config, resolve_bootstrap(settings))
     if config.host not in LOOPBACK:
         print(f"causalmem ui: listening on {config.host}, not loopback: put TLS in front", file=sys.stderr)
     print(f"causalmem ui: http://{config.host}:{config.port}/", file=sys.stderr)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    serve(app, config)  # uvicorn believes X-Forwarded-For from --trusted-proxy only
     return 0
