@@ -13,11 +13,11 @@ import torch
 from aiokafka import AIOKafkaProducer
 
 from models.policy.trainer import PolicyTrainer, TrainerConfig
+from pipeline.cli.suppress import change_suppression
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from pipeline.policy_evaluation.suppress import change_suppression
 from pipeline.probes import total
 from pipeline.worker.labels import LabelsStage
 from pipeline.worker.outcomes import OutcomesStage
@@ -140,12 +140,18 @@ async def test_an_operators_suppression_is_served_at_once_capped_rate_limited_an
             assert [e["command"] for e in restored.manifest.metrics["suppression_audit"]] == ["suppress", "unsuppress"]
             mask = torch.nn.functional.softplus(restored.net.out.bias[4].detach())
             assert abs(float(mask) - 1.0) < 1e-3
-            # the rate limit (2 per hour here) holds: a third change is refused and publishes nothing
+            # the rate limit (2 suppressions per hour here) holds: the undo did not count, a third is refused
+            before = learner.version
+            await send(SUPPRESS_COMMAND, [7], "c-second")
+            await until(lambda: learner.version > before, what="the second suppression served")
             version = learner.version
-            await send(SUPPRESS_COMMAND, [7], "c-third")
-            await until(lambda: total(verdicts, verdict="refused") == 2, what="the third command refused")
-            assert learner.version == version and learner.progress.suppressed == []
-            assert total(verdicts, verdict="apply") == 2
+            await send(SUPPRESS_COMMAND, [8], "c-third")
+            await until(lambda: total(verdicts, verdict="refused") == 2, what="the third suppression refused")
+            assert learner.version == version and learner.progress.suppressed == [7]
+            # and an undo is never refused for the rate: a mistaken suppression can always be taken back
+            await send(UNSUPPRESS_COMMAND, [7], "c-undo")
+            await until(lambda: learner.version > version, what="the undo served beyond the limit")
+            assert learner.progress.suppressed == [] and total(verdicts, verdict="apply") == 4
         finally:
             await producer.stop()
             await learner.stop()
