@@ -8,16 +8,23 @@ with what it expected and admits the memory only when the surprise is large::
 A positive RPE (better than expected) is stored as a ``success``, a negative one as a
 ``pitfall``; either way the memory carries δ = RPE, its tag (docs/contract.md §9.2).
 
-**The expected reward.** The producer's own ``expected_reward`` when it sends one (it may
-run a value network). Otherwise the gate's estimate, following the seed's "D-MEM Lite"
-(§3.2, §4.2): the running mean reward of the proposal's *topic*. Topics are clusters of
-query embeddings found online (leader clustering: a query joins the nearest cluster
-within cosine ``radius`` of its centroid, else starts one, up to ``max_clusters``); each
-keeps an exponential moving mean of the rewards seen in it (``fading``). A global mean
-covers proposals without an embedding and clusters with fewer than ``min_count``
-rewards; before any reward at all, the gate expects ``prior``. Every proposal updates
-the estimate after it is judged (admitted or not): the estimate is of the step's reward,
-not of the memories kept.
+**The expected reward is the gate's own.** A producer may say what it expected (its
+``expected_reward``, from a value network say), but a producer that chose the expectation
+would choose the decision: any reward is a surprise against a far enough claim. So the
+gate judges only against its own estimate (:meth:`WriteGate.judge` refuses an
+expectation from anywhere else); the claim is carried on the decision as information
+(``claimed_expected_reward``, and ``claim_disagrees`` when it is more than θ from the
+gate's). The ``reward`` itself remains the producer's word: the gate cannot check it (see
+docs/operations.md, "The write gate").
+
+The gate's estimate follows the seed's "D-MEM Lite" (§3.2, §4.2): the running mean
+reward of the proposal's *topic*. Topics are clusters of query embeddings found online
+(leader clustering: a query joins the nearest cluster within cosine ``radius`` of its
+centroid, else starts one, up to ``max_clusters``); each keeps an exponential moving mean
+of the rewards seen in it (``fading``). A global mean covers proposals without an
+embedding and clusters with fewer than ``min_count`` rewards; before any reward at all,
+the gate expects ``prior``. Every proposal updates the estimate after it is judged
+(admitted or not): the estimate is of the step's reward, not of the memories kept.
 
 >>> est = RewardEstimator(prior=0.0, fading=0.5, min_count=1)
 >>> gate = WriteGate(theta=0.3)
@@ -29,8 +36,9 @@ not of the memories kept.
 0.5
 >>> gate.judge(0.6, est.expected(None)).admitted  # |0.6 − 0.5| ≤ 0.3
 False
->>> gate.judge(0.0, (0.5, "producer")).kind
-'pitfall'
+>>> d = gate.judge(0.6, est.expected(None), claimed_expected_reward=-4.0)  # a claim decides nothing
+>>> d.admitted, d.expected_reward, d.claimed_expected_reward, d.claim_disagrees
+(False, 0.5, -4.0, True)
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ DEFAULT_FADING = 0.05  # weight of a new reward in a running mean
 DEFAULT_RADIUS = 0.5  # cosine similarity to a topic's centroid to join it
 DEFAULT_MIN_COUNT = 5  # rewards a topic needs before its own mean is used
 SUCCESS, PITFALL = "success", "pitfall"
+# Where the expectation a gate judges by may come from: RewardEstimator.expected's answers.
+# ("producer", a producer's own claim, was accepted before; it no longer decides.)
+OWN_ESTIMATES = ("cluster", "global", "prior")
 
 
 @dataclass(frozen=True)
@@ -56,19 +67,27 @@ class Decision:
 
     admitted: bool
     kind: str | None  # "success" or "pitfall" when admitted
-    rpe: float
-    expected_reward: float
-    estimate: str  # where the expectation came from: producer | cluster | global | prior
+    rpe: float  # reward − expected_reward
+    expected_reward: float  # the gate's own expectation, the one judged by
+    estimate: str  # where it came from: cluster | global | prior (OWN_ESTIMATES)
+    # The producer's expected_reward, when it sent one: information, never the basis of the decision.
+    claimed_expected_reward: float | None = None
+    claim_disagrees: bool = False  # the claim is more than θ away from the gate's expectation
 
 
 @dataclass(frozen=True)
 class WriteGate:
-    """``|RPE| > θ`` admits; the sign of RPE names the kind.
+    """``|RPE| > θ`` admits; the sign of RPE names the kind. The expectation is the gate's own.
 
-    >>> WriteGate(0.5).judge(0.2, (1.0, "producer"))
-    Decision(admitted=True, kind='pitfall', rpe=-0.8, expected_reward=1.0, estimate='producer')
-    >>> WriteGate(0.5).judge(1.2, (1.0, "producer")).admitted
+    >>> d = WriteGate(0.5).judge(0.2, (1.0, "cluster"))
+    >>> d.admitted, d.kind, d.rpe, d.expected_reward, d.estimate
+    (True, 'pitfall', -0.8, 1.0, 'cluster')
+    >>> WriteGate(0.5).judge(1.2, (1.0, "global"), claimed_expected_reward=0.0).admitted
     False
+    >>> WriteGate(0.5).judge(1.2, (0.0, "producer"))
+    Traceback (most recent call last):
+    ...
+    ValueError: the write gate judges by its own expectation (cluster, global or prior), not 'producer'
     """
 
     theta: float = DEFAULT_THETA
@@ -77,12 +96,24 @@ class WriteGate:
         if not (self.theta >= 0.0 and math.isfinite(self.theta)):
             raise ValueError(f"write gate theta {self.theta}: expected a finite number >= 0")
 
-    def judge(self, reward: float, expectation: tuple[float, str]) -> Decision:
+    def judge(
+        self, reward: float, expectation: tuple[float, str], claimed_expected_reward: float | None = None
+    ) -> Decision:
+        """Judge ``reward`` against the gate's own ``expectation`` (``RewardEstimator.expected``).
+
+        ``claimed_expected_reward``, the producer's own prediction when it sent one, is only
+        compared with the expectation and carried on the decision; it never changes it.
+        """
         expected, source = expectation
-        rpe = float(reward) - float(expected)
+        if source not in OWN_ESTIMATES:
+            raise ValueError(f"the write gate judges by its own expectation (cluster, global or prior), not {source!r}")
+        expected = float(expected)
+        rpe = float(reward) - expected
+        claimed = None if claimed_expected_reward is None else float(claimed_expected_reward)
+        disagrees = claimed is not None and abs(claimed - expected) > self.theta
         if abs(rpe) > self.theta:
-            return Decision(True, SUCCESS if rpe > 0 else PITFALL, rpe, float(expected), source)
-        return Decision(False, None, rpe, float(expected), source)
+            return Decision(True, SUCCESS if rpe > 0 else PITFALL, rpe, expected, source, claimed, disagrees)
+        return Decision(False, None, rpe, expected, source, claimed, disagrees)
 
 
 class _Mean:

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Every decision about a proposal; "invalid" ones also go to dead-letter with their reason.
 DECISIONS = ("admitted_success", "admitted_pitfall", "rejected", "invalid")
+# A producer's claimed expected reward against the gate's own (more than θ apart: disagrees).
+CLAIMS = ("agrees", "disagrees")
 
 
 class WritesMetrics:
@@ -36,10 +38,19 @@ class WritesMetrics:
         )
         self.estimates = Counter(
             "causalmem_writes_expected_total",
-            "Where a judged proposal's expected reward came from (producer, cluster, global, prior)",
+            "Where the gate's expected reward for a judged proposal came from (cluster, global, prior)",
             ["estimate"],
             registry=registry,
         )
+        self.claims = Counter(
+            "causalmem_writes_claims_total",
+            "Judged proposals that sent their own expected_reward (which decides nothing), by whether it "
+            "was within theta of the gate's expectation",
+            ["claim"],
+            registry=registry,
+        )
+        for claim in CLAIMS:
+            self.claims.labels(claim=claim)
         self.clusters = Gauge(
             "causalmem_writes_topics", "Query topics (clusters) the gate keeps a running reward for", registry=registry
         )

@@ -19,8 +19,11 @@ Each is counted in ``causalmem_writes_decisions_total{decision}``. Offsets are c
 only after the broker acknowledged the batch's outputs (at-least-once; with the derived
 memory ids, effectively once for admissions).
 
-The expected reward is the producer's when it sends one, else the gate's own running
-mean per query topic (:class:`~models.memory.write_gate.RewardEstimator`). That estimate lives
+The expected reward is always the gate's own running mean per query topic
+(:class:`~models.memory.write_gate.RewardEstimator`), never the producer's: a proposal's
+``expected_reward`` is compared with it and counted in
+``causalmem_writes_claims_total{claim}`` (``agrees``, or ``disagrees`` when more than θ
+apart), and kept with a rejection as received, but it decides nothing. That estimate lives
 in the process: a restarted gate starts again from ``writes_prior``, and a replayed
 proposal is judged against the estimate of the moment, so a replay after a crash may
 decide a borderline proposal differently (an admission is never duplicated).
@@ -73,6 +76,8 @@ class Judge:
     ('admitted_success', 'success', 1.0, 'write-gate')
     >>> j.judge(MemoryWrite("w2", 2.0, "same again", "q2", 0, reward=0.9)).label  # expected 1.0 now
     'rejected'
+    >>> j.judge(MemoryWrite("w3", 3.0, "claims a surprise", "q3", 0, reward=0.9, expected_reward=-5.0)).label
+    'rejected'
     """
 
     def __init__(self, gate: WriteGate, estimator: RewardEstimator) -> None:
@@ -81,11 +86,16 @@ class Judge:
 
     def judge(self, write: MemoryWrite, now: float | None = None) -> Judged:
         context = write.query_embedding if write.query_embedding is not None else write.embedding
-        if write.expected_reward is not None:
-            expectation = (write.expected_reward, "producer")
-        else:
-            expectation = self.estimator.expected(context)
-        decision = self.gate.judge(write.reward, expectation)
+        # The gate's own expectation decides; the producer's, when sent, is only compared with it.
+        decision = self.gate.judge(write.reward, self.estimator.expected(context), write.expected_reward)
+        if decision.claim_disagrees:
+            log.debug(
+                "write %s: claimed expected reward %s, the gate expected %s (%s); judged by the gate's",
+                write.write_id,
+                decision.claimed_expected_reward,
+                decision.expected_reward,
+                decision.estimate,
+            )
         self.estimator.update(context, write.reward)
         output: MemoryRecord | RejectedWrite
         if decision.admitted:
@@ -171,6 +181,8 @@ class WriteGateService(BatchStage):
             self.own.decisions.labels(decision=j.label).inc()
             self.own.rpe.observe(j.decision.rpe)
             self.own.estimates.labels(estimate=j.decision.estimate).inc()
+            if j.decision.claimed_expected_reward is not None:
+                self.own.claims.labels(claim="disagrees" if j.decision.claim_disagrees else "agrees").inc()
         self.own.clusters.set(self.judge.estimator.n_clusters)
         self.judged += len(judged)
         await self.commit(ends)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,10 +32,17 @@ def test_proposals_in_admissions_out_rejections_kept_bad_ones_dead_lettered(topi
     config = s.writes()
     topics, limits, bootstrap = s.topics(), s.limits(), s.bootstrap or ""
     emb = np.ones(s.embedding_dim, np.float32) / np.sqrt(s.embedding_dim)
+    # Judged in this order against the gate's own estimate (the global mean here: prior 0.5,
+    # then 1.0, then 0.5); the producers' claimed expectations decide nothing.
     proposals = [
-        MemoryWrite("w-good", BASE_TS, "retry with a smaller page", "q1", 0, reward=1.0, embedding=emb),
-        MemoryWrite("w-bad", BASE_TS + 1, "the v1 endpoint times out", "q2", 1, reward=0.0, expected_reward=0.9),
-        MemoryWrite("w-meh", BASE_TS + 2, "nothing new", "q3", 0, reward=0.6, expected_reward=0.5),
+        # 1.0 against the prior 0.5: a success (its claim agrees: within θ of 0.5)
+        MemoryWrite(
+            "w-good", BASE_TS, "retry with a smaller page", "q1", 0, reward=1.0, expected_reward=0.6, embedding=emb
+        ),
+        # 0.0 against 1.0: a pitfall, although its producer claims it expected 0.0
+        MemoryWrite("w-bad", BASE_TS + 1, "the v1 endpoint times out", "q2", 1, reward=0.0, expected_reward=0.0),
+        # 0.5 against 0.5: no surprise, although its producer claims it expected −5
+        MemoryWrite("w-meh", BASE_TS + 2, "nothing new", "q3", 0, reward=0.5, expected_reward=-5.0),
     ]
     no_reward = orjson.loads(proposals[2].to_bytes())
     no_reward.update(write_id="w-noreward")
@@ -49,14 +57,17 @@ def test_proposals_in_admissions_out_rejections_kept_bad_ones_dead_lettered(topi
         metrics = Metrics(role="writes")
         gate = WriteGateService(config, bootstrap, metrics)
         outputs = [config.lifecycle_topic, topics.memory_writes_rejected.name, topics.dead_letter.name]
+
+        def judged(n: int) -> Callable[[], bool]:
+            return lambda: gate.judged == n
+
         got: dict[str, list[Any]] = {t: [] for t in outputs}
         try:
             async with gate:
                 task = asyncio.create_task(gate.run())
-                for w in proposals:
+                for i, w in enumerate(proposals, 1):  # one at a time: each is judged by the estimate of the moment
                     await producer.send_and_wait(topics.memory_writes.name, w.to_bytes(), key=w.key)
-                    if w.expected_reward is None:  # judged by the gate's estimate: first, against the prior
-                        await until(lambda: gate.judged == 1, 10, "the first proposal judged")
+                    await until(judged(i), 10, f"proposal {i} judged")
                 for bad in (no_reward, wrong_size):
                     await producer.send_and_wait(
                         topics.memory_writes.name, orjson.dumps(bad), key=bad["write_id"].encode()
@@ -84,6 +95,8 @@ def test_proposals_in_admissions_out_rejections_kept_bad_ones_dead_lettered(topi
             await producer.stop()
         for name in ("admitted_success", "admitted_pitfall", "rejected", "invalid"):
             assert total(gate.own.decisions, decision=name) == {"invalid": 2, "rejected": 1}.get(name, 1), name
+        assert total(gate.own.claims, claim="agrees") == 1 and total(gate.own.claims, claim="disagrees") == 2
+        assert total(gate.own.estimates, estimate="producer") == 0
         assert total(metrics.rejected, reason="missing_field") == 1
         assert total(metrics.rejected, reason="embedding_length") == 1
         return got
@@ -95,9 +108,11 @@ def test_proposals_in_admissions_out_rejections_kept_bad_ones_dead_lettered(topi
     good, bad = adds[memory_id_for("w-good")], adds[memory_id_for("w-bad")]
     assert (good.op, good.kind, good.delta, good.source) == ("add", "success", 0.5, "write-gate")
     assert good.embedding is not None and good.text == "retry with a smaller page"
-    assert (bad.kind, bad.embedding) == ("pitfall", None) and bad.delta == pytest.approx(-0.9)
+    assert (bad.kind, bad.embedding) == ("pitfall", None) and bad.delta == pytest.approx(-1.0)
     (kept,) = [decode_rejected_write(m.value, limits, m.key) for m in got[topics.memory_writes_rejected.name]]
-    assert kept.write_id == "w-meh" and kept.rpe == pytest.approx(0.1) and kept.estimate == "producer"
+    assert kept.write_id == "w-meh" and kept.rpe == pytest.approx(0.0)
+    assert kept.expected_reward == pytest.approx(0.5) and kept.estimate == "global"
+    assert kept.write.expected_reward == -5.0, "the claim is kept as received, for review"
     reasons = sorted(orjson.loads(m.value)["reason"] for m in got[topics.dead_letter.name])
     assert reasons == ["embedding_length", "missing_field"]
 
@@ -122,7 +137,7 @@ def test_readiness_needs_partitions_and_the_exposition_is_the_gates() -> None:
     text = generate_latest(metrics.registry).decode()
     for decision in ("admitted_success", "admitted_pitfall", "rejected", "invalid"):
         assert f'causalmem_writes_decisions_total{{decision="{decision}"}} 0.0' in text
-    for name in ("rpe_bucket", "partitions_owned", "batch_seconds_bucket", "topics"):
+    for name in ("rpe_bucket", "partitions_owned", "batch_seconds_bucket", "topics", "claims_total"):
         assert f"causalmem_writes_{name}" in text, name
     assert "causalmem_joins_total" not in text and "causalmem_learner_loss" not in text
 

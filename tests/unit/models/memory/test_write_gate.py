@@ -33,7 +33,7 @@ BASE_TS = 1_767_225_600.0
 def test_the_gate_admits_only_surprises_and_names_their_kind(
     reward: float, expected: float, admitted: bool, kind: str | None, rpe: float
 ) -> None:
-    d = WriteGate(theta=0.25).judge(reward, (expected, "producer"))
+    d = WriteGate(theta=0.25).judge(reward, (expected, "cluster"))
     assert (d.admitted, d.kind, d.expected_reward) == (admitted, kind, expected)
     assert d.rpe == pytest.approx(rpe)
 
@@ -44,6 +44,33 @@ def test_theta_must_be_a_finite_non_negative_number() -> None:
             WriteGate(theta=bad)
     with pytest.raises(ValueError):
         Settings(writes_theta=-1.0).writes()
+
+
+def test_the_gate_judges_on_its_own_estimate_not_on_the_producers_claim() -> None:
+    est = RewardEstimator(prior=0.0, fading=0.5, radius=0.9, min_count=2)
+    topic = np.array([1.0, 0.0, 0.0])
+    for r in (0.5, 0.5):
+        est.update(topic, r)
+    own = est.expected(topic)
+    assert own == (0.5, "cluster")
+    gate = WriteGate(theta=0.3)
+    # A producer's number is not an expectation the gate decides by.
+    with pytest.raises(ValueError, match="producer"):
+        gate.judge(0.5, (-5.0, "producer"))
+    # The reward the gate expected for this topic, whatever the producer claims it expected: no surprise.
+    for claimed in (-5.0, 5.0):
+        d = gate.judge(0.5, own, claimed_expected_reward=claimed)
+        assert (d.admitted, d.rpe, d.expected_reward, d.estimate) == (False, 0.0, 0.5, "cluster")
+        assert (d.claimed_expected_reward, d.claim_disagrees) == (claimed, True)
+    # A genuine surprise is admitted, even when the producer claims it expected it.
+    up = gate.judge(1.5, own, claimed_expected_reward=1.5)
+    assert (up.admitted, up.kind, up.rpe, up.claim_disagrees) == (True, "success", 1.0, True)
+    down = gate.judge(-0.5, own, claimed_expected_reward=-0.5)
+    assert (down.admitted, down.kind, down.rpe) == (True, "pitfall", -1.0)
+    # A claim within θ of the gate's expectation agrees; no claim, nothing to compare.
+    assert gate.judge(0.5, own, claimed_expected_reward=0.6).claim_disagrees is False
+    bare = gate.judge(0.5, own)
+    assert (bare.claimed_expected_reward, bare.claim_disagrees) == (None, False)
 
 
 def test_the_estimator_keeps_one_running_mean_per_query_topic() -> None:
@@ -109,9 +136,36 @@ def test_the_judge_writes_admissions_as_lifecycle_adds_and_keeps_rejections() ->
     bad = judge.judge(MemoryWrite("w3", BASE_TS + 2, "v1", "q3", 0, reward=0.0, embedding=emb))
     assert bad.label == "admitted_pitfall" and isinstance(bad.output, MemoryRecord)
     assert bad.output.delta == pytest.approx(-0.95)
-    # The producer's own expectation wins over the gate's.
-    own = judge.judge(MemoryWrite("w4", BASE_TS, "x", "q4", 0, reward=0.9, expected_reward=0.0, embedding=emb))
-    assert own.label == "admitted_success" and own.decision.estimate == "producer"
+
+
+@pytest.mark.parametrize(
+    ("reward", "claimed", "label", "rpe"),
+    [
+        (0.5, -5.0, "rejected", 0.0),  # the topic's usual reward, claimed a surprise: not admitted
+        (0.5, 5.0, "rejected", 0.0),
+        (1.5, 1.5, "admitted_success", 1.0),  # a surprise, claimed expected: admitted all the same
+        (-0.5, -0.5, "admitted_pitfall", -1.0),
+    ],
+)
+def test_the_judge_decides_by_its_own_estimate_whatever_the_producer_claims(
+    reward: float, claimed: float, label: str, rpe: float
+) -> None:
+    est = RewardEstimator(prior=0.0, fading=0.5, radius=0.9, min_count=2)
+    topic = np.array([0.0, 1.0, 0.0, 0.0], np.float32)
+    for r in (0.5, 0.5):
+        est.update(topic, r)
+    judge = Judge(WriteGate(0.3), est)
+    w = MemoryWrite("w1", BASE_TS, "x", "q1", 0, reward=reward, expected_reward=claimed, query_embedding=topic)
+    j = judge.judge(w, now=5.0)
+    assert j.label == label
+    assert j.decision.rpe == pytest.approx(rpe)
+    assert (j.decision.expected_reward, j.decision.estimate) == (0.5, "cluster")
+    assert (j.decision.claimed_expected_reward, j.decision.claim_disagrees) == (claimed, True)
+    if isinstance(j.output, RejectedWrite):  # kept for review with the gate's numbers and the claim as received
+        assert (j.output.expected_reward, j.output.estimate, j.output.rpe) == (0.5, "cluster", 0.0)
+        assert j.output.write.expected_reward == claimed
+    else:
+        assert j.output.delta == pytest.approx(rpe)
 
 
 # --------------------------------------------------------------------------- cold start
