@@ -98,10 +98,10 @@ async def test_signed_manifests_unsigned_and_forged_ones_are_rejected() -> None:
     chunks, unsigned = checkpoint(1)
     off = await feed(sub, 0, 1, chunks, unsigned)
     assert sub.current is None and "signature" in sub.rejections[-1][1]
-    m = decode_manifest(encode(unsigned)).signed(b"another key")
+    m = decode_manifest(encode(unsigned)).signed(b"another key", role="serving")
     off = await feed(sub, off, 1, chunks, m.to_dict())
     assert sub.current is None
-    good = decode_manifest(encode(unsigned)).signed(KEY)
+    good = decode_manifest(encode(unsigned)).signed(KEY, role="serving")  # signed for the key it comes under
     off = await feed(sub, off, 1, chunks, good.to_dict())
     assert sub.current is not None and sub.current.version == 1
     # Changing a signed field (here the sha256 of forged bytes) breaks the signature.

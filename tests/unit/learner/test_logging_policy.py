@@ -108,7 +108,11 @@ def test_version_zero_is_similarity_and_an_unheld_version_keeps_what_it_carries(
         policies.hold(manifest(v), net)
     assert policies.versions == [6, 7]  # bounded: the oldest goes
     no_policy = client_log(net, 1, 30, seed=6, temperature=0.3)  # relabelled below as a client without a policy
-    r = CausalRetriever(np.eye(S, D, dtype=np.float32), k=2, n_candidates=6, seed=1, temperature=0.3)
+    # Every request explores at T = 0.3: a client without a policy logs only those as draws (cold
+    # start serves the index's own ranking otherwise, as fallback steps: contract 1.10).
+    r = CausalRetriever(
+        np.eye(S, D, dtype=np.float32), k=2, n_candidates=6, seed=1, explore_rate=1.0, explore_temperature=0.3
+    )
     similarity = [r.retrieve(e.event.features.query_embedding, e.event.query_id).event for e in no_policy]
     assert all(ev.policy_version == 0 for ev in similarity)
     zero = [Experience(ev.event_id, "feedback", ev, 0.0) for ev in similarity]
