@@ -10,7 +10,12 @@ Per input partition it keeps the events still waiting for their other half, in e
 arrival order, for ``join_window_s`` of that partition's own event time
 (:mod:`pipeline.worker.partitions`); unmatched events are then evicted and counted. An
 event or feedback whose ``ts`` is more than ``max_future_skew_s`` ahead of the wall clock
-goes to dead-letter (``ts_in_future``) and never reaches the join state.
+goes to dead-letter (``ts_in_future``) and never reaches the join state. Each partition's
+state (pending halves and remembered ids) is also bounded in bytes, its share of
+``join_state_max_bytes``: past it the oldest entries are shed as each message arrives,
+counted in ``causalmem_join_shed_total{buffer,reason}`` and logged at most every
+:data:`SHED_LOG_EVERY_S` seconds (:class:`ShedReport`), never dead-lettered: a shed half
+was valid input, skipped like one past the window (as the count caps always did).
 
 State is not checkpointed anywhere: the committed offset of each input partition is the
 offset of its oldest still-pending event, so a worker that takes a partition over (after
@@ -38,20 +43,25 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from aiokafka import ConsumerRebalanceListener, TopicPartition
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as PromCounter
 from river import stats, utils
 
 from pipeline import kafka
 from pipeline.config import JoinConfig
 from pipeline.deadletter import DeadLetterWriter
-from pipeline.metrics import Metrics
+from pipeline.metrics import ROLES, Metrics
 from pipeline.service import Service
 from pipeline.worker.active_learning import CandidateRule
-from pipeline.worker.partitions import PartitionState, Pending, event_clock
+from pipeline.worker.partitions import PartitionState, event_clock, hold
 from topics.convert import make_sample
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
@@ -63,6 +73,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_INTERVAL_S = 1.0
 REWIND_PAUSE_S = 1.0  # after a failed send, before re-reading
+SHED_LOG_EVERY_S = 5.0  # at most one shedding warning per this many seconds (the rest are summed into it)
 
 
 @dataclass
@@ -76,6 +87,7 @@ class _BatchTally:
     intervention: list[float] = field(default_factory=list)
     mask_max: list[float] = field(default_factory=list)
     utilities: list[float] = field(default_factory=list)
+    shed: Counter[tuple[str, str]] = field(default_factory=Counter)  # (buffer, reason) -> entries
 
 
 class JoinStats:
@@ -91,6 +103,102 @@ class JoinStats:
         self.fallback: Any = utils.Rolling(stats.Mean, window_size=window)
         self.utility: Any = utils.Rolling(stats.Mean, window_size=window)
         self.utility_nonneg: Any = utils.Rolling(stats.Mean, window_size=window)
+
+
+class JoinStateMetrics:
+    """Entries shed by buffer and reason, and the bytes the join's state is counted for.
+
+    ``causalmem_join_shed_total{buffer,reason}``: an entry dropped for a cap, not for the
+    join window (that is ``causalmem_join_expired_total``); ``buffer`` is ``retrieval`` or
+    ``feedback`` (pending halves, never joined) or ``seen_retrieval``, ``seen_feedback``,
+    ``joined`` (remembered ids, which no longer stop a duplicate); ``reason`` is
+    ``max_bytes`` or ``max_count``. ``causalmem_join_state_bytes``: what the owned
+    partitions are counted for. Like the evaluator's and the write gate's own metrics they
+    live on the registry of the process's :class:`~pipeline.metrics.Metrics` (when its role
+    exports the worker's), one set per ``Metrics`` (:func:`join_state_metrics`).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.shed = PromCounter(
+            "causalmem_join_shed_total",
+            "Join state entries dropped over a cap (pending halves never joined, remembered ids), by buffer and reason",
+            ["buffer", "reason"],
+            registry=registry,
+        )
+        for buffer in ("retrieval", "feedback"):  # exported from the start (0 until it happens)
+            self.shed.labels(buffer=buffer, reason="max_bytes")
+        self.state_bytes = Gauge(
+            "causalmem_join_state_bytes",
+            "Bytes the join's state is counted for (pending halves and remembered ids), owned partitions",
+            registry=registry,
+        )
+
+
+_BY_METRICS: weakref.WeakKeyDictionary[Metrics, JoinStateMetrics] = weakref.WeakKeyDictionary()
+
+
+def join_state_metrics(metrics: Metrics) -> JoinStateMetrics:
+    """The join state's metrics of ``metrics``' process (made once, exported when its role has the worker's)."""
+    own = _BY_METRICS.get(metrics)
+    if own is None:
+        exported = "worker" in ROLES.get(metrics.role, set())
+        own = JoinStateMetrics(metrics.registry if exported else CollectorRegistry())
+        _BY_METRICS[metrics] = own
+    return own
+
+
+class ShedReport:
+    """Counts what was shed and logs a warning at most every ``every_s`` seconds (the sum since the last).
+
+    >>> clock = iter([100.0, 101.0, 106.0]).__next__
+    >>> r = ShedReport(join_state_metrics(Metrics()), cap_bytes=1024, every_s=5.0, clock=clock)
+    >>> r.record(Counter({("retrieval", "max_bytes"): 3}))  # logged
+    >>> r.record(Counter({("retrieval", "max_bytes"): 2}))  # summed, 1 s later
+    >>> r.unlogged
+    2
+    >>> r.record(Counter({("seen_feedback", "max_count"): 1}))  # logged with the 2 before
+    >>> r.unlogged
+    0
+    """
+
+    def __init__(
+        self,
+        metrics: JoinStateMetrics,
+        cap_bytes: int,
+        every_s: float = SHED_LOG_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.metrics = metrics
+        self.cap_bytes = cap_bytes
+        self.every_s = every_s
+        self._clock = clock
+        self._last_log: float | None = None
+        self._since: Counter[tuple[str, str]] = Counter()
+
+    @property
+    def unlogged(self) -> int:
+        return sum(self._since.values())
+
+    def record(self, shed: Counter[tuple[str, str]]) -> None:
+        """Count ``shed`` ((buffer, reason) → entries) and log it unless a warning went out recently."""
+        if not shed:
+            return
+        for (buffer, reason), n in shed.items():
+            self.metrics.shed.labels(buffer=buffer, reason=reason).inc(n)
+        self._since.update(shed)
+        now = self._clock()
+        if self._last_log is not None and now - self._last_log < self.every_s:
+            return
+        what = ", ".join(f"{n} {buffer} ({reason})" for (buffer, reason), n in sorted(self._since.items()))
+        # Counts only: never an id or a value, which clients wrote.
+        log.warning(
+            "join: shed the oldest entries of its state over the caps (%d bytes per partition): %s "
+            "(causalmem_join_shed_total; docs/operations.md, 'Worker memory')",
+            self.cap_bytes,
+            what,
+        )
+        self._last_log = now
+        self._since.clear()
 
 
 class JoinStage(Service):
@@ -111,6 +219,9 @@ class JoinStage(Service):
         self.stats = JoinStats()
         self.rule = CandidateRule(config.active_learning)
         self.joined_total = 0
+        self.max_bytes = config.partition_max_bytes  # per input partition (pending halves and remembered ids)
+        self.state_metrics = join_state_metrics(metrics)
+        self.shed = ShedReport(self.state_metrics, self.max_bytes)
         self._consumer: Any = None
         self._producer: Any = None
         self._dead: DeadLetterWriter | None = None
@@ -217,35 +328,44 @@ class JoinStage(Service):
                 if key in st.joined:
                     self.metrics.duplicates.labels(topic=tp.topic).inc()
                     continue
-                seen[value.event_id] = value.ts
+                seen.put(value.event_id, value.ts)
                 st.advance(value.ts)
                 if isinstance(value, RetrievalEvent):
                     self._observe_retrieval(value, tally)
-                    other = st.feedback.pop(key, None)
+                    other = st.feedback.pop(key)
                     if other is None:
                         if key in st.retrieval:  # a second event for the same step
                             self.metrics.duplicates.labels(topic=tp.topic).inc()
                         else:
-                            st.retrieval[key] = Pending(value, msg.offset, value.ts)
+                            st.retrieval.put(key, hold(value, msg.offset))
+                        self._bound(st, tally)
                         continue
                     event, feedback = value, other.value
                 else:
-                    other = st.retrieval.pop(key, None)
+                    other = st.retrieval.pop(key)
                     if other is None:
                         if key in st.feedback:
                             self.metrics.duplicates.labels(topic=tp.topic).inc()
                         else:
-                            st.feedback[key] = Pending(value, msg.offset, value.ts)
+                            st.feedback.put(key, hold(value, msg.offset))
+                        self._bound(st, tally)
                         continue
                     event, feedback = other.value, value
-                st.joined[key] = max(event.ts, feedback.ts)
+                st.joined.put(key, max(event.ts, feedback.ts))
+                self._bound(st, tally)
                 self._emit(event, feedback, experiences, outcomes, tally, tp.partition)
         self._record(tally)
-        self._evict()
+        self._evict(tally)
         await self._send(experiences, outcomes)
         if self._dead is not None:
             await self._dead.flush()
         self.acked = self.commit_offsets()
+
+    def _bound(self, st: PartitionState, tally: _BatchTally) -> None:
+        """Keep the partition within its bytes as each message arrives, not only after the batch."""
+        if st.held_bytes() > self.max_bytes:
+            for buffer, n in st.shed(self.max_bytes).items():
+                tally.shed[(buffer, "max_bytes")] += n
 
     def _observe_retrieval(self, e: RetrievalEvent, tally: _BatchTally) -> None:
         tally.retrievals += 1
@@ -306,15 +426,20 @@ class JoinStage(Service):
             Outcome(event.query_id, event.step, ts, u, event.fallback, event.policy, al=reason, sample=sample)
         )
 
-    def _evict(self) -> None:
-        """Expire each partition's halves by its own event time (one partition cannot age another's)."""
-        pending = 0
+    def _evict(self, tally: _BatchTally) -> None:
+        """Expire each partition's halves by its own event time (one partition cannot age another's),
+        shed what is over the caps, and report both."""
+        pending = held = 0
         for st in self.state.values():
-            for side, n in zip(("retrieval", "feedback"), st.evict(self.config.window_s), strict=True):
-                if n:
-                    self.metrics.join_expired.labels(side=side).inc(n)
+            dropped = st.evict(self.config.window_s, self.max_bytes)
+            for side, n in dropped.expired.items():
+                self.metrics.join_expired.labels(side=side).inc(n)
+            tally.shed.update(dropped.shed)
             pending += st.pending()
+            held += st.held_bytes()
+        self.shed.record(tally.shed)
         self.metrics.join_pending.set(pending)
+        self.state_metrics.state_bytes.set(held)
 
     def event_clock(self) -> float | None:
         """The slowest owned partition's watermark (None before any event): the clock for table pruning."""
