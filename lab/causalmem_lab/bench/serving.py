@@ -16,8 +16,9 @@ shared machine hits both alike):
    ``invoke`` (k = 3), same queries: langchain-core's ``InMemoryVectorStore``, and
    :class:`ArrayStore`, a store searching a numpy matrix, fast enough for the broker phases'
    rate. The embedding is a table lookup, so embedding costs nothing here; the adapter embeds
-   each query once for the policy and the store embeds it again for its search (counted per
-   call in the report: with a real embedding model that second embedding adds its own time);
+   each query once for the policy and searches ``InMemoryVectorStore`` by that embedding, while
+   ``ArrayStore`` (no search by vector) embeds it again (counted per call in the report: with a
+   real embedding model that second embedding adds its own time);
 3. **broker away**: the adapter with a ``SyncEventPublisher`` on an embedded broker, paced
    at ``--rate`` requests/s for ``--seconds`` per phase: the broker *up*; *stopped* (its
    process frozen with SIGSTOP: connections hang, as on a partitioned network); *flapping*
