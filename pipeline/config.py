@@ -231,6 +231,9 @@ class Settings:
     )
     checkpoint_signing_key_file: str = setting("", "a file holding that key (causalmem keygen writes a pair)")
     checkpoint_verify_key_file: str = setting("", "readers: the learner's Ed25519 public key (PEM) to verify with")
+    checkpoint_unsigned_ok: bool = setting(
+        False, "let the learner publish unsigned checkpoints on a broker other than the embedded one"
+    )
     # CAUSALMEM_KAFKA_* (KafkaSecurity's own settings)
     security: KafkaSecurity = field(default_factory=KafkaSecurity)
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import sys
 
 from pipeline import kafka
 from pipeline.allocator import pin_malloc
@@ -81,6 +82,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     bootstrap = resolve_bootstrap(settings)
+    # Outside the embedded broker an unsigned model topic serves whatever any producer writes:
+    # signing is on by default there, and publishing unsigned takes an explicit setting.
+    warning = unsigned_warning("learner", settings.signing_key(), bootstrap, settings.security.security_protocol)
+    if warning and not settings.checkpoint_unsigned_ok:
+        print(f"{warning}\nlearner: not started; or set CAUSALMEM_CHECKPOINT_UNSIGNED_OK=true", file=sys.stderr)
+        return 2
     pin_malloc()  # a step's large temporaries reused, not faulted in again (pipeline/allocator.py)
 
     async def main(stop: asyncio.Event) -> int:
@@ -93,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         config = settings.learner()
-        # Outside the embedded broker an unsigned model topic serves whatever any producer writes.
-        warning = unsigned_warning("learner", config.signing_key, bootstrap, settings.security.security_protocol)
         if warning:
             logging.getLogger("pipeline.learner").warning(warning)
         learner = Learner(config, bootstrap, metrics)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,13 @@ def test_the_learner_signs_with_its_private_key_and_a_client_with_only_the_publi
     manifest, rejections = asyncio.run(run())
     assert (manifest.signature or "").startswith("ed25519:") and manifest.role == "serving"
     assert rejections == []
+
+
+def test_the_learner_does_not_start_unsigned_outside_the_embedded_broker(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAUSALMEM_")}
+    env.update(CAUSALMEM_BOOTSTRAP="10.1.2.3:9092", CAUSALMEM_STATE_DIR=str(tmp_path))
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "causalmem"), "learner"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "NOT signed" in done.stderr and "CAUSALMEM_CHECKPOINT_UNSIGNED_OK" in done.stderr
