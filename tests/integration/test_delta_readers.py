@@ -17,12 +17,13 @@ import pytest
 
 from models.serving.params import ServingParams
 from pipeline import kafka
+from pipeline.cli import rollback
 from pipeline.client import chain
 from pipeline.client.adapter import CausalServing
 from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import AdapterConfig, Settings
 from pipeline.modeltopic import ModelTopicIndex, check_blob, scan_model_topic
-from pipeline.policy_evaluation import evaluate, rollback, shadow
+from pipeline.policy_evaluation import evaluate, shadow
 from pipeline.status.collect import checkpoint_view
 from tests.adapter_fakes import CONN, hashed_embedding, policy
 from tests.integration.test_delta_checkpoints import delta_publishing, learner, publish, same, train
@@ -138,8 +139,21 @@ async def test_rollback_sees_a_delta_version_on_the_topic_and_a_broken_chain(
 
             return done()
 
+    class Consumer:  # the verb watches dead-letter and the model topic for the learner's answer: none comes
+        async def start(self) -> None: ...
+        async def stop(self) -> None: ...
+        def assign(self, tps: Any) -> None: ...
+        async def seek_to_end(self, *tps: Any) -> None: ...
+        async def position(self, tp: Any) -> int:
+            return 0
+
+        def seek(self, tp: Any, offset: int) -> None: ...
+        async def getmany(self, *tps: Any, timeout_ms: int = 0) -> dict[Any, Any]:
+            return {}
+
     async def nothing(*args: Any, **kw: Any) -> None: ...
 
+    monkeypatch.setattr(kafka, "consumer", lambda *a, **kw: Consumer())
     monkeypatch.setattr(rollback, "scan_model_topic", scan)
     monkeypatch.setattr(
         kafka,

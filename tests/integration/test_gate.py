@@ -18,12 +18,12 @@ from models.serving.rule import (
     sample_plackett_luce,
 )
 from pipeline import kafka
+from pipeline.cli.rollback import rollback
 from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.policy_evaluation.evaluate import evaluate_window
-from pipeline.policy_evaluation.rollback import rollback
 from tests.helpers import until
 from topics.events import Features, RetrievalEvent
 from topics.fields import encode
