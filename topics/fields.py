@@ -68,6 +68,10 @@ LEARNER_REASONS: tuple[str, ...] = (
     "rate_limited",
     "logging_mismatch",
 )
+# Contract 1.14: a reason the join gives (a valid message of an input topic, never a decoder's):
+# step_reused, a new event_id for a (query_id, step) another event of its topic already holds,
+# joined or waiting (a client reusing query ids after a restart; docs/contract.md §2).
+JOIN_REASONS: tuple[str, ...] = ("step_reused",)
 
 SCHEMA_RETRIEVAL = "retrieval_event/v1"
 SCHEMA_FEEDBACK = "llm_feedback/v1"

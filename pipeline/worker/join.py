@@ -10,7 +10,11 @@ Per input partition it keeps the events still waiting for their other half, in e
 arrival order, for ``join_window_s`` of that partition's own event time
 (:mod:`pipeline.worker.partitions`); unmatched events are then evicted and counted. An
 event or feedback whose ``ts`` is more than ``max_future_skew_s`` ahead of the wall clock
-goes to dead-letter (``ts_in_future``) and never reaches the join state. Each partition's
+goes to dead-letter (``ts_in_future``) and never reaches the join state. A message whose
+``event_id`` was seen is a retransmission, counted in ``causalmem_duplicates_total`` and
+skipped; one whose ``event_id`` is new but whose ``(query_id, step)`` another event of its
+topic already holds (joined, or waiting) goes to dead-letter (``step_reused``, a client
+reusing query ids after a restart: :func:`step_verdict`) and is never joined. Each partition's
 state (pending halves and remembered ids) is also bounded in bytes, its share of
 ``join_state_max_bytes``: past it the oldest entries are shed as each message arrives,
 counted in ``causalmem_join_shed_total{buffer,reason}`` and logged at most every
@@ -61,7 +65,7 @@ from pipeline.deadletter import DeadLetterWriter
 from pipeline.metrics import ROLES, Metrics
 from pipeline.service import Service
 from pipeline.worker.active_learning import CandidateRule
-from pipeline.worker.partitions import PartitionState, event_clock, hold
+from pipeline.worker.partitions import JoinedStep, PartitionState, event_clock, hold
 from topics.convert import make_sample
 from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
@@ -74,6 +78,34 @@ log = logging.getLogger(__name__)
 COMMIT_INTERVAL_S = 1.0
 REWIND_PAUSE_S = 1.0  # after a failed send, before re-reading
 SHED_LOG_EVERY_S = 5.0  # at most one shedding warning per this many seconds (the rest are summed into it)
+
+
+def step_verdict(event_id: str, seen: bool, holder: str | None) -> str:
+    """What the join does with a valid message of one topic for a ``(query_id, step)``.
+
+    ``seen``: its ``event_id`` is among the ids remembered for the topic; ``holder``: the id
+    of the event of the same topic that holds the step (joined, or waiting for its other
+    half), None when none does. ``"duplicate"``: a retransmission (at-least-once delivery),
+    counted and skipped silently; ``"step_reused"``: a new event for a step another event
+    holds, dead-lettered and never joined (docs/contract.md §2); ``"new"``: joined or held.
+
+    >>> step_verdict("e1", seen=True, holder="e1"), step_verdict("e1", seen=False, holder="e1")
+    ('duplicate', 'duplicate')
+    >>> step_verdict("e2", seen=False, holder="e1"), step_verdict("e2", seen=False, holder=None)
+    ('step_reused', 'new')
+    """
+    if seen or holder == event_id:
+        return "duplicate"
+    return "new" if holder is None else "step_reused"
+
+
+def step_reused_detail(query_id: str, step: int, event_id: str, holder: str, how: str) -> str:
+    """The dead letter's detail: why first (what a log line shows), then the ids (at most 64 characters each)."""
+    return (
+        "a new event_id for a step another event holds: query ids must be unique across restarts "
+        f"(docs/contract.md §2); step {step} of query {query_id[:64]!r} is held by event {holder[:64]!r} "
+        f"({how}), not by this event {event_id[:64]!r}"
+    )
 
 
 @dataclass
@@ -111,8 +143,8 @@ class JoinStateMetrics:
     ``causalmem_join_shed_total{buffer,reason}``: an entry dropped for a cap, not for the
     join window (that is ``causalmem_join_expired_total``); ``buffer`` is ``retrieval`` or
     ``feedback`` (pending halves, never joined) or ``seen_retrieval``, ``seen_feedback``,
-    ``joined`` (remembered ids, which no longer stop a duplicate); ``reason`` is
-    ``max_bytes`` or ``max_count``. ``causalmem_join_state_bytes``: what the owned
+    ``joined`` (remembered ids and steps, which no longer stop a duplicate or a reused
+    step); ``reason`` is ``max_bytes`` or ``max_count``. ``causalmem_join_state_bytes``: what the owned
     partitions are counted for. Like the evaluator's and the write gate's own metrics they
     live on the registry of the process's :class:`~pipeline.metrics.Metrics` (when its role
     exports the worker's), one set per ``Metrics`` (:func:`join_state_metrics`).
@@ -321,12 +353,16 @@ class JoinStage(Service):
                     self._dead.send(msg, "ts_in_future", ahead)
                     continue
                 seen = st.seen_retrieval if kind == "retrieval" else st.seen_feedback
-                if value.event_id in seen:
+                key = (value.query_id, value.step)
+                held = st.holder(kind, key)
+                verdict = step_verdict(value.event_id, value.event_id in seen, None if held is None else held[0])
+                if verdict == "duplicate":
                     self.metrics.duplicates.labels(topic=tp.topic).inc()
                     continue
-                key = (value.query_id, value.step)
-                if key in st.joined:
-                    self.metrics.duplicates.labels(topic=tp.topic).inc()
+                if verdict == "step_reused":  # changes no state: neither remembered nor joined
+                    assert self._dead is not None and held is not None
+                    detail = step_reused_detail(value.query_id, value.step, value.event_id, *held)
+                    self._dead.send(msg, "step_reused", detail)
                     continue
                 seen.put(value.event_id, value.ts)
                 st.advance(value.ts)
@@ -334,24 +370,18 @@ class JoinStage(Service):
                     self._observe_retrieval(value, tally)
                     other = st.feedback.pop(key)
                     if other is None:
-                        if key in st.retrieval:  # a second event for the same step
-                            self.metrics.duplicates.labels(topic=tp.topic).inc()
-                        else:
-                            st.retrieval.put(key, hold(value, msg.offset))
+                        st.retrieval.put(key, hold(value, msg.offset))
                         self._bound(st, tally)
                         continue
                     event, feedback = value, other.value
                 else:
                     other = st.retrieval.pop(key)
                     if other is None:
-                        if key in st.feedback:
-                            self.metrics.duplicates.labels(topic=tp.topic).inc()
-                        else:
-                            st.feedback.put(key, hold(value, msg.offset))
+                        st.feedback.put(key, hold(value, msg.offset))
                         self._bound(st, tally)
                         continue
                     event, feedback = other.value, value
-                st.joined.put(key, max(event.ts, feedback.ts))
+                st.joined.put(key, JoinedStep(max(event.ts, feedback.ts), event.event_id, feedback.event_id))
                 self._bound(st, tally)
                 self._emit(event, feedback, experiences, outcomes, tally, tp.partition)
         self._record(tally)

@@ -36,7 +36,8 @@ MAX_IDS_PER_PARTITION = 1_000_000
 # neither a text made of wide characters nor a long list of small numbers costs more than
 # it is counted for) plus PENDING_OVERHEAD (the Pending record, its key tuple, the ordered
 # dict's node); a remembered id for its string plus ID_OVERHEAD (its time, the node; a
-# joined step's key tuple).
+# joined step's key tuple); a joined step also for its record and the two ids it names
+# (counted again: the remembered ids may be shed before it).
 PENDING_OVERHEAD = 256
 ID_OVERHEAD = 160
 
@@ -110,6 +111,26 @@ class Pending:
     size: int = PENDING_OVERHEAD  # heap_bytes(value) + PENDING_OVERHEAD (the join sets it)
 
 
+@dataclass(slots=True)
+class JoinedStep:
+    """A joined ``(query_id, step)``: when (the later half's ``ts``) and the two ids that hold it.
+
+    A message of either topic for the step is a retransmission when it carries its side's id,
+    and reuses the step otherwise (docs/contract.md §2), even once the remembered ids are gone.
+    """
+
+    ts: float
+    retrieval_id: str
+    feedback_id: str
+
+    def holder(self, kind: str) -> str:
+        """The id that holds this step on ``kind``'s topic (``retrieval`` or ``feedback``)."""
+        return self.retrieval_id if kind == "retrieval" else self.feedback_id
+
+
+_STEP_RECORD = sys.getsizeof(JoinedStep(0.0, "", ""))
+
+
 def hold(value: Any, offset: int) -> Pending:
     """A decoded event or feedback waiting for its other half, counted for the heap it holds."""
     return Pending(value, offset, value.ts, heap_bytes(value) + PENDING_OVERHEAD)
@@ -155,6 +176,10 @@ class Held(Generic[K, V]):
             self.bytes -= self._size_of(key, self._entries[key])
         self._entries[key] = value
         self.bytes += self._size_of(key, value)
+
+    def get(self, key: K) -> V | None:
+        """The value of ``key`` (None when absent)."""
+        return self._entries.get(key)
 
     def pop(self, key: K) -> V | None:
         """Remove ``key`` and return its value (None when absent)."""
@@ -209,12 +234,17 @@ def _id_size(event_id: str, ts: float) -> int:
     return sys.getsizeof(event_id) + ID_OVERHEAD
 
 
-def _step_size(key: tuple[str, int], ts: float) -> int:
-    return sys.getsizeof(key[0]) + ID_OVERHEAD
+def _step_size(key: tuple[str, int], step: JoinedStep) -> int:
+    getsize = sys.getsizeof
+    return getsize(key[0]) + ID_OVERHEAD + _STEP_RECORD + getsize(step.retrieval_id) + getsize(step.feedback_id)
 
 
 def _ts(ts: float) -> float:
     return ts
+
+
+def _step_ts(step: JoinedStep) -> float:
+    return step.ts
 
 
 def _pending() -> Held[tuple[str, int], Pending]:
@@ -225,8 +255,8 @@ def _ids() -> Held[str, float]:
     return Held(_id_size, _ts)
 
 
-def _steps() -> Held[tuple[str, int], float]:
-    return Held(_step_size, _ts)
+def _steps() -> Held[tuple[str, int], JoinedStep]:
+    return Held(_step_size, _step_ts)
 
 
 @dataclass
@@ -255,7 +285,7 @@ class PartitionState:
     # One dedupe set per topic: a feedback may legitimately reuse its event's event_id.
     seen_retrieval: Held[str, float] = field(default_factory=_ids)
     seen_feedback: Held[str, float] = field(default_factory=_ids)
-    joined: Held[tuple[str, int], float] = field(default_factory=_steps)
+    joined: Held[tuple[str, int], JoinedStep] = field(default_factory=_steps)
     position: dict[str, int] = field(default_factory=dict)  # topic -> next offset to read
     watermark: float | None = None  # the largest accepted ts on this partition; None before the first
 
@@ -271,6 +301,25 @@ class PartitionState:
             + self.seen_feedback.bytes
             + self.joined.bytes
         )
+
+    def holder(self, kind: str, key: tuple[str, int]) -> tuple[str, str] | None:
+        """The event that holds ``key`` on ``kind``'s topic, and how: ``(event_id, "joined" | "waiting")``.
+
+        None when the step is neither joined nor waiting on that side (as far as this
+        partition remembers: ``join_window_s`` of its event time, within its caps).
+
+        >>> st = PartitionState()
+        >>> st.joined.put(("q", 0), JoinedStep(5.0, "ev-1", "fb-1"))
+        >>> st.holder("retrieval", ("q", 0)), st.holder("feedback", ("q", 0)), st.holder("feedback", ("q", 1))
+        (('ev-1', 'joined'), ('fb-1', 'joined'), None)
+        """
+        step = self.joined.get(key)
+        if step is not None:
+            return step.holder(kind), "joined"
+        waiting = (self.retrieval if kind == "retrieval" else self.feedback).get(key)
+        if waiting is None:
+            return None
+        return waiting.value.event_id, "waiting"
 
     def advance(self, ts: float) -> None:
         """Move this partition's event-time clock to ``ts`` if it is later."""

@@ -29,7 +29,7 @@ from pipeline.metrics import Metrics
 from pipeline.promtext import metric, parse
 from pipeline.worker import partitions
 from pipeline.worker.join import JoinStage, join_state_metrics
-from pipeline.worker.partitions import PartitionState, Pending
+from pipeline.worker.partitions import JoinedStep, PartitionState, Pending
 from tests.helpers import feedback, retrieval_event
 from tests.join_fakes import FakeConsumer, Inputs, stage_with_fakes
 from topics.events import RetrievalEvent
@@ -149,7 +149,7 @@ async def test_many_distinct_ids_are_bounded_too() -> None:
 def test_shedding_takes_the_oldest_entry_whichever_buffer_holds_it() -> None:
     st = PartitionState()
     st.seen_retrieval.put("old-event", 1.0)
-    st.joined.put(("old-query", 0), 2.0)
+    st.joined.put(("old-query", 0), JoinedStep(2.0, "old-event", "old-feedback"))
     for i in range(3):
         st.retrieval.put((f"q{i}", 0), Pending(None, i, 10.0 + i, size=1_000))
     st.seen_feedback.put("recent-feedback", 11.5)
