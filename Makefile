@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Every module's doctests run (python -m pipeline.cli is the one module that must not be imported bare).
 DOCTESTS := topics models pipeline lab/causalmem_lab --ignore=pipeline/cli/__main__.py
 
-.PHONY: demo test check lint types bench docs-bench promtool chromium clean-venv
+.PHONY: demo test check lint types bench docs-bench promtool chromium kafka-jars clean-venv
 
 $(STAMP): pyproject.toml lab/pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/causalmem bench throughput
+
+# Apache Kafka's jars for the three-node cluster tests (tests/kafka_cluster.py, pytest -m kafka), fetched
+# with Maven into ~/.cache/causalmem/kafka/ once; the tests fetch them too when missing.
+kafka-jars: $(STAMP)
+	$(BIN)/python -m tests.kafka_cluster fetch
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Settings
+from tests.kafka_cluster import KafkaCluster, KafkaUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,23 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerInfo]:
         yield BrokerInfo(embedded.bootstrap, "embedded-tansu")
     finally:
         embedded.stop()
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster() -> Iterator[KafkaCluster]:
+    """Three Apache Kafka KRaft nodes on loopback, secured as deployed (SASL/SCRAM, the ACLs of
+    deploy/kafka/acls.sh, replication 3), for one test module (tests/kafka_cluster.py); skipped,
+    with the reason, where Java, Maven or Apache Kafka's jars are missing."""
+    cluster = KafkaCluster()
+    try:
+        cluster.start()
+    except KafkaUnavailable as exc:
+        pytest.skip(f"no Apache Kafka cluster: {exc}")
+    log.info("Apache Kafka %s cluster on %s: %s", cluster.version, cluster.bootstrap, cluster.timings)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture
