@@ -151,7 +151,7 @@ def choose(
     explore = v.explore_rate > 0 and noise.explore() < v.explore_rate
     temperature = v.explore_temperature if explore else v.temperature
     if policy is None and not explore:
-        return _wrapped(labels, masks, scores, k, temperature, ids)
+        return _wrapped(labels, masks, k, temperature, ids)
     keep = keep_flags(masks, v.drop, v.drop_ratio)
     if explore and revive > 0:
         keep = revive_dropped(keep, revive, noise.rng, noise.revive(len(keep))) & np.isfinite(masks)
@@ -191,9 +191,7 @@ def choose(
     )
 
 
-def _wrapped(
-    labels: np.ndarray, masks: np.ndarray, scores: np.ndarray, k: int, temperature: float, ids: list[str] | None
-) -> Choice:
+def _wrapped(labels: np.ndarray, masks: np.ndarray, k: int, temperature: float, ids: list[str] | None) -> Choice:
     """Cold start (docs/contract.md §6, step 2, 1.10): the first k candidates as the search found them.
 
     A policy that does not exist yet cannot have been shown better than the client's own
@@ -201,7 +199,7 @@ def _wrapped(
     logged as a fallback step (no draw of a policy chose it): it counts in the metrics, not in
     the gradient or the promotion rule's evidence.
 
-    >>> c = _wrapped(np.array([7, 3, 5]), np.zeros(3), np.array([0.9, 0.8, 0.1]), 2, 0.05, None)
+    >>> c = _wrapped(np.array([7, 3, 5]), np.zeros(3), 2, 0.05, None)
     >>> c.selected, c.fallback, c.wrapped, c.candidates
     ([7, 3], True, True, [])
     """
