@@ -61,7 +61,9 @@ async def test_init_topics_creates_every_topic_replicated(
     assert code == 0, out
     operator = role_settings(kafka_cluster, "operator")
     specs = operator.topics().all()
-    assert all(line.rstrip().endswith("created") for line in out.splitlines() if line.strip()), out
+    # Nothing else creates topics on this cluster (no auto-creation); "exists" is init-topics' own
+    # retry after a creation the broker finished but answered late (seen under load on two cores).
+    assert all(line.rstrip().endswith(("created", "exists")) for line in out.splitlines() if line.strip()), out
     assert len(out.splitlines()) == len(specs)
 
     client = kafka.admin(kafka_cluster.bootstrap, operator)  # the operator may describe them
