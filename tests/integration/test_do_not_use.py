@@ -129,13 +129,16 @@ async def test_an_operators_suppression_is_served_at_once_capped_rate_limited_an
             assert (entry["command"], entry["slots"], entry["by"], entry["reason"]) == ("suppress", [4], "ops", "leaks")
             assert float(served.net.out.bias[4].detach()) < -20
             await learner.control.reset("test")
+            reset_version = learner.version
             assert float(learner.trainer.net.out.bias[4].detach()) < -20  # a fresh last layer keeps it suppressed
             # the undo: a neutral row again (mask ≈ 1), served at once, audited
             undo = change_suppression(
                 s.bootstrap, s, UNSUPPRESS_COMMAND, [4], by="ops", reason="fixed", timeout=30, max_slots=4, per_hour=2
             )
             assert await undo == 0
-            restored = await sub.wait_for_policy(learner.version, timeout=30)
+            # Past the reset's version: the verb may see the learner's checkpoint on the topic before
+            # the learner's own ``version`` moves on.
+            restored = await sub.wait_for_policy(reset_version + 1, timeout=30)
             assert restored.manifest.reason == SUPPRESS_COMMAND and restored.manifest.metrics["suppressed"] == []
             assert [e["command"] for e in restored.manifest.metrics["suppression_audit"]] == ["suppress", "unsuppress"]
             mask = torch.nn.functional.softplus(restored.net.out.bias[4].detach())
