@@ -80,6 +80,51 @@ ROLES: dict[str, str] = {
 }
 ADMIN_USER = "admin"  # the super user (PLAIN, as in compose)
 
+# --------------------------------------------------------------------------- the settings
+# What the cluster runs, declared once: the deployment files must say the same
+# (tests/unit/project/test_kafka_deploy_drift.py compares docker-compose.yml and deploy/k8s/ with these).
+
+# Every node's security: SASL on every listener (SCRAM-SHA-512 for clients, PLAIN for the nodes
+# and the admin super user), the StandardAuthorizer refusing what no ACL grants, no auto-creation.
+BROKER_SECURITY: dict[str, str] = {
+    "process.roles": "broker,controller",
+    "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+    "controller.listener.names": "CONTROLLER",
+    "inter.broker.listener.name": "SASL_PLAINTEXT",
+    "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
+    "sasl.mechanism.inter.broker.protocol": "PLAIN",
+    "sasl.mechanism.controller.protocol": "PLAIN",
+    "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+    "super.users": f"User:{ADMIN_USER}",
+    "allow.everyone.if.no.acl.found": "false",
+    "auto.create.topics.enable": "false",
+}
+# The clients' side of it (the CAUSALMEM_* environment of every role).
+CLIENT_SECURITY: dict[str, str] = {
+    "CAUSALMEM_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+    "CAUSALMEM_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+}
+# Durability: three copies of every partition, a write acknowledged once two have it.
+REPLICATION_FACTOR = 3
+MIN_INSYNC_REPLICAS = 2
+
+
+def broker_durability(
+    replication_factor: int = REPLICATION_FACTOR, min_insync: int = MIN_INSYNC_REPLICAS
+) -> dict[str, str]:
+    """The broker settings that give every topic, the brokers' own included, these copies."""
+    rf, isr = str(replication_factor), str(min_insync)
+    return {
+        "default.replication.factor": rf,
+        "min.insync.replicas": isr,
+        "offsets.topic.replication.factor": rf,
+        "transaction.state.log.replication.factor": rf,
+        "transaction.state.log.min.isr": isr,
+        "share.coordinator.state.topic.replication.factor": rf,
+        "share.coordinator.state.topic.min.isr": isr,
+    }
+
+
 # The tools' main classes (what bin/kafka-*.sh of the distribution run).
 TOOLS: dict[str, str] = {
     "kafka-storage.sh": "kafka.tools.StorageTool",
@@ -310,8 +355,8 @@ class KafkaCluster:
         nodes: int = 3,
         version: str = KAFKA_VERSION,
         heap: str = "256m",
-        replication_factor: int = 3,
-        min_insync_replicas: int = 2,
+        replication_factor: int = REPLICATION_FACTOR,
+        min_insync_replicas: int = MIN_INSYNC_REPLICAS,
         topic_prefix: str = "",
         workdir: str | Path | None = None,
     ) -> None:
@@ -342,8 +387,7 @@ class KafkaCluster:
             "CAUSALMEM_TOPIC_PREFIX": self.topic_prefix,
             "CAUSALMEM_REPLICATION_FACTOR": str(self.replication_factor),
             "CAUSALMEM_MIN_INSYNC_REPLICAS": str(self.min_insync_replicas),
-            "CAUSALMEM_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
-            "CAUSALMEM_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            **CLIENT_SECURITY,
             "CAUSALMEM_KAFKA_SASL_USERNAME": user.username,
             "CAUSALMEM_KAFKA_SASL_PASSWORD": user.password,
         }
@@ -430,6 +474,34 @@ class KafkaCluster:
         self.stop()
 
     # -- steps -----------------------------------------------------------------------------
+    def server_properties(self, node: Node) -> dict[str, str]:
+        """``node``'s ``server.properties``: :data:`BROKER_SECURITY` and :func:`broker_durability`
+        (as many copies as there are nodes, at most), its listeners, and sizes for a small machine."""
+        voters = ",".join(f"{n.node_id}@{HOST}:{n.controller_port}" for n in self.nodes)
+        rf = min(self.replication_factor, self.node_count)
+        isr = min(self.min_insync_replicas, rf)
+        props: dict[str, object] = {
+            "node.id": node.node_id,
+            "listeners": f"SASL_PLAINTEXT://{HOST}:{node.port},CONTROLLER://{HOST}:{node.controller_port}",
+            "advertised.listeners": f"SASL_PLAINTEXT://{HOST}:{node.port}",
+            "controller.quorum.voters": voters,
+            **BROKER_SECURITY,
+            "log.dirs": str(node.dir / "data"),
+            **broker_durability(rf, isr),
+            "offsets.topic.num.partitions": 8,
+            "transaction.state.log.num.partitions": 4,
+            "group.initial.rebalance.delay.ms": 0,
+            # a small machine: few threads, a small cleaner buffer (the default takes 128 MiB of heap)
+            "num.network.threads": 2,
+            "num.io.threads": 2,
+            "background.threads": 2,
+            "num.replica.fetchers": 1,
+            "log.cleaner.threads": 1,
+            "log.cleaner.dedupe.buffer.size": 8 * 1024 * 1024,
+            "num.recovery.threads.per.data.dir": 1,
+        }
+        return {k: str(v) for k, v in props.items()}
+
     def _write_files(self) -> None:
         assert self.dir is not None and self.libs is not None
         old = os.umask(0o077)  # the passwords below: readable by this user only
@@ -454,47 +526,9 @@ class KafkaCluster:
                 "sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required "
                 f'username="{ADMIN_USER}" password="{pw}";\n'
             )
-            voters = ",".join(f"{n.node_id}@{HOST}:{n.controller_port}" for n in self.nodes)
-            rf = min(self.replication_factor, self.node_count)
-            isr = min(self.min_insync_replicas, rf)
             for n in self.nodes:
                 n.dir.mkdir()
-                props = {
-                    "node.id": n.node_id,
-                    "process.roles": "broker,controller",
-                    "listeners": f"SASL_PLAINTEXT://{HOST}:{n.port},CONTROLLER://{HOST}:{n.controller_port}",
-                    "advertised.listeners": f"SASL_PLAINTEXT://{HOST}:{n.port}",
-                    "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
-                    "controller.listener.names": "CONTROLLER",
-                    "inter.broker.listener.name": "SASL_PLAINTEXT",
-                    "controller.quorum.voters": voters,
-                    "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
-                    "sasl.mechanism.inter.broker.protocol": "PLAIN",
-                    "sasl.mechanism.controller.protocol": "PLAIN",
-                    "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-                    "super.users": f"User:{ADMIN_USER}",
-                    "allow.everyone.if.no.acl.found": "false",
-                    "auto.create.topics.enable": "false",
-                    "log.dirs": str(n.dir / "data"),
-                    "default.replication.factor": rf,
-                    "min.insync.replicas": isr,
-                    "offsets.topic.replication.factor": rf,
-                    "offsets.topic.num.partitions": 8,
-                    "transaction.state.log.replication.factor": rf,
-                    "transaction.state.log.min.isr": isr,
-                    "transaction.state.log.num.partitions": 4,
-                    "share.coordinator.state.topic.replication.factor": rf,
-                    "share.coordinator.state.topic.min.isr": isr,
-                    "group.initial.rebalance.delay.ms": 0,
-                    # a small machine: few threads, a small cleaner buffer (the default takes 128 MiB of heap)
-                    "num.network.threads": 2,
-                    "num.io.threads": 2,
-                    "background.threads": 2,
-                    "num.replica.fetchers": 1,
-                    "log.cleaner.threads": 1,
-                    "log.cleaner.dedupe.buffer.size": 8 * 1024 * 1024,
-                    "num.recovery.threads.per.data.dir": 1,
-                }
+                props = self.server_properties(n)
                 (n.dir / "server.properties").write_text("".join(f"{k}={v}\n" for k, v in props.items()))
             self.bin.mkdir()
             for name, main in TOOLS.items():
