@@ -1,0 +1,261 @@
+"""The product's flows on Apache Kafka itself: three KRaft nodes, secured as deployed (tests/kafka_cluster.py).
+
+Every process runs as in compose, as its own role's SCRAM user, with the ACLs of
+deploy/kafka/acls.sh: ``causalmem init-topics`` (the operator), a ``causalmem worker`` and a
+``causalmem learner`` in child processes (the worker's and the learner's users; the learner signs
+its checkpoints), a service's :class:`EventPublisher` and, started late, its
+:class:`PolicySubscriber` (the service user, verifying the signatures). Skipped, with the reason,
+where Java, Maven or the jars are missing.
+
+- the core loop: the worker joins every published event with its feedback and the learner
+  learns each joined pair once, then publishes a serving checkpoint that says so;
+- a subscriber that starts after all of that loads the serving policy from the model topic;
+- the operator's verbs through the installed ``causalmem`` command: ``status`` (the serving
+  checkpoint, the live worker and learner), ``rollback --list``, ``suppress`` and ``unsuppress``
+  (answered by the learner with checkpoints that the running subscriber loads);
+- faust's own topics (changelogs, the assignor's) get the deployment's three replicas;
+- the service user cannot send an operator's command (the broker refuses its write to ``control``).
+
+One cluster for the module (the ``kafka_cluster`` fixture); the file takes ~2 min on two cores,
+about half of it the cluster's start.
+
+Settings: a small model (``SMALL``) and the promotion gate off, so that each periodic checkpoint
+serves; partitions, replication (3) and ``min.insync.replicas`` (2) as deployed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from causalmem_lab.procs import Child
+
+from pipeline.client.publisher import EventPublisher
+from pipeline.client.subscriber import PolicySubscriber
+from pipeline.config import Settings
+from pipeline.modeltopic import scan_model_topic
+from pipeline.promtext import metric
+from tests.helpers import feedback, retrieval_event, until, wait_metric
+from tests.kafka_cluster import KafkaCluster
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+CAUSALMEM = Path(sys.executable).with_name("causalmem")  # the venv's entry point, as operators run it
+PAIRS = 40
+# A small model and a fast cadence (the rest as deployed); the gate off: every periodic checkpoint serves.
+SMALL = {
+    "CAUSALMEM_EMBEDDING_DIM": "8",
+    "CAUSALMEM_SLOTS": "32",
+    "CAUSALMEM_HIDDEN": "16",
+    "CAUSALMEM_CHECKPOINT_INTERVAL_S": "1",
+    "CAUSALMEM_BATCH_SIZE": "8",
+    "CAUSALMEM_GATE": "0",
+}
+
+
+@dataclass
+class Roles:
+    """Each role's ``CAUSALMEM_*`` environment on the cluster: its SCRAM user, compose's settings."""
+
+    cluster: KafkaCluster
+    signing_key: str
+    tmp: Path
+
+    def env(self, role: str) -> dict[str, str]:
+        env = {**self.cluster.env(role), **SMALL, "CAUSALMEM_STATE_DIR": str(self.tmp / role)}
+        if role in ("learner", "service"):  # the learner signs; clients verify (compose's shared key)
+            env["CAUSALMEM_CHECKPOINT_SIGNING_KEY"] = self.signing_key
+        return env
+
+    def settings(self, role: str) -> Settings:
+        return Settings.from_env(self.env(role))
+
+
+@dataclass
+class Deployment:
+    roles: Roles
+    worker: Child
+    learner: Child
+
+    @property
+    def cluster(self) -> KafkaCluster:
+        return self.roles.cluster
+
+    def env(self, role: str) -> dict[str, str]:
+        return self.roles.env(role)
+
+    def settings(self, role: str) -> Settings:
+        return self.roles.settings(role)
+
+    def logs(self) -> str:
+        return f"--- worker:\n{self.worker.log_tail(3000)}\n--- learner:\n{self.learner.log_tail(3000)}"
+
+
+def causalmem(dep: Deployment | Roles, role: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """``causalmem ARGS`` through the installed entry point, as ``role`` (its environment only)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAUSALMEM_")}
+    env.update(dep.env(role))
+    argv = [str(CAUSALMEM), args[0], "--bootstrap", dep.cluster.bootstrap, *args[1:]]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _out(done: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def deployment(kafka_cluster: KafkaCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """init-topics as the operator, then a worker and a learner, each as its own user, until both work."""
+    tmp = tmp_path_factory.mktemp("flows")
+    roles = Roles(kafka_cluster, secrets.token_hex(16), tmp)
+    done = causalmem(roles, "operator", "init-topics")
+    assert done.returncode == 0, _out(done)
+    assert "policy-checkpoints" in done.stdout, _out(done)
+    dep = Deployment(
+        roles,
+        Child("worker", kafka_cluster.bootstrap, roles.env("worker"), log_path=tmp / "worker.log"),
+        Child("learner", kafka_cluster.bootstrap, roles.env("learner"), log_path=tmp / "learner.log"),
+    )
+    try:
+        wait_metric(dep.learner, "causalmem_checkpoint_version", 1, 120, role="serving")
+        wait_metric(dep.worker, "causalmem_partitions_owned", 1, 120, stage="join")
+        yield dep
+    finally:
+        for child in (dep.worker, dep.learner):
+            child.stop()
+
+
+@pytest.fixture(scope="module")
+def learnt(deployment: Deployment) -> int:
+    """A service publishes PAIRS events and their feedback; the serving version that has learnt them all."""
+    dep = deployment
+    service = dep.settings("service")
+
+    async def publish() -> None:
+        async with EventPublisher(dep.cluster.bootstrap, service) as pub:
+            for i in range(PAIRS):
+                qid = f"flow-{i}"
+                await pub.publish(retrieval_event(service, qid))
+                await pub.publish(feedback(qid, utility=0.1 + 0.8 * (i % 2)))
+            assert await pub.flush(60.0)
+
+    asyncio.run(publish())
+    joins = wait_metric(dep.worker, "causalmem_joins_total", PAIRS, 120)
+    learnt = wait_metric(dep.learner, "causalmem_learner_experiences_total", PAIRS, 120, kind="feedback")
+    time.sleep(1.0)  # nothing more to come: each joined pair is learnt once
+    assert joins == PAIRS, dep.logs()
+    assert metric(dep.learner.metrics(), "causalmem_learner_experiences_total", kind="feedback") == learnt == PAIRS
+
+    async def serving_after_learning() -> int:
+        operator = dep.settings("operator")
+        for _ in range(120):
+            head = (await scan_model_topic(dep.cluster.bootstrap, operator)).serving_head(operator.policy)
+            if head is not None and head.metrics.get("experiences") == PAIRS:
+                return head.version
+            await asyncio.sleep(0.5)
+        raise AssertionError("no serving checkpoint with every pair learnt\n" + dep.logs())
+
+    return asyncio.run(serving_after_learning())
+
+
+def test_the_core_loop_learns_every_joined_pair_once(deployment: Deployment, learnt: int) -> None:
+    assert learnt >= 2  # the learner's first checkpoint, then one after the pairs
+    assert deployment.worker.alive() and deployment.learner.alive(), deployment.logs()
+    dead = metric(deployment.worker.metrics(), "causalmem_dead_letter_total")
+    assert dead == 0, deployment.logs()
+
+
+async def test_the_workers_own_topics_are_replicated_as_deployed(deployment: Deployment, learnt: int) -> None:
+    """faust makes its changelogs and its assignor's topic itself (the worker's ACLs let it, under its
+    prefix): with the deployment's replication factor, not the broker's default or one copy."""
+    admin = AIOKafkaAdminClient(**deployment.cluster.admin_kwargs())  # the super user inspects
+    await admin.start()
+    try:
+        own = sorted(t for t in await admin.list_topics() if t.startswith("causalmem-worker"))
+        described = await admin.describe_topics(own)
+    finally:
+        await admin.close()
+    assert any(t.endswith("-changelog") for t in own) and "causalmem-worker-__assignor-__leader" in own, own
+    for topic in described:
+        assert topic["error_code"] == 0, topic
+        assert {len(p["replicas"]) for p in topic["partitions"]} == {3}, topic
+
+
+async def test_a_late_subscriber_loads_the_serving_policy_and_follows_the_operators_verbs(
+    deployment: Deployment, learnt: int
+) -> None:
+    dep = deployment
+    service = dep.settings("service")
+    assert service.verify_key() is not None  # it verifies the learner's signatures
+    async with PolicySubscriber(dep.cluster.bootstrap, service.policy, service) as sub:
+        loaded = await sub.wait_for_policy(min_version=learnt, timeout=60)
+        assert loaded.manifest.metrics["experiences"] == PAIRS
+        assert loaded.manifest.signature, "the learner signs what clients load"
+        assert sub.health() == "ok"
+
+        # status, as the operator: the serving checkpoint, and the live worker and learner
+        done = await asyncio.to_thread(
+            causalmem,
+            dep,
+            "operator",
+            "status",
+            "--json",
+            "--worker",
+            dep.worker.url,
+            "--learner",
+            dep.learner.url,
+        )
+        assert done.returncode == 0, _out(done)
+        snap = json.loads(done.stdout.strip().splitlines()[-1])
+        assert snap["errors"] == [], snap["errors"]
+        assert snap["checkpoints"]["serving"]["version"] >= learnt
+        assert snap["learner_lag"]["lag"] == 0 and snap["dead_letter"]["total"] == 0, snap
+        (worker,) = snap["workers"]
+        assert worker["up"] and worker["partitions_owned"] >= 1, worker
+        (learner,) = snap["learners"]
+        assert learner["checkpoint_version"]["serving"] >= learnt, learner
+
+        # rollback --list: the earlier versions, newest first, that a rollback can serve
+        done = await asyncio.to_thread(causalmem, dep, "operator", "rollback", "--list")
+        assert done.returncode == 0, _out(done)
+        header = f"policy '{service.policy}': newest v"
+        assert header in done.stdout, _out(done)
+        newest = int(done.stdout.split(header)[1].split(",")[0].split(";")[0])
+        assert newest >= learnt, _out(done)
+        versions = [int(line.split()[0][1:]) for line in done.stdout.splitlines() if line.startswith("  v")]
+        assert versions and versions == sorted(versions, reverse=True), _out(done)
+        assert all(1 <= v < newest for v in versions), _out(done)
+
+        # suppress, then unsuppress: the learner answers with checkpoints the subscriber loads
+        done = await asyncio.to_thread(causalmem, dep, "operator", "suppress", "--slots", "3", "--reason", "trial")
+        assert done.returncode == 0, _out(done)
+        assert "sent by 'causalmem-operator'" in done.stdout, _out(done)  # the SASL user asks
+        assert "serving v" in done.stdout and "suppressed now [3]" in done.stdout, _out(done)
+        suppressed_in = int(done.stdout.split("serving v")[1].split(":")[0])
+        await until(lambda: sub.current is not None and sub.current.version >= suppressed_in, 60, "the suppression")
+        assert sub.current is not None and sub.current.manifest.metrics["suppressed"] == [3]
+        assert float(sub.current.net.out.bias[3].detach()) < -20  # slot 3's mask pinned near 0
+
+        done = await asyncio.to_thread(causalmem, dep, "operator", "unsuppress", "--slots", "3", "--reason", "trial")
+        assert done.returncode == 0, _out(done)
+        assert "suppressed now none" in done.stdout, _out(done)
+        undone_in = int(done.stdout.split("serving v")[1].split(":")[0])
+        await until(lambda: sub.current is not None and sub.current.version >= undone_in, 60, "the undo")
+        assert not sub.current.manifest.metrics.get("suppressed")
+
+
+def test_a_service_may_not_run_the_operators_verbs(deployment: Deployment, learnt: int) -> None:
+    """suppress as the service user: the broker refuses its write to ``control``."""
+    done = causalmem(deployment, "service", "suppress", "--slots", "4", "--timeout", "20")
+    assert done.returncode != 0, _out(done)
+    assert "TopicAuthorizationFailedError: control" in done.stderr, _out(done)
