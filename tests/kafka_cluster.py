@@ -778,6 +778,21 @@ class KafkaCluster:
 # --------------------------------------------------------------------------- the script
 
 
+def write_env_files(cluster: KafkaCluster) -> Path:
+    """One ``<role>.env`` per role in the cluster's directory (readable by this user only): the
+    ``CAUSALMEM_*`` settings that process runs with, its SCRAM user and password included."""
+    assert cluster.dir is not None
+    env_dir = cluster.dir / "env"
+    env_dir.mkdir(mode=0o700, exist_ok=True)
+    for role in ROLES:
+        path = env_dir / f"{role}.env"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"# {role} ({cluster.users[role].username})\n")
+            f.write("".join(f"{k}={v}\n" for k, v in cluster.env(role).items()))
+    return env_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.kafka_cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["fetch", "check", "run"], nargs="?", default="check")
@@ -797,14 +812,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"Apache Kafka {args.version}, 3 KRaft nodes on {cluster.bootstrap}: started in {timings}", flush=True
             )
             if args.action == "run":
-                assert cluster.dir is not None
-                env_file = cluster.dir / "causalmem.env"
-                with open(env_file, "w") as f:
-                    os.chmod(env_file, 0o600)
-                    for role in ROLES:
-                        f.write(f"# {role}\n" + "".join(f"{k}={v}\n" for k, v in cluster.env(role).items()))
-                print(f"each role's CAUSALMEM_* settings: {env_file}; the tools: {cluster.bin}", flush=True)
-                print(f"super user: --command-config {cluster.admin_config}; Ctrl-C stops it", flush=True)
+                env_dir = write_env_files(cluster)
+                print(f"each role's CAUSALMEM_* settings: {env_dir}/<role>.env ({', '.join(ROLES)})", flush=True)
+                print(f"  e.g. set -a; . {env_dir}/operator.env; set +a; causalmem init-topics", flush=True)
+                print(f"the tools: {cluster.bin}; super user: --command-config {cluster.admin_config}", flush=True)
+                print("Ctrl-C stops it and deletes every file it wrote", flush=True)
                 stop: list[int] = []
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                     signal.signal(sig, lambda s, _f: stop.append(s))
