@@ -32,6 +32,7 @@ from topics.fields import (
     float_array,
     loads_object,
 )
+from topics.principal import check_principal, valid_principal
 
 
 @dataclass(slots=True)
@@ -96,6 +97,7 @@ class RetrievalEvent(WireValue):
         "canary_other",
         "canary_rate",
         "alternative_version",
+        "principal",
     )
     NESTED = ("features", "memory_texts")
 
@@ -139,6 +141,8 @@ class RetrievalEvent(WireValue):
     # the canary's on a serving one): the request was drawn from that mixture (docs/contract.md §7.2).
     canary_rate: float | None = None
     alternative_version: int | None = None
+    # Contract 1.15: who produced the event (topics/principal.py); None reads as "anonymous".
+    principal: str | None = None
 
 
 CANARY_ARMS = ("tie", "canary", "serving")
@@ -214,6 +218,9 @@ def _fast_retrieval_event(
         if rate is not None and (not _num(rate, 0.0, 1.0) or rate in (0, 1) or type(alternative) is not int):
             return None
         if alternative is not None and not 0 <= alternative <= 2**62:
+            return None
+        principal = obj.get("principal")  # contract 1.15
+        if principal is not None and not valid_principal(principal):
             return None
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
@@ -296,6 +303,7 @@ def _fast_retrieval_event(
         canary_other=other,
         canary_rate=float(rate) if rate is not None else None,
         alternative_version=alternative,
+        principal=principal,
     )
 
 
@@ -363,6 +371,8 @@ def _validated_retrieval_event(
     event.canary = True if f.bool_("canary", required=False) else None
     read_canary_arm(f, event)
     read_canary_mixture(f, event)
+    principal = f.get("principal", required=False)
+    event.principal = None if principal is None else check_principal(principal)
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
         arr = f.floats_(name, required=False, lo=lo)
         if arr is not None:

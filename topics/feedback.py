@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from topics.fields import NO_KEY_CHECK, SCHEMA_FEEDBACK, Limits, Rejected, WireValue, open_value
+from topics.principal import check_principal
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class LLMFeedback(WireValue):
 
     SCHEMA = SCHEMA_FEEDBACK
     FIELDS = ("event_id", "query_id", "step", "ts")
+    OPTIONAL = ("principal",)
 
     event_id: str
     query_id: str
@@ -46,6 +48,7 @@ class LLMFeedback(WireValue):
     nll_with: float | None = None
     nll_without: float | None = None
     nll_without_slot: dict[int, float] | None = None  # contract 1.1: leave-one-out NLL per slot
+    principal: str | None = None  # contract 1.15: who sent it (topics/principal.py); None: "anonymous"
 
     def slot_effects(self, selected: list[int]) -> dict[int, float] | None:
         """Each selected memory's effect ``nll_without_slot[s] − nll_with`` (slots not selected are ignored)."""
@@ -96,4 +99,5 @@ def decode_llm_feedback(raw: bytes, limits: Limits, key: Any = NO_KEY_CHECK) -> 
         nll_with=nll_with,
         nll_without=nll_without,
         nll_without_slot=nll_without_slot or None,
+        principal=None if (p := f.get("principal", required=False)) is None else check_principal(p),
     )

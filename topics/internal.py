@@ -42,6 +42,7 @@ from topics.fields import (
     encode,
     open_value,
 )
+from topics.principal import check_principal, principal_of
 
 # --------------------------------------------------------------------------- experiences
 
@@ -65,10 +66,30 @@ class Experience:
     slot_effects: dict[int, float] | None = None
     # Contract 1.2: memories a labeler marked harmful for this sample (kind ``label``).
     harmful_memories: list[int] | None = None
+    # Contract 1.15: the principals that produced the event and the feedback (None: an older
+    # writer's experience, or a value sent without one; both read as "anonymous").
+    event_principal: str | None = None
+    feedback_principal: str | None = None
+
+    @property
+    def principal(self) -> str:
+        """The principal this experience counts under for influence (docs/learning.md): its
+        feedback's (the utility is what it teaches), else its event's, else ``"anonymous"``.
+
+        >>> from topics.events import Features, RetrievalEvent
+        >>> ev = RetrievalEvent("e", "q", 0, 1.0, Features(np.zeros(1, np.float32), 0.0, 0.0), [0], np.zeros(1),
+        ...                     [0], 1.0, 0.0, False)
+        >>> Experience("e", "feedback", ev, 0.1).principal
+        'anonymous'
+        >>> Experience("e", "feedback", ev, 0.1, event_principal="a", feedback_principal="b").principal
+        'b'
+        """
+        return principal_of(self.feedback_principal or self.event_principal)
 
     def to_dict(self) -> dict[str, Any]:
         body = self.event.to_dict()
-        for text in ("memory_texts", "query_text", "answer_text"):  # the learner never needs texts
+        # The learner never needs texts; the event's principal travels as ``event_principal``.
+        for text in ("memory_texts", "query_text", "answer_text", "principal"):
             body.pop(text, None)
         # The embedding travels as base64 float32: ~10× cheaper to decode than 384 JSON floats.
         features = dict(body["features"])
@@ -88,12 +109,36 @@ class Experience:
             out["harmful_memories"] = self.harmful_memories
         if self.slot_effects:
             out["slot_effects"] = {str(k): v for k, v in self.slot_effects.items()}
+        event_principal = self.event_principal if self.event_principal is not None else self.event.principal
+        if event_principal is not None:
+            out["event_principal"] = event_principal
+        if self.feedback_principal is not None:
+            out["feedback_principal"] = self.feedback_principal
         return out
 
 
-def experience_bytes(event: RetrievalEvent, utility: float, slot_effects: dict[int, float] | None = None) -> bytes:
-    """Encode a joined feedback experience for the learner (internal ``experiences`` topic)."""
-    return encode(Experience(event.event_id, "feedback", event, utility, slot_effects=slot_effects).to_dict())
+def experience_bytes(
+    event: RetrievalEvent,
+    utility: float,
+    slot_effects: dict[int, float] | None = None,
+    *,
+    feedback_principal: str | None = None,
+) -> bytes:
+    """Encode a joined feedback experience for the learner (internal ``experiences`` topic).
+
+    The event's own ``principal`` becomes the experience's ``event_principal``; the
+    feedback's is ``feedback_principal`` (contract 1.15).
+    """
+    exp = Experience(
+        event.event_id,
+        "feedback",
+        event,
+        utility,
+        slot_effects=slot_effects,
+        event_principal=event.principal,
+        feedback_principal=feedback_principal,
+    )
+    return encode(exp.to_dict())
 
 
 def decode_experience(raw: bytes, limits: Limits) -> Experience:
@@ -109,14 +154,24 @@ def decode_experience(raw: bytes, limits: Limits) -> Experience:
     if not isinstance(event_obj, dict):
         raise Rejected("wrong_type", "event must be an object")
     embedding = _embedding_from_b64(f.get("embedding_f32"), limits)
+    event = retrieval_event_from_obj(event_obj, limits, embedding=embedding)
+    # Contract 1.15: an experience without these (an older worker's) reads as anonymous.
+    event_principal = f.get("event_principal", required=False)
+    feedback_principal = f.get("feedback_principal", required=False)
+    if event_principal is not None:
+        event.principal = check_principal(event_principal, "event_principal")
+    if feedback_principal is not None:
+        check_principal(feedback_principal, "feedback_principal")
     return Experience(
         id=f.str_("id"),
         kind=kind,
-        event=retrieval_event_from_obj(event_obj, limits, embedding=embedding),
+        event=event,
         utility=f.float_("utility"),
         correct_memories=f.slots_("correct_memories", required=False),
         slot_effects=f.slot_floats_("slot_effects") or None,
         harmful_memories=f.slots_("harmful_memories", required=False) or None,
+        event_principal=event.principal,
+        feedback_principal=feedback_principal,
     )
 
 

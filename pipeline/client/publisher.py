@@ -25,6 +25,7 @@ from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
 from topics.fields import SCHEMA_FEEDBACK, SCHEMA_LABEL, SCHEMA_RETRIEVAL, Rejected, encode
 from topics.labels import HumanLabel, decode_human_label
+from topics.principal import check_principal
 
 SCHEMA_TOPIC = {SCHEMA_RETRIEVAL: "retrieval-events", SCHEMA_FEEDBACK: "llm-feedback", SCHEMA_LABEL: "human-labels"}
 DECODE = {
@@ -32,6 +33,7 @@ DECODE = {
     SCHEMA_FEEDBACK: decode_llm_feedback,
     SCHEMA_LABEL: decode_human_label,
 }
+STAMPED = (SCHEMA_RETRIEVAL, SCHEMA_FEEDBACK)  # the values that carry a principal (contract 1.15)
 FLUSH_TIMEOUT_S = 30.0  # flush's default deadline
 CLOSE_TIMEOUT_S = 10.0  # how long stop/close flush before they give up what is left
 
@@ -47,7 +49,12 @@ class _Publishing:
         max_events: int,
         max_bytes: int,
         producer_kwargs: dict[str, Any],
+        principal: str | None = None,
     ) -> None:
+        try:
+            self.principal = None if principal is None else check_principal(principal)
+        except Rejected as rej:
+            raise ValueError(f"principal: {rej.detail}") from None
         self.conn = Connection.of(conn)
         self.bootstrap = bootstrap
         self.validate = validate
@@ -76,11 +83,20 @@ class _Publishing:
         return self.sender.health()
 
     def put(self, obj: dict[str, Any]) -> None:
-        """Validate (unless disabled) and buffer; raises :class:`Rejected` for bad values only."""
-        raw = encode(obj)
+        """Validate (unless disabled) and buffer; raises :class:`Rejected` for bad values only.
+
+        With a ``principal``, RetrievalEvents and LLMFeedback are stamped with it (contract 1.15);
+        one that names another principal is refused (``inconsistent``).
+        """
         schema = obj.get("schema")
         if schema not in SCHEMA_TOPIC:
             raise Rejected("unknown_schema", f"{schema!r}")
+        if self.principal is not None and schema in STAMPED:
+            claimed = obj.get("principal")
+            if claimed is not None and claimed != self.principal:
+                raise Rejected("inconsistent", f"principal {str(claimed)[:64]!r} is not the publisher's")
+            obj = {**obj, "principal": self.principal}
+        raw = encode(obj)
         if self.validate:
             DECODE[schema](raw, self.limits)
         self.put_raw(SCHEMA_TOPIC[schema], raw, str(obj.get("query_id", "")))
@@ -106,6 +122,11 @@ class EventPublisher(_Publishing, Service):
         Decode every value as the pipeline will before sending it.
     max_events, max_bytes
         The buffer's bounds (:class:`~pipeline.client.sender.Sender`).
+    principal
+        Keyword only (contract 1.15): the name this client's RetrievalEvents and LLMFeedback
+        carry (``[A-Za-z0-9._:@-]``, at most 128 characters; ``ValueError`` otherwise). The
+        learner bounds each principal's influence (docs/learning.md); None sends none
+        (the values count as ``"anonymous"``).
     producer_kwargs
         Passed on to the aiokafka producer.
     """
@@ -118,10 +139,11 @@ class EventPublisher(_Publishing, Service):
         *,
         max_events: int = MAX_EVENTS,
         max_bytes: int = MAX_BYTES,
+        principal: str | None = None,
         **producer_kwargs: Any,
     ) -> None:
         Service.__init__(self)
-        _Publishing.__init__(self, bootstrap, conn, validate, max_events, max_bytes, producer_kwargs)
+        _Publishing.__init__(self, bootstrap, conn, validate, max_events, max_bytes, producer_kwargs, principal)
 
     async def _start(self) -> None:
         self.sender.start()
@@ -147,7 +169,8 @@ class EventPublisher(_Publishing, Service):
 
 
 class SyncEventPublisher(_Publishing):
-    """The same publisher for code without an event loop; nothing here blocks on the broker.
+    """The same publisher for code without an event loop; nothing here blocks on the broker
+    (the same arguments, ``principal`` included).
 
     >>> pub = SyncEventPublisher("127.0.0.1:19092")  # doctest: +SKIP
     >>> pub.publish(event); pub.flush(); pub.close()  # doctest: +SKIP
@@ -161,9 +184,10 @@ class SyncEventPublisher(_Publishing):
         *,
         max_events: int = MAX_EVENTS,
         max_bytes: int = MAX_BYTES,
+        principal: str | None = None,
         **producer_kwargs: Any,
     ) -> None:
-        super().__init__(bootstrap, conn, validate, max_events, max_bytes, producer_kwargs)
+        super().__init__(bootstrap, conn, validate, max_events, max_bytes, producer_kwargs, principal)
         self.sender.start()
 
     def publish(self, value: RetrievalEvent | LLMFeedback | HumanLabel) -> None:

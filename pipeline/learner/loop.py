@@ -395,7 +395,7 @@ class Learner(Service):
     def _dead_letter_copy(self, exp: Experience, detail: str) -> None:
         """A copy of an experience the gate left out (contract 1.8 ``logging_mismatch``): it still trains."""
         assert self._dead is not None
-        raw = experience_bytes(exp.event, exp.utility, exp.slot_effects)
+        raw = experience_bytes(exp.event, exp.utility, exp.slot_effects, feedback_principal=exp.feedback_principal)
         topic = self.config.connection.topics.experiences.name
         self._dead.send_copy(topic, exp.event.query_id.encode(), raw, "logging_mismatch", detail)
 

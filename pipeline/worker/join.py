@@ -445,7 +445,9 @@ class JoinStage(Service):
         self.joined_total += 1
         tally.utilities.append(u)
         if not event.fallback:  # fallback steps feed metrics and U_query, not the gradient
-            experiences.append(experience_bytes(event, u, feedback.slot_effects(event.selected)))
+            effects = feedback.slot_effects(event.selected)
+            # Contract 1.15: the experience names both halves' principals (the event's travels with it).
+            experiences.append(experience_bytes(event, u, effects, feedback_principal=feedback.principal))
         reason = self.rule.classify(event, u)
         # A candidate's sample is built and encoded here, once: the outcomes stage forwards
         # these bytes to active-learning as they are.

@@ -407,6 +407,7 @@ _PATHS = [
     "canary_other",
     "canary_rate",  # contract 1.9: both or neither, never on a coupled request
     "alternative_version",
+    "principal",  # contract 1.15
 ]
 
 
