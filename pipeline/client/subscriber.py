@@ -24,6 +24,14 @@ unreachable broker is retried with backoff (:meth:`PolicySubscriber.health` says
 when), and the caller serves what it has meanwhile. A subscriber that starts on a topic
 with history reads it to its end before loading anything, then loads the newest verified
 serving version only (and the canary, when one is open), instead of every version in turn.
+
+With ``cache_dir=`` (opt-in) the newest verified serving checkpoint is also kept on local disk
+(:class:`~pipeline.client.policy_cache.PolicyCache`: safetensors and the manifest as
+received, written atomically), and a subscriber that starts loads it before it reaches the
+broker, verified as a checkpoint from the topic is: a service restarted while the broker is
+away serves the policy it served before. A cache that fails verification is refused, logged
+and counted (:attr:`PolicySubscriber.cache_refused_total`), and the caller serves its wrapped
+ranking. Once the topic is read, its newest verified version replaces the cached one.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import asyncio
 import copy
 import hashlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +54,7 @@ from models.serving.params import ServingParams
 from pipeline import kafka
 from pipeline.client.background import Background, Backoff, keep_trying
 from pipeline.client.chain import arch_of, fetch_delta, fetch_state
+from pipeline.client.policy_cache import PolicyCache
 from pipeline.config import Connection, Settings
 from pipeline.modeltopic import KEEP_REJECTIONS, ModelTopicIndex, model_topic, unsigned_warning
 from pipeline.service import Service
@@ -61,6 +71,7 @@ __all__ = ["LoadedPolicy", "PolicySubscriber", "arch_of", "fetch_checkpoint"]
 
 STATE_CHECK_BYTES = 64 * 1024 * 1024  # states up to this size are re-hashed after every delta
 KEEP_DEFERRED = 8  # serving manifests kept while catching up (the newest that verifies is loaded)
+CACHE_FLUSH_S = 10.0  # stop waits this long at most for the cache write under way
 
 
 # Fetch a manifest's chunks, verify and load them (a delta's version rebuilt from its chain's
@@ -143,6 +154,16 @@ class PolicySubscriber(Service):
         chain's checks (the delta blob's sha256, its base's id). A delta whose base is not the
         policy held (a missed link), or that fails a check, makes the subscriber load the
         last full snapshot and replay the chain to it.
+    cache_dir
+        Keyword-only, opt-in: a local directory where the newest verified serving checkpoint
+        is kept (:class:`~pipeline.client.policy_cache.PolicyCache`), and loaded from at
+        start, before the broker is reached, after the same verification as from the topic
+        (the signature with ``signing_key``, the digest, the tensors). :attr:`cached_version`
+        is the version written last, :attr:`from_cache` the version served from the cache
+        (None once the topic gave one), :attr:`cache_refused_total` and
+        :attr:`cache_refused` count and say why a cache was refused. A write runs on a worker
+        thread and is skipped (logged) when the state no longer has the manifest's digest,
+        e.g. a large policy updated in place by the next delta meanwhile.
 
     Rejections are logged, counted in :attr:`rejected_total` and the newest kept in :attr:`rejections`.
     """
@@ -158,6 +179,8 @@ class PolicySubscriber(Service):
         signing_key: Key | None = None,
         state_check_bytes: int = STATE_CHECK_BYTES,
         on_canary: Callable[[LoadedPolicy | None], Any] | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self.on_canary = on_canary
@@ -186,22 +209,100 @@ class PolicySubscriber(Service):
         # While reading the history there was when the subscriber connected: the serving
         # manifests (offset, manifest) and the last canary record seen, loaded at its end.
         self._catching_up = False
-        self._deferred: dict[int, tuple[int, Manifest]] = {}
+        self._deferred: dict[int, tuple[int, Manifest, bytes | None]] = {}
         self._deferred_canary: tuple[int, Manifest | None] | None = None
         self._buffer = bytearray()  # delta chunks are assembled here (see _assemble)
         self._digests: dict[int, tuple[int, Any]] = {}  # delta version -> (chunks hashed, running sha256)
+        self.cache = (
+            PolicyCache(cache_dir, self.policy, signing_key=signing_key, expected_arch=expected_arch)
+            if cache_dir is not None
+            else None
+        )
+        self.cached_version: int | None = None  # the version the cache holds, written by this subscriber
+        self.from_cache: int | None = None  # the version served from the cache, until the topic gives one
+        self.cache_refused_total = 0
+        self.cache_refused: str | None = None  # why the cache was refused last
+        self._cache_next: tuple[LoadedPolicy, bytes] | None = None  # the newest policy still to write
+        self._cache_task: asyncio.Task[None] | None = None
 
     async def _start(self) -> None:
         warning = unsigned_warning("client", self.signing_key, self.bootstrap, self.conn.security.security_protocol)
         if warning:
             log.warning(warning)
         self._bg = Background("causalmem-subscriber")
+        if self.cache is not None and self.current is None:
+            await self._bg.wait(self._load_cache())  # local disk only: served before the broker is reached
         self._bg.submit(self._follow())
 
     async def _stop(self) -> None:
         if self._bg is not None:
+            if self._cache_task is not None:
+                try:
+                    await asyncio.wait_for(self._bg.wait(self._cache_written()), CACHE_FLUSH_S)
+                except TimeoutError:
+                    log.warning("subscriber: the policy cache write did not end within %.0f s", CACHE_FLUSH_S)
             await asyncio.to_thread(self._bg.close)
             self._bg = None
+
+    async def _load_cache(self) -> None:
+        """Serve the cached checkpoint, verified; a refused one is logged and counted, and nothing is served."""
+        assert self.cache is not None
+        try:
+            cached = await asyncio.to_thread(self.cache.read)
+            if cached is None:
+                return
+            net = PolicyNetwork.from_tensors(cached.tensors)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # CheckpointError, or whatever a damaged file made the parse raise
+            self.cache_refused_total += 1
+            self.cache_refused = str(exc)[:300]
+            log.warning(
+                "subscriber: refused the policy cache in %s (%s); serving the wrapped ranking until the broker answers",
+                self.cache.directory,
+                self.cache_refused,
+            )
+            return
+        net.eval()
+        loaded = LoadedPolicy(manifest=cached.manifest, net=net, slots=self.slots)
+        self.current = loaded
+        self.from_cache = self.cached_version = loaded.version
+        log.info(
+            "subscriber: serving %s v%d from the policy cache until the model topic is read",
+            self.policy,
+            loaded.version,
+        )
+        if self.on_update is not None:
+            result = self.on_update(loaded)
+            if asyncio.iscoroutine(result):
+                await result
+
+    def _cache_later(self, loaded: LoadedPolicy, raw: bytes | None) -> None:
+        """Write ``loaded`` to the cache on a worker thread; while a write runs, only the newest waits."""
+        if self.cache is None or raw is None:
+            return
+        self._cache_next = (loaded, raw)
+        if self._cache_task is None or self._cache_task.done():
+            self._cache_task = asyncio.get_running_loop().create_task(self._write_cache())
+
+    async def _write_cache(self) -> None:
+        assert self.cache is not None
+        while self._cache_next is not None:
+            loaded, raw = self._cache_next
+            self._cache_next = None
+            try:
+                await asyncio.to_thread(self.cache.write, raw, loaded.manifest, loaded.net.tensors())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("subscriber: v%d not written to the policy cache: %s", loaded.version, exc)
+                continue
+            self.cached_version = loaded.version
+
+    async def _cache_written(self) -> None:
+        """Until the cache write under way (and the one waiting) has ended."""
+        while self._cache_task is not None and not self._cache_task.done():
+            await asyncio.wait({self._cache_task})
 
     def health(self) -> str:
         """``"ok"``, or ``"degraded: no broker since …"`` while the model topic cannot be read."""
@@ -275,8 +376,7 @@ class PolicySubscriber(Service):
         self._catching_up = False
         deferred, self._deferred = self._deferred, {}
         for version in sorted(deferred, reverse=True):
-            offset, manifest = deferred[version]
-            if await self._serve(offset, manifest):
+            if await self._serve(*deferred[version]):
                 break
         canary, self._deferred_canary = self._deferred_canary, None
         if canary is not None:
@@ -332,17 +432,27 @@ class PolicySubscriber(Service):
         if kind not in ("serving", "delta") or manifest is None or manifest.policy != self.policy:
             return
         if self._catching_up:
-            self._deferred[manifest.version] = (offset, manifest)
+            self._deferred[manifest.version] = (offset, manifest, value)
             for old in sorted(self._deferred)[:-KEEP_DEFERRED]:
                 del self._deferred[old]
             return
-        await self._serve(offset, manifest)
+        await self._serve(offset, manifest, value)
 
-    async def _serve(self, offset: int, manifest: Manifest) -> bool:
-        """Load and swap in a serving manifest; False when it was not loaded (older, or it failed a check)."""
-        if self.current is not None and manifest.version <= self.current.version and not self._after_reset:
-            if manifest.version < self.current.version:
-                self._reject(offset, f"older version {manifest.version} after {self.current.version}")
+    async def _serve(self, offset: int, manifest: Manifest, raw: bytes | None = None) -> bool:
+        """Load and swap in a serving manifest; False when it was not loaded (older, or it failed a check).
+
+        ``raw``: the manifest's bytes as received, what the policy cache keeps. A policy served
+        from the cache gives way to any version the topic verifies (the topic is the truth: it
+        may have been reset, or rolled back, since the cache was written).
+        """
+        current = self.current
+        if current is not None and self.from_cache is not None:
+            if (current.version, current.manifest.sha256) == (manifest.version, manifest.sha256):
+                self.from_cache = None  # the topic serves what the cache held: nothing to load
+                return True
+        elif current is not None and manifest.version <= current.version and not self._after_reset:
+            if manifest.version < current.version:
+                self._reject(offset, f"older version {manifest.version} after {current.version}")
             return False
         try:
             held = self.canary
@@ -354,6 +464,8 @@ class PolicySubscriber(Service):
             self._reject(offset, f"version {manifest.version}: {exc}")
             return False
         self.current = loaded
+        self.from_cache = None
+        self._cache_later(loaded, raw)
         if self.canary is not None and self.canary.version <= loaded.version:
             await self._set_canary(None)  # served now, or older than what is served
         self._after_reset = False  # after a cluster reset, the first verified policy is the new base
@@ -416,7 +528,8 @@ class PolicySubscriber(Service):
             self._recent.get(version, {}).pop(i, None)
             self._digests.pop(version, None)
             return
-        if self.current is not None and version <= self.current.version and not self._after_reset:
+        held = self.current is not None and version <= self.current.version
+        if held and not self._after_reset and self.from_cache is None:
             return
         self._recent.setdefault(version, {})[i] = value
         running = self._digests.pop(version, None)
