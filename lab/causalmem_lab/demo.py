@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -32,11 +33,14 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
 
     console = Console(stderr=True)
     logging.getLogger("pipeline.client.subscriber").setLevel(logging.WARNING)  # one line per hot-load is noise here
+    # A temporary log directory (~70 MB of logs and state) is removed after a successful run
+    # and kept, with its path printed, after a failure; --keep-logs DIR always keeps it.
+    keep = bool(args.keep_logs)
     logdir = Path(args.keep_logs or tempfile.mkdtemp(prefix="causalmem-demo-"))
     logdir.mkdir(parents=True, exist_ok=True)
     bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")
-    if broker is not None:
-        console.print(f"[bold]demo[/]: embedded broker on {bootstrap} (memory only); logs in {logdir}")
+    where = f"logs in {logdir}" + ("" if keep else " (removed after a successful run; --keep-logs DIR keeps them)")
+    console.print("[bold]demo[/]: " + (f"embedded broker on {bootstrap} (memory only); " if broker else "") + where)
     spec = RunSpec(
         name="demo",
         labels=not args.no_labels,
@@ -46,10 +50,16 @@ async def run_demo(scenario: Any, args: argparse.Namespace) -> Any:
     )
     try:
         prefix = args.topic_prefix or ("" if broker else f"demo-{uuid.uuid4().hex[:6]}.")
-        return await run_scenario(scenario, spec, bootstrap, logdir, console, prefix=prefix)
+        result = await run_scenario(scenario, spec, bootstrap, logdir, console, prefix=prefix)
+    except BaseException:
+        console.print(f"[bold red]demo failed[/]: the logs are kept in {logdir}")
+        raise
     finally:
         if broker is not None:
             broker.stop()
+    if not keep:
+        shutil.rmtree(logdir, ignore_errors=True)
+    return result
 
 
 def print_summary(r: Any, scenario: Any, reset_enabled: bool) -> None:
