@@ -28,4 +28,3 @@ def test_demo_prints_its_summary_and_removes_its_temporary_logs(tmp_path: Path) 
     assert "causalmem demo: summary" in out.stdout
     assert "removed after a successful run" in out.stderr
     assert not list(tmp_path.glob("causalmem-demo-*")), "the temporary log directory was left behind"
-
