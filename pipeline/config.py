@@ -218,6 +218,14 @@ class Settings:
     control_checkpoints_per_hour: int = setting(
         6, "checkpoints past the gate that rollback, reset and cut-over commands may force per hour, together"
     )
+    influence_cap: float = setting(
+        0.2, "contract 1.15: the largest share of the learner's update weight one principal may carry (0, 1]"
+    )
+    influence_window: int = setting(10_000, "the recent experiences each principal's share is measured over")
+    disagreement_tolerance: float = setting(
+        0.1, "a principal is flagged when its utilities' mean residual is this far from 0, beyond its interval"
+    )
+    disagreement_min_n: int = setting(50, "residuals a principal needs before it can be flagged")
     # -- limits --------------------------------------------------------------------------
     max_message_bytes: int = setting(Limits.max_bytes, "larger input messages are dead-lettered as oversize")
     # -- durability (docs/operations.md, "Durability"): 1 suits the embedded broker's one node --
@@ -387,6 +395,10 @@ class Settings:
             suppress_max_slots=self.suppress_max_slots,
             suppress_checkpoints_per_hour=self.suppress_checkpoints_per_hour,
             control_checkpoints_per_hour=self.control_checkpoints_per_hour,
+            influence_cap=self.influence_cap,
+            influence_window=self.influence_window,
+            disagreement_tolerance=self.disagreement_tolerance,
+            disagreement_min_n=self.disagreement_min_n,
         )
 
     def ui(self, **options: Any) -> UiConfig:
@@ -615,6 +627,18 @@ class LearnerConfig:
     suppress_max_slots: int = Settings.suppress_max_slots
     suppress_checkpoints_per_hour: int = Settings.suppress_checkpoints_per_hour
     control_checkpoints_per_hour: int = Settings.control_checkpoints_per_hour
+    # Contract 1.15, per principal (pipeline/learner/influence.py, principals.py): the share of the update
+    # weight one may carry over the recent window, and when its utilities disagree with the others'.
+    influence_cap: float = Settings.influence_cap
+    influence_window: int = Settings.influence_window
+    disagreement_tolerance: float = Settings.disagreement_tolerance
+    disagreement_min_n: int = Settings.disagreement_min_n
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.influence_cap <= 1.0:
+            raise ValueError(f"influence_cap {self.influence_cap} must be in (0, 1]")
+        if self.influence_window < 1:
+            raise ValueError(f"influence_window {self.influence_window} must be at least 1")
 
     @property
     def policy(self) -> str:

@@ -9,7 +9,7 @@ an explicit registry so that several components can live in one test process.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -246,6 +246,38 @@ class Metrics:
             ["command", "verdict"],
             registry=self._reg("learner"),
         )
+        # ---- per principal (contract 1.15, docs/learning.md "Influence per principal"): at most
+        # pipeline.learner.principals.SHOWN principals are labelled (the flagged and quarantined first)
+        self.principal_share = Gauge(
+            "causalmem_principal_share",
+            "Share of the learner's recent window of feedback experiences, per principal",
+            ["principal"],
+            registry=self._reg("learner"),
+        )
+        self.principal_weight = Gauge(
+            "causalmem_principal_weight",
+            "Sample weight of each of a principal's experiences (1: within influence_cap; 0: quarantined)",
+            ["principal"],
+            registry=self._reg("learner"),
+        )
+        self.principal_flagged = Gauge(
+            "causalmem_principal_flagged",
+            "1 when a principal's utilities disagree with the other principals' for the same memories",
+            ["principal"],
+            registry=self._reg("learner"),
+        )
+        self.principal_residual = Gauge(
+            "causalmem_principal_residual",
+            "Mean residual of a principal's utilities against the other principals' (bound: mean, low, high)",
+            ["principal", "bound"],
+            registry=self._reg("learner"),
+        )
+        self.quarantined_experiences = Counter(
+            "causalmem_learner_quarantined_experiences_total",
+            "Feedback experiences of quarantined principals, given weight 0",
+            ["principal"],
+            registry=self._reg("learner"),
+        )
         self.last_update = Gauge(
             "causalmem_learner_last_update_timestamp_seconds",
             "Wall time of the last applied micro-batch (staleness alerts)",
@@ -389,6 +421,20 @@ class Metrics:
                     self.memory_effect.labels(slot=slot, side=side, bound=bound).set(v)
                 self.memory_reads.labels(slot=slot, side=side, kind="reads").set(st.reads)
                 self.memory_reads.labels(slot=slot, side=side, kind="effects").set(st.effects)
+
+    def export_principals(self, view: dict[str, dict[str, Any]]) -> None:
+        """The principals of ``view`` (:meth:`pipeline.learner.principals.PrincipalBook.view`, bounded);
+        the previous set is cleared."""
+        for gauge in (self.principal_share, self.principal_weight, self.principal_flagged, self.principal_residual):
+            gauge.clear()
+        for name, p in view.items():
+            self.principal_share.labels(principal=name).set(p["share"])
+            self.principal_weight.labels(principal=name).set(p["weight"])
+            self.principal_flagged.labels(principal=name).set(1.0 if p["flagged"] else 0.0)
+            for bound in ("residual", "low", "high"):
+                if p[bound] is not None:
+                    label = "mean" if bound == "residual" else bound
+                    self.principal_residual.labels(principal=name, bound=label).set(p[bound])
 
     def set_health(self, score: float, band: str) -> None:
         self.health_score.set(score)

@@ -51,6 +51,7 @@ from pipeline.learner.fence import Fence, Fenced
 from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
+from pipeline.learner.principals import PrincipalBook
 from pipeline.learner.publishing import Progress, Publishing, manifest_metrics
 from pipeline.learner.replay import Replay
 from pipeline.learner.restore import (
@@ -108,6 +109,10 @@ class Learner(Service):
             max_future_s=config.max_future_skew_s,
         )
         self.replay = Replay(config.replay_window_s, config.replay_max)
+        # Contract 1.15: each principal's share, weight, disagreement (quarantine: progress.quarantined).
+        self.principals = PrincipalBook(
+            config.influence_cap, config.influence_window, config.disagreement_tolerance, config.disagreement_min_n
+        )
         self.progress = Progress()
         self.version = 0
         self.dirty = False  # the policy changed since the last checkpoint
@@ -416,13 +421,25 @@ class Learner(Service):
         none of them was trained on it.
         """
         t0 = time.perf_counter()
+        m = self.metrics
         feedback = [e for e in chunk if e.kind == "feedback"]
+        # Contract 1.15: no principal carries more than influence_cap of the recent window's weight,
+        # and a quarantined one's experiences weigh 0: left out of the update, the gate and the replay.
+        weights = self.principals.weigh(feedback, self.progress.quarantined)
+        if feedback and not weights.all():
+            for e in (e for e, w in zip(feedback, weights, strict=True) if w == 0):
+                m.quarantined_experiences.labels(principal=e.principal).inc()
+            out = {id(e) for e, w in zip(feedback, weights, strict=True) if w == 0}
+            chunk = [e for e in chunk if id(e) not in out]
+            feedback, weights = [e for e in feedback if id(e) not in out], weights[weights > 0]
+        if feedback:
+            m.export_principals(self.principals.view(self.progress.quarantined))
         if self.gate is not None:
             self.gate.observe(feedback)
         labels = [e for e in chunk if e.kind == "label"]
-        m = self.metrics
         if feedback:
-            stats = self.trainer.update(feedback)
+            # All 1 (one principal, or none over the cap): the update is exactly the unweighted one.
+            stats = self.trainer.update(feedback, None if (weights == 1.0).all() else weights)
             m.batch_size.observe(len(feedback))
             if stats.skipped_non_finite:
                 m.learner_skipped.labels(reason="non_finite").inc(len(feedback))
@@ -479,7 +496,12 @@ class Learner(Service):
             if reason in ("periodic", "label") and not self.dirty:
                 return None  # published meanwhile (e.g. by the shutdown checkpoint)
             metrics = manifest_metrics(
-                self.trainer, self.progress, self.inbox.applied_key, self.config.batch_size, extra
+                self.trainer,
+                self.progress,
+                self.inbox.applied_key,
+                self.config.batch_size,
+                extra,
+                principals=self.principals.view(self.progress.quarantined),
             )
             # The map's changes go just before the manifest that holds them.
             await self.memories.publish(self.publishing.publisher)

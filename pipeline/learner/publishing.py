@@ -46,6 +46,7 @@ from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
 from topics.manifest import Manifest, sha256_hex, split_chunks
+from topics.principal import valid_principal
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Progress:
     """The learner's counters that checkpoints carry (besides the trainer's own).
 
     >>> Progress.from_metrics({"labels_applied_total": 5, "resets": 1})
-    Progress(labels_since_checkpoint=0, labels_total=5, resets=1, suppressed=[], suppression_audit=[])
+    Progress(labels_since_checkpoint=0, labels_total=5, resets=1, suppressed=[], suppression_audit=[], quarantined=[])
     """
 
     labels_since_checkpoint: int = 0
@@ -85,6 +86,8 @@ class Progress:
     suppressed: list[int] = field(default_factory=list)  # memories an operator suppressed ("do not use")
     # who suppressed or restored which memories, when and why (pipeline.learner.suppression)
     suppression_audit: list[dict[str, Any]] = field(default_factory=list)
+    # contract 1.15: principals an operator quarantined (their experiences weigh 0; pipeline.learner.principals)
+    quarantined: list[str] = field(default_factory=list)
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, Any]) -> Progress:
@@ -93,13 +96,15 @@ class Progress:
             resets=int(metrics.get("resets", 0)),
             suppressed=[int(s) for s in metrics.get("suppressed") or []],
             suppression_audit=read_audit(metrics.get("suppression_audit")),
+            quarantined=[str(p) for p in metrics.get("quarantined") or [] if valid_principal(p)],
         )
 
     def carry_over(self, restored: Progress) -> None:
         """Take what a restart keeps from the restored checkpoint's counters, in place (the
         control handler holds this object): the label and reset counts, the memories operators
         suppressed (a later rollback, reset or cut-over suppresses them again) and the audit
-        trail (the suppress rate limit counts from it, so a restart does not reset it).
+        trail (the suppress rate limit counts from it, so a restart does not reset it), and the
+        principals operators quarantined.
 
         >>> now = Progress()
         >>> now.carry_over(Progress.from_metrics({"resets": 2, "suppressed": [4, 9]}))
@@ -110,6 +115,7 @@ class Progress:
         self.resets = restored.resets
         self.suppressed = list(restored.suppressed)
         self.suppression_audit = list(restored.suppression_audit)
+        self.quarantined = list(restored.quarantined)
 
 
 def manifest_metrics(
@@ -118,8 +124,10 @@ def manifest_metrics(
     applied: Key | None,
     batch_size: int,
     extra: dict[str, Any] | None = None,
+    principals: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The manifest's ``metrics``: what a restore needs, and what operators read."""
+    """The manifest's ``metrics``: what a restore needs, and what operators read (``principals``:
+    :meth:`pipeline.learner.principals.PrincipalBook.view`, what ``causalmem status`` shows)."""
     return {
         "updates": trainer.updates,
         "experiences": trainer.experiences,
@@ -128,6 +136,8 @@ def manifest_metrics(
         "resets": progress.resets,
         "suppressed": progress.suppressed,
         "suppression_audit": progress.suppression_audit,
+        "quarantined": progress.quarantined,
+        "principals": principals or {},
         "baseline_state": trainer.baseline.state(),
         "lr": trainer.config.lr,
         "batch_size": batch_size,

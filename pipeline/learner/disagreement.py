@@ -1,0 +1,121 @@
+"""Whether a principal's utilities disagree with everyone else's (docs/learning.md, "Influence per principal").
+
+Per memory (slot) the learner keeps each principal's mean reported utility of the steps that
+read it. When principal ``p`` reports utility ``u`` for a step that read memories ``S``, its
+*residual* is ``u`` minus the mean, over the memories of ``S`` that others reported on, of
+the **median of the other principals' means** for that memory (each of them with at least
+``min_per_memory`` reports): the median, so that with three or more other principals one liar
+among them does not shift the reference an honest principal is compared with. The step is then
+added to ``p``'s own means.
+
+Per principal the residuals' mean gets a normal interval, ``mean ± z·sd/√n`` with ``z = 3``
+(two-sided ≈ 99.7 %; the interval is looked at after every micro-batch, for every principal,
+so it is wider than a one-off 95 %). A principal is **flagged** when it has at least ``min_n``
+residuals and the interval lies entirely beyond ``±tolerance``: its utilities are
+systematically higher or lower than the others' for the same memories, by more than the
+tolerance allows for differences in slates and queries. Residuals are not independent (the
+references move as reports arrive), so the interval is a guide for an operator, not a test
+with an exact error rate; quarantine stays the operator's decision.
+
+>>> d = Disagreement(tolerance=0.1, min_n=20, min_per_memory=3)
+>>> for i in range(40):
+...     for honest in ("a", "b", "c"):
+...         d.observe(honest, [i % 4], 0.5 + 0.01 * (i % 3))
+...     d.observe("liar", [i % 4], -0.5)
+>>> d.verdict("liar").flagged, d.verdict("a").flagged
+(True, False)
+>>> round(d.verdict("liar").mean, 2)
+-1.01
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Z = 3.0
+MAX_PRINCIPALS = 1024  # principals whose reports are kept; others' reports are counted, not compared
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One principal's residuals: how many, their mean and its interval, and whether that flags it."""
+
+    n: int
+    mean: float
+    low: float
+    high: float
+    flagged: bool
+
+
+class _Running:
+    """Welford's running mean and variance."""
+
+    __slots__ = ("m2", "mean", "n")
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+
+class Disagreement:
+    """The running comparison of each principal's utilities with the others' (module docstring)."""
+
+    def __init__(self, tolerance: float, min_n: int, *, min_per_memory: int = 5, z: float = Z) -> None:
+        if tolerance < 0 or min_n < 2 or min_per_memory < 1:
+            raise ValueError("disagreement: tolerance >= 0, min_n >= 2 and min_per_memory >= 1")
+        self.tolerance = tolerance
+        self.min_n = min_n
+        self.min_per_memory = min_per_memory
+        self.z = z
+        self.per_memory: dict[int, dict[str, list[float]]] = {}  # slot → principal → [count, sum]
+        self.residuals: dict[str, _Running] = {}
+        self.untracked = 0  # reports of principals beyond MAX_PRINCIPALS
+
+    def observe(self, principal: str, selected: Sequence[int], utility: float) -> None:
+        """One step's report: its residual against the others' (when they reported on its memories), then its own."""
+        if not math.isfinite(utility) or not selected:
+            return
+        if principal not in self.residuals:
+            if len(self.residuals) >= MAX_PRINCIPALS:
+                self.untracked += 1
+                return
+            self.residuals[principal] = _Running()
+        refs = []
+        for slot in selected:
+            others = [
+                total / count
+                for who, (count, total) in self.per_memory.get(slot, {}).items()
+                if who != principal and count >= self.min_per_memory
+            ]
+            if others:
+                refs.append(float(np.median(others)))
+        if refs:
+            self.residuals[principal].add(utility - sum(refs) / len(refs))
+        for slot in selected:
+            own = self.per_memory.setdefault(slot, {}).setdefault(principal, [0.0, 0.0])
+            own[0] += 1
+            own[1] += utility
+
+    def verdict(self, principal: str) -> Verdict:
+        """``principal``'s residuals so far (n = 0: none yet)."""
+        r = self.residuals.get(principal)
+        if r is None or r.n == 0:
+            return Verdict(0, 0.0, -math.inf, math.inf, False)
+        if r.n < 2:
+            return Verdict(r.n, r.mean, -math.inf, math.inf, False)
+        half = self.z * math.sqrt(r.m2 / (r.n - 1) / r.n)
+        low, high = r.mean - half, r.mean + half
+        flagged = r.n >= self.min_n and (low > self.tolerance or high < -self.tolerance)
+        return Verdict(r.n, r.mean, low, high, flagged)
+
+    def principals(self) -> list[str]:
+        return list(self.residuals)

@@ -1,0 +1,135 @@
+"""How much one principal may weigh in the learner's updates (docs/learning.md, "Influence per principal").
+
+The rule, in one function (:func:`influence_weights`): over the learner's recent window of
+experiences, no principal carries more than a share ``cap`` of the total weight. Principals
+whose share of the window is within the bound keep weight 1; each one above it gets the same
+weight ``w_p < 1`` on every one of its experiences, the smallest change that brings it to
+exactly ``cap`` of the weighted total (water-filling: capping one principal shrinks the
+total, so another may then need capping too). When the principals are too few for ``cap``
+(``n`` principals with ``n · cap < 1``), the bound is ``1/n`` instead: with one principal,
+or only anonymous traffic, every weight is 1 and the learner learns exactly as without it.
+
+A quarantined principal's experiences weigh 0 (``causalmem quarantine``); they are not
+counted in the window either, so quarantining one principal does not lower anyone else's
+bound.
+
+>>> w = influence_weights(["liar", "a"], {"liar": 50, "a": 10, "b": 10, "c": 10, "d": 10, "e": 10}, cap=0.2)
+>>> [round(float(x), 3) for x in w]
+[0.25, 1.0]
+>>> influence_weights(["anonymous"] * 3, {"anonymous": 900}, cap=0.2).tolist()
+[1.0, 1.0, 1.0]
+>>> influence_weights(["a", "b"], {"a": 30, "b": 10}, cap=0.2).tolist()  # two principals: the bound is 1/2
+[0.3333333333333333, 1.0]
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+
+def capped_weights(counts: Mapping[str, int], cap: float) -> dict[str, float]:
+    """Each principal's weight per experience, from its count of the window's experiences.
+
+    The weighted share of principal ``p``, ``w_p c_p / Σ_q w_q c_q``, is then at most
+    ``max(cap, 1/n)`` for the ``n`` principals with a positive count, and every principal
+    within that bound keeps ``w_p = 1``.
+
+    >>> capped_weights({"x": 80, "y": 10, "z": 10}, cap=0.5)
+    {'x': 0.25, 'y': 1.0, 'z': 1.0}
+    >>> capped_weights({"x": 5}, cap=0.2)
+    {'x': 1.0}
+    """
+    if not 0.0 < cap <= 1.0:
+        raise ValueError(f"influence cap {cap} must be in (0, 1]")
+    live = {p: c for p, c in counts.items() if c > 0}
+    total = sum(live.values())
+    weights = dict.fromkeys(counts, 1.0)
+    if len(live) <= 1:
+        return weights
+    bound = max(cap, 1.0 / len(live))
+    shares = {p: c / total for p, c in live.items()}
+    capped: set[str] = set()
+    weighted_total = 1.0
+    while True:
+        free = sum(s for p, s in shares.items() if p not in capped)
+        weighted_total = free / (1.0 - len(capped) * bound)
+        over = {p for p, s in shares.items() if p not in capped and s > bound * weighted_total * (1 + 1e-12)}
+        if not over:
+            break
+        capped |= over
+    for p in capped:
+        weights[p] = bound * weighted_total / shares[p]
+    return weights
+
+
+def influence_weights(
+    principals: Sequence[str],
+    window_counts: Mapping[str, int],
+    cap: float,
+    quarantined: Iterable[str] = (),
+) -> np.ndarray:
+    """The sample weight of each experience of a micro-batch, by its principal.
+
+    Parameters
+    ----------
+    principals
+        The principal of each experience of the micro-batch, in order.
+    window_counts
+        Each principal's experiences in the learner's recent window (the micro-batch's
+        included): what its share is measured on.
+    cap
+        The most any one principal's share of the total weight may be (``influence_cap``);
+        ``1/n`` instead when the window holds only ``n < 1/cap`` principals.
+    quarantined
+        Principals whose experiences weigh 0.
+
+    >>> influence_weights(["q", "a"], {"q": 5, "a": 5}, 0.2, quarantined=["q"]).tolist()
+    [0.0, 1.0]
+    """
+    blocked = set(quarantined)
+    weights = capped_weights({p: c for p, c in window_counts.items() if p not in blocked}, cap)
+    return np.array([0.0 if p in blocked else weights.get(p, 1.0) for p in principals], dtype=np.float64)
+
+
+class InfluenceWindow:
+    """The learner's running count of each principal's recent experiences (the last ``size``).
+
+    >>> win = InfluenceWindow(size=4, cap=0.5)
+    >>> win.weights(["a", "a", "a"]).tolist()  # one principal: weight 1
+    [1.0, 1.0, 1.0]
+    >>> [round(float(x), 3) for x in win.weights(["b", "a"])]  # the window: a×3, b (a's oldest dropped)
+    [1.0, 0.333]
+    """
+
+    def __init__(self, size: int, cap: float) -> None:
+        if size < 1:
+            raise ValueError(f"influence window {size} must be at least 1")
+        capped_weights({}, cap)  # checks the cap
+        self.size = size
+        self.cap = cap
+        self.recent: deque[str] = deque()
+        self.counts: Counter[str] = Counter()
+
+    def add(self, principals: Iterable[str]) -> None:
+        for p in principals:
+            self.recent.append(p)
+            self.counts[p] += 1
+            if len(self.recent) > self.size:
+                old = self.recent.popleft()
+                self.counts[old] -= 1
+                if not self.counts[old]:
+                    del self.counts[old]
+
+    def weights(self, principals: Sequence[str], quarantined: Iterable[str] = ()) -> np.ndarray:
+        """Count the micro-batch's experiences (a quarantined principal's are not), then weigh them."""
+        blocked = set(quarantined)
+        self.add(p for p in principals if p not in blocked)
+        return influence_weights(principals, self.counts, self.cap, blocked)
+
+    def shares(self) -> dict[str, float]:
+        """Each principal's share of the window's experiences."""
+        total = sum(self.counts.values())
+        return {p: c / total for p, c in self.counts.items()} if total else {}

@@ -1,0 +1,80 @@
+"""The learner's book of principals (contract 1.15): each one's share of the recent window, the
+weight its experiences get (:mod:`pipeline.learner.influence`), whether its utilities disagree
+with the others' (:mod:`pipeline.learner.disagreement`) and whether an operator quarantined it.
+
+:meth:`PrincipalBook.weigh` gives a micro-batch's sample weights; :meth:`PrincipalBook.view`
+is what the checkpoints' metrics (``principals``, read by ``causalmem status``) and the
+learner's Prometheus metrics show, for at most :data:`SHOWN` principals: the flagged and the
+quarantined first, then by share (a client may name itself anything, so the labels are bounded).
+
+>>> import numpy as np
+>>> from topics.events import Features, RetrievalEvent
+>>> from topics.internal import Experience
+>>> ev = RetrievalEvent("e", "q", 0, 1.0, Features(np.zeros(2, np.float32), 0.0, 0.0), [0, 1], np.zeros(2),
+...                     [1], 1.0, 0.0, False)
+>>> book = PrincipalBook(cap=0.2, window=100, tolerance=0.1, min_n=10)
+>>> batch = [Experience("e", "feedback", ev, 0.5, feedback_principal=p) for p in ("a", "a", "b")]
+>>> book.weigh(batch, quarantined=["b"]).tolist()
+[1.0, 1.0, 0.0]
+>>> book.view(["b"])["b"]["quarantined"], round(book.view(["b"])["a"]["share"], 2)
+(True, 1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import numpy as np
+
+from pipeline.learner.disagreement import Disagreement
+from pipeline.learner.influence import InfluenceWindow, capped_weights
+from topics.internal import Experience
+
+SHOWN = 20  # principals a checkpoint's metrics and the Prometheus labels name at most
+
+
+class PrincipalBook:
+    """Per principal: share, weight, disagreement, quarantine (module docstring)."""
+
+    def __init__(self, cap: float, window: int, tolerance: float, min_n: int) -> None:
+        self.window = InfluenceWindow(window, cap)
+        self.disagreement = Disagreement(tolerance, min_n)
+        self.quarantined_experiences: dict[str, int] = {}
+
+    def weigh(self, feedback: Sequence[Experience], quarantined: Collection[str] = ()) -> np.ndarray:
+        """The sample weight of each feedback experience: 0 for a quarantined principal's (counted in
+        :attr:`quarantined_experiences`, kept out of the window and the comparison), else its
+        principal's capped weight. Each other experience's utility is compared with the others'."""
+        blocked = set(quarantined)
+        principals = [e.principal for e in feedback]
+        for e, p in zip(feedback, principals, strict=True):
+            if p in blocked:
+                self.quarantined_experiences[p] = self.quarantined_experiences.get(p, 0) + 1
+            else:
+                self.disagreement.observe(p, e.event.selected, e.utility)
+        return self.window.weights(principals, blocked)
+
+    def view(self, quarantined: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+        """At most :data:`SHOWN` principals: share of the window, weight per experience, the
+        residuals' count, mean and interval, flagged, quarantined."""
+        blocked = set(quarantined)
+        shares = self.window.shares()
+        weights = capped_weights(dict(self.window.counts), self.window.cap)
+        names = set(shares) | blocked | set(self.disagreement.principals())
+        verdicts = {p: self.disagreement.verdict(p) for p in names}
+        order = sorted(names, key=lambda p: (p not in blocked, not verdicts[p].flagged, -shares.get(p, 0.0), p))
+        out: dict[str, dict[str, Any]] = {}
+        for p in order[:SHOWN]:
+            v = verdicts[p]
+            out[p] = {
+                "share": shares.get(p, 0.0),
+                "weight": 0.0 if p in blocked else weights.get(p, 1.0),
+                "n": v.n,
+                "residual": v.mean,
+                "low": v.low if np.isfinite(v.low) else None,
+                "high": v.high if np.isfinite(v.high) else None,
+                "flagged": v.flagged,
+                "quarantined": p in blocked,
+            }
+        return out

@@ -1,0 +1,151 @@
+"""Contract 1.15, the learner's bound on each principal's influence (docs/learning.md, "Influence
+per principal"): the rule by property, and the learner applying it to its micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+
+from models.policy.trainer import PolicyTrainer
+from pipeline.config import Settings
+from pipeline.learner.influence import InfluenceWindow, capped_weights, influence_weights
+from pipeline.learner.loop import Learner
+from pipeline.promtext import metric, parse
+from tests.helpers import experience
+from topics.internal import Experience
+
+S = Settings(embedding_dim=8, slots=16, hidden=16, gate=False)
+
+counts = st.dictionaries(st.text("abcdefgh", min_size=1, max_size=3), st.integers(0, 10_000), max_size=12)
+caps = st.floats(0.01, 1.0)
+
+
+@settings(max_examples=500, deadline=None)
+@given(counts, caps)
+def test_no_principal_carries_more_than_the_bound_and_those_within_it_keep_weight_1(
+    window: dict[str, int], cap: float
+) -> None:
+    w = capped_weights(window, cap)
+    live = {p: c for p, c in window.items() if c > 0}
+    assert set(w) == set(window) and all(0.0 < x <= 1.0 for x in w.values())
+    if len(live) <= 1:
+        assert all(x == 1.0 for x in w.values())
+        return
+    bound = max(cap, 1 / len(live))
+    total = sum(w[p] * c for p, c in live.items())
+    shares = {p: w[p] * c / total for p, c in live.items()}
+    assert max(shares.values()) <= bound + 1e-9
+    for p in live:  # a principal held down is held at the bound exactly, never below it
+        if w[p] < 1.0:
+            assert shares[p] == pytest.approx(bound, rel=1e-9)
+    # The smallest principal's weight is never lowered; nor is any whose raw share is within the cap of the rest.
+    assert w[min(live, key=live.__getitem__)] == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=50), caps, st.sets(st.sampled_from("abc")))
+def test_quarantined_principals_weigh_zero_and_leave_the_others_bound_unchanged(
+    batch: list[str], cap: float, blocked: set[str]
+) -> None:
+    window = {"a": 60, "b": 30, "c": 10}
+    w = influence_weights(batch, window, cap, quarantined=blocked)
+    kept = {p: c for p, c in window.items() if p not in blocked}
+    expected = capped_weights(kept, cap)
+    assert w.tolist() == [0.0 if p in blocked else expected[p] for p in batch]
+
+
+def test_one_principal_or_only_anonymous_traffic_weighs_1() -> None:
+    win = InfluenceWindow(size=100, cap=0.2)
+    assert win.weights(["anonymous"] * 64).tolist() == [1.0] * 64
+    assert InfluenceWindow(size=100, cap=0.2).weights(["svc-a"] * 10).tolist() == [1.0] * 10
+
+
+def test_the_window_forgets_the_oldest_experiences() -> None:
+    win = InfluenceWindow(size=10, cap=0.2)
+    win.weights(["liar"] * 10)
+    w = win.weights([f"h{i}" for i in range(10)])  # the liar has left the window
+    assert w.tolist() == [1.0] * 10 and "liar" not in win.counts
+
+
+def test_a_bad_cap_or_window_is_refused() -> None:
+    for cap in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError):
+            capped_weights({"a": 1}, cap)
+        with pytest.raises(ValueError):
+            dataclasses.replace(S.learner(), influence_cap=cap)
+    with pytest.raises(ValueError):
+        InfluenceWindow(size=0, cap=0.2)
+
+
+def _learner(tmp_path: Path) -> Learner:
+    return Learner(S.replace(state_dir=str(tmp_path)).learner(), "127.0.0.1:1")
+
+
+def _batch(principals: list[str | None], start: int = 0) -> list[Experience]:
+    out = []
+    for i, p in enumerate(principals):
+        e = experience(S, start + i)
+        out.append(dataclasses.replace(e, feedback_principal=p))
+    return out
+
+
+def test_a_one_principal_deployment_learns_exactly_as_without_principals(tmp_path: Path) -> None:
+    learner = _learner(tmp_path)
+    plain = PolicyTrainer(S.learner().trainer)
+    for k in range(3):
+        chunk = _batch(["svc-a"] * 16, start=16 * k)
+        learner.apply(chunk)
+        plain.update([dataclasses.replace(e, feedback_principal=None) for e in chunk])
+    mine, theirs = learner.trainer.tensors(), plain.tensors()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_the_learner_weighs_a_principal_over_the_cap_and_exports_it(tmp_path: Path) -> None:
+    learner = _learner(tmp_path)
+    honest = [f"h{i}" for i in range(6)]
+    principals: list[str | None] = ["liar"] * 6 + honest  # the liar: half of the traffic
+    learner.apply(_batch(principals))
+    view = learner.principals.view()
+    # Six honest principals and the liar at 1/2: the liar is held at 0.2 of the weight.
+    assert view["liar"]["weight"] == pytest.approx(0.25)
+    assert all(view[h]["weight"] == 1.0 for h in honest)
+    text = _exposition(learner)
+    assert metric(text, "causalmem_principal_weight", principal="liar") == pytest.approx(0.25)
+    assert metric(text, "causalmem_principal_share", principal="liar") == pytest.approx(0.5)
+
+
+def test_a_quarantined_principals_experiences_weigh_zero_and_are_counted(tmp_path: Path) -> None:
+    learner = _learner(tmp_path)
+    learner.progress.quarantined = ["liar"]
+    before = learner.trainer.tensors()
+    learner.apply(_batch(["liar"] * 8))
+    after = learner.trainer.tensors()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing of it was learned
+    assert len(learner.replay) == 0  # nor kept for a warm-up
+    learner.apply(_batch(["liar", "svc-a", None], start=8))
+    assert [e.principal for e in learner.replay] == ["svc-a", "anonymous"]
+    text = _exposition(learner)
+    assert metric(text, "causalmem_learner_quarantined_experiences_total", principal="liar") == 9
+    assert metric(text, "causalmem_principal_weight", principal="liar") == 0.0
+
+
+def _exposition(learner: Learner) -> dict[str, float]:
+    return parse(generate_latest(learner.metrics.registry).decode())
+
+
+def test_the_weights_reach_the_update(tmp_path: Path) -> None:
+    """The trainer's importance weights of an update are the principal weights times the clipped ratio."""
+    trainer = PolicyTrainer(S.learner().trainer)
+    chunk = _batch(["a", "b"])
+    w = np.array([0.25, 1.0])
+    stats = trainer.update(chunk, w)
+    plain = PolicyTrainer(S.learner().trainer).update(chunk)
+    assert np.allclose(stats.weights, np.array(plain.weights) * w)
