@@ -16,6 +16,8 @@ where Java, Maven or the jars are missing.
 - faust's own topics (changelogs, the assignor's) get the deployment's three replicas;
 - compaction: after ``rollback --to``, the learner's tombstones of old chunks let Apache Kafka's
   cleaner drop their values, and a reader that starts afterwards still loads the serving policy;
+- the write gate: a memory a service proposes passes a ``causalmem writes`` process (its own user)
+  to ``memory-lifecycle``, the learner gives it a slot, and the service's subscriber learns the slot;
 - the service user cannot send an operator's command (the broker refuses its write to ``control``).
 
 One cluster for the module (the ``kafka_cluster`` fixture); the file takes ~2 min on two cores,
@@ -40,10 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from causalmem_lab.procs import Child
 
+from models.memory.write_gate import memory_id_for
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.client.subscriber import PolicySubscriber
@@ -52,7 +56,9 @@ from pipeline.modeltopic import scan_model_topic
 from pipeline.promtext import metric
 from tests.helpers import feedback, retrieval_event, until, wait_metric
 from tests.kafka_cluster import KafkaCluster
+from topics.lifecycle import decode_memory_record
 from topics.manifest import parse_key
+from topics.writes import MemoryWrite
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -326,6 +332,52 @@ async def test_compaction_drops_old_chunks_and_a_late_reader_still_loads_the_pol
         loaded = await sub.wait_for_policy(min_version=newest, timeout=60)
         assert loaded.manifest.metrics["suppressed"] == [5]
         assert sub.health() == "ok"
+
+
+async def test_a_proposed_memory_passes_the_write_gate_and_reaches_the_clients_slot_map(
+    deployment: Deployment, learnt: int
+) -> None:
+    """A service proposes a memory (``memory-writes``); the write gate, a ``causalmem writes``
+    process as its own user, admits it to ``memory-lifecycle``; the learner gives it a slot and
+    publishes the id → slot map; the service's subscriber then knows the memory's slot."""
+    dep = deployment
+    service = dep.settings("service")
+    write_id = f"{RUN}-write"
+    memory_id = memory_id_for(write_id)
+    gate = Child("writes", dep.cluster.bootstrap, dep.env("writes"), log_path=dep.roles.tmp / "writes.log")
+    try:
+        async with PolicySubscriber(dep.cluster.bootstrap, service.policy, service) as sub:
+            await sub.wait_for_policy(min_version=learnt, timeout=60)
+            assert sub.current is not None and sub.current.slot_of(memory_id) is None
+            # reward 1.0 where the gate expects 0.0 (its prior): a surprise, admitted as a success
+            emb = np.ones(service.embedding_dim, np.float32) / np.sqrt(service.embedding_dim)
+            proposal = MemoryWrite(
+                write_id, time.time(), "retry with a smaller page", f"{RUN}-w", 0, 1.0, embedding=emb
+            )
+            producer = kafka.producer(dep.cluster.bootstrap, service)
+            await producer.start()
+            try:
+                await producer.send_and_wait(service.topics().memory_writes.name, proposal.to_bytes(), key=proposal.key)
+            finally:
+                await producer.stop()
+
+            def known() -> bool:
+                assert gate.alive(), gate.log_tail()
+                return sub.current is not None and sub.current.slot_of(memory_id) is not None
+
+            try:
+                await until(known, 90, "the memory's slot at the client")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n--- writes:\n{gate.log_tail(3000)}\n{dep.logs()}") from None
+            slot = sub.current.slot_of(memory_id) if sub.current is not None else None
+            assert slot is not None and 0 <= slot < service.slots
+    finally:
+        gate.stop()
+    operator = dep.settings("operator")
+    lifecycle = await kafka.read_all(dep.cluster.bootstrap, operator, operator.topics().memory_lifecycle.name)
+    adds = [decode_memory_record(m.value, operator.limits(), m.key) for m in lifecycle if m.value is not None]
+    mine = [r for r in adds if r.memory_id == memory_id]
+    assert [(r.op, r.kind, r.source) for r in mine] == [("add", "success", "write-gate")], mine
 
 
 def test_a_service_may_not_run_the_operators_verbs(deployment: Deployment, learnt: int) -> None:
