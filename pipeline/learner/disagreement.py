@@ -1,12 +1,15 @@
 """Whether a principal's utilities disagree with everyone else's (docs/learning.md, "Influence per principal").
 
-Per memory (slot) the learner keeps each principal's mean reported utility of the steps that
-read it. When principal ``p`` reports utility ``u`` for a step that read memories ``S``, its
-*residual* is ``u`` minus the mean, over the memories of ``S`` that others reported on, of
-the **median of the other principals' means** for that memory (each of them with at least
-``min_per_memory`` reports): the median, so that with three or more other principals one liar
-among them does not shift the reference an honest principal is compared with. The step is then
-added to ``p``'s own means.
+Per *slate* (the set of memories a step read) the learner keeps each principal's mean reported
+utility. When principal ``p`` reports utility ``u`` for a step that read the slate ``S``, its
+*residual* is ``u`` minus the **median of the other principals' means** for ``S`` (each of them
+with at least ``min_per_key`` reports; no residual when none has): the median, so that with
+three or more other principals one liar among them does not shift the reference an honest
+principal is compared with. The step is then added to ``p``'s own mean for ``S``. The slate,
+not each memory: a step's utility is the whole slate's, so a per-memory mean would mix in the
+memories read beside it, which differ between principals whose users ask different things
+(an honest principal would then disagree by the mix alone). The same slate is served to the
+same kind of query whoever asks, so the comparison is like with like.
 
 Per principal the residuals' mean gets a normal interval, ``mean ± z·sd/√n`` with ``z = 3``
 (two-sided ≈ 99.7 %; the interval is looked at after every micro-batch, for every principal,
@@ -17,11 +20,11 @@ tolerance allows for differences in slates and queries. Residuals are not indepe
 references move as reports arrive), so the interval is a guide for an operator, not a test
 with an exact error rate; quarantine stays the operator's decision.
 
->>> d = Disagreement(tolerance=0.1, min_n=20, min_per_memory=3)
+>>> d = Disagreement(tolerance=0.1, min_n=20, min_per_key=3)
 >>> for i in range(40):
 ...     for honest in ("a", "b", "c"):
-...         d.observe(honest, [i % 4], 0.5 + 0.01 * (i % 3))
-...     d.observe("liar", [i % 4], -0.5)
+...         d.observe(honest, [i % 4, 9], 0.5 + 0.01 * (i % 3))
+...     d.observe("liar", [9, i % 4], -0.5)
 >>> d.verdict("liar").flagged, d.verdict("a").flagged
 (True, False)
 >>> round(d.verdict("liar").mean, 2)
@@ -38,6 +41,7 @@ import numpy as np
 
 Z = 3.0
 MAX_PRINCIPALS = 1024  # principals whose reports are kept; others' reports are counted, not compared
+MAX_KEYS = 200_000  # slates whose means are kept; a report on a new slate beyond it is compared, not kept
 
 
 @dataclass(frozen=True)
@@ -69,19 +73,19 @@ class _Running:
 class Disagreement:
     """The running comparison of each principal's utilities with the others' (module docstring)."""
 
-    def __init__(self, tolerance: float, min_n: int, *, min_per_memory: int = 5, z: float = Z) -> None:
-        if tolerance < 0 or min_n < 2 or min_per_memory < 1:
-            raise ValueError("disagreement: tolerance >= 0, min_n >= 2 and min_per_memory >= 1")
+    def __init__(self, tolerance: float, min_n: int, *, min_per_key: int = 3, z: float = Z) -> None:
+        if tolerance < 0 or min_n < 2 or min_per_key < 1:
+            raise ValueError("disagreement: tolerance >= 0, min_n >= 2 and min_per_key >= 1")
         self.tolerance = tolerance
         self.min_n = min_n
-        self.min_per_memory = min_per_memory
+        self.min_per_key = min_per_key
         self.z = z
-        self.per_memory: dict[int, dict[str, list[float]]] = {}  # slot → principal → [count, sum]
+        self.per_key: dict[frozenset[int], dict[str, list[float]]] = {}  # slate → principal → [count, sum]
         self.residuals: dict[str, _Running] = {}
         self.untracked = 0  # reports of principals beyond MAX_PRINCIPALS
 
     def observe(self, principal: str, selected: Sequence[int], utility: float) -> None:
-        """One step's report: its residual against the others' (when they reported on its memories), then its own."""
+        """One step's report: its residual against the others' (when they reported on its slate), then its own."""
         if not math.isfinite(utility) or not selected:
             return
         if principal not in self.residuals:
@@ -89,21 +93,21 @@ class Disagreement:
                 self.untracked += 1
                 return
             self.residuals[principal] = _Running()
-        refs = []
-        for slot in selected:
-            others = [
-                total / count
-                for who, (count, total) in self.per_memory.get(slot, {}).items()
-                if who != principal and count >= self.min_per_memory
-            ]
-            if others:
-                refs.append(float(np.median(others)))
-        if refs:
-            self.residuals[principal].add(utility - sum(refs) / len(refs))
-        for slot in selected:
-            own = self.per_memory.setdefault(slot, {}).setdefault(principal, [0.0, 0.0])
-            own[0] += 1
-            own[1] += utility
+        key = frozenset(selected)
+        means = self.per_key.get(key)
+        if means is None:
+            if len(self.per_key) >= MAX_KEYS:
+                means = {}
+            else:
+                means = self.per_key[key] = {}
+        others = [
+            total / count for who, (count, total) in means.items() if who != principal and count >= self.min_per_key
+        ]
+        if others:
+            self.residuals[principal].add(utility - float(np.median(others)))
+        own = means.setdefault(principal, [0.0, 0.0])
+        own[0] += 1
+        own[1] += utility
 
     def verdict(self, principal: str) -> Verdict:
         """``principal``'s residuals so far (n = 0: none yet)."""

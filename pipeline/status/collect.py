@@ -15,6 +15,9 @@ What it shows, and where each number comes from:
 - **dead letters** — the ``dead-letter`` topic, counted by ``reason`` (and source topic);
 - **do not use** — the memories operators suppressed and the audit trail (the newest
   manifest), and labelers' open proposals (``human-labels``): :mod:`pipeline.status.suppression`;
+- **principals** — from the newest manifest (contract 1.15): each shown principal's share of
+  the learner's window, its weight, whether its utilities disagree with the others' (flagged)
+  and the quarantined ones: :mod:`pipeline.status.principals`;
 - **learner lag** — the experiences topic's end (fetch high watermark) minus the input
   offset recorded in the policy's newest manifest: what no checkpoint covers yet, read
   from the topics and not from the learner's own gauge (a learner whose training task
@@ -60,6 +63,7 @@ from pipeline.status.live import (
     strip_prefix,
     worker_view,
 )
+from pipeline.status.principals import principals_view
 from pipeline.status.suppression import ProposalTally, suppression_view
 from topics.manifest import Manifest
 
@@ -369,6 +373,7 @@ class StatusCollector:
             "dead_letter": dead,
             "learner_lag": lag,
             "do_not_use": do_not_use,
+            "principals": principals_view(self.model.index, self.conn.policy),
             "health": health_summary(workers),
             "workers": workers,
             "learners": learners,

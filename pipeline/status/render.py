@@ -79,6 +79,8 @@ def render(s: dict[str, Any]) -> Group:
     parts.append(_queues(s.get("active_learning") or {}, s.get("dead_letter") or {}))
     if s.get("do_not_use"):
         parts.append(do_not_use_text(s["do_not_use"]))
+    if s.get("principals") and (s["principals"].get("principals") or s["principals"].get("quarantined")):
+        parts.append(principals_text(s["principals"]))
     if s.get("shadow"):  # `status --shadow`: the line comes formatted (pipeline/policy_evaluation/shadow.py)
         parts.append(Text(f"shadow: {s['shadow']['line']}"))
     parts.extend(Text(f"! {err}", style="red") for err in s.get("errors", []))
@@ -104,6 +106,35 @@ def do_not_use_text(d: dict[str, Any]) -> Text:
         shown = ", ".join(f"{m['slot']} ({m['marks']} marks, {m['labelers']} labelers)" for m in proposals["memories"])
         line += f"\nlabelers propose (causalmem suppress to act): {proposals['open']} memories: {shown}"
     return Text(line)
+
+
+def principals_text(v: dict[str, Any]) -> Text:
+    """Who the learner hears from (contract 1.15): the flagged principals (red), the quarantined, the largest shares.
+
+    >>> t = principals_text({"principals": [{"name": "bot-9", "share": 0.25, "weight": 0.8, "n": 120,
+    ...     "residual": -0.9, "low": -1.1, "high": -0.7, "flagged": True, "quarantined": False},
+    ...     {"name": "svc-a", "share": 0.75, "weight": 1.0, "n": 400, "residual": 0.0, "low": -0.1, "high": 0.1,
+    ...     "flagged": False, "quarantined": False}], "flagged": ["bot-9"], "quarantined": []})
+    >>> print(t.plain.replace("; ", chr(10)))
+    principals: FLAGGED bot-9 (25% of traffic, weight 0.80, residual -0.90 [-1.10, -0.70], n 120
+    causalmem quarantine to act)
+    quarantined none
+    top: svc-a 75%, bot-9 25%
+    """
+    rows = v.get("principals") or []
+    flagged = [r for r in rows if r["flagged"] and not r["quarantined"]]
+    parts = []
+    for r in flagged:
+        interval = f" [{r['low']:.2f}, {r['high']:.2f}]" if r["low"] is not None and r["high"] is not None else ""
+        parts.append(
+            f"FLAGGED {r['name']} ({r['share']:.0%} of traffic, weight {r['weight'] or 0:.2f}, "
+            f"residual {r['residual'] or 0:+.2f}{interval}, n {r['n']}; causalmem quarantine to act)"
+        )
+    parts.append(f"quarantined {', '.join(v.get('quarantined') or []) or 'none'}")
+    top = sorted(rows, key=lambda r: -r["share"])[:5]
+    if top:
+        parts.append("top: " + ", ".join(f"{r['name']} {r['share']:.0%}" for r in top))
+    return Text("principals: " + "; ".join(parts), style="red" if flagged else "")
 
 
 def freeze_text(f: dict[str, Any] | None) -> list[Text]:
