@@ -18,6 +18,7 @@ where Java, Maven or the jars are missing.
   cleaner drop their values, and a reader that starts afterwards still loads the serving policy;
 - the write gate: a memory a service proposes passes a ``causalmem writes`` process (its own user)
   to ``memory-lifecycle``, the learner gives it a slot, and the service's subscriber learns the slot;
+- ``causalmem publish FILE.jsonl`` with the service's user feeds the same loop;
 - the service user cannot send an operator's command (the broker refuses its write to ``control``).
 
 One cluster for the module (the ``kafka_cluster`` fixture); the file takes ~2 min on two cores,
@@ -56,6 +57,7 @@ from pipeline.modeltopic import scan_model_topic
 from pipeline.promtext import metric
 from tests.helpers import feedback, retrieval_event, until, wait_metric
 from tests.kafka_cluster import KafkaCluster
+from topics.fields import encode
 from topics.lifecycle import decode_memory_record
 from topics.manifest import parse_key
 from topics.writes import MemoryWrite
@@ -378,6 +380,31 @@ async def test_a_proposed_memory_passes_the_write_gate_and_reaches_the_clients_s
     adds = [decode_memory_record(m.value, operator.limits(), m.key) for m in lifecycle if m.value is not None]
     mine = [r for r in adds if r.memory_id == memory_id]
     assert [(r.op, r.kind, r.source) for r in mine] == [("add", "success", "write-gate")], mine
+
+
+def test_causalmem_publish_as_the_service_feeds_the_loop(deployment: Deployment, learnt: int) -> None:
+    """``causalmem publish FILE.jsonl`` with the service's user: its events and feedback are joined
+    and learnt like the publisher's (the verb checks the topics first: a service may describe them,
+    not create them)."""
+    dep = deployment
+    service = dep.settings("service")
+    n = 8
+    joins0 = metric(dep.worker.metrics(), "causalmem_joins_total")
+    learnt0 = metric(dep.learner.metrics(), "causalmem_learner_experiences_total", kind="feedback")
+    lines = []
+    for i in range(n):
+        qid = f"{RUN}-file-{i}"
+        lines += [encode(retrieval_event(service, qid).to_dict()), encode(feedback(qid).to_dict())]
+    path = dep.roles.tmp / "events.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    done = causalmem(dep, "service", "publish", str(path))
+    assert done.returncode == 0, _out(done)
+    assert f"published {2 * n} line(s): {n} to llm-feedback, {n} to retrieval-events; rejected 0" in done.stdout
+    wait_metric(dep.worker, "causalmem_joins_total", joins0 + n, 120)
+    wait_metric(dep.learner, "causalmem_learner_experiences_total", learnt0 + n, 120, kind="feedback")
+    time.sleep(2.0)
+    assert metric(dep.worker.metrics(), "causalmem_joins_total") == joins0 + n, dep.logs()
+    assert metric(dep.learner.metrics(), "causalmem_learner_experiences_total", kind="feedback") == learnt0 + n
 
 
 def test_a_service_may_not_run_the_operators_verbs(deployment: Deployment, learnt: int) -> None:
