@@ -160,6 +160,10 @@ def test_cli_flags() -> None:
     assert opts["memories"] == [1000] and opts["stores"] == ["InMemoryVectorStore", "ArrayStore"]
     assert (opts["store"], opts["max_events"], opts["index"], opts["flap"]) == ("ArrayStore", 10_000, "auto", 2.0)
     assert (opts["baseline_every"], opts["gc_freeze"]) == (4, False)
+    assert opts["stopped_seconds"] is None and serving.stopped_seconds(opts) == 2.0  # as long as every phase
+    argv = ["bench", "serving", "--seconds", "10", "--stopped-seconds", "300"]
+    opts = serving.options(cli.build_parser(argv).parse_args(argv))
+    assert (opts["seconds"], serving.stopped_seconds(opts)) == (10.0, 300.0)
     argv = ["bench", "serving", "--stores", "Chroma"]
     with pytest.raises(SystemExit):
         serving.options(cli.build_parser(argv).parse_args(argv))
@@ -173,15 +177,18 @@ def test_the_bench_runs_end_to_end_and_accounts_for_every_event(tmp_path: Path) 
     out = tmp_path / "serving.json"
     argv = (
         "bench serving --memories 300 --queries 20 --docs 40 --adapter-queries 12 --stores ArrayStore "
-        f"--rate 100 --seconds 1 --flap 0.3 --max-events 30 --dim 16 --hidden 16 --warmup 5 --gc-freeze --out {out}"
+        f"--rate 100 --seconds 1 --stopped-seconds 2 --flap 0.3 --max-events 30 --dim 16 --hidden 16 --warmup 5 "
+        f"--gc-freeze --out {out}"
     ).split()
     assert cli.main(argv) == 0
     r = json.loads(out.read_text())
     phases = {p["phase"]: p for p in r["broker"]["phases"]}
     assert list(phases) == ["up", "stopped", "flapping", "back", "refused"]
     assert all(p["raised"] == 0 and p["publish_failures"] == 0 and p["calls"] >= 90 for p in phases.values())
-    # 100 calls, 30 buffered at most; what was in flight at SIGSTOP may still be acknowledged during the phase
-    assert phases["stopped"]["sent"] < 10 and phases["stopped"]["dropped"] >= 60
+    # 200 calls (--stopped-seconds 2), 30 buffered at most; what was in flight at SIGSTOP may still be
+    # acknowledged during the phase
+    assert r["broker"]["stopped_seconds"] == 2.0 and phases["stopped"]["calls"] == 200
+    assert phases["stopped"]["sent"] < 10 and phases["stopped"]["dropped"] >= 160
     assert phases["refused"]["sent"] == 0 and phases["refused"]["health_after"].startswith("degraded")
     a = r["broker"]["accounting"]
     assert a["balanced"] and a["drops_exact"] and a["refused_phase"]["balanced"] and a["flushed"]

@@ -21,7 +21,8 @@ shared machine hits both alike):
    real embedding model that second embedding adds its own time);
 3. **broker away**: the adapter with a ``SyncEventPublisher`` on an embedded broker, paced
    at ``--rate`` requests/s for ``--seconds`` per phase: the broker *up*; *stopped* (its
-   process frozen with SIGSTOP: connections hang, as on a partitioned network); *flapping*
+   process frozen with SIGSTOP: connections hang, as on a partitioned network; for
+   ``--stopped-seconds`` when given, e.g. 300 for the 5-minute outage); *flapping*
    (SIGSTOP/SIGCONT every ``--flap`` s); *back* (up again); and *refused* (a second
    publisher on a port where nothing listens). Per phase: invoke latency p50/p99/max next
    to the store alone, calls that raised, calls over ``--block-ms`` (*blocked*; those during
@@ -486,6 +487,18 @@ def records_on_topic(bootstrap: str, settings: Any, topic: str, partitions: int)
     return asyncio.run(count())
 
 
+def stopped_seconds(opts: dict[str, Any]) -> float:
+    """How long the broker stays stopped: ``--stopped-seconds``, else ``--seconds`` like every phase.
+
+    >>> stopped_seconds({"seconds": 10.0, "stopped_seconds": None})
+    10.0
+    >>> stopped_seconds({"seconds": 10.0, "stopped_seconds": 300.0})
+    300.0
+    """
+    given = opts.get("stopped_seconds")
+    return float(opts["seconds"] if given is None else given)
+
+
 def broker_phases(opts: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
     """The adapter with a ``SyncEventPublisher`` on an embedded broker: up, stopped, flapping, back; refused."""
     from pipeline import kafka
@@ -518,8 +531,10 @@ def broker_phases(opts: dict[str, Any], log: Callable[[str], None] = print) -> d
         adapter = make_adapter(store, dim, slots, opts["hidden"], publisher=pub, settings=settings)
         total = 0  # adapter calls through ``pub``
 
-        def phase(name: str, adapter: Any = adapter, publisher: Any = pub) -> dict[str, Any]:
-            r = Phase(name, adapter, plain, publisher, opts).run(opts["rate"], opts["seconds"])
+        def phase(
+            name: str, adapter: Any = adapter, publisher: Any = pub, seconds: float = opts["seconds"]
+        ) -> dict[str, Any]:
+            r = Phase(name, adapter, plain, publisher, opts).run(opts["rate"], seconds)
             log(
                 f"  {name}: {r['calls']:,} calls at {r['rate_per_s']:,.0f}/s, "
                 f"invoke p99 {r['invoke_ms']['p99']:.3f} ms (max {r['invoke_ms']['max']:.1f}), "
@@ -546,7 +561,7 @@ def broker_phases(opts: dict[str, Any], log: Callable[[str], None] = print) -> d
         rows = [phase("up")]
         os.kill(pid, signal.SIGSTOP)
         try:
-            rows.append(phase("stopped"))
+            rows.append(phase("stopped", seconds=stopped_seconds(opts)))
         finally:
             os.kill(pid, signal.SIGCONT)
         sent_at_return = pub.sent
@@ -589,6 +604,7 @@ def broker_phases(opts: dict[str, Any], log: Callable[[str], None] = print) -> d
             "store": opts["store"],
             "rate": opts["rate"],
             "seconds": opts["seconds"],
+            "stopped_seconds": stopped_seconds(opts),
             "max_events": opts["max_events"],
             "event_bytes": event_bytes,
             "gc_freeze": opts["gc_freeze"],
@@ -642,7 +658,10 @@ def run(opts: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, A
             report["adapter"].append(r)
             log(f"adapter around {kind}: store p50 {r['store_ms']['p50']:.3f} ms, adapter {r['adapter_ms']['p50']:.3f}")
         if opts["rate"] > 0 and opts["seconds"] > 0:
-            log(f"broker phases: {opts['rate']:g} requests/s, {opts['seconds']:g} s each, store {opts['store']}")
+            log(
+                f"broker phases: {opts['rate']:g} requests/s, {opts['seconds']:g} s each "
+                f"(stopped: {stopped_seconds(opts):g} s), store {opts['store']}"
+            )
             report["broker"] = broker_phases(opts, log)
     finally:
         torch.set_num_threads(threads[0])
@@ -776,6 +795,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="ArrayStore", help="the store of the broker phases (1,000/s needs a fast one)")
     p.add_argument("--rate", type=float, default=1000.0, help="requests/s in the broker phases (0: skip them)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds per broker phase (0: skip them)")
+    p.add_argument(
+        "--stopped-seconds",
+        type=float,
+        default=None,
+        help="seconds the broker stays stopped (default: --seconds; the outage target: 300)",
+    )
     p.add_argument("--flap", type=float, default=2.0, help="seconds between SIGSTOP and SIGCONT while flapping")
     p.add_argument("--max-events", type=int, default=10_000, help="the publisher's buffer (its default: 10,000)")
     p.add_argument("--block-ms", type=float, default=100.0, help="a call longer than this counts as blocked")
@@ -804,6 +829,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             "store",
             "rate",
             "seconds",
+            "stopped_seconds",
             "flap",
             "max_events",
             "block_ms",
