@@ -272,6 +272,12 @@ class Metrics:
             ["principal", "bound"],
             registry=self._reg("learner"),
         )
+        self.quarantines = Counter(
+            "causalmem_learner_quarantine_commands_total",
+            "Operators' quarantine/unquarantine commands, by verdict (apply, unchanged, refused)",
+            ["command", "verdict"],
+            registry=self._reg("learner"),
+        )
         self.quarantined_experiences = Counter(
             "causalmem_learner_quarantined_experiences_total",
             "Feedback experiences of quarantined principals, given weight 0",

@@ -384,7 +384,19 @@ CUTOVER_COMMAND = "cutover"
 SUPPRESS_COMMAND = "suppress"
 # ``unsuppress`` (contract 1.6): its undo; the slots get neutral rows again, in a ``suppress`` checkpoint.
 UNSUPPRESS_COMMAND = "unsuppress"
-CONTROL_COMMANDS = ("reset", "rollback", CUTOVER_COMMAND, SUPPRESS_COMMAND, UNSUPPRESS_COMMAND)
+# ``quarantine`` / ``unquarantine`` (contract 1.15): an operator's "do not learn from" for a principal
+# (``details.principal``); the learner gives its experiences weight 0, or full weight again.
+QUARANTINE_COMMAND = "quarantine"
+UNQUARANTINE_COMMAND = "unquarantine"
+CONTROL_COMMANDS = (
+    "reset",
+    "rollback",
+    CUTOVER_COMMAND,
+    SUPPRESS_COMMAND,
+    UNSUPPRESS_COMMAND,
+    QUARANTINE_COMMAND,
+    UNQUARANTINE_COMMAND,
+)
 
 
 @dataclass(slots=True)
@@ -406,7 +418,8 @@ def _check_details(command: str, details: Fields) -> None:
 
     ``rollback`` needs ``to_version`` (an integer ≥ 1); ``reset`` may carry ``since_ts``
     (a finite time, seconds since the epoch); ``suppress`` and ``unsuppress`` need ``slots`` (a
-    non-empty list of slots). Every command may carry ``by``, a string: who the sender says asked,
+    non-empty list of slots); ``quarantine`` and ``unquarantine`` need ``principal`` (contract 1.15's
+    form, :mod:`topics.principal`). Every command may carry ``by``, a string: who the sender says asked,
     for the audit trail (a claim: nothing on ``control`` proves it). Other keys are informational.
     """
     details.str_("by", required=False, empty_ok=True)
@@ -417,6 +430,8 @@ def _check_details(command: str, details: Fields) -> None:
             raise Rejected("inconsistent", f"{command} needs at least one slot")
     elif command == "reset":
         details.float_("since_ts", 0.0, 1e11, required=False)
+    elif command in (QUARANTINE_COMMAND, UNQUARANTINE_COMMAND):
+        check_principal(details.get("principal"), "details.principal")
 
 
 def decode_control(raw: bytes, limits: Limits) -> Control:

@@ -44,6 +44,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "rollback": ("rollback", "serve an earlier checkpoint again (republished under a new version, reason rollback)"),
     "suppress": ("suppress", "operator: 'do not use' for memories, served at once (capped, rate-limited, audited)"),
     "unsuppress": ("suppress", "operator: undo suppress (the memories get neutral rows again), served at once"),
+    "quarantine": ("quarantine", "operator: learn nothing more from a principal (its feedback weighs 0), audited"),
+    "unquarantine": ("quarantine", "operator: undo quarantine (the principal's feedback counts again)"),
     "ui": ("ui", "the web app: label queued samples, agreement, each memory's record, health"),
     "keygen": ("keygen", "an Ed25519 key pair: the learner signs checkpoints, readers verify them"),
 }

@@ -1,5 +1,6 @@
-"""Commands on the ``control`` topic: drift reset, rollback, shadow mode's cut-over and an
-operator's "do not use" (``suppress``, undone by ``unsuppress``) (docs/operations.md).
+"""Commands on the ``control`` topic: drift reset, rollback, shadow mode's cut-over, an
+operator's "do not use" (``suppress``, undone by ``unsuppress``) and "do not learn from" for a
+principal (``quarantine``, undone by ``unquarantine``; contract 1.15) (docs/operations.md).
 
 Commands apply between micro-batches, in offset order with the experiences. The codec
 (``topics.internal.decode_control``) checks each command's ``details``; a message it
@@ -50,11 +51,20 @@ from pipeline.learner.suppression import (
 )
 from pipeline.metrics import Metrics
 from topics.fields import Rejected
-from topics.internal import CUTOVER_COMMAND, SUPPRESS_COMMAND, UNSUPPRESS_COMMAND, Control, decode_control
+from topics.internal import (
+    CUTOVER_COMMAND,
+    QUARANTINE_COMMAND,
+    SUPPRESS_COMMAND,
+    UNQUARANTINE_COMMAND,
+    UNSUPPRESS_COMMAND,
+    Control,
+    decode_control,
+)
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+MAX_QUARANTINED = 256  # principals quarantined at once (contract 1.15); the set travels in every checkpoint
 
 
 def cutover_version(details: dict[str, Any], gated: bool) -> int | None:
@@ -164,6 +174,8 @@ class ControlHandler:
         try:
             if ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
                 await self.change_suppression(ctl, msg)
+            elif ctl.command in (QUARANTINE_COMMAND, UNQUARANTINE_COMMAND):
+                await self.change_quarantine(ctl, msg)
             else:
                 await self.bypass_gate(ctl, msg)
         except (ValueError, TypeError, KeyError) as exc:
@@ -277,6 +289,63 @@ class ControlHandler:
             self.progress.suppressed,
         )
         return decision.verdict
+
+    async def change_quarantine(self, ctl: Control, msg: Any = None) -> str:
+        """An operator's ``quarantine`` (the principal's experiences weigh 0 from now on: left out of
+        the updates, the gate's evidence and the replay) or ``unquarantine`` (full weight again, within
+        ``influence_cap``); returns the verdict: ``apply``, ``unchanged`` or ``refused``.
+
+        The set is kept in the checkpoints' metrics (``quarantined``); the change is answered by a
+        checkpoint (reason ``periodic``: the weights are as trained, and pass the gate as usual)
+        whose metrics carry its audit entry (``quarantine``: the command, the principal, who the
+        sender says asked, when, why, the command's id). More than :data:`MAX_QUARANTINED`
+        principals at once is refused (``out_of_range``); a change that changes nothing forces no
+        checkpoint.
+        """
+        now = self.clock()
+        by = str(ctl.details.get("by") or "")
+        name = str(ctl.details["principal"])
+        now_set = list(self.progress.quarantined)
+        if ctl.command == QUARANTINE_COMMAND:
+            after = now_set if name in now_set else [*now_set, name]
+        else:
+            after = [p for p in now_set if p != name]
+        if after == now_set:
+            self.metrics.quarantines.labels(command=ctl.command, verdict="unchanged").inc()
+            log.info("learner: %s %r by %r changes nothing (quarantined: %s)", ctl.command, name, by, now_set)
+            return "unchanged"
+        if len(after) > MAX_QUARANTINED:
+            self.metrics.quarantines.labels(command=ctl.command, verdict="refused").inc()
+            detail = (
+                f"{ctl.command} {name!r} by {by!r}: {len(now_set)} principals quarantined, at most {MAX_QUARANTINED}"
+            )
+            log.error("learner: %s", detail)
+            if msg is not None:
+                self.dead_letter(msg, "out_of_range", detail)
+            return "refused"
+        await self.apply_pending()  # what was read before the command is weighed as before it
+        self.progress.quarantined = after
+        self.metrics.quarantines.labels(command=ctl.command, verdict="apply").inc()
+        entry = {
+            "command": ctl.command,
+            "principal": name,
+            "by": by,
+            "by_verified": False,  # the learner cannot tell who wrote a control record (docs/operations.md)
+            "ts": now,
+            "reason": ctl.reason,
+            "id": ctl.id,
+        }
+        version = await self.publish_change("periodic", {"quarantine": entry})
+        log.warning(
+            "learner: %s of principal %r by %r (as the sender claims) (%s), in v%d; quarantined: %s",
+            ctl.command,
+            name,
+            by,
+            ctl.reason,
+            version,
+            after,
+        )
+        return "apply"
 
     def forget_removed(self) -> None:
         """Memories removed from the store leave the suppressed set: their slots may go to other
