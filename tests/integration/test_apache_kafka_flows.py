@@ -19,10 +19,12 @@ where Java, Maven or the jars are missing.
 - the write gate: a memory a service proposes passes a ``causalmem writes`` process (its own user)
   to ``memory-lifecycle``, the learner gives it a slot, and the service's subscriber learns the slot;
 - ``causalmem publish FILE.jsonl`` with the service's user feeds the same loop;
+- the evaluator: a ``causalmem evaluator`` process (its own user, the default local model) scores
+  events that carry texts, and the worker joins its feedback, which the learner learns;
 - the service user cannot send an operator's command (the broker refuses its write to ``control``).
 
-One cluster for the module (the ``kafka_cluster`` fixture); the file takes ~2 min on two cores,
-about half of it the cluster's start.
+One cluster for the module (the ``kafka_cluster`` fixture); the file takes ~3 min on two cores:
+~35-70 s the cluster's start, ~40 s the evaluator (its model loads in the process).
 
 Settings: a small model (``SMALL``) and the promotion gate off, so that each periodic checkpoint
 serves; partitions, replication (3) and ``min.insync.replicas`` (2) as deployed.
@@ -57,6 +59,7 @@ from pipeline.modeltopic import scan_model_topic
 from pipeline.promtext import metric
 from tests.helpers import feedback, retrieval_event, until, wait_metric
 from tests.kafka_cluster import KafkaCluster
+from topics.feedback import decode_llm_feedback
 from topics.fields import encode
 from topics.lifecycle import decode_memory_record
 from topics.manifest import parse_key
@@ -405,6 +408,53 @@ def test_causalmem_publish_as_the_service_feeds_the_loop(deployment: Deployment,
     time.sleep(2.0)
     assert metric(dep.worker.metrics(), "causalmem_joins_total") == joins0 + n, dep.logs()
     assert metric(dep.learner.metrics(), "causalmem_learner_experiences_total", kind="feedback") == learnt0 + n
+
+
+def test_the_evaluators_feedback_is_joined_and_learnt(deployment: Deployment, learnt: int) -> None:
+    """A service sends events with their texts and no feedback; a ``causalmem evaluator`` process
+    (its own user, the default local model) scores them and publishes LLM feedback, which the
+    worker joins with the events and the learner learns."""
+    dep = deployment
+    service = dep.settings("service")
+    facts = {3: "The staging broker of Acme listens on port 19092.", 7: "Acme's office cat is called Biscuit."}
+    events = []
+    for i in range(2):
+        event = retrieval_event(service, f"{RUN}-eval-{i}", selected=[7, 3])
+        event.candidates = sorted(set(event.candidates) | {3, 7})
+        event.scores = np.full(len(event.candidates), 0.5)
+        event.query_text = "Which port does the Acme staging broker listen on?"
+        event.memory_texts = dict(facts)
+        event.answer_text = "19092"
+        events.append(event)
+    joins0 = metric(dep.worker.metrics(), "causalmem_joins_total")
+    learnt0 = metric(dep.learner.metrics(), "causalmem_learner_experiences_total", kind="feedback")
+    env = {**dep.env("evaluator"), "CAUSALMEM_EVALUATOR_ATTRIBUTION_RATE": "0", "CAUSALMEM_EVALUATOR_THREADS": "1"}
+    evaluator = Child("evaluator", dep.cluster.bootstrap, env, log_path=dep.roles.tmp / "evaluator.log")
+    try:
+
+        async def publish() -> None:
+            async with EventPublisher(dep.cluster.bootstrap, service) as pub:
+                for event in events:
+                    await pub.publish(event)
+                assert await pub.flush(60.0)
+
+        asyncio.run(publish())
+        try:
+            wait_metric(dep.worker, "causalmem_joins_total", joins0 + len(events), 180)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- evaluator:\n{evaluator.log_tail(3000)}") from None
+        wait_metric(dep.learner, "causalmem_learner_experiences_total", learnt0 + len(events), 120, kind="feedback")
+        assert evaluator.alive(), evaluator.log_tail()
+    finally:
+        evaluator.stop()
+    operator = dep.settings("operator")
+    records = asyncio.run(kafka.read_all(dep.cluster.bootstrap, operator, operator.topics().llm_feedback.name))
+    mine = {f.event_id: f for f in (decode_llm_feedback(m.value, operator.limits(), m.key) for m in records)}
+    for event in events:
+        fb = mine[f"fb-{event.event_id}"]
+        assert fb.query_id == event.query_id and fb.nll_with is not None and fb.nll_without is not None
+    time.sleep(2.0)
+    assert metric(dep.worker.metrics(), "causalmem_joins_total") == joins0 + len(events), dep.logs()
 
 
 def test_a_service_may_not_run_the_operators_verbs(deployment: Deployment, learnt: int) -> None:
