@@ -193,6 +193,10 @@ def test_the_core_loop_learns_every_joined_pair_once(deployment: Deployment, lea
     operator = deployment.settings("operator")
     dead = asyncio.run(kafka.read_all(deployment.cluster.bootstrap, operator, operator.topics().dead_letter.name))
     assert not [r.value for r in dead if RUN.encode() in (r.value or b"")], deployment.logs()
+    # and learnt: the serving checkpoint carries the gradient steps of every batch of pairs
+    index = asyncio.run(scan_model_topic(deployment.cluster.bootstrap, operator))
+    serving = index.version(operator.policy, learnt)
+    assert serving is not None and serving.metrics["updates"] >= PAIRS // int(SMALL["CAUSALMEM_BATCH_SIZE"])
 
 
 async def test_the_workers_own_topics_are_replicated_as_deployed(deployment: Deployment, learnt: int) -> None:
