@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.kafka_cluster import KAFKA_VERSION
 from tests.paths import REPO_ROOT, TEST_DATA
 
 ROOT = REPO_ROOT
@@ -147,7 +148,7 @@ def test_compose_services() -> None:
     assert set(services) == EXPECTED_SERVICES
 
     kafka = services["kafka"]
-    assert kafka["image"] == "apache/kafka:3.8.0"
+    assert kafka["image"] == f"apache/kafka:{KAFKA_VERSION}"  # the version the cluster tests run
     env = {k: str(v) for k, v in _compose_env(kafka).items()}
     assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
     # SASL on every listener (tests/unit/project/test_security_deploy.py checks the rest of it)
