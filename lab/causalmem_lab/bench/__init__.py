@@ -17,6 +17,9 @@
 - ``serving``: the latency a request pays for the product: ``CausalRetriever.retrieve`` against its
   faiss search, the LangChain adapter against the store's own retriever, and the adapter with a
   publisher while the broker is up, stopped, flapping or refusing.
+- ``poisoning``: a principal reporting inverted utilities at 6, 12 and 25% of the traffic (spread,
+  or on one intent): the honest clients' harmful-read rate against the honest-only run, with and
+  without the learner's per-principal defences (contract 1.15), and whether the liar is flagged.
 
 Figures are ratios measured side by side in one run, since absolute times on shared
 machines vary; ``docs/benchmarks.md`` records the latest ones with their commands.
@@ -35,4 +38,5 @@ BENCHES = {
     "freshness": "causalmem_lab.bench.freshness",
     "promise": "causalmem_lab.bench.promise",
     "serving": "causalmem_lab.bench.serving",
+    "poisoning": "causalmem_lab.bench.poisoning",
 }

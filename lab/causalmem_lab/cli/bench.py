@@ -1,4 +1,4 @@
-"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale|freshness|promise|serving``: the
+"""``causalmem bench throughput|learning|soak|evaluator|gate|coldstart|scale|freshness|promise|serving|poisoning``: the
 benchmarks, one subcommand each with its own flags.
 
 Each benchmark is a module of :mod:`causalmem_lab.bench` with ``add_options(parser)`` and
@@ -16,7 +16,9 @@ from typing import Any
 from causalmem_lab.bench import BENCHES
 from pipeline.cli.common import common_parser, settings_from
 
-HELP = "benchmarks: throughput, learning, soak, evaluator, gate, coldstart, scale, freshness, promise, serving"
+HELP = (
+    "benchmarks: throughput, learning, soak, evaluator, gate, coldstart, scale, freshness, promise, serving, poisoning"
+)
 
 BENCH_HELP = {
     "throughput": "raw aiokafka vs the pipeline end to end; the learner's update vs a bare torch step",
@@ -29,6 +31,7 @@ BENCH_HELP = {
     "freshness": "seconds from a pair's publication to a serving checkpoint covering it, loaded by a client",
     "promise": "on real data: whether a version the gate served was ever below similarity-only by more than ε",
     "serving": "latency a request pays for the product: retriever, LangChain adapter, publishing with the broker away",
+    "poisoning": "a principal lying at 6-25% of the traffic: honest clients' harmful reads; is the liar flagged",
 }
 
 

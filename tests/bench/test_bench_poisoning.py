@@ -1,0 +1,24 @@
+"""``causalmem bench poisoning`` on a small world: a liar's share of the traffic is what was asked,
+the honest clients' harmful-read rate is measured on their own retrievals, and a run repeats."""
+
+from __future__ import annotations
+
+import math
+
+from causalmem_lab.bench import poisoning
+
+SMALL = {"embedding_dim": 8, "slots": 64, "intents": 3, "background": 20, "n_candidates": 8}
+
+
+def _run(share: float, mode: str, defence: str) -> dict:
+    return poisoning.run_one(0, share, mode, defence, queries=150, refresh_every=60, world=SMALL, hidden=16)
+
+
+def test_a_run_measures_the_honest_clients_and_the_liar_has_its_share() -> None:
+    honest = _run(0.0, "spread", "none")
+    assert honest["liar_steps"] == 0 and honest["flagged_after_liar_steps"] is None
+    assert 0.0 <= honest["harmful_read_rate"] <= 1.0 and honest["honest_retrievals"] > 50
+    lying = _run(0.25, "intent", "quarantine")
+    assert math.isclose(lying["liar_share_of_steps"], 0.25, abs_tol=0.08)
+    assert lying["honest_retrievals"] > 50  # the same honest queries, the liar's on top
+    assert _run(0.25, "intent", "quarantine") == lying  # seeded: a run repeats
