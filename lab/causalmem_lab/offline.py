@@ -199,7 +199,7 @@ def run_offline(
 
     def snapshot(serving: ServingParams, reason: str = "periodic") -> LoadedPolicy:
         """The trainer's policy as version ``version``, its learnt-from step and value recorded."""
-        policy = _snapshot(trainer, version, serving if gate is not None else None, reason)
+        policy = _snapshot(trainer, version, serving, reason)
         result.created[version] = steps - len(pending)  # the pending steps are not learnt yet
         if value is not None:
             result.values[version] = value(policy.net)

@@ -4,7 +4,7 @@ resets and gates with the learner's own rules."""
 from __future__ import annotations
 
 from causalmem_lab import offline
-from causalmem_lab.offline import OfflineConfig, run_offline
+from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from causalmem_lab.simulator import Scenario
 
 from pipeline.config import Settings
@@ -37,8 +37,13 @@ def test_a_gate_without_enough_data_keeps_the_first_policy() -> None:
     # ranking (T = 0.001), not drawn at the serving temperature, until a promotion.
     assert result.served is not None and result.served.serving is not None
     assert result.served.serving.temperature == 0.001
+    # Ungated, every checkpoint names the configured serving parameters, as the product's
+    # learner writes them in every manifest: a version is measured as clients serve it (without
+    # them a reader falls back to the contract's dynamic drop, which these clients never served).
     ungated = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=False)
-    assert run_offline(TINY, ungated).served.serving is None  # type: ignore[union-attr]
+    served = run_offline(TINY, ungated).served
+    assert served is not None and served.serving is not None
+    assert (served.serving.temperature, served.serving.drop) == (0.05, PRODUCT.serve_drop)
 
 
 def test_keeps_what_the_learner_keeps_and_defaults_to_the_products_settings() -> None:
