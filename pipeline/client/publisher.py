@@ -75,8 +75,14 @@ class _Publishing:
 
     @property
     def dropped(self) -> int:
-        """Events dropped: out of a full buffer, or unsent at close."""
+        """Events dropped, never handed to the broker: out of a full buffer, or unsent at close."""
         return self.sender.dropped
+
+    @property
+    def in_doubt(self) -> int:
+        """Events given up like ``dropped`` after the broker was handed them without acknowledging
+        them (it may have written them)."""
+        return self.sender.in_doubt
 
     def health(self) -> str:
         """``"ok"``, or ``"degraded: no broker since …"``."""
@@ -201,7 +207,8 @@ class SyncEventPublisher(_Publishing):
         return self.sender.flush(timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Flush for up to ``timeout`` s and stop; what is left is counted in ``dropped``. Idempotent."""
+        """Flush for up to ``timeout`` s and stop; what is left is counted in ``dropped`` (or
+        ``in_doubt``). Idempotent."""
         self.sender.close(timeout)
 
     def __enter__(self) -> SyncEventPublisher:

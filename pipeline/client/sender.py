@@ -5,11 +5,15 @@ appends to a buffer bounded in events and in bytes and returns; it never waits o
 broker and never raises because of it. A task on the sender's own loop
 (:class:`~pipeline.client.background.Background`) connects to the broker (retrying with
 backoff while it is away), sends what is buffered in batches and counts what the broker
-acknowledged. Each event ends in exactly one of three counters:
+acknowledged. Each event ends in exactly one of four counters:
 
 * ``sent``: acknowledged by the broker;
-* ``dropped``: pushed out of a full buffer (the oldest first, as the broker was away or
-  slower than the service), or still unsent when :meth:`Sender.close`'s deadline passed;
+* ``dropped``: never handed to the broker, and pushed out of a full buffer (the oldest first,
+  as the broker was away or slower than the service) or still unsent when
+  :meth:`Sender.close`'s deadline passed: it is not on the topic;
+* ``in_doubt``: the same, for an event that was handed to the broker but whose
+  acknowledgement never came (a request timed out as the broker froze): the broker may have
+  written it;
 * ``refused``: the broker refused it for good (too large, not authorised): retrying cannot help.
 
 An event whose send failed for a reason that may pass (the broker away, a leader moving)
@@ -41,7 +45,9 @@ MAX_BYTES = 32 * 1024 * 1024  # bytes buffered at most (values and keys)
 BATCH = 500  # events handed to the producer before waiting for their acknowledgements
 LOG_EVERY_S = 10.0
 
-Item = tuple[str, bytes | None, bytes | None]  # topic, value (None: a tombstone), key
+# topic, value (None: a tombstone), key, and whether it was handed to the broker before (a
+# retried event whose acknowledgement failed: it may be on the topic already)
+Item = tuple[str, bytes | None, bytes | None, bool]
 
 
 def _size(item: Item) -> int:
@@ -90,6 +96,7 @@ class Sender:
         self._inflight = 0  # taken from the buffer, not yet acknowledged
         self.sent = 0
         self.dropped = 0
+        self.in_doubt = 0
         self.refused = 0
         self._logged: dict[str, tuple[float, int]] = {}  # what -> (last logged, count then)
         self.backoff = Backoff()
@@ -124,15 +131,11 @@ class Sender:
 
     def put(self, topic: str, value: bytes | None, key: bytes | None) -> None:
         """Buffer one event for sending; never blocks, never raises because of the broker."""
-        item = (topic, value, key)
-        dropped = 0
+        item = (topic, value, key, False)
         with self._lock:
             self._buffer.append(item)
             self._bytes += _size(item)
-            while len(self._buffer) > 1 and (len(self._buffer) > self.max_events or self._bytes > self.max_bytes):
-                self._bytes -= _size(self._buffer.popleft())
-                dropped += 1
-            self.dropped += dropped
+            dropped = self._shed(keep=1)
         if dropped:
             self._note("dropped", f"events dropped, oldest first: the buffer is full ({self.health()})")
         self._kick()
@@ -150,7 +153,8 @@ class Sender:
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush for up to ``timeout`` s (not at all while the broker is away), then stop; what is
-        still unsent is counted as dropped. Idempotent."""
+        still unsent is counted as dropped (or in doubt, where it was handed to the broker).
+        Idempotent."""
         bg = self._bg
         if bg is None or bg.closed:
             return
@@ -158,12 +162,15 @@ class Sender:
         bg.close(timeout=2.0)
         with self._lock:
             lost = len(self._buffer) + self._inflight
+            self._count_lost(self._buffer)
+            self.in_doubt += self._inflight  # handed to the producer when its loop stopped
             self._buffer.clear()
             self._bytes = 0
             self._inflight = 0
-            self.dropped += lost
         if lost:
-            log.warning("sender: closed with %d events unsent (counted as dropped; %s)", lost, self.health())
+            log.warning(
+                "sender: closed with %d events unsent (counted as dropped or in doubt; %s)", lost, self.health()
+            )
 
     def _kick(self) -> None:
         bg, wake = self._bg, self._wake
@@ -197,11 +204,23 @@ class Sender:
             self._inflight = 0
             self._buffer.extendleft(reversed(failed))
             self._bytes += sum(_size(i) for i in failed)
-            dropped = 0
-            while len(self._buffer) > self.max_events or self._bytes > self.max_bytes:
-                self._bytes -= _size(self._buffer.popleft())
-                dropped += 1
-            self.dropped += dropped
+            self._shed(keep=0)
+
+    def _shed(self, keep: int) -> int:
+        """Drop the oldest events beyond the bounds (never the newest ``keep``); the lock is held."""
+        shed: list[Item] = []
+        while len(self._buffer) > keep and (len(self._buffer) > self.max_events or self._bytes > self.max_bytes):
+            item = self._buffer.popleft()
+            self._bytes -= _size(item)
+            shed.append(item)
+        self._count_lost(shed)
+        return len(shed)
+
+    def _count_lost(self, items: Any) -> None:
+        """Count events given up: in doubt where they were handed to the broker before, else dropped."""
+        doubt = sum(1 for item in items if item[3])
+        self.in_doubt += doubt
+        self.dropped += len(items) - doubt
 
     async def _connect(self) -> Any:
         async def attempt() -> Any:
@@ -267,7 +286,8 @@ class Sender:
                     self._refuse(exc)
             results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
         except asyncio.CancelledError:
-            self._requeue(batch)
+            handed = len(futures)  # these may have reached the broker
+            self._requeue([(*item[:3], True) for item in batch[:handed]] + batch[handed:])
             raise
         done = 0
         for (item, _), result in zip(futures, results, strict=True):
@@ -276,7 +296,7 @@ class Sender:
             elif _refused(result):
                 self._refuse(result)
             else:
-                retry.append(item)
+                retry.append((item[0], item[1], item[2], True))  # handed over: it may be on the topic
                 error = error or result
         self.sent += done
         return retry, error

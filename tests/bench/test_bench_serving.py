@@ -139,7 +139,7 @@ def test_tables_and_verdict() -> None:
     assert "| 0.430 / 0.500 | 8.00× |" in text
     assert "| ArrayStore (1,000) |" in text and "| 0.580 / 0.800 | 4.60× | 1 / 2 |" in text
     assert "| stopped | 100 (99) | 0.900 / 1.500 / 3.000 | 0.200 / 0.400 | 0.700 / 1.100 | 0 | 0 (1) | 1, 120 |" in text
-    assert "400 published = 380 sent + 20 dropped + 0 refused (balanced); 380 records on the topic" in text
+    assert "400 published = 380 sent + 20 dropped + 0 in doubt + 0 refused (balanced); 380 records on the topic" in text
     assert "(drops exact)" in text
     assert "drained after never (60 s). An event: 6,600 B encoded, so the buffer (10,000 events, 32 MiB)" in text
     assert "holds 5,084." in text

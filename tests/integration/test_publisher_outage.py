@@ -76,3 +76,42 @@ def test_events_wait_for_the_broker_and_resume_after_it_returns(tmp_path: Path) 
         os.kill(broker.pid, signal.SIGCONT)
         pub.close(timeout=1)
         broker.stop()
+
+
+def test_events_handed_to_a_frozen_broker_and_given_up_are_counted_in_doubt(tmp_path: Path) -> None:
+    """A request the broker received but never answered (it froze) may still be written once it
+    thaws: an event given up after that is counted ``in_doubt``, never ``dropped``, so every
+    event counted dropped is missing from the topic and every missing one is counted."""
+    s = Settings(bootstrap="")
+    broker = EmbeddedBroker(port=free_port(), log_path=tmp_path / "broker.log")
+    broker.start()
+    asyncio.run(kafka.create_topics(broker.bootstrap, s))
+    assert broker.pid is not None
+    # A small buffer and a short request timeout, so that the test need not wait 40 s per try.
+    pub = SyncEventPublisher(broker.bootstrap, s, max_events=100, request_timeout_ms=1500)
+    try:
+        pub.publish(retrieval_event(s, "warm-0"))
+        assert pub.flush(timeout=30)  # connected: the next requests reach the broker's socket
+        os.kill(broker.pid, signal.SIGSTOP)
+        handed = [f"handed-{i}" for i in range(50)]
+        for q in handed:
+            pub.publish(retrieval_event(s, q))
+        deadline = time.monotonic() + 30
+        while pub.health() == "ok" and time.monotonic() < deadline:  # until a request timed out
+            time.sleep(0.1)
+        assert pub.health().startswith("degraded")
+        later = [f"later-{i}" for i in range(200)]
+        for q in later:
+            pub.publish(retrieval_event(s, q))  # pushes the oldest out, the handed ones first
+        os.kill(broker.pid, signal.SIGCONT)
+        assert pub.flush(timeout=90)
+        published = 1 + len(handed) + len(later)
+        on_topic = _ids_on_topic(s, broker.bootstrap, published, timeout=10)
+        assert pub.sent + pub.dropped + pub.in_doubt == published
+        assert pub.in_doubt > 0 and pub.dropped > 0
+        missing = published - len(on_topic)
+        assert pub.dropped <= missing <= pub.dropped + pub.in_doubt
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+        pub.close(timeout=1)
+        broker.stop()
