@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +53,7 @@ import torch
 from models.policy.network import Arch
 from models.policy.weights import to_safetensors, verify_and_load
 from pipeline.client.chain import arch_of
+from pipeline.client.idmap import write_atomically
 from topics.delta import SCHEMA_DELTA, DeltaManifest, decode_delta_manifest
 from topics.fields import Rejected
 from topics.manifest import CheckpointError, Manifest, decode_manifest, max_blob_bytes, sha256_hex
@@ -144,8 +144,8 @@ class PolicyCache:
         if sha256_hex(blob) != digest_of(manifest):
             raise CheckpointError("digest_mismatch", f"v{manifest.version}: the state is not the manifest's")
         self.directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self._path(manifest.version, BLOB_SUFFIX), blob)
-        _atomic_write(self._path(manifest.version, MANIFEST_SUFFIX), raw_manifest)
+        write_atomically(self._path(manifest.version, BLOB_SUFFIX), blob)
+        write_atomically(self._path(manifest.version, MANIFEST_SUFFIX), raw_manifest)
         _sync_directory(self.directory)
         for old in self.versions():
             if old != manifest.version:
@@ -211,21 +211,6 @@ class PolicyCache:
         if self.expected_arch is not None and arch_of(manifest) != self.expected_arch:
             raise CheckpointError("arch_mismatch", f"{arch_of(manifest)} != {self.expected_arch}")
         return manifest
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """``data`` at ``path``, or nothing there: a temporary file in the same directory, synced, renamed over."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _sync_directory(directory: Path) -> None:
