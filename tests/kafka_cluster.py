@@ -19,6 +19,13 @@ and reused. :class:`KafkaCluster` then, in a fresh temporary directory:
   running ``deploy/kafka/acls.sh`` itself, whose ``kafka-acls.sh`` is a wrapper here that runs
   the tool's main class on the cached classpath.
 
+For the failover tests, :meth:`KafkaCluster.partition_leader` says which node leads a topic's
+partition, :meth:`KafkaCluster.active_controller` which one is the KRaft quorum's leader
+(``kafka-metadata-quorum describe --status``), :meth:`KafkaCluster.kill_node` SIGKILLs a node by
+its PID, :meth:`KafkaCluster.restart_node` starts it again with its own ``server.properties``
+and data, and :meth:`KafkaCluster.wait_in_sync` waits until every partition has all its
+replicas in sync again.
+
 :meth:`KafkaCluster.stop` sends SIGTERM to each node it started (by its PID), SIGKILL after a
 deadline, and deletes the directory: nothing is left behind (``CAUSALMEM_KAFKA_KEEP=1`` keeps
 it, with each node's ``server.log``). Without Java or Maven, or when the
@@ -473,6 +480,124 @@ class KafkaCluster:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
+    # -- failures (the failover tests) -----------------------------------------------------
+    def node(self, node_id: int) -> Node:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise KeyError(f"no node {node_id} (nodes {[n.node_id for n in self.nodes]})")
+
+    def kill_node(self, node_id: int) -> None:
+        """SIGKILL node ``node_id`` by its PID (no clean shutdown: its leaderships and its controller
+        role are lost as in a crash), and reap it. Its directory and data stay for :meth:`restart_node`."""
+        node = self.node(node_id)
+        if node.proc is None or node.proc.poll() is not None:
+            raise RuntimeError(f"Kafka node {node_id} is not running")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGKILL)
+        node.proc.wait(30)
+
+    def restart_node(self, node_id: int, timeout: float = 120.0) -> float:
+        """Start node ``node_id`` again, with the same ``server.properties`` and data directory, and
+        wait until it answers listing every broker; the seconds that took."""
+        node = self.node(node_id)
+        if node.proc is not None and node.proc.poll() is None:
+            raise RuntimeError(f"Kafka node {node_id} is still running (pid {node.proc.pid})")
+        t0 = time.monotonic()
+        self._start_node(node)
+        self._wait_ready(t0 + timeout, [node])
+        return time.monotonic() - t0
+
+    def running(self) -> list[int]:
+        """The ids of the nodes whose processes run."""
+        return [n.node_id for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    async def describe_partitions(self, topics: list[str] | None = None) -> dict[tuple[str, int], dict[str, Any]]:
+        """``{(topic, partition): {"leader", "replicas", "isr"}}`` from the metadata the super user
+        gets (every topic when ``topics`` is None); a leader of -1 means none right now."""
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        client = AIOKafkaAdminClient(**self.admin_kwargs(), request_timeout_ms=5000)
+        await asyncio.wait_for(client.start(), 15)
+        try:
+            described = await asyncio.wait_for(client.describe_topics(topics), 15)
+        finally:
+            await client.close()
+        out: dict[tuple[str, int], dict[str, Any]] = {}
+        for topic in described:
+            for p in topic["partitions"]:
+                out[(topic["topic"], int(p["partition"]))] = {
+                    "leader": int(p["leader"]),
+                    "replicas": sorted(int(r) for r in p["replicas"]),
+                    "isr": sorted(int(r) for r in p["isr"]),
+                    "error_code": int(p["error_code"]),
+                }
+        return out
+
+    async def partition_leader(self, topic: str, partition: int = 0, timeout: float = 60.0) -> int:
+        """The node id leading ``topic``'s ``partition`` (waits while it has none, e.g. mid-election)."""
+        deadline = time.monotonic() + timeout
+        last: object = None
+        while True:
+            try:
+                with _quiet_clients():
+                    described = await self.describe_partitions([topic])
+                last = described.get((topic, partition))
+                if last is not None and last["leader"] >= 0 and last["leader"] in self.running():
+                    return int(last["leader"])
+            except Exception as exc:
+                last = exc
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no leader of {topic}-{partition} within {timeout:.0f} s ({last!r})")
+            await asyncio.sleep(0.5)
+
+    async def wait_in_sync(self, timeout: float = 120.0) -> float:
+        """Until every partition of every topic has a leader and all its replicas in sync (a node
+        restarted has caught up); the seconds that took."""
+        t0 = time.monotonic()
+        last: object = None
+        while True:
+            try:
+                with _quiet_clients():
+                    described = await self.describe_partitions()
+                behind = {f"{t}-{p}": d["isr"] for (t, p), d in described.items() if d["isr"] != d["replicas"]}
+                behind.update({f"{t}-{p}": "no leader" for (t, p), d in described.items() if d["leader"] < 0})
+                if described and not behind:
+                    return time.monotonic() - t0
+                last = dict(sorted(behind.items())[:5])
+            except Exception as exc:
+                last = exc
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"partitions not in sync within {timeout:.0f} s: {last!r}")
+            await asyncio.sleep(0.5)
+
+    def active_controller(self, timeout: float = 60.0) -> int:
+        """The node id of the KRaft quorum's leader, the active controller (``kafka-metadata-quorum
+        describe --status``: brokers report some live broker as the "controller" to clients, not it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = subprocess.run(
+                [
+                    str(self.bin / "kafka-metadata-quorum.sh"),
+                    "--bootstrap-server",
+                    ",".join(f"{HOST}:{self.node(i).port}" for i in self.running()),
+                    "--command-config",
+                    str(self.admin_config),
+                    "describe",
+                    "--status",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+            )
+            match = re.search(r"^LeaderId:\s*(-?\d+)", out.stdout, re.M)
+            if out.returncode == 0 and match and int(match.group(1)) in self.running():
+                return int(match.group(1))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no active controller within {timeout:.0f} s: {(out.stdout + out.stderr)[-2000:]}")
+            time.sleep(0.5)
+
     # -- steps -----------------------------------------------------------------------------
     def server_properties(self, node: Node) -> dict[str, str]:
         """``node``'s ``server.properties``: :data:`BROKER_SECURITY` and :func:`broker_durability`
@@ -636,9 +761,9 @@ class KafkaCluster:
             if n.proc is not None and n.proc.poll() is not None:
                 raise RuntimeError(f"Kafka node {n.node_id} exited with {n.proc.returncode}:\n{self._log_tail(n)}")
 
-    def _wait_ready(self, deadline: float) -> None:
-        """Until every node answers the admin's metadata request listing every broker."""
-        pending = list(self.nodes)
+    def _wait_ready(self, deadline: float, nodes: list[Node] | None = None) -> None:
+        """Until every node (of ``nodes``) answers the admin's metadata request listing every broker."""
+        pending = list(self.nodes if nodes is None else nodes)
         last: object = None
         while pending:
             self._check_alive()
