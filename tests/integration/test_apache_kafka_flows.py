@@ -21,10 +21,16 @@ where Java, Maven or the jars are missing.
 - ``causalmem publish FILE.jsonl`` with the service's user feeds the same loop;
 - the evaluator: a ``causalmem evaluator`` process (its own user, the default local model) scores
   events that carry texts, and the worker joins its feedback, which the learner learns;
-- the service user cannot send an operator's command (the broker refuses its write to ``control``).
+- the service user cannot send an operator's command (the broker refuses its write to ``control``);
+- failures, last: while a service publishes a steady stream and a subscriber follows the policy,
+  the node leading ``experiences``, then the one leading ``policy-checkpoints``, then the active
+  controller are SIGKILLed and started again; every pair is joined and learnt exactly once, the
+  same worker and learner go on, the subscriber loads newer verified checkpoints, and the
+  learner's pause per failover goes to the log and to ``failover.json`` in the test's directory.
 
-One cluster for the module (the ``kafka_cluster`` fixture); the file takes ~3 min on two cores:
-~35-70 s the cluster's start, ~40 s the evaluator (its model loads in the process).
+One cluster for the module (the ``kafka_cluster`` fixture); the file takes ~4 min on two cores:
+~35-70 s the cluster's start, ~40 s the evaluator (its model loads in the process), ~1 min the
+failovers (each waits for the broker to fence the killed node: ``broker.session.timeout.ms``, 9 s).
 
 Settings: a small model (``SMALL``) and the promotion gate off, so that each periodic checkpoint
 serves; partitions, replication (3) and ``min.insync.replicas`` (2) as deployed.
@@ -33,14 +39,16 @@ serves; partitions, replication (3) and ``min.insync.replicas`` (2) as deployed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
 import os
 import secrets
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,11 +69,14 @@ from tests.helpers import feedback, retrieval_event, until, wait_metric
 from tests.kafka_cluster import KafkaCluster
 from topics.feedback import decode_llm_feedback
 from topics.fields import encode
+from topics.internal import decode_experience
 from topics.lifecycle import decode_memory_record
 from topics.manifest import parse_key
 from topics.writes import MemoryWrite
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+log = logging.getLogger(__name__)
 
 CAUSALMEM = Path(sys.executable).with_name("causalmem")  # the venv's entry point, as operators run it
 PAIRS = 40
@@ -466,3 +477,272 @@ def test_a_service_may_not_run_the_operators_verbs(deployment: Deployment, learn
     done = causalmem(deployment, "service", "suppress", "--slots", "4", "--timeout", "20")
     assert done.returncode != 0, _out(done)
     assert "TopicAuthorizationFailedError: control" in done.stderr, _out(done)
+
+
+# --------------------------------------------------------------------------- failures
+# Run last (they follow the tests above in this module, on the same cluster and processes) and
+# leave every node running: each node killed is started again, with its own data.
+
+FAILOVER_RATE = 8.0  # pairs a second the service publishes while nodes are killed
+FAILOVER_DOWN_S = 2.0  # how long a killed node stays down once its role has moved to another node
+SAMPLE_S = 0.25  # how often the learner's metrics are read (the pauses' resolution)
+
+
+@dataclass
+class Sample:
+    t: float  # wall time (the learner's timestamps are wall times too)
+    last_update: float  # causalmem_learner_last_update_timestamp_seconds
+    updates: float
+    publishes: float  # checkpoints published, every reason
+    serving: float  # the learner's serving version
+
+
+@dataclass
+class Failover:
+    what: str
+    node: int
+    killed: float = 0.0  # wall time of the SIGKILL
+    moved_s: float = 0.0  # from the kill until another node leads the partition (or the quorum)
+    restarted_s: float = 0.0  # from the restart to the node answering with every broker
+    in_sync_s: float = 0.0  # then until every partition had all its replicas in sync again
+    restarted: float = 0.0  # wall time: the node answers again
+    recovered: float = 0.0  # wall time: back in sync, the learner updated since the restart and the
+    # subscriber loaded a checkpoint newer than at the kill
+    loaded_before: int = 0  # the subscriber's version at the kill
+    loaded_after: int = 0
+
+
+def _longest_gap(times: list[float], start: float, end: float) -> float | None:
+    """The longest interval between consecutive ``times`` that overlaps [start, end] (None: none seen)."""
+    gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
+    return max(gaps) if gaps else None
+
+
+def _change_times(samples: list[Sample], field: str) -> list[float]:
+    """The sample times at which ``field`` changed (a counter went up)."""
+    out = []
+    for prev, cur in itertools.pairwise(samples):
+        if getattr(cur, field) != getattr(prev, field):
+            out.append(cur.t)
+    return out
+
+
+def pauses(samples: list[Sample], failovers: list[Failover], started: float) -> dict[str, Any]:
+    """The learner's pause per failover: the longest gap between its updates (the wall times it
+    reports for them) and between its checkpoints (when the count of publishes went up, to within
+    SAMPLE_S) around each kill, from the kill to the recovery; and the same gaps from the start of
+    the stream (``started``) to the first kill, the steady state they compare with."""
+    updates = sorted({s.last_update for s in samples if s.last_update > 0})
+    checkpoints = _change_times(samples, "publishes")
+    first = failovers[0].killed
+    steady_updates = [b - a for a, b in itertools.pairwise(updates) if a >= started and b < first]
+    steady_checkpoints = [b - a for a, b in itertools.pairwise(checkpoints) if a >= started and b < first]
+    out: dict[str, Any] = {
+        "steady": {
+            "update_gap_median_s": float(np.median(steady_updates)) if steady_updates else None,
+            "update_gap_max_s": max(steady_updates, default=None),
+            "checkpoint_gap_median_s": float(np.median(steady_checkpoints)) if steady_checkpoints else None,
+            "checkpoint_gap_max_s": max(steady_checkpoints, default=None),
+        },
+        "failovers": [],
+    }
+    for f in failovers:
+        out["failovers"].append(
+            {
+                "what": f.what,
+                "node": f.node,
+                "moved_s": round(f.moved_s, 2),
+                "down_s": round(f.restarted - f.restarted_s - f.killed, 2),
+                "restart_s": round(f.restarted_s, 2),
+                "back_in_sync_s": round(f.in_sync_s, 2),
+                "learner_update_pause_s": _longest_gap(updates, f.killed, f.recovered),
+                "learner_checkpoint_pause_s": _longest_gap(checkpoints, f.killed, f.recovered),
+                "subscriber_versions": [f.loaded_before, f.loaded_after],
+            }
+        )
+    return out
+
+
+@pytest.mark.timeout(600)
+async def test_failover_of_the_experiences_leader_the_checkpoints_leader_and_the_controller_loses_nothing(
+    deployment: Deployment, learnt: int
+) -> None:
+    """While a service publishes a steady stream of pairs and a subscriber follows the policy,
+    SIGKILL the node leading ``experiences``, then the one leading ``policy-checkpoints``, then the
+    active controller, each started again with its data FAILOVER_DOWN_S after another node took its
+    role. The worker and the
+    learner (never restarted) join every pair and learn each exactly once, and the subscriber loads
+    newer verified checkpoints after each failover. The learner's pauses are logged and written to
+    ``failover.json`` beside the processes' logs (measured, not asserted)."""
+    dep = deployment
+    cluster = dep.cluster
+    service, operator = dep.settings("service"), dep.settings("operator")
+    topics = operator.topics()
+    run = f"{RUN}-failover"
+    worker_pid, learner_pid = dep.worker.proc.pid, dep.learner.proc.pid
+    await cluster.wait_in_sync()
+    w0 = await asyncio.to_thread(dep.worker.metrics)
+    l0 = await asyncio.to_thread(dep.learner.metrics)
+    joins0 = metric(w0, "causalmem_joins_total")
+    learnt0 = metric(l0, "causalmem_learner_experiences_total", kind="feedback")
+    dups0 = metric(l0, "causalmem_learner_skipped_total", reason="duplicate")
+
+    samples: list[Sample] = []
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        while not stop.is_set():
+            m = await asyncio.to_thread(dep.learner.metrics)
+            if m:
+                samples.append(
+                    Sample(
+                        time.time(),
+                        metric(m, "causalmem_learner_last_update_timestamp_seconds"),
+                        metric(m, "causalmem_learner_updates_total"),
+                        metric(m, "causalmem_checkpoint_publishes_total"),
+                        metric(m, "causalmem_checkpoint_version", role="serving"),
+                    )
+                )
+            await asyncio.sleep(SAMPLE_S)
+
+    published: list[str] = []  # the events' ids
+
+    async def stream(pub: EventPublisher) -> None:
+        while not stop.is_set():
+            qid = f"{run}-{len(published)}"
+            event = retrieval_event(service, qid)
+            await pub.publish(event)
+            await pub.publish(feedback(qid, utility=0.1 + 0.8 * (len(published) % 2)))
+            published.append(event.event_id)
+            await asyncio.sleep(1.0 / FAILOVER_RATE)
+
+    async def holder(what: str) -> int:
+        """The running node that has the role now (waits while none has it, e.g. after a kill)."""
+        if what == "active controller":
+            return await asyncio.to_thread(cluster.active_controller, 90)
+        topic = topics.experiences if what == "experiences leader" else topics.policy_checkpoints
+        return await cluster.partition_leader(topic.name, timeout=90)
+
+    failovers = [
+        Failover("experiences leader", 0),
+        Failover("policy-checkpoints leader", 0),
+        Failover("active controller", 0),
+    ]
+    try:
+        async with (
+            EventPublisher(cluster.bootstrap, service) as pub,
+            PolicySubscriber(cluster.bootstrap, service.policy, service) as sub,
+        ):
+            # what the serving checkpoint had learnt before the stream (the pipeline is idle now)
+            serving0 = int(metric(l0, "causalmem_checkpoint_version", role="serving"))
+            e0 = (await sub.wait_for_policy(min_version=serving0, timeout=60)).manifest.metrics["experiences"]
+
+            def newer_than(version: int) -> Callable[[], bool]:
+                return lambda: sub.current is not None and sub.current.version > version
+
+            def updated_since(t: float) -> Callable[[], bool]:
+                return lambda: bool(samples) and samples[-1].last_update > t
+
+            started = time.time()
+            tasks = [asyncio.create_task(sample()), asyncio.create_task(stream(pub))]
+            try:
+                await asyncio.sleep(8.0)  # the steady state, before any failure
+                for f in failovers:
+                    await cluster.wait_in_sync()
+                    f.node = await holder(f.what)
+                    assert sub.current is not None
+                    f.loaded_before = sub.current.version
+                    log.info("failover: SIGKILL node %d, the %s", f.node, f.what)
+                    f.killed = time.time()
+                    await asyncio.to_thread(cluster.kill_node, f.node)
+                    # the failover itself: another node takes the role (the killed one is fenced
+                    # once its broker session times out; a new quorum leader is elected sooner)
+                    await holder(f.what)
+                    f.moved_s = time.time() - f.killed
+                    await asyncio.sleep(FAILOVER_DOWN_S)
+                    f.restarted_s = await asyncio.to_thread(cluster.restart_node, f.node)
+                    f.restarted = time.time()
+                    f.in_sync_s = await cluster.wait_in_sync()
+                    await until(
+                        updated_since(f.restarted),
+                        90,
+                        f"the learner's updates after the {f.what} failed",
+                    )
+                    # the clients keep loading verified checkpoints: a newer one than at the kill
+                    await until(
+                        newer_than(f.loaded_before),
+                        90,
+                        f"a checkpoint newer than v{f.loaded_before} after the {f.what} failed",
+                    )
+                    assert sub.health() == "ok", sub.health()
+                    assert sub.current is not None and sub.current.manifest.signature
+                    f.loaded_after = sub.current.version
+                    f.recovered = time.time()
+                    assert dep.worker.alive() and dep.learner.alive(), dep.logs()
+                await asyncio.sleep(3.0)  # the stream goes on a little after the last failover
+            finally:
+                stop.set()
+                for result in await asyncio.gather(*tasks, return_exceptions=True):
+                    if isinstance(result, Exception):
+                        raise result
+            assert await pub.flush(120.0), "the service's events not all acknowledged"
+            assert (pub.dropped, pub.in_doubt) == (0, 0)
+            n = len(published)
+
+            # nothing lost: the worker joined every pair (at least once: it may join a pair again
+            # after a failover, at-least-once with the ids deduplicated downstream) ...
+            await asyncio.to_thread(wait_metric, dep.worker, "causalmem_joins_total", joins0 + n, 180)
+            # ... and the learner learnt every one, exactly once
+            await asyncio.to_thread(
+                wait_metric, dep.learner, "causalmem_learner_experiences_total", learnt0 + n, 180, kind="feedback"
+            )
+            await asyncio.sleep(3.0)
+            w1 = await asyncio.to_thread(dep.worker.metrics)
+            l1 = await asyncio.to_thread(dep.learner.metrics)
+            assert metric(l1, "causalmem_learner_experiences_total", kind="feedback") == learnt0 + n, dep.logs()
+            joins = metric(w1, "causalmem_joins_total") - joins0
+            dups = metric(l1, "causalmem_learner_skipped_total", reason="duplicate") - dups0
+
+            # every pair's experience is on the topic, under its event's id
+            records = await kafka.read_all(cluster.bootstrap, operator, topics.experiences.name)
+            ids = [
+                exp.id
+                for exp in (decode_experience(r.value, operator.limits()) for r in records if r.value is not None)
+                if exp.event.query_id.startswith(f"{run}-")
+            ]
+            assert set(ids) == set(published), f"{len(set(published) - set(ids))} pair(s) missing"
+
+            # the clients still load what the learner serves, with every pair learnt once
+            await until(
+                lambda: sub.current is not None and sub.current.manifest.metrics.get("experiences") == e0 + n,
+                60,
+                f"a checkpoint with the {n} pairs learnt on top of {e0}",
+            )
+            assert sub.health() == "ok" and sub.current is not None and sub.current.manifest.signature
+    finally:
+        for node in cluster.nodes:  # every node running again, whatever failed above
+            if node.node_id not in cluster.running():
+                await asyncio.to_thread(cluster.restart_node, node.node_id)
+
+    # the same processes all along: the worker and the learner were never restarted
+    assert (dep.worker.proc.pid, dep.learner.proc.pid) == (worker_pid, learner_pid)
+    assert dep.worker.alive() and dep.learner.alive(), dep.logs()
+    assert metric(l1, "causalmem_learner_training_alive") == 1
+
+    report = {
+        "pairs": n,
+        "rate_per_s": FAILOVER_RATE,
+        "worker_joins": joins,
+        "worker_joins_again": joins - n,
+        "learner_duplicates_skipped": dups,
+        "experience_records": len(ids),
+        **pauses(samples, failovers, started),
+        # the raw series, relative to the stream's start: [t, last update, updates, checkpoints]
+        "kills": [round(f.killed - started, 2) for f in failovers],
+        "samples": [
+            [round(x.t - started, 2), round(x.last_update - started, 2), x.updates, x.publishes] for x in samples
+        ],
+    }
+    (dep.roles.tmp / "failover.json").write_text(json.dumps(report, indent=2))
+    log.warning("failover: %s", json.dumps({k: v for k, v in report.items() if k != "samples"}))
+    assert sorted(cluster.running()) == [n.node_id for n in cluster.nodes]
