@@ -49,7 +49,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -495,6 +495,7 @@ class Sample:
     updates: float
     publishes: float  # checkpoints published, every reason
     serving: float  # the learner's serving version
+    joins: float  # the worker's joins (where the learner's input comes from)
 
 
 @dataclass
@@ -509,20 +510,22 @@ class Failover:
     recovered: float = 0.0  # wall time: back in sync, the learner updated since the restart and the
     # subscriber loaded a checkpoint newer than at the kill
     loaded_before: int = 0  # the subscriber's version at the kill
+    led: dict[str, int] = field(default_factory=dict)  # the partitions it led at the kill, per topic
     loaded_after: int = 0
 
 
-def _longest_gap(times: list[float], start: float, end: float) -> float | None:
-    """The longest interval between consecutive ``times`` that overlaps [start, end] (None: none seen)."""
-    gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
+def _longest_gap(times: list[float], killed: float, restarted: float) -> float | None:
+    """The longest interval between consecutive ``times`` that ends after the kill and begins before
+    the node was back (None: none seen): the pause while the node was down, whenever it ended."""
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > killed and a < restarted]
     return max(gaps) if gaps else None
 
 
-def _change_times(samples: list[Sample], field: str) -> list[float]:
-    """The sample times at which ``field`` changed (a counter went up)."""
+def _change_times(samples: list[Sample], name: str) -> list[float]:
+    """The sample times at which the field ``name`` changed (a counter went up)."""
     out = []
     for prev, cur in itertools.pairwise(samples):
-        if getattr(cur, field) != getattr(prev, field):
+        if getattr(cur, name) != getattr(prev, name):
             out.append(cur.t)
     return out
 
@@ -530,10 +533,12 @@ def _change_times(samples: list[Sample], field: str) -> list[float]:
 def pauses(samples: list[Sample], failovers: list[Failover], started: float) -> dict[str, Any]:
     """The learner's pause per failover: the longest gap between its updates (the wall times it
     reports for them) and between its checkpoints (when the count of publishes went up, to within
-    SAMPLE_S) around each kill, from the kill to the recovery; and the same gaps from the start of
-    the stream (``started``) to the first kill, the steady state they compare with."""
+    SAMPLE_S) that span the kill or begin while the node is down; the worker's longest gap between
+    joins likewise (whether the learner waited for its input); and the learner's gaps from the start
+    of the stream (``started``) to the first kill, the steady state they compare with."""
     updates = sorted({s.last_update for s in samples if s.last_update > 0})
     checkpoints = _change_times(samples, "publishes")
+    joins = _change_times(samples, "joins")
     first = failovers[0].killed
     steady_updates = [b - a for a, b in itertools.pairwise(updates) if a >= started and b < first]
     steady_checkpoints = [b - a for a, b in itertools.pairwise(checkpoints) if a >= started and b < first]
@@ -555,8 +560,10 @@ def pauses(samples: list[Sample], failovers: list[Failover], started: float) -> 
                 "down_s": round(f.restarted - f.restarted_s - f.killed, 2),
                 "restart_s": round(f.restarted_s, 2),
                 "back_in_sync_s": round(f.in_sync_s, 2),
-                "learner_update_pause_s": _longest_gap(updates, f.killed, f.recovered),
-                "learner_checkpoint_pause_s": _longest_gap(checkpoints, f.killed, f.recovered),
+                "led": f.led,
+                "learner_update_pause_s": _longest_gap(updates, f.killed, f.restarted),
+                "learner_checkpoint_pause_s": _longest_gap(checkpoints, f.killed, f.restarted),
+                "worker_join_pause_s": _longest_gap(joins, f.killed, f.restarted),
                 "subscriber_versions": [f.loaded_before, f.loaded_after],
             }
         )
@@ -593,7 +600,8 @@ async def test_failover_of_the_experiences_leader_the_checkpoints_leader_and_the
     async def sample() -> None:
         while not stop.is_set():
             m = await asyncio.to_thread(dep.learner.metrics)
-            if m:
+            w = await asyncio.to_thread(dep.worker.metrics)
+            if m and w:
                 samples.append(
                     Sample(
                         time.time(),
@@ -601,6 +609,7 @@ async def test_failover_of_the_experiences_leader_the_checkpoints_leader_and_the
                         metric(m, "causalmem_learner_updates_total"),
                         metric(m, "causalmem_checkpoint_publishes_total"),
                         metric(m, "causalmem_checkpoint_version", role="serving"),
+                        metric(w, "causalmem_joins_total"),
                     )
                 )
             await asyncio.sleep(SAMPLE_S)
@@ -650,6 +659,9 @@ async def test_failover_of_the_experiences_leader_the_checkpoints_leader_and_the
                 for f in failovers:
                     await cluster.wait_in_sync()
                     f.node = await holder(f.what)
+                    for (topic, _), d in (await cluster.describe_partitions()).items():
+                        if d["leader"] == f.node:
+                            f.led[topic] = f.led.get(topic, 0) + 1
                     assert sub.current is not None
                     f.loaded_before = sub.current.version
                     log.info("failover: SIGKILL node %d, the %s", f.node, f.what)
@@ -737,10 +749,11 @@ async def test_failover_of_the_experiences_leader_the_checkpoints_leader_and_the
         "learner_duplicates_skipped": dups,
         "experience_records": len(ids),
         **pauses(samples, failovers, started),
-        # the raw series, relative to the stream's start: [t, last update, updates, checkpoints]
+        # the raw series, relative to the stream's start: [t, last update, updates, checkpoints, joins]
         "kills": [round(f.killed - started, 2) for f in failovers],
         "samples": [
-            [round(x.t - started, 2), round(x.last_update - started, 2), x.updates, x.publishes] for x in samples
+            [round(x.t - started, 2), round(x.last_update - started, 2), x.updates, x.publishes, x.joins]
+            for x in samples
         ],
     }
     (dep.roles.tmp / "failover.json").write_text(json.dumps(report, indent=2))
