@@ -291,7 +291,12 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _cluster_id() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    """A random cluster id as Apache Kafka's ``Uuid.randomUuid`` makes one: never starting with
+    ``-``, which ``kafka-storage format -t`` would take for an option (1 start in 64 failed so)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cid.startswith("-"):
+            return cid
 
 
 @contextlib.contextmanager
