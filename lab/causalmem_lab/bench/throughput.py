@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -44,7 +45,8 @@ from models.policy.reinforce import importance_weights, reinforce_loss
 from models.policy.sparse_adam import RowSparseAdam
 from models.serving.rule import adjusted_logits_torch, plackett_luce_logprob_torch
 from pipeline import kafka
-from pipeline.config import Settings
+from pipeline.cli.common import settings_from
+from pipeline.config import KafkaSecurity, Settings
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.promtext import metric
@@ -81,6 +83,16 @@ def make_events(n: int, d: int, s: int, seed: int = 0, candidates: int = 20, k: 
         )
         out.append(Experience(ev.event_id, "feedback", ev, float(rng.normal(0.2, 0.6))))
     return out
+
+
+def security_env(settings: Settings) -> dict[str, str]:
+    """The ``CAUSALMEM_KAFKA_*`` variables of ``settings``' SASL/TLS settings that are set, for a child process.
+
+    >>> security_env(Settings())
+    {'CAUSALMEM_KAFKA_SECURITY_PROTOCOL': 'PLAINTEXT'}
+    """
+    sec = dataclasses.asdict(settings.security)
+    return {f"{KafkaSecurity.ENV_PREFIX}{k.upper()}": str(v) for k, v in sec.items() if v is not None}
 
 
 async def produce(bootstrap: str, settings: Settings, items: list[tuple[str, bytes, bytes]]) -> None:
@@ -271,7 +283,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline.broker import own_broker
 
     n = args.events or 20_000
-    base = Settings.from_env(bootstrap=args.bootstrap)
+    base = settings_from(args)  # the environment, then the flags (--security-protocol, --sasl-username, ...)
     d, s = base.embedding_dim, base.slots
     logdir = Path(tempfile.mkdtemp(prefix="causalmem-bench-"))
     bootstrap, broker = own_broker(args.bootstrap, logdir / "broker.log")
@@ -324,6 +336,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "CAUSALMEM_EMBEDDING_DIM": str(d),
             "CAUSALMEM_SLOTS": str(s),
             "CAUSALMEM_JOIN_WINDOW_S": "86400",
+            **security_env(settings),  # the worker and learner connect as the bench does
         }
         pipe = await asyncio.to_thread(pipeline_run, bootstrap, settings, env, items, warmup, logdir)
         print(
