@@ -16,9 +16,11 @@ Matching a dead letter to its command is pure (:func:`refusal_in`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -82,6 +84,26 @@ def who_asks(conn: Connection, asked: str | None) -> str:
     if asked is None and principal(conn) is None:
         asked = os.environ.get("USER")
     return labeler_identity(conn, asked)
+
+
+def add_command_options(p: argparse.ArgumentParser, *, reason: str = "", recorded_in: str = "the audit trail") -> None:
+    """The options every operator command shares: why, who asks, how long to wait for the answer."""
+    p.add_argument("--reason", default=reason, help=f"why: recorded in {recorded_in} (checkpoint metrics)")
+    p.add_argument("--by", default=None, help=f"who asks ({recorded_in}); the SASL user when authenticated, else $USER")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the learner's answer")
+
+
+def asker(conn: Connection, asked: str | None, verb: str) -> str | None:
+    """:func:`who_asks`, or None after saying on stderr why no one can be named (the verb exits 2)."""
+    try:
+        by = who_asks(conn, asked)  # an authenticated operator cannot name someone else
+    except ValueError as exc:
+        print(f"causalmem {verb}: {exc}", file=sys.stderr)
+        return None
+    if not by:
+        print(f"causalmem {verb}: who asks is required: pass --by NAME (or set USER)", file=sys.stderr)
+        return None
+    return by
 
 
 async def send_and_wait(

@@ -20,7 +20,7 @@ import time
 import uuid
 
 from pipeline import kafka
-from pipeline.cli.answers import carries, send_and_wait, silent, who_asks
+from pipeline.cli.answers import add_command_options, asker, carries, send_and_wait, silent
 from pipeline.cli.common import resolve_bootstrap, settings_from
 from pipeline.config import Connection, Settings
 from pipeline.modeltopic import scan_model_topic
@@ -32,27 +32,19 @@ from topics.principal import check_principal
 
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--principal", required=True, help="the principal, as its events and feedback name it")
-    p.add_argument("--reason", default="", help="why: recorded in the audit entry (checkpoint metrics)")
-    p.add_argument(
-        "--by", default=None, help="who asks (the audit entry); the SASL user when authenticated, else $USER"
-    )
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the learner's answer")
+    add_command_options(p, recorded_in="the audit entry")
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     conn = settings.connection()
     try:
-        by = who_asks(conn, args.by)  # an authenticated operator cannot name someone else
         check_principal(args.principal)
     except Rejected as rej:
         print(f"causalmem {args.verb}: --principal: {rej.detail}", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        print(f"causalmem {args.verb}: {exc}", file=sys.stderr)
-        return 2
-    if not by:
-        print(f"causalmem {args.verb}: who asks is required: pass --by NAME (or set USER)", file=sys.stderr)
+    by = asker(conn, args.by, args.verb)
+    if by is None:
         return 2
     bootstrap = resolve_bootstrap(settings)
     return asyncio.run(

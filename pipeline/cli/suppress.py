@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 import uuid
 from collections.abc import Sequence
 
 from pipeline import kafka
-from pipeline.cli.answers import carries, send_and_wait, silent, who_asks
+from pipeline.cli.answers import add_command_options, asker, carries, send_and_wait, silent
 from pipeline.cli.common import resolve_bootstrap, settings_from
 from pipeline.config import Connection, Settings
 from pipeline.learner.suppression import decide, read_audit
@@ -44,23 +43,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
         required=True,
         help="the memories (slots); at most suppress_max_slots",
     )
-    p.add_argument("--reason", default="", help="why: recorded in the audit trail (checkpoint metrics, status)")
-    p.add_argument(
-        "--by", default=None, help="who asks (the audit trail); the SASL user when authenticated, else $USER"
-    )
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the learner's answer")
+    add_command_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     conn = settings.connection()
-    try:
-        by = who_asks(conn, args.by)  # an authenticated operator cannot name someone else
-    except ValueError as exc:
-        print(f"causalmem {args.verb}: {exc}", file=sys.stderr)
-        return 2
-    if not by:
-        print(f"causalmem {args.verb}: who asks is required: pass --by NAME (or set USER)", file=sys.stderr)
+    by = asker(conn, args.by, args.verb)
+    if by is None:
         return 2
     bootstrap = resolve_bootstrap(settings)
     return asyncio.run(
