@@ -76,7 +76,7 @@ def describe(owner: type[Any]) -> dict[str, tuple[str, Any, str]]:
 
 @dataclass
 class KafkaSecurity:
-    """SASL/TLS settings passed through to every Kafka client (aiokafka and faust).
+    """SASL/TLS and producer settings passed through to every Kafka client (aiokafka and faust).
 
     Each is a setting of its own, ``CAUSALMEM_KAFKA_<NAME>``. Secrets are never logged:
     :meth:`redacted` is what the processes print.
@@ -91,6 +91,7 @@ class KafkaSecurity:
     ssl_cafile: str | None = setting(None, "CA bundle for TLS")
     ssl_certfile: str | None = setting(None, "client certificate for mutual TLS")
     ssl_keyfile: str | None = setting(None, "client key for mutual TLS")
+    idempotence: str = setting("auto", "idempotent producers: auto (where the broker grants a producer id), on or off")
 
     def redacted(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -5,9 +5,10 @@ embedded broker's limits) and the SASL/TLS configuration reach all of them:
 
 - group timeouts: the embedded broker holds a JoinGroup reply for session_timeout/2, so
   a 6 s session (1 s heartbeat) makes a consumer start within ~3 s;
-- no idempotent producer and no transactions (the embedded broker rejects
-  InitProducerId): delivery is at-least-once, processing is idempotent (dedupe on ids,
-  offsets in checkpoint manifests);
+- idempotent producers where the broker grants a producer id (Apache Kafka; the embedded
+  broker refuses InitProducerId): setting ``kafka_idempotence``, resolved by
+  :func:`idempotence_granted`; no transactions. Delivery is at-least-once, processing is
+  idempotent (dedupe on ids, offsets in checkpoint manifests);
 - positions come from fetch high watermarks, never from ``end_offsets`` (wrong there).
 """
 
@@ -20,7 +21,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.client import AIOKafkaClient
+from aiokafka.errors import KafkaError, NoError, TopicAlreadyExistsError, for_code
+from aiokafka.protocol.transaction import InitProducerIdRequest
 
 from pipeline.config import Connection, KafkaSecurity, Settings
 from pipeline.service import Service
@@ -72,11 +75,78 @@ def faust_credentials(sec: KafkaSecurity) -> Any:
     return None
 
 
-def producer(bootstrap: str, settings: Connection | Settings, **overrides: Any) -> AIOKafkaProducer:
+IDEMPOTENCE_CHOICES = ("auto", "on", "off")
+PROBE_TIMEOUT_S = 30.0
+# What each broker answered to InitProducerId, per (bootstrap, SASL user): asked once a process.
+_granted: dict[tuple[str, str | None], bool] = {}
+
+
+async def idempotence_granted(bootstrap: str, settings: Connection | Settings) -> bool:
+    """Whether this process's producers for ``bootstrap`` are idempotent (``kafka_idempotence``).
+
+    ``on`` and ``off`` say so; ``auto`` (the default) asks the broker once for a producer id
+    and remembers its answer: Apache Kafka grants one, the embedded broker refuses
+    (UnknownServerError). Neither a broker that cannot be reached nor a retriable refusal
+    that lasts :data:`PROBE_TIMEOUT_S` is an answer: the probe raises (``KafkaError``,
+    ``OSError``, ``TimeoutError``) and the next call asks again.
+    """
+    sec = Connection.of(settings).security
+    choice = (sec.idempotence or "auto").lower()
+    if choice not in IDEMPOTENCE_CHOICES:
+        raise ValueError(f"CAUSALMEM_KAFKA_IDEMPOTENCE={sec.idempotence!r}: one of {', '.join(IDEMPOTENCE_CHOICES)}")
+    if choice != "auto":
+        return choice == "on"
+    key = (bootstrap, sec.sasl_username)
+    if key not in _granted:
+        _granted[key], answer = await asyncio.wait_for(_ask_producer_id(bootstrap, sec), PROBE_TIMEOUT_S)
+        verdict = "on" if _granted[key] else f"off: the broker refuses InitProducerId ({answer})"
+        log.info("idempotent producers %s (%s)", verdict, bootstrap)
+    return _granted[key]
+
+
+async def _ask_producer_id(bootstrap: str, sec: KafkaSecurity) -> tuple[bool, str]:
+    """(granted, the broker's answer). A retriable refusal (a producer id block not yet
+    allocated right after a cluster starts: COORDINATOR_LOAD_IN_PROGRESS) is asked again."""
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, client_id="causalmem", **security_kwargs(sec))
+    try:
+        await client.bootstrap()
+        while True:
+            node = client.get_random_node()
+            if node is None:
+                raise KafkaError("no broker in the metadata")
+            # No transactional id: the id an idempotent producer asks for (any broker answers it).
+            resp = await client.send(node, InitProducerIdRequest(None, 60_000))
+            error = for_code(int(resp.error_code))
+            if error is NoError:
+                return True, "granted"
+            if not error.retriable:
+                return False, error.__name__
+            await asyncio.sleep(0.5)
+    finally:
+        await client.close()
+
+
+async def start_producer(bootstrap: str, settings: Connection | Settings, **overrides: Any) -> AIOKafkaProducer:
+    """A started :func:`producer`, idempotent as :func:`idempotence_granted` says: how the
+    product's processes make theirs."""
+    p = producer(bootstrap, settings, idempotent=await idempotence_granted(bootstrap, settings), **overrides)
+    try:
+        await p.start()
+    except BaseException:
+        await p.stop()  # its connections and sender task, even when start did not finish
+        raise
+    return p
+
+
+def producer(
+    bootstrap: str, settings: Connection | Settings, *, idempotent: bool = False, **overrides: Any
+) -> AIOKafkaProducer:
+    """A producer with the product's settings, not started; idempotent only when asked
+    (:func:`start_producer` asks the setting)."""
     kwargs: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
         "acks": "all",
-        "enable_idempotence": False,  # the embedded broker rejects InitProducerId
+        "enable_idempotence": idempotent,
         "linger_ms": 5,
         "max_batch_size": 262144,
         "max_request_size": MAX_REQUEST_BYTES,
@@ -191,8 +261,7 @@ async def _mark_epoch(bootstrap: str, settings: Connection | Settings, topic: st
 
     import orjson
 
-    p = producer(bootstrap, settings)
-    await p.start()
+    p = await start_producer(bootstrap, settings)
     try:
         value = orjson.dumps({"schema": "epoch/v1", "created_ts": time.time()})
         await (await p.send(topic, value, key=b"epoch", partition=0))

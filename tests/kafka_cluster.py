@@ -139,6 +139,7 @@ TOOLS: dict[str, str] = {
     "kafka-acls.sh": "org.apache.kafka.tools.AclCommand",
     "kafka-topics.sh": "org.apache.kafka.tools.TopicCommand",
     "kafka-metadata-quorum.sh": "org.apache.kafka.tools.MetadataQuorumCommand",
+    "kafka-dump-log.sh": "kafka.tools.DumpLogSegments",
 }
 # A short-lived tool JVM: start fast, little memory.
 TOOL_JVM = ["-Xmx128m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"]
@@ -602,6 +603,27 @@ class KafkaCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no active controller within {timeout:.0f} s: {(out.stdout + out.stderr)[-2000:]}")
             time.sleep(0.5)
+
+    def producer_ids(self, topic: str) -> dict[int, int]:
+        """How many record batches of ``topic`` each producer id wrote (-1: a producer that was not
+        idempotent), from the log segments of every partition on disk (Kafka's dump tool)."""
+        node = self.nodes[0]
+        logs = sorted(str(f) for f in (node.dir / "data").glob(f"{topic}-[0-9]*/*.log"))
+        if not logs:
+            return {}
+        out = subprocess.run(
+            [str(self.bin / "kafka-dump-log.sh"), "--files", ",".join(logs)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"kafka-dump-log.sh failed: {(out.stdout + out.stderr)[-2000:]}")
+        counts: dict[int, int] = {}
+        for pid in re.findall(r"producerId: (-?\d+)", out.stdout):
+            counts[int(pid)] = counts.get(int(pid), 0) + 1
+        return counts
 
     # -- steps -----------------------------------------------------------------------------
     def server_properties(self, node: Node) -> dict[str, str]:

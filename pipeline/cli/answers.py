@@ -151,8 +151,7 @@ async def send_and_wait(
 
 
 async def _send(bootstrap: str, conn: Connection, ctl: Control) -> None:
-    producer = kafka.producer(bootstrap, conn)
-    await producer.start()
+    producer = await kafka.start_producer(bootstrap, conn)
     try:
         await (await producer.send(conn.topics.control.name, encode(ctl.to_dict()), partition=0))
     finally:

@@ -224,13 +224,7 @@ class Sender:
 
     async def _connect(self) -> Any:
         async def attempt() -> Any:
-            producer = kafka.producer(self.bootstrap, self.conn, **self._producer_kwargs)
-            try:
-                await producer.start()
-            except BaseException:
-                await producer.stop()
-                raise
-            return producer
+            return await kafka.start_producer(self.bootstrap, self.conn, **self._producer_kwargs)
 
         return await keep_trying(attempt, self.backoff, self._note_failure)
 

@@ -243,8 +243,7 @@ class LabelQueue(Service):
 
     async def _start(self) -> None:
         self.answered |= await self._own_answers()
-        self._producer = kafka.producer(self.bootstrap, self.conn)
-        await self._producer.start()
+        self._producer = await kafka.start_producer(self.bootstrap, self.conn)
         # One sample at a time: a labeler holds only what it shows.
         self._consumer = kafka.consumer(
             self.bootstrap,

@@ -129,8 +129,7 @@ async def send_cutover(bootstrap: str, conn: Connection | Settings, report: dict
         id=f"cutover-{uuid.uuid4().hex}",
         details={"gain": report.get("gain"), "serving_version": report.get("serving_version")},
     )
-    producer = kafka.producer(bootstrap, conn)
-    await producer.start()
+    producer = await kafka.start_producer(bootstrap, conn)
     try:
         await (await producer.send(conn.topics.control.name, encode(ctl.to_dict()), partition=0))
     finally:

@@ -34,7 +34,6 @@ out (or restarting the app) ends it, so a copied cookie stops working with its s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -172,15 +171,11 @@ class SaslLogin:
         """A started producer authenticated as ``name``, or None when the broker refuses the credentials."""
         if not name or set(name) - NAME_OK or not password:
             return None
-        producer = kafka.producer(self.bootstrap, self.connection_of(name, password))
-        try:
-            await producer.start()  # connecting authenticates: wrong credentials fail here
+        try:  # connecting authenticates: wrong credentials fail here
+            return await kafka.start_producer(self.bootstrap, self.connection_of(name, password))
         except Exception as exc:
             log.info("ui: SASL login of %r refused (%s)", name, type(exc).__name__)
-            with contextlib.suppress(Exception):
-                await producer.stop()
             return None
-        return producer
 
 
 def session_secret(state_dir: Path) -> str:

@@ -151,8 +151,7 @@ class SamplePool(Service):
             self._flusher = asyncio.create_task(self._flush_loop())
 
     async def _open_clients(self) -> None:
-        self._producer = kafka.producer(self.bootstrap, self.conn)
-        await self._producer.start()
+        self._producer = await kafka.start_producer(self.bootstrap, self.conn)
         self._consumer = kafka.consumer(
             self.bootstrap,
             self.conn,

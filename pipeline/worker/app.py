@@ -34,7 +34,7 @@ import faust
 import mode
 
 from pipeline.config import WorkerConfig
-from pipeline.kafka import ClusterWatch, faust_credentials, read_all
+from pipeline.kafka import ClusterWatch, faust_credentials, idempotence_granted, read_all
 from pipeline.metrics import Metrics
 from pipeline.service import restart_process
 from pipeline.worker.delivery import WorkerApp
@@ -108,6 +108,7 @@ class Worker:
         return WorkerApp(
             c.app_id,
             fetch_highwaters=functools.partial(fetched_highwaters, self.bootstrap, c.connection),
+            idempotence=functools.partial(idempotence_granted, self.bootstrap, c.connection),
             broker=[f"kafka://{b}" for b in self.bootstrap.split(",")],
             broker_credentials=faust_credentials(c.connection.security),
             store=STORE_URLS[c.store],

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import faust
@@ -95,11 +95,25 @@ class Unacked:
 
 
 class AckedProducer(AIOKafkaProducer):
-    """faust's aiokafka producer whose ``flush`` waits for every acknowledgement."""
+    """faust's aiokafka producer whose ``flush`` waits for every acknowledgement, idempotent
+    where the app's ``idempotence`` says so (``kafka_idempotence``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.unacked = Unacked()
+        self.idempotent = False
+
+    async def on_start(self) -> None:
+        ask = getattr(self.app, "idempotence", None)
+        self.idempotent = bool(ask is not None and await ask())
+        await super().on_start()
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        # faust turns idempotence on only inside its transactions (exactly-once).
+        extra = dict(super()._settings_extra())
+        if self.idempotent:
+            extra.update(acks="all", enable_idempotence=True)
+        return extra
 
     def send_soon(self, fut: Any) -> None:
         # Table changelog writes: buffered, sent by faust's buffer task.
@@ -125,14 +139,21 @@ class AckedProducer(AIOKafkaProducer):
 
 class WorkerApp(faust.App):
     """The worker's faust app: its producer waits for acknowledgements before a commit
-    (:class:`AckedProducer`), its commits never pass an input not processed
-    (:class:`pipeline.worker.commits.StageConsumer`), and its table recovery reads each
+    (:class:`AckedProducer`; idempotent where ``idempotence`` answers yes), its commits never
+    pass an input not processed (:class:`pipeline.worker.commits.StageConsumer`), and its table recovery reads each
     changelog to the end a fetch reports (:class:`pipeline.worker.recovery.WatermarkConsumer`,
     using ``fetch_highwaters``; without it, faust's ``end_offsets``).
     """
 
-    def __init__(self, *args: Any, fetch_highwaters: HighwaterFetch | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        fetch_highwaters: HighwaterFetch | None = None,
+        idempotence: Callable[[], Awaitable[bool]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.fetch_highwaters = fetch_highwaters
+        self.idempotence = idempotence
         super().__init__(*args, **kwargs)
 
     def _new_producer(self) -> ProducerT:

@@ -265,8 +265,7 @@ class JoinStage(Service):
     async def _start(self) -> None:
         conn = self.config.connection
         self._stopping.clear()
-        self._producer = kafka.producer(self.bootstrap, conn, linger_ms=10)
-        await self._producer.start()
+        self._producer = await kafka.start_producer(self.bootstrap, conn, linger_ms=10)
         self._dead = DeadLetterWriter(self._producer, self.topics.dead_letter.name, self.metrics)
         self._consumer = kafka.consumer(
             self.bootstrap, conn, group_id=self.group_id, max_poll_records=self.config.batch

@@ -21,6 +21,8 @@ where Java, Maven or the jars are missing.
 - ``causalmem publish FILE.jsonl`` with the service's user feeds the same loop;
 - the evaluator: a ``causalmem evaluator`` process (its own user, the default local model) scores
   events that carry texts, and the worker joins its feedback, which the learner learns;
+- every process's producer is idempotent (Apache Kafka grants producer ids): every record batch
+  on disk names its producer;
 - the service user cannot send an operator's command (the broker refuses its write to ``control``);
 - failures, last: while a service publishes a steady stream and a subscriber follows the policy,
   the node leading ``experiences``, then the one leading ``policy-checkpoints``, then the active
@@ -374,8 +376,7 @@ async def test_a_proposed_memory_passes_the_write_gate_and_reaches_the_clients_s
             proposal = MemoryWrite(
                 write_id, time.time(), "retry with a smaller page", f"{RUN}-w", 0, 1.0, embedding=emb
             )
-            producer = kafka.producer(dep.cluster.bootstrap, service)
-            await producer.start()
+            producer = await kafka.start_producer(dep.cluster.bootstrap, service)
             try:
                 await producer.send_and_wait(service.topics().memory_writes.name, proposal.to_bytes(), key=proposal.key)
             finally:
@@ -470,6 +471,32 @@ def test_the_evaluators_feedback_is_joined_and_learnt(deployment: Deployment, le
         assert fb.query_id == event.query_id and fb.nll_with is not None and fb.nll_without is not None
     time.sleep(2.0)
     assert metric(dep.worker.metrics(), "causalmem_joins_total") == joins0 + len(events), dep.logs()
+
+
+def test_every_process_writes_with_an_idempotent_producer(deployment: Deployment, learnt: int) -> None:
+    """At the default ``kafka_idempotence = auto`` Apache Kafka grants each producer an id, so a
+    retried send is written once. Every record batch on disk names the producer that wrote it:
+    the service's, the worker's (the join's and faust's, its changelogs), the learner's, the
+    evaluator's, the write gate's and the operator's."""
+    cluster, t = deployment.cluster, deployment.settings("operator").topics()
+    data = cluster.nodes[0].dir / "data"
+    changelogs = sorted({d.name.rsplit("-", 1)[0] for d in data.glob("causalmem-worker-*-changelog-*")})
+    written = {
+        "the service's": [t.retrieval_events.name],
+        "the service's and the evaluator's": [t.llm_feedback.name],
+        "the worker's join": [t.experiences.name, t.outcomes.name],
+        "faust's (the worker's tables)": changelogs,  # some tables may not have been written yet
+        "the learner's": [t.policy_checkpoints.name],
+        "the operator's and the learner's": [t.control.name],
+        "the write gate's": [t.memory_lifecycle.name],
+    }
+    for who, topics in written.items():
+        ids: dict[int, int] = {}
+        for topic in topics:
+            for pid, n in cluster.producer_ids(topic).items():
+                ids[pid] = ids.get(pid, 0) + n
+        assert ids, f"{who} {topics}: no record batch on disk"
+        assert -1 not in ids, f"{who} {topics}: {ids[-1]} batches from a producer that was not idempotent ({ids})"
 
 
 def test_a_service_may_not_run_the_operators_verbs(deployment: Deployment, learnt: int) -> None:

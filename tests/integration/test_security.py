@@ -219,9 +219,10 @@ def test_static_every_kafka_client_is_made_in_pipeline_kafka() -> None:
             if is_faust_app and "broker_credentials" not in {k.arg for k in node.keywords}:
                 offenders.append(f"{rel}:{node.lineno}: faust.App without broker_credentials")
     assert offenders == [], "\n".join(offenders)
-    assert made_in_kafka_py == 3  # producer, consumer, admin
+    assert made_in_kafka_py == 4  # producer, consumer, admin, and the client that asks for a producer id
     source = (ROOT / "pipeline" / "kafka.py").read_text()
     assert source.count("**security_kwargs(settings.security)") == 3
+    assert source.count("**security_kwargs(sec)") == 1  # the producer id probe's
 
 
 @pytest.mark.broker

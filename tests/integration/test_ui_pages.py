@@ -231,18 +231,11 @@ def test_sasl_logins_are_throttled_too(tmp_path: Path, monkeypatch: pytest.Monke
 
     attempts: list[str | None] = []
 
-    class Refused(Producer):
-        async def start(self) -> None:
-            raise RuntimeError("SASL authentication failed")
-
-        async def stop(self) -> None:
-            return None
-
-    def producer(bootstrap: str, conn: Any, **kw: Any) -> Refused:
+    async def start_producer(bootstrap: str, conn: Any, **kw: Any) -> Producer:
         attempts.append(conn.security.sasl_password)
-        return Refused()
+        raise RuntimeError("SASL authentication failed")
 
-    monkeypatch.setattr(kafka, "producer", producer)
+    monkeypatch.setattr(kafka, "start_producer", start_producer)
     sasl = S.replace(state_dir=str(tmp_path), security=KafkaSecurity("SASL_PLAINTEXT", "SCRAM-SHA-512", "ui", "pw"))
     app = create_app(sasl.ui(), "127.0.0.1:1", pool=Pool([]), feeds=Feeds())
     with TestClient(app, base_url="http://127.0.0.1") as c:
@@ -674,7 +667,8 @@ def test_sasl_logins_are_checked_by_the_broker_and_labels_use_the_labelers_crede
     monkeypatch.setattr(kafka, "producer", producer)
     sasl = S.replace(
         state_dir=str(tmp_path),
-        security=KafkaSecurity("SASL_PLAINTEXT", "SCRAM-SHA-512", "causalmem-ui", "app-pw"),
+        # idempotence off: the stand-in broker is not asked for a producer id first
+        security=KafkaSecurity("SASL_PLAINTEXT", "SCRAM-SHA-512", "causalmem-ui", "app-pw", idempotence="off"),
     )
     pool = Pool([sample("s1")])
     app = create_app(sasl.ui(), "127.0.0.1:1", pool=pool, feeds=Feeds())

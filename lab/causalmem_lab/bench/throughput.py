@@ -86,10 +86,11 @@ def make_events(n: int, d: int, s: int, seed: int = 0, candidates: int = 20, k: 
 
 
 def security_env(settings: Settings) -> dict[str, str]:
-    """The ``CAUSALMEM_KAFKA_*`` variables of ``settings``' SASL/TLS settings that are set, for a child process.
+    """The ``CAUSALMEM_KAFKA_*`` variables of ``settings``' SASL/TLS and producer settings that
+    are set, for a child process.
 
     >>> security_env(Settings())
-    {'CAUSALMEM_KAFKA_SECURITY_PROTOCOL': 'PLAINTEXT'}
+    {'CAUSALMEM_KAFKA_SECURITY_PROTOCOL': 'PLAINTEXT', 'CAUSALMEM_KAFKA_IDEMPOTENCE': 'auto'}
     """
     sec = dataclasses.asdict(settings.security)
     return {f"{KafkaSecurity.ENV_PREFIX}{k.upper()}": str(v) for k, v in sec.items() if v is not None}
