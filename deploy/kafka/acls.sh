@@ -7,6 +7,7 @@
 #
 #   role       writes                                     reads
 #   service    retrieval-events, llm-feedback,            policy-checkpoints, memory-lifecycle
+#              memory-writes (agents propose memories),
 #              memory-lifecycle (its memories by id)
 #   labeler    human-labels (a "do not use" is only a     active-learning, human-labels (its own answers)
 #              proposal: labelers cannot suppress)
@@ -20,11 +21,11 @@
 #   learner    policy-checkpoints (the only writer),      experiences, control, policy-checkpoints,
 #              dead-letter                                memory-lifecycle
 #   evaluator  llm-feedback, dead-letter                  retrieval-events
-#   writes     memory-writes-rejected, dead-letter        memory-writes
-#              (the write gate; its adds to memory-lifecycle: see the lifecycle topic's grants)
-#   (services also write memory-writes: agents propose memories)
+#   writes     memory-writes-rejected, memory-lifecycle   memory-writes
+#              (the write gate's adds), dead-letter
 #
-# Every role may describe every product topic and read the epoch topic: processes check
+# Only the operators create topics. Every role may describe every product topic and read
+# the epoch topic: processes check
 # the topics at start, and the cluster watch reads the epoch marker (a topic a principal
 # may not describe looks missing, and a missing epoch topic means a lost cluster).
 #

@@ -10,7 +10,9 @@ configured through the ``CAUSALMEM_*`` environment that compose gives each role.
 - the service role writes ``retrieval-events`` (acknowledged by ``acks=all``) and reads only
   what deploy/kafka/acls.sh grants it;
 - an unauthenticated client, and a wrong password, are refused;
-- a labeler cannot write ``control`` or ``policy-checkpoints``.
+- a labeler cannot write ``control`` or ``policy-checkpoints``;
+- the whole matrix: each role writes and reads the product topics deploy/kafka/acls.sh's table
+  says it does, and no other; only the operator creates topics.
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ from collections.abc import Iterator
 
 import pytest
 from aiokafka import TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAuthorizationFailedError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+)
 
 from pipeline import cli, kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from tests.helpers import retrieval_event
-from tests.kafka_cluster import KafkaCluster
+from tests.kafka_cluster import ROLES, KafkaCluster
 from topics.events import decode_retrieval_event
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -146,7 +153,117 @@ async def test_labeler_cannot_write_control_or_checkpoints(
             await send_one(kafka_cluster, labeler, topic)
 
 
+# deploy/kafka/acls.sh's table, as its header documents it: the product topics each role writes
+# and reads (besides these, every role reads ``epoch`` and describes every topic).
+WRITES: dict[str, set[str]] = {
+    "service": {"retrieval-events", "llm-feedback", "memory-writes", "memory-lifecycle"},
+    "labeler": {"human-labels"},
+    "operator": {"control", "epoch"},
+    "worker": {"outcomes", "experiences", "active-learning", "rating-pairs", "dead-letter", "control"},
+    "learner": {"policy-checkpoints", "dead-letter"},
+    "evaluator": {"llm-feedback", "dead-letter"},
+    "writes": {"memory-writes-rejected", "memory-lifecycle", "dead-letter"},
+}
+EVERY_TOPIC = {t.name for t in Settings().topics().all()}
+READS: dict[str, set[str]] = {
+    "service": {"policy-checkpoints", "memory-lifecycle"},
+    "labeler": {"active-learning", "human-labels"},
+    "operator": EVERY_TOPIC,
+    "worker": {"retrieval-events", "llm-feedback", "human-labels", "outcomes", "rating-pairs"},
+    "learner": {"experiences", "control", "policy-checkpoints", "memory-lifecycle"},
+    "evaluator": {"retrieval-events"},
+    "writes": {"memory-writes"},
+}
+
+
+async def test_each_role_writes_and_reads_what_acls_sh_documents_and_nothing_else(
+    kafka_cluster: KafkaCluster, init_topics: tuple[int, str]
+) -> None:
+    """The whole matrix, role × product topic × write/read (7 × 14 × 2 cases), against the ACLs
+    deploy/kafka/acls.sh applied; only the operator may create the product's topics, and no role
+    any other (the worker's faust topics aside, under its own prefix). Last in the module:
+    it writes a record into every topic a role may write."""
+    assert init_topics[0] == 0
+    assert set(WRITES) == set(READS) == set(ROLES)
+    wrong: list[str] = []
+    for role in ROLES:
+        s = role_settings(kafka_cluster, role)
+        assert s.topic_prefix == ""  # the cluster's ACLs name the topics without a prefix
+        writable = await may_write(kafka_cluster, s, sorted(EVERY_TOPIC))
+        readable = await may_read(kafka_cluster, s, sorted(EVERY_TOPIC))
+        for topic in sorted(EVERY_TOPIC):
+            if writable[topic] != (topic in WRITES[role]):
+                wrong.append(f"{role} {'may' if writable[topic] else 'may not'} write {topic}")
+            expected_read = topic in READS[role] or topic == "epoch"
+            if readable[topic] != expected_read:
+                wrong.append(f"{role} {'may' if readable[topic] else 'may not'} read {topic}")
+        if await may_create(kafka_cluster, s, f"acl-matrix-{role}-{uuid.uuid4().hex[:6]}"):
+            wrong.append(f"{role} may create a topic the product does not have")
+        created = await may_create(kafka_cluster, s, s.topics().retrieval_events.name)
+        if created != (role == "operator"):
+            wrong.append(f"{role} {'may' if created else 'may not'} create the product's topics")
+    assert not wrong, "\n".join(wrong)
+
+
 # --------------------------------------------------------------------------- helpers
+
+
+async def may_write(cluster: KafkaCluster, settings: Settings, topics: list[str]) -> dict[str, bool]:
+    """Per topic, whether the broker acknowledged one record (False: refused as unauthorized)."""
+    out: dict[str, bool] = {}
+    producer = kafka.producer(cluster.bootstrap, settings, request_timeout_ms=10_000)
+    await producer.start()
+    try:
+        for topic in topics:
+            try:
+                await producer.send_and_wait(topic, b"{}", key=b"acl-matrix", partition=0)
+                out[topic] = True
+            except TopicAuthorizationFailedError:
+                out[topic] = False
+    finally:
+        await producer.stop()
+    return out
+
+
+async def may_read(cluster: KafkaCluster, settings: Settings, topics: list[str]) -> dict[str, bool]:
+    """Per topic, whether a fetch of partition 0 answered (False: refused as unauthorized)."""
+    out: dict[str, bool] = {}
+    consumer = kafka.consumer(cluster.bootstrap, settings)
+    await consumer.start()
+    try:
+        for topic in topics:
+            tp = TopicPartition(topic, 0)
+            consumer.assign([tp])
+            try:
+                await consumer.seek_to_beginning(tp)
+                for _ in range(40):  # until a fetch response gives the high watermark (10 s at most)
+                    await consumer.getmany(tp, timeout_ms=250, max_records=1)
+                    if consumer.highwater(tp) is not None:
+                        out[topic] = True
+                        break
+                else:
+                    raise AssertionError(f"{topic}: neither fetched nor refused within 10 s")
+            except TopicAuthorizationFailedError:
+                out[topic] = False
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def may_create(cluster: KafkaCluster, settings: Settings, topic: str) -> bool:
+    """Whether the broker lets ``settings``'s user create ``topic`` (one that exists already
+    answers "exists" only to a user that may create it: authorization is checked first)."""
+    client: AIOKafkaAdminClient = kafka.admin(cluster.bootstrap, settings)
+    await client.start()
+    try:
+        resp = await client.create_topics([NewTopic(topic, num_partitions=1, replication_factor=3)])
+    finally:
+        await client.close()
+    (code,) = {int(t[1]) for t in resp.topic_errors}
+    if code in (0, TopicAlreadyExistsError.errno):
+        return True
+    assert code == TopicAuthorizationFailedError.errno, resp
+    return False
 
 
 async def start_admin(bootstrap: str, settings: Settings) -> None:
