@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from causalmem_lab.procs import Child, wait_until
@@ -58,6 +59,29 @@ def experience(s: Settings, i: int, utility: float | None = None, ts: float | No
     rng = np.random.default_rng(i)
     ev = retrieval_event(s, f"q{i}", 0, ts=ts if ts is not None else 1_767_225_600.0 + i, rng=rng, event_id=f"e{i}")
     return Experience(ev.event_id, "feedback", ev, float(rng.normal()) if utility is None else utility)
+
+
+class Runnable(Protocol):
+    async def start(self) -> Any: ...
+    async def run(self) -> Any: ...
+    async def stop(self) -> Any: ...
+
+
+R = TypeVar("R", bound=Runnable)
+
+
+@contextlib.asynccontextmanager
+async def running(component: R) -> AsyncIterator[R]:
+    """``component`` started, its ``run`` loop in a task; stopped and the task ended on the way out."""
+    await component.start()
+    task = asyncio.create_task(component.run())
+    try:
+        yield component
+    finally:
+        await component.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def until(

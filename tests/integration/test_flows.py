@@ -19,7 +19,7 @@ from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.worker.join import JoinStage
 from pipeline.worker.partitions import key_partition
-from tests.helpers import experience, feedback, retrieval_event, until
+from tests.helpers import experience, feedback, retrieval_event, running, until
 from topics.fields import Rejected, encode
 from topics.internal import decode_experience
 from topics.names import Topics
@@ -29,19 +29,6 @@ pytestmark = pytest.mark.broker
 
 async def _read(s, topic: str) -> list:
     return await kafka.read_all(s.bootstrap, s, topic)
-
-
-@contextlib.asynccontextmanager
-async def running(component):
-    await component.start()
-    task = asyncio.create_task(component.run())
-    try:
-        yield component
-    finally:
-        await component.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_join_either_order_duplicates_and_dead_letter(topics_ready) -> None:

@@ -9,9 +9,7 @@ case by case: tests/unit/worker/test_join_step_reuse.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import orjson
 import pytest
@@ -21,23 +19,10 @@ from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.metrics import Metrics
 from pipeline.worker.join import JoinStage
-from tests.helpers import feedback, retrieval_event, until
+from tests.helpers import feedback, retrieval_event, running, until
 from topics.internal import decode_experience
 
 pytestmark = pytest.mark.broker
-
-
-@contextlib.asynccontextmanager
-async def running(stage: JoinStage) -> AsyncIterator[JoinStage]:
-    await stage.start()
-    task = asyncio.create_task(stage.run())
-    try:
-        yield stage
-    finally:
-        await stage.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_steps_reused_after_a_client_restart_are_dead_lettered(topics_ready: Settings) -> None:

@@ -8,8 +8,6 @@ restore and a subscriber load with pickle and ``torch.load`` disabled.
 from __future__ import annotations
 
 import ast
-import asyncio
-import contextlib
 import io
 import pickle
 import re
@@ -25,7 +23,7 @@ from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
-from tests.helpers import experience, until
+from tests.helpers import experience, running, until
 from tests.paths import REPO_ROOT
 from topics.fields import encode
 
@@ -137,19 +135,6 @@ def pickle_forbidden(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(torch, "load", forbid("torch.load"))
     monkeypatch.setattr(torch.serialization, "load", forbid("torch.serialization.load"))
     return calls
-
-
-@contextlib.asynccontextmanager
-async def running(learner: Learner):
-    await learner.start()
-    task = asyncio.create_task(learner.run())
-    try:
-        yield learner
-    finally:
-        await learner.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 @pytest.mark.broker

@@ -5,10 +5,7 @@ principal goes to ``dead-letter`` with its reason and is counted, and the join g
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import orjson
 import pytest
@@ -18,23 +15,10 @@ from pipeline.client.publisher import EventPublisher
 from pipeline.config import Settings
 from pipeline.metrics import Metrics
 from pipeline.worker.join import JoinStage
-from tests.helpers import feedback, retrieval_event, until
+from tests.helpers import feedback, retrieval_event, running, until
 from topics.internal import decode_experience
 
 pytestmark = pytest.mark.broker
-
-
-@contextlib.asynccontextmanager
-async def running(stage: JoinStage) -> AsyncIterator[JoinStage]:
-    await stage.start()
-    task = asyncio.create_task(stage.run())
-    try:
-        yield stage
-    finally:
-        await stage.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_experiences_name_the_principals_of_their_event_and_feedback(topics_ready: Settings) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import io
 from typing import Any
 
@@ -24,6 +22,7 @@ from pipeline.client.shadow import ShadowMode
 from pipeline.config import AdapterConfig, Connection, Settings, ShadowConfig
 from pipeline.policy_evaluation.shadow import CutoverRule, format_report, shadow_gain
 from tests.adapter_fakes import Recorder, hashed_embedding
+from tests.helpers import running
 from topics.internal import Experience
 
 # Every query has the poisoned memory's words (in another order): the incumbent (similarity) ranks it first.
@@ -126,19 +125,6 @@ def test_the_cutover_rule_needs_a_positive_lower_bound_held_for_the_period() -> 
         }
     )
     assert "shadow mode" in line and "+1.0000 [+0.1000, +2.0000]" in line and "95% interval" in line
-
-
-@contextlib.asynccontextmanager
-async def running(component: Any) -> Any:
-    await component.start()
-    task = asyncio.create_task(component.run())
-    try:
-        yield component
-    finally:
-        await component.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 @pytest.mark.broker
