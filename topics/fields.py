@@ -71,7 +71,9 @@ LEARNER_REASONS: tuple[str, ...] = (
 # Contract 1.14: a reason the join gives (a valid message of an input topic, never a decoder's):
 # step_reused, a new event_id for a (query_id, step) another event of its topic already holds,
 # joined or waiting (a client reusing query ids after a restart; docs/contract.md §2).
-JOIN_REASONS: tuple[str, ...] = ("step_reused",)
+# Contract 1.16: bad_signature, a RetrievalEvent or LLMFeedback naming a principal the worker's
+# keyring holds, without that principal's valid signature (topics/principal.py).
+JOIN_REASONS: tuple[str, ...] = ("step_reused", "bad_signature")
 
 SCHEMA_RETRIEVAL = "retrieval_event/v1"
 SCHEMA_FEEDBACK = "llm_feedback/v1"
@@ -92,10 +94,11 @@ MAX_SLOTS = 10_000_000  # the largest S a policy may have (docs/contract.md §1)
 
 
 class Rejected(ValueError):
-    """A message that must not reach the model; ``reason`` is one of :data:`REASONS`."""
+    """A message that must not reach the model; ``reason`` is one of :data:`REASONS` (or the
+    learner's and the join's own)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
-        assert reason in REASONS or reason in LEARNER_REASONS, reason
+        assert reason in REASONS or reason in LEARNER_REASONS or reason in JOIN_REASONS, reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail

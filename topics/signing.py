@@ -119,6 +119,20 @@ def verify_tombstone(message_key: bytes, headers: Any, key: Key) -> bool:
     return _verify_bytes(b"tombstone\x00" + message_key, found[0].decode("utf-8", "surrogateescape"), key)
 
 
+def sign_bytes(data: bytes, key: Key) -> str:
+    """``key``'s signature of ``data`` (``ed25519:`` or ``hmac-sha256:``, by the key's kind).
+
+    >>> verify_bytes(b"x", sign_bytes(b"x", b"k"), b"k"), verify_bytes(b"y", sign_bytes(b"x", b"k"), b"k")
+    (True, False)
+    """
+    return _sign_bytes(data, key)
+
+
+def verify_bytes(data: bytes, signature: object, key: Key) -> bool:
+    """Whether ``signature`` is ``key``'s over ``data``; anything malformed is a wrong signature."""
+    return _verify_bytes(data, signature, key)
+
+
 def load_key(text: str | bytes) -> Key:
     """A key from its text: a PEM Ed25519 private key (the learner's), a PEM public key (a
     reader's), else a shared HMAC secret (the bytes themselves, surrounding whitespace removed).

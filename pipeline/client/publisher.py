@@ -25,7 +25,8 @@ from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
 from topics.fields import SCHEMA_FEEDBACK, SCHEMA_LABEL, SCHEMA_RETRIEVAL, Rejected, encode
 from topics.labels import HumanLabel, decode_human_label
-from topics.principal import check_principal
+from topics.principal import check_principal, principal_signature
+from topics.signing import Key
 
 SCHEMA_TOPIC = {SCHEMA_RETRIEVAL: "retrieval-events", SCHEMA_FEEDBACK: "llm-feedback", SCHEMA_LABEL: "human-labels"}
 DECODE = {
@@ -50,11 +51,17 @@ class _Publishing:
         max_bytes: int,
         producer_kwargs: dict[str, Any],
         principal: str | None = None,
+        principal_key: Key | None = None,
     ) -> None:
         try:
             self.principal = None if principal is None else check_principal(principal)
         except Rejected as rej:
             raise ValueError(f"principal: {rej.detail}") from None
+        if principal_key is not None and self.principal is None:
+            raise ValueError("principal_key signs for a principal: give principal too")
+        if principal_key is not None:
+            principal_signature(b"", principal_key)  # ValueError now for a key that cannot sign
+        self.principal_key = principal_key
         self.conn = Connection.of(conn)
         self.bootstrap = bootstrap
         self.validate = validate
@@ -105,11 +112,16 @@ class _Publishing:
         raw = encode(obj)
         if self.validate:
             DECODE[schema](raw, self.limits)
-        self.put_raw(SCHEMA_TOPIC[schema], raw, str(obj.get("query_id", "")))
+        # Contract 1.16: the principal's signature of the bytes sent, in a record header.
+        key = self.principal_key if schema in STAMPED else None
+        headers = (principal_signature(raw, key),) if key is not None else ()
+        self.put_raw(SCHEMA_TOPIC[schema], raw, str(obj.get("query_id", "")), headers)
 
-    def put_raw(self, short_topic: str, raw: bytes | None, query_id: str | None) -> None:
+    def put_raw(
+        self, short_topic: str, raw: bytes | None, query_id: str | None, headers: tuple[tuple[str, bytes], ...] = ()
+    ) -> None:
         topic = self.topics.by_short_name(short_topic).name
-        self.sender.put(topic, raw, query_id.encode("utf-8") if query_id else None)
+        self.sender.put(topic, raw, query_id.encode("utf-8") if query_id else None, headers)
 
 
 class EventPublisher(_Publishing, Service):
@@ -133,6 +145,13 @@ class EventPublisher(_Publishing, Service):
         carry (``[A-Za-z0-9._:@-]``, at most 128 characters; ``ValueError`` otherwise). The
         learner bounds each principal's influence (docs/learning.md); None sends none
         (the values count as ``"anonymous"``).
+    principal_key
+        Keyword only (contract 1.16): the key that proves ``principal`` (an Ed25519 private
+        key, whose public half the operator puts in the worker's ``principal_keys``
+        directory as ``<principal>.pem``, or a shared secret; ``topics.signing.load_key``
+        reads either). Each RetrievalEvent and LLMFeedback then carries its signature in a
+        record header. Without it, a worker with a keyring counts the values as
+        ``"anonymous"``, or rejects them where the keyring holds the name.
     producer_kwargs
         Passed on to the aiokafka producer.
     """
@@ -146,10 +165,13 @@ class EventPublisher(_Publishing, Service):
         max_events: int = MAX_EVENTS,
         max_bytes: int = MAX_BYTES,
         principal: str | None = None,
+        principal_key: Key | None = None,
         **producer_kwargs: Any,
     ) -> None:
         Service.__init__(self)
-        _Publishing.__init__(self, bootstrap, conn, validate, max_events, max_bytes, producer_kwargs, principal)
+        _Publishing.__init__(
+            self, bootstrap, conn, validate, max_events, max_bytes, producer_kwargs, principal, principal_key
+        )
 
     async def _start(self) -> None:
         self.sender.start()
@@ -176,7 +198,7 @@ class EventPublisher(_Publishing, Service):
 
 class SyncEventPublisher(_Publishing):
     """The same publisher for code without an event loop; nothing here blocks on the broker
-    (the same arguments, ``principal`` included).
+    (the same arguments, ``principal`` and ``principal_key`` included).
 
     >>> pub = SyncEventPublisher("127.0.0.1:19092")  # doctest: +SKIP
     >>> pub.publish(event); pub.flush(); pub.close()  # doctest: +SKIP
@@ -191,9 +213,10 @@ class SyncEventPublisher(_Publishing):
         max_events: int = MAX_EVENTS,
         max_bytes: int = MAX_BYTES,
         principal: str | None = None,
+        principal_key: Key | None = None,
         **producer_kwargs: Any,
     ) -> None:
-        super().__init__(bootstrap, conn, validate, max_events, max_bytes, producer_kwargs, principal)
+        super().__init__(bootstrap, conn, validate, max_events, max_bytes, producer_kwargs, principal, principal_key)
         self.sender.start()
 
     def publish(self, value: RetrievalEvent | LLMFeedback | HumanLabel) -> None:

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiokafka.errors import BrokerResponseError
 
@@ -45,13 +45,20 @@ MAX_BYTES = 32 * 1024 * 1024  # bytes buffered at most (values and keys)
 BATCH = 500  # events handed to the producer before waiting for their acknowledgements
 LOG_EVERY_S = 10.0
 
-# topic, value (None: a tombstone), key, and whether it was handed to the broker before (a
-# retried event whose acknowledgement failed: it may be on the topic already)
-Item = tuple[str, bytes | None, bytes | None, bool]
+
+class Item(NamedTuple):
+    """One event to send."""
+
+    topic: str
+    value: bytes | None  # None: a tombstone
+    key: bytes | None
+    # Handed to the broker before: a retried event whose acknowledgement failed (it may be on the topic already).
+    handed: bool = False
+    headers: tuple[tuple[str, bytes], ...] = ()  # record headers (a principal's signature, contract 1.16)
 
 
 def _size(item: Item) -> int:
-    return (len(item[1]) if item[1] else 0) + (len(item[2]) if item[2] else 0)
+    return (len(item.value) if item.value else 0) + (len(item.key) if item.key else 0)
 
 
 def _refused(exc: BaseException) -> bool:
@@ -129,9 +136,11 @@ class Sender:
         self._task = self._bg.submit(begin())
         ready.wait(5.0)
 
-    def put(self, topic: str, value: bytes | None, key: bytes | None) -> None:
+    def put(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: tuple[tuple[str, bytes], ...] = ()
+    ) -> None:
         """Buffer one event for sending; never blocks, never raises because of the broker."""
-        item = (topic, value, key, False)
+        item = Item(topic, value, key, False, headers)
         with self._lock:
             self._buffer.append(item)
             self._bytes += _size(item)
@@ -218,7 +227,7 @@ class Sender:
 
     def _count_lost(self, items: Any) -> None:
         """Count events given up: in doubt where they were handed to the broker before, else dropped."""
-        doubt = sum(1 for item in items if item[3])
+        doubt = sum(1 for item in items if item.handed)
         self.in_doubt += doubt
         self.dropped += len(items) - doubt
 
@@ -272,7 +281,8 @@ class Sender:
         try:
             for i, item in enumerate(batch):
                 try:
-                    futures.append((item, await producer.send(item[0], item[1], key=item[2])))
+                    sent = producer.send(item.topic, item.value, key=item.key, headers=list(item.headers) or None)
+                    futures.append((item, await sent))
                 except Exception as exc:
                     if not _refused(exc):
                         retry, error = batch[i:], exc
@@ -281,7 +291,7 @@ class Sender:
             results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
         except asyncio.CancelledError:
             handed = len(futures)  # these may have reached the broker
-            self._requeue([(*item[:3], True) for item in batch[:handed]] + batch[handed:])
+            self._requeue([item._replace(handed=True) for item in batch[:handed]] + batch[handed:])
             raise
         done = 0
         for (item, _), result in zip(futures, results, strict=True):
@@ -290,7 +300,7 @@ class Sender:
             elif _refused(result):
                 self._refuse(result)
             else:
-                retry.append((item[0], item[1], item[2], True))  # handed over: it may be on the topic
+                retry.append(item._replace(handed=True))  # handed over: it may be on the topic
                 error = error or result
         self.sent += done
         return retry, error

@@ -71,6 +71,7 @@ from topics.events import RetrievalEvent, decode_retrieval_event
 from topics.feedback import LLMFeedback, decode_llm_feedback
 from topics.fields import Rejected, encode
 from topics.internal import Outcome, experience_bytes, outcomes_messages
+from topics.principal import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,8 @@ class JoinStage(Service):
         self.acked: dict[TopicPartition, int] = {}
         self.stats = JoinStats()
         self.rule = CandidateRule(config.active_learning)
+        # Contract 1.16: the principals whose values must be signed (None: every name is a claim).
+        self.keyring = Keyring.load(config.principal_keys) if config.principal_keys else None
         self.joined_total = 0
         self.max_bytes = config.partition_max_bytes  # per input partition (pending halves and remembered ids)
         self.state_metrics = join_state_metrics(metrics)
@@ -341,6 +344,8 @@ class JoinStage(Service):
                         if kind == "retrieval"
                         else decode_llm_feedback(msg.value, self.limits, msg.key)
                     )
+                    if self.keyring is not None:
+                        value.principal = self.keyring.proven(value.principal, msg.value, msg.headers)
                 except Rejected as rej:
                     assert self._dead is not None
                     self._dead.send(msg, rej.reason, rej.detail)
