@@ -173,6 +173,9 @@ class Settings:
     join_state_max_bytes: int = setting(
         512 * 1024 * 1024, "the join's pending halves and remembered ids, counted bytes, over every partition"
     )
+    principal_keys: str | None = setting(
+        None, "directory of <principal>.pem public keys: their values must be signed (contract 1.16); None: claims"
+    )
     label_window_s: float = setting(86400.0, "event time a verdict/rating can wait for its query")
     query_state_max: int = setting(500_000, "per-query table entries a worker keeps at most, per table")
     al_pending_max: int = setting(20_000, "error candidates (whole events) waiting for a verdict, at most")
@@ -219,6 +222,10 @@ class Settings:
     control_checkpoints_per_hour: int = setting(
         6, "checkpoints past the gate that rollback, reset and cut-over commands may force per hour, together"
     )
+    operator_keys: str | None = setting(
+        None, "directory of <operator>.pem public keys: operators' commands must be signed by one (1.16); None: claims"
+    )
+    operator_key_file: str = setting("", "the CLI's operator key (PEM private key): it signs the commands it sends")
     influence_cap: float = setting(
         0.2, "contract 1.15: the largest share of the learner's update weight one principal may carry (0, 1]"
     )
@@ -284,6 +291,7 @@ class Settings:
             max_future_skew_s=self.max_future_skew_s,
             max_outcomes_bytes=self.max_outcomes_bytes,
             state_max_bytes=self.join_state_max_bytes,
+            principal_keys=self.principal_keys,
         )
 
     def drift(self) -> DriftConfig:
@@ -396,6 +404,7 @@ class Settings:
             suppress_max_slots=self.suppress_max_slots,
             suppress_checkpoints_per_hour=self.suppress_checkpoints_per_hour,
             control_checkpoints_per_hour=self.control_checkpoints_per_hour,
+            operator_keys=self.operator_keys,
             influence_cap=self.influence_cap,
             influence_window=self.influence_window,
             disagreement_tolerance=self.disagreement_tolerance,
@@ -429,6 +438,15 @@ class Settings:
             return key
         signing = self.signing_key()
         return verify_key(signing) if signing is not None else None
+
+    def operator_key(self) -> Key | None:
+        """The key the CLI signs operators' commands with (``operator_key_file``); None: unsigned."""
+        if not self.operator_key_file:
+            return None
+        key = load_key(Path(os.path.expanduser(self.operator_key_file)).read_bytes())
+        if is_public(key):
+            raise ValueError(f"{self.operator_key_file} holds a public key: an operator signs with the private key")
+        return key
 
     def state_path(self) -> Path:
         path = _state_path(self.state_dir)
@@ -628,6 +646,7 @@ class LearnerConfig:
     suppress_max_slots: int = Settings.suppress_max_slots
     suppress_checkpoints_per_hour: int = Settings.suppress_checkpoints_per_hour
     control_checkpoints_per_hour: int = Settings.control_checkpoints_per_hour
+    operator_keys: str | None = Settings.operator_keys  # the operators' keyring (topics/principal.py); None: claims
     # Contract 1.15, per principal (pipeline/learner/influence.py, principals.py): the share of the update
     # weight one may carry over the recent window, and when its utilities disagree with the others'.
     influence_cap: float = Settings.influence_cap
@@ -670,6 +689,7 @@ class JoinConfig:
     max_future_skew_s: float = Settings.max_future_skew_s
     max_outcomes_bytes: int = Settings.max_outcomes_bytes  # under Kafka's default 1 MB message limit
     state_max_bytes: int = Settings.join_state_max_bytes  # a worker owning every partition holds at most this
+    principal_keys: str | None = Settings.principal_keys  # the keyring (topics/principal.py); None: names are claims
 
     @property
     def partition_max_bytes(self) -> int:

@@ -35,6 +35,8 @@ from pipeline.modeltopic import ModelTopicIndex
 from topics.fields import encode
 from topics.internal import Control
 from topics.manifest import Manifest
+from topics.principal import principal_signature
+from topics.signing import Key
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ def who_asks(conn: Connection, asked: str | None) -> str:
     """Who the command says asked (``by``): the SASL user on an authenticated connection (naming
     someone else is refused: ValueError), else ``asked``, else ``$USER``; "" when none is known.
 
-    The learner records it as the sender's claim: nothing on ``control`` proves who wrote a
-    command (docs/operations.md, "Security").
+    The learner records it as the sender's claim unless the command is signed with that
+    operator's key (``operator_key_file``; contract 1.16, docs/operations.md, "Security").
     """
     if asked is None and principal(conn) is None:
         asked = os.environ.get("USER")
@@ -113,11 +115,13 @@ async def send_and_wait(
     index: ModelTopicIndex,
     done: Callable[[Manifest], bool],
     timeout: float,
+    key: Key | None = None,
 ) -> Answer:
     """Send ``ctl`` (which must carry an ``id``) and wait for the learner's answer.
 
     ``index``: the model topic as read before sending (the watch goes on from its end);
-    ``done``: whether a manifest that arrives is the command's checkpoint.
+    ``done``: whether a manifest that arrives is the command's checkpoint; ``key``: the
+    operator's key, whose signature of the command proves its ``by`` (contract 1.16).
     """
     assert ctl.id, "a command the verb waits for needs an id"
     topics = conn.topics
@@ -131,7 +135,7 @@ async def send_and_wait(
         await consumer.seek_to_end(dead)
         await consumer.position(dead)
         consumer.seek(model, index.end_offset)
-        await _send(bootstrap, conn, ctl)
+        await _send(bootstrap, conn, ctl, key)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
@@ -150,10 +154,12 @@ async def send_and_wait(
             await consumer.stop()
 
 
-async def _send(bootstrap: str, conn: Connection, ctl: Control) -> None:
+async def _send(bootstrap: str, conn: Connection, ctl: Control, key: Key | None) -> None:
+    value = encode(ctl.to_dict())
+    headers = [principal_signature(value, key)] if key is not None else None
     producer = await kafka.start_producer(bootstrap, conn)
     try:
-        await (await producer.send(conn.topics.control.name, encode(ctl.to_dict()), partition=0))
+        await (await producer.send(conn.topics.control.name, value, partition=0, headers=headers))
     finally:
         await producer.stop()
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.cli.answers import who_asks
 from pipeline.cli.common import default_of, resolve_bootstrap, settings_from
 from pipeline.config import Settings, ShadowConfig
 from pipeline.policy_evaluation.evaluate import METHODS, WINDOW, evaluate_window, print_report
@@ -86,9 +87,10 @@ def run_shadow(args: argparse.Namespace, settings: Settings, bootstrap: str) -> 
         report = asyncio.run(shadow_report(bootstrap, settings.connection(), args.window, config))
         show(report)
     else:
-        report = asyncio.run(
-            watch(bootstrap, settings.connection(), args.window, config, args.watch, show, args.timeout)
-        )
+        conn = settings.connection()
+        by, key = who_asks(conn, None), settings.operator_key()  # the cut-over is an operator's command
+        shown = watch(bootstrap, conn, args.window, config, args.watch, show, args.timeout, by=by, key=key)
+        report = asyncio.run(shown)
     return 0 if report["gain"] is not None or report["mode"] == "policy" else 1
 
 

@@ -28,6 +28,7 @@ from topics.fields import Rejected
 from topics.internal import QUARANTINE_COMMAND, Control
 from topics.manifest import Manifest
 from topics.principal import check_principal
+from topics.signing import Key
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -48,7 +49,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     bootstrap = resolve_bootstrap(settings)
     return asyncio.run(
-        change_quarantine(bootstrap, conn, args.verb, args.principal, by=by, reason=args.reason, timeout=args.timeout)
+        change_quarantine(
+            bootstrap,
+            conn,
+            args.verb,
+            args.principal,
+            by=by,
+            reason=args.reason,
+            timeout=args.timeout,
+            key=settings.operator_key(),
+        )
     )
 
 
@@ -61,6 +71,7 @@ async def change_quarantine(
     by: str,
     reason: str,
     timeout: float,
+    key: Key | None = None,
 ) -> int:
     """Send one ``quarantine`` / ``unquarantine`` command and report the learner's answer; returns the exit
     status (0 done or nothing to change, 1 refused or no answer)."""
@@ -90,7 +101,7 @@ async def change_quarantine(
 
     print(f"{command} {principal!r} sent by {by!r}; waiting for the learner's answer")
     answer = await send_and_wait(
-        bootstrap, conn, ctl, index, lambda m: carries(m, "quarantine", ctl.id) or reached(m), timeout
+        bootstrap, conn, ctl, index, lambda m: carries(m, "quarantine", ctl.id) or reached(m), timeout, key
     )
     if answer.manifest is not None:
         m = answer.manifest

@@ -29,6 +29,7 @@ from pipeline.learner.store import LOCAL_VERSIONS, LocalStore, local_dir
 from pipeline.modeltopic import scan_model_topic
 from topics.internal import Control
 from topics.manifest import Manifest
+from topics.signing import Key
 
 TOPIC, LOCAL = "model topic", "local directory"
 
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     bootstrap = resolve_bootstrap(settings)
     if args.list:
         return asyncio.run(list_versions(bootstrap, settings))
-    return asyncio.run(rollback(bootstrap, conn, args.to_version, args.reason, args.timeout, by=by))
+    key = settings.operator_key()
+    return asyncio.run(rollback(bootstrap, conn, args.to_version, args.reason, args.timeout, by=by, key=key))
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,13 @@ async def list_versions(bootstrap: str, settings: Settings) -> int:
 
 
 async def rollback(
-    bootstrap: str, conn: Connection | Settings, version: int, reason: str, timeout: float, by: str = ""
+    bootstrap: str,
+    conn: Connection | Settings,
+    version: int,
+    reason: str,
+    timeout: float,
+    by: str = "",
+    key: Key | None = None,
 ) -> int:
     """Ask the learner to serve ``version`` again and report its answer; returns the exit status."""
     conn = Connection.of(conn)
@@ -154,7 +162,7 @@ async def rollback(
         older = m.reason == "rollback" and m.metrics.get("rolled_back_to") == version and "control" not in m.metrics
         return carries(m, "control", ctl.id) or (older and m.version > newest.version)
 
-    answer = await send_and_wait(bootstrap, conn, ctl, index, done, timeout)
+    answer = await send_and_wait(bootstrap, conn, ctl, index, done, timeout, key)
     if answer.manifest is not None:
         print(f"serving v{answer.manifest.version}: the weights of v{version}")
         return 0

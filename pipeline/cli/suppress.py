@@ -29,6 +29,7 @@ from pipeline.learner.suppression import decide, read_audit
 from pipeline.modeltopic import scan_model_topic
 from topics.internal import SUPPRESS_COMMAND, Control
 from topics.manifest import Manifest
+from topics.signing import Key
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             max_slots=settings.suppress_max_slots,
             per_hour=settings.suppress_checkpoints_per_hour,
+            key=settings.operator_key(),
         )
     )
 
@@ -79,6 +81,7 @@ async def change_suppression(
     timeout: float,
     max_slots: int,
     per_hour: int,
+    key: Key | None = None,
 ) -> int:
     """Send one ``suppress`` / ``unsuppress`` command and report the learner's answer; returns the exit
     status (0 done or nothing to change, 1 refused or no answer, 2 bad request)."""
@@ -117,7 +120,7 @@ async def change_suppression(
 
     print(f"{command} {list(pre.changed)} sent by {by!r}; waiting for the learner's answer")
     answer = await send_and_wait(
-        bootstrap, conn, ctl, index, lambda m: carries(m, "suppression", ctl.id) or reached(m), timeout
+        bootstrap, conn, ctl, index, lambda m: carries(m, "suppression", ctl.id) or reached(m), timeout, key
     )
     if answer.manifest is not None:
         m = answer.manifest

@@ -60,6 +60,7 @@ from topics.internal import (
     Control,
     decode_control,
 )
+from topics.principal import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ class ControlHandler:
         self.publish_change = publish_change
         self.dead_letter = dead_letter
         self.clock = clock
+        # Contract 1.16: the operators whose signatures prove ``by`` (None: ``by`` is a claim).
+        self.operators = Keyring.load(config.operator_keys) if config.operator_keys else None
         # The rollbacks, resets and cut-overs carried out in the last hour (their audit entries,
         # which their checkpoints carry as ``control``): what control_checkpoints_per_hour counts.
         self.recent: list[dict[str, Any]] = []
@@ -164,6 +167,7 @@ class ControlHandler:
         """Carry out the command in ``msg`` (a consumer record), or dead-letter it."""
         try:
             ctl = decode_control(msg.value, self.config.connection.limits)
+            verified = self.proven(ctl, msg)
         except Rejected as rej:
             self.dead_letter(msg, rej.reason, rej.detail)
             return
@@ -173,18 +177,36 @@ class ControlHandler:
             self.inbox.mark_seen(ctl.id)
         try:
             if ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
-                await self.change_suppression(ctl, msg)
+                await self.change_suppression(ctl, msg, verified)
             elif ctl.command in (QUARANTINE_COMMAND, UNQUARANTINE_COMMAND):
-                await self.change_quarantine(ctl, msg)
+                await self.change_quarantine(ctl, msg, verified)
             else:
-                await self.bypass_gate(ctl, msg)
+                await self.bypass_gate(ctl, msg, verified)
         except (ValueError, TypeError, KeyError) as exc:
             # The codec checks details; a command it let through and that still cannot be
             # carried out is dead-lettered, and its offset passed like any other.
             log.error("learner: control command %s at offset %d failed: %r", ctl.command, msg.offset, exc)
             self.dead_letter(msg, "inconsistent", f"{ctl.command} failed: {exc!r}")
 
-    async def bypass_gate(self, ctl: Control, msg: Any = None) -> bool:
+    def proven(self, ctl: Control, msg: Any) -> bool:
+        """Whether the command's ``by`` is proven by its record ``msg`` (contract 1.16). With
+        ``operator_keys``, an operator's command (every one but the worker's drift ``reset``)
+        must carry the signature of a keyed operator named in ``by``; otherwise
+        :class:`~topics.fields.Rejected` (``bad_signature``). Without them, nothing is proven
+        and nothing is refused."""
+        if self.operators is None:
+            return False
+        by = str(ctl.details.get("by") or "") or None
+        if self.operators.proven(by, msg.value, msg.headers) is not None:
+            return True
+        if ctl.command == "reset":
+            return False  # the worker's drift stage asks without a key: capped like any reset
+        raise Rejected(
+            "bad_signature",
+            f"{ctl.command} by {by!r}: an operator's command must be signed with a key in operator_keys",
+        )
+
+    async def bypass_gate(self, ctl: Control, msg: Any = None, verified: bool = False) -> bool:
         """A ``rollback``, ``reset`` or ``cutover`` command: carried out (True) when
         :func:`~pipeline.learner.suppression.decide_command` allows it, else refused and dead-lettered
         (``msg`` being the control record) with nothing applied; a rollback to a version the learner no
@@ -198,7 +220,7 @@ class ControlHandler:
             if msg is not None:
                 self.dead_letter(msg, decision.reason, decision.detail)
             return False
-        entry = command_entry(ctl.command, by, ctl.reason, ctl.id, now)
+        entry = command_entry(ctl.command, by, ctl.reason, ctl.id, now, verified)
         if ctl.command == "reset":
             await self.reset(ctl.reason, ctl.details, entry=entry)
         elif ctl.command == CUTOVER_COMMAND:
@@ -232,7 +254,7 @@ class ControlHandler:
                 self._keep_suppressed()
         await self.publish_change(CUTOVER_COMMAND, {"cutover_reason": reason, "cutover": details, **_carried(entry)})
 
-    async def change_suppression(self, ctl: Control, msg: Any = None) -> str:
+    async def change_suppression(self, ctl: Control, msg: Any = None, verified: bool = False) -> str:
         """An operator's ``suppress`` (pin the memories' masks near 0) or ``unsuppress`` (neutral
         rows again), served at once in a checkpoint of reason ``suppress``; returns the verdict.
 
@@ -276,7 +298,7 @@ class ControlHandler:
         else:
             self.trainer.unsuppress(changed)
         self.progress.suppressed = list(decision.suppressed)
-        entry = audit_entry(ctl.command, changed, by, ctl.reason, ctl.id, now)
+        entry = audit_entry(ctl.command, changed, by, ctl.reason, ctl.id, now, verified)
         self.progress.suppression_audit = [*self.progress.suppression_audit, entry][-AUDIT_KEEP:]
         version = await self.publish_change(SUPPRESS_COMMAND, {"suppression": entry})
         log.warning(
@@ -290,7 +312,7 @@ class ControlHandler:
         )
         return decision.verdict
 
-    async def change_quarantine(self, ctl: Control, msg: Any = None) -> str:
+    async def change_quarantine(self, ctl: Control, msg: Any = None, verified: bool = False) -> str:
         """An operator's ``quarantine`` (the principal's experiences weigh 0 from now on: left out of
         the updates, the gate's evidence and the replay) or ``unquarantine`` (full weight again, within
         ``influence_cap``); returns the verdict: ``apply``, ``unchanged`` or ``refused``.
@@ -330,7 +352,7 @@ class ControlHandler:
             "command": ctl.command,
             "principal": name,
             "by": by,
-            "by_verified": False,  # the learner cannot tell who wrote a control record (docs/operations.md)
+            "by_verified": verified,  # contract 1.16: proven by an operator's signature (operator_keys)
             "ts": now,
             "reason": ctl.reason,
             "id": ctl.id,

@@ -19,9 +19,9 @@ Every command carried out leaves an entry in an audit trail (who, when, which sl
 command's id): the suppressions' in the checkpoints' metrics (``suppression_audit``, the newest
 :data:`AUDIT_KEEP` entries), which ``causalmem status`` shows; a rollback's, reset's or
 cut-over's in the metrics of the checkpoint it forced (``control``). The rate limits count these
-entries, so they hold across a learner restart. ``by`` is what the sender *claims*: the learner
-cannot tell which principal wrote a ``control`` record, so every entry says ``by_verified: false``
-(docs/operations.md, "Security").
+entries, so they hold across a learner restart. ``by`` is what the sender *claims*
+(``by_verified: false``) unless the learner holds operators' keys and the command's signature
+proves it (contract 1.16; docs/operations.md, "Security").
 """
 
 from __future__ import annotations
@@ -112,9 +112,16 @@ def decide(
 
 
 def audit_entry(
-    command: str, changed: Sequence[int], by: str, reason: str, command_id: str, now: float
+    command: str,
+    changed: Sequence[int],
+    by: str,
+    reason: str,
+    command_id: str,
+    now: float,
+    by_verified: bool = False,
 ) -> dict[str, Any]:
-    """One line of the audit trail: who (as the sender claims), when, which slots, why (and the command's id).
+    """One line of the audit trail: who, when, which slots, why (and the command's id). ``by``
+    is the sender's claim unless ``by_verified``: its signature verified with that operator's key.
 
     >>> e = audit_entry("suppress", [4], "ops-ann", "leaks a password", "c1", 5.0)
     >>> e["by"], e["by_verified"]
@@ -124,7 +131,7 @@ def audit_entry(
         "command": command,
         "slots": list(changed),
         "by": by,
-        "by_verified": False,  # the learner cannot tell who wrote a control record (docs/operations.md)
+        "by_verified": by_verified,  # contract 1.16: proven by an operator's signature (operator_keys)
         "ts": now,
         "reason": reason,
         "id": command_id,
@@ -211,13 +218,15 @@ def decide_command(command: str, recent: Sequence[dict[str, Any]], now: float, *
     return CommandDecision("apply")
 
 
-def command_entry(command: str, by: str, reason: str, command_id: str, now: float) -> dict[str, Any]:
+def command_entry(
+    command: str, by: str, reason: str, command_id: str, now: float, by_verified: bool = False
+) -> dict[str, Any]:
     """The audit entry of a rollback, reset or cut-over carried out: a suppression's, without slots.
 
     >>> command_entry("rollback", "ops-bob", "regression", "rollback-1", 5.0)["by_verified"]
     False
     """
-    entry = audit_entry(command, [], by, reason, command_id, now)
+    entry = audit_entry(command, [], by, reason, command_id, now, by_verified)
     del entry["slots"]
     return entry
 

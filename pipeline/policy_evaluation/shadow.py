@@ -36,6 +36,8 @@ from pipeline.modeltopic import ModelTopicIndex, scan_model_topic
 from pipeline.policy_evaluation.evaluate import experiences_tail
 from topics.fields import encode
 from topics.internal import CUTOVER_COMMAND, Control
+from topics.principal import principal_signature
+from topics.signing import Key
 
 
 def shadow_gain(decisions: LoggedDecisions, policy: PolicyNetwork, config: ShadowConfig) -> Estimate:
@@ -119,19 +121,27 @@ def estimate_of(report: dict[str, Any]) -> Estimate | None:
     return Estimate(g["value"], g["low"], g["high"], g["ess"], g["n"], g["method"], 0.0)
 
 
-async def send_cutover(bootstrap: str, conn: Connection | Settings, report: dict[str, Any], reason: str) -> Control:
-    """Record the cut-over on the ``control`` topic, with the estimate that justified it."""
+async def send_cutover(
+    bootstrap: str,
+    conn: Connection | Settings,
+    report: dict[str, Any],
+    reason: str,
+    *,
+    by: str = "",
+    key: Key | None = None,
+) -> Control:
+    """Record the cut-over on the ``control`` topic, with the estimate that justified it; ``by``
+    and ``key``: the operator who asks and the key whose signature proves it (contract 1.16)."""
     conn = Connection.of(conn)
-    ctl = Control(
-        command=CUTOVER_COMMAND,
-        ts=time.time(),
-        reason=reason,
-        id=f"cutover-{uuid.uuid4().hex}",
-        details={"gain": report.get("gain"), "serving_version": report.get("serving_version")},
-    )
+    details: dict[str, Any] = {"gain": report.get("gain"), "serving_version": report.get("serving_version")}
+    if by:
+        details["by"] = by
+    ctl = Control(CUTOVER_COMMAND, time.time(), reason, details, id=f"cutover-{uuid.uuid4().hex}")
+    value = encode(ctl.to_dict())
+    headers = [principal_signature(value, key)] if key is not None else None
     producer = await kafka.start_producer(bootstrap, conn)
     try:
-        await (await producer.send(conn.topics.control.name, encode(ctl.to_dict()), partition=0))
+        await (await producer.send(conn.topics.control.name, value, partition=0, headers=headers))
     finally:
         await producer.stop()
     return ctl
@@ -146,11 +156,15 @@ async def watch(
     show: Callable[[dict[str, Any]], None],
     timeout_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    by: str = "",
+    key: Key | None = None,
 ) -> dict[str, Any]:
     """Estimate every ``interval_s``; cut over when :class:`CutoverRule` fires; returns the last report.
 
     Without ``config.cutover_period_s`` it only reports, until ``timeout_s``. After sending
-    the control event it waits (up to ``timeout_s``) for the learner's ``cutover`` checkpoint.
+    the control event (as ``by``, signed with ``key``: :func:`send_cutover`) it waits (up to
+    ``timeout_s``) for the learner's ``cutover`` checkpoint.
     """
     conn = Connection.of(conn)
     rule = CutoverRule(config.cutover_period_s, config.min_decisions) if config.cutover_period_s is not None else None
@@ -166,6 +180,8 @@ async def watch(
                 conn,
                 report,
                 f"shadow gain lower bound > 0 for {rule.period_s:g} s over {report['decisions']}",
+                by=by,
+                key=key,
             )
             rule = None  # sent once; now wait for the learner's checkpoint
         if timeout_s is not None and clock() - start >= timeout_s:

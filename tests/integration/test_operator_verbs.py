@@ -27,6 +27,7 @@ from tests.conftest import settings_env
 from tests.helpers import experience, until
 from topics.fields import encode
 from topics.internal import Control
+from topics.signing import generate_pem
 
 pytestmark = pytest.mark.broker
 
@@ -46,9 +47,11 @@ def test_evaluate_and_rollback_on_a_deployment_without_traffic(topics_ready, cap
     assert "no checkpoint of policy 'verbs' on the model topic" in capsys.readouterr().out
 
 
-async def _verb(s: Settings, verb: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run ``causalmem VERB`` in a child process with these settings; (the result, seconds it took)."""
-    env = {**os.environ, **settings_env(s)}
+async def _verb(
+    s: Settings, verb: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``causalmem VERB`` in a child process with these settings (and ``env``); (the result, seconds it took)."""
+    env = {**os.environ, **settings_env(s), **(env or {})}
     argv = [str(CAUSALMEM), verb, "--bootstrap", s.bootstrap or "", *args]
     t0 = time.monotonic()
     done = await asyncio.to_thread(
@@ -112,6 +115,36 @@ async def test_suppress_and_unsuppress_through_the_installed_command(topics_read
         assert done.returncode == 0, _out(done)
         assert learner.progress.suppressed == [4]
         assert f"serving v{learner.version}" in done.stdout
+
+
+@pytest.mark.slow
+async def test_with_operator_keys_only_a_signed_operator_is_obeyed_and_named_as_proven(
+    topics_ready: Settings, tmp_path: Path
+) -> None:
+    """Contract 1.16. ``by`` was free text: a forged ``by='ops-bob'`` reached the audit trail, and anyone
+    who could write ``control`` was obeyed. With ``operator_keys`` the learner carries out an operator's
+    command only when its signature proves its ``by``; the drift stage's unsigned ``reset`` still counts."""
+    private_pem, public_pem = generate_pem()
+    keys = tmp_path / "operators"
+    keys.mkdir()
+    (keys / "ops-ann.pem").write_bytes(public_pem)
+    key_file = tmp_path / "ops-ann.key"
+    key_file.write_bytes(private_pem)
+    signed = {"CAUSALMEM_OPERATOR_KEY_FILE": str(key_file)}
+    s = topics_ready.replace(operator_keys=str(keys))
+    async with _learner(s) as learner:
+        done, _ = await _verb(s, "suppress", "--slots", "4", "--reason", "leaks", "--by", "ops-ann", env=signed)
+        assert done.returncode == 0, _out(done)
+        newest = (await scan_model_topic(s.bootstrap or "", s)).newest(s.policy)
+        assert newest is not None and newest.metrics["suppression"]["by_verified"] is True
+        for by, env in (("ops-ann", None), ("ops-bob", signed), ("ops-bob", None)):  # no key; ann's key, bob's name
+            done, took = await _verb(s, "suppress", "--slots", "5", "--by", by, "--timeout", "90", env=env)
+            assert done.returncode == 1 and took < 45, f"{by} {env}: {took:.0f} s\n{_out(done)}"
+            assert "refused by the learner: bad_signature" in done.stdout, _out(done)
+        assert learner.progress.suppressed == [4]
+        resets = learner.progress.resets
+        await _produce(s, s.topics().control.name, [encode(Control("reset", time.time(), "drift").to_dict())])
+        await until(lambda: learner.progress.resets > resets, 60, "the drift stage's reset")
 
 
 @pytest.mark.slow
