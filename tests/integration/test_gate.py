@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import numpy as np
@@ -24,7 +23,7 @@ from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from pipeline.policy_evaluation.evaluate import evaluate_window
-from tests.helpers import until
+from tests.helpers import running, until
 from topics.events import Features, RetrievalEvent
 from topics.fields import encode
 from topics.internal import Experience
@@ -106,17 +105,9 @@ def tilted(base: PolicyNetwork, towards: set[int], amount: float = 4.0) -> Polic
 
 @contextlib.asynccontextmanager
 async def learner_running(settings):
-    learner = Learner(settings.learner(), settings.bootstrap, Metrics())
-    await learner.start()
-    task = asyncio.create_task(learner.run())
-    try:
+    async with running(Learner(settings.learner(), settings.bootstrap, Metrics())) as learner:
         await until(lambda: learner.active.is_set(), 30, "learner active")
         yield learner
-    finally:
-        await learner.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def _send(settings, exps: list[Experience]) -> None:

@@ -24,7 +24,7 @@ from pipeline.learner.loop import Learner
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import scan_model_topic
 from tests.conftest import settings_env
-from tests.helpers import experience, until
+from tests.helpers import experience, running, until
 from topics.fields import encode
 from topics.internal import Control
 from topics.signing import generate_pem
@@ -62,17 +62,9 @@ async def _verb(
 
 @contextlib.asynccontextmanager
 async def _learner(s: Settings) -> AsyncIterator[Learner]:
-    learner = Learner(s.learner(), s.bootstrap or "", Metrics())
-    await learner.start()
-    task = asyncio.create_task(learner.run())
-    try:
+    async with running(Learner(s.learner(), s.bootstrap or "", Metrics())) as learner:
         await until(lambda: learner.active.is_set() and learner.version >= 1, 60, "the learner's first checkpoint")
         yield learner
-    finally:
-        await learner.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
 
 
 async def _produce(s: Settings, topic: str, values: list[bytes]) -> None:
