@@ -37,7 +37,7 @@ from pipeline.config import UiConfig
 from pipeline.promtext import labelled, scrape
 from pipeline.service import Service
 from pipeline.status.collect import StatusCollector
-from pipeline.ui.health import Trends
+from pipeline.ui.health import Trends, principals_of
 from pipeline.ui.memories import MemoryView
 from topics.delta import decode_delta_manifest
 from topics.events import decode_retrieval_event
@@ -364,12 +364,14 @@ class Feeds(Service):
             row["candidate" if kind in ("candidate", "delta_candidate") else "served"] = True
 
     async def _gate_estimates(self) -> dict[str, Any] | None:
-        """The gate's latest estimates and decision counts, from the first learner endpoint that answers."""
+        """The gate's latest estimates and decision counts, and the principals (their shares, weights
+        and flags), from the first learner endpoint that answers."""
         for url in self.config.learner_urls:
             values = await asyncio.to_thread(scrape, url)
             if values:
                 return {
                     "estimates": labelled(values, "causalmem_gate_estimate", "policy"),
                     "decisions": labelled(values, "causalmem_gate_decisions_total", "decision"),
+                    "principals": principals_of(values),
                 }
         return None

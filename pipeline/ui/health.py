@@ -25,6 +25,7 @@ from typing import Any
 
 from models.memory.health import band as health_band
 from models.memory.health import health_score
+from pipeline.promtext import labelled
 from topics.events import RetrievalEvent
 from topics.internal import Experience
 
@@ -167,6 +168,28 @@ def gate_history(manifests: list[dict[str, Any]], serving_version: int | None) -
             outcome = "not promoted"
         out.append({"version": m["version"], "reason": m["reason"], "created_ts": m["created_ts"], "outcome": outcome})
     return out
+
+
+def principals_of(values: dict[str, float]) -> list[dict[str, Any]]:
+    """The principals a learner's metrics label (contract 1.15, :func:`pipeline.promtext.parse`'d):
+    each one's share of the recent window, the weight of its experiences and whether it is
+    flagged as disagreeing with the others; the flagged first, then by share.
+
+    >>> rows = principals_of({
+    ...     "causalmem_principal_share{principal=a}": 0.7, "causalmem_principal_weight{principal=a}": 0.3,
+    ...     "causalmem_principal_share{principal=b}": 0.1, "causalmem_principal_flagged{principal=b}": 1.0,
+    ... })
+    >>> [(r["principal"], r["flagged"]) for r in rows]
+    [('b', True), ('a', False)]
+    """
+    share = labelled(values, "causalmem_principal_share", "principal")
+    weight = labelled(values, "causalmem_principal_weight", "principal")
+    flagged = labelled(values, "causalmem_principal_flagged", "principal")
+    rows = [
+        {"principal": p, "share": share.get(p), "weight": weight.get(p), "flagged": flagged.get(p, 0.0) >= 1.0}
+        for p in sorted(set(share) | set(weight) | set(flagged))
+    ]
+    return sorted(rows, key=lambda r: (not r["flagged"], -(r["share"] or 0.0)))
 
 
 def health_page(snapshot: dict[str, Any] | None, trends: Trends, manifests: list[dict[str, Any]]) -> dict[str, Any]:

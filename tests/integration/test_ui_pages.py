@@ -537,6 +537,39 @@ def test_health_page_shows_the_band_its_advice_and_the_trends(tmp_path: Path) ->
         assert data["score_source"].startswith("topics") and data["health"]["band"] in ("warning", "critical")
 
 
+def test_health_page_shows_the_principals_and_the_one_flagged(tmp_path: Path) -> None:
+    """Contract 1.15 asks for a flagged principal in the UI too: the health page lists the
+    principals a learner's ``/metrics`` label (here the learner's own metric objects, exposed as
+    the learner serves them), the flagged one first and marked."""
+    from prometheus_client import generate_latest
+
+    from pipeline.metrics import Metrics
+    from pipeline.promtext import parse
+    from pipeline.ui.health import principals_of
+
+    learner = Metrics(role="learner")
+    for name, share, weight, flagged in (("svc-a", 0.55, 0.36, 0), ("bot-9", 0.12, 1.0, 1), ("svc-b", 0.33, 1.0, 0)):
+        learner.principal_share.labels(name).set(share)
+        learner.principal_weight.labels(name).set(weight)
+        learner.principal_flagged.labels(name).set(flagged)
+    values = parse(generate_latest(learner.registry).decode())
+    feeds = fed()
+    feeds.snapshot = {
+        "ts": BASE_TS,
+        "gate_estimates": {"estimates": {}, "decisions": {}, "principals": principals_of(values)},
+    }
+    with client_for(tmp_path, Pool([]), feeds) as c:
+        login(c)
+        rows = c.get("/health/data").json()["gate_estimates"]["principals"]
+        assert [(r["principal"], r["flagged"]) for r in rows] == [("bot-9", True), ("svc-a", False), ("svc-b", False)]
+        page = c.get("/health").text
+        table = page[page.index('id="principals"') :]
+        assert table.index("bot-9") < table.index("svc-a") < table.index("svc-b")
+        assert '<tr class="error"><td>bot-9</td><td>12.0%' in table and table.count("FLAGGED") == 1
+        feeds.snapshot = {"ts": BASE_TS}  # no --learner: says where the table would come from
+        assert 'id="principals"' not in c.get("/health").text and "--learner URL" in c.get("/health").text
+
+
 def test_health_page_shows_shadow_mode_and_its_estimate(tmp_path: Path) -> None:
     """The UI shows shadow mode's mode and estimate (``causalmem ui --shadow``)."""
     feeds = fed()
