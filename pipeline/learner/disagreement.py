@@ -34,14 +34,17 @@ with an exact error rate; quarantine stays the operator's decision.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 Z = 3.0
-MAX_PRINCIPALS = 1024  # principals whose reports are kept; others' reports are counted, not compared
-MAX_KEYS = 200_000  # slates whose means are kept; a report on a new slate beyond it is compared, not kept
+# Bounds on what is kept; past them the least recently reported slate or principal makes room,
+# so a principal or a slate that appears late is compared like the first ones.
+MAX_PRINCIPALS = 1024
+MAX_KEYS = 200_000
 
 
 @dataclass(frozen=True)
@@ -73,33 +76,49 @@ class _Running:
 class Disagreement:
     """The running comparison of each principal's utilities with the others' (module docstring)."""
 
-    def __init__(self, tolerance: float, min_n: int, *, min_per_key: int = 3, z: float = Z) -> None:
-        if tolerance < 0 or min_n < 2 or min_per_key < 1:
-            raise ValueError("disagreement: tolerance >= 0, min_n >= 2 and min_per_key >= 1")
+    def __init__(
+        self,
+        tolerance: float,
+        min_n: int,
+        *,
+        min_per_key: int = 3,
+        z: float = Z,
+        max_keys: int = MAX_KEYS,
+        max_principals: int = MAX_PRINCIPALS,
+    ) -> None:
+        if tolerance < 0 or min_n < 2 or min_per_key < 1 or max_keys < 1 or max_principals < 1:
+            raise ValueError("disagreement: tolerance >= 0, min_n >= 2, min_per_key >= 1 and positive bounds")
         self.tolerance = tolerance
         self.min_n = min_n
         self.min_per_key = min_per_key
         self.z = z
-        self.per_key: dict[frozenset[int], dict[str, list[float]]] = {}  # slate → principal → [count, sum]
-        self.residuals: dict[str, _Running] = {}
-        self.untracked = 0  # reports of principals beyond MAX_PRINCIPALS
+        self.max_keys = max_keys
+        self.max_principals = max_principals
+        # slate → principal → [count, sum], least recently reported first
+        self.per_key: OrderedDict[frozenset[int], dict[str, list[float]]] = OrderedDict()
+        self.residuals: OrderedDict[str, _Running] = OrderedDict()  # least recently reported first
+        self.forgotten = 0  # slates and principals dropped to make room
 
     def observe(self, principal: str, selected: Sequence[int], utility: float) -> None:
         """One step's report: its residual against the others' (when they reported on its slate), then its own."""
         if not math.isfinite(utility) or not selected:
             return
-        if principal not in self.residuals:
-            if len(self.residuals) >= MAX_PRINCIPALS:
-                self.untracked += 1
-                return
+        if principal in self.residuals:
+            self.residuals.move_to_end(principal)
+        else:
+            if len(self.residuals) >= self.max_principals:
+                self.residuals.popitem(last=False)
+                self.forgotten += 1
             self.residuals[principal] = _Running()
         key = frozenset(selected)
         means = self.per_key.get(key)
-        if means is None:
-            if len(self.per_key) >= MAX_KEYS:
-                means = {}
-            else:
-                means = self.per_key[key] = {}
+        if means is not None:
+            self.per_key.move_to_end(key)
+        else:
+            if len(self.per_key) >= self.max_keys:
+                self.per_key.popitem(last=False)
+                self.forgotten += 1
+            means = self.per_key[key] = {}
         others = [
             total / count for who, (count, total) in means.items() if who != principal and count >= self.min_per_key
         ]

@@ -110,3 +110,20 @@ def test_the_learner_flags_a_liar_in_its_metrics_its_checkpoints_and_status(tmp_
     view = principals_view_of(metrics)
     assert view["flagged"] == ["liar"] and view["quarantined"] == []
     assert "FLAGGED liar (25% of traffic" in principals_text(view).plain
+
+
+def test_a_liar_that_comes_after_the_tables_are_full_is_still_flagged() -> None:
+    """Past its bounds the table stopped keeping new slates and new principals, so a liar that
+    appeared late, on slates or under a name it had not seen, was never compared: now the least
+    recently reported slate or principal makes room."""
+    d = Disagreement(tolerance=0.1, min_n=30, max_keys=8, max_principals=4)
+    for i in range(40):  # fill both tables: old slates, principals that then go quiet
+        for early in ("e1", "e2", "e3", "e4"):
+            d.observe(early, [100 + i % 8, 200], 0.5)
+    for i in range(60):  # later traffic on new slates: three honest principals and a liar
+        slate = [i % 3, 10]
+        for honest in ("a", "b", "c"):
+            d.observe(honest, slate, 0.5 + 0.01 * (i % 3))
+        d.observe("liar", slate, -0.5)
+    assert d.verdict("liar").flagged and not d.verdict("a").flagged
+    assert len(d.per_key) <= 8 and len(d.residuals) <= 4 and d.forgotten > 0
