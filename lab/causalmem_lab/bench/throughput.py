@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -294,7 +295,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await kafka.wait_for_broker(bootstrap, settings)
         await kafka.create_topics(bootstrap, settings)
         print(
-            f"bench throughput: N={n:,} events, D={d}, S={s}, batch {settings.batch_size}, broker {bootstrap}",
+            f"bench throughput: N={n:,} events, D={d}, S={s}, batch {settings.batch_size}, broker {bootstrap}; "
+            f"logs in {logdir} (removed after a successful run)",
             flush=True,
         )
         exps = make_events(n, d, s, seed=args.seed)
@@ -370,6 +372,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
     }
+    # The run's logs, its broker's and its state (~60 MB) go once it succeeded; a failure keeps them.
+    shutil.rmtree(logdir, ignore_errors=True)
     return result
 
 
