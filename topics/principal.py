@@ -97,24 +97,25 @@ class Keyring:
     keys: Mapping[str, Key]
 
     @classmethod
-    def load(cls, directory: str | Path) -> Keyring:
-        """Every ``<principal>.pem`` of ``directory``: a principal's Ed25519 public key (or a
-        shared secret). ``ValueError`` for a directory that does not exist or holds no key, a
-        file name that is not a principal, and a private key (the worker needs only the public one)."""
+    def load(cls, directory: str | Path, what: str = "principal_keys") -> Keyring:
+        """Every ``<principal>.pem`` of ``directory`` (the setting ``what``): a principal's
+        Ed25519 public key (or a shared secret). ``ValueError`` for a directory that does not
+        exist or holds no key, a file name that is not a principal, and a private key (the
+        verifier needs only the public one)."""
         path = Path(directory).expanduser()
         if not path.is_dir():
-            raise ValueError(f"principal keys: {path} is not a directory")
+            raise ValueError(f"{what}: {path} is not a directory")
         keys: dict[str, Key] = {}
         for file in sorted(path.glob(f"*{KEY_SUFFIX}")):
             name = file.name[: -len(KEY_SUFFIX)]
             if not valid_principal(name):
-                raise ValueError(f"principal keys: {file.name} does not name a principal ({PRINCIPAL_RE.pattern})")
+                raise ValueError(f"{what}: {file.name} does not name a principal ({PRINCIPAL_RE.pattern})")
             key = load_key(file.read_bytes())
             if verify_key(key) is not key:
-                raise ValueError(f"principal keys: {file.name} is a private key; give the worker the public key")
+                raise ValueError(f"{what}: {file.name} is a private key; give the verifier the public key")
             keys[name] = key
         if not keys:
-            raise ValueError(f"principal keys: no <principal>{KEY_SUFFIX} in {path}")
+            raise ValueError(f"{what}: no <principal>{KEY_SUFFIX} in {path}")
         return cls(keys)
 
     def proven(self, claimed: str | None, value: bytes, headers: Any) -> str | None:

@@ -149,7 +149,7 @@ class ControlHandler:
         self.dead_letter = dead_letter
         self.clock = clock
         # Contract 1.16: the operators whose signatures prove ``by`` (None: ``by`` is a claim).
-        self.operators = Keyring.load(config.operator_keys) if config.operator_keys else None
+        self.operators = Keyring.load(config.operator_keys, "operator_keys") if config.operator_keys else None
         # The rollbacks, resets and cut-overs carried out in the last hour (their audit entries,
         # which their checkpoints carry as ``control``): what control_checkpoints_per_hour counts.
         self.recent: list[dict[str, Any]] = []
