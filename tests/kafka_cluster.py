@@ -84,6 +84,7 @@ ROLES: dict[str, str] = {
     "labeler": "labeler",
     "evaluator": "causalmem-evaluator",
     "writes": "causalmem-writes",
+    "ui": "causalmem-ui",
 }
 ADMIN_USER = "admin"  # the super user (PLAIN, as in compose)
 

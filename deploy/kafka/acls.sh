@@ -23,6 +23,10 @@
 #   evaluator  llm-feedback, dead-letter                  retrieval-events
 #   writes     memory-writes-rejected, memory-lifecycle   memory-writes
 #              (the write gate's adds), dead-letter
+#   ui         human-labels (with a labelers file: the    retrieval-events, experiences, human-labels,
+#              app's own connection writes the labels)    active-learning, policy-checkpoints, dead-letter
+#              (causalmem ui: its pages and the labelers' queue; the labelers' group, and the
+#              deployment's groups' offsets for its status line)
 #
 # Only the operators create topics. Every role may describe every product topic and read
 # the epoch topic: processes check
@@ -37,7 +41,7 @@
 #   SERVICE_PRINCIPALS [User:causalmem-service]   LABELER_PRINCIPALS [User:labeler]
 #   OPERATOR_PRINCIPALS [User:causalmem-operator] WORKER_PRINCIPAL [User:causalmem-worker]
 #   LEARNER_PRINCIPAL [User:causalmem-learner]    EVALUATOR_PRINCIPAL [User:causalmem-evaluator]
-#   WRITES_PRINCIPAL [User:causalmem-writes]
+#   WRITES_PRINCIPAL [User:causalmem-writes]      UI_PRINCIPAL [User:causalmem-ui]
 #   (the *_PRINCIPALS lists are space-separated)
 set -euo pipefail
 
@@ -58,6 +62,7 @@ WORKER="${WORKER_PRINCIPAL:-User:causalmem-worker}"
 LEARNER="${LEARNER_PRINCIPAL:-User:causalmem-learner}"
 EVALUATOR="${EVALUATOR_PRINCIPAL:-User:causalmem-evaluator}"
 WRITES="${WRITES_PRINCIPAL:-User:causalmem-writes}"
+UI="${UI_PRINCIPAL:-User:causalmem-ui}"
 
 # The product's topics (topics/names.py), under the prefix.
 TOPICS=(retrieval-events llm-feedback human-labels active-learning policy-checkpoints dead-letter
@@ -90,7 +95,7 @@ topics() {
     allow "$1" topic literal "${names[*]}" "${@:3}"
 }
 
-EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER $EVALUATOR $WRITES"
+EVERYONE="${SERVICES[*]} ${LABELERS[*]} ${OPERATORS[*]} $WORKER $LEARNER $EVALUATOR $WRITES $UI"
 topics "$EVERYONE" "${TOPICS[*]}" Describe
 topics "$EVERYONE" epoch Read
 
@@ -130,3 +135,10 @@ allow "$EVALUATOR" group literal "${P}causalmem-evaluator" Read
 topics "$WRITES" memory-writes Read
 topics "$WRITES" "memory-writes-rejected memory-lifecycle dead-letter" Write
 allow "$WRITES" group literal "${P}causalmem-writes" Read
+
+# causalmem ui: reads what its pages show, serves the labelers' shared queue, and (with a
+# labelers file) writes their labels under its own principal
+topics "$UI" "retrieval-events experiences human-labels active-learning policy-checkpoints dead-letter" Read
+topics "$UI" human-labels Write
+allow "$UI" group prefixed "${P}causalmem-labelers" Read
+allow "$UI" group prefixed "${P}causalmem-" Describe

@@ -163,6 +163,7 @@ WRITES: dict[str, set[str]] = {
     "learner": {"policy-checkpoints", "dead-letter"},
     "evaluator": {"llm-feedback", "dead-letter"},
     "writes": {"memory-writes-rejected", "memory-lifecycle", "dead-letter"},
+    "ui": {"human-labels"},
 }
 EVERY_TOPIC = {t.name for t in Settings().topics().all()}
 READS: dict[str, set[str]] = {
@@ -173,13 +174,14 @@ READS: dict[str, set[str]] = {
     "learner": {"experiences", "control", "policy-checkpoints", "memory-lifecycle"},
     "evaluator": {"retrieval-events"},
     "writes": {"memory-writes"},
+    "ui": {"retrieval-events", "experiences", "human-labels", "active-learning", "policy-checkpoints", "dead-letter"},
 }
 
 
 async def test_each_role_writes_and_reads_what_acls_sh_documents_and_nothing_else(
     kafka_cluster: KafkaCluster, init_topics: tuple[int, str]
 ) -> None:
-    """The whole matrix, role × product topic × write/read (7 × 14 × 2 cases), against the ACLs
+    """The whole matrix, role × product topic × write/read (8 × 14 × 2 cases), against the ACLs
     deploy/kafka/acls.sh applied; only the operator may create the product's topics, and no role
     any other (the worker's faust topics aside, under its own prefix). Last in the module:
     it writes a record into every topic a role may write."""

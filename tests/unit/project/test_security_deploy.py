@@ -36,6 +36,7 @@ ROLES = {
     "learner": "User:causalmem-learner",
     "evaluator": "User:causalmem-evaluator",
     "writes": "User:causalmem-writes",
+    "ui": "User:causalmem-ui",
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -96,7 +97,8 @@ def test_who_may_write_what(prefix: str) -> None:
     assert writers(g, t.retrieval_events.name) == {r["service"]}
     # feedback: the services' own scoring, or causalmem evaluator's
     assert writers(g, t.llm_feedback.name) == {r["service"], r["evaluator"]}
-    assert writers(g, t.human_labels.name) == {r["labeler"]}
+    # labelers, or causalmem ui's own principal for them (with a labelers file)
+    assert writers(g, t.human_labels.name) == {r["labeler"], r["ui"]}
     assert writers(g, t.policy_checkpoints.name) == {r["learner"]}, "only the learner writes the model topic"
     # resets and rollbacks bypass the gate: operators, and the worker's drift stage
     assert writers(g, t.control.name) == {r["operator"], r["worker"]}
@@ -142,6 +144,9 @@ def test_each_role_reads_what_it_needs_under_the_names_the_code_uses() -> None:
     assert reads("writes") == {t.memory_writes.name, t.epoch.name}
     assert groups("writes") == {("literal", s.writes().group_id)}
     assert groups("labeler") == {("prefixed", labeler_group(conn))}
+    assert groups("ui") == {("prefixed", labeler_group(conn))}
+    ui_reads = [t.retrieval_events, t.experiences, t.human_labels, t.active_learning, t.policy_checkpoints, t.dead_letter]
+    assert reads("ui") == {spec.name for spec in ui_reads} | {t.epoch.name}
     assert all(not topics_with(ops, "All") for who, ops in g.items()), "no role gets All on a product topic"
 
 
