@@ -229,8 +229,9 @@ def build(
     logged_by = np.array([e.event.policy_version for e in experiences], np.int64)
     mixtures = drawn_from(experiences, decisions, versions)
     logging = _mixed(logging_probability(decisions, rows, members), probs, mixtures)
+    mixed_with, mix_share = _mix_arrays(logged_by, mixtures)
     if table is None:
-        return Evidence(decisions.utility, logging, logged_by, probs)
+        return Evidence(decisions.utility, logging, logged_by, probs, mixed_with=mixed_with, mix_share=mix_share)
     pair_rows, pair_members, enumerated = every_set(decisions)
     fitted, pair_values = _table_terms(experiences, decisions, table, pair_rows, pair_members)
     fitted = np.where(enumerated, fitted, np.nan)  # no correction where no bound is made
@@ -248,7 +249,21 @@ def build(
         direct[v] = np.bincount(pair_rows, weights=p * pair_values, minlength=n)
         low[v] = np.bincount(pair_rows, weights=excess * (worst - pair_values), minlength=n) + missing * worst
         high[v] = np.bincount(pair_rows, weights=excess * (best - pair_values), minlength=n) + missing * best
-    return Evidence(decisions.utility, logging, logged_by, probs, fitted, direct, low, high, clip)
+    return Evidence(
+        decisions.utility, logging, logged_by, probs, fitted, direct, low, high, clip, mixed_with, mix_share
+    )
+
+
+def _mix_arrays(logged_by: np.ndarray, mixtures: Mapping[int, Mixture]) -> tuple[np.ndarray, np.ndarray]:
+    """Per decision, the other version of the canary mix it was drawn from (-1: none) and the
+    canary's share (:attr:`pipeline.learner.promotion.Evidence.mixed_with`, ``mix_share``)."""
+    mixed_with = np.full(len(logged_by), -1, np.int64)
+    share = np.zeros(len(logged_by))
+    for i, (serving, canary, rate) in mixtures.items():
+        if rate > 0.0 and serving != canary:
+            mixed_with[i] = canary if logged_by[i] == serving else serving
+            share[i] = rate
+    return mixed_with, share
 
 
 def of_look(

@@ -216,6 +216,11 @@ class Evidence:
     low: Mapping[int, np.ndarray] = field(default_factory=dict)
     high: Mapping[int, np.ndarray] = field(default_factory=dict)
     clip: float = float("inf")
+    # Contract 1.9's canary mix each decision was drawn from: the other version of the mix (the
+    # canary for a serving-arm draw, the serving version for a canary-arm one; -1: no mix) and
+    # the canary's share ρ (None: no decision was drawn from a mix).
+    mixed_with: np.ndarray | None = None
+    mix_share: np.ndarray | None = None
 
     def weights(self, v: int) -> np.ndarray:
         p = self.probs[v]
@@ -256,7 +261,44 @@ class Evidence:
             {v: d[rows] for v, d in self.low.items()},
             {v: d[rows] for v, d in self.high.items()},
             self.clip,
+            None if self.mixed_with is None else self.mixed_with[rows],
+            None if self.mix_share is None else self.mix_share[rows],
         )
+
+    def served_gains(self, serving: int, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The gain of what clients served as ``serving``'s manifest asked over ``a``, per decision
+        they served that way: (the decisions' rows, the lower bound's terms, the upper's). Where
+        a decision came from a canary mix, what was served is the mix, ``(1 − ρ)·serving + ρ·canary``,
+        and so are its terms (they are linear in the policy valued); a mix whose canary this
+        evidence does not value is left out.
+
+        >>> ev = Evidence(np.array([1.0, 0.0]), np.array([0.5, 0.5]), np.array([1, 2]),
+        ...               {0: np.array([0.5, 0.5]), 1: np.array([0.5, 0.5]), 2: np.array([0.5, 0.5])},
+        ...               mixed_with=np.array([2, 1]), mix_share=np.array([0.2, 0.2]))
+        >>> rows, low, high = ev.served_gains(1, 0)
+        >>> rows.tolist(), low.tolist()  # both arms of v1's mix with canary v2; equal values: no gain
+        ([0, 1], [0.0, 0.0])
+        """
+        own = self.version == serving
+        if self.mixed_with is None or self.mix_share is None:
+            rows = np.flatnonzero(own)
+            low, high = self.subset(rows).gains(serving, a)
+            return rows, low, high
+        canary = np.where(own, self.mixed_with, self.version)
+        served = own | (self.mixed_with == serving)
+        valued = (canary < 0) | np.isin(canary, list(self.probs))
+        rows = np.flatnonzero(served & valued)
+        sub = self.subset(rows)
+        low, high = sub.gains(serving, a)
+        share = np.where(canary[rows] >= 0, self.mix_share[rows], 0.0)
+        for c in np.unique(canary[rows]):
+            if c < 0 or c == serving:
+                continue
+            at = np.flatnonzero(canary[rows] == c)
+            c_low, c_high = sub.subset(at).gains(int(c), a)
+            low[at] = (1.0 - share[at]) * low[at] + share[at] * c_low
+            high[at] = (1.0 - share[at]) * high[at] + share[at] * c_high
+        return rows, low, high
 
 
 @dataclass(frozen=True)
@@ -391,15 +433,19 @@ def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
 
 
 def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> State:
-    """Update the guardrail with the served version's own decisions; roll back on evidence of harm."""
-    own = ev.version == state.serving
-    if (state.serving == state.first and state.anchor == SIMILARITY) or not own.any():
-        return state  # nothing to fall back to, or nothing of the served version's own yet
+    """Update the guardrail with what clients served as the serving manifest asks (the served
+    version, and a canary's share of its mix: :meth:`Evidence.served_gains`); roll back on
+    evidence of harm."""
+    if state.serving == state.first and state.anchor == SIMILARITY:
+        return state  # nothing to fall back to
+    rows, low, high = ev.served_gains(state.serving, SIMILARITY)
+    if not len(rows):
+        return state  # nothing served that way in this batch
     guard, guards = state.guard, state.guards
     if guard is None:
         guards += 1
         guard = GainSequence(spend(guards, rule.delta / 2))  # the other half of δ
-    guard.update(*ev.subset(own).gains(state.serving, SIMILARITY))
+    guard.update(low, high)
     state = replace(state, guard=guard, guards=guards)
     if guard.high < -rule.epsilon:
         to = state.anchor if state.anchor not in (SIMILARITY, state.serving) else state.first

@@ -167,3 +167,36 @@ def test_the_promise_holds_over_runs_of_random_candidates() -> None:
         broken += unsafe
     assert broken <= 3  # δ = 5% of 30 is 1.5
     assert promoted > 0
+
+
+def test_the_guardrail_counts_the_canarys_share_of_what_is_served() -> None:
+    """The promise is about the policy as its manifest says to serve it, and with a canary that is
+    the mix: 80% the serving version, 20% the canary. The guardrail watched the serving version's
+    own draws only, so a canary far below similarity-only (its share worth −0.18 of the mix) went
+    unseen by it; it now values the mix, and rolls back."""
+    rng = np.random.default_rng(7)
+    serving, canary, share = TOPK, np.array([0.0, 0.0, 1.0, 0.0, 0.0]), 0.2  # the canary reads set 2: −0.5
+    mix = (1 - share) * served(serving) + share * served(canary)
+    assert value(serving) - float(TOPK @ MEANS) > -RULE.epsilon  # the serving version alone: within ε
+    assert float(mix @ MEANS) - float(TOPK @ MEANS) < -5 * RULE.epsilon  # the mix served: well below
+
+    def look(counted: bool, n: int = 400) -> Evidence:
+        s = rng.choice(5, size=n, p=mix)
+        arm = rng.random(n) < share * served(canary)[s] / mix[s]  # which arm drew each set
+        u = MEANS[s] + rng.uniform(-1.0, 1.0, n)
+        probs = {SIMILARITY: TOPK[s], 2: served(serving)[s], 3: served(canary)[s]}
+        version = np.where(arm, 3, 2)
+        if not counted:  # the evidence as before: no record of the mix each draw came from
+            return Evidence(u, mix[s], version, probs)
+        return Evidence(u, mix[s], version, probs, mixed_with=np.where(arm, 2, 3), mix_share=np.full(n, share))
+
+    for counted in (False, True):
+        state = replace(State.start(serving=1), serving=2, anchor=2, margin=0.0)
+        rollbacks = []
+        for _ in range(30):
+            state, actions = decide(state, look(counted), RULE)
+            rollbacks += [a for a in actions if a.kind == "rollback"]
+        if counted:
+            assert [(a.version, a.path, a.to) for a in rollbacks][:1] == [(2, "guardrail", 1)]
+        else:
+            assert not rollbacks  # the serving version's own draws: within ε, nothing to see
