@@ -17,6 +17,7 @@ configured through the ``CAUSALMEM_*`` environment that compose gives each role.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import uuid
@@ -187,8 +188,9 @@ async def test_each_role_writes_and_reads_what_acls_sh_documents_and_nothing_els
     it writes a record into every topic a role may write."""
     assert init_topics[0] == 0
     assert set(WRITES) == set(READS) == set(ROLES)
-    wrong: list[str] = []
-    for role in ROLES:
+
+    async def check(role: str) -> list[str]:
+        wrong: list[str] = []
         s = role_settings(kafka_cluster, role)
         assert s.topic_prefix == ""  # the cluster's ACLs name the topics without a prefix
         writable = await may_write(kafka_cluster, s, sorted(EVERY_TOPIC))
@@ -204,6 +206,9 @@ async def test_each_role_writes_and_reads_what_acls_sh_documents_and_nothing_els
         created = await may_create(kafka_cluster, s, s.topics().retrieval_events.name)
         if created != (role == "operator"):
             wrong.append(f"{role} {'may' if created else 'may not'} create the product's topics")
+        return wrong
+
+    wrong = [w for found in await asyncio.gather(*(check(role) for role in ROLES)) for w in found]  # roles at once
     assert not wrong, "\n".join(wrong)
 
 

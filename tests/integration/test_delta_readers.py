@@ -160,11 +160,11 @@ async def test_rollback_sees_a_delta_version_on_the_topic_and_a_broken_chain(
         "wait_for_broker",
         nothing,
     )
-    monkeypatch.setattr(
-        kafka,
-        "producer",
-        lambda *a, **kw: Producer(),
-    )
+
+    async def started(*a: Any, **kw: Any) -> Producer:
+        return Producer()
+
+    monkeypatch.setattr(kafka, "start_producer", started)
     assert await rollback.rollback("127.0.0.1:1", Settings(), 2, "test", timeout=0.0) == 1  # no learner answers
     assert "back to v2 (on the model topic;" in capsys.readouterr().out
     # v1's chunk is gone (tombstoned): v2 can no longer be rebuilt from the topic
