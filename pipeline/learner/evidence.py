@@ -133,6 +133,28 @@ def sample(items: list[T], at_most: int = PER_LOOK) -> list[T]:
     return [items[i] for i in keep.tolist()]
 
 
+def thin(experiences: Sequence[Experience], weights: Sequence[float] | np.ndarray) -> list[Experience]:
+    """Each experience kept with probability its influence weight (contract 1.15's cap: 1 within
+    ``influence_cap``, below 1 for a principal over it), decided by its id alone, so a replay
+    keeps the same ones. The rule's evidence then holds no principal beyond the share the
+    learner's updates give it: a principal flooding the traffic is thinned to its cap, in the
+    gate's judgement as in training.
+
+    >>> thin([], [])
+    []
+    """
+    out = []
+    for e, w in zip(experiences, weights, strict=True):
+        if w >= 1.0 or _unit(e.id) < w:
+            out.append(e)
+    return out
+
+
+def _unit(key: str) -> float:
+    """A number in [0, 1) that depends on ``key`` alone."""
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big") / 2**64
+
+
 def usable(experiences: Sequence[Experience]) -> list[Experience]:
     """The experiences that can be evidence: joined feedback of a policy draw (not a fallback) whose
     first-draw probabilities are known, with a finite utility (the trainer skips the others too)."""

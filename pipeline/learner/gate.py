@@ -32,6 +32,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from models.offpolicy.confidence import MIN_DECISIONS
@@ -126,11 +127,17 @@ class RuleGate:
         s = self.state
         return s is not None and bool(s.trials or s.serving != s.first or s.anchor != SIMILARITY)
 
-    def observe(self, experiences: Sequence[Experience]) -> None:
+    def observe(self, experiences: Sequence[Experience], weights: Sequence[float] | np.ndarray | None = None) -> None:
         """Experiences the learner applies now: evidence for the next look. Call it before the
         learner publishes the checkpoint trained on them: a trial is fed only what arrives after
-        its candidate was published."""
-        self.gathered.extend(e for e in experiences if e.kind == "feedback")
+        its candidate was published. ``weights``: their influence weights (contract 1.15), by
+        which they are thinned (:func:`pipeline.learner.evidence.thin`)."""
+        feedback = [e for e in experiences if e.kind == "feedback"]
+        if weights is not None:
+            feedback = evidence.thin(
+                feedback, [w for e, w in zip(experiences, weights, strict=True) if e.kind == "feedback"]
+            )
+        self.gathered.extend(feedback)
 
     # ------------------------------------------------------------------ events
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:

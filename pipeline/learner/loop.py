@@ -434,7 +434,7 @@ class Learner(Service):
         if feedback:
             m.export_principals(self.principals.view(self.progress.quarantined))
         if self.gate is not None:
-            self.gate.observe(feedback)
+            self.gate.observe(feedback, weights)  # the gate's evidence thinned to the same caps
         labels = [e for e in chunk if e.kind == "label"]
         if feedback:
             # All 1 (one principal, or none over the cap): the update is exactly the unweighted one.

@@ -149,3 +149,19 @@ def test_the_weights_reach_the_update(tmp_path: Path) -> None:
     stats = trainer.update(chunk, w)
     plain = PolicyTrainer(S.learner().trainer).update(chunk)
     assert np.allclose(stats.weights, np.array(plain.weights) * w)
+
+
+def test_the_gates_evidence_is_thinned_to_the_same_caps() -> None:
+    """The promotion rule judged on every non-quarantined experience at full weight, so a principal
+    over the cap still carried its whole share of the gate's judgement. The gate now keeps each
+    experience with probability its weight, decided by its id (a replay keeps the same ones)."""
+    from pipeline.learner.evidence import thin
+
+    principals: list[str | None] = ["liar"] * 2000 + [f"h{i % 6}" for i in range(2000)]
+    batch = _batch(principals)
+    weights = np.where(np.array([p == "liar" for p in principals]), 0.25, 1.0)
+    kept = thin(batch, weights)
+    liar = sum(e.principal == "liar" for e in kept)
+    assert liar == pytest.approx(500, abs=70) and len(kept) - liar == 2000  # 0.25 of the liar's, all the others'
+    assert [e.id for e in thin(batch, weights)] == [e.id for e in kept]  # by id: the same ones again
+    assert thin(batch, np.ones(len(batch))) == batch  # within the cap: everything
