@@ -42,6 +42,7 @@ from models.offpolicy.logged import TOPK, LoggedDecisions, Served
 from models.offpolicy.setlevel import set_probability, target_set_probability
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
+from pipeline.byid import keep_by_id
 from pipeline.learner.promotion import SIMILARITY, Evidence
 from topics.internal import Experience
 
@@ -143,16 +144,7 @@ def thin(experiences: Sequence[Experience], weights: Sequence[float] | np.ndarra
     >>> thin([], [])
     []
     """
-    out = []
-    for e, w in zip(experiences, weights, strict=True):
-        if w >= 1.0 or _unit(e.id) < w:
-            out.append(e)
-    return out
-
-
-def _unit(key: str) -> float:
-    """A number in [0, 1) that depends on ``key`` alone."""
-    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big") / 2**64
+    return [e for e, w in zip(experiences, weights, strict=True) if keep_by_id(e.id, float(w))]
 
 
 def usable(experiences: Sequence[Experience]) -> list[Experience]:

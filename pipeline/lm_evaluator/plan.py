@@ -46,6 +46,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pipeline.byid import keep_by_id
 from pipeline.lm_evaluator.scoring import build_prompt
 from topics.events import RetrievalEvent
 from topics.feedback import LLMFeedback
@@ -64,12 +65,7 @@ def attributed(event_id: str, rate: float) -> bool:
     >>> sum(attributed(f"e{i}", 0.25) for i in range(4000)) / 4000  # doctest: +ELLIPSIS
     0.2...
     """
-    if rate <= 0.0:
-        return False
-    if rate >= 1.0:
-        return True
-    digest = hashlib.blake2b(event_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < rate
+    return keep_by_id(event_id, rate)
 
 
 def attributed_slots(event_id: str, selected: Sequence[int], max_attributed: int) -> list[int]:
