@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -121,3 +122,10 @@ def wait_metric(child: Child, name: str, at_least: float, timeout: float, **labe
     except TimeoutError as exc:
         raise AssertionError(f"{exc} (last {seen[0]})\n{child.verb} log:\n{child.log_tail()}") from None
     return seen[0]
+
+
+def form_field(html: str, name: str) -> str:
+    """The value of the form field ``name`` in a page (a CSRF token, a sample's id)."""
+    m = re.search(rf'name="{name}" value="([^"]*)"', html)
+    assert m, f"no {name} field"
+    return m.group(1)

@@ -69,7 +69,7 @@ from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
 from pipeline.modeltopic import scan_model_topic
 from pipeline.promtext import metric
-from tests.helpers import feedback, retrieval_event, until, wait_metric
+from tests.helpers import feedback, form_field, retrieval_event, until, wait_metric
 from tests.kafka_cluster import KafkaCluster
 from topics.feedback import decode_llm_feedback
 from topics.fields import encode
@@ -478,23 +478,28 @@ def test_the_evaluators_feedback_is_joined_and_learnt(deployment: Deployment, le
 
 
 def test_the_ui_serves_its_pages_from_the_cluster_as_its_own_user(deployment: Deployment, learnt: int) -> None:
-    """``causalmem ui``'s app as the ``ui`` role (deploy/kafka/acls.sh): a labeler logs in, and the
-    pages show what the app reads from the cluster: the serving version the learner published
-    (health), the memories the joined steps read (memories), the labelers' queue (its group)."""
+    """``causalmem ui``'s app as compose's ``ui`` service runs it: as the ``ui`` role of
+    deploy/kafka/acls.sh, with no labelers file. A labeler logs in with the labeler role's Kafka
+    user (the broker checks the password; a wrong one is refused), and the pages show what the
+    app reads from the cluster: the serving version the learner published (health), the memories
+    the joined steps read (memories), the labelers' queue (its group)."""
     from starlette.testclient import TestClient
 
     from pipeline.ui.app import create_app
 
     dep = deployment
     ui = dep.settings("ui")
-    labelers = dep.roles.tmp / "labelers.toml"
-    labelers.write_text('[labelers.ann]\ntoken = "ann-token-for-the-cluster"\n')
-    app = create_app(ui.ui(labelers_file=labelers, refresh_s=1.0), dep.cluster.bootstrap)
+    labeler = dep.cluster.users["labeler"]
+    app = create_app(ui.ui(refresh_s=1.0), dep.cluster.bootstrap)
     with TestClient(app, base_url="http://127.0.0.1") as c:
-        form = c.get("/login").text
-        csrf = form.split('name="csrf" value="', 1)[1].split('"', 1)[0]
-        data = {"csrf": csrf, "name": "ann", "secret": "ann-token-for-the-cluster", "next": "/queue"}
-        assert c.post("/login", data=data, follow_redirects=False).status_code == 303
+
+        def login(password: str) -> int:
+            csrf = form_field(c.get("/login").text, "csrf")
+            data = {"csrf": csrf, "name": labeler.username, "secret": password, "next": "/queue"}
+            return c.post("/login", data=data, follow_redirects=False).status_code
+
+        assert login(labeler.password + "-wrong") != 303
+        assert login(labeler.password) == 303
         deadline = time.monotonic() + 60
         serving = None
         while time.monotonic() < deadline:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
+from tests.helpers import form_field
 from tests.queue_fakes import RecordingProducer, SampleConsumer
 
 pytest.importorskip("starlette")
@@ -110,15 +110,9 @@ def second_browser(c: TestClient) -> TestClient:
     return TestClient(c.app, base_url="http://127.0.0.1")
 
 
-def field(html: str, name: str) -> str:
-    m = re.search(rf'name="{name}" value="([^"]*)"', html)
-    assert m, f"no {name} field"
-    return m.group(1)
-
-
 def login_csrf(c: TestClient) -> str:
     """The login form's CSRF token: a login starts from the login page, as in a browser."""
-    return field(c.get("/login").text, "csrf")
+    return form_field(c.get("/login").text, "csrf")
 
 
 def try_login(c: TestClient, name: str, secret: str, **kw: Any) -> Any:
@@ -154,7 +148,7 @@ def test_a_form_without_the_sessions_csrf_token_writes_nothing(tmp_path: Path) -
     with client_for(tmp_path, pool) as c:
         login(c)
         page = c.get("/queue").text
-        form = {"sample_id": "s1", "lease": field(page, "lease"), "correct": "9", "action": "answer"}
+        form = {"sample_id": "s1", "lease": form_field(page, "lease"), "correct": "9", "action": "answer"}
         r = c.post("/queue/answer", data={**form, "csrf": "forged"})
         assert r.status_code == 403 and "CSRF" in r.text
         r = c.post("/queue/answer", data=form)
@@ -251,7 +245,7 @@ def test_a_session_cookie_stops_working_after_logout(tmp_path: Path) -> None:
         copy = second_browser(c)
         copy.cookies.set("causalmem_ui", cookie)
         assert copy.get("/memories").status_code == 200
-        c.post("/logout", data={"csrf": field(c.get("/memories").text, "csrf")})
+        c.post("/logout", data={"csrf": form_field(c.get("/memories").text, "csrf")})
         assert copy.get("/memories", follow_redirects=False).status_code == 303  # to the login page
         r = copy.post("/queue/leave", data={"csrf": "x", "sample_id": "s1"})
         assert r.status_code == 403
@@ -270,9 +264,9 @@ def test_the_login_form_needs_its_csrf_token_and_a_non_ascii_token_is_refused(tm
         assert r.status_code == 403
         login(c)
         page = c.get("/queue").text
-        form = {"sample_id": "s1", "lease": field(page, "lease"), "correct": "9", "csrf": "jeton-é"}
+        form = {"sample_id": "s1", "lease": form_field(page, "lease"), "correct": "9", "csrf": "jeton-é"}
         assert c.post("/queue/answer", data=form).status_code == 403
-        form = {**form, "csrf": field(page, "csrf"), "lease": "bail-é"}
+        form = {**form, "csrf": form_field(page, "csrf"), "lease": "bail-é"}
         assert c.post("/queue/answer", data=form).status_code == 409  # a stale lease, not a crash
     assert pool.fake_producer.sent == []
 
@@ -309,9 +303,9 @@ def test_an_answer_is_the_label_causalmem_label_sends(tmp_path: Path) -> None:
         r = c.post(
             "/queue/answer",
             data={
-                "csrf": field(page, "csrf"),
-                "sample_id": field(page, "sample_id"),
-                "lease": field(page, "lease"),
+                "csrf": form_field(page, "csrf"),
+                "sample_id": form_field(page, "sample_id"),
+                "lease": form_field(page, "lease"),
                 "correct": "9",
                 "harmful": "4",
                 "rating": "4",
@@ -332,7 +326,7 @@ def test_unknown_sample_stale_lease_and_double_submit_write_nothing(tmp_path: Pa
     with client_for(tmp_path, pool) as c:
         login(c)
         page = c.get("/queue").text
-        csrf, lease = field(page, "csrf"), field(page, "lease")
+        csrf, lease = form_field(page, "csrf"), form_field(page, "lease")
 
         def post(**kw: str) -> Any:
             data = {"csrf": csrf, "sample_id": "s1", "lease": lease, "correct": "9", "action": "answer", **kw}
@@ -351,9 +345,9 @@ def test_unknown_sample_stale_lease_and_double_submit_write_nothing(tmp_path: Pa
         assert len(pool.fake_producer.labels()) == 1
         # s2 is leased now; past its lease the answer is refused
         page = c.get("/queue").text
-        assert field(page, "sample_id") == "s2"
+        assert form_field(page, "sample_id") == "s2"
         pool.now += 61.0
-        r = post(sample_id="s2", lease=field(page, "lease"))
+        r = post(sample_id="s2", lease=form_field(page, "lease"))
         assert r.status_code == 409 and "expired" in r.text
     assert len(pool.fake_producer.labels()) == 1
 
@@ -365,11 +359,11 @@ def test_leaving_releases_the_lease_for_another_labeler(tmp_path: Path) -> None:
         login(ann)
         login(bob, "bob", "bob-pw")
         page = ann.get("/queue").text
-        assert field(page, "sample_id") == "s1"
+        assert form_field(page, "sample_id") == "s1"
         assert "queue is empty for you" in bob.get("/queue").text
-        r = ann.post("/queue/leave", data={"csrf": field(page, "csrf"), "sample_id": "s1", "beacon": "1"})
+        r = ann.post("/queue/leave", data={"csrf": form_field(page, "csrf"), "sample_id": "s1", "beacon": "1"})
         assert r.status_code == 204
-        assert field(bob.get("/queue").text, "sample_id") == "s1"
+        assert form_field(bob.get("/queue").text, "sample_id") == "s1"
 
 
 def test_overlap_shows_a_sample_to_n_labelers_and_commits_after_the_last(tmp_path: Path) -> None:
@@ -380,8 +374,13 @@ def test_overlap_shows_a_sample_to_n_labelers_and_commits_after_the_last(tmp_pat
         login(bob, "bob", "bob-pw")
         for c, slot in ((ann, "9"), (bob, "17")):
             page = c.get("/queue").text
-            assert field(page, "sample_id") == "s1"
-            data = {"csrf": field(page, "csrf"), "sample_id": "s1", "lease": field(page, "lease"), "correct": slot}
+            assert form_field(page, "sample_id") == "s1"
+            data = {
+                "csrf": form_field(page, "csrf"),
+                "sample_id": "s1",
+                "lease": form_field(page, "lease"),
+                "correct": slot,
+            }
             c.post("/queue/answer", data=data)
             if c is ann:
                 assert pool.fake_consumer.commits == []  # one answer of two: still held
@@ -414,10 +413,10 @@ def test_agreement_page_lists_disagreements_and_a_review_settles_one(tmp_path: P
         # ann answered s1 herself: she cannot settle it
         pool.answered["ann"] = {"s1"}
         review = c.get("/review/s1").text
-        r = c.post("/review/s1", data={"csrf": field(review, "csrf"), "correct": "9"})
+        r = c.post("/review/s1", data={"csrf": form_field(review, "csrf"), "correct": "9"})
         assert r.status_code == 409 and pool.fake_producer.sent == []
         pool.answered["ann"] = set()
-        r = c.post("/review/s1", data={"csrf": field(review, "csrf"), "correct": "9"}, follow_redirects=False)
+        r = c.post("/review/s1", data={"csrf": form_field(review, "csrf"), "correct": "9"}, follow_redirects=False)
         assert r.status_code == 303
         (label,) = pool.fake_producer.labels()
         assert (label.sample_id, label.labeler, label.correct_memories) == ("s1", "ann", [9])
@@ -483,7 +482,7 @@ def test_memories_table_sorts_probably_harmful_first_and_marks_do_not_use(tmp_pa
         assert 'href="/memories/5"' not in c.get("/memories?q=text+6").text
         page = c.get("/memories/5").text
         assert "question q39" in page and "-0.100" in page  # a recent query with its utility
-        r = c.post("/memories/5/do-not-use", data={"csrf": field(page, "csrf")}, follow_redirects=False)
+        r = c.post("/memories/5/do-not-use", data={"csrf": form_field(page, "csrf")}, follow_redirects=False)
         assert r.status_code == 303
         (label,) = pool.fake_producer.labels()
         assert (label.kind, label.harmful_memories, label.correct_memories, label.query_id, label.sample_id) == (
@@ -629,21 +628,25 @@ def test_an_answer_is_held_for_undo_then_sent_and_the_app_stopping_sends_it(tmp_
         page = c.get("/queue").text
 
         def answer(page: str, slot: str) -> str:
-            data = {"csrf": field(page, "csrf"), "sample_id": field(page, "sample_id"), "lease": field(page, "lease")}
+            data = {
+                "csrf": form_field(page, "csrf"),
+                "sample_id": form_field(page, "sample_id"),
+                "lease": form_field(page, "lease"),
+            }
             return c.post("/queue/answer", data={**data, "correct": slot}).text
 
         page = answer(page, "9")
-        assert "goes out in 10 s" in page and field(page, "sample_id") == "s2"
+        assert "goes out in 10 s" in page and form_field(page, "sample_id") == "s2"
         assert pool.fake_producer.sent == []  # held: nothing sent yet
-        page = c.post("/queue/undo", data={"csrf": field(page, "csrf")}).text
-        assert "Taken back" in page and field(page, "sample_id") == "s1"  # the sample is theirs again
+        page = c.post("/queue/undo", data={"csrf": form_field(page, "csrf")}).text
+        assert "Taken back" in page and form_field(page, "sample_id") == "s1"  # the sample is theirs again
         assert pool.fake_producer.sent == [] and pool.fake_consumer.commits == []
         page = answer(page, "17")
         pool.now += 11.0
         c.portal.call(pool.flush)  # what the app's flusher does every second
         (label,) = pool.fake_producer.labels()
         assert (label.sample_id, label.correct_memories) == ("s1", [17]) and pool.fake_consumer.commits == [1]
-        r = c.post("/queue/undo", data={"csrf": field(page, "csrf")})
+        r = c.post("/queue/undo", data={"csrf": form_field(page, "csrf")})
         assert r.status_code == 409 and "sent already" in r.text
         answer(c.get("/queue").text, "9")  # s2: held when the app stops
         assert len(pool.fake_producer.labels()) == 1
@@ -712,12 +715,12 @@ def test_sasl_logins_are_checked_by_the_broker_and_labels_use_the_labelers_crede
         login(c, "ann", "ann-kafka-pw")
         ann_producer = made[-1][2]
         page = c.get("/queue").text
-        data = {"csrf": field(page, "csrf"), "sample_id": "s1", "lease": field(page, "lease"), "correct": "9"}
+        data = {"csrf": form_field(page, "csrf"), "sample_id": "s1", "lease": form_field(page, "lease"), "correct": "9"}
         c.post("/queue/answer", data=data)
         assert pool.fake_producer.sent == []  # not through the app's own connection
         (label,) = [decode_human_label(v, Limits(slots=64)) for _, v in ann_producer.sent]
         assert label.labeler == "ann" and label.correct_memories == [9]
-        c.post("/logout", data={"csrf": field(c.get("/memories").text, "csrf")})
+        c.post("/logout", data={"csrf": form_field(c.get("/memories").text, "csrf")})
         assert ann_producer.stopped and "ann" not in pool.producers
     with pytest.raises(ValueError, match="labelers"):
         create_app(S.replace(state_dir=str(tmp_path)).ui(), "127.0.0.1:1", pool=Pool([]), feeds=Feeds())

@@ -36,7 +36,7 @@ GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "causalmem.json"
 K8S = ROOT / "deploy" / "k8s"
 
-CAUSALMEM_SERVICES = ("init-topics", "worker", "learner", "evaluator", "writes")
+CAUSALMEM_SERVICES = ("init-topics", "worker", "learner", "evaluator", "writes", "ui")
 EXPECTED_SERVICES = {"kafka", "kafka-setup", *CAUSALMEM_SERVICES, "prometheus", "grafana"}
 METRIC_RE = re.compile(r"causalmem_[a-z0-9_]+")
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}: Compose interpolation.
@@ -182,6 +182,15 @@ def test_compose_services() -> None:
     writes = services["writes"]
     assert writes["command"][0] == "writes"
     assert 1 <= writes["deploy"]["replicas"] <= 8, "write gates share the partitions of memory-writes"
+    ui = services["ui"]
+    assert ui["command"][0] == "ui"
+    assert ui["depends_on"]["init-topics"]["condition"] == "service_completed_successfully"
+    ui_env = _compose_env(ui)
+    assert ui_env["CAUSALMEM_KAFKA_SASL_USERNAME"] == "causalmem-ui", "the ui role of deploy/kafka/acls.sh"
+    port = ui["command"][ui["command"].index("--port") + 1] if "--port" in ui["command"] else "8765"
+    assert ui["ports"] == [f"127.0.0.1:{port}:{port}"]
+    # the session key survives a restart: a named volume at the state dir
+    assert f"ui-state:{ui_env['CAUSALMEM_STATE_DIR']}" in ui["volumes"]
     # The learner is the single writer of the policy.
     assert services["learner"].get("deploy", {}).get("replicas", 1) == 1
     assert "scale" not in services["learner"]
@@ -257,6 +266,7 @@ def test_dockerfile() -> None:
     assert project, "the image installs the project"
     project_at, m = project[0]
     assert "cli" in (m.group(1) or ""), "the image runs the operator verbs (status, label): the cli extra"
+    assert "ui" in (m.group(1) or ""), "the image runs causalmem ui: the ui extra"
     assert torch_at < project_at, "install CPU torch before the project"
     user = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert user and user[-1].split(":")[0] not in ("root", "0"), "run as a non-root user"
@@ -462,7 +472,8 @@ def test_k8s_worker_deployment() -> None:
     assert ports["metrics"] == 9100
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     services = [d for _f, d in _k8s_docs() if d["kind"] == "Service"]
-    assert all(s["spec"].get("clusterIP") == "None" for s in services), "metrics services are headless"
+    metrics = [s for s in services if s["metadata"]["name"].endswith("-metrics")]
+    assert all(s["spec"].get("clusterIP") == "None" for s in metrics), "metrics services are headless"
     assert any(s["spec"]["selector"] == worker["spec"]["selector"]["matchLabels"] for s in services)
 
 
@@ -494,6 +505,23 @@ def test_k8s_write_gate_deployment() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     services = [d for _f, d in _k8s_docs() if d["kind"] == "Service"]
     assert any(s["spec"]["selector"] == gate["spec"]["selector"]["matchLabels"] for s in services)
+
+
+def test_k8s_ui_deployment() -> None:
+    (ui,) = _by_component("ui")
+    assert ui["kind"] == "Deployment"
+    assert ui["spec"]["replicas"] == 1, "one app holds the labelers' leases"
+    (container,) = ui["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[0] == "ui"
+    assert args[args.index("--host") + 1] == "0.0.0.0", "reachable through its Service"
+    assert "--no-secure-cookie" not in args, "exposed through TLS: the cookie stays Secure"
+    port = int(args[args.index("--port") + 1])
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == port
+    # the probe's page answers without a session
+    assert container["livenessProbe"]["httpGet"] == {"path": "/login", "port": "http"}
+    services = [d for _f, d in _k8s_docs() if d["kind"] == "Service"]
+    assert any(s["spec"]["selector"] == ui["spec"]["selector"]["matchLabels"] for s in services)
 
 
 def test_k8s_containers_run_causalmem_verbs_with_known_env() -> None:

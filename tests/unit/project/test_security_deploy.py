@@ -255,6 +255,7 @@ def test_k8s_each_role_reads_its_own_kafka_user_from_a_secret() -> None:
     expected["evaluator"] = "causalmem-kafka-evaluator"
     expected["writes"] = "causalmem-kafka-writes"
     expected["init-topics"] = "causalmem-kafka-operator"
+    expected["ui"] = "causalmem-kafka-ui"
     seen = {}
     for doc in _k8s():
         if doc["kind"] not in ("Deployment", "Job", "StatefulSet"):
