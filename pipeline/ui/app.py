@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
-from starlette.responses import RedirectResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -178,6 +178,19 @@ async def metrics_page(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)
 
 
+async def healthz(request: Request) -> Response:
+    """Liveness (no login, like every role's ``/healthz``): the app answers."""
+    return PlainTextResponse("ok\n")
+
+
+async def readyz(request: Request) -> Response:
+    """Readiness (no login): 200 once the app has read the topics, so its pages show them; 503 before."""
+    refreshed = getattr(request.app.state.ui.feeds, "refreshed", None)
+    if refreshed is not None and not refreshed.is_set():
+        return PlainTextResponse("not ready: the topics have not been read yet\n", status_code=503)
+    return PlainTextResponse("ok\n")
+
+
 def uvicorn_options(config: UiConfig) -> dict[str, Any]:
     """How :func:`serve` starts uvicorn: on ``config``'s host and port, taking the client from
     ``X-Forwarded-For`` (and the scheme from ``X-Forwarded-Proto``) only when the connection
@@ -248,6 +261,8 @@ def create_app(
         Route("/login", login, methods=["POST"]),
         Route("/logout", logout, methods=["POST"]),
         Route("/metrics", metrics_page, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
         *labeling.routes,
         *agreement.routes,
         *memory_pages.routes,

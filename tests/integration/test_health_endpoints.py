@@ -156,10 +156,12 @@ def test_k8s_probes_are_http_health_checks() -> None:
                 continue
             for c in doc["spec"]["template"]["spec"]["containers"]:
                 seen += 1
-                assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}, f
-                assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}, f
+                port = "http" if c["name"] == "ui" else "metrics"  # the web app serves both on its one port
+                assert port in {p["name"] for p in c["ports"]}, f
+                assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port}, f
+                assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port}, f
                 assert c["startupProbe"]["httpGet"]["path"] == "/healthz", f
-    assert seen == 4  # worker, learner, evaluator, write gate
+    assert seen == 5  # worker, learner, evaluator, write gate, web app
 
 
 # --------------------------------------------------------------------------- metrics by default

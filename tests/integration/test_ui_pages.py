@@ -757,3 +757,18 @@ async def test_shadow_estimate_is_judged_again_at_most_every_shadow_every_s(tmp_
     feeds._shadow_last = (feeds._shadow_last[0] - 3601.0, None)  # type: ignore[index]  # an hour on
     await feeds.refresh()
     assert len(calls) == 2 and feeds.snapshot["shadow"]["line"] == "estimate 2"
+
+
+def test_health_probes_answer_without_a_login_and_ready_once_the_topics_are_read(tmp_path: Path) -> None:
+    """``/healthz`` and ``/readyz`` for the deployment's probes (deploy/k8s/ui-deployment.yaml):
+    no session needed; not ready until the app's first read of the topics."""
+    feeds = Feeds()
+    refreshed = asyncio.Event()
+    feeds.refreshed = refreshed  # type: ignore[attr-defined]
+    with client_for(tmp_path, Pool([]), feeds) as c:
+        assert c.get("/healthz").status_code == 200
+        waiting = c.get("/readyz")
+        assert waiting.status_code == 503 and "not been read yet" in waiting.text
+        refreshed.set()
+        assert c.get("/readyz").status_code == 200
+        assert c.get("/queue", follow_redirects=False).status_code == 303  # the pages still need a login

@@ -518,8 +518,8 @@ def test_k8s_ui_deployment() -> None:
     assert "--no-secure-cookie" not in args, "exposed through TLS: the cookie stays Secure"
     port = int(args[args.index("--port") + 1])
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == port
-    # the probe's page answers without a session
-    assert container["livenessProbe"]["httpGet"] == {"path": "/login", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     services = [d for _f, d in _k8s_docs() if d["kind"] == "Service"]
     assert any(s["spec"]["selector"] == ui["spec"]["selector"]["matchLabels"] for s in services)
 
