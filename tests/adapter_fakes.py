@@ -42,9 +42,14 @@ def hashed_embedding(text: str, dim: int = DIM) -> list[float]:
 
 
 def policy(
-    version: int = 1, reason: str = "periodic", bias: dict[int, float] | None = None, zero: bool = False
+    version: int = 1,
+    reason: str = "periodic",
+    bias: dict[int, float] | None = None,
+    zero: bool = False,
+    serving: dict[str, Any] | None = None,
 ) -> LoadedPolicy:
-    """A policy whose mask is set by its output bias only (hidden weights zero): m_s = softplus(bias_s)."""
+    """A policy whose mask is set by its output bias only (hidden weights zero): m_s = softplus(bias_s);
+    ``serving``: its manifest's serving values (None: none, the contract's defaults)."""
     torch.manual_seed(0)
     net = PolicyNetwork(embedding_dim=DIM, slots=SLOTS, hidden=8)
     with torch.no_grad():
@@ -54,7 +59,19 @@ def policy(
             net.out.bias[s] = b
     net.eval()
     manifest = Manifest(
-        "default", version, 1.0, reason, net.arch.to_dict(), 0.5, 0.0, "0" * 64, 1, 1, {}, {"experiences:0": 0}
+        "default",
+        version,
+        1.0,
+        reason,
+        net.arch.to_dict(),
+        0.5,
+        0.0,
+        "0" * 64,
+        1,
+        1,
+        {},
+        {"experiences:0": 0},
+        serving=serving,
     )
     return LoadedPolicy(manifest=manifest, net=net)
 

@@ -98,6 +98,7 @@ class RetrievalEvent(WireValue):
         "canary_rate",
         "alternative_version",
         "principal",
+        "incumbent",
     )
     NESTED = ("features", "memory_texts")
 
@@ -143,6 +144,10 @@ class RetrievalEvent(WireValue):
     alternative_version: int | None = None
     # Contract 1.15: who produced the event (topics/principal.py); None reads as "anonymous".
     principal: str | None = None
+    # Contract 1.17: true when the client served its own ranking, the first k candidates as found,
+    # because the manifest of ``policy_version`` says ``incumbent`` (a policy not yet certified):
+    # no draw chose them (``logprob`` 0, ``selected`` the first k of ``candidates``).
+    incumbent: bool | None = None
 
 
 CANARY_ARMS = ("tie", "canary", "serving")
@@ -222,6 +227,9 @@ def _fast_retrieval_event(
         principal = obj.get("principal")  # contract 1.15
         if principal is not None and not valid_principal(principal):
             return None
+        incumbent = obj.get("incumbent")  # contract 1.17: every request but the explored under a first policy
+        if incumbent is not None and (type(incumbent) is not bool or (incumbent and canary)):
+            return None
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
             return None
@@ -252,6 +260,8 @@ def _fast_retrieval_event(
         n = len(candidates)
         scores = _number_array(obj["scores"], n, -big, big)
         if scores is None or (not fallback and (not n or not set(selected) <= set(candidates))):
+            return None
+        if incumbent and (fallback or logprob != 0 or selected != candidates[: len(selected)]):
             return None
         policy = obj.get("policy")
         version = obj.get("policy_version")
@@ -304,6 +314,7 @@ def _fast_retrieval_event(
         canary_rate=float(rate) if rate is not None else None,
         alternative_version=alternative,
         principal=principal,
+        incumbent=True if incumbent else None,
     )
 
 
@@ -371,6 +382,7 @@ def _validated_retrieval_event(
     event.canary = True if f.bool_("canary", required=False) else None
     read_canary_arm(f, event)
     read_canary_mixture(f, event)
+    read_incumbent(f, event)
     principal = f.get("principal", required=False)
     event.principal = None if principal is None else check_principal(principal)
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
@@ -445,6 +457,34 @@ def read_canary_arm(f: Fields, event: RetrievalEvent) -> None:
             f'canary_arm "{arm}" without canary: true' if arm == "canary" else f'canary_arm "{arm}" with canary: true',
         )
     event.canary_arm, event.canary_version, event.canary_other = arm, version, other
+
+
+def read_incumbent(f: Fields, event: RetrievalEvent) -> None:
+    """Contract 1.17's ``incumbent``: the client's own first k served, not drawn; not on a fallback
+    step or the canary's request, with ``logprob`` 0 and ``selected`` the first k of ``candidates``.
+
+    >>> e = RetrievalEvent("e", "q", 0, 0.0, Features(np.zeros(1, np.float32), 0.0, 0.0), [4, 2, 9], np.zeros(3),
+    ...                    [4, 2], 0.001, 0.0, False)
+    >>> read_incumbent(Fields({"incumbent": True}, Limits()), e)
+    >>> e.incumbent
+    True
+    >>> e.selected = [2, 4]
+    >>> read_incumbent(Fields({"incumbent": True}, Limits()), e)
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: inconsistent: incumbent: selected is not the first 2 candidates
+    """
+    if not f.bool_("incumbent", required=False):
+        return
+    if event.fallback:
+        raise Rejected("inconsistent", "incumbent on a fallback step")
+    if event.canary:
+        raise Rejected("inconsistent", "incumbent on the canary's request")
+    if event.logprob != 0.0:
+        raise Rejected("inconsistent", "incumbent with a logprob other than 0")
+    if event.selected != event.candidates[: len(event.selected)]:
+        raise Rejected("inconsistent", f"incumbent: selected is not the first {len(event.selected)} candidates")
+    event.incumbent = True
 
 
 def read_canary_mixture(f: Fields, event: RetrievalEvent) -> None:

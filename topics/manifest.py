@@ -404,4 +404,6 @@ def decode_serving(f: Fields | None) -> dict[str, Any] | None:
         out["drop_ratio"] = ratio
     if f.bool_("canary_coupled", required=False):  # contract 1.5
         out["canary_coupled"] = True
+    if f.bool_("incumbent", required=False):  # contract 1.17
+        out["incumbent"] = True
     return out

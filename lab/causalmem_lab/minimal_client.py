@@ -20,7 +20,8 @@ def required_only(event: RetrievalEvent) -> RetrievalEvent:
     """``event`` as a client written from docs/contract.md's required fields sends it (§3):
     ``policy`` and ``policy_version`` kept (the contract asks for them), every other optional
     field left out — no ``candidate_probs``, ``candidate_masks``, ``dropped``, ``mask_max``,
-    texts or canary fields."""
+    texts or canary fields. ``incumbent`` stays (contract 1.17): a client that serves its own
+    ranking because the manifest says so must say it did, or its ``logprob`` 0 would be false."""
     return replace(
         event,
         mask_max=None,

@@ -238,7 +238,10 @@ def component_logits(
 ) -> list[tuple[float, np.ndarray, np.ndarray, bool]]:
     """(weight, z, kept, uniform) per mixture component of a served target, over the logged candidates.
 
-    The network's mask is computed once; each component rescales it to its own T.
+    The network's mask is computed once; each component rescales it to its own T. A network
+    served as an *incumbent* (contract 1.17: not yet certified) is the mixture of plain top-k,
+    the client's own ranking, on the share not explored and the network's draw at
+    ``explore_temperature`` on the explored one.
     """
     base, params = target.policy, target.params
     uniform = isinstance(base, str) and base == "uniform"
@@ -260,6 +263,10 @@ def component_logits(
         adjusted = np.where(kept, decisions.scores, 0.0) if base == "similarity" else np.zeros(kept.shape)
     else:
         raise ValueError(f"unknown policy {base!r}: expected a PolicyNetwork, 'similarity', 'topk' or 'uniform'")
+    if params.incumbent and isinstance(base, PolicyNetwork):
+        explored = params.explore_rate
+        parts = [(round(1.0 - explored, 12), *topk_logits(decisions), False)] if explored < 1.0 else []
+        return parts + ([(explored, adjusted / params.explore_temperature, kept, False)] if explored > 0 else [])
     return [(w, adjusted / t, kept, uniform) for w, t in params.components()]
 
 

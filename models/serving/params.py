@@ -22,6 +22,8 @@ settings) and the clients (:data:`pipeline.client.serving.UNSERVED`) take theirs
 True
 >>> ServingParams.from_wire(None) == ServingParams(drop="dynamic", canary_rate=0.0)  # before 1.2: the contract's
 True
+>>> ServingParams.from_wire(ServingParams(incumbent=True).to_wire()).incumbent
+True
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class ServingParams:
     # with the same random numbers and serve the canary's on half of those where they differ
     # (pipeline/client/choice.py); false: the canary serves every such request (1.4's A/B split).
     canary_coupled: bool = False
+    # Contract 1.17: the policy is not certified yet (the learner's first policy under the
+    # promotion gate): clients serve their own ranking, the first k candidates as found, on
+    # every request but the exploration share, which draws under the policy at
+    # ``explore_temperature``. The promotion rule values the version as that mixture
+    # (models.offpolicy.logged.component_logits). ``temperature`` stays what clients before 1.17
+    # draw at.
+    incumbent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("temperature", "explore_temperature"):
@@ -108,6 +117,7 @@ class ServingParams:
             "drop_ratio": self.drop_ratio,
             **({"canary_rate": self.canary_rate} if self.canary_rate > 0 else {}),
             **({"canary_coupled": True} if self.canary_coupled and self.canary_rate > 0 else {}),
+            **({"incumbent": True} if self.incumbent else {}),
         }
 
     @classmethod
@@ -130,4 +140,6 @@ class ServingParams:
             values["drop"] = str(obj["drop"])
         if obj.get("canary_coupled") is True:  # contract 1.5
             values["canary_coupled"] = True
+        if obj.get("incumbent") is True:  # contract 1.17
+            values["incumbent"] = True
         return cls(**values)

@@ -107,7 +107,14 @@ class Choice:
     z: np.ndarray | None = None  # the draw's logits over ``candidates``
     # Cold start (contract 1.10): no policy yet, so the search's own ranking served, logged as a
     # fallback step; ``selected`` are the first k of the candidates found, in the search's order.
+    # Contract 1.17: the same under a policy whose manifest says ``incumbent`` (not yet
+    # certified), logged with every candidate found and ``incumbent: true``.
     wrapped: bool = False
+
+    @property
+    def incumbent(self) -> bool:
+        """The search's own first k served under a policy not yet certified (contract 1.17)."""
+        return self.wrapped and not self.fallback
 
     def logprob_of(self, read: tuple[int | str, ...]) -> float:
         """log-probability that this policy's draw serves ``read`` (:meth:`read`'s form); −inf if it cannot."""
@@ -152,6 +159,8 @@ def choose(
     temperature = v.explore_temperature if explore else v.temperature
     if policy is None and not explore:
         return _wrapped(labels, masks, k, temperature, ids)
+    if policy is not None and v.incumbent and not explore:
+        return _incumbent(policy, labels, masks, scores, k, temperature, ids)
     keep = keep_flags(masks, v.drop, v.drop_ratio)
     if explore and revive > 0:
         keep = revive_dropped(keep, revive, noise.rng, noise.revive(len(keep))) & np.isfinite(masks)
@@ -209,6 +218,45 @@ def _wrapped(labels: np.ndarray, masks: np.ndarray, k: int, temperature: float, 
     empty = np.zeros(0)
     return Choice(
         None, labels, masks, every, temperature, selected, 0.0, None, [], empty, None, True, id_of, wrapped=True
+    )
+
+
+def _incumbent(
+    policy: LoadedPolicy,
+    labels: np.ndarray,
+    masks: np.ndarray,
+    scores: np.ndarray,
+    k: int,
+    temperature: float,
+    ids: list[str] | None,
+) -> Choice:
+    """Under a policy not yet certified (docs/contract.md §6 step 2c, 1.17): the first k candidates
+    as the search found them, like :func:`_wrapped`, but logged with every candidate and its score
+    (and mask), so that the learner values the request as drawn from the manifest's mixture of
+    the client's own ranking and the explored share.
+
+    >>> c = _incumbent(None, np.array([7, 3, 5]), np.ones(3), np.array([0.5, 0.9, 0.7]), 2, 0.001, None)
+    >>> c.selected, c.candidates, c.fallback, c.incumbent, c.logprob  # the search's order, not the scores'
+    ([7, 3], [7, 3, 5], False, True, 0.0)
+    """
+    id_of = dict(zip(labels.tolist(), ids, strict=True)) if ids is not None else {}
+    every = np.ones(len(labels), dtype=bool)
+    selected = [int(s) for s in labels[:k]]
+    return Choice(
+        policy,
+        labels,
+        masks,
+        every,
+        temperature,
+        selected,
+        0.0,
+        None,
+        [int(s) for s in labels],
+        np.asarray(scores, np.float64),
+        masks if np.isfinite(masks).all() else None,
+        False,
+        id_of,
+        wrapped=True,
     )
 
 

@@ -60,6 +60,8 @@ class ServingValues:
     explore_temperature: float
     canary_rate: float = 0.0  # contract 1.4: the share of requests that serve the canary
     canary_coupled: bool = False  # contract 1.5: those requests draw both slates (pipeline/client/choice.py)
+    # Contract 1.17: the policy is not certified yet: serve the search's own first k but the explored share.
+    incumbent: bool = False
 
 
 def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> ServingValues:
@@ -83,6 +85,7 @@ def follow(params: ServingParams | None, explicit: Mapping[str, Any]) -> Serving
         explore_temperature=float(given.get("explore_temperature", p.explore_temperature)),
         canary_rate=float(explicit[CANARY_RATE] if explicit.get(CANARY_RATE) is not None else p.canary_rate),
         canary_coupled=p.canary_coupled,
+        incumbent=p.incumbent,
     )
 
 

@@ -278,4 +278,5 @@ class ServingCore:
             canary_other=slate.canary_other,
             canary_rate=slate.canary_rate,
             alternative_version=slate.alternative_version,
+            incumbent=True if c.incumbent else None,
         )

@@ -147,19 +147,23 @@ def thin(experiences: Sequence[Experience], weights: Sequence[float] | np.ndarra
     return [e for e, w in zip(experiences, weights, strict=True) if keep_by_id(e.id, float(w))]
 
 
-def usable(experiences: Sequence[Experience]) -> list[Experience]:
+def usable(experiences: Sequence[Experience], versions: Mapping[int, Version] | None = None) -> list[Experience]:
     """The experiences that can be evidence: joined feedback of a policy draw (not a fallback) whose
-    first-draw probabilities are known, with a finite utility (the trainer skips the others too)."""
-    return [
+    first-draw probabilities are known, with a finite utility (the trainer skips the others too);
+    and a client's own ranking served under an incumbent (contract 1.17) where its probability is
+    the mixture of a version in ``versions`` (:func:`drawn_from`): no draw's own gives it."""
+    drawn = [
         e
         for e in experiences
         if e.kind == "feedback"
         and math.isfinite(e.utility)
         and not e.event.fallback
         and e.event.canary_arm is None  # a coupled canary drew two slates: not one draw's probability
-        and e.event.candidate_probs is not None
+        and (e.event.candidate_probs is not None or e.event.incumbent)
         and e.event.selected
     ]
+    mixed = drawn_from(drawn, versions or {})
+    return [e for i, e in enumerate(drawn) if not e.event.incumbent or i in mixed]
 
 
 def logging_probability(decisions: LoggedDecisions, rows: np.ndarray, members: np.ndarray) -> np.ndarray:
@@ -172,7 +176,8 @@ def logging_probability(decisions: LoggedDecisions, rows: np.ndarray, members: n
     >>> round(float(logging_probability(d, np.array([0]), d.selected)[0]), 6)  # 0.5·0.3/0.5 + 0.3·0.5/0.7
     0.514286
     """
-    assert decisions.first_probs is not None
+    if decisions.first_probs is None:  # none drew: every one is valued as its incumbent's mixture
+        return np.zeros(len(rows))
     first = np.where(decisions.valid, np.nan_to_num(decisions.first_probs), 0.0)
     return _set_probability(first[rows], members, decisions.n_selected[rows])
 
@@ -241,7 +246,7 @@ def build(
     rows, members = np.arange(n), decisions.selected
     probs = {v: target_set_probability(decisions, t, rows, members) for v, t in targets.items()}
     logged_by = np.array([e.event.policy_version for e in experiences], np.int64)
-    mixtures = drawn_from(experiences, decisions, versions)
+    mixtures = drawn_from(experiences, versions)
     logging = _mixed(logging_probability(decisions, rows, members), probs, mixtures)
     mixed_with, mix_share = _mix_arrays(logged_by, mixtures)
     if table is None:
@@ -291,7 +296,7 @@ def of_look(
     what was gathered since the last look, its logging probabilities completed (``complete``:
     :meth:`pipeline.learner.logging_policy.LoggingPolicies.complete`), the :func:`usable` ones
     :func:`build`-t on the table's predictions, and only then added to the table."""
-    decisions = usable(complete(sample(gathered)))
+    decisions = usable(complete(sample(gathered)), versions)
     ev = build(decisions, versions, params, table)
     table.add(decisions)  # after its own predictions: later looks may learn from them
     return ev
@@ -300,9 +305,7 @@ def of_look(
 Mixture = tuple[int, int, float]  # (the serving version, the canary's, the canary's share)
 
 
-def drawn_from(
-    experiences: Sequence[Experience], decisions: LoggedDecisions, versions: Mapping[int, Version]
-) -> dict[int, Mixture]:
+def drawn_from(experiences: Sequence[Experience], versions: Mapping[int, Version]) -> dict[int, Mixture]:
     """The decisions whose draw is known as a mixture the rule can value exactly: drawn by a
     version the learner holds, as its manifest says to serve it (the draw at one of its
     temperatures) and dropping nothing (so every request, explored or not, drew from the same
@@ -317,13 +320,23 @@ def drawn_from(
     propensity without the coins, under which the serving policy's reads and the canary's are
     both in the log (weights at most 1/(1 − ρ) and 1/ρ). Elsewhere (a client serving its own
     way, a drop that a client's own revival of dropped candidates may have undone), the draw's own.
+
+    Under an incumbent (contract 1.17) the share not explored is the client's own ranking: its
+    requests say so (``incumbent``), and only they and the explored draws are of that mixture.
+    A client before 1.17 drew near-greedily instead, and keeps its draw's own probability.
     """
     out: dict[int, Mixture] = {}
     for i, e in enumerate(experiences):
         drew, rate, other = e.event.policy_version, e.event.canary_rate, e.event.alternative_version
         if drew not in versions or versions[drew][1].drop != "none":
             continue
-        if not any(np.isclose(t, decisions.temperature[i], rtol=1e-6) for _, t in versions[drew][1].components()):
+        params, temperature = versions[drew][1], e.event.temperature
+        if e.event.incumbent and not params.incumbent:
+            continue
+        explored = np.isclose(params.explore_temperature, temperature, rtol=1e-6) and params.explore_rate > 0
+        if params.incumbent and not (e.event.incumbent or explored):
+            continue
+        if not e.event.incumbent and not any(np.isclose(t, temperature, rtol=1e-6) for _, t in params.components()):
             continue
         if rate is None or other is None:
             out[i] = (drew, drew, 0.0)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -55,7 +56,8 @@ from topics.manifest import Manifest
 log = logging.getLogger(__name__)
 
 HELD_VERSIONS = 3  # the serving version and the two served before it (each a full network in memory)
-SOURCES = ("client", "recomputed", "version_not_held", "unversioned", "unrecomputable")  # the metric's labels
+# the metric's labels; "incumbent": a client's own ranking under an incumbent (contract 1.17), checked
+SOURCES = ("client", "recomputed", "version_not_held", "unversioned", "unrecomputable", "incumbent")
 MISMATCH = "mismatch"
 WARN_EVERY_S = 10.0
 
@@ -132,6 +134,12 @@ class LoggingPolicies:
             count.labels(source="version_not_held").inc(len(exps))
             return
         policy = nets.get(version)
+        own = [e for e in exps if e.event.incumbent]
+        if own:
+            self._judge_incumbent(version, own)
+            exps = [e for e in exps if not e.event.incumbent]
+            if not exps:
+                return
         try:
             decisions = LoggedDecisions.from_experiences(exps)
             rec = recompute(decisions, masks_of(policy, exps, decisions.slots.shape), policy.alpha if policy else 0.0)
@@ -163,6 +171,30 @@ class LoggingPolicies:
             else:
                 self._verdicts[e.id] = Verdict("client")
                 count.labels(source="client").inc()
+
+    def _judge_incumbent(self, version: int, exps: list[Experience]) -> None:
+        """Requests served the client's own first k under an incumbent (contract 1.17): the rule
+        values them as plain top-k by score on the share not explored, so the set read must be
+        the k candidates of highest score (ties aside). A client whose own ranking orders by
+        something else disagrees, and is left out of the rule's evidence as any other."""
+        for e in exps:
+            ev = e.event
+            scores = np.asarray(ev.scores, np.float64)
+            k = len(ev.selected)
+            top = np.sort(scores)[::-1][k - 1] if 0 < k <= len(scores) else np.inf
+            read = scores[: len(ev.selected)]  # the decoder checked: the first k candidates
+            if len(read) == k and bool(np.all(read >= top)):
+                self._verdicts[e.id] = Verdict("incumbent")
+                self.metrics.gate_logging_probs.labels(source="incumbent").inc()
+                continue
+            self._verdicts[e.id] = Verdict(MISMATCH)
+            self.metrics.gate_logging_mismatch.labels(field="selected").inc()
+            self._warn(version, "selected", ev.logprob, math.nan)
+            detail = (
+                f"an incumbent request of v{version} read {k} memories that are not the {k} of highest score: "
+                "its own ranking is not plain top-k; left out of the promotion gate"
+            )
+            self._mismatched.append((e, detail))
 
     def take_mismatched(self) -> list[tuple[Experience, str]]:
         """The events found to disagree since the last call, each once, with what disagreed."""

@@ -51,24 +51,27 @@ from topics.principal import valid_principal
 log = logging.getLogger(__name__)
 
 # With the gate on, a fresh first policy (the same mask for every memory: similarity search)
-# is served at this temperature, as plain top-k, until the gate promotes a candidate: drawn
-# at the serving temperature it reads near-tied candidates almost at random, below
-# similarity-only (docs/learning.md, "The promotion gate"). Exploration is unchanged.
+# is not certified: its manifest says ``incumbent`` (contract 1.17), and clients serve their
+# own ranking, the first k candidates as found, on every request but the explored share, until
+# the gate promotes a candidate. Clients before 1.17 draw at this temperature instead, which
+# serves near-greedy top-k: drawn at the serving temperature, near-tied candidates are read
+# almost at random, below similarity-only (docs/learning.md, "The promotion gate").
 FRESH_TEMPERATURE = 0.001
 
 
 def first_serving(serving: ServingParams, gated: bool, reason: str, updates: int) -> ServingParams:
     """The serving parameters a checkpoint is published with.
 
-    >>> first_serving(ServingParams(), True, "init", 0).temperature
-    0.001
-    >>> first_serving(ServingParams(), True, "init", 12).temperature  # restored, trained: as configured
-    0.05
+    >>> fresh = first_serving(ServingParams(), True, "init", 0)
+    >>> fresh.incumbent, fresh.temperature, fresh.explore_rate
+    (True, 0.001, 0.1)
+    >>> first_serving(ServingParams(), True, "init", 12).incumbent  # restored, trained: as configured
+    False
     >>> first_serving(ServingParams(), False, "init", 0).temperature  # no gate: as configured
     0.05
     """
-    if gated and reason == "init" and updates == 0 and serving.temperature > FRESH_TEMPERATURE:
-        return replace(serving, temperature=FRESH_TEMPERATURE)
+    if gated and reason == "init" and updates == 0:
+        return replace(serving, temperature=min(serving.temperature, FRESH_TEMPERATURE), incumbent=True)
     return serving
 
 

@@ -125,3 +125,47 @@ def test_a_clients_mix_of_serving_and_canary_is_the_logging_probability() -> Non
     # Where the learner does not hold the other version, the draw's own probability.
     alone = evidence.build(held, {1: (serving, params)}, params)
     assert np.allclose(alone.logging, alone.probs[1])
+
+
+def as_incumbent(e: Experience, version: int, temperature: float) -> Experience:
+    """``e`` as a 1.17 client logs a request under an incumbent: its candidates in the index's order
+    (by score), the first k read, no draw (logprob 0) at the manifest's temperature."""
+    ev = e.event
+    order = np.argsort(-np.asarray(ev.scores), kind="stable")
+    candidates = [ev.candidates[i] for i in order]
+    k = len(ev.selected)
+    event = dataclasses.replace(
+        ev,
+        candidates=candidates,
+        scores=np.asarray(ev.scores)[order],
+        selected=candidates[:k],
+        logprob=0.0,
+        temperature=temperature,
+        candidate_probs=None,
+        candidate_masks=None,
+        policy_version=version,
+        incumbent=True,
+    )
+    return dataclasses.replace(e, event=event)
+
+
+def test_an_incumbents_own_ranking_is_valued_as_its_manifests_mixture() -> None:
+    """Contract 1.17: under an incumbent the client serves plain top-k on the share not explored;
+    the logging probability of each such set is that share plus the explored draw's, and the
+    version as served is that same mixture, so its weights are 1."""
+    serving = init_policy(D, S, H, seed=1)
+    params = ServingParams(temperature=0.001, explore_rate=0.1, explore_temperature=0.5, drop="none", incumbent=True)
+    exps = [as_incumbent(e, 1, params.temperature) for e in recurring(serving, 60, seed=5)]
+    assert evidence.usable(exps) == []  # no version to value them as: no draw's own probability either
+    held = evidence.usable(exps, {1: (serving, params)})
+    assert held == exps
+    ev = evidence.build(held, {1: (serving, params)}, params)
+    assert (ev.logging >= 0.9 - 1e-9).all() and (ev.logging <= 1.0 + 1e-9).all()
+    assert np.allclose(ev.weights(1), 1.0)
+    assert np.allclose(ev.probs[SIMILARITY], 1.0)  # the sets read are plain top-k
+    # A client before 1.17 drew near-greedily at the manifest's temperature instead: not that
+    # mixture (its draw's own probability), and an incumbent request of a version not served as
+    # one is no evidence.
+    old_client = [dataclasses.replace(e, event=dataclasses.replace(e.event, incumbent=None)) for e in exps]
+    assert evidence.drawn_from(old_client, {1: (serving, params)}) == {}
+    assert evidence.usable(exps, {1: (serving, dataclasses.replace(params, incumbent=False))}) == []

@@ -201,3 +201,36 @@ def test_an_events_own_masks_are_what_its_draw_used() -> None:
     bare = [dataclasses.replace(e, id=f"{e.id}-bare") for e in stripped(logged)]
     assert policies.complete(bare) == []  # recomputed from the held network: every one disagrees
     assert value("causalmem_gate_logging_mismatch_total", {"field": "logprob"}) == len(logged)
+
+
+def test_a_clients_own_ranking_under_an_incumbent_is_checked_against_top_k() -> None:
+    """Contract 1.17: CausalRetriever under an incumbent manifest serves its own first k (logprob 0)
+    and draws on the explored share. The learner accepts the first as plain top-k by score, checks
+    the draws as any other, and leaves out a request whose own ranking did not read the k best."""
+    net = varied_policy(seed=10)
+    fresh = {"temperature": 0.001, "explore_rate": 0.3, "explore_temperature": 0.5, "drop": "none", "incumbent": True}
+    m = dataclasses.replace(manifest(1), serving=fresh)
+    rng = np.random.default_rng(11)
+    r = CausalRetriever(rng.normal(size=(S, D)).astype(np.float32), k=3, n_candidates=12, seed=11)
+    r.set_policy(LoadedPolicy(m, net))
+    logged = []
+    for i in range(80):
+        ev = r.retrieve(rng.normal(size=D).astype(np.float32), f"q{i}").event
+        logged.append(Experience(ev.event_id, "feedback", ev, float(rng.normal())))
+    own = [e for e in logged if e.event.incumbent]
+    assert own and len(own) < len(logged)  # both kinds of request
+    e0 = own[0]
+    swapped = list(reversed(e0.event.candidates))  # its own ranking is not by score: it read others
+    scores = np.asarray(e0.event.scores)[::-1]  # each candidate keeps its score
+    event = dataclasses.replace(e0.event, candidates=swapped, scores=scores, selected=swapped[:3])
+    other = dataclasses.replace(e0, id="other", event=event)
+    metrics = Metrics()
+    policies = LoggingPolicies(metrics)
+    policies.hold(m, net)
+    out = policies.complete([*logged, other])
+    assert [e.id for e in out] == [e.id for e in logged]
+    (mismatch,) = policies.take_mismatched()
+    assert mismatch[0].id == other.id and "not the 3 of highest score" in mismatch[1]
+    value = metrics.registry.get_sample_value
+    assert value("causalmem_gate_logging_probs_total", {"source": "incumbent"}) == len(own)
+    assert value("causalmem_gate_logging_mismatch_total", {"field": "selected"}) == 1

@@ -152,6 +152,8 @@ def valid_events(draw: st.DrawFn) -> dict[str, Any]:
     elif draw(st.booleans()):  # contract 1.9: drawn from the serving policy and the canary's mixture
         d["canary_rate"] = draw(st.floats(0.001, 0.999))
         d["alternative_version"] = draw(st.integers(0, 2**40))
+    if not d["fallback"] and not d.get("canary") and draw(st.booleans()):  # contract 1.17: the own first k
+        d.update(incumbent=True, logprob=0.0, selected=candidates[: len(selected)])
     return d
 
 
@@ -171,6 +173,7 @@ def test_generated_valid_events_decode_and_round_trip(d: dict[str, Any]) -> None
         d.get(k) for k in ("canary_arm", "canary_version", "canary_other")
     )
     assert (ev.canary_rate, ev.alternative_version) == (d.get("canary_rate"), d.get("alternative_version"))
+    assert ev.incumbent is d.get("incumbent")
     again = decode_retrieval_event(encode(ev.to_dict()), LIMITS_PROP, key=ev.query_id)
     assert_same(ev, again)
 
@@ -408,6 +411,7 @@ _PATHS = [
     "canary_rate",  # contract 1.9: both or neither, never on a coupled request
     "alternative_version",
     "principal",  # contract 1.15
+    "incumbent",  # contract 1.17: with logprob 0 and the first k of the candidates
 ]
 
 
@@ -418,11 +422,14 @@ _PATHS = [
     drop=st.booleans(),
     coupled=st.booleans(),
     mixed=st.booleans(),
+    incumbent=st.booleans(),
 )
 def test_fast_path_never_accepts_what_the_full_validator_rejects(
-    path: str, value: Any, drop: bool, coupled: bool, mixed: bool
+    path: str, value: Any, drop: bool, coupled: bool, mixed: bool, incumbent: bool
 ) -> None:
     obj = retrieval_dict()
+    if incumbent:  # contract 1.17: the client's own first k under an incumbent manifest
+        obj.update(incumbent=True, logprob=0.0, selected=[0, 1])
     if coupled:  # contract 1.5: a coupled request that served the serving policy's slate
         obj.update(canary_arm="serving", canary_version=3, canary_other=[1, 0])
     elif mixed:  # contract 1.9: a request drawn from the serving policy and the canary's mixture
@@ -450,6 +457,10 @@ def test_fast_path_takes_the_common_case() -> None:
     obj.pop("memory_texts")
     obj.pop("answer_text")  # texts (contract 1.1's answer too) take the full validator
     assert events._fast_retrieval_event(obj, LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None) is not None
+    # Under a first policy most requests are incumbent steps (contract 1.17): the common case too.
+    obj.update(incumbent=True, logprob=0.0, selected=[0, 1])
+    fast = events._fast_retrieval_event(obj, LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
+    assert fast is not None and fast.incumbent
 
 
 def test_the_contracts_feedback_examples_decode_with_the_effects_it_states() -> None:
