@@ -28,6 +28,8 @@ from aiokafka.protocol.transaction import InitProducerIdRequest
 from pipeline.config import Connection, KafkaSecurity, Settings
 from pipeline.service import Service
 from topics.names import Topics, TopicSpec
+from topics.principal import principal_signature
+from topics.signing import Key
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,17 @@ async def start_producer(bootstrap: str, settings: Connection | Settings, **over
         await p.stop()  # its connections and sender task, even when start did not finish
         raise
     return p
+
+
+async def send_control(bootstrap: str, conn: Connection, value: bytes, key: Key | None = None) -> None:
+    """Write one ``control`` command (partition 0, the learner's order) and wait for the broker's
+    acknowledgement; with ``key``, signed (contract 1.16's header, proving ``details.by``)."""
+    headers = [principal_signature(value, key)] if key is not None else None
+    p = await start_producer(bootstrap, conn)
+    try:
+        await (await p.send(conn.topics.control.name, value, partition=0, headers=headers))
+    finally:
+        await p.stop()
 
 
 def producer(

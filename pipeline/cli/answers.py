@@ -35,7 +35,6 @@ from pipeline.modeltopic import ModelTopicIndex
 from topics.fields import encode
 from topics.internal import Control
 from topics.manifest import Manifest
-from topics.principal import principal_signature
 from topics.signing import Key
 
 
@@ -135,7 +134,7 @@ async def send_and_wait(
         await consumer.seek_to_end(dead)
         await consumer.position(dead)
         consumer.seek(model, index.end_offset)
-        await _send(bootstrap, conn, ctl, key)
+        await kafka.send_control(bootstrap, conn, encode(ctl.to_dict()), key)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
@@ -152,16 +151,6 @@ async def send_and_wait(
     finally:
         with contextlib.suppress(Exception):
             await consumer.stop()
-
-
-async def _send(bootstrap: str, conn: Connection, ctl: Control, key: Key | None) -> None:
-    value = encode(ctl.to_dict())
-    headers = [principal_signature(value, key)] if key is not None else None
-    producer = await kafka.start_producer(bootstrap, conn)
-    try:
-        await (await producer.send(conn.topics.control.name, value, partition=0, headers=headers))
-    finally:
-        await producer.stop()
 
 
 def carries(manifest: Manifest, key: str, command_id: str) -> bool:

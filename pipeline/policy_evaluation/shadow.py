@@ -36,7 +36,6 @@ from pipeline.modeltopic import ModelTopicIndex, scan_model_topic
 from pipeline.policy_evaluation.evaluate import experiences_tail
 from topics.fields import encode
 from topics.internal import CUTOVER_COMMAND, Control
-from topics.principal import principal_signature
 from topics.signing import Key
 
 
@@ -137,13 +136,7 @@ async def send_cutover(
     if by:
         details["by"] = by
     ctl = Control(CUTOVER_COMMAND, time.time(), reason, details, id=f"cutover-{uuid.uuid4().hex}")
-    value = encode(ctl.to_dict())
-    headers = [principal_signature(value, key)] if key is not None else None
-    producer = await kafka.start_producer(bootstrap, conn)
-    try:
-        await (await producer.send(conn.topics.control.name, value, partition=0, headers=headers))
-    finally:
-        await producer.stop()
+    await kafka.send_control(bootstrap, conn, encode(ctl.to_dict()), key)
     return ctl
 
 
