@@ -47,6 +47,14 @@ class SlotBaseline:
     (3.5, 3)
     >>> SlotBaseline.from_state(b.state()).get(7)
     3.5
+
+    An effect with ``weight`` w (a principal's influence weight, pipeline/learner/influence.py)
+    moves a mean by w times the usual step; with weight 0 it is not counted at all:
+
+    >>> b.update(7, 100.0, weight=0.0); b.get(7), b.n(7)
+    (3.5, 3)
+    >>> b.update(7, 5.5, weight=0.5); b.get(7)  # 3.5 + 0.5·0.5·(5.5 − 3.5)
+    4.0
     """
 
     def __init__(self, fading_factor: float = 0.01) -> None:
@@ -64,10 +72,12 @@ class SlotBaseline:
     def n(self, slot: int) -> int:
         return self._n.get(slot, 0)
 
-    def update(self, slot: int, effect: float) -> None:
+    def update(self, slot: int, effect: float, weight: float = 1.0) -> None:
+        if weight <= 0.0:
+            return
         n = self._n.get(slot, 0) + 1
         b = self._mean.get(slot, 0.0)
-        self._mean[slot] = b + max(self.fading_factor, 1.0 / n) * (float(effect) - b)
+        self._mean[slot] = b + min(1.0, weight) * max(self.fading_factor, 1.0 / n) * (float(effect) - b)
         self._n[slot] = n
 
     def forget(self, slots: Iterable[int]) -> None:
@@ -76,9 +86,12 @@ class SlotBaseline:
             self._mean.pop(int(s), None)
             self._n.pop(int(s), None)
 
-    def update_residual(self, r: float) -> None:
+    def update_residual(self, r: float, weight: float = 1.0) -> None:
+        if weight <= 0.0:
+            return
         self.residual_n += 1
-        self.residual += max(self.fading_factor, 1.0 / self.residual_n) * (float(r) - self.residual)
+        step = min(1.0, weight) * max(self.fading_factor, 1.0 / self.residual_n)
+        self.residual += step * (float(r) - self.residual)
 
     def means(self, slots: np.ndarray) -> np.ndarray:
         """The current means of an array of slots (0 for slots never credited)."""
@@ -120,8 +133,8 @@ class NoSlotBaseline(SlotBaseline):
     def means(self, slots: np.ndarray) -> np.ndarray:
         return np.zeros(slots.shape, np.float32)
 
-    def update_residual(self, r: float) -> None:
-        self.residual_n += 1  # b = 0 here: the residual's baseline stays 0 too
+    def update_residual(self, r: float, weight: float = 1.0) -> None:
+        self.residual_n += weight > 0.0  # b = 0 here: the residual's baseline stays 0 too
 
 
 class MovingBaseline:

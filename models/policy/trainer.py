@@ -116,7 +116,7 @@ class PolicyTrainer:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
         if batch.has_effect.any() or self.imputes():
-            loss = self._credit_loss(batch, terms, dists, step_adv, w)
+            loss = self._credit_loss(batch, terms, dists, step_adv, w, sample_weights)
             stats.credited = int(batch.has_effect.sum())
         else:
             loss = reinforce_loss(logp, step_adv, w)
@@ -142,9 +142,18 @@ class PolicyTrainer:
         return len(self.baseline.slots) > 0
 
     def _credit_loss(
-        self, batch: Batch, terms: torch.Tensor, dists: torch.Tensor, step_adv: torch.Tensor, w: torch.Tensor
+        self,
+        batch: Batch,
+        terms: torch.Tensor,
+        dists: torch.Tensor,
+        step_adv: torch.Tensor,
+        w: torch.Tensor,
+        sample_weights: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated."""
+        """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated, each
+        experience by its sample weight: the per-slot means impute other steps' credit, so a
+        principal held to a share of the updates must be held to it there too."""
+        weight = np.ones(len(batch.utility)) if sample_weights is None else np.asarray(sample_weights, np.float64)
         slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
         selected, sel_valid = batch.selected.cpu().numpy(), batch.selected_valid.cpu().numpy()
         effect, has = batch.effect, batch.has_effect
@@ -153,8 +162,8 @@ class PolicyTrainer:
             base = self.baseline.slots
             chosen = np.take_along_axis(slot_base, selected, axis=1).astype(np.float64)
             imputed = impute_effects(batch.utility, chosen, sel_valid, base.residual)
-            for r in batch.utility - (chosen * sel_valid).sum(axis=1):
-                base.update_residual(float(r))
+            for r, wi in zip(batch.utility - (chosen * sel_valid).sum(axis=1), weight, strict=True):
+                base.update_residual(float(r), float(wi))
             effect, has = np.where(has, effect, imputed), has | sel_valid
         loss = credit_loss(
             terms,
@@ -168,7 +177,7 @@ class PolicyTrainer:
         )
         sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), selected, axis=1)
         for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
-            self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]))
+            self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]), float(weight[i]))
         return loss
 
     def _new_optimizers(self) -> None:

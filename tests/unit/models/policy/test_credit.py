@@ -300,3 +300,20 @@ def test_the_residual_baseline_follows_the_unexplained_utility_and_is_saved() ->
     assert (slots.residual_n, slots.residual) == (1, pytest.approx(0.4))
     restored = make_baseline("moving", 0.01, t.baseline.state()).slots
     assert (restored.residual_n, restored.residual) == (1, pytest.approx(0.4))
+
+
+def test_the_per_slot_means_take_each_experience_at_its_sample_weight() -> None:
+    """The per-slot means impute credit for other steps, so a principal held to a share of the
+    updates (its influence weight) is held to it there too: at weight 0 (quarantined) its
+    effects leave them as they were, at 0.25 they move them a quarter of the way."""
+    honest = Experience("h", "feedback", event(0, selected=[7, 3]), 0.3, slot_effects={7: 1.0, 3: -0.5})
+    liar = Experience("l", "feedback", event(1, selected=[7, 3]), 0.3, slot_effects={7: -9.0, 3: 9.0})
+    means = []
+    for w in (1.0, 0.25, 0.0):
+        t = trainer()
+        t.update([honest, liar], np.array([1.0, w]))
+        means.append((t.baseline.slots.get(7), t.baseline.slots.get(3)))
+    full, quarter, none = means
+    assert none == pytest.approx((1.0, -0.5))  # the honest effects alone
+    assert quarter[0] == pytest.approx(1.0 + 0.25 * 0.5 * (-9.0 - 1.0))  # running mean of two, a quarter step
+    assert full[0] < quarter[0] < none[0] and full[1] > quarter[1] > none[1]
