@@ -98,6 +98,8 @@ def manifest_view(m: Manifest, now: float) -> dict[str, Any]:
         "chunks": m.chunks,
         "arch": dict(m.arch),
         "metrics": _scalars(m.metrics),
+        # Contract 1.17: not certified yet; clients serve their own ranking but the explored share.
+        "incumbent": bool((m.serving or {}).get("incumbent")),
     }
 
 

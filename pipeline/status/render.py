@@ -177,7 +177,8 @@ def _checkpoints(ck: dict[str, Any]) -> Table:
             tbl.add_row(
                 role,
                 str(m["version"]),
-                m["reason"],
+                # an incumbent (contract 1.17): clients serve their own ranking until a candidate is promoted
+                f"{m['reason']}, incumbent" if m.get("incumbent") else m["reason"],
                 fmt_age(m["age_s"]),
                 _num(m["baseline"], "{:+.4f}"),
                 _num(m["alpha"], "{:.3f}"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -12,6 +13,7 @@ import orjson
 import pytest
 
 from models.policy.network import init_policy
+from models.serving.params import ServingParams
 from pipeline import cli, kafka
 from pipeline.labeling.queue import LabelQueue
 from pipeline.metrics import Metrics, serve
@@ -22,6 +24,7 @@ from tests.helpers import publish_tensors, retrieval_event
 from tests.paths import REPO_ROOT
 from topics.fields import encode
 from topics.internal import dead_letter_value
+from topics.manifest import Manifest
 
 pytestmark = pytest.mark.broker
 
@@ -198,6 +201,23 @@ def test_status_table_on_an_empty_deployment(topics_ready, capsys, monkeypatch) 
     assert rc == 0
     assert "no checkpoint yet" in out
     assert "unreachable" in out
+
+
+def test_status_says_when_the_first_policy_is_the_incumbent() -> None:
+    """Contract 1.17: until a candidate is promoted, clients serve their own ranking; status says so."""
+    from rich.console import Console
+
+    from pipeline.learner.publishing import first_serving
+    from pipeline.status.collect import manifest_view
+
+    m = Manifest("default", 1, time.time(), "init", {}, 0.5, 0.0, "0" * 64, 1, 1)
+    fresh = dataclasses.replace(m, serving=first_serving(ServingParams(), True, "init", 0).to_wire())
+    views = [manifest_view(x, time.time()) for x in (fresh, m)]
+    assert [v["incumbent"] for v in views] == [True, False]
+    console = Console(width=140, record=True)
+    head = {"bootstrap": "127.0.0.1:1", "prefix": "", "policy": "default", "ts": time.time()}
+    console.print(render({**head, "checkpoints": {"serving": views[0]}}))
+    assert "init, incumbent" in console.export_text()
 
 
 def test_manifest_rate_and_age_format() -> None:
