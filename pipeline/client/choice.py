@@ -157,10 +157,8 @@ def choose(
     """
     explore = v.explore_rate > 0 and noise.explore() < v.explore_rate
     temperature = v.explore_temperature if explore else v.temperature
-    if policy is None and not explore:
-        return _wrapped(labels, masks, k, temperature, ids)
-    if policy is not None and v.incumbent and not explore:
-        return _incumbent(policy, labels, masks, scores, k, temperature, ids)
+    if (policy is None or v.incumbent) and not explore:
+        return _wrapped(policy, labels, masks, scores, k, temperature, ids)
     keep = keep_flags(masks, v.drop, v.drop_ratio)
     if explore and revive > 0:
         keep = revive_dropped(keep, revive, noise.rng, noise.revive(len(keep))) & np.isfinite(masks)
@@ -200,29 +198,8 @@ def choose(
     )
 
 
-def _wrapped(labels: np.ndarray, masks: np.ndarray, k: int, temperature: float, ids: list[str] | None) -> Choice:
-    """Cold start (docs/contract.md §6, step 2, 1.10): the first k candidates as the search found them.
-
-    A policy that does not exist yet cannot have been shown better than the client's own
-    ranking, so that ranking serves, item for item, except on the exploration share. It is
-    logged as a fallback step (no draw of a policy chose it): it counts in the metrics, not in
-    the gradient or the promotion rule's evidence.
-
-    >>> c = _wrapped(np.array([7, 3, 5]), np.zeros(3), 2, 0.05, None)
-    >>> c.selected, c.fallback, c.wrapped, c.candidates
-    ([7, 3], True, True, [])
-    """
-    id_of = dict(zip(labels.tolist(), ids, strict=True)) if ids is not None else {}
-    every = np.ones(len(labels), dtype=bool)
-    selected = [int(s) for s in labels[:k]]
-    empty = np.zeros(0)
-    return Choice(
-        None, labels, masks, every, temperature, selected, 0.0, None, [], empty, None, True, id_of, wrapped=True
-    )
-
-
-def _incumbent(
-    policy: LoadedPolicy,
+def _wrapped(
+    policy: LoadedPolicy | None,
     labels: np.ndarray,
     masks: np.ndarray,
     scores: np.ndarray,
@@ -230,34 +207,35 @@ def _incumbent(
     temperature: float,
     ids: list[str] | None,
 ) -> Choice:
-    """Under a policy not yet certified (docs/contract.md §6 step 2c, 1.17): the first k candidates
-    as the search found them, like :func:`_wrapped`, but logged with every candidate and its score
-    (and mask), so that the learner values the request as drawn from the manifest's mixture of
-    the client's own ranking and the explored share.
+    """The first k candidates as the search found them: the client's own ranking, item for item.
 
-    >>> c = _incumbent(None, np.array([7, 3, 5]), np.ones(3), np.array([0.5, 0.9, 0.7]), 2, 0.001, None)
+    Without a policy (cold start, docs/contract.md §6 step 2b, 1.10) it is logged as a fallback
+    step: no draw chose it, it counts in the metrics, not in the gradient or the rule's
+    evidence. Under a policy not yet certified (an incumbent, step 2c, 1.17) it is logged with
+    every candidate, its score and mask, so that the learner trains on it and values it as
+    drawn from the manifest's mixture of the client's own ranking and the explored share.
+
+    >>> c = _wrapped(None, np.array([7, 3, 5]), np.zeros(3), np.array([0.5, 0.9, 0.7]), 2, 0.05, None)
+    >>> c.selected, c.fallback, c.wrapped, c.candidates
+    ([7, 3], True, True, [])
+    >>> c = _wrapped(object(), np.array([7, 3, 5]), np.ones(3), np.array([0.5, 0.9, 0.7]), 2, 0.001, None)
     >>> c.selected, c.candidates, c.fallback, c.incumbent, c.logprob  # the search's order, not the scores'
     ([7, 3], [7, 3, 5], False, True, 0.0)
     """
     id_of = dict(zip(labels.tolist(), ids, strict=True)) if ids is not None else {}
     every = np.ones(len(labels), dtype=bool)
     selected = [int(s) for s in labels[:k]]
+    if policy is None:
+        empty = np.zeros(0)
+        return Choice(
+            None, labels, masks, every, temperature, selected, 0.0, None, [], empty, None, True, id_of, wrapped=True
+        )
+    logged_masks = masks if np.isfinite(masks).all() else None
+    candidates, cand_scores = [int(s) for s in labels], np.asarray(scores, np.float64)
     return Choice(
-        policy,
-        labels,
-        masks,
-        every,
-        temperature,
-        selected,
-        0.0,
-        None,
-        [int(s) for s in labels],
-        np.asarray(scores, np.float64),
-        masks if np.isfinite(masks).all() else None,
-        False,
-        id_of,
-        wrapped=True,
-    )
+        policy, labels, masks, every, temperature, selected, 0.0, None, candidates, cand_scores, logged_masks, False,
+        id_of, wrapped=True,
+    )  # fmt: skip
 
 
 def coupled(serving: Choice, canary: Choice, rng: np.random.Generator) -> tuple[Choice, str, Choice | None]:

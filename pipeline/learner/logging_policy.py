@@ -179,11 +179,9 @@ class LoggingPolicies:
         something else disagrees, and is left out of the rule's evidence as any other."""
         for e in exps:
             ev = e.event
-            scores = np.asarray(ev.scores, np.float64)
-            k = len(ev.selected)
-            top = np.sort(scores)[::-1][k - 1] if 0 < k <= len(scores) else np.inf
-            read = scores[: len(ev.selected)]  # the decoder checked: the first k candidates
-            if len(read) == k and bool(np.all(read >= top)):
+            scores, k = np.asarray(ev.scores, np.float64), len(ev.selected)
+            # The decoder checked that the k read are the first k candidates (and k ≥ 1).
+            if bool(np.all(scores[:k] >= np.sort(scores)[-k])):
                 self._verdicts[e.id] = Verdict("incumbent")
                 self.metrics.gate_logging_probs.labels(source="incumbent").inc()
                 continue

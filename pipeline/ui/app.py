@@ -185,8 +185,7 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     """Readiness (no login): 200 once the app has read the topics, so its pages show them; 503 before."""
-    refreshed = getattr(request.app.state.ui.feeds, "refreshed", None)
-    if refreshed is not None and not refreshed.is_set():
+    if not request.app.state.ui.feeds.refreshed.is_set():
         return PlainTextResponse("not ready: the topics have not been read yet\n", status_code=503)
     return PlainTextResponse("ok\n")
 

@@ -92,6 +92,8 @@ class Pool(SamplePool):
 
 class Feeds:
     def __init__(self) -> None:
+        self.refreshed = asyncio.Event()  # the app's first read of the topics: done (what /readyz asks)
+        self.refreshed.set()
         self.memories = MemoryView(recent_per_memory=5)
         self.trends = Trends(bucket_s=60.0)
         self.book = LabelBook()
@@ -763,8 +765,8 @@ def test_health_probes_answer_without_a_login_and_ready_once_the_topics_are_read
     """``/healthz`` and ``/readyz`` for the deployment's probes (deploy/k8s/ui-deployment.yaml):
     no session needed; not ready until the app's first read of the topics."""
     feeds = Feeds()
-    refreshed = asyncio.Event()
-    feeds.refreshed = refreshed  # type: ignore[attr-defined]
+    refreshed = feeds.refreshed
+    refreshed.clear()
     with client_for(tmp_path, Pool([]), feeds) as c:
         assert c.get("/healthz").status_code == 200
         waiting = c.get("/readyz")
