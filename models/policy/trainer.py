@@ -239,23 +239,26 @@ class PolicyTrainer:
         epochs: int = 2,
         batch_size: int = 32,
         half_life_s: float | None = 86400.0,
+        sample_weights: Sequence[float] | np.ndarray | None = None,
     ) -> UpdateStats:
         """The drift reset: re-initialise the policy as ``config.reset_scope`` says, then warm up.
 
         ``"network"`` (the default) re-initialises every layer and both optimizers: the
         hidden layer trained on the old world slows relearning down even under a fresh
         last layer (measured in docs/learning.md, "Drift reset"). ``"last_layer"`` is
-        :meth:`reset_last_layer` (the seed's design).
+        :meth:`reset_last_layer` (the seed's design). ``sample_weights``: one per experience of
+        ``replay`` (e.g. each principal's capped influence), multiplying the age weights; an
+        experience of weight 0 is left out.
         """
         if self.config.reset_scope == "last_layer":
-            return self.reset_last_layer(replay, epochs, batch_size, half_life_s)
+            return self.reset_last_layer(replay, epochs, batch_size, half_life_s, sample_weights)
         if self.config.reset_scope != "network":
             raise ValueError(f"unknown reset_scope {self.config.reset_scope!r} (network, last_layer)")
         c = self.config
         # In place (no second network at S = 10^6); every row counts as changed (RowTracker).
         self.net.reinitialise(seed=c.seed + 1000 + self.updates)
         self._new_optimizers()
-        return self._warm_up(replay, epochs, batch_size, half_life_s)
+        return self._warm_up(replay, epochs, batch_size, half_life_s, sample_weights)
 
     def reset_last_layer(
         self,
@@ -263,6 +266,7 @@ class PolicyTrainer:
         epochs: int = 2,
         batch_size: int = 32,
         half_life_s: float | None = 86400.0,
+        sample_weights: Sequence[float] | np.ndarray | None = None,
     ) -> UpdateStats:
         """Re-initialise ``out``, clear its optimizer state, then warm up (:meth:`_warm_up`)."""
         gen = torch.Generator().manual_seed(self.config.seed + 1000 + self.updates)
@@ -271,10 +275,15 @@ class PolicyTrainer:
         self.optimizer.rows.close()
         self.optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.lr, huge_pages=True)
         self.label_optimizer.rows = LazyRowAdam(out.weight, out.bias, self.config.label_lr)
-        return self._warm_up(replay, epochs, batch_size, half_life_s)
+        return self._warm_up(replay, epochs, batch_size, half_life_s, sample_weights)
 
     def _warm_up(
-        self, replay: Sequence[Experience], epochs: int, batch_size: int, half_life_s: float | None
+        self,
+        replay: Sequence[Experience],
+        epochs: int,
+        batch_size: int,
+        half_life_s: float | None,
+        sample_weights: Sequence[float] | np.ndarray | None = None,
     ) -> UpdateStats:
         """Re-estimate b and warm up on replay.
 
@@ -283,15 +292,23 @@ class PolicyTrainer:
         utilities (the old average describes a world that no longer exists). Each
         experience is weighed by its age (``0.5 ** (age / half_life_s)``, newest = 1): the
         7 days kept mostly predate the change, and weighing them equally re-teaches the
-        old world.
+        old world. ``sample_weights`` (one per experience of ``replay``) multiply those; an
+        experience of weight 0 is not replayed at all.
         """
-        feedback = sorted((e for e in replay if e.kind == "feedback"), key=lambda e: e.event.ts)
+        given = np.ones(len(replay)) if sample_weights is None else np.asarray(sample_weights, np.float64)
+        if given.shape != (len(replay),):
+            raise ValueError(f"{given.shape[0] if given.ndim else 1} sample weights for {len(replay)} experiences")
+        kept = sorted(
+            ((e, float(w)) for e, w in zip(replay, given, strict=True) if e.kind == "feedback" and w > 0),
+            key=lambda pair: pair[0].event.ts,
+        )
+        feedback = [e for e, _ in kept]
         total = UpdateStats()
-        weights = np.ones(len(feedback))
+        weights = np.array([w for _, w in kept], np.float64)
         if feedback and half_life_s:
             newest = feedback[-1].event.ts
             ages = np.array([newest - e.event.ts for e in feedback])
-            weights = 0.5 ** (ages / half_life_s)
+            weights = weights * 0.5 ** (ages / half_life_s)
         self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading)
         for _ in range(epochs):
             # Each pass replays in event-time order with a fresh moving baseline, so every

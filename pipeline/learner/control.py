@@ -38,6 +38,7 @@ from models.policy.trainer import PolicyTrainer
 from pipeline.config import LearnerConfig
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
+from pipeline.learner.principals import PrincipalBook
 from pipeline.learner.publishing import Progress
 from pipeline.learner.replay import Replay
 from pipeline.learner.suppression import (
@@ -116,6 +117,9 @@ class ControlHandler:
         Sends a message to ``dead-letter`` with a reason and a detail.
     clock
         The learner's clock (seconds since the epoch): the audit's times and the rate limits.
+    principals
+        The learner's book of principals: a drift reset's warm-up weighs each principal's
+        experiences by its capped share of them (None: by age only).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class ControlHandler:
         publish_change: Callable[[str, dict[str, Any]], Awaitable[int]],
         dead_letter: Callable[[Any, str, str], None],
         clock: Callable[[], float] = time.time,
+        principals: PrincipalBook | None = None,
     ) -> None:
         self.config = config
         self.trainer = trainer
@@ -148,6 +153,7 @@ class ControlHandler:
         self.publish_change = publish_change
         self.dead_letter = dead_letter
         self.clock = clock
+        self.principals = principals
         # Contract 1.16: the operators whose signatures prove ``by`` (None: ``by`` is a claim).
         self.operators = Keyring.load(config.operator_keys, "operator_keys") if config.operator_keys else None
         # The rollbacks, resets and cut-overs carried out in the last hour (their audit entries,
@@ -444,6 +450,8 @@ class ControlHandler:
         """
         since = (details or {}).get("since_ts")
         warm = self.replay.after_drift(float(since) if since is not None else None)
+        # Contract 1.15: no principal carries more than its bound of the warm-up, a quarantined one none.
+        weights = None if self.principals is None else self.principals.warm_up_weights(warm, self.progress.quarantined)
         t0 = time.perf_counter()
         # Off the event loop: a warm-up over a full replay takes seconds, longer than the
         # group's session timeout, and a blocked loop would lose the election mid-publish.
@@ -453,6 +461,7 @@ class ControlHandler:
             epochs=self.config.warmup_epochs,
             batch_size=self.config.batch_size,
             half_life_s=self.config.warmup_half_life_s,
+            sample_weights=weights,
         )
         self._keep_suppressed()  # the fresh last layer must not bring them back
         self.progress.resets += 1

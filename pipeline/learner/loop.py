@@ -145,6 +145,7 @@ class Learner(Service):
             local_dir=self.store.root,
             publish_change=self.publish_change,
             dead_letter=self._dead_letter,
+            principals=self.principals,
         )
 
     @property

@@ -22,13 +22,14 @@ quarantined first, then by share (a client may name itself anything, so the labe
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from pipeline.learner.disagreement import Disagreement
-from pipeline.learner.influence import InfluenceWindow, capped_weights
+from pipeline.learner.influence import InfluenceWindow, capped_weights, influence_weights
 from topics.internal import Experience
 
 SHOWN = 20  # principals a checkpoint's metrics and the Prometheus labels name at most
@@ -54,6 +55,30 @@ class PrincipalBook:
             else:
                 self.disagreement.observe(p, e.event.selected, e.utility)
         return self.window.weights(principals, blocked)
+
+    def warm_up_weights(self, experiences: Sequence[Experience], quarantined: Collection[str] = ()) -> np.ndarray:
+        """The sample weight of each experience a drift reset warms up on: the same cap, measured
+        over that material itself (the warm-up is a training run of its own, so a principal that
+        flooded the kept days carries at most its bound of it), 0 for a quarantined principal's;
+        labels weigh 1. Nothing is counted in the running window.
+
+        >>> import numpy as np
+        >>> from topics.events import Features, RetrievalEvent
+        >>> ev = RetrievalEvent("e", "q", 0, 1.0, Features(np.zeros(2, np.float32), 0.0, 0.0), [0, 1], np.zeros(2),
+        ...                     [1], 1.0, 0.0, False)
+        >>> kept = [Experience("e", "feedback", ev, 0.5, feedback_principal=p) for p in "aaaaaabcde"]
+        >>> [round(float(w), 2) for w in PrincipalBook(0.2, 100, 0.1, 10).warm_up_weights(kept, ["e"])[5:]]
+        [0.17, 1.0, 1.0, 1.0, 0.0]
+
+        (four principals left, so each may carry a quarter: ``a``'s six weigh as one.)
+        """
+        blocked = set(quarantined)
+        rows = [i for i, e in enumerate(experiences) if e.kind == "feedback"]
+        principals = [experiences[i].principal for i in rows]
+        counts = Counter(p for p in principals if p not in blocked)
+        out = np.ones(len(experiences))
+        out[rows] = influence_weights(principals, counts, self.window.cap, blocked)
+        return out
 
     def view(self, quarantined: Collection[str] = ()) -> dict[str, dict[str, Any]]:
         """At most :data:`SHOWN` principals: share of the window, weight per experience, the

@@ -16,6 +16,7 @@ from pipeline.config import Settings
 from pipeline.learner.control import ControlHandler, cutover_version
 from pipeline.learner.inbox import Inbox
 from pipeline.learner.memories import MemoryBank
+from pipeline.learner.principals import PrincipalBook
 from pipeline.learner.publishing import Progress
 from pipeline.learner.replay import Replay
 from pipeline.metrics import Metrics
@@ -31,7 +32,13 @@ BASE_TS = 1_767_225_600.0  # tests.helpers.experience's first event time
 class Harness:
     """A handler and a record of what it asked of the learner."""
 
-    def __init__(self, *, gated: bool, versions: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        gated: bool,
+        versions: dict[int, dict[str, torch.Tensor]] | None = None,
+        principals: PrincipalBook | None = None,
+    ) -> None:
         config = S.learner()
         if not gated:
             config = dataclasses.replace(config, gate=None)
@@ -58,6 +65,7 @@ class Harness:
             local_dir=Path("/nowhere"),
             publish_change=self.publish_change,
             dead_letter=lambda msg, reason, detail: self.dead.append((msg.offset, reason, detail)),
+            principals=principals,
         )
 
     async def apply_pending(self) -> None:
@@ -135,6 +143,34 @@ async def test_a_drift_reset_keeps_the_suppressed_memories_and_warms_up_after_th
     assert extra["warmup_experiences"] == 2 * 4  # the 4 experiences from the change on, over 2 epochs
     assert float(h.trainer.net.out.bias[4].detach()) < -20  # the fresh network does not bring it back
     assert h.progress.resets == 1 and h.metrics.resets._value.get() == 1
+
+
+async def test_a_drift_reset_warms_up_without_a_quarantined_principal_s_experiences() -> None:
+    book = PrincipalBook(cap=0.2, window=100, tolerance=0.1, min_n=10)
+    h = Harness(gated=True, principals=book)
+    kept = [experience(S, i, ts=BASE_TS + i) for i in range(10)]
+    kept = [dataclasses.replace(e, feedback_principal="liar" if i in (7, 8) else f"p{i}") for i, e in enumerate(kept)]
+    h.replay.extend(kept)
+    h.progress.quarantined = ["liar"]
+    await h.send("reset", details={"since_ts": BASE_TS + 6}, reason="drift")
+    reason, extra = h.published[-1]
+    assert reason == "reset" and extra["warmup_experiences"] == 2 * 2  # 4 from the change on, less the liar's 2
+
+
+def test_the_warm_up_weights_hold_a_flooding_principal_to_its_bound() -> None:
+    book = PrincipalBook(cap=0.2, window=100, tolerance=0.1, min_n=10)
+    kept = [dataclasses.replace(experience(S, i), feedback_principal="flood" if i < 20 else f"p{i}") for i in range(25)]
+    w = book.warm_up_weights(kept)
+    flood = w[:20].sum()
+    assert flood == pytest.approx(0.2 * w.sum())  # exactly its bound of the warm-up's weight
+    assert (w[20:] == 1.0).all()
+    assert sum(book.window.counts.values()) == 0  # the running window is not touched
+
+
+def test_warm_up_weights_must_match_the_experiences() -> None:
+    trainer = PolicyTrainer(S.trainer())
+    with pytest.raises(ValueError, match="3 sample weights for 2 experiences"):
+        trainer.reset([experience(S, 0), experience(S, 1)], sample_weights=[1.0, 1.0, 1.0])
 
 
 async def test_a_rollback_to_a_version_nowhere_to_be_found_publishes_nothing() -> None:
