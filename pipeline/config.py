@@ -100,6 +100,17 @@ class KafkaSecurity:
         return out
 
 
+def private_key(path: str, what: str) -> Key | None:
+    """The signing key in the file ``path`` (a PEM private key or a shared secret); None where
+    ``path`` is empty. A public key cannot sign: ValueError naming the setting ``what``."""
+    if not path:
+        return None
+    key = load_key(Path(os.path.expanduser(path)).read_bytes())
+    if is_public(key):
+        raise ValueError(f"{what} {path} holds a public key: sign with the private key")
+    return key
+
+
 def _state_path(state_dir: str) -> Path:
     return Path(os.path.expanduser(state_dir))
 
@@ -191,6 +202,11 @@ class Settings:
     evaluator_batch_size: int = setting(16, "events per scoring call")
     evaluator_device: str = setting("auto", "the scorer's device: auto | cpu | cuda")
     evaluator_threads: int = setting(0, "torch CPU threads of the scorer; 0: torch's default")
+    evaluator_key_file: str = setting(
+        "",
+        "contract 1.18: the evaluator's key (PEM private key or shared secret), signing its feedback as "
+        "causalmem-evaluator for a worker whose principal_keys hold that name; empty: unsigned",
+    )
     # -- write gate (causalmem writes, seed 004) -----------------------------------------
     writes_theta: float = setting(DEFAULT_THETA, "admit a proposed memory when |reward − expected reward| > theta")
     writes_prior: float = setting(DEFAULT_PRIOR, "expected reward before the gate has seen any")
@@ -333,6 +349,7 @@ class Settings:
             attribution_rate=self.evaluator_attribution_rate,
             max_attributed=self.evaluator_max_attributed,
             batch_size=self.evaluator_batch_size,
+            key_file=self.evaluator_key_file,
         )
 
     def writes(self) -> WritesConfig:
@@ -441,12 +458,7 @@ class Settings:
 
     def operator_key(self) -> Key | None:
         """The key the CLI signs operators' commands with (``operator_key_file``); None: unsigned."""
-        if not self.operator_key_file:
-            return None
-        key = load_key(Path(os.path.expanduser(self.operator_key_file)).read_bytes())
-        if is_public(key):
-            raise ValueError(f"{self.operator_key_file} holds a public key: an operator signs with the private key")
-        return key
+        return private_key(self.operator_key_file, "operator_key_file")
 
     def state_path(self) -> Path:
         path = _state_path(self.state_dir)
@@ -831,6 +843,7 @@ class EvaluatorConfig:
     max_attributed: int = Settings.evaluator_max_attributed  # memories of one event scored leave-one-out at most
     batch_size: int = Settings.evaluator_batch_size  # events gathered before one scoring call
     linger_s: float = 0.05  # how long a partial batch waits for more events
+    key_file: str = Settings.evaluator_key_file  # contract 1.18: signs its feedback as the evaluator ("": no)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.attribution_rate <= 1.0:

@@ -42,7 +42,7 @@ from topics.fields import (
     encode,
     open_value,
 )
-from topics.principal import check_principal, principal_of
+from topics.principal import EVALUATOR, check_principal, principal_of
 
 # --------------------------------------------------------------------------- experiences
 
@@ -75,6 +75,8 @@ class Experience:
     def principal(self) -> str:
         """The principal this experience counts under for influence (docs/learning.md): its
         feedback's (the utility is what it teaches), else its event's, else ``"anonymous"``.
+        Feedback from the LM evaluator (:data:`~topics.principal.EVALUATOR`) measures the
+        event's principal's retrieval, so it counts under the event's.
 
         >>> from topics.events import Features, RetrievalEvent
         >>> ev = RetrievalEvent("e", "q", 0, 1.0, Features(np.zeros(1, np.float32), 0.0, 0.0), [0], np.zeros(1),
@@ -83,8 +85,11 @@ class Experience:
         'anonymous'
         >>> Experience("e", "feedback", ev, 0.1, event_principal="a", feedback_principal="b").principal
         'b'
+        >>> Experience("e", "feedback", ev, 0.1, event_principal="a", feedback_principal=EVALUATOR).principal
+        'a'
         """
-        return principal_of(self.feedback_principal or self.event_principal)
+        feedback = None if self.feedback_principal == EVALUATOR else self.feedback_principal
+        return principal_of(feedback or self.event_principal)
 
     def to_dict(self) -> dict[str, Any]:
         body = self.event.to_dict()

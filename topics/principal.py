@@ -35,6 +35,9 @@ from topics.signing import Key, is_public, load_key, sign_bytes, verify_bytes, v
 
 MAX_PRINCIPAL_LEN = 128
 ANONYMOUS = "anonymous"  # what a value without a principal (or an older writer's) counts as
+# The LM evaluator's name on the feedback it writes (contract 1.18). It measures another
+# principal's event, so for influence that feedback counts under the event's principal.
+EVALUATOR = "causalmem-evaluator"
 PRINCIPAL_RE = re.compile(rf"[A-Za-z0-9._:@-]{{1,{MAX_PRINCIPAL_LEN}}}")
 SIGNATURE_HEADER = "causalmem-principal-signature"  # contract 1.16: a principal's proof, over the record's bytes
 KEY_SUFFIX = ".pem"  # a keyring directory holds <principal>.pem

@@ -50,6 +50,7 @@ from pipeline.byid import keep_by_id
 from pipeline.lm_evaluator.scoring import build_prompt
 from topics.events import RetrievalEvent
 from topics.feedback import LLMFeedback
+from topics.principal import EVALUATOR
 
 # Why an event is not scored (the ``reason`` label of causalmem_evaluator_skipped_total).
 SKIP_REASONS = ("no_query_text", "no_answer", "nothing_selected", "no_memory_texts")
@@ -169,4 +170,5 @@ def feedback(p: Plan, nlls: Sequence[float]) -> LLMFeedback:
         nll_with=nll_with,
         nll_without=nll_without,
         nll_without_slot=per_slot,
+        principal=EVALUATOR,  # contract 1.18: the evaluator's name (counts under the event's principal)
     )

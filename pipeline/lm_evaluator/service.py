@@ -27,13 +27,14 @@ import numpy as np
 from aiokafka import TopicPartition
 
 from pipeline.batchstage import BatchStage
-from pipeline.config import EvaluatorConfig
+from pipeline.config import EvaluatorConfig, private_key
 from pipeline.lm_evaluator.metrics import EvaluatorMetrics
 from pipeline.lm_evaluator.plan import Plan, feedback, plan
 from pipeline.metrics import Metrics
 from topics.events import decode_retrieval_event
 from topics.feedback import LLMFeedback
 from topics.fields import Rejected, encode
+from topics.principal import principal_signature
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class Evaluator(BatchStage):
         self.own = own
         self.scorer = scorer
         self.evaluated = 0
+        # Contract 1.18: the key that signs its feedback as causalmem-evaluator (None: unsigned).
+        self.principal_key = private_key(config.key_file, "evaluator_key_file")
 
     # ------------------------------------------------------------------ processing
     async def process(self, records: list[Any]) -> int:
@@ -120,8 +123,13 @@ class Evaluator(BatchStage):
                 self.own.skipped.labels(reason="no_answer").inc()
                 continue
             value = encode(fb.to_dict())
+            # Contract 1.18: signed as causalmem-evaluator where a key is configured (1.16's header).
+            key = self.principal_key
+            headers = [principal_signature(value, key)] if key is not None else None
             futures.append(
-                await self._producer.send(self.topics.llm_feedback.name, value, key=fb.query_id.encode("utf-8"))
+                await self._producer.send(
+                    self.topics.llm_feedback.name, value, key=fb.query_id.encode("utf-8"), headers=headers
+                )
             )
             if pl.loo_slots:
                 self.own.attributed.inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from pipeline.probes import total
 from tests.helpers import retrieval_event, until
 from topics.feedback import decode_llm_feedback
 from topics.fields import Limits, encode
+from topics.principal import EVALUATOR, Keyring
 
 FACTS = {
     3: "The staging broker of Acme listens on port 19092.",
@@ -134,6 +136,7 @@ def test_feedback_carries_the_event_time_the_pair_and_the_per_slot_nll() -> None
     assert a.nll_without_slot == pytest.approx({7: 0.9, 3: 2.9})
     assert a.slot_effects([7, 3]) == pytest.approx({7: 0.1, 3: 2.1})
     assert b.nll_without_slot is None and b.utility == pytest.approx(0.1)
+    assert a.principal == EVALUATOR  # contract 1.18: the evaluator names itself
     # what is published decodes under the contract, with the key the join checks
     back = decode_llm_feedback(encode(a.to_dict()), Limits(), key=b"q1")
     assert back.nll_without_slot == a.nll_without_slot
@@ -209,11 +212,13 @@ def test_loading_the_model_prints_no_progress_bar(capfd: pytest.CaptureFixture[s
 
 
 @pytest.mark.broker
-def test_the_service_scores_skips_and_dead_letters(topics_ready: Settings, scorer: Any) -> None:
+def test_the_service_scores_skips_and_dead_letters(topics_ready: Settings, scorer: Any, tmp_path: Path) -> None:
     from pipeline import kafka
     from pipeline.client.publisher import EventPublisher
 
-    s = topics_ready.replace(evaluator_attribution_rate=1.0, evaluator_batch_size=8)
+    secret = tmp_path / "evaluator.key"
+    secret.write_bytes(b"evaluator-secret")
+    s = topics_ready.replace(evaluator_attribution_rate=1.0, evaluator_batch_size=8, evaluator_key_file=str(secret))
     topics = s.topics()
     bootstrap = s.bootstrap or ""
     scored = [_event([7, 3], query_id=f"q{i}", event_id=f"e{i}") for i in range(3)]
@@ -250,6 +255,12 @@ def test_the_service_scores_skips_and_dead_letters(topics_ready: Settings, score
             await ev.stop()
             task.cancel()
         fbs = [decode_llm_feedback(m.value, s.limits(), m.key) for m in got[topics.llm_feedback.name]]
+        # Signed as the evaluator (contract 1.18 with 1.16's header): a worker holding its key proves the name.
+        ring = Keyring({EVALUATOR: b"evaluator-secret"})
+        assert all(
+            ring.proven(f.principal, m.value, m.headers) == EVALUATOR
+            for f, m in zip(fbs, got[topics.llm_feedback.name], strict=True)
+        )
         assert sorted(f.event_id for f in fbs) == ["fb-e0", "fb-e1", "fb-e2"]
         for f in fbs:
             assert f.ts == 1_767_225_600.0 and f.nll_with is not None and f.nll_without is not None
@@ -390,7 +401,8 @@ async def test_the_service_counts_events_attributed_on_a_subset() -> None:
             return None
 
     class Producer:
-        async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future[None]:
+        async def send(self, topic: str, value: bytes, key: bytes, headers: Any = None) -> asyncio.Future[None]:
+            assert headers is None  # no evaluator_key_file: unsigned
             sent.append(value)
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
