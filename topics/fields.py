@@ -89,7 +89,8 @@ SCHEMA_EPOCH = "epoch/v1"
 
 LABEL_KINDS = ("rating", "verdict", "memory_choice")
 # "cutover" (contract 1.2): the learner's answer to shadow mode's cut-over command.
-CHECKPOINT_REASONS = ("init", "periodic", "reset", "label", "shutdown", "rollback", "cutover", "suppress")
+PROBE = "probe"  # contract 1.19: an incumbent serving a candidate's weights on the exploration share
+CHECKPOINT_REASONS = ("init", "periodic", "reset", "label", "shutdown", "rollback", "cutover", "suppress", PROBE)
 MAX_SLOTS = 10_000_000  # the largest S a policy may have (docs/contract.md §1); benchmarked up to 10^6
 
 

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from topics.fields import CHECKPOINT_REASONS, SCHEMA_MANIFEST, Fields, Limits, Rejected, WireValue, open_value
+from topics.fields import CHECKPOINT_REASONS, PROBE, SCHEMA_MANIFEST, Fields, Limits, Rejected, WireValue, open_value
 from topics.signing import Key, sign, verify_signature
 
 MAX_CHUNK_BYTES = 512 * 1024
@@ -326,6 +326,8 @@ def manifest_fields(f: Fields) -> dict[str, Any]:
             raise Rejected("wrong_type", f"input_offsets[{k}] must be a non-negative integer")
         clean_offsets[str(k)] = v
     serving = decode_serving(f.obj_("serving", required=False))
+    if reason == PROBE and not (serving or {}).get("incumbent"):
+        raise Rejected("inconsistent", "a probe is served as an incumbent: serving.incumbent must be true (1.19)")
     size = f.int_("size", 1, max_blob_bytes(arch_d))
     chunks = f.int_("chunks", 1, max_chunks(size))
     if chunks < -(-size // MAX_CHUNK_BYTES):

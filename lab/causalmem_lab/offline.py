@@ -40,6 +40,7 @@ from pipeline.learner.promotion import is_candidate
 from pipeline.learner.publishing import first_serving
 from pipeline.learner.replay import Replay
 from pipeline.metrics import Metrics
+from topics.fields import PROBE
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -187,7 +188,6 @@ def run_offline(
         canary_rate=canary_rate,  # clients' share is set explicitly; the manifest says it too
         canary_coupled=cfg.canary_coupled,
     )
-    configured_t = retriever.temperature
     current = serving_params  # how the policy clients hold is served
     if gate is not None:
         # As the learner publishes a fresh first policy under the gate (first_serving).
@@ -218,10 +218,9 @@ def run_offline(
     logging_policies = LoggingPolicies(Metrics())
     logging_policies.hold(first.manifest, first.net)
 
-    def serve_as_configured(policy: LoadedPolicy) -> None:
-        """Clients serve ``policy`` with the configured parameters (it is the serving reference)."""
-        nonlocal current
-        retriever.temperature, current = configured_t, serving_params
+    def serve_as_published(policy: LoadedPolicy) -> None:
+        """Clients serve ``policy`` as its manifest says (an incumbent's temperature is the fresh one)."""
+        retriever.temperature = ServingParams.from_wire(policy.manifest.serving).temperature
         retriever.set_policy(policy)
         result.served_versions[policy.version] = policy
         logging_policies.hold(policy.manifest, policy.net)  # as the learner's gate on promote / set_serving
@@ -236,14 +235,14 @@ def run_offline(
             trainer,
             logging_policies,
             result,
-            serve_as_configured,
+            serve_as_published,
             retriever.set_canary,
         )
 
     def refresh(candidate: LoadedPolicy) -> None:
         """A checkpoint: served at once ungated; gated, the promotion rule's."""
         if sequences is None:
-            serve_as_configured(candidate)
+            serve_as_published(candidate)
         else:
             sequences.refresh(candidate, steps)
 
@@ -276,6 +275,12 @@ def run_offline(
             steps += 1
             if steps % cfg.refresh_every == 0:
                 result.alpha.append((st.ts, float(trainer.net.alpha.detach()[0])))
+                if sequences is not None:
+                    sequences.look(steps)  # what was logged so far is evidence on the trials already open
+                if sequences is not None and sequences.wants_probe():
+                    # As the learner (contract 1.19): the weights first served as a probe, under a lower version.
+                    version += 1
+                    sequences.probe(snapshot(first_serving(serving_params, True, PROBE, 1), PROBE), steps)
                 version += 1
                 candidate = snapshot(serving_params)
                 result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
@@ -326,7 +331,7 @@ class SequenceGate:
         set_canary: Callable[[LoadedPolicy | None], None],
     ) -> None:
         self.rule = rule
-        self.state = promotion.State.start(first.version)
+        self.state = promotion.State.start(first.version, ServingParams.from_wire(first.manifest.serving).incumbent)
         self.nets: dict[int, LoadedPolicy] = {first.version: first}
         self.params = params
         self.canary_rate = canary_rate
@@ -343,6 +348,17 @@ class SequenceGate:
         """Decisions about to be trained on: evidence for the trials open now (:meth:`RuleGate.observe`)."""
         self.gathered.extend(experiences)
 
+    def wants_probe(self) -> bool:
+        """As :meth:`RuleGate.wants_probe`: the next candidate starts a trial under an incumbent."""
+        return promotion.probes(self.state) and promotion.opens_trial(self.state)
+
+    def probe(self, policy: LoadedPolicy, step: int) -> None:
+        """As :meth:`RuleGate.probe`: a probe published after the look, served (:meth:`wants_probe`)."""
+        self.nets[policy.version] = policy
+        self.state, actions = promotion.decide(self.state, promotion.Probe(policy.version), self.rule)
+        self.serve(policy)
+        self._carry(actions, step)
+
     def refresh(self, candidate: LoadedPolicy, step: int) -> None:
         """A checkpoint: a look at the decisions logged so far, then a candidate starts a trial
         (anything else is served at once)."""
@@ -352,7 +368,8 @@ class SequenceGate:
         if is_candidate(candidate.manifest.reason, True):
             self.state, actions = promotion.decide(self.state, promotion.Candidate(v), self.rule)
         else:
-            event = promotion.ServedAtOnce(v, reanchor=candidate.manifest.reason == "reset")
+            incumbent = ServingParams.from_wire(candidate.manifest.serving).incumbent
+            event = promotion.ServedAtOnce(v, reanchor=candidate.manifest.reason == "reset", incumbent=incumbent)
             self.state, actions = promotion.decide(self.state, event, self.rule)
             self.serve(candidate)
         self._carry(actions, step)
@@ -385,7 +402,7 @@ class SequenceGate:
             elif a.kind == "rollback" and a.to is not None:
                 self.serve(self.nets[a.to])
             elif a.kind == "refuse":
-                self.trainer.resume_from(self.nets[self.state.serving].net.tensors())
+                self.trainer.resume_from(self.nets[a.to if a.to is not None else self.state.serving].net.tensors())
                 self.result.reanchors.append((step, a.version, self.state.serving))
         canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full
         if canary != self.canary:

@@ -26,7 +26,7 @@ from models.policy.delta import delta_bytes, full_bytes
 from models.policy.network import Arch
 from pipeline.modeltopic.publisher import CheckpointPublisher
 
-FULL_REASONS = ("init", "reset", "rollback")  # checkpoints that are always full snapshots
+FULL_REASONS = ("init", "reset", "rollback", "probe")  # checkpoints that are always full snapshots
 KEEP_LINKS = 3  # versions whose rows are kept apart (older ones are merged: a safe over-approximation)
 KEEP_KNOWN = 1024  # versions remembered as this planner's own (an older serving link: a full snapshot)
 
@@ -69,6 +69,8 @@ class DeltaPlanner:
             return None
         parts = [r for v, r in self.rows.items() if v > head[0]] + [np.asarray(changed_rows, dtype=np.int64)]
         rows = np.unique(np.concatenate(parts))
+        if not len(rows):  # nothing written since the head (a probe's candidate): a full snapshot, a canary can load it
+            return None
         if delta_bytes(len(rows), self.arch) > self.max_share * full_bytes(self.arch):
             return None
         return rows

@@ -45,12 +45,15 @@ from pipeline.learner.promotion import (
     SIMILARITY,
     Action,
     Candidate,
+    Probe,
     Rule,
     ServedAtOnce,
     State,
     Withdrawn,
     canary,
     decide,
+    opens_trial,
+    probes,
 )
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
@@ -72,6 +75,14 @@ class Look:
     serving_version: int
     reason: str
     path: str = ""
+
+
+Probed = tuple[Manifest, dict[str, torch.Tensor]]  # a probe as published: its manifest and weights
+
+
+def _incumbent(manifest: Manifest) -> bool:
+    """Whether ``manifest`` says clients serve it as an incumbent (contract 1.17)."""
+    return ServingParams.from_wire(manifest.serving).incumbent
 
 
 def network(tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
@@ -144,22 +155,42 @@ class RuleGate:
         """Serve ``manifest`` without a trial (the learner's start): the rule starts from it."""
         self._hold(manifest, network(tensors))
         self.logging_policies.hold(manifest, self.versions[manifest.version][1])
+        incumbent = _incumbent(manifest)
         if self.state is None:
-            self.state = State.start(manifest.version)
+            self.state = State.start(manifest.version, incumbent)
         else:
-            self.state, _ = decide(self.state, ServedAtOnce(manifest.version), self.rule)
+            self.state, _ = decide(self.state, ServedAtOnce(manifest.version, incumbent=incumbent), self.rule)
 
     async def serve_at_once(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         """A checkpoint served without a trial (init, rollback, reset, an operator's command)."""
         async with self._deciding:
             self._hold(manifest, network(tensors))
+            incumbent = _incumbent(manifest)
             if self.state is None:
-                self.state = State.start(manifest.version)
+                self.state = State.start(manifest.version, incumbent)
             else:
-                event = ServedAtOnce(manifest.version, reanchor=manifest.reason == "reset")
+                event = ServedAtOnce(manifest.version, reanchor=manifest.reason == "reset", incumbent=incumbent)
                 self.state, actions = decide(self.state, event, self.rule)
                 await self._carry(actions)
             self._serving_metrics(manifest)
+
+    async def probe(self, publish: Callable[[], Coroutine[Any, Any, Probed]]) -> bool:
+        """Before a candidate: while clients serve an incumbent and the candidate would start a
+        trial, ``publish`` its weights as a probe (contract 1.19, :class:`~pipeline.learner.promotion.Probe`),
+        which is served at once. The rule first looks at what the incumbent logged (valued while
+        it is still served); all of it under one judgement, so no promotion comes in between.
+        Returns whether a probe was published."""
+        async with self._deciding:
+            await self._look()
+            if self.state is None or not (probes(self.state) and opens_trial(self.state)):
+                return False
+            manifest, tensors = await publish()
+            self._hold(manifest, network(tensors))
+            self.state, actions = decide(self.state, Probe(manifest.version), self.rule)
+            await self._carry(actions)
+            self._serving_metrics(manifest)
+            log.info("gate: v%d is a probe: clients explore with the next candidate's weights", manifest.version)
+            return True
 
     async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> Look | None:
         """A new candidate: the rule looks at the evidence gathered so far, then its trial starts
@@ -235,9 +266,10 @@ class RuleGate:
             elif a.kind == "refuse":
                 log.warning("gate: refused v%d, shown worse than the anchor: %s", a.version, a.reason)
                 m.gate_reanchors.inc()
-                held = self.versions.get(serving)
+                back = a.to if a.to is not None else serving
+                held = self.versions.get(back)
                 if self.on_resume is not None and held is not None:
-                    self.on_resume(serving, held[1])
+                    self.on_resume(back, held[1])
             elif a.kind == "rollback" and a.to is not None:
                 log.warning("gate: guardrail: %s; rolling back to v%d", a.reason, a.to)
                 if self.on_rollback is not None:

@@ -70,7 +70,7 @@ SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k):
 # Checkpoints served at once, without a trial: the first policy, a rollback, a drift reset (the
 # detector has just shown that the served policy no longer agrees with human judgement), shadow
 # mode's cut-over and a "do not use" (pipeline/learner/control.py).
-SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress")
+SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress", "probe")
 
 ActionKind = Literal["trial", "promote", "refuse", "wait", "rollback", "superseded"]
 
@@ -151,15 +151,25 @@ class State:
     margin: float = 0.0
     guard: GainSequence | None = None  # the served version over similarity-only, on its own decisions
     guards: int = 0  # guardrail sequences started (their own share of δ)
+    # The served version is an incumbent (contract 1.17): clients serve their own ranking but on
+    # the exploration share, which draws from its weights (the first policy's, or a probe's, 1.19).
+    incumbent: bool = False
+    # The incumbent a probe replaced: decisions logged under it (a canary mixed with it among
+    # them) are still arriving, and are valued only while its probabilities are.
+    before: int | None = None
 
     @classmethod
-    def start(cls, serving: int) -> State:
+    def start(cls, serving: int, incumbent: bool = False) -> State:
         """The state at the learner's start: ``serving`` served at once, similarity-only the anchor."""
-        return cls(serving=serving, first=serving)
+        return cls(serving=serving, first=serving, incumbent=incumbent)
 
     def versions(self) -> set[int]:
         """The versions whose probabilities the next evidence must carry."""
         out = {SIMILARITY, self.serving, self.anchor}
+        if self.before is not None:
+            out.add(self.before)
+        if self.incumbent:
+            out.add(self.first)  # a client before 1.19 rejects the probes and serves the first policy
         for t in self.trials:
             out.update((t.version, t.anchor))
         return out
@@ -180,11 +190,24 @@ class ServedAtOnce:
     """A version served without a trial (a rollback, a drift reset, an operator's command).
 
     ``reanchor``: the anchor goes back to similarity-only (a drift reset: what was certified
-    describes the world before the change); else it stays.
+    describes the world before the change); else it stays. ``incumbent``: its manifest says so.
     """
 
     version: int
     reanchor: bool = False
+    incumbent: bool = False
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The learner published ``version``, a *probe* (contract 1.19): an incumbent whose weights are
+    those of the candidate it publishes next. Clients serve their own ranking on the share not
+    explored, as under the first policy, and draw the exploration share from the candidate's
+    weights, which is the evidence a trial needs where clients serve no canary. Served at once
+    (as served it differs from the incumbent before it only on the exploration share, which the
+    guardrail watches); the trials go on."""
+
+    version: int
 
 
 @dataclass(frozen=True)
@@ -309,7 +332,7 @@ class Withdrawn:
     version: int
 
 
-Event = Candidate | ServedAtOnce | Withdrawn | Evidence
+Event = Candidate | ServedAtOnce | Probe | Withdrawn | Evidence
 
 
 @dataclass(frozen=True)
@@ -340,8 +363,33 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
     if isinstance(event, ServedAtOnce):
         anchor, margin = (SIMILARITY, 0.0) if event.reanchor else (state.anchor, state.margin)
         ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]
-        return replace(state, serving=event.version, anchor=anchor, margin=margin, trials=(), guard=None), ended
+        served = replace(state, serving=event.version, anchor=anchor, margin=margin, trials=(), guard=None)
+        return replace(served, incumbent=event.incumbent, before=None), ended
+    if isinstance(event, Probe):
+        if not probes(state) or event.version <= state.serving:
+            return state, [Action("superseded", event.version, f"not a probe of the incumbent v{state.serving}")]
+        return replace(state, serving=event.version, before=state.serving, guard=None), []
     return _evidence(state, event, rule)
+
+
+def probes(state: State) -> bool:
+    """Whether the next candidate that starts a trial is preceded by a :class:`Probe`: while
+    clients serve an incumbent and nothing is certified.
+
+    >>> probes(State.start(1, incumbent=True)), probes(State.start(1))
+    (True, False)
+    """
+    return state.incumbent and state.anchor == SIMILARITY
+
+
+def opens_trial(state: State) -> bool:
+    """Whether a candidate published now would start a trial (else it is passed over, :func:`decide`).
+
+    >>> opens_trial(State.start(1))
+    True
+    """
+    newest = state.trials[-1] if state.trials else None
+    return newest is None or newest.bounds.n == 0 or newest.bounds.n >= MIN_DECISIONS
 
 
 def _trial(state: State, version: int, rule: Rule) -> tuple[State, Trial]:
@@ -359,7 +407,8 @@ def _candidate(state: State, event: Candidate, rule: Rule) -> tuple[State, list[
         # Not looked at yet: nothing of δ was spent on it, so the newer candidate takes its place.
         actions.append(Action("superseded", newest.version, f"v{event.version} is newer (no decision seen yet)"))
         state = replace(state, trials=state.trials[:-1], tests=state.tests - 1)
-    elif newest is not None and newest.bounds.n < MIN_DECISIONS:
+    elif not opens_trial(state):
+        assert newest is not None
         # The newest trial is gathering the decisions a bound needs: a trial per candidate would
         # end each before it could decide (and spend δ on every one).
         reason = f"v{newest.version}'s trial has {newest.bounds.n} of the {MIN_DECISIONS} decisions a bound needs"
@@ -386,7 +435,9 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     kept: list[Trial] = []
     for t in state.trials:
         if t.bounds.high < 0.0:
-            actions.append(Action("refuse", t.version, t.describe(), "worse", to=state.serving, interval=t.interval()))
+            # Training resumes from the serving weights; a probe's are a candidate's: the first policy's then.
+            back = state.first if state.incumbent else state.serving
+            actions.append(Action("refuse", t.version, t.describe(), "worse", to=back, interval=t.interval()))
         else:
             kept.append(t)
     promoted = next((t for t in reversed(kept) if _promotable(state, t, rule)), None)
@@ -409,7 +460,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     newer = tuple(t for t in kept if t.version > promoted.version)
     margin = (state.margin if promoted.anchor == state.anchor else 0.0) + promoted.bounds.low
     state = replace(state, serving=promoted.version, anchor=promoted.version, margin=margin, trials=newer, guard=None)
-    return _new_anchor(state, rule, actions), actions
+    return _new_anchor(replace(state, incumbent=False), rule, actions), actions
 
 
 def _promotable(state: State, t: Trial, rule: Rule) -> bool:
@@ -437,7 +488,7 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     version, and a canary's share of its mix: :meth:`Evidence.served_gains`); roll back on
     evidence of harm."""
     if state.serving == state.first and state.anchor == SIMILARITY:
-        return state  # nothing to fall back to
+        return state  # nothing to fall back to (a probe falls back to the first policy)
     rows, low, high = ev.served_gains(state.serving, SIMILARITY)
     if not len(rows):
         return state  # nothing served that way in this batch

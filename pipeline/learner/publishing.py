@@ -45,6 +45,7 @@ from pipeline.learner.suppression import read_audit
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
+from topics.fields import PROBE
 from topics.manifest import Manifest, sha256_hex, split_chunks
 from topics.principal import valid_principal
 
@@ -59,18 +60,27 @@ log = logging.getLogger(__name__)
 FRESH_TEMPERATURE = 0.001
 
 
-def first_serving(serving: ServingParams, gated: bool, reason: str, updates: int) -> ServingParams:
-    """The serving parameters a checkpoint is published with.
+def first_serving(
+    serving: ServingParams, gated: bool, reason: str, updates: int, incumbent: bool = False
+) -> ServingParams:
+    """The serving parameters a checkpoint is published with. An incumbent (contract 1.17): a
+    fresh first policy, a probe (1.19), and a rollback while the rule serves an incumbent
+    (``incumbent``: nothing is certified, so what is rolled back to is not either).
 
     >>> fresh = first_serving(ServingParams(), True, "init", 0)
     >>> fresh.incumbent, fresh.temperature, fresh.explore_rate
     (True, 0.001, 0.1)
     >>> first_serving(ServingParams(), True, "init", 12).incumbent  # restored, trained: as configured
     False
+    >>> probe = first_serving(ServingParams(), True, PROBE, 12)
+    >>> back = first_serving(ServingParams(), True, "rollback", 9, incumbent=True)
+    >>> probe.incumbent, back.incumbent
+    (True, True)
     >>> first_serving(ServingParams(), False, "init", 0).temperature  # no gate: as configured
     0.05
     """
-    if gated and reason == "init" and updates == 0:
+    fresh = reason == "init" and updates == 0
+    if gated and (fresh or reason == PROBE or (incumbent and reason == "rollback")):
         return replace(serving, temperature=min(serving.temperature, FRESH_TEMPERATURE), incumbent=True)
     return serving
 
@@ -221,8 +231,20 @@ class Publishing:
         (``PolicyTrainer.take_changed_rows()``): a delta ships them and those of the
         versions since its base.
         """
-        tensors = trainer.tensors()
         candidate = self.is_candidate(reason)
+        if candidate and self.gate is not None:
+            # Contract 1.19: while nothing is certified, the weights of a candidate that starts a
+            # trial are first served as a probe, an incumbent under a version of its own below
+            # the candidate's: clients' exploration share then draws from them.
+            async def probe() -> tuple[Manifest, dict[str, torch.Tensor]]:
+                p = await self.publish(
+                    trainer, reason=PROBE, metrics=metrics, input_offsets=input_offsets, changed_rows=changed_rows
+                )
+                return p.manifest, p.tensors
+
+            if await self.gate.probe(probe):
+                changed_rows = np.zeros(0, np.int64)  # the probe carried them
+        tensors = trainer.tensors()
         full = to_safetensors(tensors)
         rows = self.deltas.plan(reason, changed_rows)
         delta: dict[str, Any] | None = None
@@ -251,7 +273,9 @@ class Publishing:
                 input_offsets=input_offsets,
                 candidate=candidate,
                 prepare=save_locally,
-                serving=first_serving(self.serving, self.gate is not None, reason, trainer.updates).to_wire(),
+                serving=first_serving(
+                    self.serving, self.gate is not None, reason, trainer.updates, self._incumbent()
+                ).to_wire(),
                 delta=delta,
             )
         except BaseException:  # not published: the next checkpoint must still ship these rows
@@ -276,6 +300,11 @@ class Publishing:
             trainer.updates,
         )
         return Published(manifest, tensors, candidate)
+
+    def _incumbent(self) -> bool:
+        """The rule serves an incumbent now (nothing certified)."""
+        state = self.gate.state if self.gate is not None else None
+        return state is not None and state.incumbent
 
     async def settle(self, published: Published) -> None:
         """The gate judges a candidate now; a checkpoint served at once becomes its reference."""

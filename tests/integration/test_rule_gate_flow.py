@@ -4,6 +4,7 @@ rule decides on those applied after each candidate, clients load only what it pr
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from pipeline.client.subscriber import PolicySubscriber
 from pipeline.learner.gate import RuleGate
 from tests.helpers import until
 from tests.integration.test_gate import BAD, _send, learner_running, log_of, tilted
+from topics.fields import PROBE
 from topics.internal import Experience
 
 
@@ -23,7 +25,15 @@ def served_by(exps: list[Experience], version: int) -> list[Experience]:
 async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidate(topics_ready) -> None:
     s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     loaded: list[int] = []
-    sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=lambda p: loaded.append(p.version))
+    probes: set[int] = set()  # contract 1.19: incumbents whose exploration draws from the next candidate
+
+    def on_update(p: Any) -> None:
+        loaded.append(p.version)
+        if p.manifest.reason == PROBE:
+            assert p.serving is not None and p.serving.incumbent
+            probes.add(p.version)
+
+    sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=on_update)
     async with learner_running(s) as learner, sub:
         gate = learner.gate
         assert isinstance(gate, RuleGate)
@@ -44,7 +54,8 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
         promoted = {d.candidate_version for d in gate.decisions if d.decision == "promoted"}
         assert all(d.path in ("improved", "within-epsilon") for d in gate.decisions if d.decision == "promoted")
         await until(lambda: bool(set(loaded) & promoted), 30, "the client to load a promoted version")
-        assert set(loaded) <= promoted | {1}, (loaded, promoted)
+        assert set(loaded) <= promoted | probes | {1}, (loaded, promoted)
+        assert probes and min(probes) < min(promoted)  # clients explored with a candidate's weights first
 
         # The learner wanders off toward the harmful slots, round after round (a candidate
         # published while the newest trial gathers its decisions is passed over), while the client

@@ -16,11 +16,13 @@ from pipeline.learner.promotion import (
     SIMILARITY,
     Candidate,
     Evidence,
+    Probe,
     Rule,
     ServedAtOnce,
     State,
     Summary,
     decide,
+    probes,
 )
 
 MEANS = np.array([0.2, 0.5, -0.5, 0.1, 0.0])  # set 0 is similarity-only's top-k set
@@ -127,6 +129,42 @@ def test_candidates_take_turns_so_that_every_trial_can_decide() -> None:
     state = State(serving=7, anchor=7, first=1)
     state, ended = decide(state, ServedAtOnce(8, reanchor=True), RULE)
     assert state.serving == 8 and state.anchor == SIMILARITY and ended == []
+
+
+def test_a_probe_serves_a_candidates_weights_as_the_incumbent_while_the_trials_go_on() -> None:
+    world = World(1)
+    world.versions[2] = world.versions[4] = TOPK  # probes: their share not explored is the client's own ranking
+    world.versions[3] = np.array([0.0, 1.0, 0.0, 0.0, 0.0])
+    state = State.start(serving=1, incumbent=True)
+    assert probes(state)
+    state, acts = decide(state, Probe(2), RULE)
+    assert acts == [] and (state.serving, state.anchor, state.before, state.incumbent) == (2, SIMILARITY, 1, True)
+    state, _ = decide(state, Candidate(3), RULE)
+    state, _ = decide(state, world.evidence(2, n=250), RULE)
+    state, acts = decide(state, Probe(4), RULE)
+    assert acts == [] and [t.version for t in state.trials] == [3] and state.trials[0].bounds.n == 250
+    # The first policy (what a client before 1.19 serves) and the probe replaced are still valued.
+    assert {1, 2, 3, 4} <= state.versions()
+    # Not an incumbent: no probe, nothing changes.
+    certified = State(serving=5, anchor=5, first=1)
+    after, acts = decide(certified, Probe(6), RULE)
+    assert after == certified and [a.kind for a in acts] == ["superseded"] and not probes(certified)
+
+
+def test_a_candidate_refused_under_a_probe_sends_training_back_to_the_first_policy() -> None:
+    world = World(2)
+    world.versions[2] = TOPK  # the probe: its share not explored is the client's own ranking
+    world.versions[3] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])  # reads set 2: −0.63
+    state, _ = decide(State.start(serving=1, incumbent=True), Probe(2), RULE)
+    state, _ = decide(state, Candidate(3), RULE)
+    refused = None
+    for _ in range(60):
+        state, acts = decide(state, world.evidence(state.serving), RULE)
+        refused = next((a for a in acts if a.kind == "refuse"), None)
+        if refused:
+            break
+    assert refused is not None and refused.path == "worse"
+    assert refused.to == 1  # not the probe's weights, which were a candidate's
 
 
 def test_the_guardrail_rolls_back_a_served_version_shown_below_similarity() -> None:

@@ -219,6 +219,8 @@ REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
     ("out_of_range", "experience-kind", dec_experience, raw_of(experience_dict(kind="other")), None),
     ("out_of_range", "control-command", dec_control, raw_of(control_dict(command="explode")), None),
     ("out_of_range", "manifest-reason", dec_manifest, raw_of(manifest_dict(reason="whim")), None),
+    # 1.19: a probe is served as an incumbent; one that does not say so is rejected.
+    ("inconsistent", "manifest-probe-not-incumbent", dec_manifest, raw_of(manifest_dict(reason="probe")), None),
     ("out_of_range", "manifest-version", dec_manifest, raw_of(manifest_dict(version=-1)), None),
     # embedding_length
     (
@@ -310,3 +312,9 @@ def test_boundary_values_accepted() -> None:
     assert dec_label(raw_of(label_dict(rating=0))).rating == 0
     # an integral float is an integer on the wire (JSON does not distinguish 2 and 2.0)
     assert dec_retrieval(raw_of(retrieval_dict(step=2.0))).step == 2
+
+
+def test_a_probe_served_as_an_incumbent_decodes() -> None:
+    """Contract 1.19: the probe the rejection table refuses without ``incumbent`` is valid with it."""
+    m = dec_manifest(raw_of(manifest_dict(reason="probe", serving={"incumbent": True, "temperature": 0.001})), None)
+    assert m.reason == "probe" and m.serving == {"incumbent": True, "temperature": 0.001}
