@@ -3,12 +3,15 @@ resets and gates with the learner's own rules."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from causalmem_lab import offline
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from causalmem_lab.simulator import Scenario
 
 from pipeline.config import Settings
 from pipeline.learner import promotion
+from topics.fields import PROBE
 
 TINY = Scenario(
     embedding_dim=8, slots=64, intents=3, background=20, days=2, queries_per_day=120, drift_day=1.0, n_candidates=8
@@ -28,11 +31,20 @@ def test_refreshes_and_resets_each_serve_a_new_version() -> None:
     assert result.tally.version == sorted(result.tally.version)
 
 
+def _probes(result: Any) -> set[int]:
+    """The versions served as probes (incumbents carrying a candidate's weights, contract 1.19)."""
+    return {
+        v for v, p in result.served_versions.items() if p.manifest.reason == PROBE and p.serving and p.serving.incumbent
+    }
+
+
 def test_a_gate_without_enough_data_keeps_the_first_policy() -> None:
     cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, canary_rate=0.0)
     result = run_offline(TINY, cfg)  # too few decisions for a bound
     assert result.gate and set(result.gate) == {"insufficient"}
-    assert set(result.tally.version) == {1}
+    # The first policy, and the probes that carry each candidate's weights on the exploration
+    # share only (contract 1.19): every version served is an incumbent.
+    assert 1 in set(result.tally.version) and set(result.tally.version) - {1} <= _probes(result)
     # Served as the learner serves a fresh first policy under the gate: the similarity
     # ranking (T = 0.001), not drawn at the serving temperature, until a promotion.
     assert result.served is not None and result.served.serving is not None
@@ -98,7 +110,7 @@ def test_the_loop_decides_with_the_promotion_rule() -> None:
     assert all(p in ("improved", "within-epsilon") for _, k, _, p in result.actions if k == "promote")
     served = set(result.tally.version)
     promoted = {v for _, k, v, _ in result.actions if k == "promote"}
-    assert served - {1} <= promoted  # nothing but the first policy is served without the rule
+    assert served - {1} - _probes(result) <= promoted  # nothing but incumbents is served without the rule
     # Every candidate that started a trial is kept, and every bound looked at names a trial's.
     assert {v for _, k, v, _ in result.actions if k == "trial"} <= set(result.trialled)
     assert all(v in result.trialled and low <= high for _, v, _, low, high in result.looks)

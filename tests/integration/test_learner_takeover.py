@@ -231,7 +231,12 @@ async def test_expert_answers_are_a_candidate_like_any_other(topics_ready: Setti
         manifest = gate.versions[last.candidate_version][0]
         assert manifest.reason == "label" and (manifest.signature or "").startswith("hmac-sha256:")
         assert last.decision == "insufficient" and "no decisions yet" in last.reason
-        assert sub.current is not None and sub.current.version == 1 and not sub.rejections
+        # Clients serve their own ranking still: the first policy, or the probe that carries the
+        # candidate's weights on the exploration share only (contract 1.19), signed like any checkpoint.
+        current = sub.current
+        assert current is not None and current.serving is not None and current.serving.incumbent
+        assert current.version == 1 or current.manifest.reason == "probe"
+        assert not sub.rejections
 
 
 async def test_a_restart_reads_history_up_to_the_resume_offset_only(topics_ready: Settings) -> None:
