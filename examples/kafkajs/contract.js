@@ -11,6 +11,9 @@ const HEADER_ALLOWANCE = 1024 * 1024; // §7: size may exceed the tensors' bytes
 const MAX_BLOB_BYTES = 32 * 1024 ** 3;
 const MAX_VERSION = 2 ** 53;
 const MAX_VERSION_JUMP = 1_000_000;
+// §7 `reason`. This client serves no incumbent (1.17) and so takes no probe (1.19): a reason it does
+// not know is out of range, and it keeps serving what it holds.
+const REASONS = ['init', 'periodic', 'reset', 'label', 'shutdown', 'rollback', 'cutover', 'suppress'];
 // §7 "serving": what a manifest without `serving` (or without one of its keys) means.
 const SERVING_DEFAULTS = {
   temperature: 0.05,
@@ -101,6 +104,7 @@ function checkManifest(m, newestAccepted) {
   const problems = [];
   if (!Number.isInteger(m.version) || m.version < 0 || m.version > MAX_VERSION) problems.push('version out of range');
   if (newestAccepted !== null && m.version > newestAccepted + MAX_VERSION_JUMP) problems.push('version jump');
+  if (!REASONS.includes(m.reason)) problems.push(`reason ${JSON.stringify(m.reason)} out of range`);
   const a = m.arch || {};
   if (a.input_dim !== a.embedding_dim + 2) problems.push('arch.input_dim != embedding_dim + 2');
   const params = 2 * a.embedding_dim + a.hidden * (a.embedding_dim + 2) + a.hidden + a.slots * a.hidden + a.slots + 1;
