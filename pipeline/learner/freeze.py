@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from topics.fields import PROBE
 from topics.manifest import Manifest
 
 
@@ -38,8 +39,8 @@ class ServingClock:
     def serving(self, manifest: Manifest | None) -> None:
         """The gate's serving manifest now (after each judgement). A new version restarts the clock;
         the first one seen starts it at its creation time."""
-        if manifest is None or manifest.version == self.serving_version:
-            return
+        if manifest is None or manifest.version == self.serving_version or manifest.reason == PROBE:
+            return  # a probe (contract 1.19) serves the clients' own ranking still: nothing was promoted
         first = self.serving_version is None
         self.serving_version, self.waiting = manifest.version, 0
         self.since = manifest.created_ts if first else self.clock()

@@ -373,13 +373,17 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
 
 
 def probes(state: State) -> bool:
-    """Whether the next candidate that starts a trial is preceded by a :class:`Probe`: while
-    clients serve an incumbent and nothing is certified.
+    """Whether the next candidate is preceded by a :class:`Probe`: while clients serve an
+    incumbent and nothing is certified, when its trial opens after decisions were gathered
+    (no trial yet, or the newest has what a bound needs). One that takes the place of a trial
+    that saw no decision is not: in a quiet deployment clients would load a probe per checkpoint.
 
     >>> probes(State.start(1, incumbent=True)), probes(State.start(1))
     (True, False)
     """
-    return state.incumbent and state.anchor == SIMILARITY
+    newest = state.trials[-1] if state.trials else None
+    gathered = newest is None or newest.bounds.n >= MIN_DECISIONS
+    return state.incumbent and state.anchor == SIMILARITY and gathered
 
 
 def opens_trial(state: State) -> bool:

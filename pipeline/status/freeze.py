@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.modeltopic import ModelTopicIndex
+from topics.fields import PROBE
 
 # Serving this long while candidates wait is a freeze (the CausalmemServingFrozen alert's bound).
 FROZEN_AFTER_S = 1800.0
@@ -69,7 +70,8 @@ def freeze_view(
     if serving is None:
         return out
     since = record.get("serving_since")
-    if record.get("serving_version") != serving.version or not isinstance(since, int | float):
+    probe = serving.reason == PROBE  # contract 1.19: clients serve their own ranking still; the clock did not restart
+    if not isinstance(since, int | float) or (record.get("serving_version") != serving.version and not probe):
         since = serving.created_ts  # promoted no earlier than it was created
     waiting = sum(1 for m in index.links(policy) if m.version > serving.version)
     reason = record.get("reason") if isinstance(record.get("reason"), str) else None

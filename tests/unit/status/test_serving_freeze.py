@@ -77,7 +77,10 @@ async def test_a_learner_whose_candidates_all_wait_says_so_in_metrics_and_status
     for reason in ("init", *["periodic"] * 20):
         published = await pub.publish(trainer, reason=reason, metrics={}, input_offsets={}, changed_rows=rows(trainer))
         await pub.settle(published)
-    assert pub.gate.serving_manifest is not None and pub.gate.serving_manifest.version == 1
+    # The first candidate came as a probe too (contract 1.19), v2: clients serve their own ranking still,
+    # so the clock counts from v1. The others took the place of a trial that saw no decision: no probe.
+    assert pub.gate.serving_manifest is not None and pub.gate.serving_manifest.version == 2
+    assert pub.gate.serving_manifest.reason == "probe"
     since = pub.clock.since
     assert since is not None
     pub.clock.clock = lambda: since + 720.0
@@ -89,16 +92,16 @@ async def test_a_learner_whose_candidates_all_wait_says_so_in_metrics_and_status
     # The newest manifest records the gate's last word for status.
     index = index_of(producer)
     newest = index.newest("default")
-    assert newest is not None and newest.version == 21
+    assert newest is not None and newest.version == 22
     record = newest.metrics["gate"]
-    assert record["serving_version"] == 1 and record["candidates_waiting"] == 19  # v21 itself not yet published
-    assert record["decision"] == "insufficient" and record["candidate_version"] == 20
+    assert record["serving_version"] == 1 and record["candidates_waiting"] == 19  # v22 itself not yet published
+    assert record["decision"] == "insufficient" and record["candidate_version"] == 21
     view = checkpoint_view(index, "default", since + 720.0)["freeze"]
-    assert view["line"] == "serving v1 for 12m while 20 candidates waited: v20 waits: v20: no decisions yet"
+    assert view["line"] == "serving v2 for 12m while 20 candidates waited: v21 waits: v21: no decisions yet"
     assert not view["frozen"]
     assert checkpoint_view(index, "default", since + FROZEN_AFTER_S)["freeze"]["frozen"]
     text = render_text({"checkpoints": checkpoint_view(index, "default", since + 720.0)})
-    assert "serving v1 for 12m while 20 candidates waited: v20 waits: v20: no decisions yet" in text
+    assert "serving v2 for 12m while 20 candidates waited: v21 waits: v21: no decisions yet" in text
 
 
 def rows(trainer: PolicyTrainer) -> Any:
