@@ -69,9 +69,13 @@ async def test_evaluate_reads_the_serving_delta_and_a_delta_candidate(
     p, t = await delta_chain(tmp_path)
     log = p.publisher.producer.log
     held = {k: v.clone() for k, v in t.tensors().items()}
+
     # The next checkpoint is a candidate: is_candidate says so, and the manifest's gate record
     # reads a gate that has judged nothing yet.
-    p.gate = SimpleNamespace(serving_manifest=None, decisions=[])
+    async def no_probe(publish: Any) -> bool:
+        return False  # nothing served yet: no incumbent to probe
+
+    p.gate = SimpleNamespace(serving_manifest=None, decisions=[], state=None, probe=no_probe)
     monkeypatch.setattr(type(p), "is_candidate", lambda self, reason: True)
     train(t, [4])
     cand = await publish(p, t)
