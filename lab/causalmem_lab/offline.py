@@ -350,7 +350,7 @@ class SequenceGate:
 
     def wants_probe(self) -> bool:
         """As :meth:`RuleGate.wants_probe`: the next candidate starts a trial under an incumbent."""
-        return promotion.probes(self.state) and promotion.opens_trial(self.state)
+        return promotion.probes(self.state)
 
     def probe(self, policy: LoadedPolicy, step: int) -> None:
         """As :meth:`RuleGate.probe`: a probe published after the look, served (:meth:`wants_probe`)."""

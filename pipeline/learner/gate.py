@@ -52,7 +52,6 @@ from pipeline.learner.promotion import (
     Withdrawn,
     canary,
     decide,
-    opens_trial,
     probes,
 )
 from pipeline.metrics import Metrics
@@ -182,7 +181,7 @@ class RuleGate:
         Returns whether a probe was published."""
         async with self._deciding:
             await self._look()
-            if self.state is None or not (probes(self.state) and opens_trial(self.state)):
+            if self.state is None or not probes(self.state):
                 return False
             manifest, tensors = await publish()
             self._hold(manifest, network(tensors))

@@ -39,6 +39,11 @@ learner resumes from the serving weights (``worse``). A trial neither promoted n
 Older trials than one promoted end (``superseded``); newer ones start again against the new
 anchor.
 
+**Probes.** While nothing is certified (clients serve an *incumbent*: their own ranking but on
+the exploration share), each candidate whose trial opens after decisions were gathered is first
+served as a :class:`Probe`: an incumbent carrying its weights, so that the exploration share
+draws from the candidate, which is the evidence its trial needs where clients serve no canary.
+
 **The guardrail.** The served version's own decisions (logged while it served) are
 compared, by the same kind of sequence, with similarity-only; where the served version is
 shown worse by more than ε, it is **rolled back** to the anchor (or to the first policy, when
@@ -69,7 +74,7 @@ from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, spend
 SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k): the first anchor
 # Checkpoints served at once, without a trial: the first policy, a rollback, a drift reset (the
 # detector has just shown that the served policy no longer agrees with human judgement), shadow
-# mode's cut-over and a "do not use" (pipeline/learner/control.py).
+# mode's cut-over, a "do not use" (pipeline/learner/control.py) and a probe (below, :class:`Probe`).
 SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress", "probe")
 
 ActionKind = Literal["trial", "promote", "refuse", "wait", "rollback", "superseded"]
