@@ -349,11 +349,11 @@ class SequenceGate:
         self.gathered.extend(experiences)
 
     def wants_probe(self) -> bool:
-        """As :meth:`RuleGate.wants_probe`: the next candidate starts a trial under an incumbent."""
+        """As the check at the start of :meth:`RuleGate.probe`: the next candidate is preceded by a probe."""
         return promotion.probes(self.state)
 
     def probe(self, policy: LoadedPolicy, step: int) -> None:
-        """As :meth:`RuleGate.probe`: a probe published after the look, served (:meth:`wants_probe`)."""
+        """As :meth:`RuleGate.probe` once published: the probe is served, the trials go on."""
         self.nets[policy.version] = policy
         self.state, actions = promotion.decide(self.state, promotion.Probe(policy.version), self.rule)
         self.serve(policy)

@@ -25,8 +25,9 @@ import numpy as np
 from models.policy.delta import delta_bytes, full_bytes
 from models.policy.network import Arch
 from pipeline.modeltopic.publisher import CheckpointPublisher
+from topics.fields import PROBE
 
-FULL_REASONS = ("init", "reset", "rollback", "probe")  # checkpoints that are always full snapshots
+FULL_REASONS = ("init", "reset", "rollback", PROBE)  # checkpoints that are always full snapshots
 KEEP_LINKS = 3  # versions whose rows are kept apart (older ones are merged: a safe over-approximation)
 KEEP_KNOWN = 1024  # versions remembered as this planner's own (an older serving link: a full snapshot)
 

@@ -70,12 +70,13 @@ from typing import Literal
 import numpy as np
 
 from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, spend
+from topics.fields import PROBE
 
 SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k): the first anchor
 # Checkpoints served at once, without a trial: the first policy, a rollback, a drift reset (the
 # detector has just shown that the served policy no longer agrees with human judgement), shadow
 # mode's cut-over, a "do not use" (pipeline/learner/control.py) and a probe (below, :class:`Probe`).
-SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress", "probe")
+SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress", PROBE)
 
 ActionKind = Literal["trial", "promote", "refuse", "wait", "rollback", "superseded"]
 
