@@ -4,7 +4,7 @@ A request's masks have a part that depends on the query alone — the network's 
 layer, :func:`~pipeline.client.serving.policy_features` — and a part that needs the
 candidates the search finds. On a large index the search takes milliseconds and leaves
 the CPU's caches cold; computing the features *during* the search, on a worker thread,
-takes them off the request's latency (faiss and torch release the GIL while they work).
+takes them off the request's latency (faiss and NumPy's matrix product release the GIL while they work).
 On a small index the search takes tens of microseconds, less than handing work to a
 thread costs, so by default the features overlap only while the searches take at least
 :data:`OVERLAP_MIN_SEARCH_S` (a moving average of the measured ones: the index's size,
@@ -18,7 +18,7 @@ the same inputs.
 >>> policy = LoadedPolicy(Manifest("p", 1, 0.0, "init", {}, 0.5, 0.0, "0" * 64, 1, 1), init_policy(4, 8, 16))
 >>> o = FeatureOverlap(overlap=True)
 >>> tuple(o.start(policy, np.ones(4, np.float32), 0.0, 0.0)().shape), o.overlapping()
-((1, 16), True)
+((16,), True)
 >>> o.close(); auto = FeatureOverlap(); auto.overlapping()
 False
 >>> for _ in range(30): auto.observe(0.004)  # 4 ms searches
@@ -33,7 +33,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from pipeline.client.serving import policy_features
 from pipeline.client.subscriber import LoadedPolicy
@@ -74,7 +73,7 @@ class FeatureOverlap:
 
     def start(
         self, policy: LoadedPolicy | None, q: np.ndarray, loss: float, entropy: float
-    ) -> Callable[[], torch.Tensor | None]:
+    ) -> Callable[[], np.ndarray | None]:
         """A call that returns the query's features (None without a policy); started now when overlapping."""
         if policy is None:
             return lambda: None

@@ -26,7 +26,6 @@ from typing import Any, Generic, TypeVar
 
 import faiss
 import numpy as np
-import torch
 
 from models.serving.params import ServingParams
 from pipeline.client.choice import event_labels
@@ -371,7 +370,7 @@ class CausalRetriever:
         return RetrievalResult(slots=selected, texts=texts, event=event)
 
     def _by_id(
-        self, ids: list[str], h: torch.Tensor | None, policy: LoadedPolicy | None
+        self, ids: list[str], h: np.ndarray | None, policy: LoadedPolicy | None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Event labels and masks of memories named by id: the policy's where it holds their row, else
         neutral; ``h``: the query's features under ``policy``."""

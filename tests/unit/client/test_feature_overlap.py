@@ -109,7 +109,7 @@ def test_a_request_finding_the_worker_busy_or_closed_computes_its_own_features()
     o._pool.submit(gate.wait)  # type: ignore[union-attr]  # the worker busy with something else
     o._busy = True
     inline = o.start(policy, q, 0.0, 0.0)
-    assert torch.equal(inline(), o.start(policy, q, 0.0, 0.0)())  # computed on the caller's thread, same values
+    assert np.array_equal(inline(), o.start(policy, q, 0.0, 0.0)())  # computed on the caller's thread, same values
     gate.set()
     o._pool.shutdown(wait=True)  # type: ignore[union-attr]  # shut down under the retriever's feet
     o._busy = False

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from models.serving.rule import adjusted_logits, keep_dynamic, plackett_luce_logprob
 from pipeline.client import overlap
@@ -21,7 +20,7 @@ MASKS = np.array([2.0, 1.5, 1e-4, 1.0, 1e-5, 0.8, 1e-4, 0.5])  # three below 1% 
 @pytest.fixture(autouse=True)
 def fixed_masks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The policy's masks are MASKS whatever the query: its features are not needed."""
-    monkeypatch.setattr(overlap, "policy_features", lambda *a: torch.zeros(1, 1))
+    monkeypatch.setattr(overlap, "policy_features", lambda *a: np.zeros(1, np.float32))
     monkeypatch.setattr(retriever_module, "masks_from_features", lambda policy, h, slots: MASKS[slots])
 
 
