@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from topics.events import RetrievalEvent
 from topics.feedback import LLMFeedback
 
@@ -54,6 +56,14 @@ class SlotUtility:
         return float(sum(known)) if known else None
 
 
+Sent = tuple[str, np.ndarray]  # a published event: its id and the slots it served
+
+
+def _sent(event: RetrievalEvent) -> Sent:
+    # Not a tuple of ints inside the tuple: the collector often leaves such a pair tracked.
+    return event.event_id, np.asarray(event.selected, dtype=np.int64)
+
+
 class Outbox:
     """Held and recent events, and the publishing of events, answers and feedback.
 
@@ -65,6 +75,11 @@ class Outbox:
         ``"retrieve"`` or ``"answer"`` (hold each event until :meth:`answer` or :meth:`feedback`).
     max_pending
         Recent events kept; beyond it, the oldest held event goes out without its answer.
+
+    A published event is remembered only by what its feedback needs, its id and the slots it
+    served, in a pair Python's collector stops tracking (a string and an array): thousands of
+    recent events as objects would each survive into the oldest generation and bring on full
+    collections of the whole process (~0.1 s with torch loaded) in the middle of requests.
     text_limit
         Characters kept of an answer (``Limits.max_text_len``).
     """
@@ -79,25 +94,30 @@ class Outbox:
         self.utility = SlotUtility()
         self.publish_failures = 0  # events and feedback the publisher raised on (served all the same)
         self._failure_logged = 0.0
-        self._recent: OrderedDict[tuple[str, int], tuple[RetrievalEvent, bool]] = OrderedDict()
+        # A held event (publish_on="answer"), or a published one's (event id, slots served).
+        self._recent: OrderedDict[tuple[str, int], RetrievalEvent | Sent] = OrderedDict()
 
     def _remember(self, event: RetrievalEvent) -> list[RetrievalEvent]:
         """Keep ``event``; returns what must go out now: ``event`` itself when published at retrieval,
         and the oldest held events, without their answer, beyond ``max_pending``."""
         key = (event.query_id, event.step)
         now = self.publish_on == "retrieve"
-        self._recent[key] = (event, now)
+        self._recent[key] = _sent(event) if now else event
         self._recent.move_to_end(key)
         out = [event] if now else []
         while len(self._recent) > self.max_pending:
-            (_, (old, published)) = self._recent.popitem(last=False)
-            if not published:
+            _, old = self._recent.popitem(last=False)
+            if isinstance(old, RetrievalEvent):
                 out.insert(0, old)
         return out
 
     def event(self, query_id: str, step: int = 0) -> RetrievalEvent:
-        """The event of a recent retrieval (KeyError when it is not among the last ``max_pending``)."""
-        return self._recent[(query_id, step)][0]
+        """A held event (``publish_on="answer"``); KeyError when it is not among the last
+        ``max_pending``, or was published (only its id and slots are kept then)."""
+        held = self._recent[(query_id, step)]
+        if not isinstance(held, RetrievalEvent):
+            raise KeyError((query_id, step))
+        return held
 
     def _publish_sync(self, value: RetrievalEvent | LLMFeedback) -> None:
         if self.publisher is None:
@@ -134,14 +154,14 @@ class Outbox:
 
     def _answered(self, query_id: str, step: int, answer_text: str | None) -> RetrievalEvent | None:
         """The event to publish now (None when it was published already)."""
-        event, published = self._recent[(query_id, step)]
-        if published:
+        event = self._recent[(query_id, step)]
+        if not isinstance(event, RetrievalEvent):
             if answer_text is not None:
                 raise ValueError("this event was published at retrieval: use publish_on='answer' to attach answers")
             return None
         if answer_text is not None:
             event.answer_text = answer_text[: self.text_limit]
-        self._recent[(query_id, step)] = (event, True)
+        self._recent[(query_id, step)] = _sent(event)
         return event
 
     def answer(self, query_id: str, answer_text: str, step: int = 0) -> RetrievalEvent:
@@ -159,12 +179,16 @@ class Outbox:
         return event
 
     def _feedback(self, query_id: str, step: int, utility: float | None, nll: dict[str, Any]) -> LLMFeedback:
-        event = self._recent[(query_id, step)][0]
+        recent = self._recent[(query_id, step)]
+        if isinstance(recent, RetrievalEvent):
+            event_id, selected = recent.event_id, list(recent.selected)
+        else:
+            event_id, selected = recent[0], recent[1].tolist()
         with_, without = nll.get("nll_with"), nll.get("nll_without")
         if utility is None and (with_ is None or without is None):
             raise ValueError("feedback needs a utility, or nll_with and nll_without")
         fb = LLMFeedback(
-            event_id=event.event_id,
+            event_id=event_id,
             query_id=query_id,
             step=step,
             ts=time.time(),
@@ -173,7 +197,7 @@ class Outbox:
             nll_without=without,
             nll_without_slot=nll.get("nll_without_slot"),
         )
-        self.utility.update(event.selected, fb.utility, fb.slot_effects(event.selected))
+        self.utility.update(selected, fb.utility, fb.slot_effects(selected))
         return fb
 
     def feedback(
