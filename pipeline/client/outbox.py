@@ -75,13 +75,13 @@ class Outbox:
         ``"retrieve"`` or ``"answer"`` (hold each event until :meth:`answer` or :meth:`feedback`).
     max_pending
         Recent events kept; beyond it, the oldest held event goes out without its answer.
+    text_limit
+        Characters kept of an answer (``Limits.max_text_len``).
 
     A published event is remembered only by what its feedback needs, its id and the slots it
     served, in a pair Python's collector stops tracking (a string and an array): thousands of
     recent events as objects would each survive into the oldest generation and bring on full
     collections of the whole process (~0.1 s with torch loaded) in the middle of requests.
-    text_limit
-        Characters kept of an answer (``Limits.max_text_len``).
     """
 
     def __init__(self, publisher: Any, publish_on: str, max_pending: int, text_limit: int) -> None:
