@@ -243,7 +243,9 @@ class Settings:
     )
     operator_key_file: str = setting("", "the CLI's operator key (PEM private key): it signs the commands it sends")
     influence_cap: float = setting(
-        0.2, "contract 1.15: the largest share of the learner's update weight one principal may carry (0, 1]"
+        0.2,
+        "contract 1.15: the largest share of the learner's update weight one principal may carry, over the "
+        "window and on each memory (0, 1]",
     )
     influence_window: int = setting(10_000, "the recent experiences each principal's share is measured over")
     disagreement_tolerance: float = setting(

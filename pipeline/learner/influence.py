@@ -9,6 +9,12 @@ total, so another may then need capping too). When the principals are too few fo
 (``n`` principals with ``n · cap < 1``), the bound is ``1/n`` instead: with one principal,
 or only anonymous traffic, every weight is 1 and the learner learns exactly as without it.
 
+The same bound holds on each memory (:func:`per_memory_weights`): among the window's reads of
+a memory, no principal carries more than ``cap`` of the weight, and an experience weighs the
+least of its principal's weights over the memories it read (and the window's). A principal
+sending a minority of the traffic, all of it about a few memories, is a majority on those
+memories; bounded only over the whole window, it would steer what everyone is served there.
+
 A quarantined principal's experiences weigh 0 (``causalmem quarantine``); they are not
 counted in the window either, so quarantining one principal does not lower anyone else's
 bound.
@@ -94,13 +100,43 @@ def influence_weights(
     return np.array([0.0 if p in blocked else weights.get(p, 1.0) for p in principals], dtype=np.float64)
 
 
+def per_memory_weights(
+    weights: np.ndarray,
+    principals: Sequence[str],
+    reads: Sequence[Sequence[int]],
+    memory_counts: Mapping[int, Mapping[str, int]],
+    cap: float,
+) -> np.ndarray:
+    """``weights`` lowered, experience by experience, to its principal's capped weight on each
+    memory it read (:func:`capped_weights` over ``memory_counts[m]``, each principal's reads of
+    memory ``m`` in the window); a weight of 0 stays 0.
+
+    >>> counts = {3: {"liar": 10, "a": 2, "b": 2, "c": 2, "d": 2, "e": 2}, 7: {"a": 5, "b": 5}}
+    >>> w = per_memory_weights(np.ones(3), ["liar", "a", "a"], [[3], [3], [7]], counts, cap=0.2)
+    >>> [round(float(x), 3) for x in w]  # the liar is half of memory 3's reads: held to a fifth
+    [0.25, 1.0, 1.0]
+    """
+    out = np.array(weights, dtype=np.float64)
+    on: dict[int, dict[str, float]] = {}
+    for i, (p, read) in enumerate(zip(principals, reads, strict=True)):
+        if out[i] == 0.0:
+            continue
+        for m in read:
+            w = on.get(m)
+            if w is None:
+                w = on[m] = capped_weights(dict(memory_counts.get(m, {})), cap)
+            out[i] = min(out[i], w.get(p, 1.0))
+    return out
+
+
 class InfluenceWindow:
-    """The learner's running count of each principal's recent experiences (the last ``size``).
+    """The learner's running count of each principal's recent experiences (the last ``size``),
+    overall and per memory read.
 
     >>> win = InfluenceWindow(size=4, cap=0.5)
-    >>> win.weights(["a", "a", "a"]).tolist()  # one principal: weight 1
+    >>> win.weights(["a", "a", "a"], reads=[[1], [1], [2]]).tolist()  # one principal: weight 1
     [1.0, 1.0, 1.0]
-    >>> [round(float(x), 3) for x in win.weights(["b", "a"])]  # the window: a×3, b (a's oldest dropped)
+    >>> [round(float(x), 3) for x in win.weights(["b", "a"], reads=[[2], [1]])]  # a×3, b (a's oldest dropped)
     [1.0, 0.333]
     """
 
@@ -110,24 +146,39 @@ class InfluenceWindow:
         capped_weights({}, cap)  # checks the cap
         self.size = size
         self.cap = cap
-        self.recent: deque[str] = deque()
+        self.recent: deque[tuple[str, tuple[int, ...]]] = deque()  # principal, memories read
         self.counts: Counter[str] = Counter()
+        self.memory_counts: dict[int, Counter[str]] = {}
 
-    def add(self, principals: Iterable[str]) -> None:
-        for p in principals:
-            self.recent.append(p)
+    def add(self, principals: Iterable[str], reads: Iterable[Sequence[int]]) -> None:
+        for p, read in zip(principals, reads, strict=True):
+            memories = tuple(int(m) for m in read)
+            self.recent.append((p, memories))
             self.counts[p] += 1
+            for m in memories:
+                self.memory_counts.setdefault(m, Counter())[p] += 1
             if len(self.recent) > self.size:
-                old = self.recent.popleft()
-                self.counts[old] -= 1
-                if not self.counts[old]:
-                    del self.counts[old]
+                self._forget(*self.recent.popleft())
 
-    def weights(self, principals: Sequence[str], quarantined: Iterable[str] = ()) -> np.ndarray:
-        """Count the micro-batch's experiences (a quarantined principal's are not), then weigh them."""
+    def _forget(self, p: str, memories: tuple[int, ...]) -> None:
+        for counts, key in [(self.counts, p), *((self.memory_counts[m], p) for m in memories)]:
+            counts[key] -= 1
+            if not counts[key]:
+                del counts[key]
+        for m in memories:
+            if not self.memory_counts[m]:
+                del self.memory_counts[m]
+
+    def weights(
+        self, principals: Sequence[str], quarantined: Iterable[str] = (), *, reads: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        """Count the micro-batch's experiences (a quarantined principal's are not), then weigh them:
+        the bound over the window, then on each memory an experience read (``reads``)."""
         blocked = set(quarantined)
-        self.add(p for p in principals if p not in blocked)
-        return influence_weights(principals, self.counts, self.cap, blocked)
+        kept = [i for i, p in enumerate(principals) if p not in blocked]
+        self.add([principals[i] for i in kept], [reads[i] for i in kept])
+        overall = influence_weights(principals, self.counts, self.cap, blocked)
+        return per_memory_weights(overall, principals, reads, self.memory_counts, self.cap)
 
     def shares(self) -> dict[str, float]:
         """Each principal's share of the window's experiences."""

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.learner.disagreement import Disagreement
-from pipeline.learner.influence import InfluenceWindow, capped_weights, influence_weights
+from pipeline.learner.influence import InfluenceWindow, capped_weights, influence_weights, per_memory_weights
 from topics.internal import Experience
 
 SHOWN = 20  # principals a checkpoint's metrics and the Prometheus labels name at most
@@ -54,7 +54,7 @@ class PrincipalBook:
                 self.quarantined_experiences[p] = self.quarantined_experiences.get(p, 0) + 1
             else:
                 self.disagreement.observe(p, e.event.selected, e.utility)
-        return self.window.weights(principals, blocked)
+        return self.window.weights(principals, blocked, reads=[e.event.selected for e in feedback])
 
     def warm_up_weights(self, experiences: Sequence[Experience], quarantined: Collection[str] = ()) -> np.ndarray:
         """The sample weight of each experience a drift reset warms up on: the same cap, measured
@@ -75,9 +75,16 @@ class PrincipalBook:
         blocked = set(quarantined)
         rows = [i for i, e in enumerate(experiences) if e.kind == "feedback"]
         principals = [experiences[i].principal for i in rows]
+        reads = [experiences[i].event.selected for i in rows]
         counts = Counter(p for p in principals if p not in blocked)
+        on: dict[int, Counter[str]] = {}
+        for p, read in zip(principals, reads, strict=True):
+            if p not in blocked:
+                for m in read:
+                    on.setdefault(int(m), Counter())[p] += 1
         out = np.ones(len(experiences))
-        out[rows] = influence_weights(principals, counts, self.window.cap, blocked)
+        overall = influence_weights(principals, counts, self.window.cap, blocked)
+        out[rows] = per_memory_weights(overall, principals, reads, on, self.window.cap)
         return out
 
     def view(self, quarantined: Collection[str] = ()) -> dict[str, dict[str, Any]]:

@@ -64,15 +64,38 @@ def test_quarantined_principals_weigh_zero_and_leave_the_others_bound_unchanged(
 
 def test_one_principal_or_only_anonymous_traffic_weighs_1() -> None:
     win = InfluenceWindow(size=100, cap=0.2)
-    assert win.weights(["anonymous"] * 64).tolist() == [1.0] * 64
-    assert InfluenceWindow(size=100, cap=0.2).weights(["svc-a"] * 10).tolist() == [1.0] * 10
+    assert win.weights(["anonymous"] * 64, reads=[[i % 3] for i in range(64)]).tolist() == [1.0] * 64
+    assert InfluenceWindow(size=100, cap=0.2).weights(["svc-a"] * 10, reads=[[1, 2]] * 10).tolist() == [1.0] * 10
 
 
 def test_the_window_forgets_the_oldest_experiences() -> None:
     win = InfluenceWindow(size=10, cap=0.2)
-    win.weights(["liar"] * 10)
-    w = win.weights([f"h{i}" for i in range(10)])  # the liar has left the window
-    assert w.tolist() == [1.0] * 10 and "liar" not in win.counts
+    win.weights(["liar"] * 10, reads=[[7]] * 10)
+    w = win.weights([f"h{i}" for i in range(10)], reads=[[7]] * 10)  # the liar has left the window
+    assert w.tolist() == [1.0] * 10 and "liar" not in win.counts and "liar" not in win.memory_counts[7]
+    win.weights([f"h{i}" for i in range(10)], reads=[[8]] * 10)
+    assert 7 not in win.memory_counts  # a memory no one read in the window is forgotten
+
+
+def test_a_minority_concentrated_on_a_few_memories_is_bounded_on_them() -> None:
+    """12% of the traffic, every step of it on the same memories, is most of their reads: held to
+    the cap there. Honest principals spread over every memory keep weight 1, or nearly."""
+    rng = np.random.default_rng(0)
+    win = InfluenceWindow(size=2000, cap=0.2)
+    honest = [f"h{i}" for i in range(8)]
+    for _ in range(20):
+        principals = [*(str(rng.choice(honest)) for _ in range(88)), *(["liar"] * 12)]
+        reads = [[int(m) for m in rng.choice(40, size=3, replace=False)] for _ in range(88)] + [[0, 1, 2]] * 12
+        w = win.weights(principals, reads=reads)
+    assert win.counts["liar"] / sum(win.counts.values()) < 0.2  # under the cap over the window
+    liar = w[88:]
+    assert np.all(liar < 0.5)  # bounded on memories 0-2, where it is most of the reads
+    on_0 = win.memory_counts[0]
+    assert (
+        liar[0] * on_0["liar"] / (liar[0] * on_0["liar"] + sum(c for p, c in on_0.items() if p != "liar")) <= 0.2 + 1e-9
+    )
+    # An honest principal over the cap on a memory is so by chance, and only a little.
+    assert np.median(w[:88]) == 1.0 and w[:88].min() > 0.8
 
 
 def test_a_bad_cap_or_window_is_refused() -> None:
