@@ -117,15 +117,20 @@ def per_memory_weights(
     [0.25, 1.0, 1.0]
     """
     out = np.array(weights, dtype=np.float64)
-    on: dict[int, dict[str, float]] = {}
+    on: dict[int, dict[str, float] | None] = {}  # None: no principal over the bound on that memory
     for i, (p, read) in enumerate(zip(principals, reads, strict=True)):
         if out[i] == 0.0:
             continue
         for m in read:
-            w = on.get(m)
-            if w is None:
-                w = on[m] = capped_weights(dict(memory_counts.get(m, {})), cap)
-            out[i] = min(out[i], w.get(p, 1.0))
+            if m not in on:
+                counts = memory_counts.get(m, {})
+                total = sum(counts.values())
+                # capped_weights changes nothing while every share is within the bound: most memories
+                over = len(counts) > 1 and max(counts.values()) > max(cap, 1.0 / len(counts)) * total
+                on[m] = capped_weights(dict(counts), cap) if over else None
+            w = on[m]
+            if w is not None:
+                out[i] = min(out[i], w.get(p, 1.0))
     return out
 
 
