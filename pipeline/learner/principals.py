@@ -22,14 +22,13 @@ quarantined first, then by share (a client may name itself anything, so the labe
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from pipeline.learner.disagreement import Disagreement
-from pipeline.learner.influence import InfluenceWindow, capped_weights, influence_weights, per_memory_weights
+from pipeline.learner.influence import InfluenceWindow, capped_weights
 from topics.internal import Experience
 
 SHOWN = 20  # principals a checkpoint's metrics and the Prometheus labels name at most
@@ -72,19 +71,12 @@ class PrincipalBook:
 
         (four principals left, so each may carry a quarter: ``a``'s six weigh as one.)
         """
-        blocked = set(quarantined)
         rows = [i for i, e in enumerate(experiences) if e.kind == "feedback"]
-        principals = [experiences[i].principal for i in rows]
-        reads = [experiences[i].event.selected for i in rows]
-        counts = Counter(p for p in principals if p not in blocked)
-        on: dict[int, Counter[str]] = {}
-        for p, read in zip(principals, reads, strict=True):
-            if p not in blocked:
-                for m in read:
-                    on.setdefault(int(m), Counter())[p] += 1
         out = np.ones(len(experiences))
-        overall = influence_weights(principals, counts, self.window.cap, blocked)
-        out[rows] = per_memory_weights(overall, principals, reads, on, self.window.cap)
+        if rows:  # a window of its own, over exactly this material
+            material = InfluenceWindow(len(rows), self.window.cap)
+            principals = [experiences[i].principal for i in rows]
+            out[rows] = material.weights(principals, quarantined, reads=[experiences[i].event.selected for i in rows])
         return out
 
     def view(self, quarantined: Collection[str] = ()) -> dict[str, dict[str, Any]]:
