@@ -57,6 +57,7 @@ from pipeline.learner.promotion import (
 from pipeline.metrics import Metrics
 from pipeline.modeltopic import CheckpointPublisher
 from topics.delta import DeltaManifest
+from topics.fields import PROBE
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -151,12 +152,15 @@ class RuleGate:
 
     # ------------------------------------------------------------------ events
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
-        """Serve ``manifest`` without a trial (the learner's start): the rule starts from it."""
+        """Serve ``manifest`` without a trial (the learner's start): the rule starts from it. A
+        probe (contract 1.19) after its incumbent is that incumbent's probe, as it was published."""
         self._hold(manifest, network(tensors))
         self.logging_policies.hold(manifest, self.versions[manifest.version][1])
         incumbent = _incumbent(manifest)
         if self.state is None:
             self.state = State.start(manifest.version, incumbent)
+        elif manifest.reason == PROBE:
+            self.state, _ = decide(self.state, Probe(manifest.version), self.rule)
         else:
             self.state, _ = decide(self.state, ServedAtOnce(manifest.version, incumbent=incumbent), self.rule)
 

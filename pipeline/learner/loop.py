@@ -63,7 +63,7 @@ from pipeline.learner.restore import (
     newest_local,
     policy_versions,
     read_history,
-    serving_checkpoint,
+    serving_checkpoints,
 )
 from pipeline.learner.store import LocalStore, local_dir
 from pipeline.metrics import Metrics
@@ -305,9 +305,8 @@ class Learner(Service):
             await self.publish("init")
         gate = self.gate
         if gate is not None and gate.serving_net is None:
-            serving = await serving_checkpoint(self.bootstrap, conn, index)
-            if serving is not None:
-                gate.set_serving(*serving)
+            for manifest, tensors in await serving_checkpoints(self.bootstrap, conn, index):
+                gate.set_serving(manifest, tensors)
         await self._seek(offsets)
         # What came before the resume point: ids for dedupe, experiences for warm-up.
         end = offsets.get(f"{self.exp_tp.topic}:0", 0)

@@ -44,7 +44,7 @@ from pipeline.learner.publishing import Progress, applied_through
 from pipeline.learner.store import LocalCheckpoint, LocalStore
 from pipeline.modeltopic import ModelTopicIndex, read_range, scan_model_topic
 from topics.delta import DeltaManifest
-from topics.fields import Rejected
+from topics.fields import PROBE, Rejected
 from topics.internal import Experience, decode_experience
 from topics.manifest import CheckpointError, Manifest
 from topics.signing import Key as SigningKey
@@ -155,18 +155,36 @@ def from_local(trainer: PolicyTrainer, local: LocalCheckpoint) -> Restored:
     return Restored(f"local v{version}", version, progress, applied)
 
 
-async def serving_checkpoint(
+async def serving_checkpoints(
     bootstrap: str, conn: Connection, index: ModelTopicIndex
-) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
-    """The policy clients serve (the gate compares candidates with it), if it is readable."""
-    serving = index.serving_head(conn.policy)
-    if serving is None:
-        return None
-    try:
-        return serving, await fetch_checkpoint(bootstrap, conn, index, serving)
-    except CheckpointError as exc:
-        log.error("learner: the serving checkpoint v%d is unusable (%s)", serving.version, exc)
-        return None
+) -> list[tuple[Manifest, dict[str, torch.Tensor]]]:
+    """The policy clients serve (the gate compares candidates with it), if it is readable.
+
+    When it is a probe (contract 1.19: a candidate's weights on the exploration share), the
+    incumbent it replaced comes first: the promotion rule's first policy, which a rollback of
+    the probe and the training after a refused candidate go back to. A learner restarted under
+    a probe then holds the rule's state it held before, not the probe as its first policy."""
+    head = index.serving_head(conn.policy)
+    if head is None:
+        return []
+    chain = [head]
+    if head.reason == PROBE:
+        before = [
+            m
+            for m in index.links(conn.policy)
+            if m.version < head.version and m.role in ("serving", "delta") and m.reason != PROBE
+        ]
+        if before:
+            chain.insert(0, before[-1])
+        else:
+            log.warning("learner: the probe v%d serves and no incumbent before it is on the topic", head.version)
+    out = []
+    for manifest in chain:
+        try:
+            out.append((manifest, await fetch_checkpoint(bootstrap, conn, index, manifest)))
+        except CheckpointError as exc:
+            log.error("learner: the serving checkpoint v%d is unusable (%s)", manifest.version, exc)
+    return out
 
 
 @dataclass

@@ -79,3 +79,30 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
         assert refused[-1].path == "worse" and refused[-1].candidate_version > serving.version
         assert gate.serving_manifest is not None
         assert gate.serving_manifest.version not in {d.candidate_version for d in refused}  # nothing worse served
+
+
+@pytest.mark.broker
+async def test_a_learner_restarted_under_a_probe_keeps_the_incumbent_it_replaced(topics_ready) -> None:
+    """A probe carries a candidate's weights on the exploration share (contract 1.19). A learner
+    restarted while one serves holds the rule's state as it was: the probe served, the incumbent
+    before it the first policy (what a rollback of the probe and a refused candidate's training go
+    back to), not the probe in its place."""
+    s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
+    async with learner_running(s) as learner:
+        gate = learner.gate
+        assert isinstance(gate, RuleGate)
+        init = PolicyNetwork.from_tensors(learner.trainer.tensors())
+        await _send(s, served_by(log_of(init, 300, seed=3, policy=s.policy, questions=20), 1))
+
+        def probe_serves() -> bool:
+            return gate.serving_manifest is not None and gate.serving_manifest.reason == PROBE
+
+        await until(probe_serves, 60, "a probe served")
+        before = gate.state
+        assert before is not None and before.first == 1 and before.before == 1
+    async with learner_running(s) as restarted:
+        gate = restarted.gate
+        assert isinstance(gate, RuleGate) and gate.state is not None
+        assert (gate.state.serving, gate.state.first, gate.state.before) == (before.serving, 1, 1)
+        assert gate.serving_manifest is not None and gate.serving_manifest.reason == PROBE
+        assert sorted(v for v in gate.versions if v <= before.serving) == [1, before.serving]
