@@ -22,3 +22,15 @@ def test_a_run_measures_the_honest_clients_and_the_liar_has_its_share() -> None:
     assert math.isclose(lying["liar_share_of_steps"], 0.25, abs_tol=0.08)
     assert lying["honest_retrievals"] > 50  # the same honest queries, the liar's on top
     assert _run(0.25, "intent", "quarantine") == lying  # seeded: a run repeats
+
+
+def test_another_initialisation_is_the_same_traffic_with_another_network() -> None:
+    base, again = (
+        poisoning.run_one(
+            0, 0.0, "spread", "none", queries=600, refresh_every=60, world=SMALL, hidden=16, trainer_seed=t
+        )
+        for t in (None, 1000)
+    )
+    assert (base["trainer_seed"], again["trainer_seed"]) == (0, 1000)
+    assert again["honest_retrievals"] == base["honest_retrievals"]  # the same honest queries
+    assert again["harmful_read_rate"] != base["harmful_read_rate"]  # served by another network

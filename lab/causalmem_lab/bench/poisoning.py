@@ -19,9 +19,14 @@ Each lying run is made three ways:
 
 The measure is the **honest clients' harmful-read rate**: the share of their retrievals, as
 served (not exploratory), that read a harmful memory, over the last third of the run; against
-the honest-only run on the same seed (the same honest queries, no liar). The report gives each
-configuration's mean over seeds, its worst excess over the honest-only run, and whether (and
-after how many liar steps) the liar was flagged; the target is an excess within 5 points.
+the honest-only run on the same seed (the same honest queries, no liar). A run is 9,000 honest
+queries by default: past the learning phase (the first ~3,000), so the last third measures what
+the liar moves once honest-only has settled, not how fast learning goes. The report gives each
+configuration's mean over seeds, its mean and worst excess over the honest-only run, and whether
+(and after how many liar steps) the liar was flagged; the target is an excess within 5 points.
+Single runs wander: at the default learning rate on step rewards the learner's harmful-read rate
+moves by several points over thousands of queries. So each seed also has a second honest-only
+run with another initialisation of the network, whose excess is the noise under every row.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ LIAR = "liar"
 SHARES = (0.06, 0.12, 0.25)
 MODES = ("spread", "intent")
 DEFENCES = ("none", "cap", "quarantine")
+NOISE_SEED = 1000  # trainer seeds of the honest-only replicates: NOISE_SEED + seed
 
 
 def run_one(
@@ -58,14 +64,18 @@ def run_one(
     tail: float = 1 / 3,
     world: dict[str, Any] | None = None,
     hidden: int | None = None,
+    trainer_seed: int | None = None,
 ) -> dict[str, Any]:
     """One run: ``queries`` honest queries (and the liar's on top, ``share`` of all); the honest
     clients' harmful-read rate over the last ``tail`` of their served retrievals. ``world``:
-    changes to the default scenario (a smaller world in tests); ``hidden``: the policy's width."""
+    changes to the default scenario (a smaller world in tests); ``hidden``: the policy's width;
+    ``trainer_seed``: the network's initialisation (``seed`` unless given)."""
     scenario = Scenario(seed=seed, drift_day=None, days=queries / 500, queries_per_day=500, **(world or {}))
     env = Environment(scenario)
     liar_env = Environment(scenario)  # the same world; the liar's own stream of queries
-    cfg = OfflineConfig(gate=False, seed=seed, hidden=hidden or PRODUCT.hidden)
+    cfg = OfflineConfig(
+        gate=False, seed=seed if trainer_seed is None else trainer_seed, hidden=hidden or PRODUCT.hidden
+    )
     retriever = scenario_retriever(
         env,
         scenario,
@@ -133,6 +143,7 @@ def run_one(
     honest_flagged = [p for p in HONEST if book.disagreement.verdict(p).flagged]
     return {
         "seed": seed,
+        "trainer_seed": cfg.seed,
         "share": share,
         "mode": mode,
         "defence": defence,
@@ -155,12 +166,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown modes or defences {unknown}; modes {list(MODES)}, defences {list(DEFENCES)}")
     opts = {"queries": args.queries, "refresh_every": args.refresh_every}
-    report: dict[str, Any] = {"seeds": seeds, "queries": args.queries, "baseline": {}, "rows": {}}
+    report: dict[str, Any] = {"seeds": seeds, "queries": args.queries, "baseline": {}, "noise": {}, "rows": {}}
     t0 = time.time()
     for seed in seeds:
         base = run_one(seed, 0.0, "spread", "none", **opts)
         report["baseline"][seed] = base
         print(f"honest only, seed {seed}: {json.dumps(base)} ({time.time() - t0:.0f} s)", flush=True)
+        # The same traffic with another initialisation of the network: how far two honest-only
+        # runs differ on a seed, the floor under any liar's excess.
+        again = run_one(seed, 0.0, "spread", "none", trainer_seed=NOISE_SEED + seed, **opts)
+        again["excess"] = again["harmful_read_rate"] - base["harmful_read_rate"]
+        report["noise"][seed] = again
+        print(f"honest only, another initialisation, seed {seed}: {json.dumps(again)} ({time.time() - t0:.0f} s)")
     for share in shares:
         for mode in modes:
             for defence in defences:
@@ -173,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 report["rows"][f"{share:.0%}/{mode}/{defence}"] = {
                     "runs": runs,
                     "harmful_read_rate": float(np.mean([r["harmful_read_rate"] for r in runs])),
+                    "mean_excess": float(np.mean([r["excess"] for r in runs])),
                     "worst_excess": max(r["excess"] for r in runs),
                     "flagged": sum(r["flagged_after_liar_steps"] is not None for r in runs),
                     "honest_flagged": sum(len(r["honest_flagged"]) for r in runs),
@@ -182,17 +200,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     base = [b["harmful_read_rate"] for b in report["baseline"].values()]
+    noise = [r["excess"] for r in report.get("noise", {}).values()]
     lines = [
         f"honest only: harmful-read rate {np.mean(base):.3f} (seeds: {', '.join(f'{b:.3f}' for b in base)})",
+        f"honest only, another initialisation of the network: excess {np.mean(noise):+.3f} on the mean "
+        f"(seeds: {', '.join(f'{x:+.3f}' for x in noise)}): the noise under every row"
+        if noise
+        else "",
         "",
-        "| liar share / where / defence | honest harmful-read rate | worst excess over honest-only "
+        "| liar share / where / defence | honest harmful-read rate | excess over honest-only: mean, worst "
         "| liar flagged (runs) | honest principals flagged |",
         "|---|---|---|---|---|",
     ]
     for name, row in report["rows"].items():
         n = len(row["runs"])
         lines.append(
-            f"| {name} | {row['harmful_read_rate']:.3f} | {row['worst_excess']:+.3f} | {row['flagged']}/{n} "
+            f"| {name} | {row['harmful_read_rate']:.3f} | {row['mean_excess']:+.3f}, {row['worst_excess']:+.3f} "
+            f"| {row['flagged']}/{n} "
             f"| {row['honest_flagged']} |"
         )
     return "\n".join(lines)
@@ -203,7 +227,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shares", help="the liar's shares of the traffic (default 0.06,0.12,0.25)")
     p.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default both)")
     p.add_argument("--defences", help=f"comma-separated, of {', '.join(DEFENCES)} (default all)")
-    p.add_argument("--queries", type=int, default=3000, help="honest queries per run (default 3000)")
+    p.add_argument(
+        "--queries", type=int, default=9000, help="honest queries per run (default 9000: past the learning phase)"
+    )
     p.add_argument("--refresh-every", type=int, default=300, help="steps between checkpoints (default 300)")
     p.add_argument("--out", help="write the report as JSON here")
 
