@@ -161,21 +161,20 @@ async def serving_checkpoints(
     """The policy clients serve (the gate compares candidates with it), if it is readable.
 
     When it is a probe (contract 1.19: a candidate's weights on the exploration share), the
-    incumbent it replaced comes first: the promotion rule's first policy, which a rollback of
-    the probe and the training after a refused candidate go back to. A learner restarted under
-    a probe then holds the rule's state it held before, not the probe as its first policy."""
+    incumbent before the probes comes first (the promotion rule's first policy, which a rollback
+    of the probe and the training after a refused candidate go back to), then the probe the
+    serving one replaced, if any (clients may still log under it): the order they were served
+    in. A learner restarted under a probe then holds the rule's state it held before, not the
+    probe as its first policy."""
     head = index.serving_head(conn.policy)
     if head is None:
         return []
     chain = [head]
     if head.reason == PROBE:
-        before = [
-            m
-            for m in index.links(conn.policy)
-            if m.version < head.version and m.role in ("serving", "delta") and m.reason != PROBE
-        ]
-        if before:
-            chain.insert(0, before[-1])
+        served = [m for m in index.links(conn.policy) if m.version < head.version and m.role in ("serving", "delta")]
+        firsts = [i for i, m in enumerate(served) if m.reason != PROBE]
+        if firsts:
+            chain = [served[firsts[-1]], *served[firsts[-1] + 1 :][-1:], head]
         else:
             log.warning("learner: the probe v%d serves and no incumbent before it is on the topic", head.version)
     out = []

@@ -87,7 +87,9 @@ async def test_a_learner_restarted_under_a_probe_keeps_the_incumbent_it_replaced
     restarted while one serves holds the rule's state as it was: the probe served, the incumbent
     before it the first policy (what a rollback of the probe and a refused candidate's training go
     back to), not the probe in its place."""
-    s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
+    # A slow learner: its candidates stay within the intervals' width of the first policy, so none
+    # is promoted and each trial that gathered its decisions is followed by another probe.
+    s = topics_ready.replace(gate=True, lr=1e-5, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     async with learner_running(s) as learner:
         gate = learner.gate
         assert isinstance(gate, RuleGate)
@@ -98,11 +100,17 @@ async def test_a_learner_restarted_under_a_probe_keeps_the_incumbent_it_replaced
             return gate.serving_manifest is not None and gate.serving_manifest.reason == PROBE
 
         await until(probe_serves, 60, "a probe served")
+        assert gate.state is not None and gate.state.first == 1 and gate.state.before == 1
+        for seed in range(4, 12):  # a second probe replaces the first (its trial gathered its decisions)
+            if gate.state.before != 1:
+                break
+            await _send(s, served_by(log_of(init, 300, seed=seed, policy=s.policy, questions=20), 1))
+            await until(lambda: not learner.dirty, 30, "a checkpoint")
+        await until(lambda: probe_serves() and gate.state.before != 1, 60, "a probe after a probe")
         before = gate.state
-        assert before is not None and before.first == 1 and before.before == 1
     async with learner_running(s) as restarted:
         gate = restarted.gate
         assert isinstance(gate, RuleGate) and gate.state is not None
-        assert (gate.state.serving, gate.state.first, gate.state.before) == (before.serving, 1, 1)
+        assert (gate.state.serving, gate.state.first, gate.state.before) == (before.serving, 1, before.before)
         assert gate.serving_manifest is not None and gate.serving_manifest.reason == PROBE
-        assert sorted(v for v in gate.versions if v <= before.serving) == [1, before.serving]
+        assert sorted(v for v in gate.versions if v <= before.serving) == [1, before.before, before.serving]
