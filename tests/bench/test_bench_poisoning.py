@@ -34,3 +34,13 @@ def test_another_initialisation_is_the_same_traffic_with_another_network() -> No
     assert (base["trainer_seed"], again["trainer_seed"]) == (0, 1000)
     assert again["honest_retrievals"] == base["honest_retrievals"]  # the same honest queries
     assert again["harmful_read_rate"] != base["harmful_read_rate"]  # served by another network
+
+
+def test_a_seed_is_the_mean_over_initialisations_and_the_report_states_their_noise() -> None:
+    one = poisoning.run_seed(0, 0.0, "spread", "none", inits=2, queries=600, refresh_every=60, world=SMALL, hidden=16)
+    rates = [r["harmful_read_rate"] for r in one["runs"]]
+    assert [r["trainer_seed"] for r in one["runs"]] == [0, poisoning.NOISE_SEED]
+    assert one["harmful_read_rate"] == sum(rates) / 2 and one["sd_between_inits"] > 0
+    report = {"seeds": [0], "inits": 2, "baseline": {0: one}, "rows": {}}
+    assert math.isclose(poisoning.noise(report) or 0.0, one["sd_between_inits"])  # sqrt(sd² · 2 / 2 / 1)
+    assert "standard error of a mean excess" in poisoning.table(report)

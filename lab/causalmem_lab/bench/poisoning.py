@@ -19,14 +19,18 @@ Each lying run is made three ways:
 
 The measure is the **honest clients' harmful-read rate**: the share of their retrievals, as
 served (not exploratory), that read a harmful memory, over the last third of the run; against
-the honest-only run on the same seed (the same honest queries, no liar). A run is 9,000 honest
-queries by default: past the learning phase (the first ~3,000), so the last third measures what
-the liar moves once honest-only has settled, not how fast learning goes. The report gives each
-configuration's mean over seeds, its mean and worst excess over the honest-only run, and whether
-(and after how many liar steps) the liar was flagged; the target is an excess within 5 points.
-Single runs wander: at the default learning rate on step rewards the learner's harmful-read rate
-moves by several points over thousands of queries. So each seed also has a second honest-only
-run with another initialisation of the network, whose excess is the noise under every row.
+the honest-only run on the same seed (the same honest queries, no liar). A run is 3,000 honest
+queries by default: its last third is late in learning, while the policy still reads harmful
+memories often enough for lies about them to move it. (At 9,000 queries, once it has settled and
+rarely reads them, even an unbounded liar was within the noise: the measure no longer tells the
+defences apart.)
+
+Single runs wander: two honest-only runs on the same traffic that differ only in the network's
+initialisation differed by 7.9 points (standard deviation over nine seeds, 2026-12-06), more than
+the 5-point target. So a seed's rate is the mean over ``--inits`` initialisations (default 3),
+and the report states the standard error this noise leaves on a mean excess. It gives each
+configuration's mean over seeds, its mean and worst excess over honest-only, and how many runs
+flagged the liar; the target is an excess within 5 points.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ LIAR = "liar"
 SHARES = (0.06, 0.12, 0.25)
 MODES = ("spread", "intent")
 DEFENCES = ("none", "cap", "quarantine")
-NOISE_SEED = 1000  # trainer seeds of the honest-only replicates: NOISE_SEED + seed
+NOISE_SEED = 1000  # trainer seeds of a seed's initialisations: seed + k·NOISE_SEED
 
 
 def run_one(
@@ -157,6 +161,23 @@ def run_one(
     }
 
 
+def run_seed(seed: int, share: float, mode: str, defence: str, *, inits: int, **opts: Any) -> dict[str, Any]:
+    """One seed's measure: the mean over ``inits`` initialisations of the network (trainer seeds
+    ``seed``, ``seed + NOISE_SEED``, …) on the same world and traffic. A single run wanders by
+    several points (the learner's own noise at the default learning rate on step rewards); the
+    mean over initialisations is what a liar's excess is measured on."""
+    runs = [run_one(seed, share, mode, defence, trainer_seed=seed + k * NOISE_SEED, **opts) for k in range(inits)]
+    rates = [r["harmful_read_rate"] for r in runs]
+    return {
+        "seed": seed,
+        "harmful_read_rate": float(np.mean(rates)),
+        "sd_between_inits": float(np.std(rates, ddof=1)) if inits > 1 else None,
+        "flagged": sum(r["flagged_after_liar_steps"] is not None for r in runs),
+        "honest_flagged": sum(len(r["honest_flagged"]) for r in runs),
+        "runs": runs,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",") if s.strip()]
     shares = [float(s) for s in (args.shares or ",".join(map(str, SHARES))).split(",") if s.strip()]
@@ -165,59 +186,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [m for m in modes if m not in MODES] + [d for d in defences if d not in DEFENCES]
     if unknown:
         raise ValueError(f"unknown modes or defences {unknown}; modes {list(MODES)}, defences {list(DEFENCES)}")
-    opts = {"queries": args.queries, "refresh_every": args.refresh_every}
-    report: dict[str, Any] = {"seeds": seeds, "queries": args.queries, "baseline": {}, "noise": {}, "rows": {}}
+    if args.inits < 1:
+        raise ValueError("--inits must be at least 1")
+    opts = {"queries": args.queries, "refresh_every": args.refresh_every, "inits": args.inits}
+    report: dict[str, Any] = {
+        "seeds": seeds,
+        "queries": args.queries,
+        "inits": args.inits,
+        "baseline": {},
+        "rows": {},
+    }
     t0 = time.time()
+
+    def said(name: str, r: dict[str, Any]) -> None:
+        short = {k: v for k, v in r.items() if k != "runs"}
+        print(f"{name} seed {r['seed']}: {json.dumps(short)} ({time.time() - t0:.0f} s)", flush=True)
+
     for seed in seeds:
-        base = run_one(seed, 0.0, "spread", "none", **opts)
-        report["baseline"][seed] = base
-        print(f"honest only, seed {seed}: {json.dumps(base)} ({time.time() - t0:.0f} s)", flush=True)
-        # The same traffic with another initialisation of the network: how far two honest-only
-        # runs differ on a seed, the floor under any liar's excess.
-        again = run_one(seed, 0.0, "spread", "none", trainer_seed=NOISE_SEED + seed, **opts)
-        again["excess"] = again["harmful_read_rate"] - base["harmful_read_rate"]
-        report["noise"][seed] = again
-        print(f"honest only, another initialisation, seed {seed}: {json.dumps(again)} ({time.time() - t0:.0f} s)")
+        report["baseline"][seed] = base = run_seed(seed, 0.0, "spread", "none", **opts)
+        said("honest only", base)
     for share in shares:
         for mode in modes:
             for defence in defences:
-                runs = []
+                per_seed = []
                 for seed in seeds:
-                    r = run_one(seed, share, mode, defence, **opts)
+                    r = run_seed(seed, share, mode, defence, **opts)
                     r["excess"] = r["harmful_read_rate"] - report["baseline"][seed]["harmful_read_rate"]
-                    runs.append(r)
-                    print(f"{share:.0%} {mode} {defence} seed {seed}: {json.dumps(r)} ({time.time() - t0:.0f} s)")
+                    per_seed.append(r)
+                    said(f"{share:.0%} {mode} {defence}", r)
                 report["rows"][f"{share:.0%}/{mode}/{defence}"] = {
-                    "runs": runs,
-                    "harmful_read_rate": float(np.mean([r["harmful_read_rate"] for r in runs])),
-                    "mean_excess": float(np.mean([r["excess"] for r in runs])),
-                    "worst_excess": max(r["excess"] for r in runs),
-                    "flagged": sum(r["flagged_after_liar_steps"] is not None for r in runs),
-                    "honest_flagged": sum(len(r["honest_flagged"]) for r in runs),
+                    "seeds": per_seed,
+                    "harmful_read_rate": float(np.mean([r["harmful_read_rate"] for r in per_seed])),
+                    "mean_excess": float(np.mean([r["excess"] for r in per_seed])),
+                    "worst_excess": max(r["excess"] for r in per_seed),
+                    "flagged": sum(r["flagged"] for r in per_seed),
+                    "honest_flagged": sum(r["honest_flagged"] for r in per_seed),
                 }
     return report
 
 
+def noise(report: dict[str, Any]) -> float | None:
+    """The standard error of a mean excess over the report's seeds from the learner's own noise:
+    the honest-only runs' spread between initialisations, pooled over seeds (None with one each)."""
+    sds = [b["sd_between_inits"] for b in report["baseline"].values() if b["sd_between_inits"] is not None]
+    if not sds:
+        return None
+    # An excess is the difference of two means over ``inits`` runs each, averaged over the seeds.
+    return float(np.sqrt(np.mean(np.square(sds)) * 2 / report["inits"] / len(sds)))
+
+
 def table(report: dict[str, Any]) -> str:
     base = [b["harmful_read_rate"] for b in report["baseline"].values()]
-    noise = [r["excess"] for r in report.get("noise", {}).values()]
+    se = noise(report)
+    n_runs = len(report["seeds"]) * report["inits"]
     lines = [
-        f"honest only: harmful-read rate {np.mean(base):.3f} (seeds: {', '.join(f'{b:.3f}' for b in base)})",
-        f"honest only, another initialisation of the network: excess {np.mean(noise):+.3f} on the mean "
-        f"(seeds: {', '.join(f'{x:+.3f}' for x in noise)}): the noise under every row"
-        if noise
-        else "",
+        f"honest only: harmful-read rate {np.mean(base):.3f} (seeds: {', '.join(f'{b:.3f}' for b in base)}; "
+        f"each the mean of {report['inits']} initialisations)",
+        f"the learner's own noise: standard error of a mean excess {se:.3f}" if se is not None else "",
         "",
-        "| liar share / where / defence | honest harmful-read rate | excess over honest-only: mean, worst "
+        "| liar share / where / defence | honest harmful-read rate | excess over honest-only: mean, worst seed "
         "| liar flagged (runs) | honest principals flagged |",
         "|---|---|---|---|---|",
     ]
     for name, row in report["rows"].items():
-        n = len(row["runs"])
         lines.append(
             f"| {name} | {row['harmful_read_rate']:.3f} | {row['mean_excess']:+.3f}, {row['worst_excess']:+.3f} "
-            f"| {row['flagged']}/{n} "
-            f"| {row['honest_flagged']} |"
+            f"| {row['flagged']}/{n_runs} | {row['honest_flagged']} |"
         )
     return "\n".join(lines)
 
@@ -227,9 +261,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shares", help="the liar's shares of the traffic (default 0.06,0.12,0.25)")
     p.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default both)")
     p.add_argument("--defences", help=f"comma-separated, of {', '.join(DEFENCES)} (default all)")
-    p.add_argument(
-        "--queries", type=int, default=9000, help="honest queries per run (default 9000: past the learning phase)"
-    )
+    p.add_argument("--queries", type=int, default=3000, help="honest queries per run (default 3000)")
+    p.add_argument("--inits", type=int, default=3, help="initialisations of the network per seed, averaged (default 3)")
     p.add_argument("--refresh-every", type=int, default=300, help="steps between checkpoints (default 300)")
     p.add_argument("--out", help="write the report as JSON here")
 
