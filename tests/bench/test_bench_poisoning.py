@@ -41,6 +41,6 @@ def test_a_seed_is_the_mean_over_initialisations_and_the_report_states_their_noi
     rates = [r["harmful_read_rate"] for r in one["runs"]]
     assert [r["trainer_seed"] for r in one["runs"]] == [0, poisoning.NOISE_SEED]
     assert one["harmful_read_rate"] == sum(rates) / 2 and one["sd_between_inits"] > 0
-    report = {"seeds": [0], "inits": 2, "baseline": {0: one}, "rows": {}}
-    assert math.isclose(poisoning.noise(report) or 0.0, one["sd_between_inits"])  # sqrt(sd² · 2 / 2 / 1)
-    assert "standard error of a mean excess" in poisoning.table(report)
+    se = poisoning.standard_error([one], [one], inits=2)
+    assert se is not None and math.isclose(se, one["sd_between_inits"])  # sqrt((sd² + sd²) / 2 / 1)
+    assert poisoning.standard_error([one], [one], inits=1) is None

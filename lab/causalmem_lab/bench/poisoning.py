@@ -28,7 +28,7 @@ defences apart.)
 Single runs wander: two honest-only runs on the same traffic that differ only in the network's
 initialisation differed by 7.9 points (standard deviation over nine seeds, 2026-12-06), more than
 the 5-point target. So a seed's rate is the mean over ``--inits`` initialisations (default 3),
-and the report states the standard error this noise leaves on a mean excess. It gives each
+and the report states the standard error this noise leaves on each mean excess. It gives each
 configuration's mean over seeds, its mean and worst excess over honest-only, and how many runs
 flagged the liar; the target is an excess within 5 points.
 """
@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     said(f"{share:.0%} {mode} {defence}", r)
                 report["rows"][f"{share:.0%}/{mode}/{defence}"] = {
                     "seeds": per_seed,
+                    "standard_error": standard_error(per_seed, [report["baseline"][s] for s in seeds], args.inits),
                     "harmful_read_rate": float(np.mean([r["harmful_read_rate"] for r in per_seed])),
                     "mean_excess": float(np.mean([r["excess"] for r in per_seed])),
                     "worst_excess": max(r["excess"] for r in per_seed),
@@ -225,32 +226,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def noise(report: dict[str, Any]) -> float | None:
-    """The standard error of a mean excess over the report's seeds from the learner's own noise:
-    the honest-only runs' spread between initialisations, pooled over seeds (None with one each)."""
-    sds = [b["sd_between_inits"] for b in report["baseline"].values() if b["sd_between_inits"] is not None]
-    if not sds:
+def standard_error(runs: list[dict[str, Any]], baseline: list[dict[str, Any]], inits: int) -> float | None:
+    """The standard error of a mean excess over seeds from the learner's own noise: each seed's
+    spread between initialisations, the lying runs' and honest-only's (None with one each)."""
+    if inits < 2:
         return None
-    # An excess is the difference of two means over ``inits`` runs each, averaged over the seeds.
-    return float(np.sqrt(np.mean(np.square(sds)) * 2 / report["inits"] / len(sds)))
+    var = np.mean([r["sd_between_inits"] ** 2 for r in runs]) + np.mean([b["sd_between_inits"] ** 2 for b in baseline])
+    return float(np.sqrt(var / inits / len(runs)))
 
 
 def table(report: dict[str, Any]) -> str:
     base = [b["harmful_read_rate"] for b in report["baseline"].values()]
-    se = noise(report)
     n_runs = len(report["seeds"]) * report["inits"]
     lines = [
         f"honest only: harmful-read rate {np.mean(base):.3f} (seeds: {', '.join(f'{b:.3f}' for b in base)}; "
         f"each the mean of {report['inits']} initialisations)",
-        f"the learner's own noise: standard error of a mean excess {se:.3f}" if se is not None else "",
         "",
-        "| liar share / where / defence | honest harmful-read rate | excess over honest-only: mean, worst seed "
-        "| liar flagged (runs) | honest principals flagged |",
+        "| liar share / where / defence | honest harmful-read rate | excess over honest-only: mean "
+        "(standard error), worst seed | liar flagged (runs) | honest principals flagged |",
         "|---|---|---|---|---|",
     ]
     for name, row in report["rows"].items():
+        se = f" ({row['standard_error']:.3f})" if row["standard_error"] is not None else ""
         lines.append(
-            f"| {name} | {row['harmful_read_rate']:.3f} | {row['mean_excess']:+.3f}, {row['worst_excess']:+.3f} "
+            f"| {name} | {row['harmful_read_rate']:.3f} | {row['mean_excess']:+.3f}{se}, {row['worst_excess']:+.3f} "
             f"| {row['flagged']}/{n_runs} | {row['honest_flagged']} |"
         )
     return "\n".join(lines)
