@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import tempfile
 import time
 import uuid
@@ -151,10 +152,13 @@ async def service_path(args: argparse.Namespace, scorer: Any, events: list[Retri
             dt = time.perf_counter() - t0
             await ev.stop()
             task.cancel()
-        return {"events": len(events), "seconds": dt, "evaluations_per_s": len(events) / dt}
+        result = {"events": len(events), "seconds": dt, "evaluations_per_s": len(events) / dt}
     finally:
         if broker is not None:
             broker.stop()
+    # The run's logs, its broker's and its state go once it succeeded; a failure keeps them.
+    shutil.rmtree(logdir, ignore_errors=True)
+    return result
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

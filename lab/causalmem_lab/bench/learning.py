@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import importlib
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -280,6 +281,8 @@ async def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     finally:
         if broker is not None:
             broker.stop()
+    # The run's logs, its broker's and its state go once it succeeded; a failure keeps them.
+    shutil.rmtree(logdir, ignore_errors=True)
     report["wall_s"] = time.monotonic() - t0
     report["claims"] = claims(report)
     return report

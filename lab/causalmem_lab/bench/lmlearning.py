@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -303,6 +304,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if broker is not None:
             broker.stop()
+    # The run's logs, its broker's and its state go once it succeeded; a failure keeps them.
+    shutil.rmtree(logdir, ignore_errors=True)
     report["wall_s"] = time.monotonic() - t0
     return report
 

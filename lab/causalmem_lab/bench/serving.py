@@ -46,6 +46,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -606,7 +607,7 @@ def broker_phases(opts: dict[str, Any], log: Callable[[str], None] = print) -> d
             "dropped": dead.dropped,
             "balanced": dead_calls - refused_adapter.serving.publish_failures == dead.sent + dead.dropped,
         }
-        return {
+        result = {
             "store": opts["store"],
             "rate": opts["rate"],
             "seconds": opts["seconds"],
@@ -631,6 +632,9 @@ def broker_phases(opts: dict[str, Any], log: Callable[[str], None] = print) -> d
         for p in pubs:
             p.close(timeout=1)
         broker.stop()
+    # The run's logs, its broker's and its state go once it succeeded; a failure keeps them.
+    shutil.rmtree(logdir, ignore_errors=True)
+    return result
 
 
 # --------------------------------------------------------------------------- run, tables, verdict
