@@ -166,11 +166,9 @@ class InfluenceWindow:
                 self._forget(*self.recent.popleft())
 
     def _forget(self, p: str, memories: tuple[int, ...]) -> None:
-        for counts, key in [(self.counts, p), *((self.memory_counts[m], p) for m in memories)]:
-            counts[key] -= 1
-            if not counts[key]:
-                del counts[key]
+        _drop_one(self.counts, p)
         for m in memories:
+            _drop_one(self.memory_counts[m], p)
             if not self.memory_counts[m]:
                 del self.memory_counts[m]
 
@@ -189,3 +187,10 @@ class InfluenceWindow:
         """Each principal's share of the window's experiences."""
         total = sum(self.counts.values())
         return {p: c / total for p, c in self.counts.items()} if total else {}
+
+
+def _drop_one(counts: Counter[str], key: str) -> None:
+    """One fewer of ``key``, which leaves ``counts`` once none is left (in place: O(1))."""
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
