@@ -296,8 +296,10 @@ class RuleGate:
         keep = self.state.versions() | {self.state.first} | ({self.canary} if self.canary else set())
         self.versions = {v: held for v, held in self.versions.items() if v in keep}
         # On the topic too, while an incumbent serves: what a learner restarted under a probe
-        # rebuilds the rule's state from (the first policy, the probe a probe replaced).
-        restart = {self.state.first, self.state.before} if self.state.incumbent else set()
+        # rebuilds the rule's state from (the first policy, the probe a probe replaced). The
+        # serving one too: a probe published next replaces it before the next pin is set.
+        s = self.state
+        restart = {s.first, s.before, s.serving} if s.incumbent else set()
         self.publisher.pinned = {t.version for t in self.state.trials} | {v for v in restart if v is not None}
         return record
 
