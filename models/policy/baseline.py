@@ -149,14 +149,29 @@ class MovingBaseline:
     def get(self, embedding: np.ndarray | None = None) -> float:
         return float(self._mean.get()) if self.n else 0.0
 
-    def update(self, utility: float, embedding: np.ndarray | None = None) -> None:
-        self._mean.update(float(utility))
+    def update(self, utility: float, embedding: np.ndarray | None = None, weight: float = 1.0) -> None:
+        """b ← b + w·f·(u − b): a utility of weight ``w`` (a principal's influence weight) moves b by
+        w times the usual step; of weight 0, not at all. The first utility sets b."""
+        if weight <= 0.0:
+            return
+        u = float(utility)
+        if self.n and weight < 1.0:
+            b = self._mean.get()
+            u = b + weight * (u - b)  # EWMean's own step, scaled by w
+        self._mean.update(u)
         self.n += 1
 
-    def advantage(self, utility: float, embedding: np.ndarray | None = None) -> float:
-        """A = u − b, then update b (docs/learning.md: update b after computing A)."""
+    def advantage(self, utility: float, embedding: np.ndarray | None = None, weight: float = 1.0) -> float:
+        """A = u − b, then update b (docs/learning.md: update b after computing A).
+
+        >>> b = MovingBaseline(fading_factor=0.5)
+        >>> [b.advantage(u, weight=w) for u, w in ((1.0, 1.0), (9.0, 0.0), (3.0, 0.5))]
+        [1.0, 8.0, 2.0]
+        >>> b.get()  # 1 + 0.5·0.5·(3 − 1); the utility of weight 0 left no trace
+        1.5
+        """
         a = float(utility) - self.get(embedding)
-        self.update(utility, embedding)
+        self.update(utility, embedding, weight)
         return a
 
     def state(self) -> dict[str, Any]:
@@ -213,19 +228,21 @@ class ClusterBaseline:
         # A cluster seen too few times falls back to the global mean.
         return mean.get() if mean is not None and mean.n >= 5 else self._global.get()
 
-    def update(self, utility: float, embedding: np.ndarray | None = None) -> None:
-        self._global.update(utility)
+    def update(self, utility: float, embedding: np.ndarray | None = None, weight: float = 1.0) -> None:
+        if weight <= 0.0:
+            return
+        self._global.update(utility, weight=weight)
         self.n += 1
         if embedding is None:
             return
         x = {i: float(v) for i, v in enumerate(embedding)}
         self._kmeans.learn_one(x)
         c = int(self._kmeans.predict_one(x))
-        self._means.setdefault(c, MovingBaseline(self.fading_factor)).update(utility)
+        self._means.setdefault(c, MovingBaseline(self.fading_factor)).update(utility, weight=weight)
 
-    def advantage(self, utility: float, embedding: np.ndarray | None = None) -> float:
+    def advantage(self, utility: float, embedding: np.ndarray | None = None, weight: float = 1.0) -> float:
         a = float(utility) - self.get(embedding)
-        self.update(utility, embedding)
+        self.update(utility, embedding, weight)
         return a
 
     def state(self) -> dict[str, Any]:

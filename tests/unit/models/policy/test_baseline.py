@@ -93,3 +93,20 @@ def test_cluster_baseline_falls_back_to_global_mean() -> None:
     assert c.get(emb) == 2.0  # a cluster seen < 5 times uses the global mean
     assert c.get() == 2.0
     assert c.state()["kind"] == "cluster" and c.state()["n"] == 1
+
+
+@pytest.mark.parametrize("kind", ["moving", "cluster"])
+def test_a_weighted_utility_moves_the_baseline_by_its_weight_and_one_of_weight_zero_not_at_all(kind: str) -> None:
+    """A principal held to a share of the update is held to it in b too: a liar of weight 0 that
+    reports −9 leaves b where the honest utilities put it."""
+    emb = np.array([1.0, 0.0])
+    b = make_baseline(kind, 0.5)
+    b.advantage(2.0, emb)
+    assert b.advantage(-9.0, emb, weight=0.0) == -11.0  # its advantage is still measured
+    assert (b.get(), b.n) == (2.0, 1)
+    b.advantage(4.0, emb, weight=0.5)
+    assert b.get() == pytest.approx(2.0 + 0.5 * 0.5 * (4.0 - 2.0))
+    full = make_baseline(kind, 0.5)
+    full.advantage(2.0, emb)
+    full.advantage(4.0, emb)
+    assert full.get() == pytest.approx(3.0)  # weight 1: the unweighted step
