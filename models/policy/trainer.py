@@ -19,8 +19,9 @@ benchmarks and tests drive it directly.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,23 @@ class UpdateStats:
     weights: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     credited: int = 0  # selected memories that had their own effect (per-memory credit)
+
+
+@contextlib.contextmanager
+def _learning_rate_scaled(optimizer: RowSparseAdam, scale: float) -> Iterator[None]:
+    """Every parameter group's learning rate times ``scale`` for one step (1: untouched)."""
+    if scale == 1.0:
+        yield
+        return
+    groups = optimizer.param_groups  # the dense part's and the rows'
+    lrs = [g["lr"] for g in groups]
+    for g, lr in zip(groups, lrs, strict=True):
+        g["lr"] = lr * scale
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, lrs, strict=True):
+            g["lr"] = lr
 
 
 def _label_usable(e: Experience) -> bool:
@@ -83,19 +101,29 @@ class PolicyTrainer:
         self.memory_stats = MemoryStats(c.slots)
 
     # ------------------------------------------------------------------ REINFORCE
-    def update(self, experiences: Sequence[Experience], sample_weights: np.ndarray | None = None) -> UpdateStats:
+    def update(
+        self, experiences: Sequence[Experience], sample_weights: np.ndarray | None = None, step_scale: float = 1.0
+    ) -> UpdateStats:
         """One REINFORCE step on a micro-batch of joined experiences.
 
         ``sample_weights`` (optional, e.g. recency during a warm-up) scale each term.
+        ``step_scale`` (in (0, 1]) scales the step's learning rate: the learner gives the weight
+        the micro-batch carries, so that experiences of weight 0 left out of it do not make the
+        others' steps more frequent (Adam's step does not shrink with the batch).
         """
         stats = UpdateStats()
         if not experiences:
             return stats
         batch = make_batch(experiences, self.device)
         before = self.baseline.state()
-        # A = u − b for each experience in order, b updated after each (docs/learning.md).
-        pairs = zip(batch.utility, experiences, strict=True)
-        adv = np.array([self.baseline.advantage(u, e.event.features.query_embedding) for u, e in pairs], np.float32)
+        # A = u − b for each experience in order, b updated after each by the experience's sample
+        # weight (docs/learning.md): b is the mean of the utilities the update learns from, so a
+        # principal held to a share of the update is held to it in b too.
+        given = np.ones(len(experiences)) if sample_weights is None else np.asarray(sample_weights, np.float64)
+        rows = zip(batch.utility, experiences, given, strict=True)
+        adv = np.array(
+            [self.baseline.advantage(u, e.event.features.query_embedding, float(w)) for u, e, w in rows], np.float32
+        )
         if not np.isfinite(adv).all():
             # Caught here, not by the loss: per-memory credit may not use the step's
             # advantage at all, and a non-finite utility would still poison the baseline.
@@ -123,7 +151,7 @@ class PolicyTrainer:
         stats.weights = w.tolist()
         stats.advantages = adv.tolist()
         self.experiences += len(experiences)
-        if not self._step(loss, self.optimizer, stats):
+        if not self._step(loss, self.optimizer, stats, step_scale):
             # A skipped batch leaves no trace, the baseline included: one non-finite value
             # must not poison every later advantage.
             self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, before)
@@ -192,7 +220,7 @@ class PolicyTrainer:
         # Labels train the output layer alone; its moments are committed only for labelled rows.
         self.label_optimizer = RowSparseAdam([], net.out.weight, net.out.bias, c.label_lr)
 
-    def _step(self, loss: torch.Tensor, optimizer: RowSparseAdam, stats: UpdateStats) -> bool:
+    def _step(self, loss: torch.Tensor, optimizer: RowSparseAdam, stats: UpdateStats, scale: float = 1.0) -> bool:
         stats.loss = float(loss.detach())
         if not math.isfinite(stats.loss):
             stats.skipped_non_finite = 1
@@ -205,7 +233,8 @@ class PolicyTrainer:
             optimizer.zero_grad()
             stats.skipped_non_finite = 1
             return False
-        self.net.changed.mark(optimizer.step())
+        with _learning_rate_scaled(optimizer, scale):
+            self.net.changed.mark(optimizer.step())
         optimizer.zero_grad()  # the sparse gradients are not kept between steps
         return True
 

@@ -298,3 +298,31 @@ def test_resume_keeps_the_optimizers_scale_and_restarts_its_momentum() -> None:
         tr.update(batch)
         moved[name] = sum(float((w - serving[k]).abs().sum()) for k, w in tr.tensors().items())
     assert 0.0 < moved["resumed"] < moved["fresh"]
+
+
+def test_the_step_baseline_takes_each_utility_at_its_sample_weight() -> None:
+    """A principal weighed to 0 by the influence bound moves neither the update nor b: its inverted
+    utilities once lowered b, and so raised every honest step's advantage u − b."""
+    t, plain = trainer(), trainer()
+    honest = [fb(i, 1.0) for i in range(3)]
+    stats = t.update([*honest, fb(3, -5.0)], np.array([1.0, 1.0, 1.0, 0.0]))
+    plain.update(honest)
+    assert t.baseline.get() == plain.baseline.get() == pytest.approx(1.0)
+    assert stats.advantages[-1] == pytest.approx(-6.0)  # its advantage is measured, and weighs 0
+
+
+def test_a_step_scale_scales_the_step_and_1_is_the_plain_step() -> None:
+    """Adam's step does not shrink with the batch: the learner scales it by the weight the batch
+    carries, so that experiences left out at weight 0 do not make the others' steps more frequent."""
+    batch = [fb(i, 1.0 - 0.5 * i) for i in range(4)]
+    start = params(trainer())
+    moved = {}
+    for scale in (1.0, 0.5):
+        t = trainer()
+        t.update(batch, step_scale=scale)
+        moved[scale] = {k: v - start[k] for k, v in params(t).items()}
+    plain = trainer()
+    plain.update(batch)
+    assert all(torch.equal(plain.net.tensors()[k], start[k] + moved[1.0][k]) for k in start)
+    assert all(torch.allclose(moved[0.5][k], 0.5 * moved[1.0][k], atol=1e-7) for k in start)
+    assert any(moved[1.0][k].abs().sum() > 0 for k in start)
