@@ -249,7 +249,9 @@ class Settings:
     )
     influence_window: int = setting(10_000, "the recent experiences each principal's share is measured over")
     disagreement_tolerance: float = setting(
-        0.1, "a principal is flagged when its utilities' mean residual is this far from 0, beyond its interval"
+        0.1,
+        "a principal is flagged, and held at weight 0, while its utilities' mean residual is this far from 0, "
+        "beyond its interval",
     )
     disagreement_min_n: int = setting(50, "residuals a principal needs before it can be flagged")
     # -- limits --------------------------------------------------------------------------

@@ -284,6 +284,11 @@ class Metrics:
             ["principal"],
             registry=self._reg("learner"),
         )
+        self.held_experiences = Counter(
+            "causalmem_learner_held_experiences_total",
+            "Feedback experiences of flagged principals, given weight 0 while their utilities disagree",
+            registry=self._reg("learner"),
+        )
         self.last_update = Gauge(
             "causalmem_learner_last_update_timestamp_seconds",
             "Wall time of the last applied micro-batch (staleness alerts)",

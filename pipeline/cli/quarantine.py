@@ -5,7 +5,8 @@ The verb asks the learner over ``control`` (which only operators may write: docs
 "Security") to give the principal's experiences weight 0 from now on (left out of the updates,
 the promotion gate's evidence and the replay), or full weight again (within ``influence_cap``).
 ``causalmem status`` shows which principals are flagged, that is whose utilities disagree with the
-others' (docs/learning.md, "Influence per principal"). The verb checks the newest checkpoint's set
+others' (docs/learning.md, "Influence per principal"); the learner holds a flagged one at weight
+0 only while it disagrees, a quarantined one whatever it reports. The verb checks the newest checkpoint's set
 first (nothing to change: exit 0, nothing sent), then reports the learner's answer
 (:mod:`pipeline.cli.answers`): the checkpoint that carries the command, or the refusal and why,
 exiting 1 then.

@@ -97,6 +97,7 @@ class Disagreement:
         # slate → principal → [count, sum], least recently reported first
         self.per_key: OrderedDict[frozenset[int], dict[str, list[float]]] = OrderedDict()
         self.residuals: OrderedDict[str, _Running] = OrderedDict()  # least recently reported first
+        self.flagged: set[str] = set()  # kept as residuals arrive: a verdict changes only then
         self.forgotten = 0  # slates and principals dropped to make room
 
     def observe(self, principal: str, selected: Sequence[int], utility: float) -> None:
@@ -107,7 +108,7 @@ class Disagreement:
             self.residuals.move_to_end(principal)
         else:
             if len(self.residuals) >= self.max_principals:
-                self.residuals.popitem(last=False)
+                self.flagged.discard(self.residuals.popitem(last=False)[0])
                 self.forgotten += 1
             self.residuals[principal] = _Running()
         key = frozenset(selected)
@@ -124,6 +125,10 @@ class Disagreement:
         ]
         if others:
             self.residuals[principal].add(utility - float(np.median(others)))
+            if self.verdict(principal).flagged:
+                self.flagged.add(principal)
+            else:
+                self.flagged.discard(principal)
         own = means.setdefault(principal, [0.0, 0.0])
         own[0] += 1
         own[1] += utility

@@ -423,11 +423,18 @@ class Learner(Service):
         m = self.metrics
         feedback = [e for e in chunk if e.kind == "feedback"]
         # Contract 1.15: no principal carries more than influence_cap of the recent window's weight,
-        # and a quarantined one's experiences weigh 0: left out of the update, the gate and the replay.
+        # and a quarantined or flagged one's experiences weigh 0: left out of the update, the gate
+        # and the replay.
         weights = self.principals.weigh(feedback, self.progress.quarantined)
+        # The step moves as far as the weight the micro-batch carries: a principal held at 0
+        # (or down) must not make the others' steps more frequent by thinning their batches.
+        carried = float(weights.sum()) / len(feedback) if feedback else 1.0
         if feedback and not weights.all():
             for e in (e for e, w in zip(feedback, weights, strict=True) if w == 0):
-                m.quarantined_experiences.labels(principal=e.principal).inc()
+                if e.principal in self.progress.quarantined:
+                    m.quarantined_experiences.labels(principal=e.principal).inc()
+                else:
+                    m.held_experiences.inc()
             out = {id(e) for e, w in zip(feedback, weights, strict=True) if w == 0}
             chunk = [e for e in chunk if id(e) not in out]
             feedback, weights = [e for e in feedback if id(e) not in out], weights[weights > 0]
@@ -438,7 +445,7 @@ class Learner(Service):
         labels = [e for e in chunk if e.kind == "label"]
         if feedback:
             # All 1 (one principal, or none over the cap): the update is exactly the unweighted one.
-            stats = self.trainer.update(feedback, None if (weights == 1.0).all() else weights)
+            stats = self.trainer.update(feedback, None if (weights == 1.0).all() else weights, carried)
             m.batch_size.observe(len(feedback))
             if stats.skipped_non_finite:
                 m.learner_skipped.labels(reason="non_finite").inc(len(feedback))

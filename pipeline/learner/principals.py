@@ -37,15 +37,19 @@ SHOWN = 20  # principals a checkpoint's metrics and the Prometheus labels name a
 class PrincipalBook:
     """Per principal: share, weight, disagreement, quarantine (module docstring)."""
 
-    def __init__(self, cap: float, window: int, tolerance: float, min_n: int) -> None:
+    def __init__(self, cap: float, window: int, tolerance: float, min_n: int, *, hold: bool = True) -> None:
         self.window = InfluenceWindow(window, cap)
         self.disagreement = Disagreement(tolerance, min_n)
+        self.hold = hold
         self.quarantined_experiences: dict[str, int] = {}
+        self.held_experiences: dict[str, int] = {}
 
     def weigh(self, feedback: Sequence[Experience], quarantined: Collection[str] = ()) -> np.ndarray:
         """The sample weight of each feedback experience: 0 for a quarantined principal's (counted in
-        :attr:`quarantined_experiences`, kept out of the window and the comparison), else its
-        principal's capped weight. Each other experience's utility is compared with the others'."""
+        :attr:`quarantined_experiences`, kept out of the window and the comparison) and for a
+        flagged one's (counted in :attr:`held_experiences`, kept out of the window but still
+        compared, so that it is weighed again once its utilities agree), else its principal's
+        capped weight."""
         blocked = set(quarantined)
         principals = [e.principal for e in feedback]
         for e, p in zip(feedback, principals, strict=True):
@@ -53,13 +57,29 @@ class PrincipalBook:
                 self.quarantined_experiences[p] = self.quarantined_experiences.get(p, 0) + 1
             else:
                 self.disagreement.observe(p, e.event.selected, e.utility)
-        return self.window.weights(principals, blocked, reads=[e.event.selected for e in feedback])
+        held = self.held(set(principals) - blocked)
+        for p in principals:
+            if p in held:
+                self.held_experiences[p] = self.held_experiences.get(p, 0) + 1
+        return self.window.weights(principals, blocked | held, reads=[e.event.selected for e in feedback])
+
+    def held(self, principals: Collection[str]) -> set[str]:
+        """Those of ``principals`` the disagreement flag holds at weight 0: the flagged ones, while
+        they are fewer than half of the principals compared (none with ``hold`` off).
+
+        The others' median is the reference only while most principals agree with it; with two
+        principals that disagree, both are flagged and neither can be told the liar, so neither is
+        held (the flag stays, for an operator)."""
+        flagged = self.disagreement.flagged
+        if not self.hold or not flagged or 2 * len(flagged) >= len(self.disagreement.residuals):
+            return set()
+        return flagged & set(principals)
 
     def warm_up_weights(self, experiences: Sequence[Experience], quarantined: Collection[str] = ()) -> np.ndarray:
         """The sample weight of each experience a drift reset warms up on: the same cap, measured
         over that material itself (the warm-up is a training run of its own, so a principal that
-        flooded the kept days carries at most its bound of it), 0 for a quarantined principal's;
-        labels weigh 1. Nothing is counted in the running window.
+        flooded the kept days carries at most its bound of it), 0 for a quarantined or flagged
+        principal's; labels weigh 1. Nothing is counted in the running window.
 
         >>> import numpy as np
         >>> from topics.events import Features, RetrievalEvent
@@ -76,17 +96,18 @@ class PrincipalBook:
         if rows:  # a window of its own, over exactly this material
             material = InfluenceWindow(len(rows), self.window.cap)
             principals = [experiences[i].principal for i in rows]
-            out[rows] = material.weights(principals, quarantined, reads=[experiences[i].event.selected for i in rows])
+            blocked = set(quarantined) | self.held(set(principals))
+            out[rows] = material.weights(principals, blocked, reads=[experiences[i].event.selected for i in rows])
         return out
 
     def view(self, quarantined: Collection[str] = ()) -> dict[str, dict[str, Any]]:
         """At most :data:`SHOWN` principals: share of the window, weight per experience, the
         residuals' count, mean and interval, flagged, quarantined."""
-        blocked = set(quarantined)
         shares = self.window.shares()
         weights = capped_weights(dict(self.window.counts), self.window.cap)
-        names = set(shares) | blocked | set(self.disagreement.principals())
+        names = set(shares) | set(quarantined) | set(self.disagreement.principals())
         verdicts = {p: self.disagreement.verdict(p) for p in names}
+        blocked = set(quarantined) | self.held(names)
         order = sorted(names, key=lambda p: (p not in blocked, not verdicts[p].flagged, -shares.get(p, 0.0), p))
         out: dict[str, dict[str, Any]] = {}
         for p in order[:SHOWN]:
@@ -99,6 +120,6 @@ class PrincipalBook:
                 "low": v.low if np.isfinite(v.low) else None,
                 "high": v.high if np.isfinite(v.high) else None,
                 "flagged": v.flagged,
-                "quarantined": p in blocked,
+                "quarantined": p in quarantined,
             }
         return out

@@ -111,24 +111,30 @@ def do_not_use_text(d: dict[str, Any]) -> Text:
 def principals_text(v: dict[str, Any]) -> Text:
     """Who the learner hears from (contract 1.15): the flagged principals (red), the quarantined, the largest shares.
 
-    >>> t = principals_text({"principals": [{"name": "bot-9", "share": 0.25, "weight": 0.8, "n": 120,
+    >>> v = {"principals": [{"name": "bot-9", "share": 0.25, "weight": 0.8, "n": 120,
     ...     "residual": -0.9, "low": -1.1, "high": -0.7, "flagged": True, "quarantined": False},
     ...     {"name": "svc-a", "share": 0.75, "weight": 1.0, "n": 400, "residual": 0.0, "low": -0.1, "high": 0.1,
-    ...     "flagged": False, "quarantined": False}], "flagged": ["bot-9"], "quarantined": []})
+    ...     "flagged": False, "quarantined": False}], "flagged": ["bot-9"], "quarantined": []}
+    >>> t = principals_text(v)
     >>> print(t.plain.replace("; ", chr(10)))
     principals: FLAGGED bot-9 (25% of traffic, weight 0.80, residual -0.90 [-1.10, -0.70], n 120
     causalmem quarantine to act)
     quarantined none
     top: svc-a 75%, bot-9 25%
+    >>> held = {**v["principals"][0], "share": 0.0, "weight": 0.0}
+    >>> print(principals_text({**v, "principals": [held]}).plain.split("; ")[0])
+    principals: FLAGGED bot-9 (held at weight 0, residual -0.90 [-1.10, -0.70], n 120
     """
     rows = v.get("principals") or []
     flagged = [r for r in rows if r["flagged"] and not r["quarantined"]]
     parts = []
     for r in flagged:
         interval = f" [{r['low']:.2f}, {r['high']:.2f}]" if r["low"] is not None and r["high"] is not None else ""
+        # Held at weight 0 while flagged (its share of the window then falls to 0): say so instead.
+        weight = "held at weight 0" if not r["weight"] else f"{r['share']:.0%} of traffic, weight {r['weight']:.2f}"
         parts.append(
-            f"FLAGGED {r['name']} ({r['share']:.0%} of traffic, weight {r['weight'] or 0:.2f}, "
-            f"residual {r['residual'] or 0:+.2f}{interval}, n {r['n']}; causalmem quarantine to act)"
+            f"FLAGGED {r['name']} ({weight}, residual {r['residual'] or 0:+.2f}{interval}, n {r['n']}; "
+            "causalmem quarantine to act)"
         )
     parts.append(f"quarantined {', '.join(v.get('quarantined') or []) or 'none'}")
     top = sorted(rows, key=lambda r: -r["share"])[:5]

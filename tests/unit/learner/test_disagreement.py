@@ -15,11 +15,13 @@ from prometheus_client import generate_latest
 from pipeline.config import Settings
 from pipeline.learner.disagreement import Disagreement
 from pipeline.learner.loop import Learner
+from pipeline.learner.principals import PrincipalBook
 from pipeline.learner.publishing import Progress, manifest_metrics
 from pipeline.promtext import metric, parse
 from pipeline.status.principals import principals_view_of
 from pipeline.status.render import principals_text
 from tests.helpers import experience
+from topics.internal import Experience
 
 S = Settings(embedding_dim=8, slots=16, hidden=16, gate=False)
 INTENTS, SLATES = 8, 4  # each intent is served a few slates (k = 3 memories of its own)
@@ -102,14 +104,49 @@ def test_the_learner_flags_a_liar_in_its_metrics_its_checkpoints_and_status(tmp_
     values = parse(generate_latest(learner.metrics.registry).decode())
     assert metric(values, "causalmem_principal_flagged", principal="liar") == 1.0
     assert all(metric(values, "causalmem_principal_flagged", principal=p) == 0.0 for p in "abc")
-    assert metric(values, "causalmem_principal_share", principal="liar") == pytest.approx(0.25)
+    # Held since it was flagged, its experiences left the window: no longer a quarter of it.
+    assert 0.0 < metric(values, "causalmem_principal_share", principal="liar") < 0.25
     # What a checkpoint carries and status shows.
     metrics = manifest_metrics(
         learner.trainer, Progress(), None, 16, principals=learner.principals.view(learner.progress.quarantined)
     )
     view = principals_view_of(metrics)
     assert view["flagged"] == ["liar"] and view["quarantined"] == []
-    assert "FLAGGED liar (25% of traffic" in principals_text(view).plain
+    # Flagged, it is held: its experiences weigh 0, out of the update, the gate and the replay.
+    assert "FLAGGED liar (held at weight 0" in principals_text(view).plain
+    assert metric(values, "causalmem_principal_weight", principal="liar") == 0.0
+    held = metric(values, "causalmem_learner_held_experiences_total")
+    assert held > 0 and sum(e.principal == "liar" for e in learner.replay) == 160 - held
+
+
+def _chunk(book_rng: np.random.Generator, start: int, liar_sign: float) -> list[Experience]:
+    """Three honest principals and one whose utilities are ``liar_sign`` times the truth, on three slates."""
+    chunk = []
+    for j in range(16):
+        e = experience(S, start + j, utility=0.0)
+        e.event.selected = [j % 3, 3 + j % 3]
+        who = ["a", "b", "c", "liar"][j % 4]
+        u = 0.3 + 0.1 * (j % 3) + 0.05 * float(book_rng.normal())
+        chunk.append(dataclasses.replace(e, utility=liar_sign * u if who == "liar" else u, feedback_principal=who))
+    return chunk
+
+
+def test_a_flagged_principal_is_held_at_weight_zero_and_weighed_again_once_it_agrees() -> None:
+    rng = np.random.default_rng(1)
+    book = PrincipalBook(cap=0.5, window=1000, tolerance=0.1, min_n=30)
+    for k in range(20):  # the liar inverts its utilities: flagged, then held
+        weights = book.weigh(_chunk(rng, 16 * k, -1.0))
+    assert book.disagreement.verdict("liar").flagged
+    assert weights.tolist() == [1.0, 1.0, 1.0, 0.0] * 4 and book.held_experiences["liar"] > 0
+    assert book.view()["liar"]["weight"] == 0.0 and not book.view()["liar"]["quarantined"]
+    for k in range(20, 400):  # still compared while held: once it agrees, it is weighed again
+        weights = book.weigh(_chunk(rng, 16 * k, 1.0))
+    assert not book.disagreement.verdict("liar").flagged and weights.tolist() == [1.0] * 16
+    # With hold off (the poisoning bench's "cap" row), a flagged principal keeps its weight.
+    off = PrincipalBook(cap=0.5, window=1000, tolerance=0.1, min_n=30, hold=False)
+    for k in range(20):
+        weights = off.weigh(_chunk(rng, 16 * k, -1.0))
+    assert off.disagreement.verdict("liar").flagged and weights.tolist() == [1.0] * 16
 
 
 def test_a_liar_that_comes_after_the_tables_are_full_is_still_flagged() -> None:
@@ -127,3 +164,22 @@ def test_a_liar_that_comes_after_the_tables_are_full_is_still_flagged() -> None:
         d.observe("liar", slate, -0.5)
     assert d.verdict("liar").flagged and not d.verdict("a").flagged
     assert len(d.per_key) <= 8 and len(d.residuals) <= 4 and d.forgotten > 0
+
+
+def test_when_most_principals_are_flagged_none_is_held() -> None:
+    """Two principals whose utilities are opposite: both flagged, neither can be told the liar, and
+    holding both would stop all learning: neither is held; the flag is for an operator."""
+    book = PrincipalBook(cap=0.5, window=1000, tolerance=0.1, min_n=30)
+    for k in range(40):
+        chunk = [
+            dataclasses.replace(
+                experience(S, 2 * k + j, utility=(0.5 if j else -0.5)),
+                feedback_principal="ab"[j],
+            )
+            for j in range(2)
+        ]
+        for e in chunk:
+            e.event.selected = [1, 2]
+        weights = book.weigh(chunk)
+    assert book.disagreement.flagged == {"a", "b"}
+    assert weights.tolist() == [1.0, 1.0] and book.held_experiences == {}
