@@ -18,10 +18,10 @@ def test_a_run_measures_the_honest_clients_and_the_liar_has_its_share() -> None:
     honest = _run(0.0, "spread", "none")
     assert honest["liar_steps"] == 0 and honest["flagged_after_liar_steps"] is None
     assert 0.0 <= honest["harmful_read_rate"] <= 1.0 and honest["honest_retrievals"] > 50
-    lying = _run(0.25, "intent", "quarantine")
+    lying = _run(0.25, "intent", "default")
     assert math.isclose(lying["liar_share_of_steps"], 0.25, abs_tol=0.08)
     assert lying["honest_retrievals"] > 50  # the same honest queries, the liar's on top
-    assert _run(0.25, "intent", "quarantine") == lying  # seeded: a run repeats
+    assert _run(0.25, "intent", "default") == lying  # seeded: a run repeats
 
 
 def test_another_initialisation_is_the_same_traffic_with_another_network() -> None:

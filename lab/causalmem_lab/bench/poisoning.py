@@ -3,7 +3,7 @@
 On the simulator's default world (12 intents, each with helpful, harmful and similar memories;
 no drift), in one process, with the product's retriever and learner parts: the trainer, and the
 learner's book of principals (:class:`pipeline.learner.principals.PrincipalBook`: the
-influence cap, the disagreement flag and quarantine, as ``Learner.apply`` uses them). Honest
+influence cap, the disagreement flag and the hold, as ``Learner.apply`` uses them). Honest
 traffic comes from eight honest principals; a **liar** sends a share of all traffic (6, 12 or
 25 %), its events honest but its feedback inverted (``u → −u``: the harmful memories "help"),
 either **spread** over every intent or **concentrated** on one intent (its queries all of
@@ -13,9 +13,12 @@ weighs its evidence without the cap, so it adds no defence here).
 Each lying run is made three ways:
 
 - ``none``: no bound (``influence_cap`` 1: every weight 1, as before contract 1.15);
-- ``cap``: the product's default bound (``influence_cap`` 0.2), the liar never quarantined;
-- ``quarantine``: the bound, and the liar quarantined as soon as the learner flags it (what an
-  operator does on the ``status`` line; the run says when that was).
+- ``cap``: the bound alone (``influence_cap`` 0.2), a flagged principal keeping its weight;
+- ``default``: the product's defaults: the bound, and a flagged principal held at weight 0
+  (:meth:`PrincipalBook.held`) while its utilities disagree.
+
+Each micro-batch is stepped as ``Learner.apply`` steps it: the experiences of weight 0 left out,
+the step scaled by the weight the batch carries.
 
 The measure is the **honest clients' harmful-read rate**: the share of their retrievals, as
 served (not exploratory), that read a harmful memory, over the last third of the run; against
@@ -53,7 +56,7 @@ HONEST = [f"client-{i}" for i in range(8)]
 LIAR = "liar"
 SHARES = (0.06, 0.12, 0.25)
 MODES = ("spread", "intent")
-DEFENCES = ("none", "cap", "quarantine")
+DEFENCES = ("none", "cap", "default")
 NOISE_SEED = 1000  # trainer seeds of a seed's initialisations: seed + k·NOISE_SEED
 
 
@@ -90,8 +93,13 @@ def run_one(
     )
     trainer = PolicyTrainer(cfg.trainer(scenario))
     cap = 1.0 if defence == "none" else PRODUCT.influence_cap
-    book = PrincipalBook(cap, PRODUCT.influence_window, PRODUCT.disagreement_tolerance, PRODUCT.disagreement_min_n)
-    quarantined: list[str] = []
+    book = PrincipalBook(
+        cap,
+        PRODUCT.influence_window,
+        PRODUCT.disagreement_tolerance,
+        PRODUCT.disagreement_min_n,
+        hold=defence == "default",
+    )
     rng = np.random.default_rng(1000 + seed)
     version = 1
     retriever.set_policy(_snapshot(trainer, version))
@@ -127,16 +135,15 @@ def run_one(
                     Experience(res.event.event_id, "feedback", res.event, reported, feedback_principal=principal)
                 )
             if len(pending) >= cfg.batch_size:
-                weights = book.weigh(pending, quarantined)
+                weights = book.weigh(pending)
                 kept = weights > 0
                 batch = [e for e, k in zip(pending, kept, strict=True) if k]
                 if batch:
-                    trainer.update(batch, None if (weights[kept] == 1.0).all() else weights[kept])
+                    carried = float(weights.sum()) / len(pending)  # as Learner.apply steps
+                    trainer.update(batch, None if (weights[kept] == 1.0).all() else weights[kept], carried)
                 pending = []
                 if flagged_at is None and book.disagreement.verdict(LIAR).flagged:
                     flagged_at = liar_steps
-                    if defence == "quarantine":
-                        quarantined = [LIAR]
             steps += 1
             if steps % refresh_every == 0:
                 version += 1
