@@ -17,8 +17,9 @@ so it is wider than a one-off 95 %). A principal is **flagged** when it has at l
 residuals and the interval lies entirely beyond ``±tolerance``: its utilities are
 systematically higher or lower than the others' for the same memories, by more than the
 tolerance allows for differences in slates and queries. Residuals are not independent (the
-references move as reports arrive), so the interval is a guide for an operator, not a test
-with an exact error rate; quarantine stays the operator's decision.
+references move as reports arrive), so the interval is a guard, not a test with an exact error
+rate. The learner holds a flagged principal at weight 0 while it is flagged
+(:meth:`pipeline.learner.principals.PrincipalBook.held`); quarantine stays the operator's decision.
 
 >>> d = Disagreement(tolerance=0.1, min_n=20, min_per_key=3)
 >>> for i in range(40):

@@ -1,6 +1,7 @@
 """The learner's book of principals (contract 1.15): each one's share of the recent window, the
 weight its experiences get (:mod:`pipeline.learner.influence`), whether its utilities disagree
-with the others' (:mod:`pipeline.learner.disagreement`) and whether an operator quarantined it.
+with the others' (:mod:`pipeline.learner.disagreement`; a flagged one is held at weight 0 while
+it disagrees) and whether an operator quarantined it.
 
 :meth:`PrincipalBook.weigh` gives a micro-batch's sample weights; :meth:`PrincipalBook.view`
 is what the checkpoints' metrics (``principals``, read by ``causalmem status``) and the
@@ -42,7 +43,7 @@ class PrincipalBook:
         self.disagreement = Disagreement(tolerance, min_n)
         self.hold = hold
         self.quarantined_experiences: dict[str, int] = {}
-        self.held_experiences: dict[str, int] = {}
+        self.held_experiences = 0  # one count: a client names itself, and flagged names could be many
 
     def weigh(self, feedback: Sequence[Experience], quarantined: Collection[str] = ()) -> np.ndarray:
         """The sample weight of each feedback experience: 0 for a quarantined principal's (counted in
@@ -58,9 +59,7 @@ class PrincipalBook:
             else:
                 self.disagreement.observe(p, e.event.selected, e.utility)
         held = self.held(set(principals) - blocked)
-        for p in principals:
-            if p in held:
-                self.held_experiences[p] = self.held_experiences.get(p, 0) + 1
+        self.held_experiences += sum(p in held for p in principals)
         return self.window.weights(principals, blocked | held, reads=[e.event.selected for e in feedback])
 
     def held(self, principals: Collection[str]) -> set[str]:

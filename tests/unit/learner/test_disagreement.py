@@ -137,7 +137,7 @@ def test_a_flagged_principal_is_held_at_weight_zero_and_weighed_again_once_it_ag
     for k in range(20):  # the liar inverts its utilities: flagged, then held
         weights = book.weigh(_chunk(rng, 16 * k, -1.0))
     assert book.disagreement.verdict("liar").flagged
-    assert weights.tolist() == [1.0, 1.0, 1.0, 0.0] * 4 and book.held_experiences["liar"] > 0
+    assert weights.tolist() == [1.0, 1.0, 1.0, 0.0] * 4 and book.held_experiences > 0
     assert book.view()["liar"]["weight"] == 0.0 and not book.view()["liar"]["quarantined"]
     for k in range(20, 400):  # still compared while held: once it agrees, it is weighed again
         weights = book.weigh(_chunk(rng, 16 * k, 1.0))
@@ -182,4 +182,4 @@ def test_when_most_principals_are_flagged_none_is_held() -> None:
             e.event.selected = [1, 2]
         weights = book.weigh(chunk)
     assert book.disagreement.flagged == {"a", "b"}
-    assert weights.tolist() == [1.0, 1.0] and book.held_experiences == {}
+    assert weights.tolist() == [1.0, 1.0] and book.held_experiences == 0
