@@ -61,13 +61,15 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
         # published while the newest trial gathers its decisions is passed over), while the client
         # explores at T = 1 (a log must read a candidate's sets to show it worse): a candidate is
         # refused on the decisions after it, and training resumes from the serving weights.
-        serving = gate.serving_manifest
-        assert serving is not None and gate.serving_net is not None
         resumed_before = learner.metrics.gate_reanchors._value.get()
         for seed in range(20, 35):
-            learner.trainer.load(tilted(gate.serving_net, BAD).tensors())
+            # Read together each round: a later promotion changes both (logged by one version's
+            # weights but claimed under another's, the events were left out as logging_mismatch).
+            serving, net = gate.serving_manifest, gate.serving_net
+            assert serving is not None and net is not None
+            learner.trainer.load(tilted(net, BAD).tensors())
             learner.dirty = True
-            batch = log_of(gate.serving_net, 600, seed=seed, temperature=1.0, policy=s.policy, questions=20)
+            batch = log_of(net, 600, seed=seed, temperature=1.0, policy=s.policy, questions=20)
             await _send(s, served_by(batch, serving.version))
             if learner.metrics.gate_reanchors._value.get() > resumed_before:
                 break
