@@ -102,14 +102,20 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ REINFORCE
     def update(
-        self, experiences: Sequence[Experience], sample_weights: np.ndarray | None = None, step_scale: float = 1.0
+        self,
+        experiences: Sequence[Experience],
+        sample_weights: np.ndarray | None = None,
+        step_scale: float = 1.0,
+        baseline_weights: np.ndarray | None = None,
     ) -> UpdateStats:
         """One REINFORCE step on a micro-batch of joined experiences.
 
-        ``sample_weights`` (optional, e.g. recency during a warm-up) scale each term.
-        ``step_scale`` (in (0, 1]) scales the step's learning rate: the learner gives the weight
-        the micro-batch carries, so that experiences of weight 0 left out of it do not make the
-        others' steps more frequent (Adam's step does not shrink with the batch).
+        ``sample_weights`` (optional, e.g. recency during a warm-up) scale each term, and each
+        utility's step in the baseline unless ``baseline_weights`` are given (the warm-up gives
+        its principals' weights alone: the baseline follows the utilities of their own time,
+        not their age). ``step_scale`` (in (0, 1]) scales the step's learning rate: the learner
+        gives the weight the micro-batch carries, so that experiences of weight 0 left out of it
+        do not make the others' steps more frequent (Adam's step does not shrink with the batch).
         """
         stats = UpdateStats()
         if not experiences:
@@ -119,7 +125,8 @@ class PolicyTrainer:
         # A = u − b for each experience in order, b updated after each by the experience's sample
         # weight (docs/learning.md): b is the mean of the utilities the update learns from, so a
         # principal held to a share of the update is held to it in b too.
-        given = np.ones(len(experiences)) if sample_weights is None else np.asarray(sample_weights, np.float64)
+        given = baseline_weights if baseline_weights is not None else sample_weights
+        given = np.ones(len(experiences)) if given is None else np.asarray(given, np.float64)
         rows = zip(batch.utility, experiences, given, strict=True)
         adv = np.array(
             [self.baseline.advantage(u, e.event.features.query_embedding, float(w)) for u, e, w in rows], np.float32
@@ -333,7 +340,7 @@ class PolicyTrainer:
         )
         feedback = [e for e, _ in kept]
         total = UpdateStats()
-        weights = np.array([w for _, w in kept], np.float64)
+        weights = principal_weights = np.array([w for _, w in kept], np.float64)
         if feedback and half_life_s:
             newest = feedback[-1].event.ts
             ages = np.array([newest - e.event.ts for e in feedback])
@@ -345,7 +352,8 @@ class PolicyTrainer:
             # after the change would make every old success look like a great one.
             self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading)
             for i in range(0, len(feedback), batch_size):
-                s = self.update(feedback[i : i + batch_size], weights[i : i + batch_size])
+                part = slice(i, i + batch_size)
+                s = self.update(feedback[part], weights[part], baseline_weights=principal_weights[part])
                 total.applied += s.applied
                 total.skipped_non_finite += s.skipped_non_finite
         # What operators see restarts with the world: the warm-up material, counted once.

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from models.policy.baseline import make_baseline
 from models.policy.batch import make_batch
 from models.policy.network import LAST_LAYER, TENSOR_NAMES
 from models.policy.trainer import PolicyTrainer, TrainerConfig
@@ -326,3 +327,16 @@ def test_a_step_scale_scales_the_step_and_1_is_the_plain_step() -> None:
     assert all(torch.equal(plain.net.tensors()[k], start[k] + moved[1.0][k]) for k in start)
     assert all(torch.allclose(moved[0.5][k], 0.5 * moved[1.0][k], atol=1e-7) for k in start)
     assert any(moved[1.0][k].abs().sum() > 0 for k in start)
+
+
+def test_a_warm_up_baseline_follows_the_utilities_of_their_own_time_not_their_age() -> None:
+    """The warm-up weighs old experiences down by age; the step baseline takes the principals'
+    weights only, so after the last pass it is the plain moving mean of the utilities in order."""
+    us = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5]
+    replay = [fb(i, u, ts=1000.0 + 3600.0 * i) for i, u in enumerate(us)]
+    t = trainer()
+    t.reset(replay, epochs=1, batch_size=2, half_life_s=600.0)
+    plain = make_baseline("moving", t.config.baseline_fading)
+    for u in us:
+        plain.advantage(u)
+    assert t.baseline.get() == pytest.approx(plain.get())
