@@ -151,13 +151,14 @@ class MovingBaseline:
 
     def update(self, utility: float, embedding: np.ndarray | None = None, weight: float = 1.0) -> None:
         """b ← b + w·f·(u − b): a utility of weight ``w`` (a principal's influence weight) moves b by
-        w times the usual step; of weight 0, not at all. The first utility sets b."""
+        w times the usual step; of weight 0, not at all. The first utility's step is from 0 to u
+        (b = w·u): one of weight 1 sets b."""
         if weight <= 0.0:
             return
         u = float(utility)
-        if self.n and weight < 1.0:
-            b = self._mean.get()
-            u = b + weight * (u - b)  # EWMean's own step, scaled by w
+        if weight < 1.0:
+            b = self._mean.get() if self.n else 0.0
+            u = b + weight * (u - b)  # EWMean's own step, scaled by w (its first sets the mean)
         self._mean.update(u)
         self.n += 1
 

@@ -68,11 +68,15 @@ class PrincipalBook:
 
         The others' median is the reference only while most principals agree with it; with two
         principals that disagree, both are flagged and neither can be told the liar, so neither is
-        held (the flag stays, for an operator)."""
-        flagged = self.disagreement.flagged
-        if not self.hold or not flagged or 2 * len(flagged) >= len(self.disagreement.residuals):
+        held (the flag stays, for an operator). Compared means with enough residuals to be
+        flagged: names that sent a report or two do not make a flagged pair a minority."""
+        d = self.disagreement
+        if not self.hold or not d.flagged:
             return set()
-        return flagged & set(principals)
+        judged = sum(r.n >= d.min_n for r in d.residuals.values())
+        if 2 * len(d.flagged) >= judged:
+            return set()
+        return d.flagged & set(principals)
 
     def warm_up_weights(self, experiences: Sequence[Experience], quarantined: Collection[str] = ()) -> np.ndarray:
         """The sample weight of each experience a drift reset warms up on: the same cap, measured

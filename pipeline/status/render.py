@@ -131,7 +131,8 @@ def principals_text(v: dict[str, Any]) -> Text:
     for r in flagged:
         interval = f" [{r['low']:.2f}, {r['high']:.2f}]" if r["low"] is not None and r["high"] is not None else ""
         # Held at weight 0 while flagged (its share of the window then falls to 0): say so instead.
-        weight = "held at weight 0" if not r["weight"] else f"{r['share']:.0%} of traffic, weight {r['weight']:.2f}"
+        share = f"{r['share']:.0%} of traffic"
+        weight = "held at weight 0" if r["weight"] == 0 else f"{share}, weight {r['weight'] or 0:.2f}"
         parts.append(
             f"FLAGGED {r['name']} ({weight}, residual {r['residual'] or 0:+.2f}{interval}, n {r['n']}; "
             "causalmem quarantine to act)"

@@ -183,3 +183,10 @@ def test_when_most_principals_are_flagged_none_is_held() -> None:
         weights = book.weigh(chunk)
     assert book.disagreement.flagged == {"a", "b"}
     assert weights.tolist() == [1.0, 1.0] and book.held_experiences == 0
+    # Names that sent a report or two are not compared enough to count: they cannot make the
+    # flagged pair a minority and so hold all the real traffic at 0.
+    for i in range(3):
+        one_shot = dataclasses.replace(experience(S, 100 + i, utility=0.5), feedback_principal=f"probe-{i}")
+        one_shot.event.selected = [40 + i]
+        book.weigh([one_shot])
+    assert book.held({"a", "b"}) == set()

@@ -110,3 +110,6 @@ def test_a_weighted_utility_moves_the_baseline_by_its_weight_and_one_of_weight_z
     full.advantage(2.0, emb)
     full.advantage(4.0, emb)
     assert full.get() == pytest.approx(3.0)  # weight 1: the unweighted step
+    first = make_baseline(kind, 0.5)
+    first.advantage(-1.0, emb, weight=0.25)
+    assert first.get() == pytest.approx(-0.25)  # a first utility's step from 0, scaled: it does not set b
