@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from models.memory.write_gate import DEFAULT_FADING, DEFAULT_MIN_COUNT, DEFAULT_PRIOR, DEFAULT_RADIUS, DEFAULT_THETA
+from models.offpolicy.confidence import MIN_DECISIONS
 from models.policy.trainer_config import TrainerConfig
 from models.serving.params import ServingParams
 from topics.fields import Limits
@@ -168,6 +169,7 @@ class Settings:
     gate: bool = setting(True, "publish candidates; serve only what the promotion rule promotes (docs/promotion.md)")
     gate_delta: float = setting(0.05, "the error rate of the whole run's promise (docs/promotion.md)")
     gate_epsilon: float = setting(0.02, "the margin: how much worse than similarity-only a served version may be")
+    gate_trial_decisions: int = setting(2000, "decisions the newest trial (and canary) gets before a newer candidate")
     # -- serving: how clients serve the policy, recorded in each manifest (models/serving/params.py) --
     serve_temperature: float = setting(ServingParams.temperature, "T of the Plackett–Luce draw")
     serve_explore_rate: float = setting(ServingParams.explore_rate, "share of requests at serve_explore_temperature")
@@ -398,7 +400,7 @@ class Settings:
 
     def gate_config(self) -> GateConfig:
         """The promotion rule's parameters (whether the gate is on at all is ``gate``)."""
-        return GateConfig(delta=self.gate_delta, epsilon=self.gate_epsilon)
+        return GateConfig(delta=self.gate_delta, epsilon=self.gate_epsilon, trial_decisions=self.gate_trial_decisions)
 
     def learner(self) -> LearnerConfig:
         return LearnerConfig(
@@ -620,12 +622,17 @@ class GateConfig:
 
     delta: float = Settings.gate_delta
     epsilon: float = Settings.gate_epsilon
+    trial_decisions: int = Settings.gate_trial_decisions
 
     def __post_init__(self) -> None:
         if not 0.0 < self.delta < 1.0:
             raise ValueError(f"gate_delta {self.delta} must be in (0, 1)")
         if not self.epsilon >= 0.0:
             raise ValueError(f"gate_epsilon {self.epsilon} must be >= 0")
+        if self.trial_decisions < MIN_DECISIONS:
+            raise ValueError(
+                f"gate_trial_decisions {self.trial_decisions} must be >= {MIN_DECISIONS} (what a bound needs)"
+            )
 
 
 @dataclass(frozen=True)

@@ -402,12 +402,6 @@ class Metrics:
             ["kind", "path"],
             registry=self._reg("learner"),
         )
-        self.gate_reanchors = Counter(
-            "causalmem_gate_reanchors_total",
-            "Candidates the promotion rule refused as worse than the anchor (gain upper bound below 0), after "
-            "which the learner resumed training from the serving weights",
-            registry=self._reg("learner"),
-        )
         self.cluster_resets = Counter(
             "causalmem_broker_resets_detected_total",
             "Broker resets (lost topics) detected",

@@ -126,8 +126,6 @@ class OfflineResult:
     values: dict[int, float] = field(default_factory=dict)
     # At each refresh: (step, the candidate's version, the version served before its judgement).
     refreshes: list[tuple[int, int, int]] = field(default_factory=list)
-    # (step, candidate version, serving version) where the learner resumed from the serving weights
-    reanchors: list[tuple[int, int, int]] = field(default_factory=list)
     # Every action of the promotion rule, (step, kind, version, path)
     actions: list[tuple[int, str, int, str]] = field(default_factory=list)
     # Every bound the rule looked at: (step, candidate, its anchor, the gain's lower and upper bound)
@@ -228,11 +226,10 @@ def run_offline(
     sequences: SequenceGate | None = None
     if gate is not None:
         sequences = SequenceGate(
-            promotion.Rule(delta=gate.delta, epsilon=gate.epsilon),
+            promotion.Rule(delta=gate.delta, epsilon=gate.epsilon, trial_decisions=gate.trial_decisions),
             first,
             serving_params,
             canary_rate,
-            trainer,
             logging_policies,
             result,
             serve_as_published,
@@ -295,14 +292,15 @@ def run_offline(
             if fired and cfg.reset:
                 # As the learner does on a reset command (pipeline/learner/control.py): warm up on
                 # the kept experiences since the drift began, then publish a "reset" checkpoint,
-                # which the promotion decision serves at once (ending any canary).
+                # which the promotion decision serves at once (ending any canary), as an
+                # incumbent under the gate (first_serving).
                 warm = replay.after_drift(monitor.trigger.change_t)
                 trainer.reset(
                     warm, epochs=cfg.warmup_epochs, batch_size=cfg.batch_size, half_life_s=cfg.warmup_half_life_s
                 )
                 result.resets.append(t)
                 version += 1
-                refresh(snapshot(serving_params, "reset"))
+                refresh(snapshot(first_serving(serving_params, gate is not None, "reset", 1), "reset"))
         if progress is not None:
             progress()
     result.served = retriever.policy
@@ -313,9 +311,9 @@ class SequenceGate:
     """The promotion rule (:func:`pipeline.learner.promotion.decide`) as the learner carries it
     out, on the decisions applied after each trial started (:mod:`pipeline.learner.evidence`).
 
-    Carries each action out on the loop's retriever and trainer: ``promote`` and ``rollback``
-    serve a version, ``refuse`` (the candidate shown worse) sends training back to the serving
-    weights; while a full candidate's trial waits and clients serve canaries, it is the canary.
+    Carries each action out on the loop's retriever: ``promote`` and ``rollback`` serve a
+    version, ``refuse`` (the candidate shown worse) ends its trial; while a full candidate's
+    trial waits and clients serve canaries, it is the canary.
     """
 
     def __init__(
@@ -324,7 +322,6 @@ class SequenceGate:
         first: LoadedPolicy,
         params: ServingParams,
         canary_rate: float,
-        trainer: PolicyTrainer,
         logging_policies: LoggingPolicies,
         result: OfflineResult,
         serve: Callable[[LoadedPolicy], None],
@@ -336,7 +333,6 @@ class SequenceGate:
         self.params = params
         self.canary_rate = canary_rate
         self.canary: int | None = None
-        self.trainer = trainer
         self.logging_policies = logging_policies
         self.result = result
         self.serve = serve
@@ -350,7 +346,7 @@ class SequenceGate:
 
     def wants_probe(self) -> bool:
         """As the check at the start of :meth:`RuleGate.probe`: the next candidate is preceded by a probe."""
-        return promotion.probes(self.state)
+        return promotion.probes(self.state, self.rule)
 
     def probe(self, policy: LoadedPolicy, step: int) -> None:
         """As :meth:`RuleGate.probe` once published: the probe is served, the trials go on."""
@@ -401,9 +397,6 @@ class SequenceGate:
                 self.serve(self.nets[a.version])
             elif a.kind == "rollback" and a.to is not None:
                 self.serve(self.nets[a.to])
-            elif a.kind == "refuse":
-                self.trainer.resume_from(self.nets[a.to if a.to is not None else self.state.serving].net.tensors())
-                self.result.reanchors.append((step, a.version, self.state.serving))
         canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full
         if canary != self.canary:
             self.canary = canary

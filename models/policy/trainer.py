@@ -374,36 +374,6 @@ class PolicyTrainer:
         self._new_optimizers()
         self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading, baseline_state)
 
-    def resume_from(self, tensors: dict[str, torch.Tensor], keep_rows: Sequence[int] = ()) -> None:
-        """Go on from ``tensors`` (another version's weights, e.g. the serving policy's) with this
-        trainer's baseline, keeping this trainer's output rows ``keep_rows`` (the memories given
-        those slots since that version: its rows there are an earlier owner's).
-
-        The optimizer keeps its second moments and step counts, and its first moments (the
-        momentum toward the weights left behind) start again at zero. A fresh Adam would move
-        every parameter by about the whole learning rate on its first updates, whatever the
-        gradient's noise: measured through the pipeline, candidates right after such a resume
-        were already worse than the weights resumed from (docs/learning.md, "Conservative steps").
-
-        >>> t = PolicyTrainer(TrainerConfig(embedding_dim=4, slots=3, hidden=8))
-        >>> other = PolicyTrainer(TrainerConfig(embedding_dim=4, slots=3, hidden=8, seed=1)).tensors()
-        >>> mine = t.tensors()["out.weight"][2].clone()
-        >>> t.resume_from(other, keep_rows=[2])
-        >>> bool(torch.equal(t.tensors()["out.weight"][0], other["out.weight"][0]))
-        True
-        >>> bool(torch.equal(t.tensors()["out.weight"][2], mine))
-        True
-        """
-        mine = self.tensors()
-        weights = {name: t.clone() for name, t in tensors.items()}
-        if len(keep_rows):
-            rows = torch.as_tensor(list(keep_rows), dtype=torch.long)
-            for name in ("out.weight", "out.bias"):
-                weights[name][rows] = mine[name][rows]
-        moments = {k: torch.zeros_like(v) if k.endswith(".exp_avg") else v for k, v in self.optimizer_tensors().items()}
-        self.load(weights, self.baseline.state())
-        self.load_optimizer_tensors(moments)
-
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """Adam moments (kept in the learner's local state directory): the backbone's by
         parameter name (``main.hidden.weight.exp_avg``, ...), the output layer's for its

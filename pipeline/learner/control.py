@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from models.policy.network import PolicyNetwork
 from models.policy.trainer import PolicyTrainer
 from pipeline.config import LearnerConfig
 from pipeline.learner.inbox import Inbox
@@ -384,28 +383,6 @@ class ControlHandler:
             released = sorted(set(self.progress.suppressed) - set(kept))
             log.info("learner: suppressed memories at slots %s were removed; no longer suppressed", released)
             self.progress.suppressed = kept
-
-    def resume_from_serving(self, version: int, serving: PolicyNetwork) -> None:
-        """The promotion rule refused the learner's candidate as worse than the anchor, while
-        ``version`` serves: training goes on from the serving weights, the optimizer's second
-        moments kept and its momentum restarted (:meth:`PolicyTrainer.resume_from`).
-
-        Unlike a rollback nothing is published (clients already serve ``version``), and the
-        memories given a slot since ``version`` keep the rows the trainer holds for them (a
-        network of ``version`` holds their slot's earlier owner's row there). The memories
-        operators suppressed stay suppressed.
-        """
-        if serving.arch != self.trainer.net.arch:
-            log.warning("learner: v%d has another architecture; training goes on from its own weights", version)
-            return
-        kept = self.memories.given_since(version)
-        self.trainer.resume_from(serving.tensors(), keep_rows=kept)
-        self._keep_suppressed()
-        log.info(
-            "learner: training resumes from the serving v%d's weights (%d newer memories keep their rows)",
-            version,
-            len(kept),
-        )
 
     def _keep_suppressed(self) -> None:
         """Other weights were loaded: the memories operators suppressed stay suppressed."""

@@ -13,11 +13,11 @@ gathers its evidence and carries its actions out. It
   whose logged probabilities disagree with the serving rule), and turns them into the rule's
   evidence (:mod:`pipeline.learner.evidence`) in a worker thread;
 - carries the actions out: ``promote`` republishes the candidate under the serving key;
-  ``refuse`` (the candidate shown worse than the anchor) sends the learner's training back to
-  the serving weights; ``rollback`` (the guardrail) asks the learner to roll back; while a
-  full candidate's trial waits and the serving parameters give clients a ``canary_rate``, the
-  newest such candidate is the canary (contract 1.4), whose requests are evidence like any
-  other (the draw's own probabilities are its logging probabilities);
+  ``refuse`` (the candidate shown worse than the anchor) ends its trial; ``rollback`` (the
+  guardrail) asks the learner to roll back; while a full candidate's trial waits and the
+  serving parameters give clients a ``canary_rate``, the newest such candidate is the canary
+  (contract 1.4), whose requests are evidence like any other (the draw's own probabilities
+  are its logging probabilities);
 - records each look (``decisions``: what ``status`` and the manifests' ``metrics.gate`` show)
   and its metrics.
 
@@ -102,7 +102,7 @@ class RuleGate:
     ) -> None:
         self.config = config
         self.params = serving or ServingParams()
-        self.rule = Rule(delta=config.delta, epsilon=config.epsilon)
+        self.rule = Rule(delta=config.delta, epsilon=config.epsilon, trial_decisions=config.trial_decisions)
         self.publisher = publisher
         self.metrics = metrics
         self.state: State | None = None
@@ -115,9 +115,8 @@ class RuleGate:
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
         self._deciding = asyncio.Lock()
         # Set by the learner: where events with disagreeing logging probabilities go (dead-letter);
-        # how its training resumes from a version's weights; how it rolls back to a version.
+        # how it rolls back to a version.
         self.on_mismatch: Callable[[Experience, str], None] | None = None
-        self.on_resume: Callable[[int, PolicyNetwork], None] | None = None
         self.on_rollback: Callable[[int, str], Coroutine[Any, Any, bool]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -185,7 +184,7 @@ class RuleGate:
         Returns whether a probe was published."""
         async with self._deciding:
             await self._look()
-            if self.state is None or not probes(self.state):
+            if self.state is None or not probes(self.state, self.rule):
                 return False
             manifest, tensors = await publish()
             self._hold(manifest, network(tensors))
@@ -257,7 +256,6 @@ class RuleGate:
         waiting: Look | None = None
         for a in actions:
             m.gate_actions.labels(kind=a.kind, path=a.path or "-").inc()
-            serving = self.state.serving
             if a.kind == "promote":
                 manifest, net = self.versions[a.version]
                 await self.publisher.promote(manifest)
@@ -268,11 +266,6 @@ class RuleGate:
                 log.info("gate: promoted v%d (%s): %s", a.version, a.path, a.reason)
             elif a.kind == "refuse":
                 log.warning("gate: refused v%d, shown worse than the anchor: %s", a.version, a.reason)
-                m.gate_reanchors.inc()
-                back = a.to if a.to is not None else serving
-                held = self.versions.get(back)
-                if self.on_resume is not None and held is not None:
-                    self.on_resume(back, held[1])
             elif a.kind == "rollback" and a.to is not None:
                 log.warning("gate: guardrail: %s; rolling back to v%d", a.reason, a.to)
                 if self.on_rollback is not None:

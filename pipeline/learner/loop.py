@@ -169,7 +169,6 @@ class Learner(Service):
         gate = self.publishing.gate
         if gate is not None:
             gate.on_mismatch = self._dead_letter_copy
-            gate.on_resume = self.control.resume_from_serving
             gate.on_rollback = self._guardrail_rollback
         self._election = Election(self.bootstrap, conn, on_lost=self.become_standby)
         await self._election.start()

@@ -19,9 +19,10 @@ the candidate was not trained on, so it is always tested on data it was not chos
 Seldonian safety test, Thomas et al. 2019), and the learner still trains on every decision.
 Trial j of the run gets the error rate δ/(j(j+1)) (:func:`models.offpolicy.confidence.spend`):
 the rates of all trials add up to δ, and each trial may be looked at after every batch. A new
-candidate starts a trial only once the newest open one has the decisions a bound needs (it
-takes the place of one that has seen none); otherwise it is passed over, so that every trial
-lives long enough to decide.
+candidate starts a trial only once the newest open one has had its ``trial_decisions`` (it
+takes the place of one that has seen none); otherwise it is passed over. The newest trial's
+candidate is the canary, so each trial keeps the canary's draws, the evidence it needs, until
+it has had a fair test.
 After each batch, the newest trial whose lower bound is
 
 * above 0 (the candidate is shown better than the anchor), or, when the anchor is
@@ -33,8 +34,10 @@ anchor, with that sum as its margin (``improved`` where the bound is above 0, el
 ``within-epsilon``). So ε is spent at most once: after a version served within ε of
 similarity-only, every promotion must improve on the version served, and each served version
 is compared with the one clients serve now, whose reads the log shows. A trial whose upper
-bound is below 0 is **refused** with evidence that the candidate is worse than the anchor: the
-learner resumes from the serving weights (``worse``). A trial neither promoted nor refused
+bound is below 0 is **refused** with evidence that the candidate is worse than the anchor
+(``worse``): its trial ends and nothing else changes. The learner trains on: its later
+candidates start trials of their own (sending training back to the serving weights threw away
+what it learnt, docs/promotion.md). A trial neither promoted nor refused
 **waits**, and its bounds say what it waits for; it is never evidence against the candidate.
 Older trials than one promoted end (``superseded``); newer ones start again against the new
 anchor.
@@ -107,11 +110,16 @@ class Rule:
         The margin: how much worse than the anchor (utility units) a promoted version may be.
     max_trials
         Trials open at once; a newer candidate ends the oldest (``superseded``).
+    trial_decisions
+        The decisions the newest trial is fed before a newer candidate may start one (and take
+        the canary). A trial passed over after ~200 decisions kept the canary's draws for only
+        that long, and its bounds stayed ±1 where they needed a few thousand (docs/promotion.md).
     """
 
     delta: float = 0.05
     epsilon: float = 0.02
     max_trials: int = 3
+    trial_decisions: int = 2000
 
     def __post_init__(self) -> None:
         if not 0.0 < self.delta < 1.0:
@@ -120,6 +128,8 @@ class Rule:
             raise ValueError(f"epsilon must be >= 0, not {self.epsilon!r}")
         if self.max_trials < 1:
             raise ValueError("max_trials must be >= 1")
+        if self.trial_decisions < MIN_DECISIONS:
+            raise ValueError(f"trial_decisions must be >= {MIN_DECISIONS} (what a bound needs)")
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,8 @@ class ServedAtOnce:
 
     ``reanchor``: the anchor goes back to similarity-only (a drift reset: what was certified
     describes the world before the change); else it stays. ``incumbent``: its manifest says so.
+    A drift reset served as an incumbent is the run's first policy from then on: nothing is
+    certified, as at the start, and a rollback goes back to it.
     """
 
     version: int
@@ -349,7 +361,7 @@ class Action:
     version: int
     reason: str
     path: str = ""  # promote: "improved" | "within-epsilon"; refuse: "worse"; rollback: "guardrail"
-    to: int | None = None  # rollback: the version served instead; refuse: the version the learner resumes from
+    to: int | None = None  # rollback: the version served instead
     # promote, refuse, wait: the trial's gain interval over its anchor at this look (None: no bound yet)
     interval: tuple[float, float] | None = None
 
@@ -370,36 +382,38 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         anchor, margin = (SIMILARITY, 0.0) if event.reanchor else (state.anchor, state.margin)
         ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]
         served = replace(state, serving=event.version, anchor=anchor, margin=margin, trials=(), guard=None)
-        return replace(served, incumbent=event.incumbent, before=None), ended
+        first = event.version if event.reanchor and event.incumbent else state.first
+        return replace(served, incumbent=event.incumbent, before=None, first=first), ended
     if isinstance(event, Probe):
-        if not probes(state) or event.version <= state.serving:
+        if not probes(state, rule) or event.version <= state.serving:
             return state, [Action("superseded", event.version, f"not a probe of the incumbent v{state.serving}")]
         return replace(state, serving=event.version, before=state.serving, guard=None), []
     return _evidence(state, event, rule)
 
 
-def probes(state: State) -> bool:
+def probes(state: State, rule: Rule) -> bool:
     """Whether the next candidate is preceded by a :class:`Probe`: while clients serve an
     incumbent and nothing is certified, when its trial opens after decisions were gathered
-    (no trial yet, or the newest has what a bound needs). One that takes the place of a trial
-    that saw no decision is not: in a quiet deployment clients would load a probe per checkpoint.
+    (no trial yet, or the newest has had its ``trial_decisions``). One that takes the place of
+    a trial that saw no decision is not: in a quiet deployment clients would load a probe per
+    checkpoint.
 
-    >>> probes(State.start(1, incumbent=True)), probes(State.start(1))
+    >>> probes(State.start(1, incumbent=True), Rule()), probes(State.start(1), Rule())
     (True, False)
     """
     newest = state.trials[-1] if state.trials else None
-    gathered = newest is None or newest.bounds.n >= MIN_DECISIONS
+    gathered = newest is None or newest.bounds.n >= rule.trial_decisions
     return state.incumbent and state.anchor == SIMILARITY and gathered
 
 
-def opens_trial(state: State) -> bool:
+def opens_trial(state: State, rule: Rule) -> bool:
     """Whether a candidate published now would start a trial (else it is passed over, :func:`decide`).
 
-    >>> opens_trial(State.start(1))
+    >>> opens_trial(State.start(1), Rule())
     True
     """
     newest = state.trials[-1] if state.trials else None
-    return newest is None or newest.bounds.n == 0 or newest.bounds.n >= MIN_DECISIONS
+    return newest is None or newest.bounds.n == 0 or newest.bounds.n >= rule.trial_decisions
 
 
 def _trial(state: State, version: int, rule: Rule) -> tuple[State, Trial]:
@@ -417,11 +431,11 @@ def _candidate(state: State, event: Candidate, rule: Rule) -> tuple[State, list[
         # Not looked at yet: nothing of δ was spent on it, so the newer candidate takes its place.
         actions.append(Action("superseded", newest.version, f"v{event.version} is newer (no decision seen yet)"))
         state = replace(state, trials=state.trials[:-1], tests=state.tests - 1)
-    elif not opens_trial(state):
+    elif not opens_trial(state, rule):
         assert newest is not None
-        # The newest trial is gathering the decisions a bound needs: a trial per candidate would
-        # end each before it could decide (and spend δ on every one).
-        reason = f"v{newest.version}'s trial has {newest.bounds.n} of the {MIN_DECISIONS} decisions a bound needs"
+        # The newest trial keeps the canary until it has had a fair test: a trial per candidate
+        # would end each before it could decide (and spend δ on every one).
+        reason = f"v{newest.version}'s trial has had {newest.bounds.n} of its {rule.trial_decisions} decisions"
         return state, [Action("superseded", event.version, reason)]
     state, trial = _trial(state, event.version, rule)
     trials = (*state.trials, trial)
@@ -445,9 +459,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     kept: list[Trial] = []
     for t in state.trials:
         if t.bounds.high < 0.0:
-            # Training resumes from the serving weights; a probe's are a candidate's: the first policy's then.
-            back = state.first if state.incumbent else state.serving
-            actions.append(Action("refuse", t.version, t.describe(), "worse", to=back, interval=t.interval()))
+            actions.append(Action("refuse", t.version, t.describe(), "worse", interval=t.interval()))
         else:
             kept.append(t)
     promoted = next((t for t in reversed(kept) if _promotable(state, t, rule)), None)

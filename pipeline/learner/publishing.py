@@ -64,8 +64,10 @@ def first_serving(
     serving: ServingParams, gated: bool, reason: str, updates: int, incumbent: bool = False
 ) -> ServingParams:
     """The serving parameters a checkpoint is published with. An incumbent (contract 1.17): a
-    fresh first policy, a probe (1.19), and a rollback while the rule serves an incumbent
-    (``incumbent``: nothing is certified, so what is rolled back to is not either).
+    fresh first policy, a probe (1.19), a drift reset (1.20: what was certified described the world
+    before the change, and the reset's warm-up is not certified either), and a rollback while
+    the rule serves an incumbent (``incumbent``: nothing is certified, so what is rolled back to
+    is not either).
 
     >>> fresh = first_serving(ServingParams(), True, "init", 0)
     >>> fresh.incumbent, fresh.temperature, fresh.explore_rate
@@ -74,13 +76,14 @@ def first_serving(
     False
     >>> probe = first_serving(ServingParams(), True, PROBE, 12)
     >>> back = first_serving(ServingParams(), True, "rollback", 9, incumbent=True)
-    >>> probe.incumbent, back.incumbent
-    (True, True)
+    >>> reset = first_serving(ServingParams(), True, "reset", 140)
+    >>> probe.incumbent, back.incumbent, reset.incumbent
+    (True, True, True)
     >>> first_serving(ServingParams(), False, "init", 0).temperature  # no gate: as configured
     0.05
     """
     fresh = reason == "init" and updates == 0
-    if gated and (fresh or reason == PROBE or (incumbent and reason == "rollback")):
+    if gated and (fresh or reason in (PROBE, "reset") or (incumbent and reason == "rollback")):
         return replace(serving, temperature=min(serving.temperature, FRESH_TEMPERATURE), incumbent=True)
     return serving
 

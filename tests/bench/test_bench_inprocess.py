@@ -103,9 +103,9 @@ def test_an_lm_row_runs_the_lm_world_and_measures_the_served_policy(tmp_path: Pa
     cfg = inprocess._Config(hidden=16, refresh_every=50, batch_size=16, gate=False)  # as the row's run() sets it
     m = runner.run(inprocess.ROWS["lm_credit25"], cfg)
     promotions = {"promoted", "canary_share", "canary_utility", "all_utility", "served_version"}
-    promotions |= {"reanchors"}  # the learner resumed from serving
+    promotions |= {"refused"}
     assert set(m) == {"value", "gold", "leak", "gap_closed"} | promotions and 0.0 <= m["gold"] <= 1.0
-    assert m["reanchors"] == 0.0  # ungated: no resume
+    assert m["refused"] == 0.0  # ungated: nothing judged
     assert m["canary_share"] == 0.0 and m["canary_utility"] is None  # ungated: no canary
     assert m["gap_closed"] == pytest.approx((m["value"] - runner.similarity) / (runner.oracle - runner.similarity))
     lm_rows = {k for k, r in inprocess.ROWS.items() if r.lm}

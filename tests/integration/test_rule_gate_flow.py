@@ -60,8 +60,11 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
         # The learner wanders off toward the harmful slots, round after round (a candidate
         # published while the newest trial gathers its decisions is passed over), while the client
         # explores at T = 1 (a log must read a candidate's sets to show it worse): a candidate is
-        # refused on the decisions after it, and training resumes from the serving weights.
-        resumed_before = learner.metrics.gate_reanchors._value.get()
+        # refused on the decisions after it: its trial ends, and serving stays.
+        def refusals() -> float:
+            return float(learner.metrics.gate_actions.labels(kind="refuse", path="worse")._value.get())
+
+        refused_before = refusals()
         for seed in range(20, 35):
             # Read together each round: a later promotion changes both (logged by one version's
             # weights but claimed under another's, the events were left out as logging_mismatch).
@@ -71,12 +74,12 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
             learner.dirty = True
             batch = log_of(net, 600, seed=seed, temperature=1.0, policy=s.policy, questions=20)
             await _send(s, served_by(batch, serving.version))
-            if learner.metrics.gate_reanchors._value.get() > resumed_before:
+            if refusals() > refused_before:
                 break
             await until(lambda: not learner.dirty, 30, "a checkpoint")
         # The record comes after the metric (the actions of one look are carried out in turn).
         await until(lambda: any(d.decision == "refused" for d in gate.decisions), 60, "a refusal")
-        assert learner.metrics.gate_reanchors._value.get() > resumed_before
+        assert refusals() > refused_before
         refused = [d for d in gate.decisions if d.decision == "refused"]
         assert refused[-1].path == "worse" and refused[-1].candidate_version > serving.version
         assert gate.serving_manifest is not None
@@ -90,8 +93,10 @@ async def test_a_learner_restarted_under_a_probe_keeps_the_incumbent_it_replaced
     before it the first policy (what a rollback of the probe and a refused candidate's training go
     back to), not the probe in its place."""
     # A slow learner: its candidates stay within the intervals' width of the first policy, so none
-    # is promoted and each trial that gathered its decisions is followed by another probe.
-    s = topics_ready.replace(gate=True, lr=1e-5, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
+    # is promoted and each trial that gathered its decisions (200 here) is followed by another probe.
+    s = topics_ready.replace(
+        gate=True, lr=1e-5, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0, gate_trial_decisions=200
+    )
     async with learner_running(s) as learner:
         gate = learner.gate
         assert isinstance(gate, RuleGate)

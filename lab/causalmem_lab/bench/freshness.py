@@ -70,7 +70,6 @@ class Run:
     # (sum, count) and how often training resumed from serving (a candidate refused as worse).
     gain_sum: float = 0.0
     gain_count: float = 0.0
-    reanchors: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         def q(values: list[float], p: float) -> float | None:
@@ -105,7 +104,6 @@ class Run:
             if self.traffic_s
             else None,
             "certified_gain_per_promotion": self.gain_sum / self.gain_count if self.gain_count else None,
-            "reanchors": self.reanchors,
             "freshness_s": [v if math.isfinite(v) else None for v in self.all_freshness_s],  # None: never
             "warmup_pairs": len(self.all_freshness_s) - len(self.freshness_s),
         }
@@ -232,7 +230,6 @@ async def one_run(
         run.checkpoints = metric(values, "causalmem_checkpoint_publishes_total")
         run.gain_sum = metric(values, "causalmem_gate_promoted_gain_sum")
         run.gain_count = metric(values, "causalmem_gate_promoted_gain_count")
-        run.reanchors = metric(values, "causalmem_gate_reanchors_total")
         offsets: dict[str, int] = {}
         for msg in await kafka.read_all(bootstrap, settings, settings.topics().experiences.name, partitions=[0]):
             try:
@@ -278,7 +275,7 @@ def table(runs: list[Run]) -> str:
             lines.append(
                 f"{r.name}: {x['promotions_per_min'] or 0:.1f} promotions/min, certified gain per promotion "
                 f"{'–' if gain is None else f'{gain:+.4f}'}, "
-                f"training resumed from serving {x['reanchors']:.0f}× (candidate worse)"
+                f"{x['gate_decisions'].get('refused', 0.0):.0f} refused (shown worse)"
             )
     return "\n".join(lines)
 

@@ -287,7 +287,7 @@ def promotions(result: Any) -> dict[str, float | None]:
         "canary_utility": float(np.mean(cu)) if cu else None,
         "all_utility": float(np.mean(result.tally.utility)),
         "served_version": float(result.served.version) if result.served is not None else None,
-        "reanchors": float(len(getattr(result, "reanchors", ()))),  # the learner resumed from serving
+        "refused": float(sum(d == "refused" for d in result.gate)),
     }
 
 

@@ -254,29 +254,6 @@ async def test_a_removed_memory_leaves_the_suppressed_set_so_its_slot_is_not_sup
     assert float(h.trainer.net.out.bias[slot].detach()) > -20
 
 
-def test_resuming_from_serving_keeps_newer_memories_rows_and_suppressions_and_publishes_nothing() -> None:
-    # The gate judged the learner's candidate worse than the serving v3 (gate_reanchor).
-    from models.policy.network import PolicyNetwork
-
-    h = Harness(gated=True)
-    h.progress.suppressed = [7]
-    h.trainer.net.suppress([7])
-    assert h.memories.apply(MemoryRecord("add", "doc-new", BASE_TS), h.trainer) is None  # given after v3
-    slot = h.memories.allocator.live["doc-new"]
-    with torch.no_grad():
-        h.trainer.net.out.bias[slot] = 0.75  # what the trainer learnt for the new memory
-    serving = PolicyNetwork.from_tensors(weights(bias=1.5))
-    h.handler.resume_from_serving(3, serving)
-    bias = h.trainer.net.out.bias.detach()
-    assert float(bias[(slot + 1) % S.slots]) == 1.5  # the serving weights
-    assert float(bias[slot]) == 0.75  # the new owner's row, not v3's earlier owner's
-    assert float(bias[7]) < -20  # still suppressed
-    assert h.published == [] and h.events == []  # clients already serve v3: nothing to publish
-    other = PolicyNetwork(S.embedding_dim, S.slots + 1, S.hidden)
-    h.handler.resume_from_serving(4, other)  # another architecture: the trainer goes on from its own
-    assert float(h.trainer.net.out.bias.detach()[slot]) == 0.75
-
-
 async def test_rollbacks_and_resets_beyond_the_hourly_cap_are_refused_and_dead_lettered() -> None:
     """The reported flood: 10 rollbacks and 3 resets forced 13 checkpoints past the gate in 20 s."""
     h = Harness(gated=True, versions={3: weights(bias=1.5)})

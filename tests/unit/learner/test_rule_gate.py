@@ -81,18 +81,17 @@ async def test_a_better_candidate_is_promoted_on_the_decisions_after_it() -> Non
     assert value("causalmem_gate_promoted_gain_sum") > (-0.02 if last.path == "within-epsilon" else 0.0)
 
 
-async def test_a_worse_candidate_is_refused_and_training_resumes_from_serving() -> None:
+async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
     gate, pub, serving = gate_of()
-    resumed: list[int] = []
-    gate.on_resume = lambda version, net: resumed.append(version)
     await gate.consider(manifest(2), tilted(serving, BAD).tensors())
     for seed in range(30):  # the bounds narrow as the table learns the sets the candidate reads
         gate.observe(logged(serving, 300, seed))
         await gate.reconsider()
-        if resumed:
+        if gate.decisions[-1].decision == "refused":
             break
-    assert resumed == [1] and pub.promoted == []
+    assert pub.promoted == [] and gate.state is not None and gate.state.trials == ()
     assert gate.decisions[-1].decision == "refused" and gate.decisions[-1].candidate_version == 2
+    assert gate.serving_manifest is not None and gate.serving_manifest.version == 1
 
 
 async def test_a_waiting_full_candidate_is_the_canary_until_its_trial_ends() -> None:
@@ -116,9 +115,10 @@ async def test_a_trial_is_fed_only_decisions_observed_after_its_candidate() -> N
     """The decisions observed before a candidate is considered (those it was trained on) go to
     the trials already open: the new trial starts with none."""
     gate, _, serving = gate_of()
+    gate.rule = dataclasses.replace(gate.rule, trial_decisions=200)  # about which trial is fed, not when one opens
     await gate.consider(manifest(2), tilted(serving, GOOD, amount=0.01).tensors())
     gate.observe(logged(serving, 250, 0))  # applied after v2 was published: v2's evidence
-    await gate.consider(manifest(3), tilted(serving, GOOD).tensors())  # v2 has its 200: v3's trial starts
+    await gate.consider(manifest(3), tilted(serving, GOOD).tensors())  # v2 has had its 200: v3's trial starts
     assert gate.state is not None
     seen = {t.version: t.bounds.n for t in gate.state.trials}
     assert seen[3] == 0 and seen[2] > 0

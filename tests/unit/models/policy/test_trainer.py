@@ -272,35 +272,6 @@ def test_skipped_batch_does_not_poison_later_updates() -> None:
     assert stats.skipped_non_finite == 0 and stats.applied == 1
 
 
-def test_resume_keeps_the_optimizers_scale_and_restarts_its_momentum() -> None:
-    # Resuming from another version's weights (the gate found the learner's candidate worse than
-    # serving): the second moments and step counts stay, the first moments start at zero, so the
-    # next update is not the whole learning rate on every parameter that a fresh Adam takes.
-    t = trainer()
-    for k in range(3):
-        t.update([fb(10 * k + i, u) for i, u in enumerate([0.5, -0.2, 1.0, 0.3])])
-    before = t.optimizer_tensors()
-    serving = trainer(seed=7).tensors()
-    t.resume_from(serving)
-    after = t.optimizer_tensors()
-    assert set(after) == set(before)
-    for name, v in after.items():
-        if name.endswith(".exp_avg"):
-            assert not v.any(), name
-        else:
-            assert torch.equal(v, before[name]), name
-    assert all(torch.equal(w, serving[k]) for k, w in t.tensors().items())
-    # One update after the resume moves the weights less than one after a fresh optimizer's.
-    fresh = trainer()
-    fresh.load(serving, t.baseline.state())
-    batch = [fb(40 + i, u) for i, u in enumerate([0.9, -0.6, 0.4, 0.2])]
-    moved = {}
-    for name, tr in (("resumed", t), ("fresh", fresh)):
-        tr.update(batch)
-        moved[name] = sum(float((w - serving[k]).abs().sum()) for k, w in tr.tensors().items())
-    assert 0.0 < moved["resumed"] < moved["fresh"]
-
-
 def test_the_step_baseline_takes_each_utility_at_its_sample_weight() -> None:
     """A principal weighed to 0 by the influence bound moves neither the update nor b: its inverted
     utilities once lowered b, and so raised every honest step's advantage u − b."""
