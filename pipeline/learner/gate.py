@@ -52,6 +52,7 @@ from pipeline.learner.promotion import (
     Withdrawn,
     canary,
     decide,
+    opens_trial,
     probes,
 )
 from pipeline.metrics import Metrics
@@ -214,6 +215,12 @@ class RuleGate:
                 look = Look("insufficient", newest.version, self.state.serving, newest.describe())
                 self._record(look)
             return look
+
+    def next_is_canary(self) -> bool:
+        """Whether a candidate published now would start a trial and, where clients serve
+        canaries, be the canary: it must then be a full snapshot (a client loads no delta as its
+        canary), or the trial would go without the canary's draws for all its decisions."""
+        return self.state is not None and self.params.canary_rate > 0.0 and opens_trial(self.state, self.rule)
 
     async def reconsider(self) -> Look | None:
         """Look at the evidence that arrived since the last look (at the checkpoint cadence)."""

@@ -249,7 +249,8 @@ class Publishing:
                 changed_rows = np.zeros(0, np.int64)  # the probe carried them
         tensors = trainer.tensors()
         full = to_safetensors(tensors)
-        rows = self.deltas.plan(reason, changed_rows)
+        canary = candidate and self.gate is not None and self.gate.next_is_canary()
+        rows = None if canary else self.deltas.plan(reason, changed_rows)
         delta: dict[str, Any] | None = None
         blob = full
         if rows is not None and self.publisher.head is not None:

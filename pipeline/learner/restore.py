@@ -162,7 +162,7 @@ async def serving_checkpoints(
 
     When it is a probe (contract 1.19: a candidate's weights on the exploration share), the
     incumbent before the probes comes first (the promotion rule's first policy, which a rollback
-    of the probe and the training after a refused candidate go back to), then the probe the
+    of the probe goes back to), then the probe the
     serving one replaced, if any (clients may still log under it): the order they were served
     in. A learner restarted under a probe then holds the rule's state it held before, not the
     probe as its first policy."""

@@ -38,8 +38,8 @@ def test_summary_counts_never_fresh_pairs_in_the_quantiles() -> None:
 
 
 def test_summary_gives_the_gates_promotions_per_minute_and_certified_gain() -> None:
-    run = freshness.Run("default", True, 2.0, 50, traffic_s=30.0, gate_decisions={"promoted": 6.0, "refused": 2.0})
-    run.gain_sum, run.gain_count = 0.03, 6.0
+    run = freshness.Run("default", True, 2.0, 50, traffic_s=30.0, gate_decisions={"promoted": 6.0})
+    run.gain_sum, run.gain_count, run.refused = 0.03, 6.0, 2.0
     s = run.summary()
     assert s["promotions_per_min"] == 12.0 and abs(s["certified_gain_per_promotion"] - 0.005) < 1e-12
     text = freshness.table([run])

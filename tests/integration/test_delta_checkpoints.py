@@ -23,9 +23,10 @@ from models.policy.delta import apply_delta, changed_rows, decode_delta, encode_
 from models.policy.network import Arch, init_policy
 from models.policy.trainer import PolicyTrainer, TrainerConfig
 from models.policy.weights import to_safetensors, verify_and_load
+from models.serving.params import ServingParams
 from pipeline.client import chain
 from pipeline.client.subscriber import PolicySubscriber
-from pipeline.config import Connection, LearnerConfig, Settings
+from pipeline.config import Connection, GateConfig, LearnerConfig, Settings
 from pipeline.learner.publishing import Publishing
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
@@ -51,10 +52,10 @@ class RecordingProducer:
 
 def learner(tmp_path: Path, full_every: int = 3, producer: Any = None, **kw: Any) -> tuple[Publishing, PolicyTrainer]:
     kw.setdefault("delta_max_share", 0.9)  # this tiny network's backbone is a quarter of a full snapshot
+    kw.setdefault("gate", None)
     config = LearnerConfig(
         connection=Connection.of(None),
         trainer=TrainerConfig(ARCH.embedding_dim, ARCH.slots, hidden=ARCH.hidden),
-        gate=None,
         full_every=full_every,
         **kw,
     )
@@ -454,6 +455,21 @@ async def test_broker_learner_publishes_full_and_deltas_and_a_subscriber_follows
         async with PolicySubscriber(topics_ready.bootstrap or "", conn=conn) as late:
             loaded = await late.wait_for_policy(5, timeout=15)
             assert same(loaded.net.tensors(), t.tensors())
+
+
+async def test_a_candidate_that_starts_a_trial_is_full_where_clients_serve_canaries(tmp_path: Path) -> None:
+    """The newest trial's candidate is the canary, and a client loads no delta as its canary: a
+    delta that started a trial went without the canary's draws for all its decisions."""
+    kinds = {}
+    for rate in (0.0, 0.2):
+        p, t = learner(tmp_path / str(rate), gate=GateConfig(), serving=ServingParams(canary_rate=rate))
+        t.updates = 12  # a restored, trained first policy: served as configured, not an incumbent (no probes)
+        await p.settle(
+            await p.publish(t, reason="init", metrics={}, input_offsets={}, changed_rows=t.take_changed_rows())
+        )
+        train(t, [1, 2])
+        kinds[rate] = type(await publish(p, t)).__name__  # the first candidate: it starts a trial
+    assert kinds == {0.0: "DeltaManifest", 0.2: "Manifest"}
 
 
 async def test_a_delta_candidate_is_promoted_under_the_delta_key_while_its_base_serves() -> None:

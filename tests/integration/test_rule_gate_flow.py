@@ -90,8 +90,8 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
 async def test_a_learner_restarted_under_a_probe_keeps_the_incumbent_it_replaced(topics_ready) -> None:
     """A probe carries a candidate's weights on the exploration share (contract 1.19). A learner
     restarted while one serves holds the rule's state as it was: the probe served, the incumbent
-    before it the first policy (what a rollback of the probe and a refused candidate's training go
-    back to), not the probe in its place."""
+    before it the first policy (what a rollback of the probe goes back to), not the probe in its
+    place."""
     # A slow learner: its candidates stay within the intervals' width of the first policy, so none
     # is promoted and each trial that gathered its decisions (200 here) is followed by another probe.
     s = topics_ready.replace(

@@ -67,7 +67,8 @@ class Run:
     checkpoints: float = 0.0
     traffic_s: float = 0.0  # wall seconds of traffic (the achieved rate is pairs / traffic_s)
     # The learner's gate metrics at the end: the certified lower bound of each promotion's gain
-    # (sum, count) and how often training resumed from serving (a candidate refused as worse).
+    # (sum, count) and the candidates refused as worse (a guardrail rollback is not one).
+    refused: float = 0.0
     gain_sum: float = 0.0
     gain_count: float = 0.0
 
@@ -104,6 +105,7 @@ class Run:
             if self.traffic_s
             else None,
             "certified_gain_per_promotion": self.gain_sum / self.gain_count if self.gain_count else None,
+            "refused": self.refused,
             "freshness_s": [v if math.isfinite(v) else None for v in self.all_freshness_s],  # None: never
             "warmup_pairs": len(self.all_freshness_s) - len(self.freshness_s),
         }
@@ -230,6 +232,7 @@ async def one_run(
         run.checkpoints = metric(values, "causalmem_checkpoint_publishes_total")
         run.gain_sum = metric(values, "causalmem_gate_promoted_gain_sum")
         run.gain_count = metric(values, "causalmem_gate_promoted_gain_count")
+        run.refused = metric(values, "causalmem_gate_actions_total", kind="refuse", path="worse")
         offsets: dict[str, int] = {}
         for msg in await kafka.read_all(bootstrap, settings, settings.topics().experiences.name, partitions=[0]):
             try:
@@ -275,7 +278,7 @@ def table(runs: list[Run]) -> str:
             lines.append(
                 f"{r.name}: {x['promotions_per_min'] or 0:.1f} promotions/min, certified gain per promotion "
                 f"{'–' if gain is None else f'{gain:+.4f}'}, "
-                f"{x['gate_decisions'].get('refused', 0.0):.0f} refused (shown worse)"
+                f"{x['refused']:.0f} refused (shown worse)"
             )
     return "\n".join(lines)
 

@@ -161,7 +161,7 @@ def test_the_rules_defaults_are_the_settings() -> None:
 def test_a_drift_reset_is_served_as_the_first_policy_again() -> None:
     """What was certified described the world before the change: a reset published as an
     incumbent makes similarity-only the anchor and is the first policy from then on, so probes
-    start again, and a rollback or a refused probe goes back to it, not to the run's start."""
+    start again, and a rollback goes back to it, not to the run's start."""
     certified = State(serving=7, anchor=7, first=1, margin=0.05)
     state, _ = decide(certified, ServedAtOnce(8, reanchor=True, incumbent=True), RULE)
     assert (state.serving, state.first, state.anchor, state.margin, state.incumbent) == (8, 8, SIMILARITY, 0.0, True)
