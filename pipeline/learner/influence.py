@@ -156,12 +156,16 @@ class InfluenceWindow:
         self.memory_counts: dict[int, Counter[str]] = {}
 
     def add(self, principals: Iterable[str], reads: Iterable[Sequence[int]]) -> None:
+        memory_counts = self.memory_counts
         for p, read in zip(principals, reads, strict=True):
-            memories = tuple(int(m) for m in read)
+            memories = tuple(map(int, read))
             self.recent.append((p, memories))
             self.counts[p] += 1
             for m in memories:
-                self.memory_counts.setdefault(m, Counter())[p] += 1
+                counts = memory_counts.get(m)
+                if counts is None:
+                    counts = memory_counts[m] = Counter()
+                counts[p] += 1
             if len(self.recent) > self.size:
                 self._forget(*self.recent.popleft())
 
@@ -180,6 +184,10 @@ class InfluenceWindow:
         blocked = set(quarantined)
         kept = [i for i, p in enumerate(principals) if p not in blocked]
         self.add([principals[i] for i in kept], [reads[i] for i in kept])
+        if len(self.counts) <= 1:
+            # One principal in the window (or only anonymous traffic): no share, overall or on
+            # a memory, can exceed any bound. The learner's every micro-batch in most deployments.
+            return np.array([0.0 if p in blocked else 1.0 for p in principals], dtype=np.float64)
         overall = influence_weights(principals, self.counts, self.cap, blocked)
         return per_memory_weights(overall, principals, reads, self.memory_counts, self.cap)
 

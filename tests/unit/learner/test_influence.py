@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from models.policy.trainer import PolicyTrainer
 from pipeline.config import Settings
-from pipeline.learner.influence import InfluenceWindow, capped_weights, influence_weights
+from pipeline.learner.influence import InfluenceWindow, capped_weights, influence_weights, per_memory_weights
 from pipeline.learner.loop import Learner
 from pipeline.promtext import metric, parse
 from tests.helpers import experience
@@ -60,6 +60,24 @@ def test_quarantined_principals_weigh_zero_and_leave_the_others_bound_unchanged(
     kept = {p: c for p, c in window.items() if p not in blocked}
     expected = capped_weights(kept, cap)
     assert w.tolist() == [0.0 if p in blocked else expected[p] for p in batch]
+
+
+experiences = st.tuples(st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 5), max_size=3))
+batches = st.lists(st.lists(experiences, min_size=1, max_size=8), min_size=1, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches, caps, st.sets(st.sampled_from("abc"), max_size=2), st.integers(1, 20))
+def test_the_window_weighs_every_micro_batch_by_the_rule_over_its_counts(
+    micro_batches: list[list[tuple[str, list[int]]]], cap: float, blocked: set[str], size: int
+) -> None:
+    win = InfluenceWindow(size=size, cap=cap)
+    for batch in micro_batches:
+        principals, reads = [p for p, _ in batch], [r for _, r in batch]
+        got = win.weights(principals, blocked, reads=reads)
+        # The window has now counted the batch: its weights are the rule's over those counts.
+        overall = influence_weights(principals, win.counts, cap, blocked)
+        assert got.tolist() == per_memory_weights(overall, principals, reads, win.memory_counts, cap).tolist()
 
 
 def test_one_principal_or_only_anonymous_traffic_weighs_1() -> None:
