@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 SESSION_TIMEOUT_MS = 6000
 HEARTBEAT_INTERVAL_MS = 1000
 MAX_REQUEST_BYTES = 2 * 1024 * 1024
+# Every producer of the product batches alike (the worker's faust producer too, worker/app.py).
+PRODUCER_LINGER_MS = 5
+PRODUCER_BATCH_BYTES = 256 * 1024
 
 
 def _topics(conn: Connection | Settings) -> Topics:
@@ -160,8 +163,8 @@ def producer(
         "bootstrap_servers": bootstrap,
         "acks": "all",
         "enable_idempotence": idempotent,
-        "linger_ms": 5,
-        "max_batch_size": 262144,
+        "linger_ms": PRODUCER_LINGER_MS,
+        "max_batch_size": PRODUCER_BATCH_BYTES,
         "max_request_size": MAX_REQUEST_BYTES,
         "client_id": "causalmem",
         **security_kwargs(settings.security),
