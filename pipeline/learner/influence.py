@@ -106,10 +106,11 @@ def per_memory_weights(
     reads: Sequence[Sequence[int]],
     memory_counts: Mapping[int, Mapping[str, int]],
     cap: float,
+    quarantined: Iterable[str] = (),
 ) -> np.ndarray:
     """``weights`` lowered, experience by experience, to its principal's capped weight on each
     memory it read (:func:`capped_weights` over ``memory_counts[m]``, each principal's reads of
-    memory ``m`` in the window); a weight of 0 stays 0.
+    memory ``m`` in the window, the ``quarantined`` principals' left out); a weight of 0 stays 0.
 
     >>> counts = {3: {"liar": 10, "a": 2, "b": 2, "c": 2, "d": 2, "e": 2}, 7: {"a": 5, "b": 5}}
     >>> w = per_memory_weights(np.ones(3), ["liar", "a", "a"], [[3], [3], [7]], counts, cap=0.2)
@@ -117,6 +118,7 @@ def per_memory_weights(
     [0.25, 1.0, 1.0]
     """
     out = np.array(weights, dtype=np.float64)
+    blocked = set(quarantined)
     on: dict[int, dict[str, float] | None] = {}  # None: no principal over the bound on that memory
     for i, (p, read) in enumerate(zip(principals, reads, strict=True)):
         if out[i] == 0.0:
@@ -124,6 +126,8 @@ def per_memory_weights(
         for m in read:
             if m not in on:
                 counts = memory_counts.get(m, {})
+                if blocked:  # reads counted before their principal was quarantined or held
+                    counts = {q: c for q, c in counts.items() if q not in blocked}
                 total = sum(counts.values())
                 # capped_weights changes nothing while every share is within the bound: most memories
                 over = len(counts) > 1 and max(counts.values()) > max(cap, 1.0 / len(counts)) * total
@@ -184,12 +188,12 @@ class InfluenceWindow:
         blocked = set(quarantined)
         kept = [i for i, p in enumerate(principals) if p not in blocked]
         self.add([principals[i] for i in kept], [reads[i] for i in kept])
-        if len(self.counts) <= 1:
-            # One principal in the window (or only anonymous traffic): no share, overall or on
-            # a memory, can exceed any bound. The learner's every micro-batch in most deployments.
+        if sum(p not in blocked for p in self.counts) <= 1:
+            # One principal counted (or only anonymous traffic): no share, overall or on a
+            # memory, can exceed any bound. The learner's every micro-batch in most deployments.
             return np.array([0.0 if p in blocked else 1.0 for p in principals], dtype=np.float64)
         overall = influence_weights(principals, self.counts, self.cap, blocked)
-        return per_memory_weights(overall, principals, reads, self.memory_counts, self.cap)
+        return per_memory_weights(overall, principals, reads, self.memory_counts, self.cap, blocked)
 
     def shares(self) -> dict[str, float]:
         """Each principal's share of the window's experiences."""

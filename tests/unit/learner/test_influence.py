@@ -66,18 +66,39 @@ experiences = st.tuples(st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0
 batches = st.lists(st.lists(experiences, min_size=1, max_size=8), min_size=1, max_size=6)
 
 
+blocked_sets = st.sets(st.sampled_from("abc"), max_size=2)
+
+
 @settings(max_examples=300, deadline=None)
-@given(batches, caps, st.sets(st.sampled_from("abc"), max_size=2), st.integers(1, 20))
+@given(batches, caps, st.lists(blocked_sets, min_size=6, max_size=6), st.integers(1, 20))
 def test_the_window_weighs_every_micro_batch_by_the_rule_over_its_counts(
-    micro_batches: list[list[tuple[str, list[int]]]], cap: float, blocked: set[str], size: int
+    micro_batches: list[list[tuple[str, list[int]]]], cap: float, blocked: list[set[str]], size: int
 ) -> None:
+    # Who is quarantined or held changes from batch to batch: a principal counted earlier is held later.
     win = InfluenceWindow(size=size, cap=cap)
-    for batch in micro_batches:
+    for batch, out in zip(micro_batches, blocked, strict=False):
         principals, reads = [p for p, _ in batch], [r for _, r in batch]
-        got = win.weights(principals, blocked, reads=reads)
+        got = win.weights(principals, out, reads=reads)
         # The window has now counted the batch: its weights are the rule's over those counts.
-        overall = influence_weights(principals, win.counts, cap, blocked)
-        assert got.tolist() == per_memory_weights(overall, principals, reads, win.memory_counts, cap).tolist()
+        overall = influence_weights(principals, win.counts, cap, out)
+        expected = per_memory_weights(overall, principals, reads, win.memory_counts, cap, out)
+        assert got.tolist() == expected.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches, caps, batches)
+def test_quarantining_a_principal_weighs_the_others_as_if_it_had_never_been_counted(
+    earlier: list[list[tuple[str, list[int]]]], cap: float, later: list[list[tuple[str, list[int]]]]
+) -> None:
+    seen, never = InfluenceWindow(size=10_000, cap=cap), InfluenceWindow(size=10_000, cap=cap)
+    for batch in earlier:
+        seen.weights([p for p, _ in batch], reads=[r for _, r in batch])
+        kept = [(p, r) for p, r in batch if p != "b"]
+        never.weights([p for p, _ in kept], reads=[r for _, r in kept])
+    for batch in later:
+        kept = [(p, r) for p, r in batch if p != "b"]
+        principals, reads = [p for p, _ in kept], [r for _, r in kept]
+        assert seen.weights(principals, {"b"}, reads=reads).tolist() == never.weights(principals, reads=reads).tolist()
 
 
 def test_one_principal_or_only_anonymous_traffic_weighs_1() -> None:
