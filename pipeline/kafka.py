@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 SESSION_TIMEOUT_MS = 6000
 HEARTBEAT_INTERVAL_MS = 1000
 MAX_REQUEST_BYTES = 2 * 1024 * 1024
-# Every producer of the product batches alike (the worker's faust producer too, worker/app.py).
-PRODUCER_LINGER_MS = 5
+# The batch size of the product's producers, the worker's faust producer too (worker/app.py).
 PRODUCER_BATCH_BYTES = 256 * 1024
 
 
@@ -163,7 +162,7 @@ def producer(
         "bootstrap_servers": bootstrap,
         "acks": "all",
         "enable_idempotence": idempotent,
-        "linger_ms": PRODUCER_LINGER_MS,
+        "linger_ms": 5,
         "max_batch_size": PRODUCER_BATCH_BYTES,
         "max_request_size": MAX_REQUEST_BYTES,
         "client_id": "causalmem",

@@ -36,7 +36,6 @@ import mode
 from pipeline.config import WorkerConfig
 from pipeline.kafka import (
     PRODUCER_BATCH_BYTES,
-    PRODUCER_LINGER_MS,
     ClusterWatch,
     faust_credentials,
     idempotence_granted,
@@ -136,14 +135,13 @@ class Worker:
             web_bind="127.0.0.1",
             web_port=web_port or 6066,
             producer_acks=-1,
-            # Table changelog writes leave through faust's producer, one buffered send at a
-            # time. With faust's own batching (16 KiB, no linger) a batch of the outcomes
+            # Table changelog writes (and the stages' outputs) leave through faust's producer,
+            # one buffered send at a time. With faust's 16 KiB batches, a batch of the outcomes
             # stage's writes filled after a few held samples (kilobytes each), and the next send
             # waited until the Kafka client had taken the full batch: the changelog trailed the
-            # rest of the worker by 1-3 s (docs/benchmarks.md, "Throughput"). So the product's
-            # batching instead.
+            # rest of the worker by 1-2 s (docs/benchmarks.md, "Throughput"). faust's linger (0)
+            # stays: a verdict's held samples are sent and awaited one at a time (labels.py).
             producer_max_batch_size=PRODUCER_BATCH_BYTES,
-            producer_linger=PRODUCER_LINGER_MS / 1000.0,
             topic_replication_factor=c.connection.topics.outcomes.replication,  # changelogs too
             consumer_auto_offset_reset="earliest",
             processing_guarantee="at_least_once",
