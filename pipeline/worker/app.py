@@ -139,7 +139,7 @@ class Worker:
             # one buffered send at a time. With faust's 16 KiB batches, a batch of the outcomes
             # stage's writes filled after a few held samples (kilobytes each), and the next send
             # waited until the Kafka client had taken the full batch: the changelog trailed the
-            # rest of the worker by 1-2 s (docs/benchmarks.md, "Throughput"). faust's linger (0)
+            # rest of the worker by up to 2 s (docs/benchmarks.md, "Throughput"). faust's linger (0)
             # stays: a verdict's held samples are sent and awaited one at a time (labels.py).
             producer_max_batch_size=PRODUCER_BATCH_BYTES,
             topic_replication_factor=c.connection.topics.outcomes.replication,  # changelogs too

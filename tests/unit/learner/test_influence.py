@@ -64,8 +64,6 @@ def test_quarantined_principals_weigh_zero_and_leave_the_others_bound_unchanged(
 
 experiences = st.tuples(st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 5), max_size=3))
 batches = st.lists(st.lists(experiences, min_size=1, max_size=8), min_size=1, max_size=6)
-
-
 blocked_sets = st.sets(st.sampled_from("abc"), max_size=2)
 
 

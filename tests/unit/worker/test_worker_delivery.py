@@ -75,7 +75,7 @@ async def test_the_worker_app_uses_the_acknowledging_producer_and_the_watermark_
 
 async def test_the_workers_faust_producer_takes_the_products_batch_size_and_no_linger(tmp_path: Path) -> None:
     # With faust's 16 KiB batches the outcomes stage's changelog writes trailed the rest of the
-    # worker by 1-2 s in the throughput benchmark. No linger: a verdict's held samples are each
+    # worker by up to 2 s in the throughput benchmark. No linger: a verdict's held samples are each
     # sent and awaited in turn, and a linger would delay every one of them.
     producer = Worker(Settings(state_dir=str(tmp_path)).worker(), "127.0.0.1:9", Metrics()).app.producer
     assert producer.max_batch_size == kafka.PRODUCER_BATCH_BYTES > 16 * 1024
