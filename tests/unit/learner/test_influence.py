@@ -5,6 +5,7 @@ per principal"): the rule by property, and the learner applying it to its micro-
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,23 @@ def test_quarantining_a_principal_weighs_the_others_as_if_it_had_never_been_coun
         kept = [(p, r) for p, r in batch if p != "b"]
         principals, reads = [p for p, _ in kept], [r for _, r in kept]
         assert seen.weights(principals, {"b"}, reads=reads).tolist() == never.weights(principals, reads=reads).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches, st.lists(blocked_sets, min_size=6, max_size=6), st.integers(1, 20))
+def test_the_window_counts_exactly_the_last_experiences_not_left_out(
+    micro_batches: list[list[tuple[str, list[int]]]], blocked: list[set[str]], size: int
+) -> None:
+    win, counted = InfluenceWindow(size=size, cap=0.2), []
+    for batch, out in zip(micro_batches, blocked, strict=False):
+        win.weights([p for p, _ in batch], out, reads=[r for _, r in batch])
+        counted = [*counted, *((p, r) for p, r in batch if p not in out)][-size:]
+    assert win.counts == Counter(p for p, _ in counted)
+    per_memory: dict[int, Counter[str]] = {}
+    for p, read in counted:
+        for m in read:
+            per_memory.setdefault(m, Counter())[p] += 1
+    assert win.memory_counts == per_memory
 
 
 def test_one_principal_or_only_anonymous_traffic_weighs_1() -> None:
