@@ -68,6 +68,11 @@ batches = st.lists(st.lists(experiences, min_size=1, max_size=8), min_size=1, ma
 blocked_sets = st.sets(st.sampled_from("abc"), max_size=2)
 
 
+def split(batch: list[tuple[str, list[int]]]) -> tuple[list[str], list[list[int]]]:
+    """A drawn micro-batch as ``InfluenceWindow.weights`` takes it: principals, and each one's reads."""
+    return [p for p, _ in batch], [r for _, r in batch]
+
+
 @settings(max_examples=300, deadline=None)
 @given(batches, caps, st.lists(blocked_sets, min_size=6, max_size=6), st.integers(1, 20))
 def test_the_window_weighs_every_micro_batch_by_the_rule_over_its_counts(
@@ -76,7 +81,7 @@ def test_the_window_weighs_every_micro_batch_by_the_rule_over_its_counts(
     # Who is quarantined or held changes from batch to batch: a principal counted earlier is held later.
     win = InfluenceWindow(size=size, cap=cap)
     for batch, out in zip(micro_batches, blocked, strict=False):
-        principals, reads = [p for p, _ in batch], [r for _, r in batch]
+        principals, reads = split(batch)
         got = win.weights(principals, out, reads=reads)
         # The window has now counted the batch: its weights are the rule's over those counts.
         overall = influence_weights(principals, win.counts, cap, out)
@@ -91,12 +96,12 @@ def test_quarantining_a_principal_weighs_the_others_as_if_it_had_never_been_coun
 ) -> None:
     seen, never = InfluenceWindow(size=10_000, cap=cap), InfluenceWindow(size=10_000, cap=cap)
     for batch in earlier:
-        seen.weights([p for p, _ in batch], reads=[r for _, r in batch])
-        kept = [(p, r) for p, r in batch if p != "b"]
-        never.weights([p for p, _ in kept], reads=[r for _, r in kept])
+        principals, reads = split(batch)
+        seen.weights(principals, reads=reads)
+        principals, reads = split([(p, r) for p, r in batch if p != "b"])
+        never.weights(principals, reads=reads)
     for batch in later:
-        kept = [(p, r) for p, r in batch if p != "b"]
-        principals, reads = [p for p, _ in kept], [r for _, r in kept]
+        principals, reads = split([(p, r) for p, r in batch if p != "b"])
         assert seen.weights(principals, {"b"}, reads=reads).tolist() == never.weights(principals, reads=reads).tolist()
 
 
@@ -107,7 +112,8 @@ def test_the_window_counts_exactly_the_last_experiences_not_left_out(
 ) -> None:
     win, counted = InfluenceWindow(size=size, cap=0.2), []
     for batch, out in zip(micro_batches, blocked, strict=False):
-        win.weights([p for p, _ in batch], out, reads=[r for _, r in batch])
+        principals, reads = split(batch)
+        win.weights(principals, out, reads=reads)
         counted = [*counted, *((p, r) for p, r in batch if p not in out)][-size:]
     assert win.counts == Counter(p for p, _ in counted)
     per_memory: dict[int, Counter[str]] = {}
