@@ -134,6 +134,8 @@ class OfflineResult:
     trialled: dict[int, LoadedPolicy] = field(default_factory=dict)
     # Every version clients were told to serve, by version (its value can be measured afterwards).
     served_versions: dict[int, LoadedPolicy] = field(default_factory=dict)
+    # (step, version) of the version an operator's command served (run_offline's ``operator``).
+    operator: tuple[int, int] | None = None
 
 
 def _snapshot(
@@ -153,11 +155,15 @@ def run_offline(
     progress: Any = None,
     env: Any = None,
     value: Callable[[PolicyNetwork], float] | None = None,
+    operator: tuple[int, Callable[[PolicyNetwork], None]] | None = None,
 ) -> OfflineResult:
     """Run ``scenario``'s traffic through the loop; ``env`` (optional) is a world with the
     simulator Environment's interface (e.g. :class:`causalmem_lab.lmworld.LMWorld` over an
     :class:`~causalmem_lab.lmworld.LMScenario`), else ``Environment(scenario)``. ``value``
-    (optional): a policy's true value, recorded for every version (``OfflineResult.values``)."""
+    (optional): a policy's true value, recorded for every version (``OfflineResult.values``).
+    ``operator`` (optional), ``(step, change)``: at the first checkpoint from that step on, an
+    operator's command serves the learner's weights as ``change`` alters them (in place), as a
+    rollback to them would: at once, without a trial (``OfflineResult.operator``)."""
     if env is None:
         assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
         env = Environment(scenario)
@@ -195,9 +201,13 @@ def run_offline(
     result = OfflineResult(Tally())
     steps = 0
 
-    def snapshot(serving: ServingParams, reason: str = "periodic") -> LoadedPolicy:
-        """The trainer's policy as version ``version``, its learnt-from step and value recorded."""
+    def snapshot(
+        serving: ServingParams, reason: str = "periodic", change: Callable[[PolicyNetwork], None] | None = None
+    ) -> LoadedPolicy:
+        """The trainer's policy as version ``version`` (``change`` alters it), its step and value recorded."""
         policy = _snapshot(trainer, version, serving, reason)
+        if change is not None:
+            change(policy.net)
         result.created[version] = steps - len(pending)  # the pending steps are not learnt yet
         if value is not None:
             result.values[version] = value(policy.net)
@@ -282,6 +292,10 @@ def run_offline(
                 candidate = snapshot(serving_params)
                 result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
                 refresh(candidate)
+                if operator is not None and result.operator is None and steps >= operator[0]:
+                    version += 1
+                    result.operator = (steps, version)
+                    refresh(snapshot(serving_params, "rollback", operator[1]))
 
         rating = env.rating(q.intent)
         if rating is not None:

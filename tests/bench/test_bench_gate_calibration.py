@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 from causalmem_lab.bench import gate_calibration as bench
+from causalmem_lab.bench import promise
 
 from tests.bench.test_fanout_world import use_a_slice
 
 
 def test_the_bench_judges_every_trial_against_the_truth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    use_a_slice(monkeypatch, tmp_path, bench, "fanout-lookalike")
+    use_a_slice(monkeypatch, tmp_path, promise, "fanout-lookalike")
     p = argparse.ArgumentParser()
     bench.add_options(p)
     args = p.parse_args(["--clients", "t1", "--seeds", "0", "--events", "3000", "--drop", "none"])

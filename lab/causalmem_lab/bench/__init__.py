@@ -14,6 +14,8 @@
   client, at the previous and the current checkpoint defaults (worker, learner, client on a broker).
 - ``promise``: on the real-data world, in process, whether any version the gate served was worse
   than similarity-only by more than ε (the unsafe share over runs), and what it learnt.
+- ``guardrail``: on the real-data world, in process, the decisions until the guardrail rolls back
+  a version served at once that is worse than similarity-only.
 - ``serving``: the latency a request pays for the product: ``CausalRetriever.retrieve`` against its
   faiss search, the LangChain adapter against the store's own retriever, and the adapter with a
   publisher while the broker is up, stopped, flapping or refusing.
@@ -37,6 +39,7 @@ BENCHES = {
     "scale": "causalmem_lab.bench.scale",
     "freshness": "causalmem_lab.bench.freshness",
     "promise": "causalmem_lab.bench.promise",
+    "guardrail": "causalmem_lab.bench.guardrail",
     "serving": "causalmem_lab.bench.serving",
     "poisoning": "causalmem_lab.bench.poisoning",
 }

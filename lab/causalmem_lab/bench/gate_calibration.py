@@ -33,7 +33,6 @@ import numpy as np
 
 from causalmem_lab.bench import lmlearning, promise
 from causalmem_lab.bench.promise import CLIENTS, wilson
-from causalmem_lab.lmdata import lm_utilities
 from causalmem_lab.offline import PRODUCT, OfflineResult, run_offline
 from pipeline.learner.promotion import SIMILARITY
 
@@ -109,11 +108,7 @@ def run_one(data: Any, u: Any, cname: str, seed: int, args: argparse.Namespace) 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data_name = args.data or "fanout-lookalike"
-    build, c = lmlearning.DATA[data_name]
-    data = build()
-    cache = Path(args.cache_dir) if args.cache_dir else None
-    u = lm_utilities(data, c=args.candidates or c, cache_dir=cache, model="")
+    data_name, data, u = promise.bank(args, "fanout-lookalike")
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",") if s.strip()]
     clients = [c.strip() for c in (args.clients or "retriever,t1").split(",") if c.strip()]
     unknown = [c for c in clients if c not in CLIENTS]
@@ -165,9 +160,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", choices=list(lmlearning.DATA), help="the bank (default fanout-lookalike)")
-    p.add_argument("--candidates", type=int, help="candidates scored per question, C (default: the bank's)")
-    p.add_argument("--cache-dir", help="where LM utilities are cached (default ~/.cache/causalmem/lm-utilities)")
+    promise.world_options(p, "fanout-lookalike")
     p.add_argument("--clients", help=f"comma-separated, of {', '.join(CLIENTS)} (default retriever,t1)")
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--events", type=int, help="steps of traffic per run (default: the client's)")

@@ -138,11 +138,24 @@ def run_one(
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    data_name = args.data or "fanout"
-    build, c = lmlearning.DATA[data_name]
+def bank(args: argparse.Namespace, default: str) -> tuple[str, Any, Any]:
+    """(its name, the bank, its LM utilities) of the real-data world ``args`` name (:func:`world_options`)."""
+    name = args.data or default
+    build, c = lmlearning.DATA[name]
     data = build()
     u = lm_utilities(data, c=args.candidates or c, cache_dir=Path(args.cache_dir) if args.cache_dir else None, model="")
+    return name, data, u
+
+
+def world_options(p: argparse.ArgumentParser, default: str) -> None:
+    """The flags that choose the real-data world (read by :func:`bank`)."""
+    p.add_argument("--data", choices=list(lmlearning.DATA), help=f"the bank (default {default})")
+    p.add_argument("--candidates", type=int, help="candidates scored per question, C (default: the bank's)")
+    p.add_argument("--cache-dir", help="where LM utilities are cached (default ~/.cache/causalmem/lm-utilities)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    data_name, data, u = bank(args, "fanout")
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",") if s.strip()]
     clients = [c.strip() for c in (args.clients or ",".join(CLIENTS)).split(",") if c.strip()]
     rules = [r.strip() for r in (args.rules or ",".join(RULES)).split(",") if r.strip()]
@@ -196,9 +209,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", choices=list(lmlearning.DATA), help="the bank (default fanout)")
-    p.add_argument("--candidates", type=int, help="candidates scored per question, C (default: the bank's)")
-    p.add_argument("--cache-dir", help="where LM utilities are cached (default ~/.cache/causalmem/lm-utilities)")
+    world_options(p, "fanout")
     p.add_argument("--clients", help=f"comma-separated (default all of {', '.join(CLIENTS)})")
     p.add_argument("--rules", help=f"comma-separated: with the gate or without (default both of {', '.join(RULES)})")
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")

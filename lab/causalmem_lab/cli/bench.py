@@ -30,6 +30,7 @@ BENCH_HELP = {
     "scale": "learner step rate and RSS, policy+faiss vs plain faiss latency at S = 10^3, 10^5, 10^6",
     "freshness": "seconds from a pair's publication to a serving checkpoint covering it, loaded by a client",
     "promise": "on real data: whether a version the gate served was ever below similarity-only by more than ε",
+    "guardrail": "on real data: decisions until the guardrail rolls back a served version below similarity-only",
     "serving": "latency a request pays for the product: retriever, LangChain adapter, publishing with the broker away",
     "poisoning": "a principal lying at 6-25% of the traffic: honest clients' harmful reads; is the liar flagged",
 }
