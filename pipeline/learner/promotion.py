@@ -47,11 +47,13 @@ the exploration share), each candidate whose trial opens after decisions were ga
 served as a :class:`Probe`: an incumbent carrying its weights, so that the exploration share
 draws from the candidate, which is the evidence its trial needs where clients serve no canary.
 
-**The guardrail.** The served version's own decisions (logged while it served) are
-compared, by the same kind of sequence, with similarity-only; where the served version is
-shown worse by more than ε, it is **rolled back** to the anchor (or to the first policy, when
-the served version is the anchor). This is a check on what is actually served, under
-whatever the estimators' inputs got wrong.
+**The guardrail.** What clients served as the serving manifest asks, on the decisions logged
+while it served, is compared with similarity-only by the same kind of sequence, two ways
+(:class:`Guard`): its gain valued on those decisions, and its value there (on-policy) against
+similarity-only's measured while clients served an incumbent (:attr:`State.baseline`). Where
+either shows it worse by more than ε, it is **rolled back** to the anchor (or to the first
+policy, when the served version is the anchor). This is a check on what is actually served,
+under whatever the estimators' inputs got wrong.
 
 The learner's async code only gathers the evidence (the probabilities, under each version
 as served, of the sets each decision read) and carries out the actions; the lab
@@ -66,6 +68,7 @@ calls the same :func:`decide`.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -153,6 +156,34 @@ class Trial:
         return f"v{self.version} over v{self.anchor}: gain in [{b.low:+.4f}, {b.high:+.4f}] after {b.n} decisions"
 
 
+@dataclass
+class Guard:
+    """The guardrail's view of the served version (its decisions since it was served), two ways,
+    each with its own share of the guardrail's δ:
+
+    - ``gain``: its gain over similarity-only, both valued on its own decisions (similarity-only's
+      reads are those the served version's draws happened to share with plain top-k);
+    - ``value``: its own value, on those decisions (on-policy: as clients served it), to set
+      against similarity-only's value measured while clients served it (:attr:`State.baseline`).
+
+    A near-greedy served version rarely reads plain top-k's sets, so the first way can stay
+    unsure however far below similarity-only it is; the second sees it, where the run began
+    with an incumbent.
+    """
+
+    gain: GainSequence
+    value: GainSequence
+
+    def high(self, baseline: GainSequence | None) -> float:
+        """The gain's upper bound, the tighter of the two ways."""
+        against = self.value.high - baseline.low if baseline is not None else math.inf
+        return min(self.gain.high, against)
+
+    def low(self, baseline: GainSequence | None) -> float:
+        against = self.value.low - baseline.high if baseline is not None else -math.inf
+        return max(self.gain.low, against)
+
+
 @dataclass(frozen=True)
 class State:
     """What the rule knows: the version served, the anchor, the open trials and the guardrail."""
@@ -165,8 +196,13 @@ class State:
     # The anchor's certified lower bound over similarity-only (0 for similarity-only itself): the
     # sum of the lower bounds of the promotions that led to it, each from a test of its own.
     margin: float = 0.0
-    guard: GainSequence | None = None  # the served version over similarity-only, on its own decisions
+    guard: Guard | None = None  # the served version against similarity-only, on its own decisions
     guards: int = 0  # guardrail sequences started (their own share of δ)
+    # Similarity-only's value, measured while clients served it: on the decisions logged under an
+    # incumbent (``incumbents``), which read the client's own ranking but on the exploration share.
+    baseline: GainSequence | None = None
+    baselines: int = 0  # baseline sequences started (a drift reset starts one: the world changed)
+    incumbents: frozenset[int] = frozenset()
     # The served version is an incumbent (contract 1.17): clients serve their own ranking but on
     # the exploration share, which draws from its weights (the first policy's, or a probe's, 1.19).
     incumbent: bool = False
@@ -177,7 +213,7 @@ class State:
     @classmethod
     def start(cls, serving: int, incumbent: bool = False) -> State:
         """The state at the learner's start: ``serving`` served at once, similarity-only the anchor."""
-        return cls(serving=serving, first=serving, incumbent=incumbent)
+        return cls(serving=serving, first=serving, incumbent=incumbent, incumbents=frozenset([serving] * incumbent))
 
     def versions(self) -> set[int]:
         """The versions whose probabilities the next evidence must carry."""
@@ -306,12 +342,44 @@ class Evidence:
             None if self.mix_share is None else self.mix_share[rows],
         )
 
-    def served_gains(self, serving: int, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The gain of what clients served as ``serving``'s manifest asked over ``a``, per decision
-        they served that way: (the decisions' rows, the lower bound's terms, the upper's). Where
-        a decision came from a canary mix, what was served is the mix, ``(1 − ρ)·serving + ρ·canary``,
+    def served_values(self, serving: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The value of what clients served as ``serving``'s manifest asked, per decision they
+        served that way: (the decisions' rows, the lower bound's terms, the upper's). Where a
+        decision came from a canary mix, what was served is the mix, ``(1 − ρ)·serving + ρ·canary``,
         and so are its terms (they are linear in the policy valued); a mix whose canary this
         evidence does not value is left out.
+
+        >>> ev = Evidence(np.array([1.0, 0.0]), np.array([0.5, 0.5]), np.array([1, 2]),
+        ...               {0: np.array([0.5, 0.5]), 1: np.array([0.5, 0.5]), 2: np.array([0.5, 0.5])},
+        ...               mixed_with=np.array([2, 1]), mix_share=np.array([0.2, 0.2]))
+        >>> rows, low, high = ev.served_values(1)
+        >>> rows.tolist(), low.tolist()  # both arms of v1's mix with canary v2
+        ([0, 1], [1.0, 0.0])
+        """
+        own = self.version == serving
+        if self.mixed_with is None or self.mix_share is None:
+            rows = np.flatnonzero(own)
+            low, high = self.subset(rows).bounds(serving)
+            return rows, low, high
+        canary = np.where(own, self.mixed_with, self.version)
+        served = own | (self.mixed_with == serving)
+        valued = (canary < 0) | np.isin(canary, list(self.probs))
+        rows = np.flatnonzero(served & valued)
+        sub = self.subset(rows)
+        low, high = (b.copy() for b in sub.bounds(serving))  # written in place below (both may be one array)
+        share = np.where(canary[rows] >= 0, self.mix_share[rows], 0.0)
+        for c in np.unique(canary[rows]):
+            if c < 0 or c == serving:
+                continue
+            at = np.flatnonzero(canary[rows] == c)
+            c_low, c_high = sub.subset(at).bounds(int(c))
+            low[at] = (1.0 - share[at]) * low[at] + share[at] * c_low
+            high[at] = (1.0 - share[at]) * high[at] + share[at] * c_high
+        return rows, low, high
+
+    def served_gains(self, serving: int, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The gain of what clients served as ``serving``'s manifest asked over ``a``, on the same
+        decisions as :meth:`served_values`.
 
         >>> ev = Evidence(np.array([1.0, 0.0]), np.array([0.5, 0.5]), np.array([1, 2]),
         ...               {0: np.array([0.5, 0.5]), 1: np.array([0.5, 0.5]), 2: np.array([0.5, 0.5])},
@@ -320,26 +388,16 @@ class Evidence:
         >>> rows.tolist(), low.tolist()  # both arms of v1's mix with canary v2; equal values: no gain
         ([0, 1], [0.0, 0.0])
         """
-        own = self.version == serving
-        if self.mixed_with is None or self.mix_share is None:
-            rows = np.flatnonzero(own)
-            low, high = self.subset(rows).gains(serving, a)
-            return rows, low, high
-        canary = np.where(own, self.mixed_with, self.version)
-        served = own | (self.mixed_with == serving)
-        valued = (canary < 0) | np.isin(canary, list(self.probs))
-        rows = np.flatnonzero(served & valued)
-        sub = self.subset(rows)
-        low, high = sub.gains(serving, a)
-        share = np.where(canary[rows] >= 0, self.mix_share[rows], 0.0)
-        for c in np.unique(canary[rows]):
-            if c < 0 or c == serving:
-                continue
-            at = np.flatnonzero(canary[rows] == c)
-            c_low, c_high = sub.subset(at).gains(int(c), a)
-            low[at] = (1.0 - share[at]) * low[at] + share[at] * c_low
-            high[at] = (1.0 - share[at]) * high[at] + share[at] * c_high
-        return rows, low, high
+        rows, low, high = self.served_values(serving)
+        a_low, a_high = self.subset(rows).bounds(a)
+        return rows, low - a_high, high - a_low
+
+    def logged_under(self, versions: frozenset[int]) -> np.ndarray:
+        """The rows drawn by one of ``versions`` (or by a canary mix with one)."""
+        under = np.isin(self.version, list(versions))
+        if self.mixed_with is not None:
+            under |= np.isin(self.mixed_with, list(versions))
+        return np.flatnonzero(under)
 
 
 @dataclass(frozen=True)
@@ -383,11 +441,16 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]
         served = replace(state, serving=event.version, anchor=anchor, margin=margin, trials=(), guard=None)
         first = event.version if event.reanchor and event.incumbent else state.first
+        if event.reanchor:  # a drift reset: similarity-only's value is measured again, in the new world
+            served = replace(served, baseline=None, incumbents=frozenset())
+        if event.incumbent:
+            served = replace(served, incumbents=served.incumbents | {event.version})
         return replace(served, incumbent=event.incumbent, before=None, first=first), ended
     if isinstance(event, Probe):
         if not probes(state, rule) or event.version <= state.serving:
             return state, [Action("superseded", event.version, f"not a probe of the incumbent v{state.serving}")]
-        return replace(state, serving=event.version, before=state.serving, guard=None), []
+        incumbents = state.incumbents | {event.version}
+        return replace(state, serving=event.version, before=state.serving, guard=None, incumbents=incumbents), []
     return _evidence(state, event, rule)
 
 
@@ -508,7 +571,9 @@ def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
 def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> State:
     """Update the guardrail with what clients served as the serving manifest asks (the served
     version, and a canary's share of its mix: :meth:`Evidence.served_gains`); roll back on
-    evidence of harm."""
+    evidence of harm. The guardrail's half of δ: a quarter for the gain on the served version's
+    decisions, an eighth each for its value there and for similarity-only's while it was served."""
+    state = _baseline(state, ev, rule)
     if state.serving == state.first and state.anchor == SIMILARITY:
         return state  # nothing to fall back to (a probe falls back to the first policy)
     rows, low, high = ev.served_gains(state.serving, SIMILARITY)
@@ -517,18 +582,35 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     guard, guards = state.guard, state.guards
     if guard is None:
         guards += 1
-        guard = GainSequence(spend(guards, rule.delta / 2))  # the other half of δ
-    guard.update(low, high)
+        guard = Guard(GainSequence(spend(guards, rule.delta / 4)), GainSequence(spend(guards, rule.delta / 8)))
+    guard.gain.update(low, high)
+    _, value_low, value_high = ev.served_values(state.serving)
+    guard.value.update(value_low, value_high)
     state = replace(state, guard=guard, guards=guards)
-    if guard.high < -rule.epsilon:
+    if guard.high(state.baseline) < -rule.epsilon:
         to = state.anchor if state.anchor not in (SIMILARITY, state.serving) else state.first
-        reason = f"v{state.serving} below similarity-only: gain in [{guard.low:+.4f}, {guard.high:+.4f}] < −ε"
+        bounds = f"[{guard.low(state.baseline):+.4f}, {guard.high(state.baseline):+.4f}]"
+        reason = f"v{state.serving} below similarity-only: gain in {bounds} < −ε"
         actions.append(Action("rollback", state.serving, reason, "guardrail", to=to))
         for t in state.trials:
             actions.append(Action("superseded", t.version, f"rolled back to v{to}"))
         anchor, margin = (state.anchor, state.margin) if state.anchor != state.serving else (SIMILARITY, 0.0)
         state = replace(state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None)
     return state
+
+
+def _baseline(state: State, ev: Evidence, rule: Rule) -> State:
+    """Similarity-only's value on the decisions drawn under an incumbent, which read the client's
+    own ranking but on the exploration share: weights near 1, so a tight bound."""
+    rows = ev.logged_under(state.incumbents)
+    if not len(rows):
+        return state
+    baseline, baselines = state.baseline, state.baselines
+    if baseline is None:
+        baselines += 1
+        baseline = GainSequence(spend(baselines, rule.delta / 8))
+    baseline.update(*ev.subset(rows).bounds(SIMILARITY))
+    return replace(state, baseline=baseline, baselines=baselines)
 
 
 def canary(state: State, rate: float, full: Callable[[int], bool] = lambda version: True) -> int | None:

@@ -280,3 +280,44 @@ def test_the_guardrail_counts_the_canarys_share_of_what_is_served() -> None:
             assert [(a.version, a.path, a.to) for a in rollbacks][:1] == [(2, "guardrail", 1)]
         else:
             assert not rollbacks  # the serving version's own draws: within ε, nothing to see
+
+
+def clipped(world: World, serving: int, n: int = 400) -> Evidence:
+    """``world.evidence`` as the learner builds it (pipeline/learner/evidence.py): weights clipped
+    at 20, and what a version reads beyond the clip valued at the utilities' extremes (a reward
+    table that predicts 0)."""
+    ev = world.evidence(serving, n)
+    logging = served(world.versions[serving])
+    worst, best = float(MEANS.min()) - 1.0, float(MEANS.max()) + 1.0
+    low, high = {}, {}
+    for v, p in world.versions.items():
+        excess = float(np.maximum((p if v == SIMILARITY else served(p)) - 20.0 * logging, 0.0).sum())
+        low[v], high[v] = np.full(n, excess * worst), np.full(n, excess * best)
+    zero = {v: np.zeros(n) for v in world.versions}
+    return replace(ev, fitted=np.zeros(n), direct=zero, low=low, high=high, clip=20.0)
+
+
+def test_the_guardrail_sees_a_near_greedy_version_far_below_similarity_that_its_log_cannot_compare() -> None:
+    """A version served at once (an operator's rollback to it, say) reads set 2 (−0.5) on 90% of
+    requests and similarity-only's set on 2%: valued on its own decisions, similarity-only's read
+    lies mostly beyond the clip, its bounds span the utilities' range, and the served version's
+    gain over it stays unsure (the guardrail did not roll back a version 2.7 nats below
+    similarity-only on the real-LM world in 6,000 decisions). Its own value, on-policy, against
+    similarity-only's measured while an incumbent served, shows it at once."""
+    for incumbent in (True, False):
+        world = World(11)
+        world.versions[6] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])
+        state = State.start(serving=1, incumbent=incumbent)
+        for _ in range(3):  # clients serve their own ranking but on the exploration share
+            state, _ = decide(state, clipped(world, 1), RULE)
+        state, _ = decide(state, ServedAtOnce(6), RULE)
+        rolled = []
+        for _ in range(20):
+            state, actions = decide(state, clipped(world, state.serving), RULE)
+            rolled += [a for a in actions if a.kind == "rollback"]
+        if incumbent:
+            assert [(a.version, a.to, a.path) for a in rolled] == [(6, 1, "guardrail")]
+            assert state.serving == 1
+        else:  # no incumbent, no measure of similarity-only as served: the log alone cannot tell
+            assert not rolled and state.serving == 6
+            assert state.guard is not None and state.guard.gain.high > 0.0 and state.baseline is None
