@@ -49,11 +49,13 @@ draws from the candidate, which is the evidence its trial needs where clients se
 
 **The guardrail.** What clients served as the serving manifest asks, on the decisions logged
 while it served, is compared with similarity-only by the same kind of sequence, two ways
-(:class:`Guard`): its gain valued on those decisions, and its value there (on-policy) against
-similarity-only's measured while clients served an incumbent (:attr:`State.baseline`). Where
-either shows it worse by more than ε, it is **rolled back** to the anchor (or to the first
-policy, when the served version is the anchor). This is a check on what is actually served,
-under whatever the estimators' inputs got wrong.
+(:class:`Guard`): its gain valued on those decisions, and, for a version served without a test
+of its own (a probe, an operator's command), its value there (on-policy) against
+similarity-only's measured while clients served an incumbent (:attr:`State.baseline`: valid
+while queries and utilities come as they came then). Where either shows it worse by more than
+ε, it is **rolled back** to the anchor (or to the first policy, when the served version is the
+anchor). This is a check on what is actually served, under whatever the estimators' inputs got
+wrong.
 
 The learner's async code only gathers the evidence (the probabilities, under each version
 as served, of the sets each decision read) and carries out the actions; the lab
@@ -164,11 +166,13 @@ class Guard:
     - ``gain``: its gain over similarity-only, both valued on its own decisions (similarity-only's
       reads are those the served version's draws happened to share with plain top-k);
     - ``value``: its own value, on those decisions (on-policy: as clients served it), to set
-      against similarity-only's value measured while clients served it (:attr:`State.baseline`).
+      against similarity-only's value measured under an incumbent (:attr:`State.baseline`), on
+      earlier decisions: valid while queries and utilities come as they came then.
 
     A near-greedy served version rarely reads plain top-k's sets, so the first way can stay
     unsure however far below similarity-only it is; the second sees it, where the run began
-    with an incumbent.
+    with an incumbent. The second judges only a version served without a test of its own (a
+    probe, an operator's command), not a certified anchor.
     """
 
     gain: GainSequence
@@ -377,21 +381,6 @@ class Evidence:
             high[at] = (1.0 - share[at]) * high[at] + share[at] * c_high
         return rows, low, high
 
-    def served_gains(self, serving: int, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The gain of what clients served as ``serving``'s manifest asked over ``a``, on the same
-        decisions as :meth:`served_values`.
-
-        >>> ev = Evidence(np.array([1.0, 0.0]), np.array([0.5, 0.5]), np.array([1, 2]),
-        ...               {0: np.array([0.5, 0.5]), 1: np.array([0.5, 0.5]), 2: np.array([0.5, 0.5])},
-        ...               mixed_with=np.array([2, 1]), mix_share=np.array([0.2, 0.2]))
-        >>> rows, low, high = ev.served_gains(1, 0)
-        >>> rows.tolist(), low.tolist()  # both arms of v1's mix with canary v2; equal values: no gain
-        ([0, 1], [0.0, 0.0])
-        """
-        rows, low, high = self.served_values(serving)
-        a_low, a_high = self.subset(rows).bounds(a)
-        return rows, low - a_high, high - a_low
-
     def logged_under(self, versions: frozenset[int]) -> np.ndarray:
         """The rows drawn by one of ``versions`` (or by a canary mix with one)."""
         under = np.isin(self.version, list(versions))
@@ -570,26 +559,30 @@ def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
 
 def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> State:
     """Update the guardrail with what clients served as the serving manifest asks (the served
-    version, and a canary's share of its mix: :meth:`Evidence.served_gains`); roll back on
+    version, and a canary's share of its mix: :meth:`Evidence.served_values`); roll back on
     evidence of harm. The guardrail's half of δ: a quarter for the gain on the served version's
-    decisions, an eighth each for its value there and for similarity-only's while it was served."""
+    decisions, an eighth each for its value there and for similarity-only's under an incumbent."""
     state = _baseline(state, ev, rule)
     if state.serving == state.first and state.anchor == SIMILARITY:
         return state  # nothing to fall back to (a probe falls back to the first policy)
-    rows, low, high = ev.served_gains(state.serving, SIMILARITY)
+    rows, low, high = ev.served_values(state.serving)
     if not len(rows):
         return state  # nothing served that way in this batch
     guard, guards = state.guard, state.guards
     if guard is None:
         guards += 1
         guard = Guard(GainSequence(spend(guards, rule.delta / 4)), GainSequence(spend(guards, rule.delta / 8)))
-    guard.gain.update(low, high)
-    _, value_low, value_high = ev.served_values(state.serving)
-    guard.value.update(value_low, value_high)
+    similarity_low, similarity_high = ev.subset(rows).bounds(SIMILARITY)
+    guard.gain.update(low - similarity_high, high - similarity_low)
+    guard.value.update(low, high)
     state = replace(state, guard=guard, guards=guards)
-    if guard.high(state.baseline) < -rule.epsilon:
+    # The value against a baseline from another period holds while queries come as they came then:
+    # it judges what was served without a test of its own (a probe, an operator's command), never a
+    # certified anchor, whose own test a shift in the utilities' level must not overturn.
+    baseline = state.baseline if state.serving != state.anchor else None
+    if guard.high(baseline) < -rule.epsilon:
         to = state.anchor if state.anchor not in (SIMILARITY, state.serving) else state.first
-        bounds = f"[{guard.low(state.baseline):+.4f}, {guard.high(state.baseline):+.4f}]"
+        bounds = f"[{guard.low(baseline):+.4f}, {guard.high(baseline):+.4f}]"
         reason = f"v{state.serving} below similarity-only: gain in {bounds} < −ε"
         actions.append(Action("rollback", state.serving, reason, "guardrail", to=to))
         for t in state.trials:

@@ -321,3 +321,27 @@ def test_the_guardrail_sees_a_near_greedy_version_far_below_similarity_that_its_
         else:  # no incumbent, no measure of similarity-only as served: the log alone cannot tell
             assert not rolled and state.serving == 6
             assert state.guard is not None and state.guard.gain.high > 0.0 and state.baseline is None
+
+
+def test_a_shift_in_the_utilities_level_does_not_overturn_a_certified_anchor() -> None:
+    """Similarity-only's value under the incumbent comes from earlier decisions; if every
+    utility later falls by 0.3 (other queries, another scale), a version served without a test
+    set against it looks 0.3 worse. A certified anchor is judged by its gain on its own
+    decisions only: the shift is no evidence against it."""
+    world = World(12)
+    world.versions[6] = TOPK  # as good as similarity-only: its true gain is 0
+    state = State.start(serving=1, incumbent=True)
+    for _ in range(3):
+        state, _ = decide(state, clipped(world, 1), RULE)
+    assert state.baseline is not None and state.baseline.n == 1200
+    before = state.baseline.n
+    decide(state, clipped(world, 1), RULE)
+    assert state.baseline.n == before  # decide changes a copy
+    for anchor, expected in ((6, []), (SIMILARITY, [(6, 1)])):  # certified; served without a test
+        shifted = replace(state, serving=6, anchor=anchor, margin=0.0)
+        rolled = []
+        for _ in range(20):
+            ev = clipped(world, 6)
+            shifted, actions = decide(shifted, replace(ev, utility=ev.utility - 0.3), RULE)
+            rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
+        assert rolled[:1] == expected
