@@ -248,7 +248,9 @@ class ServedAtOnce:
     ``reanchor``: the anchor goes back to similarity-only (a drift reset: what was certified
     describes the world before the change); else it stays. ``incumbent``: its manifest says so.
     A drift reset served as an incumbent is the run's first policy from then on: nothing is
-    certified, as at the start, and a rollback goes back to it.
+    certified, as at the start, and a rollback goes back to it. So is an incumbent served at
+    once while nothing is certified (a rollback to the first policy is republished as a copy of
+    it): the guardrail judges it no more than it judges the first policy.
     """
 
     version: int
@@ -429,7 +431,10 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         anchor, margin = (SIMILARITY, 0.0) if event.reanchor else (state.anchor, state.margin)
         ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]
         served = replace(state, serving=event.version, anchor=anchor, margin=margin, trials=(), guard=None)
-        first = event.version if event.reanchor and event.incumbent else state.first
+        # An incumbent served at once while nothing is certified (a drift reset, or the learner's copy of
+        # the first policy that a rollback republishes) is the run's first policy from then on.
+        fresh = event.incumbent and (event.reanchor or state.anchor == SIMILARITY)
+        first = event.version if fresh else state.first
         if event.reanchor:  # a drift reset: similarity-only's value is measured again, in the new world
             served = replace(served, baseline=None, incumbents=frozenset())
         if event.incumbent:
@@ -594,7 +599,7 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
 
 def _baseline(state: State, ev: Evidence, rule: Rule) -> State:
     """Similarity-only's value on the decisions drawn under an incumbent, which read the client's
-    own ranking but on the exploration share: weights near 1, so a tight bound."""
+    own ranking but on the exploration share (and a canary's): small weights, a tight bound."""
     rows = ev.logged_under(state.incumbents)
     if not len(rows):
         return state

@@ -345,3 +345,23 @@ def test_a_shift_in_the_utilities_level_does_not_overturn_a_certified_anchor() -
             shifted, actions = decide(shifted, replace(ev, utility=ev.utility - 0.3), RULE)
             rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
         assert rolled[:1] == expected
+
+
+def test_the_learners_copy_of_the_first_policy_after_a_rollback_is_the_first_policy() -> None:
+    """The learner carries out a rollback to the first policy by republishing it under a new
+    version, an incumbent while nothing is certified. Judged as any other served version, the
+    copy was rolled back in turn wherever the first policy's exploration share, as served, is
+    below similarity-only by more than ε; it is the first policy, which has nothing to fall back to."""
+    world = World(13)
+    world.versions[2] = TOPK
+    state = State.start(serving=1, incumbent=True)
+    state, _ = decide(state, Probe(2), RULE)
+    state, _ = decide(state, ServedAtOnce(3, incumbent=True), RULE)  # the copy, after a rollback of the probe
+    assert (state.serving, state.first, state.incumbent) == (3, 3, True)
+    world.versions[3] = TOPK
+    state, actions = decide(state, clipped(world, 3), RULE)
+    assert state.guard is None and not [a for a in actions if a.kind == "rollback"]
+    assert state.baseline is not None and state.baseline.n == 400  # still similarity-only's measure
+    certified = replace(state, serving=7, anchor=7, margin=0.05, incumbent=False)
+    state, _ = decide(certified, ServedAtOnce(8, incumbent=True), RULE)  # a rollback once certified: not the first
+    assert state.first == 3
