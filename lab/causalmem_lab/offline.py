@@ -134,7 +134,7 @@ class OfflineResult:
     trialled: dict[int, LoadedPolicy] = field(default_factory=dict)
     # Every version clients were told to serve, by version (its value can be measured afterwards).
     served_versions: dict[int, LoadedPolicy] = field(default_factory=dict)
-    # (step, version) of the version an operator's command served (run_offline's ``operator``).
+    # (step, version) of the version an operator's cut-over served (run_offline's ``operator``).
     operator: tuple[int, int] | None = None
 
 
@@ -162,8 +162,8 @@ def run_offline(
     :class:`~causalmem_lab.lmworld.LMScenario`), else ``Environment(scenario)``. ``value``
     (optional): a policy's true value, recorded for every version (``OfflineResult.values``).
     ``operator`` (optional), ``(step, change)``: at the first checkpoint from that step on, an
-    operator's command serves the learner's weights as ``change`` alters them (in place), as a
-    rollback to them would: at once, without a trial (``OfflineResult.operator``)."""
+    operator's cut-over serves the learner's weights as ``change`` alters them (in place): at
+    once, as configured, without a trial (``OfflineResult.operator``)."""
     if env is None:
         assert isinstance(scenario, Scenario), "an LMScenario needs its world (env)"
         env = Environment(scenario)
@@ -295,7 +295,7 @@ def run_offline(
                 if operator is not None and result.operator is None and steps >= operator[0]:
                     version += 1
                     result.operator = (steps, version)
-                    refresh(snapshot(serving_params, "rollback", operator[1]))
+                    refresh(snapshot(serving_params, "cutover", operator[1]))
 
         rating = env.rating(q.intent)
         if rating is not None:

@@ -9,8 +9,8 @@ and counts the decisions until the rollback, on the real-data world, in one proc
 probabilities and promotion decisions, without Kafka), at the product's defaults.
 
 Each run sends a client's traffic (``causalmem bench promise``'s clients) for ``--at`` steps;
-at the next checkpoint an operator's command serves, at once and without a trial (as a rollback
-to an old version does), the learner's weights *mirrored*: every memory's mask reflected
+at the next checkpoint an operator's cut-over serves, at once, as configured and without a trial
+(as shadow mode's cut-over does), the learner's weights *mirrored*: every memory's mask reflected
 around the neutral 1, by ``--severity`` (1: what the learner learnt to read is avoided and what
 it learnt to avoid is read; 0.5: every mask 1, plain similarity ranking; 0: unchanged). The run
 goes on for ``--watch`` steps. Reported per run: the mirrored version's value as its manifest
@@ -37,7 +37,7 @@ import torch
 
 from causalmem_lab.bench import lmlearning
 from causalmem_lab.bench.promise import CLIENTS, bank, config, wilson, world_of, world_options
-from causalmem_lab.offline import PRODUCT, run_offline
+from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from models.policy.network import NEUTRAL_BIAS, PolicyNetwork
 
 AT, WATCH = 6_000, 12_000
@@ -87,8 +87,7 @@ def run_one(
     t0 = time.monotonic()
     cfg = config(c, True, seed, epsilon, PRODUCT.serve_drop)
     res = run_offline(scenario, cfg, env=world, operator=(at, mirror(severity)))
-    if res.operator is None:
-        raise RuntimeError(f"no checkpoint after step {at} of {at + watch}: nothing was served by the operator")
+    assert res.operator is not None  # run() checked that a checkpoint falls in the run after ``at``
     step, version = res.operator
     test = world.test
     similarity = lmlearning.measure(u, data, test)["value"]
@@ -107,7 +106,7 @@ def run_one(
         "vs_similarity_unexplored": greedy - similarity,
         "worse": value - similarity < -epsilon,
         "decisions_to_rollback": decisions,
-        "watched": at + watch - step,
+        "watched": (at + watch) // cfg.refresh_every * cfg.refresh_every - step,  # to the run's last look
         "other_rollbacks": others,
     }
 
@@ -120,7 +119,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [c for c in clients if c not in CLIENTS]
     if unknown:
         raise ValueError(f"unknown clients {unknown}; clients {list(CLIENTS)}")
-    at, watch = args.at or AT, args.watch or WATCH
+    at = AT if args.at is None else args.at
+    watch = args.watch or WATCH
+    every = OfflineConfig.refresh_every
+    if (at + watch) // every * every < max(at, every):
+        raise ValueError(f"--at {at} --watch {watch}: no checkpoint (every {every} steps) falls after step {at}")
     runs: list[dict[str, Any]] = []
     for client in clients:
         for severity in severities:
