@@ -52,7 +52,7 @@ def mirror(severity: float) -> Any:
     ...     _ = net.out.bias.copy_(torch.tensor([NEUTRAL_BIAS + 2.0, NEUTRAL_BIAS, NEUTRAL_BIAS - 2.0]))
     ...     _ = net.out.weight.zero_()
     >>> mirror(1.0)(net)
-    >>> [round(float(b - NEUTRAL_BIAS), 3) for b in net.out.bias]
+    >>> [round(float(b - NEUTRAL_BIAS), 3) for b in net.out.bias.detach()]
     [-2.0, 0.0, 2.0]
     """
 
