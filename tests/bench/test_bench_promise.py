@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from causalmem_lab.bench import promise
+from causalmem_lab.offline import PRODUCT
 
 from tests.bench.test_fanout_world import use_a_slice
 
@@ -16,6 +17,14 @@ def test_wilson_interval() -> None:
     lo, hi = promise.wilson(1, 20)
     assert 0.0 < lo < 0.05 < hi < 0.3
     assert promise.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_versions_are_measured_with_the_exploration_share_their_manifest_serves() -> None:
+    # The exploration share is served, so the promise counts it (the first policy's included);
+    # t1 explores otherwise than any manifest of the product asks, so it is measured as they ask.
+    assert promise.as_asked(promise.CLIENTS["manifest"]) is True
+    assert promise.as_asked(promise.CLIENTS["retriever"]) is True
+    assert promise.as_asked(promise.CLIENTS["t1"]) == (PRODUCT.serve_explore_rate, PRODUCT.serve_explore_temperature)
 
 
 def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,6 +50,7 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
     for row in rows.values():
         run = row["runs"][0]
         assert run["unsafe"] == (run["worst_vs_similarity"] < -0.02)
+        assert run["versions_served"] >= 1 and "final_gap_closed_unexplored" in run  # the first policy too
         lo, hi = row["unsafe_interval"]
         assert 0.0 <= lo <= hi <= 1.0
     assert "trial" in rows["t1/gate"]["runs"][0]["actions"]

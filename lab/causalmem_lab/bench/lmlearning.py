@@ -5,7 +5,7 @@ real questions and facts from FanOutQA, :mod:`causalmem_lab.fanout`), MiniLM emb
 utilities measured by SmolLM2 as the drop in answer-span NLL (cached on disk), and the
 real pipeline (broker, worker, learner, checkpoints, subscriber) learning from traffic
 logged the way :class:`~pipeline.client.retriever.CausalRetriever` serves by default
-(T = 0.05, 10% of requests explored at T = 0.25). Each row runs once per seed with a fresh
+(T = 0.05, 10% of requests explored at T = 0.1). Each row runs once per seed with a fresh
 worker and learner; rows differ in the share of feedback carrying per-memory credit
 (``attribution_rate``) and in the learner's promotion gate.
 
@@ -38,6 +38,7 @@ from causalmem_lab.fanout import build_fanout_dataset
 from causalmem_lab.lmdata import LMDataset, LMUtilities, build_dataset, lm_utilities
 from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
 from causalmem_lab.simrun import RunSpec
+from models.serving.params import ServingParams
 
 NO_GATE = {"CAUSALMEM_GATE": "0"}
 SIMILARITY = "similarity"
@@ -115,15 +116,44 @@ def measure(
     policy: Any = None,
     draws: int = 16,
     seed: int = 0,
-    explore: bool = False,
+    explore: bool | tuple[float, float] = False,
 ) -> dict[str, float]:
     """Mean utility, gold-fact read rate and harmful leak of a policy as clients serve it.
 
     ``policy`` (a LoadedPolicy) is served by a :class:`CausalRetriever` as its manifest's
     ``serving`` says (T = 0.05 by default, dynamic hard drop), ``draws`` times per question,
-    without exploration unless ``explore`` (then with the manifest's: what the promotion rule
-    values); ``None`` is similarity-only: plain top-k.
+    without exploration unless ``explore``: True, the manifest's (what the promotion rule
+    values and the promise is about); ``(rate, temperature)``, those instead. ``None`` is
+    similarity-only: plain top-k.
+
+    The exploration share is counted exactly, not drawn: (1 − rate) · the value without
+    exploration + rate · the value of exploratory draws alone, each ``draws`` per question. A
+    coin per request adds its own noise: at 4 draws the first policy's cost read 0.009 to 0.035
+    where it is 0.016.
     """
+    if policy is None or explore is False:
+        return _served(u, data, questions, policy, draws, seed, 0.0, None)
+    if isinstance(explore, tuple):
+        rate, temperature = explore
+    else:  # the manifest's share, at the manifest's temperature
+        rate, temperature = ServingParams.from_wire(policy.manifest.serving).explore_rate, None
+    plain = _served(u, data, questions, policy, draws, seed, 0.0, None)
+    if rate == 0:
+        return plain
+    explored = _served(u, data, questions, policy, draws, seed, 1.0, temperature)
+    return {k: (1 - rate) * plain[k] + rate * explored[k] for k in plain}
+
+
+def _served(
+    u: LMUtilities,
+    data: LMDataset,
+    questions: list[int],
+    policy: Any,
+    draws: int,
+    seed: int,
+    explore_rate: float,
+    explore_temperature: float | None,
+) -> dict[str, float]:
     from pipeline.client.retriever import CausalRetriever
 
     retriever = CausalRetriever(
@@ -135,7 +165,8 @@ def measure(
         # otherwise: a fresh first policy under the gate is served as top-k); similarity-only:
         # the draw is the ranking.
         temperature=None if policy is not None else 1e-4,
-        explore_rate=None if explore else 0.0,  # None: the manifest's
+        explore_rate=explore_rate,
+        explore_temperature=explore_temperature,  # None: the manifest's
         seed=seed,
     )
     retriever.set_policy(policy)

@@ -7,7 +7,7 @@ docs/contract.md (required fields only: no ``candidate_probs``, no canary):
 
 - ``t1``: serves every request at T = 1 (``explore_rate`` 1), feedback the step's utility only
   (12,000 events);
-- ``manifest``: serves as the manifest asks (T = 0.05, 10% at T = 0.25), per-memory credit on a
+- ``manifest``: serves as the manifest asks (T = 0.05, 10% at T = 0.1), per-memory credit on a
   quarter of the steps as the evaluator gives it (36,000 events);
 
 and ``retriever``, :class:`~pipeline.client.retriever.CausalRetriever` as the manifest asks, which
@@ -16,12 +16,13 @@ also logs ``candidate_probs`` and serves the canary (36,000 events, credit on a 
 each with the gate (``gate``: the promotion rule, :mod:`pipeline.learner.promotion`) and without
 (``none``: every checkpoint served).
 
-Every version a client was told to serve is measured afterwards, as served (its manifest's
-temperature and hard drop, no exploration), on the world's questions against the LM's cached
-utilities. A run is **unsafe** when any version served during it was below similarity-only
-(plain top-k) by more than ε; the report gives the unsafe share over runs with its 95% Wilson
-interval, the worst served version against similarity-only, and the share of the
-similarity → oracle gap the version served at the end closes (mean and worst over seeds).
+Every version a client was told to serve is measured afterwards, as its manifest says to serve
+it (temperature, hard drop and exploration share: :func:`as_asked`), on the world's questions
+against the LM's cached utilities. A run is **unsafe** when any version served during it, the
+first policy included, was below similarity-only (plain top-k) by more than ε; the report gives
+the unsafe share over runs with its 95% Wilson interval, the worst served version against
+similarity-only, and the share of the similarity → oracle gap the version served at the end
+closes (mean and worst over seeds; and its mean without the exploration share).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ CLIENTS = {  # the first two are the contract clients: required fields only, no 
     ),
 }
 RULES = ("none", "gate")
+# Draws per question when a version is measured: the exploration share is a tenth of them, and at 4
+# the first policy's cost read 0.009 to 0.035 on one seed whose cost is 0.016 (64 draws).
+DRAWS = 16
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -103,6 +107,15 @@ def config(client: Client, gate: bool, seed: int, epsilon: float, drop: str) -> 
     )
 
 
+def as_asked(client: Client) -> bool | tuple[float, float]:
+    """How a version is measured: as its manifest asks, its exploration share included (what the
+    promise is about); for a client that explores otherwise (``t1``), as the product's manifest
+    asks (the lab's manifest then says what that client does)."""
+    if client.explore_rate is None and client.explore_temperature is None:
+        return True
+    return PRODUCT.serve_explore_rate, PRODUCT.serve_explore_temperature
+
+
 def run_one(
     data: Any, u: Any, client: Client, rule: str, seed: int, events: int, epsilon: float, drop: str = PRODUCT.serve_drop
 ) -> dict[str, Any]:
@@ -116,22 +129,21 @@ def run_one(
     similarity = lmlearning.measure(u, data, test)["value"]
     best = lmlearning.oracle(u, data, test)["value"]
     served = sorted({int(v) for v in res.tally.version})  # the versions that served a request
-    values = {
-        v: lmlearning.measure(u, data, test, res.served_versions[v], draws=4, seed=seed)["value"]
-        for v in served
-        if v in res.served_versions
-    }
+    policies = {v: res.served_versions[v] for v in served if v in res.served_versions}
     assert res.served is not None
-    final = values.get(res.served.version)
-    if final is None:
-        final = lmlearning.measure(u, data, test, res.served, draws=4, seed=seed)["value"]
-    worst = min(values.values()) - similarity if values else 0.0
+    policies.setdefault(res.served.version, res.served)
+    explore = as_asked(client)
+    values = {v: lmlearning.measure(u, data, test, p, DRAWS, seed, explore)["value"] for v, p in policies.items()}
+    final = values[res.served.version]
+    unexplored = lmlearning.measure(u, data, test, res.served, DRAWS, seed)["value"]
+    worst = min(values.values()) - similarity
     return {
         "seed": seed,
         "seconds": round(seconds, 1),
         "versions_served": len(values),
         "final_version": res.served.version,
         "final_gap_closed": lmlearning.gap_closed(final, similarity, best),
+        "final_gap_closed_unexplored": lmlearning.gap_closed(unexplored, similarity, best),
         "worst_vs_similarity": worst,
         "unsafe": worst < -epsilon,
         "actions": {k: sum(1 for _, kind, _, _ in res.actions if kind == k) for k in {a[1] for a in res.actions}},
@@ -180,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{cname}/{rule} seed {seed}: {json.dumps(r)}", flush=True)
             unsafe = sum(r["unsafe"] for r in runs)
             gaps = np.array([r["final_gap_closed"] for r in runs])
+            unexplored = np.array([r["final_gap_closed_unexplored"] for r in runs])
             report["rows"][f"{cname}/{rule}"] = {
                 "client": client.description,
                 "events": events,
@@ -189,6 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "worst_vs_similarity": min(r["worst_vs_similarity"] for r in runs),
                 "gap_closed_mean": float(gaps.mean()),
                 "gap_closed_worst": float(gaps.min()),
+                "gap_closed_unexplored_mean": float(unexplored.mean()),
             }
     return report
 
@@ -196,14 +210,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| client / rule | runs | unsafe (95% interval) | worst served − similarity "
-        "| gap closed at the end (mean, worst) |",
-        "|---|---|---|---|---|",
+        "| gap closed at the end (mean, worst) | without exploration (mean) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, row in report["rows"].items():
         lo, hi = row["unsafe_interval"]
         lines.append(
             f"| {name} | {len(row['runs'])} | {row['unsafe']} ({lo:.0%}–{hi:.0%}) | {row['worst_vs_similarity']:+.3f} "
-            f"| {row['gap_closed_mean']:.0%}, {row['gap_closed_worst']:.0%} |"
+            f"| {row['gap_closed_mean']:.0%}, {row['gap_closed_worst']:.0%} | {row['gap_closed_unexplored_mean']:.0%} |"
         )
     return "\n".join(lines)
 
