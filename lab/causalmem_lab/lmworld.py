@@ -23,6 +23,7 @@ import numpy as np
 from causalmem_lab.lmdata import LMDataset, LMUtilities
 from causalmem_lab.roles import HARMFUL, HELPFUL, IRRELEVANT
 from causalmem_lab.simulator import DAY, DEFAULT_START_TS, Query, Step
+from models.serving.params import ServingParams
 
 
 @dataclass
@@ -41,7 +42,7 @@ class LMScenario:
     n_candidates: int = 6  # = the cache's C: the retriever's candidates are the scored ones
     temperature: float = 0.05  # CausalRetriever's defaults (docs/learning.md)
     explore_rate: float = 0.1
-    explore_temperature: float = 0.25
+    explore_temperature: float = ServingParams.explore_temperature  # the learner's default
     start_ts: float = DEFAULT_START_TS
     need_range: tuple[float, float] = (0.0, 1.0)
     drift_day: float | None = None

@@ -31,6 +31,7 @@ import numpy as np
 
 from causalmem_lab.roles import HARMFUL, HELPFUL, IRRELEVANT
 from causalmem_lab.textdata import text_bank
+from models.serving.params import ServingParams
 
 DAY = 86400.0  # seconds of event time; the lab's one definition
 DEFAULT_START_TS = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -71,7 +72,7 @@ class Scenario:
     n_candidates: int = 20
     temperature: float = 0.05
     explore_rate: float = 0.1  # share of requests served at explore_temperature
-    explore_temperature: float = 0.25
+    explore_temperature: float = ServingParams.explore_temperature  # the learner's default
     start_ts: float = DEFAULT_START_TS
     text: bool = False  # memories and queries as texts embedded with MiniLM (D=384)
 

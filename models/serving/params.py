@@ -17,10 +17,10 @@ settings) and the clients (:data:`pipeline.client.serving.UNSERVED`) take theirs
 
 >>> p = ServingParams()
 >>> p.components()
-((0.9, 0.05), (0.1, 0.25))
+((0.9, 0.05), (0.1, 0.1))
 >>> ServingParams.from_wire(p.to_wire()) == p
 True
->>> ServingParams.from_wire(None) == ServingParams(drop="dynamic", canary_rate=0.0)  # before 1.2: the contract's
+>>> ServingParams.from_wire(None) == ServingParams(drop="dynamic", canary_rate=0.0, explore_temperature=0.25)
 True
 >>> ServingParams.from_wire(ServingParams(incumbent=True).to_wire()).incumbent
 True
@@ -45,6 +45,11 @@ CANARY_RATE_ABSENT = 0.0
 # dynamic drop (§6); the learner's own default below is no drop, which the promotion rule needs:
 # a version that drops reads sets of fewer than k memories that no log shows (docs/promotion.md).
 DROP_ABSENT = "dynamic"
+# A manifest's ``serving`` without ``explore_temperature`` (and one without ``serving``, and a client
+# before any manifest, §6 step 2b) means 0.25, the contract's; the learner's own default below is
+# narrower: exploration is served, so its cost is inside the promotion rule's promise, and at 0.25
+# the first policy's share cost 0.045 of utility on the real-data world (docs/promotion.md).
+EXPLORE_TEMPERATURE_ABSENT = 0.25
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class ServingParams:
 
     temperature: float = 0.05
     explore_rate: float = 0.1
-    explore_temperature: float = 0.25
+    explore_temperature: float = 0.1
     drop: str = "none"
     drop_ratio: float = DYNAMIC_DROP_RATIO
     # Contract 1.4: the share of requests on which clients serve the learner's canary (a
@@ -125,16 +130,25 @@ class ServingParams:
         """From a manifest's ``serving`` object; ``None`` (an older manifest) gives the defaults.
 
         Missing keys take their defaults, so later additions stay optional; a missing
-        ``canary_rate`` means no canary (contract 1.4).
+        ``canary_rate`` means no canary (contract 1.4), a missing ``drop`` and
+        ``explore_temperature`` what the contract says (:data:`DROP_ABSENT`,
+        :data:`EXPLORE_TEMPERATURE_ABSENT`), not the learner's defaults.
 
         >>> ServingParams.from_wire({"temperature": 0.2}).canary_rate, ServingParams.from_wire(None).drop
         (0.0, 'dynamic')
+        >>> ServingParams.from_wire({"temperature": 0.2}).explore_temperature
+        0.25
         """
+        absent: dict[str, Any] = {
+            "canary_rate": CANARY_RATE_ABSENT,
+            "drop": DROP_ABSENT,
+            "explore_temperature": EXPLORE_TEMPERATURE_ABSENT,
+        }
         if obj is None:
-            return cls(drop=DROP_ABSENT, canary_rate=CANARY_RATE_ABSENT)
+            return cls(**absent)
         names = ("temperature", "explore_rate", "explore_temperature", "drop_ratio", "canary_rate")
         known = {k: obj[k] for k in names if k in obj}
-        values: dict[str, Any] = {"canary_rate": CANARY_RATE_ABSENT, "drop": DROP_ABSENT}
+        values = dict(absent)
         values.update({k: float(v) for k, v in known.items()})
         if "drop" in obj:
             values["drop"] = str(obj["drop"])

@@ -104,9 +104,9 @@ class CausalRetriever:
     ``drop``): an explicit argument wins; otherwise the loaded checkpoint's manifest
     ``serving`` field (what the learner was configured with and the promotion gate judged
     the policy under) sets them; otherwise what a manifest without ``serving`` means
-    (docs/contract.md §7: :data:`pipeline.client.serving.UNSERVED`, the
-    :class:`~models.serving.params.ServingParams` defaults, the same as ``Settings().serving()``:
-    T = 0.05, 10% of requests explored at T = 0.25, dynamic drop) and no canary.
+    (docs/contract.md §7: :data:`pipeline.client.serving.UNSERVED`: T = 0.05, 10% of requests
+    explored at T = 0.25, dynamic drop, no canary; the learner writes its own values in every
+    manifest).
 
     ``policy`` names the policy on the events (default: ``conn.policy``). ``conn`` (a
     :class:`~pipeline.config.Connection` or ``Settings``), when given, also checks the

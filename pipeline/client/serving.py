@@ -44,7 +44,8 @@ FOLLOWED = ("temperature", "drop", "explore_rate", "explore_temperature")  # wha
 # Contract 1.4: a client's explicit value fixes the canary's share too (CausalRetriever's, AdapterConfig's).
 CANARY_RATE = "canary_rate"
 # Before a manifest says otherwise: what a manifest without ``serving`` means (docs/contract.md §7),
-# the ServingParams defaults (T 0.05, 10% explored at T 0.25, dynamic drop) without a canary.
+# the contract's: T 0.05, 10% explored at T 0.25, dynamic drop, no canary (the ServingParams defaults
+# but the *_ABSENT ones: the learner's own drop and exploration temperature differ).
 UNSERVED = ServingParams.from_wire(None)
 _SQRT_HALF = np.float32(0.5**0.5)
 

@@ -264,7 +264,7 @@ def test_an_ab_canary_serves_its_share_as_its_own_manifest_says(front: str) -> N
     assert {e.temperature for e in served_by_canary} == {0.1, 0.7}  # the canary's T and explore T
     rest = [e for e in got if not e.canary]
     assert {e.policy_version for e in rest} == {1} and all(e.canary is None for e in rest)
-    assert {e.temperature for e in rest} == {0.05, 0.25}  # the serving manifest's
+    assert {e.temperature for e in rest} == {AB.temperature, AB.explore_temperature}  # the serving manifest's
     assert all(e.canary_arm is None and e.canary_version is None for e in got)
 
 

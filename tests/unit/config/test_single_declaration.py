@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from models.policy.trainer_config import TrainerConfig
-from models.serving.params import DROP_ABSENT, ServingParams
+from models.serving.params import DROP_ABSENT, EXPLORE_TEMPERATURE_ABSENT, ServingParams
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.serving import UNSERVED, follow
 from pipeline.config import (
@@ -94,14 +94,20 @@ def test_a_component_built_directly_equals_the_one_settings_builds() -> None:
 def test_clients_serve_by_the_settings_defaults_before_a_manifest_says_otherwise() -> None:
     served = Settings().serving()
     r = CausalRetriever(np.eye(4, dtype=np.float32), fallback=lambda *a: [], seed=0)
-    # Before a manifest, the contract's values (§6: the dynamic drop), the rest the settings'.
-    expected = (served.temperature, served.explore_rate, served.explore_temperature, DROP_ABSENT)
+    # Before a manifest, the contract's values (§6: the dynamic drop, exploration at T = 0.25), the rest
+    # the settings'.
+    expected = (served.temperature, served.explore_rate, EXPLORE_TEMPERATURE_ABSENT, DROP_ABSENT)
     assert (r.temperature, r.explore_rate, r.explore_temperature, r.drop, r.drop_ratio) == (*expected, 0.01)
     v = follow(None, {})  # the adapters' values before a manifest
     assert (v.temperature, v.explore_rate, v.explore_temperature, v.drop) == expected
     # A manifest without serving (before contract 1.2) means these values and no canary.
     assert r.canary_rate == UNSERVED.canary_rate == 0.0
-    assert dataclasses.replace(served, drop=DROP_ABSENT, canary_rate=0.0) == UNSERVED
+    assert (
+        dataclasses.replace(served, drop=DROP_ABSENT, canary_rate=0.0, explore_temperature=EXPLORE_TEMPERATURE_ABSENT)
+        == UNSERVED
+    )
+    # What the learner writes explores narrower than a manifest without the key means.
+    assert served.explore_temperature < EXPLORE_TEMPERATURE_ABSENT
     assert served.drop == "none"  # what the learner writes in its manifests: no drop (docs/promotion.md)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from models.policy.network import Arch, init_policy
-from models.serving.params import DYNAMIC_DROP_RATIO, ServingParams
+from models.serving.params import DYNAMIC_DROP_RATIO, EXPLORE_TEMPERATURE_ABSENT, ServingParams
 from models.serving.rule import DYNAMIC_DROP_RATIO as RULE_RATIO
 from pipeline.client.retriever import CausalRetriever
 from pipeline.client.subscriber import LoadedPolicy
@@ -42,7 +42,9 @@ def test_params_validate_and_round_trip_through_the_manifest() -> None:
     # A manifest written before contract 1.2 has no "serving": readers take the defaults, and no canary.
     old = decode_manifest(encode(_manifest(None).to_dict()))
     assert old.serving is None and "serving" not in _manifest(None).to_dict()
-    assert ServingParams.from_wire(old.serving) == ServingParams(drop="dynamic", canary_rate=0.0)
+    absent = ServingParams(drop="dynamic", canary_rate=0.0, explore_temperature=EXPLORE_TEMPERATURE_ABSENT)
+    assert ServingParams.from_wire(old.serving) == absent
+    assert ServingParams.from_wire({"temperature": 0.05}).explore_temperature == EXPLORE_TEMPERATURE_ABSENT == 0.25
     assert DYNAMIC_DROP_RATIO == RULE_RATIO
     for bad in ({"temperature": -1.0}, {"explore_rate": 1.5}, {"drop": "sometimes"}, {"temperature": "hot"}):
         with pytest.raises(Rejected):
