@@ -573,8 +573,8 @@ class AdapterConfig:
     ``temperature``, ``drop``, ``explore_rate``, ``explore_temperature``: None (the default)
     follows the loaded checkpoint's manifest ``serving`` (as ``CausalRetriever`` does), and
     before one says otherwise what a manifest without ``serving`` means
-    (:data:`pipeline.client.serving.UNSERVED`, the :class:`~models.serving.params.ServingParams`
-    defaults); a value set here wins (``pipeline.client.serving.follow``). ``canary_rate``: the
+    (:data:`pipeline.client.serving.UNSERVED`: the contract's values, T 0.05, 10% explored at
+    T 0.25, dynamic drop); a value set here wins (``pipeline.client.serving.follow``). ``canary_rate``: the
     share of requests that serve the learner's canary (contract 1.4); None follows the serving
     manifest, 0 serves none. ``explore_revive``: the chance an exploratory request gives each
     dropped candidate back (docs/contract.md §6, step 3b); None: as ``CausalRetriever``.

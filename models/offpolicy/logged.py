@@ -222,7 +222,7 @@ class Served:
     """A target policy as clients serve it: the mixture of :meth:`ServingParams.components`
     (each at its own T) with the serving parameters' hard drop.
 
-    >>> [t.temperature for _, t in Served("similarity", ServingParams()).components()]
+    >>> [t.temperature for _, t in Served("similarity", ServingParams(explore_temperature=0.25)).components()]
     [0.05, 0.25]
     """
 

@@ -131,12 +131,13 @@ def run_one(
     served = sorted({int(v) for v in res.tally.version})  # the versions that served a request
     policies = {v: res.served_versions[v] for v in served if v in res.served_versions}
     assert res.served is not None
-    policies.setdefault(res.served.version, res.served)
     explore = as_asked(client)
     values = {v: lmlearning.measure(u, data, test, p, DRAWS, seed, explore)["value"] for v, p in policies.items()}
-    final = values[res.served.version]
+    final = values.get(res.served.version)
+    if final is None:  # published too late to serve a request: the end, not a version served
+        final = lmlearning.measure(u, data, test, res.served, DRAWS, seed, explore)["value"]
     unexplored = lmlearning.measure(u, data, test, res.served, DRAWS, seed)["value"]
-    worst = min(values.values()) - similarity
+    worst = min(values.values()) - similarity if values else 0.0
     return {
         "seed": seed,
         "seconds": round(seconds, 1),
