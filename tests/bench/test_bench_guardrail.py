@@ -39,7 +39,8 @@ def test_a_served_version_worse_than_similarity_is_rolled_back(tmp_path: Path, m
     assert run["worse"] and run["vs_similarity"] < -0.02  # the mirror reads what the learner avoids
     assert run["decisions_to_rollback"] is not None and 0 < run["decisions_to_rollback"] <= run["watched"]
     row = report["rows"]["t1"]
-    assert row["harmful"] == row["rolled_back"] == 1 and row["median_decisions"] == run["decisions_to_rollback"]
+    assert row["harmful"] == row["rolled_back"] == row["ended"] == 1
+    assert row["median_decisions"] == run["decisions_to_rollback"]
     with pytest.raises(ValueError, match="unknown"):
         guardrail.run(args(tmp_path, clients="other"))
 

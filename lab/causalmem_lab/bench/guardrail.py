@@ -17,11 +17,14 @@ goes on for ``--watch`` steps. Reported per run: the mirrored version's value as
 says to serve it (the exploration share included, as the promise and the guardrail count it),
 against similarity-only (measured afterwards on the world's questions), the decisions it served
 until the guardrail rolled it back (counted from its checkpoint to the look that rolled back;
-the lab's loop looks at every checkpoint, every 300 decisions) or "never", and how many other
+the lab's loop looks at every checkpoint, every 300 decisions) or "never"; the decisions until a
+certified version was promoted over it, where that came first (its own trial against the anchor;
+it ends the harm as a rollback does), with that version's value as served; and how many other
 versions the guardrail rolled back in the run (a probe whose exploration share, as the client
 served it, was worse is one). Over the runs in which the served
 version was worse than similarity-only by more than ε: the share rolled back within the watch,
-with its 95% Wilson interval, and the median and largest number of decisions.
+with its 95% Wilson interval, and the median and largest number of decisions; and the share no
+longer served at the end of the watch, either way, with the most decisions one served.
 """
 
 from __future__ import annotations
@@ -65,17 +68,25 @@ def mirror(severity: float) -> Any:
     return change
 
 
-def rollback_of(actions: list[tuple[int, str, int, str]], served: tuple[int, int]) -> tuple[int | None, int]:
-    """(decisions from the served version's checkpoint to its rollback, None if never; how many
-    other versions were rolled back) from a run's actions ``(step, kind, version, path)``.
+def served_until(
+    actions: list[tuple[int, str, int, str]], served: tuple[int, int]
+) -> tuple[int | None, int | None, int | None, int]:
+    """What ended the served version's serving, from a run's actions ``(step, kind, version,
+    path)``: (decisions from its checkpoint to its rollback, None if never; decisions to a
+    certified version promoted over it, None if none came first; that version; how many other
+    versions were rolled back). Either ends what it costs clients.
 
-    >>> rollback_of([(300, "rollback", 4, "guardrail"), (900, "rollback", 7, "guardrail")], (600, 7))
-    (300, 1)
+    >>> acts = [(300, "rollback", 4, "guardrail"), (900, "rollback", 7, "guardrail"), (1500, "promote", 9, "improved")]
+    >>> served_until(acts, (600, 7)), served_until(acts, (1200, 8))
+    ((300, None, None, 1), (None, 300, 9, 2))
     """
     step, version = served
-    found = next((s - step for s, kind, v, _ in actions if kind == "rollback" and v == version), None)
+    later = [(s - step, kind, v) for s, kind, v, _ in actions if s > step and (kind == "promote" or v == version)]
+    end = next(((d, kind, v) for d, kind, v in later if kind in ("promote", "rollback")), None)
+    rolled = end[0] if end is not None and end[1] == "rollback" else None
+    promoted = (end[0], end[2]) if end is not None and end[1] == "promote" else (None, None)
     others = sum(1 for _, kind, v, _ in actions if kind == "rollback" and v != version)
-    return found, others
+    return rolled, *promoted, others
 
 
 def run_one(
@@ -96,7 +107,11 @@ def run_one(
     # guardrail are about; and without that share (what ``bench promise`` reports).
     value = lmlearning.measure(u, data, test, served, draws=4, seed=seed, explore=True)["value"]
     greedy = lmlearning.measure(u, data, test, served, draws=4, seed=seed)["value"]
-    decisions, others = rollback_of(res.actions, res.operator)
+    decisions, replaced_after, replaced_by, others = served_until(res.actions, res.operator)
+    replaced = None
+    if replaced_by is not None:  # what clients were served instead: the certified version, as served
+        instead = res.served_versions[replaced_by]
+        replaced = lmlearning.measure(u, data, test, instead, draws=4, seed=seed, explore=True)["value"] - similarity
     return {
         "seed": seed,
         "seconds": round(time.monotonic() - t0, 1),
@@ -106,6 +121,10 @@ def run_one(
         "vs_similarity_unexplored": greedy - similarity,
         "worse": value - similarity < -epsilon,
         "decisions_to_rollback": decisions,
+        # A certified version promoted over it (its own trial against the anchor) ends it too.
+        "decisions_to_replaced": replaced_after,
+        "replaced_by": replaced_by,
+        "replaced_vs_similarity": replaced,
         "watched": (at + watch) // cfg.refresh_every * cfg.refresh_every - step,  # to the run's last look
         "other_rollbacks": others,
     }
@@ -140,19 +159,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per client: over the runs whose served version was worse than similarity-only by more than
-    ε, the share rolled back within the watch (with its interval) and the decisions it took.
+    ε, the share rolled back within the watch (with its interval) and the decisions it took; and
+    the share no longer served by the end of the watch, rolled back or replaced by a certified
+    version, and the decisions it served.
 
     >>> rows = summarise([{"client": "c", "worse": True, "decisions_to_rollback": 600, "vs_similarity": -0.2,
-    ...                    "other_rollbacks": 0}, {"client": "c", "worse": False, "decisions_to_rollback": None,
-    ...                    "vs_similarity": 0.0, "other_rollbacks": 0}])
-    >>> rows["c"]["harmful"], rows["c"]["rolled_back"], rows["c"]["median_decisions"]
-    (1, 1, 600.0)
+    ...                    "decisions_to_replaced": None, "other_rollbacks": 0},
+    ...                   {"client": "c", "worse": True, "decisions_to_rollback": None, "vs_similarity": -0.1,
+    ...                    "decisions_to_replaced": 3900, "other_rollbacks": 0}])
+    >>> rows["c"]["harmful"], rows["c"]["rolled_back"], rows["c"]["median_decisions"], rows["c"]["ended"]
+    (2, 1, 600.0, 2)
+    >>> rows["c"]["ended_decisions"]
+    [600, 3900]
     """
     out: dict[str, dict[str, Any]] = {}
     for client in dict.fromkeys(r["client"] for r in runs):
         mine = [r for r in runs if r["client"] == client]
         harmful = [r for r in mine if r["worse"]]
         taken = [r["decisions_to_rollback"] for r in harmful if r["decisions_to_rollback"] is not None]
+        ended = [
+            r["decisions_to_rollback"] if r["decisions_to_rollback"] is not None else r["decisions_to_replaced"]
+            for r in harmful
+            if r["decisions_to_rollback"] is not None or r.get("decisions_to_replaced") is not None
+        ]
         out[client] = {
             "runs": len(mine),
             "harmful": len(harmful),
@@ -160,6 +189,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "rolled_back_interval": wilson(len(taken), len(harmful)),
             "median_decisions": float(np.median(taken)) if taken else None,
             "max_decisions": max(taken) if taken else None,
+            "ended": len(ended),
+            "ended_interval": wilson(len(ended), len(harmful)),
+            "ended_decisions": sorted(ended),
             "vs_similarity": [round(r["vs_similarity"], 3) for r in mine],
             "other_rollbacks": sum(r["other_rollbacks"] for r in mine),
         }
@@ -169,16 +201,19 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| client | runs | served worse than similarity − ε | rolled back (95% interval) | decisions: median, max "
+        "| no longer served: rolled back or replaced (95% interval) | decisions served, max "
         "| served − similarity | other rollbacks |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for client, row in report["rows"].items():
         lo, hi = row["rolled_back_interval"]
+        elo, ehi = row["ended_interval"]
         median = "—" if row["median_decisions"] is None else f"{row['median_decisions']:,.0f}, {row['max_decisions']:,}"
+        longest = f"{max(row['ended_decisions']):,}" if row["ended_decisions"] else "—"
         spread = f"{min(row['vs_similarity']):+.3f} … {max(row['vs_similarity']):+.3f}"
         lines.append(
             f"| {client} | {row['runs']} | {row['harmful']} | {row['rolled_back']} ({lo:.0%}–{hi:.0%}) | {median} "
-            f"| {spread} | {row['other_rollbacks']} |"
+            f"| {row['ended']} ({elo:.0%}–{ehi:.0%}) | {longest} | {spread} | {row['other_rollbacks']} |"
         )
     return "\n".join(lines)
 
