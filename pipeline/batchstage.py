@@ -98,7 +98,7 @@ class BatchStage(Service, abc.ABC):
     async def _start(self) -> None:
         conn, c = self.stage_config.connection, self.stage_config
         self._stopping.clear()
-        self._producer = await kafka.start_producer(self.bootstrap, conn, linger_ms=5)
+        self._producer = await kafka.start_producer(self.bootstrap, conn)
         self._dead = DeadLetterWriter(self._producer, self.topics.dead_letter.name, self.metrics)
         self._consumer = kafka.consumer(self.bootstrap, conn, group_id=c.group_id, max_poll_records=c.batch_size)
         self._consumer.subscribe([self.input_topic], listener=_Rebalance(self))

@@ -38,6 +38,10 @@ HEARTBEAT_INTERVAL_MS = 1000
 MAX_REQUEST_BYTES = 2 * 1024 * 1024
 # The batch size of the product's producers, the worker's faust producer too (worker/app.py).
 PRODUCER_BATCH_BYTES = 256 * 1024
+# How long a producer waits to fill a batch; longer for the high-volume outputs (the join's
+# experiences, a client's events), where fuller batches matter more than the milliseconds.
+LINGER_MS = 5
+BULK_LINGER_MS = 10
 
 
 def _topics(conn: Connection | Settings) -> Topics:
@@ -162,7 +166,7 @@ def producer(
         "bootstrap_servers": bootstrap,
         "acks": "all",
         "enable_idempotence": idempotent,
-        "linger_ms": 5,
+        "linger_ms": LINGER_MS,
         "max_batch_size": PRODUCER_BATCH_BYTES,
         "max_request_size": MAX_REQUEST_BYTES,
         "client_id": "causalmem",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pipeline import kafka
 from pipeline.client.sender import MAX_BYTES, MAX_EVENTS, Sender
 from pipeline.config import Connection, Settings
 from pipeline.service import Service
@@ -72,7 +73,7 @@ class _Publishing:
             self.conn,
             max_events=max_events,
             max_bytes=max_bytes,
-            producer_kwargs={"linger_ms": 10, **producer_kwargs},
+            producer_kwargs={"linger_ms": kafka.BULK_LINGER_MS, **producer_kwargs},
         )
 
     @property

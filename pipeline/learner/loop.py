@@ -163,7 +163,7 @@ class Learner(Service):
     # ------------------------------------------------------------------ lifecycle
     async def _start(self) -> None:
         conn = self.config.connection
-        self._producer = await kafka.start_producer(self.bootstrap, conn, linger_ms=5)
+        self._producer = await kafka.start_producer(self.bootstrap, conn)
         self._dead = DeadLetterWriter(self._producer, conn.topics.dead_letter.name, self.metrics)
         self.publishing = Publishing(self._producer, self.config, self.store, self.arch, self.metrics)
         gate = self.publishing.gate

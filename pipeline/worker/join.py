@@ -268,7 +268,7 @@ class JoinStage(Service):
     async def _start(self) -> None:
         conn = self.config.connection
         self._stopping.clear()
-        self._producer = await kafka.start_producer(self.bootstrap, conn, linger_ms=10)
+        self._producer = await kafka.start_producer(self.bootstrap, conn, linger_ms=kafka.BULK_LINGER_MS)
         self._dead = DeadLetterWriter(self._producer, self.topics.dead_letter.name, self.metrics)
         self._consumer = kafka.consumer(
             self.bootstrap, conn, group_id=self.group_id, max_poll_records=self.config.batch
