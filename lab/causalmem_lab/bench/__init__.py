@@ -29,6 +29,11 @@ machines vary; ``docs/benchmarks.md`` records the latest ones with their command
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 BENCHES = {
     "throughput": "causalmem_lab.bench.throughput",
     "learning": "causalmem_lab.bench.learning",
@@ -43,3 +48,12 @@ BENCHES = {
     "serving": "causalmem_lab.bench.serving",
     "poisoning": "causalmem_lab.bench.poisoning",
 }
+
+
+def finish(report: dict[str, Any], table: Callable[[dict[str, Any]], str], out: str | None) -> int:
+    """How a bench ends: its table printed and, where ``--out`` names a file, its report written
+    there as JSON. Returns the exit status (0)."""
+    print(table(report))
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1))
+    return 0

@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from causalmem_lab.bench import lmlearning, promise
+from causalmem_lab.bench import finish, lmlearning, promise
 from causalmem_lab.bench.promise import CLIENTS, wilson
 from causalmem_lab.offline import PRODUCT, OfflineResult, run_offline
 from pipeline.learner.promotion import SIMILARITY
@@ -174,8 +173,4 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(args)
-    print(table(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+    return finish(run(args), table, args.out)

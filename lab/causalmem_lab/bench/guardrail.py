@@ -32,13 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from causalmem_lab.bench import lmlearning
+from causalmem_lab.bench import finish, lmlearning
 from causalmem_lab.bench.promise import CLIENTS, bank, config, wilson, world_of, world_options
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from models.policy.network import NEUTRAL_BIAS, PolicyNetwork
@@ -230,8 +229,4 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(args)
-    print(table(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+    return finish(run(args), table, args.out)

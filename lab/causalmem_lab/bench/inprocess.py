@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from causalmem_lab.bench import finish
 from causalmem_lab.bench.staleness import staleness, true_value
 from causalmem_lab.lmworld import LMScenario
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
@@ -498,8 +499,4 @@ def _freshness_cells(ps: list[dict[str, Any]], m: dict[str, Any], gated: bool) -
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(args)
-    print(table(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+    return finish(run(args), table, args.out)

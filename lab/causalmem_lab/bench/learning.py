@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import dataclasses
 import importlib
-import json
 import shutil
 import tempfile
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from causalmem_lab.bench import inprocess, lmlearning
+from causalmem_lab.bench import finish, inprocess, lmlearning
 from causalmem_lab.simrun import RunResult, RunSpec, run_scenario
 from causalmem_lab.simulator import DAY, Scenario
 
@@ -477,9 +476,8 @@ def main(args: argparse.Namespace) -> int:
     for module in ("yaml", "rich", *(["matplotlib"] if args.out else [])):  # before any process starts
         importlib.import_module(module)
     report = asyncio.run(run(args))
-    print(table(report))
+    finish(report, table, args.out)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
         prefix = str(Path(args.out).with_suffix(""))
         for p in plot(report, prefix):
             print(f"plot: {p}")

@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import functools
 import importlib
-import json
 import shutil
 import tempfile
 import time
@@ -34,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from causalmem_lab.bench import finish
 from causalmem_lab.fanout import build_fanout_dataset
 from causalmem_lab.lmdata import LMDataset, LMUtilities, build_dataset, lm_utilities
 from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
@@ -431,8 +431,7 @@ def main(args: argparse.Namespace) -> int:
     for module in ("rich", *(["matplotlib"] if args.out else [])):  # before any process starts
         importlib.import_module(module)
     report = asyncio.run(run(args))
-    print(table(report))
+    finish(report, table, args.out)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"plot: {plot(report, str(Path(args.out).with_suffix('.png')))}")
     return 0

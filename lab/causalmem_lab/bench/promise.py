@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from causalmem_lab.bench import lmlearning
+from causalmem_lab.bench import finish, lmlearning
 from causalmem_lab.lmdata import lm_utilities
 from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
@@ -235,8 +235,4 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(args)
-    print(table(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+    return finish(run(args), table, args.out)
