@@ -239,7 +239,9 @@ def run_offline(
             promotion.Rule(delta=gate.delta, epsilon=gate.epsilon, trial_decisions=gate.trial_decisions),
             first,
             serving_params,
-            canary_rate,
+            # The learner names a canary as its setting says, whether or not clients serve it (a
+            # minimal client does not): as the learner's gate.
+            cfg.canary_rate,
             logging_policies,
             result,
             serve_as_published,
@@ -416,6 +418,6 @@ class SequenceGate:
             self.canary = canary
             self.set_canary(self.nets[canary] if canary is not None else None)
             if canary is not None:
-                self.logging_policies.hold(self.nets[canary].manifest, self.nets[canary].net)
+                self.logging_policies.hold(self.nets[canary].manifest, self.nets[canary].net, canary=True)
         keep = self.state.versions() | {self.state.first}
         self.nets = {v: p for v, p in self.nets.items() if v in keep}

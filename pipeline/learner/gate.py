@@ -325,7 +325,7 @@ class RuleGate:
             return
         manifest, net = self.versions[want]
         await self.publisher.set_canary(manifest)
-        self.logging_policies.hold(manifest, net)  # its requests' logging probabilities
+        self.logging_policies.hold(manifest, net, canary=True)  # its requests' logging probabilities
         self.canary, self._canary_cleared = want, True
         self.metrics.checkpoint_version.labels(role="canary").set(want)
         log.info("gate: v%d is the canary, served on %.0f%% of requests", want, 100 * self.params.canary_rate)

@@ -24,9 +24,12 @@ experience as the learner holds it, without a position.
 
 Which versions are held: the serving version and the ones served before it, at most
 :data:`HELD_VERSIONS` (clients move to a new version seconds after it is promoted, so the
-events are of the newest few). An event of a version no longer (or never) held — after
-a learner restart — keeps what it carries: with ``candidate_probs`` it is valued on them,
-without them it is no evidence (:func:`pipeline.learner.evidence.usable`). So does an event of
+events are of the newest few), and as many canaries, apart: the learner names a new canary
+with each trial whether or not clients serve canaries, and a run of them must not push out
+what clients serve (a client without ``candidate_probs`` would then log no evidence at all).
+An event of a version no longer (or never) held — after a learner restart — keeps what it
+carries: with ``candidate_probs`` it is valued on them, without them it is no evidence
+(:func:`pipeline.learner.evidence.usable`). So does an event of
 version 0 whose fields are not those of a client without a policy (m = 0): ``policy_version``
 is optional, and a client may serve a policy without naming its version.
 ``causalmem_gate_logging_probs_total{source}`` says how many events went which way. Each event
@@ -84,7 +87,9 @@ class LoggingPolicies:
         self.metrics = metrics
         self.held = held
         self.remember = remember
-        self._nets: dict[int, LoadedPolicy] = {}
+        self._nets: dict[int, LoadedPolicy] = {}  # what complete() reads: the two tables below, merged
+        self._served: dict[int, LoadedPolicy] = {}
+        self._canaries: dict[int, LoadedPolicy] = {}
         self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
         self._last_warning = -WARN_EVERY_S
         self._unwarned = 0
@@ -97,12 +102,19 @@ class LoggingPolicies:
         """The versions held, oldest first."""
         return sorted(self._nets)
 
-    def hold(self, manifest: Manifest, net: PolicyNetwork) -> None:
-        """``manifest``'s version is served by clients from now on: keep its network (and the newest others)."""
+    def hold(self, manifest: Manifest, net: PolicyNetwork, *, canary: bool = False) -> None:
+        """``manifest``'s version is served by clients from now on (``canary``: on the canary's
+        share of requests): keep its network, and the newest others of its kind."""
         version = manifest.version
-        nets = {v: n for v, n in self._nets.items() if v != version}
+        table = self._canaries if canary else self._served
+        nets = {v: n for v, n in table.items() if v != version}
         nets[version] = LoadedPolicy(manifest, net)  # as a client holds it
-        self._nets = {v: nets[v] for v in sorted(nets)[-self.held :]}
+        kept = {v: nets[v] for v in sorted(nets)[-self.held :]}
+        if canary:
+            self._canaries = kept
+        else:
+            self._served = kept
+        self._nets = {**self._canaries, **self._served}
 
     def complete(self, window: Sequence[Experience]) -> list[Experience]:
         """``window`` with each feedback event's logging probabilities: its own where they agree with

@@ -138,6 +138,27 @@ def test_version_zero_is_similarity_and_an_unheld_version_keeps_what_it_carries(
     assert value("causalmem_gate_logging_mismatch_total", {"field": "logprob"}) is None
 
 
+def test_a_run_of_canaries_does_not_push_out_the_version_clients_serve() -> None:
+    # The learner names a canary with every trial, whether or not clients serve canaries. Held
+    # in one table with the served versions, three canaries pushed the serving version out, and
+    # a client without candidate_probs (a minimal contract client) then logged no evidence at all:
+    # through the pipeline its trials saw no decision, and it never left its first promotion.
+    net = varied_policy(seed=5)
+    metrics = Metrics()
+    policies = LoggingPolicies(metrics)
+    policies.hold(manifest(6), net)  # promoted: what clients serve
+    for v in range(7, 13):
+        policies.hold(manifest(v), net, canary=True)
+    assert 6 in policies.versions and 12 in policies.versions and 7 not in policies.versions
+    out = policies.complete(stripped(client_log(net, 6, 20, seed=8, temperature=0.3)))
+    assert all(e.event.candidate_probs is not None for e in out if not e.event.fallback)
+    value = metrics.registry.get_sample_value
+    assert value("causalmem_gate_logging_probs_total", {"source": "version_not_held"}) is None
+    assert value("causalmem_gate_logging_probs_total", {"source": "recomputed"}) == sum(
+        not e.event.fallback for e in out
+    )
+
+
 def test_a_client_whose_fields_disagree_is_counted_once_and_left_out_of_the_gate() -> None:
     net = varied_policy(seed=8)
     logged = [e for e in client_log(net, 2, 60, seed=9, temperature=0.2) if not e.event.fallback]
