@@ -109,7 +109,8 @@ class LoggingPolicies:
         table = self._canaries if canary else self._served
         nets = {v: n for v, n in table.items() if v != version}
         nets[version] = LoadedPolicy(manifest, net)  # as a client holds it
-        kept = {v: nets[v] for v in sorted(nets)[-self.held :]}
+        # The most recently served, not the highest versions: a rollback serves an older one.
+        kept = dict(list(nets.items())[-self.held :])
         if canary:
             self._canaries = kept
         else:

@@ -159,6 +159,21 @@ def test_a_run_of_canaries_does_not_push_out_the_version_clients_serve() -> None
     )
 
 
+def test_a_version_served_again_by_a_rollback_is_held() -> None:
+    net = varied_policy(seed=6)
+    metrics = Metrics()
+    policies = LoggingPolicies(metrics, held=2)
+    for v in (1, 4, 5):  # the first policy, then two newer versions: v1 is no longer held
+        policies.hold(manifest(v), net)
+    assert policies.versions == [4, 5]
+    policies.hold(manifest(1), net)  # a rollback to the first policy: clients serve v1 again
+    assert policies.versions == [1, 5]
+    out = policies.complete(stripped(client_log(net, 1, 10, seed=9, temperature=0.3)))
+    assert all(e.event.candidate_probs is not None for e in out if not e.event.fallback)
+    value = metrics.registry.get_sample_value
+    assert value("causalmem_gate_logging_probs_total", {"source": "version_not_held"}) is None
+
+
 def test_a_client_whose_fields_disagree_is_counted_once_and_left_out_of_the_gate() -> None:
     net = varied_policy(seed=8)
     logged = [e for e in client_log(net, 2, 60, seed=9, temperature=0.2) if not e.event.fallback]
