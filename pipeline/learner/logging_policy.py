@@ -24,9 +24,10 @@ experience as the learner holds it, without a position.
 
 Which versions are held: the serving version and the ones served before it, at most
 :data:`HELD_VERSIONS` (clients move to a new version seconds after it is promoted, so the
-events are of the newest few), and as many canaries, apart: the learner names a new canary
-with each trial whether or not clients serve canaries, and a run of them must not push out
-what clients serve (a client without ``candidate_probs`` would then log no evidence at all).
+events are of the newest few), and the newest :data:`CANARIES_HELD` canaries, apart: the
+learner names a new canary with each trial whether or not clients serve canaries, and a run of
+them must not push out what clients serve (a client without ``candidate_probs`` would then log
+no evidence at all).
 An event of a version no longer (or never) held — after a learner restart — keeps what it
 carries: with ``candidate_probs`` it is valued on them, without them it is no evidence
 (:func:`pipeline.learner.evidence.usable`). So does an event of
@@ -59,6 +60,7 @@ from topics.manifest import Manifest
 log = logging.getLogger(__name__)
 
 HELD_VERSIONS = 3  # the serving version and the two served before it (each a full network in memory)
+CANARIES_HELD = 2  # the canary and the one before it, whose requests may still be arriving
 # the metric's labels; "incumbent": a client's own ranking under an incumbent (contract 1.17), checked
 SOURCES = ("client", "recomputed", "version_not_held", "unversioned", "unrecomputable", "incumbent")
 MISMATCH = "mismatch"
@@ -110,7 +112,7 @@ class LoggingPolicies:
         nets = {v: n for v, n in table.items() if v != version}
         nets[version] = LoadedPolicy(manifest, net)  # as a client holds it
         # The most recently served, not the highest versions: a rollback serves an older one.
-        kept = dict(list(nets.items())[-self.held :])
+        kept = dict(list(nets.items())[-(CANARIES_HELD if canary else self.held) :])
         if canary:
             self._canaries = kept
         else:
