@@ -79,7 +79,7 @@ class Verdict:
 class LoggingPolicies:
     """The networks of the versions clients may be serving, and the logging probabilities they give.
 
-    ``hold`` is called on the event loop (a version becomes the serving one), ``complete``
+    ``hold`` is called on the event loop (a version becomes the serving one, or the canary), ``complete``
     in the gate's worker thread: ``hold`` replaces the table of networks, never changes it
     in place, so a judgement reads one consistent table. ``remember``: how many events'
     verdicts are kept (a few batches of evidence), so that each is computed and counted once.
@@ -101,12 +101,12 @@ class LoggingPolicies:
 
     @property
     def versions(self) -> list[int]:
-        """The versions held, oldest first."""
+        """The versions held, in version order."""
         return sorted(self._nets)
 
     def hold(self, manifest: Manifest, net: PolicyNetwork, *, canary: bool = False) -> None:
         """``manifest``'s version is served by clients from now on (``canary``: on the canary's
-        share of requests): keep its network, and the newest others of its kind."""
+        share of requests): keep its network, and the most recently held others of its kind."""
         version = manifest.version
         table = self._canaries if canary else self._served
         nets = {v: n for v, n in table.items() if v != version}

@@ -80,8 +80,12 @@ def served_until(
     ((300, None, None, 1), (None, 300, 9, 2))
     """
     step, version = served
-    later = [(s - step, kind, v) for s, kind, v, _ in actions if s > step and (kind == "promote" or v == version)]
-    end = next(((d, kind, v) for d, kind, v in later if kind in ("promote", "rollback")), None)
+    ends = [
+        (s - step, kind, v)
+        for s, kind, v, _ in actions
+        if s > step and ((kind == "promote" and v != version) or (kind == "rollback" and v == version))
+    ]
+    end = ends[0] if ends else None
     rolled = end[0] if end is not None and end[1] == "rollback" else None
     promoted = (end[0], end[2]) if end is not None and end[1] == "promote" else (None, None)
     others = sum(1 for _, kind, v, _ in actions if kind == "rollback" and v != version)
@@ -124,6 +128,7 @@ def run_one(
         "decisions_to_replaced": replaced_after,
         "replaced_by": replaced_by,
         "replaced_vs_similarity": replaced,
+        "replaced_worse": replaced is not None and replaced < -epsilon,  # then the harm did not end
         "watched": (at + watch) // cfg.refresh_every * cfg.refresh_every - step,  # to the run's last look
         "other_rollbacks": others,
     }
@@ -160,7 +165,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per client: over the runs whose served version was worse than similarity-only by more than
     ε, the share rolled back within the watch (with its interval) and the decisions it took; and
     the share no longer served by the end of the watch, rolled back or replaced by a certified
-    version, and the decisions it served.
+    version not itself worse than similarity-only by more than ε, and the decisions it served.
 
     >>> rows = summarise([{"client": "c", "worse": True, "decisions_to_rollback": 600, "vs_similarity": -0.2,
     ...                    "decisions_to_replaced": None, "other_rollbacks": 0},
@@ -179,7 +184,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         ended = [
             r["decisions_to_rollback"] if r["decisions_to_rollback"] is not None else r["decisions_to_replaced"]
             for r in harmful
-            if r["decisions_to_rollback"] is not None or r.get("decisions_to_replaced") is not None
+            if r["decisions_to_rollback"] is not None
+            or (r.get("decisions_to_replaced") is not None and not r.get("replaced_worse"))
         ]
         out[client] = {
             "runs": len(mine),
@@ -208,7 +214,8 @@ def table(report: dict[str, Any]) -> str:
         lo, hi = row["rolled_back_interval"]
         elo, ehi = row["ended_interval"]
         median = "—" if row["median_decisions"] is None else f"{row['median_decisions']:,.0f}, {row['max_decisions']:,}"
-        longest = f"{max(row['ended_decisions']):,}" if row["ended_decisions"] else "—"
+        ends = row["ended_decisions"]
+        longest = "never" if row["ended"] < row["harmful"] else f"{max(ends):,}" if ends else "—"
         spread = f"{min(row['vs_similarity']):+.3f} … {max(row['vs_similarity']):+.3f}"
         lines.append(
             f"| {client} | {row['runs']} | {row['harmful']} | {row['rolled_back']} ({lo:.0%}–{hi:.0%}) | {median} "
