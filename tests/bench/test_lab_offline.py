@@ -97,6 +97,15 @@ def test_without_a_canary_share_nothing_is_canaried() -> None:
     assert not result.canary_utility
 
 
+def test_a_minimal_client_serves_no_canary_though_the_learner_names_one() -> None:
+    # As the product's learner, the loop names a canary with each trial at its configured rate;
+    # a minimal client (contract §7.2's canary is optional) serves none of them.
+    cfg = OfflineConfig(hidden=16, refresh_every=40, reset=False, gate=True, canary_rate=0.3, minimal_client=True)
+    result = run_offline(TINY, cfg)
+    assert any(k == "trial" for _, k, _, _ in result.actions)
+    assert not result.canary_utility
+
+
 def test_the_loop_decides_with_the_promotion_rule() -> None:
     """The loop carries out pipeline.learner.promotion.decide, and every promotion names its path."""
     assert offline.is_candidate is promotion.is_candidate
