@@ -264,10 +264,9 @@ class RuleGate:
         for a in actions:
             m.gate_actions.labels(kind=a.kind, path=a.path or "-").inc()
             if a.kind == "promote":
-                manifest, net = self.versions[a.version]
+                manifest = self.versions[a.version][0]
                 await self.publisher.promote(manifest)
-                self.logging_policies.hold(manifest, net)
-                self._serving_metrics(manifest)
+                self._serving_metrics(manifest)  # holds its logging policy too
                 if a.interval is not None:
                     m.gate_promoted_gain.observe(a.interval[0])
                 log.info("gate: promoted v%d (%s): %s", a.version, a.path, a.reason)
