@@ -80,16 +80,13 @@ def served_until(
     ((300, None, None, 1), (None, 300, 9, 2))
     """
     step, version = served
-    ends = [
-        (s - step, kind, v)
-        for s, kind, v, _ in actions
-        if s > step and ((kind == "promote" and v != version) or (kind == "rollback" and v == version))
-    ]
-    end = ends[0] if ends else None
-    rolled = end[0] if end is not None and end[1] == "rollback" else None
-    promoted = (end[0], end[2]) if end is not None and end[1] == "promote" else (None, None)
     others = sum(1 for _, kind, v, _ in actions if kind == "rollback" and v != version)
-    return rolled, *promoted, others
+    for s, kind, v, _ in actions:
+        if s > step and kind == "rollback" and v == version:
+            return s - step, None, None, others
+        if s > step and kind == "promote" and v != version:
+            return None, s - step, v, others
+    return None, None, None, others
 
 
 def run_one(
