@@ -27,7 +27,9 @@ docs/promotion.md states the promise and the rule.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +67,7 @@ from topics.manifest import Manifest
 log = logging.getLogger(__name__)
 
 DECISION_OF = {"promote": "promoted", "refuse": "refused", "rollback": "refused", "wait": "insufficient"}
+CERTIFIED = "certified_margin"  # in a promoted manifest's metrics.gate (contract 1.21)
 
 
 @dataclass
@@ -84,6 +87,28 @@ Probed = tuple[Manifest, dict[str, torch.Tensor]]  # a probe as published: its m
 def _incumbent(manifest: Manifest) -> bool:
     """Whether ``manifest`` says clients serve it as an incumbent (contract 1.17)."""
     return ServingParams.from_wire(manifest.serving).incumbent
+
+
+def certified(manifest: Manifest, margin: float) -> Manifest:
+    """``manifest`` as its promotion republishes it: ``metrics.gate.certified_margin`` records its
+    certified lower bound over similarity-only (contract 1.21), from which a restarted learner
+    goes on (:func:`certified_margin`)."""
+    gate = {**manifest.metrics.get("gate", {}), CERTIFIED: margin}
+    return dataclasses.replace(manifest, metrics={**manifest.metrics, "gate": gate})
+
+
+def certified_margin(manifest: Manifest) -> float | None:
+    """The margin a promotion recorded in ``manifest`` (None: not certified, or not readable).
+
+    >>> m = Manifest("p", 3, 0.0, "periodic", {}, 0.5, 0.0, "a" * 64, 1, 1)
+    >>> certified_margin(m), certified_margin(certified(m, -0.01))
+    (None, -0.01)
+    """
+    gate = manifest.metrics.get("gate")
+    margin = gate.get(CERTIFIED) if isinstance(gate, dict) else None
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+        return None
+    return float(margin)
 
 
 def network(tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
@@ -152,13 +177,17 @@ class RuleGate:
 
     # ------------------------------------------------------------------ events
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
-        """Serve ``manifest`` without a trial (the learner's start): the rule starts from it. A
-        probe (contract 1.19) after its incumbent is that incumbent's probe, as it was published."""
+        """Serve ``manifest`` without a trial (the learner's start): the rule starts from it, with it
+        as the anchor where its promotion certified it (:func:`certified_margin`).
+        A probe (contract 1.19) after its incumbent is that incumbent's probe, as it was published."""
         self._hold(manifest, network(tensors))
         self.logging_policies.hold(manifest, self.versions[manifest.version][1])
         incumbent = _incumbent(manifest)
         if self.state is None:
-            self.state = State.start(manifest.version, incumbent)
+            margin = None if incumbent else certified_margin(manifest)
+            self.state = self._start(manifest.version, incumbent, margin)
+            if margin is not None:
+                log.info("gate: v%d was certified (%+.4f over similarity-only): the anchor", manifest.version, margin)
         elif manifest.reason == PROBE:
             self.state, _ = decide(self.state, Probe(manifest.version), self.rule)
         else:
@@ -170,7 +199,7 @@ class RuleGate:
             self._hold(manifest, network(tensors))
             incumbent = _incumbent(manifest)
             if self.state is None:
-                self.state = State.start(manifest.version, incumbent)
+                self.state = self._start(manifest.version, incumbent)
             else:
                 event = ServedAtOnce(manifest.version, reanchor=manifest.reason == "reset", incumbent=incumbent)
                 self.state, actions = decide(self.state, event, self.rule)
@@ -202,7 +231,7 @@ class RuleGate:
             if self.state is None:  # nothing served yet (a learner whose serving version is unreadable)
                 self._hold(manifest, network(tensors))
                 await self.publisher.promote(manifest)
-                self.state = State.start(manifest.version)
+                self.state = self._start(manifest.version)
                 self._serving_metrics(manifest)
                 return None
             look = await self._look()
@@ -264,7 +293,9 @@ class RuleGate:
         for a in actions:
             m.gate_actions.labels(kind=a.kind, path=a.path or "-").inc()
             if a.kind == "promote":
-                manifest = self.versions[a.version][0]
+                manifest, net = self.versions[a.version]
+                manifest = certified(manifest, self.state.margin)  # a.version is the new anchor
+                self._hold(manifest, net)
                 await self.publisher.promote(manifest)
                 self._serving_metrics(manifest)  # holds its logging policy too
                 if a.interval is not None:
@@ -330,6 +361,10 @@ class RuleGate:
         log.info("gate: v%d is the canary, served on %.0f%% of requests", want, 100 * self.params.canary_rate)
 
     # ------------------------------------------------------------------ bookkeeping
+    def _start(self, version: int, incumbent: bool = False, margin: float | None = None) -> State:
+        """The rule's state at this learner's start: its epoch (claimed before) spends its share of δ."""
+        return State.start(version, incumbent, margin=margin, epoch=self.publisher.epoch or 1)
+
     def _hold(self, manifest: Manifest, net: PolicyNetwork) -> None:
         self.versions[manifest.version] = (manifest, net)
 

@@ -57,6 +57,10 @@ while queries and utilities come as they came then). Where either shows it worse
 anchor). This is a check on what is actually served, under whatever the estimators' inputs got
 wrong.
 
+**Restarts.** Each start of a learner (its epoch e) spends δ/(e(e+1)) of δ (:attr:`State.share`),
+so the tests of all runs add up to δ; a learner restarted while a certified version serves
+starts from it as the anchor, with the margin its promotion recorded (:meth:`State.start`).
+
 The learner's async code only gathers the evidence (the probabilities, under each version
 as served, of the sets each decision read) and carries out the actions; the lab
 calls the same :func:`decide`.
@@ -213,11 +217,32 @@ class State:
     # The incumbent a probe replaced: decisions logged under it (a canary mixed with it among
     # them) are still arriving, and are valued only while its probabilities are.
     before: int | None = None
+    # This learner run's share of δ: the learner's epoch e (each start of a learner is one) spends
+    # 1/(e(e+1)) of it, so the tests of all runs of a deployment add up to δ as well.
+    share: float = 1.0
 
     @classmethod
-    def start(cls, serving: int, incumbent: bool = False) -> State:
-        """The state at the learner's start: ``serving`` served at once, similarity-only the anchor."""
-        return cls(serving=serving, first=serving, incumbent=incumbent, incumbents=frozenset([serving] * incumbent))
+    def start(cls, serving: int, incumbent: bool = False, *, margin: float | None = None, epoch: int = 1) -> State:
+        """The state at a learner's start: ``serving`` served at once, similarity-only the anchor;
+        or, where ``serving`` was certified (``margin``: its certified lower bound over
+        similarity-only, as its promotion recorded it), ``serving`` the anchor: a restarted learner
+        goes on from what was certified. Trials against similarity-only, whose reads a near-greedy
+        log does not show, would never decide (docs/promotion.md).
+
+        >>> s = State.start(7, margin=0.03, epoch=2)
+        >>> s.anchor, s.margin, round(s.share, 4)
+        (7, 0.03, 0.1667)
+        """
+        anchor = serving if margin is not None else SIMILARITY
+        return cls(
+            serving=serving,
+            anchor=anchor,
+            first=serving,
+            margin=margin or 0.0,
+            incumbent=incumbent,
+            incumbents=frozenset([serving] * incumbent),
+            share=spend(epoch, 1.0),
+        )
 
     def versions(self) -> set[int]:
         """The versions whose probabilities the next evidence must carry."""
@@ -475,7 +500,7 @@ def opens_trial(state: State, rule: Rule) -> bool:
 
 def _trial(state: State, version: int, rule: Rule) -> tuple[State, Trial]:
     index = state.tests + 1
-    bounds = GainSequence(spend(index, rule.delta / 2))  # half of δ for trials
+    bounds = GainSequence(spend(index, state.share * rule.delta / 2))  # half of δ for trials
     return replace(state, tests=index), Trial(version, state.anchor, index, bounds)
 
 
@@ -568,7 +593,7 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     evidence of harm. The guardrail's half of δ: a quarter for the gain on the served version's
     decisions, an eighth each for its value there and for similarity-only's under an incumbent."""
     state = _baseline(state, ev, rule)
-    if state.serving == state.first and state.anchor == SIMILARITY:
+    if state.serving == state.first:
         return state  # nothing to fall back to (a probe falls back to the first policy)
     rows, low, high = ev.served_values(state.serving)
     if not len(rows):
@@ -576,7 +601,8 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     guard, guards = state.guard, state.guards
     if guard is None:
         guards += 1
-        guard = Guard(GainSequence(spend(guards, rule.delta / 4)), GainSequence(spend(guards, rule.delta / 8)))
+        delta = state.share * rule.delta
+        guard = Guard(GainSequence(spend(guards, delta / 4)), GainSequence(spend(guards, delta / 8)))
     similarity_low, similarity_high = ev.subset(rows).bounds(SIMILARITY)
     guard.gain.update(low - similarity_high, high - similarity_low)
     guard.value.update(low, high)
@@ -606,7 +632,7 @@ def _baseline(state: State, ev: Evidence, rule: Rule) -> State:
     baseline, baselines = state.baseline, state.baselines
     if baseline is None:
         baselines += 1
-        baseline = GainSequence(spend(baselines, rule.delta / 8))
+        baseline = GainSequence(spend(baselines, state.share * rule.delta / 8))
     baseline.update(*ev.subset(rows).bounds(SIMILARITY))
     return replace(state, baseline=baseline, baselines=baselines)
 

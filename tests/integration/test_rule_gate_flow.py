@@ -121,3 +121,33 @@ async def test_a_learner_restarted_under_a_probe_keeps_the_incumbent_it_replaced
         assert (gate.state.serving, gate.state.first, gate.state.before) == (before.serving, 1, before.before)
         assert gate.serving_manifest is not None and gate.serving_manifest.reason == PROBE
         assert sorted(v for v in gate.versions if v <= before.serving) == [1, before.before, before.serving]
+
+
+@pytest.mark.broker
+async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topics_ready) -> None:
+    """The promoted manifest on the model topic records the version's certified margin (contract
+    1.21): a learner restarted while it serves has it as the anchor, with that margin, and spends
+    its own epoch's share of δ. Before, it started from it as from a first policy, against
+    similarity-only, whose reads a near-greedy log does not show: nothing was promoted again."""
+    s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
+    async with learner_running(s) as learner:
+        gate = learner.gate
+        assert isinstance(gate, RuleGate)
+        init = PolicyNetwork.from_tensors(learner.trainer.tensors())
+        for seed in range(3, 12):
+            await _send(s, served_by(log_of(init, 600, seed=seed, policy=s.policy, questions=20), 1))
+            if any(d.decision == "promoted" for d in gate.decisions):
+                break
+            await until(lambda: learner.trainer.experiences + len(gate.gathered) > 0, 30, "input read")
+            await until(lambda: not learner.dirty, 30, "a checkpoint")
+        await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
+        before = gate.state
+        assert before is not None and before.anchor == before.serving != 1
+    async with learner_running(s) as restarted:
+        gate = restarted.gate
+        assert isinstance(gate, RuleGate) and gate.state is not None
+        state = gate.state
+        assert (state.serving, state.anchor, state.margin) == (before.serving, before.serving, before.margin)
+        assert state.share == pytest.approx(1 / 6)  # epoch 2
+        assert gate.serving_manifest is not None
+        assert gate.serving_manifest.metrics["gate"]["certified_margin"] == before.margin

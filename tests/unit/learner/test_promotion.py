@@ -365,3 +365,34 @@ def test_the_learners_copy_of_the_first_policy_after_a_rollback_is_the_first_pol
     certified = replace(state, serving=7, anchor=7, margin=0.05, incumbent=False)
     state, _ = decide(certified, ServedAtOnce(8, incumbent=True), RULE)  # a rollback once certified: not the first
     assert state.first == 3
+
+
+def test_a_restarted_learner_goes_on_from_the_certified_anchor() -> None:
+    """A learner restarted while a certified version serves near-greedily: started from it as
+    the first policy (what the learner did before contract 1.21), every later trial is against
+    similarity-only, whose reads its log does not show, and none ever decides; started from it
+    as the anchor, with the margin its promotion recorded, a better candidate is promoted."""
+    outcomes = {}
+    for margin in (None, 0.05):
+        world = World(5)
+        world.versions[2] = np.array([0.0, 0.7, 0.0, 0.3, 0.0])  # certified: +0.15 over similarity-only
+        world.versions[3] = np.array([0.0, 1.0, 0.0, 0.0, 0.0])  # +0.11 over v2
+        state = State.start(serving=2, margin=margin, epoch=2)
+        state, actions = decide(state, Candidate(3), RULE)
+        assert [(a.kind, state.trials[0].anchor) for a in actions] == [("trial", 2 if margin else SIMILARITY)]
+        promoted = []
+        for _ in range(30):
+            state, actions = decide(state, clipped(world, state.serving), RULE)
+            promoted += [(a.version, a.path) for a in actions if a.kind == "promote"]
+            assert not any(a.kind == "rollback" for a in actions)  # nothing to fall back to
+        outcomes[margin] = promoted
+    assert outcomes[None] == []
+    assert outcomes[0.05] == [(3, "improved")]
+
+
+def test_each_learner_run_spends_its_own_share_of_delta() -> None:
+    """Epoch e (each start of a learner) spends δ/(e(e+1)) of the run's δ: all runs' tests add
+    up to δ however often the learner restarts."""
+    for epoch in (1, 2, 5):
+        state, _ = decide(State.start(1, epoch=epoch), Candidate(2), RULE)
+        assert state.trials[0].bounds.alpha == pytest.approx(RULE.delta / 2 / 2 / (epoch * (epoch + 1)))

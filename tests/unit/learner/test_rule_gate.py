@@ -23,14 +23,17 @@ def manifest(version: int, reason: str = "periodic") -> Manifest:
 
 
 class Publisher:
-    def __init__(self) -> None:
+    def __init__(self, epoch: int | None = None) -> None:
         self.promoted: list[int] = []
+        self.serving: Manifest | None = None  # the last manifest promoted, as published
         self.canaries: list[int | None] = []
         self.head: tuple[int, str] | None = (1, "link")
         self.pinned: set[int] = set()
+        self.epoch = epoch
 
     async def promote(self, m: Manifest) -> None:
         self.promoted.append(m.version)
+        self.serving = m
         self.head = (m.version, "link")
 
     async def set_canary(self, m: Manifest | None) -> None:
@@ -79,6 +82,34 @@ async def test_a_better_candidate_is_promoted_on_the_decisions_after_it() -> Non
     # The certified lower bound of the promotion, for "gain per promotion" on a dashboard.
     assert value("causalmem_gate_promoted_gain_count") == 1
     assert value("causalmem_gate_promoted_gain_sum") > (-0.02 if last.path == "within-epsilon" else 0.0)
+
+
+async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it() -> None:
+    """The promotion records the version's certified margin in the manifest it publishes
+    (contract 1.21); a learner restarted on that manifest (a new epoch) has it as the anchor, so
+    its candidates are tried against it and not against similarity-only, whose reads a
+    near-greedy log of it does not show (there nothing was ever certified after a restart)."""
+    gate, pub, serving = gate_of()
+    await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
+    for seed in range(10):
+        gate.observe(logged(serving, PER_LOOK, seed))
+        await gate.reconsider()
+        if pub.promoted:
+            break
+    assert pub.promoted == [2] and pub.serving is not None and gate.state is not None
+    margin = pub.serving.metrics["gate"]["certified_margin"]
+    assert margin == gate.state.margin > -GateConfig().epsilon
+    restarted = RuleGate(GateConfig(), Publisher(epoch=2), Metrics())  # type: ignore[arg-type]
+    restarted.set_serving(pub.serving, tilted(serving, GOOD).tensors())
+    assert restarted.state is not None and (restarted.state.anchor, restarted.state.margin) == (2, margin)
+    await restarted.consider(manifest(3), tilted(serving, GOOD, amount=0.5).tensors())
+    assert [(t.version, t.anchor) for t in restarted.state.trials] == [(3, 2)]
+    assert restarted.state.trials[0].bounds.alpha < gate.state.share * GateConfig().delta / 2 / 2  # epoch 2's share
+    # A manifest without the record (a learner before 1.21 promoted it) starts as before.
+    plain = dataclasses.replace(pub.serving, metrics={})
+    before = RuleGate(GateConfig(), Publisher(epoch=2), Metrics())  # type: ignore[arg-type]
+    before.set_serving(plain, tilted(serving, GOOD).tensors())
+    assert before.state is not None and before.state.anchor == 0
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
