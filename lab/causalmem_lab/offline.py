@@ -35,6 +35,7 @@ from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner import evidence as gate_evidence
 from pipeline.learner import promotion
+from pipeline.learner.gate import certified, certified_margin
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion import is_candidate
 from pipeline.learner.publishing import first_serving
@@ -82,6 +83,9 @@ class OfflineConfig:
     canary_coupled: bool = PRODUCT.serve_canary_coupled  # contract 1.5: canary requests draw both slates
     # A client that sends only the contract's required fields (required_only) and serves no canary.
     minimal_client: bool = False
+    # A learner restart after this many steps (0: none): the rule's state is rebuilt from the
+    # serving manifest, as a restarted learner's gate does (RuleGate.set_serving), in epoch 2.
+    restart_at: int = 0
     seed: int = PRODUCT.seed
 
     def trainer(self, scenario: Scenario | LMScenario) -> TrainerConfig:
@@ -136,6 +140,7 @@ class OfflineResult:
     served_versions: dict[int, LoadedPolicy] = field(default_factory=dict)
     # (step, version) of the version an operator's cut-over served (run_offline's ``operator``).
     operator: tuple[int, int] | None = None
+    restarted: int | None = None  # the step of the learner restart (``OfflineConfig.restart_at``)
 
 
 def _snapshot(
@@ -294,6 +299,9 @@ def run_offline(
                 candidate = snapshot(serving_params)
                 result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
                 refresh(candidate)
+                if sequences is not None and cfg.restart_at and result.restarted is None and steps >= cfg.restart_at:
+                    sequences.restart(epoch=2)
+                    result.restarted = steps
                 if operator is not None and result.operator is None and steps >= operator[0]:
                     version += 1
                     result.operator = (steps, version)
@@ -360,6 +368,15 @@ class SequenceGate:
         """Decisions about to be trained on: evidence for the trials open now (:meth:`RuleGate.observe`)."""
         self.gathered.extend(experiences)
 
+    def restart(self, epoch: int) -> None:
+        """As a learner restarted in ``epoch`` (:meth:`RuleGate.set_serving` on the serving
+        manifest): the trials, the guardrail and the baseline start again; the served version
+        is the anchor where its promotion recorded a certified margin."""
+        served = self.nets[self.state.serving].manifest
+        incumbent = ServingParams.from_wire(served.serving).incumbent
+        margin = None if incumbent else certified_margin(served)
+        self.state = promotion.State.start(served.version, incumbent, margin=margin, epoch=epoch)
+
     def wants_probe(self) -> bool:
         """As the check at the start of :meth:`RuleGate.probe`: the next candidate is preceded by a probe."""
         return promotion.probes(self.state, self.rule)
@@ -409,7 +426,9 @@ class SequenceGate:
                 self.result.trialled[a.version] = self.nets[a.version]
             if a.kind in ("promote", "refuse", "wait", "superseded"):
                 self.result.gate.append({"promote": "promoted", "refuse": "refused"}.get(a.kind, "insufficient"))
-            if a.kind == "promote":
+            if a.kind == "promote":  # published with its certified margin, as the learner's gate does
+                promoted = self.nets[a.version]
+                self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state.margin))
                 self.serve(self.nets[a.version])
             elif a.kind == "rollback" and a.to is not None:
                 self.serve(self.nets[a.to])

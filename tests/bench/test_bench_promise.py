@@ -39,6 +39,7 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
         events=1200,
         epsilon=0.02,
         drop="none",
+        restart_at=600,  # a learner restart half-way (gated: the rule's state rebuilt from the serving manifest)
         out=str(tmp_path / "promise.json"),
     )
     assert promise.main(args) == 0
@@ -54,6 +55,7 @@ def test_the_bench_measures_every_version_served(tmp_path: Path, monkeypatch: py
         lo, hi = row["unsafe_interval"]
         assert 0.0 <= lo <= hi <= 1.0
     assert "trial" in rows["t1/gate"]["runs"][0]["actions"]
-    assert report["drop"] == "none"
+    assert rows["t1/gate"]["runs"][0]["restarted"] == 600 and ungated["restarted"] is None
+    assert report["drop"] == "none" and report["restart_at"] == 600
     with pytest.raises(ValueError, match="unknown"):
         promise.run(argparse.Namespace(**{**vars(args), "rules": "other"}))

@@ -94,9 +94,11 @@ def world_of(data: Any, u: Any, client: Client, seed: int, events: int) -> tuple
     return scenario, LMWorld(scenario, data, u)
 
 
-def config(client: Client, gate: bool, seed: int, epsilon: float, drop: str) -> OfflineConfig:
-    """The loop's settings for a client's run: the product's defaults but the client's serving."""
+def config(client: Client, gate: bool, seed: int, epsilon: float, drop: str, restart_at: int = 0) -> OfflineConfig:
+    """The loop's settings for a client's run: the product's defaults but the client's serving
+    (``restart_at``: the step of a learner restart, 0 none)."""
     return OfflineConfig(
+        restart_at=restart_at,
         gate=gate,
         gate_epsilon=epsilon,
         minimal_client=client.minimal,
@@ -117,11 +119,19 @@ def as_asked(client: Client) -> bool | tuple[float, float]:
 
 
 def run_one(
-    data: Any, u: Any, client: Client, rule: str, seed: int, events: int, epsilon: float, drop: str = PRODUCT.serve_drop
+    data: Any,
+    u: Any,
+    client: Client,
+    rule: str,
+    seed: int,
+    events: int,
+    epsilon: float,
+    drop: str = PRODUCT.serve_drop,
+    restart_at: int = 0,
 ) -> dict[str, Any]:
     """One run: the versions served and their values, the worst against similarity-only, the end."""
     scenario, world = world_of(data, u, client, seed, events)
-    cfg = config(client, rule == "gate", seed, epsilon, drop)
+    cfg = config(client, rule == "gate", seed, epsilon, drop, restart_at)
     t0 = time.monotonic()
     res = run_offline(scenario, cfg, env=world)
     seconds = time.monotonic() - t0
@@ -148,6 +158,9 @@ def run_one(
         "worst_vs_similarity": worst,
         "unsafe": worst < -epsilon,
         "actions": {k: sum(1 for _, kind, _, _ in res.actions if kind == k) for k in {a[1] for a in res.actions}},
+        # The steps of the promotions (and rollbacks) and of a learner restart: what came after it.
+        "promotions": [(step, v) for step, kind, v, _ in res.actions if kind == "promote"],
+        "restarted": res.restarted,
     }
 
 
@@ -179,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "data": data_name,
         "epsilon": args.epsilon,
         "drop": args.drop or PRODUCT.serve_drop,
+        "restart_at": args.restart_at,
         "seeds": seeds,
         "rows": {},
     }
@@ -188,7 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rule in rules:
             runs = []
             for seed in seeds:
-                r = run_one(data, u, client, rule, seed, events, args.epsilon, args.drop or PRODUCT.serve_drop)
+                drop = args.drop or PRODUCT.serve_drop
+                r = run_one(data, u, client, rule, seed, events, args.epsilon, drop, args.restart_at)
                 runs.append(r)
                 print(f"{cname}/{rule} seed {seed}: {json.dumps(r)}", flush=True)
             unsafe = sum(r["unsafe"] for r in runs)
@@ -231,6 +246,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", type=int, help="steps of traffic per run (default: the client's)")
     p.add_argument("--epsilon", type=float, default=PRODUCT.gate_epsilon, help="the margin (default: the gate's)")
     p.add_argument("--drop", choices=("dynamic", "none"), help="the hard drop clients serve (default: the product's)")
+    p.add_argument(
+        "--restart-at",
+        type=int,
+        default=0,
+        help="restart the learner's promotion rule after this many steps (as a restarted learner: a new epoch)",
+    )
     p.add_argument("--out", help="write the report as JSON here")
 
 
