@@ -378,6 +378,7 @@ class SequenceGate:
         incumbent = ServingParams.from_wire(served.serving).incumbent
         margin = None if incumbent else certified_margin(served)
         self.state = promotion.State.start(served.version, incumbent, margin=margin, epoch=epoch)
+        self.table = gate_evidence.RewardTable()  # the learner's is in its memory: learnt again
 
     def wants_probe(self) -> bool:
         """As the check at the start of :meth:`RuleGate.probe`: the next candidate is preceded by a probe."""

@@ -93,8 +93,9 @@ def certified(manifest: Manifest, margin: float) -> Manifest:
     """``manifest`` as its promotion republishes it: ``metrics.gate.certified_margin`` records its
     certified lower bound over similarity-only (contract 1.21), from which a restarted learner
     goes on (:func:`certified_margin`)."""
-    gate = {**manifest.metrics.get("gate", {}), CERTIFIED: margin}
-    return dataclasses.replace(manifest, metrics={**manifest.metrics, "gate": gate})
+    gate = manifest.metrics.get("gate")
+    record = {**(gate if isinstance(gate, dict) else {}), CERTIFIED: margin}
+    return dataclasses.replace(manifest, metrics={**manifest.metrics, "gate": record})
 
 
 def certified_margin(manifest: Manifest) -> float | None:
@@ -185,6 +186,10 @@ class RuleGate:
         incumbent = _incumbent(manifest)
         if self.state is None:
             margin = None if incumbent else certified_margin(manifest)
+            if margin is not None and margin <= -self.rule.epsilon:
+                # Certified under a larger ε than this learner's: outside its promise.
+                log.warning("gate: v%d certified at %+.4f, not within ε: not the anchor", manifest.version, margin)
+                margin = None
             self.state = self._start(manifest.version, incumbent, margin)
             if margin is not None:
                 log.info("gate: v%d was certified (%+.4f over similarity-only): the anchor", manifest.version, margin)

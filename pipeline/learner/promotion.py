@@ -17,8 +17,9 @@ confidence sequence (:class:`models.offpolicy.confidence.GainSequence`) for its 
 anchor, fed with the decisions the learner applies *after* the candidate was published — data
 the candidate was not trained on, so it is always tested on data it was not chosen on (a
 Seldonian safety test, Thomas et al. 2019), and the learner still trains on every decision.
-Trial j of the run gets the error rate δ/(j(j+1)) (:func:`models.offpolicy.confidence.spend`):
-the rates of all trials add up to δ, and each trial may be looked at after every batch. A new
+Trial j of a learner's run gets the error rate s/2 · 1/(j(j+1)), s the run's share of δ
+(**Restarts**, below; :func:`models.offpolicy.confidence.spend`): the rates of all trials add up
+to s/2, the guardrail has the other half, and each trial may be looked at after every batch. A new
 candidate starts a trial only once the newest open one has had its ``trial_decisions`` (it
 takes the place of one that has seen none); otherwise it is passed over. The newest trial's
 candidate is the canary, so each trial keeps the canary's draws, the evidence it needs, until
@@ -199,6 +200,9 @@ class State:
     serving: int
     anchor: int = SIMILARITY
     first: int = 1  # the first policy of the run (what a rollback of the anchor itself goes to)
+    # The first policy's certified margin, where a restarted learner started from a certified
+    # version (State.start): a rollback to it makes it the anchor again. None: not certified.
+    first_margin: float | None = None
     trials: tuple[Trial, ...] = ()
     tests: int = 0  # trials started in the run (δ spent)
     # The anchor's certified lower bound over similarity-only (0 for similarity-only itself): the
@@ -239,6 +243,7 @@ class State:
             anchor=anchor,
             first=serving,
             margin=margin or 0.0,
+            first_margin=margin,
             incumbent=incumbent,
             incumbents=frozenset([serving] * incumbent),
             share=spend(epoch, 1.0),
@@ -459,12 +464,12 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         # An incumbent served at once while nothing is certified (a drift reset, or the learner's copy of
         # the first policy that a rollback republishes) is the run's first policy from then on.
         fresh = event.incumbent and (event.reanchor or state.anchor == SIMILARITY)
-        first = event.version if fresh else state.first
+        first, first_margin = (event.version, None) if fresh else (state.first, state.first_margin)
         if event.reanchor:  # a drift reset: similarity-only's value is measured again, in the new world
             served = replace(served, baseline=None, incumbents=frozenset())
         if event.incumbent:
             served = replace(served, incumbents=served.incumbents | {event.version})
-        return replace(served, incumbent=event.incumbent, before=None, first=first), ended
+        return replace(served, incumbent=event.incumbent, before=None, first=first, first_margin=first_margin), ended
     if isinstance(event, Probe):
         if not probes(state, rule) or event.version <= state.serving:
             return state, [Action("superseded", event.version, f"not a probe of the incumbent v{state.serving}")]
@@ -500,7 +505,7 @@ def opens_trial(state: State, rule: Rule) -> bool:
 
 def _trial(state: State, version: int, rule: Rule) -> tuple[State, Trial]:
     index = state.tests + 1
-    bounds = GainSequence(spend(index, state.share * rule.delta / 2))  # half of δ for trials
+    bounds = GainSequence(spend(index, state.share * rule.delta / 2))  # half of the run's share of δ for trials
     return replace(state, tests=index), Trial(version, state.anchor, index, bounds)
 
 
@@ -590,7 +595,7 @@ def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
 def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> State:
     """Update the guardrail with what clients served as the serving manifest asks (the served
     version, and a canary's share of its mix: :meth:`Evidence.served_values`); roll back on
-    evidence of harm. The guardrail's half of δ: a quarter for the gain on the served version's
+    evidence of harm. The guardrail's half of the run's share of δ: a quarter for the gain on the served version's
     decisions, an eighth each for its value there and for similarity-only's under an incumbent."""
     state = _baseline(state, ev, rule)
     if state.serving == state.first:
@@ -618,7 +623,12 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
         actions.append(Action("rollback", state.serving, reason, "guardrail", to=to))
         for t in state.trials:
             actions.append(Action("superseded", t.version, f"rolled back to v{to}"))
-        anchor, margin = (state.anchor, state.margin) if state.anchor != state.serving else (SIMILARITY, 0.0)
+        if state.anchor != state.serving:
+            anchor, margin = state.anchor, state.margin
+        elif state.first_margin is not None:  # back to a restarted learner's certified first version
+            anchor, margin = state.first, state.first_margin
+        else:
+            anchor, margin = SIMILARITY, 0.0
         state = replace(state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None)
     return state
 

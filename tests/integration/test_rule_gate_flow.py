@@ -141,13 +141,14 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
             await until(lambda: learner.trainer.experiences + len(gate.gathered) > 0, 30, "input read")
             await until(lambda: not learner.dirty, 30, "a checkpoint")
         await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
-        before = gate.state
-        assert before is not None and before.anchor == before.serving != 1
+        promoted = gate.state
+        assert promoted is not None and promoted.anchor == promoted.serving != 1
+    # (Stopping publishes one more candidate and looks once more: what serves is read back.)
     async with learner_running(s) as restarted:
         gate = restarted.gate
-        assert isinstance(gate, RuleGate) and gate.state is not None
-        state = gate.state
-        assert (state.serving, state.anchor, state.margin) == (before.serving, before.serving, before.margin)
+        assert isinstance(gate, RuleGate) and gate.state is not None and gate.serving_manifest is not None
+        state, serving = gate.state, gate.serving_manifest
+        assert serving.version >= promoted.serving and serving.reason != "init"
+        assert (state.serving, state.anchor) == (serving.version, serving.version)
+        assert state.margin == serving.metrics["gate"]["certified_margin"] > -s.gate_epsilon
         assert state.share == pytest.approx(1 / 6)  # epoch 2
-        assert gate.serving_manifest is not None
-        assert gate.serving_manifest.metrics["gate"]["certified_margin"] == before.margin

@@ -390,6 +390,27 @@ def test_a_restarted_learner_goes_on_from_the_certified_anchor() -> None:
     assert outcomes[0.05] == [(3, "improved")]
 
 
+def test_a_rollback_to_a_restarted_learners_certified_first_version_keeps_it_the_anchor() -> None:
+    """After a restart from certified v2, v3 is promoted, then shown below similarity-only (the
+    world changed under it): the guardrail rolls back to v2, which is the anchor again with its
+    margin, not similarity-only (whose reads a near-greedy log of v2 does not show)."""
+    state = replace(State.start(2, margin=0.05, epoch=2), serving=3, anchor=3, margin=0.08)
+    world = World(6)
+    world.versions[2] = np.array([0.0, 0.7, 0.0, 0.3, 0.0])
+    world.versions[3] = np.array([0.5, 0.0, 0.5, 0.0, 0.0])  # half similarity-only's set, half set 2: −0.33
+    rolled = []
+    for _ in range(20):
+        state, actions = decide(state, clipped(world, state.serving), RULE)
+        rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
+        if rolled:
+            break
+    assert rolled == [(3, 2)]
+    assert (state.serving, state.anchor, state.margin) == (2, 2, 0.05)
+    # A fresh first policy (a drift reset served as an incumbent) is not certified.
+    state, _ = decide(state, ServedAtOnce(4, reanchor=True, incumbent=True), RULE)
+    assert (state.first, state.first_margin, state.anchor) == (4, None, SIMILARITY)
+
+
 def test_each_learner_run_spends_its_own_share_of_delta() -> None:
     """Epoch e (each start of a learner) spends δ/(e(e+1)) of the run's δ: all runs' tests add
     up to δ however often the learner restarts."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from models.policy.network import PolicyNetwork, init_policy
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner import evidence
 from pipeline.learner.evidence import PER_LOOK
-from pipeline.learner.gate import RuleGate
+from pipeline.learner.gate import RuleGate, certified
 from pipeline.metrics import Metrics
 from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
 from tests.unit.learner.test_evidence import recurring
@@ -104,12 +106,16 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it() ->
     assert restarted.state is not None and (restarted.state.anchor, restarted.state.margin) == (2, margin)
     await restarted.consider(manifest(3), tilted(serving, GOOD, amount=0.5).tensors())
     assert [(t.version, t.anchor) for t in restarted.state.trials] == [(3, 2)]
-    assert restarted.state.trials[0].bounds.alpha < gate.state.share * GateConfig().delta / 2 / 2  # epoch 2's share
+    assert restarted.state.trials[0].bounds.alpha == pytest.approx(GateConfig().delta / 2 / 2 / 6)  # epoch 2: δ/6
     # A manifest without the record (a learner before 1.21 promoted it) starts as before.
     plain = dataclasses.replace(pub.serving, metrics={})
     before = RuleGate(GateConfig(), Publisher(epoch=2), Metrics())  # type: ignore[arg-type]
     before.set_serving(plain, tilted(serving, GOOD).tensors())
     assert before.state is not None and before.state.anchor == 0
+    # Nor one certified under a larger ε than this learner's (outside its promise).
+    wide = RuleGate(GateConfig(epsilon=0.001), Publisher(epoch=2), Metrics())  # type: ignore[arg-type]
+    wide.set_serving(certified(pub.serving, -0.005), tilted(serving, GOOD).tensors())
+    assert wide.state is not None and wide.state.anchor == 0
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
