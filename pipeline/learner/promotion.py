@@ -222,7 +222,8 @@ class State:
     # them) are still arriving, and are valued only while its probabilities are.
     before: int | None = None
     # This learner run's share of δ: the learner's epoch e (each start of a learner is one) spends
-    # 1/(e(e+1)) of it, so the tests of all runs of a deployment add up to δ as well.
+    # 1/(e(e+1)) of it, so the tests of all runs of a deployment add up to δ as well (State.start;
+    # the default, the whole δ, is for a state built by hand).
     share: float = 1.0
 
     @classmethod
@@ -595,8 +596,9 @@ def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
 def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> State:
     """Update the guardrail with what clients served as the serving manifest asks (the served
     version, and a canary's share of its mix: :meth:`Evidence.served_values`); roll back on
-    evidence of harm. The guardrail's half of the run's share of δ: a quarter for the gain on the served version's
-    decisions, an eighth each for its value there and for similarity-only's under an incumbent."""
+    evidence of harm. The guardrail's half of the run's share of δ: a quarter for the gain on the
+    served version's decisions, an eighth each for its value there and for similarity-only's under
+    an incumbent."""
     state = _baseline(state, ev, rule)
     if state.serving == state.first:
         return state  # nothing to fall back to (a probe falls back to the first policy)
