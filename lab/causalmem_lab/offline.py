@@ -35,7 +35,7 @@ from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner import evidence as gate_evidence
 from pipeline.learner import promotion
-from pipeline.learner.gate import certified, certified_margin
+from pipeline.learner.gate import certified, resume
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion import is_candidate
 from pipeline.learner.publishing import first_serving
@@ -352,7 +352,7 @@ class SequenceGate:
         set_canary: Callable[[LoadedPolicy | None], None],
     ) -> None:
         self.rule = rule
-        self.state = promotion.State.start(first.version, ServingParams.from_wire(first.manifest.serving).incumbent)
+        self.state = resume(first.manifest, rule, epoch=1)  # as the learner's gate starts
         self.nets: dict[int, LoadedPolicy] = {first.version: first}
         self.params = params
         self.canary_rate = canary_rate
@@ -374,10 +374,7 @@ class SequenceGate:
         is the anchor where its promotion recorded a certified margin. Under a probe the learner
         also holds the incumbent before it (the rule values what that one logged); here the probe
         is restarted from as an incumbent of its own."""
-        served = self.nets[self.state.serving].manifest
-        incumbent = ServingParams.from_wire(served.serving).incumbent
-        margin = None if incumbent else certified_margin(served)
-        self.state = promotion.State.start(served.version, incumbent, margin=margin, epoch=epoch)
+        self.state = resume(self.nets[self.state.serving].manifest, self.rule, epoch)
         self.table = gate_evidence.RewardTable()  # the learner's is in its memory: learnt again
 
     def wants_probe(self) -> bool:

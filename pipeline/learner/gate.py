@@ -112,6 +112,27 @@ def certified_margin(manifest: Manifest) -> float | None:
     return float(margin)
 
 
+def resume(manifest: Manifest, rule: Rule, epoch: int) -> State:
+    """The rule's state of a learner (in ``epoch``) that starts on ``manifest``, the version served:
+    the anchor where its promotion certified it within ``rule``'s ε (a margin from a larger ε
+    is outside this learner's promise), else similarity-only. The learner's gate and the lab's
+    restarts both start here.
+
+    >>> m = Manifest("p", 3, 0.0, "periodic", {}, 0.5, 0.0, "a" * 64, 1, 1)
+    >>> s = resume(certified(m, 0.01), Rule(), epoch=2)
+    >>> s.anchor, s.margin, resume(m, Rule(), epoch=1).anchor
+    (3, 0.01, 0)
+    """
+    incumbent = _incumbent(manifest)
+    margin = None if incumbent else certified_margin(manifest)
+    if margin is not None and margin <= -rule.epsilon:
+        log.warning("gate: v%d certified at %+.4f, not within ε: not the anchor", manifest.version, margin)
+        margin = None
+    if margin is not None:
+        log.info("gate: v%d was certified (%+.4f over similarity-only): the anchor", manifest.version, margin)
+    return State.start(manifest.version, incumbent, margin=margin, epoch=epoch)
+
+
 def network(tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
     """A checkpoint's policy, on CPU, for judging."""
     return PolicyNetwork.from_tensors({k: v.cpu() for k, v in tensors.items()}).eval()
@@ -183,29 +204,22 @@ class RuleGate:
         A probe (contract 1.19) after its incumbent is that incumbent's probe, as it was published."""
         self._hold(manifest, network(tensors))
         self.logging_policies.hold(manifest, self.versions[manifest.version][1])
-        incumbent = _incumbent(manifest)
         if self.state is None:
-            margin = None if incumbent else certified_margin(manifest)
-            if margin is not None and margin <= -self.rule.epsilon:
-                # Certified under a larger ε than this learner's: outside its promise.
-                log.warning("gate: v%d certified at %+.4f, not within ε: not the anchor", manifest.version, margin)
-                margin = None
-            self.state = self._start(manifest.version, incumbent, margin)
-            if margin is not None:
-                log.info("gate: v%d was certified (%+.4f over similarity-only): the anchor", manifest.version, margin)
+            self.state = self._resume(manifest)
         elif manifest.reason == PROBE:
             self.state, _ = decide(self.state, Probe(manifest.version), self.rule)
         else:
-            self.state, _ = decide(self.state, ServedAtOnce(manifest.version, incumbent=incumbent), self.rule)
+            event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest))
+            self.state, _ = decide(self.state, event, self.rule)
 
     async def serve_at_once(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         """A checkpoint served without a trial (init, rollback, reset, an operator's command)."""
         async with self._deciding:
             self._hold(manifest, network(tensors))
-            incumbent = _incumbent(manifest)
             if self.state is None:
-                self.state = self._start(manifest.version, incumbent)
+                self.state = self._resume(manifest)
             else:
+                incumbent = _incumbent(manifest)
                 event = ServedAtOnce(manifest.version, reanchor=manifest.reason == "reset", incumbent=incumbent)
                 self.state, actions = decide(self.state, event, self.rule)
                 await self._carry(actions)
@@ -236,7 +250,7 @@ class RuleGate:
             if self.state is None:  # nothing served yet (a learner whose serving version is unreadable)
                 self._hold(manifest, network(tensors))
                 await self.publisher.promote(manifest)
-                self.state = self._start(manifest.version)
+                self.state = self._resume(manifest)
                 self._serving_metrics(manifest)
                 return None
             look = await self._look()
@@ -366,9 +380,9 @@ class RuleGate:
         log.info("gate: v%d is the canary, served on %.0f%% of requests", want, 100 * self.params.canary_rate)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _start(self, version: int, incumbent: bool = False, margin: float | None = None) -> State:
-        """The rule's state at this learner's start: its epoch (claimed before) spends its share of δ."""
-        return State.start(version, incumbent, margin=margin, epoch=self.publisher.epoch or 1)
+    def _resume(self, manifest: Manifest) -> State:
+        """:func:`resume` in this learner's epoch (claimed before it serves anything)."""
+        return resume(manifest, self.rule, self.publisher.epoch or 1)
 
     def _hold(self, manifest: Manifest, net: PolicyNetwork) -> None:
         self.versions[manifest.version] = (manifest, net)
