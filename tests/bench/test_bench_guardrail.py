@@ -25,6 +25,7 @@ def args(tmp_path: Path, **kw: object) -> argparse.Namespace:
         "at": 900,
         "watch": 1500,
         "epsilon": 0.02,
+        "restart_at": None,
         "out": str(tmp_path / "guardrail.json"),
     }
     return argparse.Namespace(**{**base, **kw})
@@ -53,3 +54,12 @@ def test_a_mirror_at_one_half_serves_similaritys_ranking(tmp_path: Path, monkeyp
     assert run["vs_similarity"] <= run["vs_similarity_unexplored"]  # its exploration share costs what it costs
     if run["decisions_to_rollback"] is not None:
         assert run["worse"]  # the guardrail rolls back only what is served below similarity-only
+
+
+def test_the_learner_may_restart_before_the_operators_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_a_slice(monkeypatch, tmp_path, promise, "fanout-lookalike")
+    report = guardrail.run(args(tmp_path, restart_at=600))
+    (run,) = report["runs"]
+    assert report["restart_at"] == 600 and 600 <= run["restarted"] < run["served_at"]
+    with pytest.raises(ValueError, match="before --at"):
+        guardrail.run(args(tmp_path, restart_at=900))

@@ -90,13 +90,22 @@ def served_until(
 
 
 def run_one(
-    data: Any, u: Any, client: str, severity: float, seed: int, at: int, watch: int, epsilon: float
+    data: Any,
+    u: Any,
+    client: str,
+    severity: float,
+    seed: int,
+    at: int,
+    watch: int,
+    epsilon: float,
+    restart_at: int = 0,
 ) -> dict[str, Any]:
-    """One run: the client's traffic, the mirrored version served at ``at``, ``watch`` steps more."""
+    """One run: the client's traffic, the mirrored version served at ``at``, ``watch`` steps more
+    (``restart_at``: the learner restarted at that step before, 0 never)."""
     c = CLIENTS[client]
     scenario, world = world_of(data, u, c, seed, at + watch)
     t0 = time.monotonic()
-    cfg = config(c, True, seed, epsilon, PRODUCT.serve_drop)
+    cfg = config(c, True, seed, epsilon, PRODUCT.serve_drop, restart_at)
     res = run_offline(scenario, cfg, env=world, operator=(at, mirror(severity)))
     assert res.operator is not None  # run() checked that a checkpoint falls in the run after ``at``
     step, version = res.operator
@@ -128,6 +137,7 @@ def run_one(
         "replaced_worse": replaced is not None and replaced < -epsilon,  # then the harm did not end
         "watched": (at + watch) // cfg.refresh_every * cfg.refresh_every - step,  # to the run's last look
         "other_rollbacks": others,
+        "restarted": res.restarted,  # the step of the learner restart, if any
     }
 
 
@@ -142,6 +152,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     at = AT if args.at is None else args.at
     watch = args.watch or WATCH
     every = OfflineConfig.refresh_every
+    restart_at = args.restart_at or 0
+    if restart_at and restart_at >= at:
+        raise ValueError(f"--restart-at {restart_at} must come before --at {at}")
     if (at + watch) // every * every < max(at, every):
         raise ValueError(f"--at {at} --watch {watch}: no checkpoint (every {every} steps) falls after step {at}")
     runs: list[dict[str, Any]] = []
@@ -151,11 +164,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r = {
                     "client": client,
                     "severity": severity,
-                    **run_one(data, u, client, severity, seed, at, watch, args.epsilon),
+                    **run_one(data, u, client, severity, seed, at, watch, args.epsilon, restart_at),
                 }
                 runs.append(r)
                 print(f"guardrail {json.dumps(r)}", flush=True)
-    return {"data": data_name, "epsilon": args.epsilon, "at": at, "watch": watch, "runs": runs, "rows": summarise(runs)}
+    report = {"data": data_name, "epsilon": args.epsilon, "at": at, "watch": watch, "restart_at": restart_at}
+    return {**report, "runs": runs, "rows": summarise(runs)}
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -229,6 +243,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--at", type=int, help=f"steps before the operator serves the mirrored version (default {AT:,})")
     p.add_argument("--watch", type=int, help=f"steps after it (default {WATCH:,})")
     p.add_argument("--epsilon", type=float, default=PRODUCT.gate_epsilon, help="the margin (default: the gate's)")
+    p.add_argument(
+        "--restart-at", type=int, help="restart the learner's promotion rule after this many steps, before --at"
+    )
     p.add_argument("--out", help="write the report as JSON here")
 
 
