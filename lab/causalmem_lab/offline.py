@@ -428,7 +428,7 @@ class SequenceGate:
                 self.result.gate.append({"promote": "promoted", "refuse": "refused"}.get(a.kind, "insufficient"))
             if a.kind == "promote":  # published with its certified margin, as the learner's gate does
                 promoted = self.nets[a.version]
-                self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state.margin))
+                self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state))
                 self.serve(self.nets[a.version])
             elif a.kind == "rollback" and a.to is not None:
                 self.serve(self.nets[a.to])

@@ -121,6 +121,37 @@ class GainSequence:
             # The running intersection: each bound only ever tightens (itself a valid sequence).
             self.low, self.high = max(self.low, low - r_low), min(self.high, high + r_high)
 
+    def record(self) -> dict[str, float] | None:
+        """The sequence as a JSON object, to go on from where it stands (:meth:`restore`); None
+        before it has bounds (nothing worth keeping).
+
+        >>> s = GainSequence(0.01)
+        >>> s.update(np.tile([0.1, 0.3], 150))
+        >>> GainSequence.restore(s.record()) == s
+        True
+        """
+        if self.n < MIN_DECISIONS or not (math.isfinite(self.low) and math.isfinite(self.high)):
+            return None
+        return {k: float(v) for k, v in vars(self).items()}
+
+    @classmethod
+    def restore(cls, record: object) -> GainSequence | None:
+        """A sequence from :meth:`record`'s object, or None where it is not one (a field missing,
+        not finite, or bounds that do not hold together). An anytime-valid sequence may be
+        continued after any pause: its error rate was spent when it started."""
+        if not isinstance(record, dict) or set(record) != {f for f in cls.__dataclass_fields__}:
+            return None
+        values = record.values()
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            return None
+        n = record["n"]
+        if n != int(n) or n < MIN_DECISIONS or not 0.0 < record["alpha"] < 1.0 or record["low"] > record["high"]:
+            return None
+        if record["squares"] < 0.0 or record["squares_high"] < 0.0:
+            return None
+        floats = {k: float(v) for k, v in record.items() if k not in ("alpha", "n")}
+        return cls(float(record["alpha"]), int(n), **floats)
+
 
 def gain_terms(w_target: np.ndarray, w_reference: np.ndarray, utility: np.ndarray) -> np.ndarray:
     """D_i = (w_c − w_a)·(u_i − b_{i−1}), b the mean utility of the decisions before i (0 for the first).

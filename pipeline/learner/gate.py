@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.offpolicy.confidence import MIN_DECISIONS
+from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 DECISION_OF = {"promote": "promoted", "refuse": "refused", "rollback": "refused", "wait": "insufficient"}
 CERTIFIED = "certified_margin"  # in a promoted manifest's metrics.gate (contract 1.21)
+BASELINE = "similarity_value"  # beside it: the guardrail's measure of similarity-only (1.22)
 
 
 @dataclass
@@ -89,12 +90,17 @@ def _incumbent(manifest: Manifest) -> bool:
     return ServingParams.from_wire(manifest.serving).incumbent
 
 
-def certified(manifest: Manifest, margin: float) -> Manifest:
-    """``manifest`` as its promotion republishes it: ``metrics.gate.certified_margin`` records its
-    certified lower bound over similarity-only (contract 1.21), from which a restarted learner
-    goes on (:func:`certified_margin`)."""
+def certified(manifest: Manifest, state: State) -> Manifest:
+    """``manifest`` as its promotion (to ``state``'s anchor) republishes it:
+    ``metrics.gate.certified_margin`` records its certified lower bound over similarity-only
+    (contract 1.21), from which a restarted learner goes on (:func:`certified_margin`), and
+    ``metrics.gate.similarity_value`` the guardrail's measure of similarity-only (1.22), by which
+    it goes on judging what is served without a test (:func:`resume`)."""
     gate = manifest.metrics.get("gate")
-    record = {**(gate if isinstance(gate, dict) else {}), CERTIFIED: margin}
+    record = {**(gate if isinstance(gate, dict) else {}), CERTIFIED: state.margin}
+    measured = state.baseline.record() if state.baseline is not None else None
+    if measured is not None:
+        record[BASELINE] = measured
     return dataclasses.replace(manifest, metrics={**manifest.metrics, "gate": record})
 
 
@@ -102,7 +108,7 @@ def certified_margin(manifest: Manifest) -> float | None:
     """The margin a promotion recorded in ``manifest`` (None: not certified, or not readable).
 
     >>> m = Manifest("p", 3, 0.0, "periodic", {}, 0.5, 0.0, "a" * 64, 1, 1)
-    >>> certified_margin(m), certified_margin(certified(m, -0.01))
+    >>> certified_margin(m), certified_margin(certified(m, State(serving=3, anchor=3, margin=-0.01)))
     (None, -0.01)
     """
     gate = manifest.metrics.get("gate")
@@ -115,13 +121,15 @@ def certified_margin(manifest: Manifest) -> float | None:
 def resume(manifest: Manifest, rule: Rule, epoch: int) -> State:
     """The rule's state of a learner (in ``epoch``) that starts on ``manifest``, the version served:
     the anchor where its promotion certified it within ``rule``'s ε (a margin from a larger ε
-    is outside this learner's promise), else similarity-only. The learner's gate and the lab's
-    restarts both start here.
+    is outside this learner's promise), else similarity-only; and the guardrail's measure of
+    similarity-only where the promotion recorded one (an anytime-valid sequence goes on after a
+    pause, on the error rate it started with). The learner's gate and the lab's restarts both
+    start here.
 
     >>> m = Manifest("p", 3, 0.0, "periodic", {}, 0.5, 0.0, "a" * 64, 1, 1)
-    >>> s = resume(certified(m, 0.01), Rule(), epoch=2)
-    >>> s.anchor, s.margin, resume(m, Rule(), epoch=1).anchor
-    (3, 0.01, 0)
+    >>> s = resume(certified(m, State(serving=3, anchor=3, margin=0.01)), Rule(), epoch=2)
+    >>> s.anchor, s.margin, s.baseline, resume(m, Rule(), epoch=1).anchor
+    (3, 0.01, None, 0)
     """
     incumbent = _incumbent(manifest)
     margin = None if incumbent else certified_margin(manifest)
@@ -130,7 +138,12 @@ def resume(manifest: Manifest, rule: Rule, epoch: int) -> State:
         margin = None
     if margin is not None:
         log.info("gate: v%d was certified (%+.4f over similarity-only): the anchor", manifest.version, margin)
-    return State.start(manifest.version, incumbent, margin=margin, epoch=epoch)
+    gate = manifest.metrics.get("gate")
+    recorded = gate.get(BASELINE) if isinstance(gate, dict) and not incumbent else None
+    baseline = GainSequence.restore(recorded)
+    if recorded is not None and baseline is None:
+        log.warning("gate: v%d's %s is not a confidence sequence: measured afresh", manifest.version, BASELINE)
+    return State.start(manifest.version, incumbent, margin=margin, epoch=epoch, baseline=baseline)
 
 
 def network(tensors: dict[str, torch.Tensor]) -> PolicyNetwork:
@@ -313,7 +326,7 @@ class RuleGate:
             m.gate_actions.labels(kind=a.kind, path=a.path or "-").inc()
             if a.kind == "promote":
                 manifest, net = self.versions[a.version]
-                manifest = certified(manifest, self.state.margin)  # a.version is the new anchor
+                manifest = certified(manifest, self.state)  # a.version is the new anchor
                 self._hold(manifest, net)
                 await self.publisher.promote(manifest)
                 self._serving_metrics(manifest)  # holds its logging policy too

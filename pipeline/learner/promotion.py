@@ -227,12 +227,23 @@ class State:
     share: float = 1.0
 
     @classmethod
-    def start(cls, serving: int, incumbent: bool = False, *, margin: float | None = None, epoch: int = 1) -> State:
+    def start(
+        cls,
+        serving: int,
+        incumbent: bool = False,
+        *,
+        margin: float | None = None,
+        epoch: int = 1,
+        baseline: GainSequence | None = None,
+    ) -> State:
         """The state at a learner's start: ``serving`` served at once, similarity-only the anchor;
         or, where ``serving`` was certified (``margin``: its certified lower bound over
         similarity-only, as its promotion recorded it), ``serving`` the anchor: a restarted learner
         goes on from what was certified. Trials against similarity-only, whose reads a near-greedy
-        log does not show, would never decide (docs/promotion.md).
+        log does not show, would never decide (docs/promotion.md). ``baseline``: similarity-only's
+        value as an earlier run measured it under an incumbent (:attr:`baseline`), which the
+        guardrail goes on judging by (a certified version is served near-greedily: no incumbent
+        measures it again).
 
         >>> s = State.start(7, margin=0.03, epoch=2)
         >>> s.anchor, s.margin, round(s.share, 4)
@@ -248,6 +259,7 @@ class State:
             incumbent=incumbent,
             incumbents=frozenset([serving] * incumbent),
             share=spend(epoch, 1.0),
+            baseline=baseline,
         )
 
     def versions(self) -> set[int]:

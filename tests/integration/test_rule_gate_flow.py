@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
 from models.policy.network import PolicyNetwork
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.learner.gate import RuleGate
@@ -126,8 +127,9 @@ async def test_a_learner_restarted_under_a_probe_keeps_the_incumbent_it_replaced
 @pytest.mark.broker
 async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topics_ready) -> None:
     """The promoted manifest on the model topic records the version's certified margin (contract
-    1.21): a learner restarted while it serves has it as the anchor, with that margin, and spends
-    its own epoch's share of δ. Before, it started from it as from a first policy, against
+    1.21) and the guardrail's measure of similarity-only (1.22): a learner restarted while it
+    serves has it as the anchor, with that margin, judges by that measure, and spends its own
+    epoch's share of δ. Before, it started from it as from a first policy, against
     similarity-only, whose reads a near-greedy log does not show: nothing was promoted again."""
     s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     async with learner_running(s) as learner:
@@ -152,3 +154,7 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
         assert (state.serving, state.anchor) == (serving.version, serving.version)
         assert state.margin == serving.metrics["gate"]["certified_margin"] > -s.gate_epsilon
         assert state.share == pytest.approx(1 / 6)  # epoch 2
+        # Similarity-only as measured under the incumbent v1 (contract 1.22): the guardrail goes on
+        # with it, where nothing would measure it again.
+        measured = GainSequence.restore(serving.metrics["gate"]["similarity_value"])
+        assert measured is not None and measured.n >= MIN_DECISIONS and state.baseline == measured

@@ -417,3 +417,29 @@ def test_each_learner_run_spends_its_own_share_of_delta() -> None:
     for epoch in (1, 2, 5):
         state, _ = decide(State.start(1, epoch=epoch), Candidate(2), RULE)
         assert state.trials[0].bounds.alpha == pytest.approx(RULE.delta / 2 / 2 / (epoch * (epoch + 1)))
+
+
+def test_a_restarted_learners_guardrail_keeps_its_measure_of_similarity_only() -> None:
+    """After a restart under a certified version nothing measures similarity-only again (no
+    incumbent serves): without the measure an earlier run took (contract 1.22), an operator's
+    command far below similarity-only, served near-greedily, was never rolled back (its log
+    does not show similarity-only's reads: ``causalmem bench guardrail --restart-at``, 2.1 below
+    it for 5,700 decisions on four seeds). With it, the second way sees it at once."""
+    world = World(11)
+    state = State.start(serving=1, incumbent=True)
+    for _ in range(3):  # clients serve their own ranking but on the exploration share
+        state, _ = decide(state, clipped(world, 1), RULE)
+    assert state.baseline is not None and state.baseline.n == 1200
+    world.versions[2] = np.array([0.0, 0.7, 0.0, 0.3, 0.0])  # certified before the restart
+    world.versions[6] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])  # the operator's command: −0.63
+    outcomes = {}
+    for kept in (False, True):
+        restarted = State.start(serving=2, margin=0.05, epoch=2, baseline=state.baseline if kept else None)
+        restarted, _ = decide(restarted, ServedAtOnce(6), RULE)
+        rolled = []
+        for _ in range(20):
+            restarted, actions = decide(restarted, clipped(world, restarted.serving), RULE)
+            rolled += [(a.version, a.to, a.path) for a in actions if a.kind == "rollback"]
+        outcomes[kept] = (rolled, restarted.serving)
+    assert outcomes[False] == ([], 6)
+    assert outcomes[True] == ([(6, 2, "guardrail")], 2)

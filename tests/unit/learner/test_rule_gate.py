@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
+from models.offpolicy.confidence import GainSequence
 from models.policy.network import PolicyNetwork, init_policy
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner import evidence
 from pipeline.learner.evidence import PER_LOOK
-from pipeline.learner.gate import RuleGate, certified
+from pipeline.learner.gate import BASELINE, RuleGate, certified, resume
+from pipeline.learner.promotion import Rule, State
 from pipeline.metrics import Metrics
 from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
 from tests.unit.learner.test_evidence import recurring
@@ -114,8 +117,30 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it() ->
     assert before.state is not None and before.state.anchor == 0
     # Nor one certified under a larger ε than this learner's (outside its promise).
     wide = RuleGate(GateConfig(epsilon=0.001), Publisher(epoch=2), Metrics())  # type: ignore[arg-type]
-    wide.set_serving(certified(pub.serving, -0.005), tilted(serving, GOOD).tensors())
+    wide.set_serving(certified(pub.serving, State(2, anchor=2, margin=-0.005)), tilted(serving, GOOD).tensors())
     assert wide.state is not None and wide.state.anchor == 0
+
+
+def test_a_promoted_manifest_carries_the_guardrails_measure_of_similarity_only() -> None:
+    """The measure of similarity-only a run took under an incumbent rides in the promoted
+    manifest (contract 1.22) and a learner restarted on it goes on with it; a record that is not
+    a confidence sequence is ignored (measured afresh), never an error."""
+    baseline = GainSequence(0.001)
+    baseline.update(np.linspace(-1.0, 2.0, 400))
+    state = State(3, anchor=3, margin=0.02, baseline=baseline)
+    promoted = certified(manifest(3), state)
+    assert promoted.metrics["gate"][BASELINE]["n"] == 400
+    again = resume(promoted, Rule(), epoch=2)
+    assert again.baseline == baseline and (again.anchor, again.margin) == (3, 0.02)
+    assert BASELINE not in certified(manifest(3), State(3, anchor=3)).metrics["gate"]  # nothing measured
+    for bad in (
+        {},
+        {**promoted.metrics["gate"][BASELINE], "n": 12},
+        "x",
+        {**promoted.metrics["gate"][BASELINE], "low": 9},
+    ):
+        spoilt = dataclasses.replace(promoted, metrics={"gate": {**promoted.metrics["gate"], BASELINE: bad}})
+        assert resume(spoilt, Rule(), epoch=2).baseline is None
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:

@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, gain_terms, radius, spend
 
@@ -82,3 +84,32 @@ def test_spending_sums_to_delta() -> None:
     assert spend(1, 0.1) == pytest.approx(0.05)
     with pytest.raises(ValueError):
         spend(0, 0.1)
+
+
+FIELDS = ("alpha", "n", "total", "squares", "total_high", "squares_high", "low", "high")
+JSON = st.one_of(st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.floats(allow_nan=True), st.text(max_size=4))
+
+
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON) | JSON | st.lists(JSON, max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_a_recorded_sequence_read_back_is_a_sequence_or_nothing(record: object) -> None:
+    """A record comes from a manifest on the model topic: whatever it holds, reading it back
+    gives a sequence whose bounds hold together, or None; never an error."""
+    s = GainSequence.restore(record)
+    if s is not None:
+        assert 0.0 < s.alpha < 1.0 and s.n >= MIN_DECISIONS and s.low <= s.high
+
+
+def test_a_sequence_goes_on_after_its_record_is_read_back() -> None:
+    """Recorded and read back, a sequence takes later terms exactly as the original does."""
+    rng = np.random.default_rng(3)
+    first, later = rng.normal(0.1, 1.0, 500), rng.normal(0.1, 1.0, 300)
+    kept = GainSequence(0.01)
+    kept.update(first)
+    record = kept.record()
+    assert record is not None and GainSequence(0.01).record() is None  # nothing before bounds
+    again = GainSequence.restore(record)
+    assert again is not None
+    kept.update(later)
+    again.update(later)
+    assert again == kept
