@@ -47,6 +47,7 @@ import numpy as np
 
 TUNED_FOR = 2000  # decisions at which the sequence is tightest (ρ)
 MIN_DECISIONS = 200  # no bound before this many decisions
+MAX_DECISIONS = 2**53  # a recorded count beyond this is not one (floats count exactly up to here)
 
 
 def radius(n: int, variance: float, alpha: float, tuned_for: int = TUNED_FOR) -> float:
@@ -145,7 +146,9 @@ class GainSequence:
         if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
             return None
         n = record["n"]
-        if n != int(n) or n < MIN_DECISIONS or not 0.0 < record["alpha"] < 1.0 or record["low"] > record["high"]:
+        if n != int(n) or not MIN_DECISIONS <= n <= MAX_DECISIONS or not 0.0 < record["alpha"] < 1.0:
+            return None
+        if record["low"] > record["high"]:
             return None
         if record["squares"] < 0.0 or record["squares_high"] < 0.0:
             return None

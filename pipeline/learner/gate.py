@@ -141,8 +141,12 @@ def resume(manifest: Manifest, rule: Rule, epoch: int) -> State:
     gate = manifest.metrics.get("gate")
     recorded = gate.get(BASELINE) if isinstance(gate, dict) and not incumbent else None
     baseline = GainSequence.restore(recorded)
+    # A first epoch's baseline spends at most δ/32 (the guardrail's eighth of the epoch's half, its
+    # first sequence): one that spent more was measured under a looser promise than this learner's.
+    if baseline is not None and baseline.alpha > rule.delta / 32:
+        baseline = None
     if recorded is not None and baseline is None:
-        log.warning("gate: v%d's %s is not a confidence sequence: measured afresh", manifest.version, BASELINE)
+        log.warning("gate: v%d's %s is not a sequence within δ: measured afresh", manifest.version, BASELINE)
     return State.start(manifest.version, incumbent, margin=margin, epoch=epoch, baseline=baseline)
 
 

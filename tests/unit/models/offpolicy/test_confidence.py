@@ -90,14 +90,28 @@ FIELDS = ("alpha", "n", "total", "squares", "total_high", "squares_high", "low",
 JSON = st.one_of(st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.floats(allow_nan=True), st.text(max_size=4))
 
 
-@given(st.dictionaries(st.sampled_from(FIELDS), JSON) | JSON | st.lists(JSON, max_size=3))
-@settings(max_examples=300, deadline=None)
+NUMBER = st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**64), 2**64)
+# Every field, any number, most often in range: a sequence as often as not.
+PLAUSIBLE = {
+    "alpha": st.floats(0.0, 1.0),
+    "n": st.integers(0, 2**60),
+    "squares": st.floats(0.0),
+    "squares_high": st.floats(0.0),
+}
+WHOLE = st.fixed_dictionaries({f: PLAUSIBLE.get(f, st.floats()) | NUMBER for f in FIELDS})
+
+
+@given(WHOLE | st.dictionaries(st.sampled_from(FIELDS), JSON) | JSON | st.lists(JSON, max_size=3))
+@settings(max_examples=400, deadline=None)
 def test_a_recorded_sequence_read_back_is_a_sequence_or_nothing(record: object) -> None:
     """A record comes from a manifest on the model topic: whatever it holds, reading it back
-    gives a sequence whose bounds hold together, or None; never an error."""
+    gives a sequence that takes further terms and keeps finite bounds that hold together, or
+    None; never an error."""
     s = GainSequence.restore(record)
     if s is not None:
         assert 0.0 < s.alpha < 1.0 and s.n >= MIN_DECISIONS and s.low <= s.high
+        s.update(np.zeros(3))
+        assert math.isfinite(s.low) and math.isfinite(s.high)
 
 
 def test_a_sequence_goes_on_after_its_record_is_read_back() -> None:
@@ -110,6 +124,7 @@ def test_a_sequence_goes_on_after_its_record_is_read_back() -> None:
     assert record is not None and GainSequence(0.01).record() is None  # nothing before bounds
     again = GainSequence.restore(record)
     assert again is not None
+    assert GainSequence.restore({**record, "n": 1e300}) is None  # its radius would overflow to 0
     kept.update(later)
     again.update(later)
     assert again == kept
