@@ -97,11 +97,25 @@ def certified(manifest: Manifest, state: State) -> Manifest:
     ``metrics.gate.similarity_value`` the guardrail's measure of similarity-only (1.22), by which
     it goes on judging what is served without a test (:func:`resume`)."""
     gate = manifest.metrics.get("gate")
-    record = {**(gate if isinstance(gate, dict) else {}), CERTIFIED: state.margin}
-    measured = state.baseline.record() if state.baseline is not None else None
-    if measured is not None:
-        record[BASELINE] = measured
+    record = {**(gate if isinstance(gate, dict) else {}), **certification(state.margin, state.baseline)}
     return dataclasses.replace(manifest, metrics={**manifest.metrics, "gate": record})
+
+
+def certification(margin: float, baseline: GainSequence | None) -> dict[str, Any]:
+    """What ``metrics.gate`` carries of a certified version (:func:`certified`)."""
+    measured = baseline.record() if baseline is not None else None
+    return {CERTIFIED: margin, **({BASELINE: measured} if measured is not None else {})}
+
+
+def copy_of(manifest: Manifest) -> int | None:
+    """The version whose weights ``manifest`` republishes (a rollback's ``rolled_back_to``), if any.
+
+    >>> m = Manifest("p", 9, 0.0, "rollback", {}, 0.5, 0.0, "a" * 64, 1, 1, metrics={"rolled_back_to": 4})
+    >>> copy_of(m), copy_of(dataclasses.replace(m, metrics={"rolled_back_to": True}))
+    (4, None)
+    """
+    of = manifest.metrics.get("rolled_back_to") if manifest.reason == "rollback" else None
+    return of if isinstance(of, int) and not isinstance(of, bool) else None
 
 
 def certified_margin(manifest: Manifest) -> float | None:
@@ -226,7 +240,7 @@ class RuleGate:
         elif manifest.reason == PROBE:
             self.state, _ = decide(self.state, Probe(manifest.version), self.rule)
         else:
-            event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest))
+            event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest), copy_of=copy_of(manifest))
             self.state, _ = decide(self.state, event, self.rule)
 
     async def serve_at_once(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
@@ -236,8 +250,8 @@ class RuleGate:
             if self.state is None:
                 self.state = self._resume(manifest)
             else:
-                incumbent = _incumbent(manifest)
-                event = ServedAtOnce(manifest.version, reanchor=manifest.reason == "reset", incumbent=incumbent)
+                reset, incumbent = manifest.reason == "reset", _incumbent(manifest)
+                event = ServedAtOnce(manifest.version, reset, incumbent, copy_of(manifest))
                 self.state, actions = decide(self.state, event, self.rule)
                 await self._carry(actions)
             self._serving_metrics(manifest)
@@ -280,6 +294,17 @@ class RuleGate:
                 look = Look("insufficient", newest.version, self.state.serving, newest.describe())
                 self._record(look)
             return look
+
+    def certification(self, version: int) -> dict[str, Any]:
+        """What a copy of ``version`` (a rollback to it) carries in ``metrics.gate`` where it is
+        certified, the anchor or a restarted learner's certified first version (:func:`certified`):
+        a learner restarted under the copy goes on from it as from the version itself."""
+        s = self.state
+        if s is not None and version == s.anchor != SIMILARITY:
+            return certification(s.margin, s.baseline)
+        if s is not None and version == s.first and s.first_margin is not None:
+            return certification(s.first_margin, s.baseline)
+        return {}
 
     def next_is_canary(self) -> bool:
         """Whether a candidate published now would start a trial and, where clients serve

@@ -293,12 +293,16 @@ class ServedAtOnce:
     A drift reset served as an incumbent is the run's first policy from then on: nothing is
     certified, as at the start, and a rollback goes back to it. So is an incumbent served at
     once while nothing is certified (a rollback to the first policy is republished as a copy of
-    it): the guardrail judges it no more than it judges the first policy.
+    it): the guardrail judges it no more than it judges the first policy. ``copy_of``: the
+    version whose weights it republishes (a rollback): a copy of the anchor is the anchor, with
+    its margin, and a copy of the first policy the first policy; the guardrail judges neither
+    as a version served without a test.
     """
 
     version: int
     reanchor: bool = False
     incumbent: bool = False
+    copy_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -472,12 +476,17 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         return replace(state, trials=trials), [Action("superseded", event.version, "withdrawn by the learner")]
     if isinstance(event, ServedAtOnce):
         anchor, margin = (SIMILARITY, 0.0) if event.reanchor else (state.anchor, state.margin)
+        copy_of = None if event.reanchor else event.copy_of
+        if copy_of is not None and copy_of == anchor != SIMILARITY:
+            anchor = event.version  # the anchor's weights under a new version: still certified
         ended = [Action("superseded", t.version, f"v{event.version} served at once") for t in state.trials]
         served = replace(state, serving=event.version, anchor=anchor, margin=margin, trials=(), guard=None)
         # An incumbent served at once while nothing is certified (a drift reset, or the learner's copy of
         # the first policy that a rollback republishes) is the run's first policy from then on.
         fresh = event.incumbent and (event.reanchor or state.anchor == SIMILARITY)
         first, first_margin = (event.version, None) if fresh else (state.first, state.first_margin)
+        if copy_of is not None and copy_of == state.first:
+            first = event.version  # its margin, if certified, stays
         if event.reanchor:  # a drift reset: similarity-only's value is measured again, in the new world
             served = replace(served, baseline=None, incumbents=frozenset())
         if event.incumbent:

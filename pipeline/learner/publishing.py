@@ -209,12 +209,16 @@ class Publishing:
             self.clock.serving(self.gate.serving_manifest)
             self.metrics.candidates_waiting.set(self.clock.waiting)
 
-    def gate_record(self) -> dict[str, Any]:
-        """``metrics.gate`` for the next manifest (:meth:`ServingClock.record`); empty without a gate."""
+    def gate_record(self, rolled_back_to: object = None) -> dict[str, Any]:
+        """``metrics.gate`` for the next manifest (:meth:`ServingClock.record`); empty without a gate.
+        A rollback's copy of a certified version carries its certification (:meth:`RuleGate.certification`)."""
         if self.gate is None:
             return {}
         self._observe_serving()
-        return {"gate": self.clock.record(self.gate.decisions)}
+        record = self.clock.record(self.gate.decisions)
+        if isinstance(rolled_back_to, int) and not isinstance(rolled_back_to, bool):
+            record = {**record, **self.gate.certification(rolled_back_to)}
+        return {"gate": record}
 
     def is_candidate(self, reason: str) -> bool:
         return is_candidate(reason, self.gate is not None)
@@ -273,7 +277,10 @@ class Publishing:
                 reason=reason,
                 arch=self.arch.to_dict(),
                 baseline=trainer.baseline.get(),
-                metrics={**metrics, **self.gate_record()},
+                metrics={
+                    **metrics,
+                    **self.gate_record(metrics.get("rolled_back_to") if reason == "rollback" else None),
+                },
                 input_offsets=input_offsets,
                 candidate=candidate,
                 prepare=save_locally,

@@ -10,6 +10,7 @@ import pytest
 
 from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
 from models.policy.network import PolicyNetwork
+from pipeline.cli.rollback import rollback
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.learner.gate import RuleGate
 from tests.helpers import until
@@ -145,6 +146,14 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
         await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
         promoted = gate.state
         assert promoted is not None and promoted.anchor == promoted.serving != 1
+        # An operator's rollback to it republishes its weights under a new version: the anchor, and
+        # what a restart goes on from, as the version itself.
+        assert await rollback(s.bootstrap, s, promoted.serving, "test", timeout=30) == 0
+        await until(lambda: gate.state is not None and gate.state.serving > promoted.serving, 30, "the copy served")
+        copy = gate.serving_manifest
+        assert copy is not None and copy.reason == "rollback"
+        assert (gate.state.anchor, gate.state.margin) == (copy.version, promoted.margin)
+        assert copy.metrics["gate"]["certified_margin"] == promoted.margin
     # (Stopping publishes one more candidate and looks once more: what serves is read back.)
     async with learner_running(s) as restarted:
         gate = restarted.gate

@@ -443,3 +443,32 @@ def test_a_restarted_learners_guardrail_keeps_its_measure_of_similarity_only() -
         outcomes[kept] = (rolled, restarted.serving)
     assert outcomes[False] == ([], 6)
     assert outcomes[True] == ([(6, 2, "guardrail")], 2)
+
+
+def test_a_rollbacks_copy_of_the_anchor_is_the_anchor() -> None:
+    """The learner carries out a rollback to the anchor by republishing its weights under a new
+    version. Judged as a version served without a test, the copy was set against similarity-only's
+    value from earlier decisions, and a fall in every utility's level (no evidence against a
+    certified version) rolled it back to the anchor again, and again. As the anchor, with its
+    margin, it is judged by its gain on its own decisions only; a copy of the first policy is
+    the first policy."""
+    world = World(12)
+    world.versions[6] = world.versions[8] = TOPK  # as good as similarity-only: its true gain is 0
+    state = State.start(serving=1, incumbent=True)
+    for _ in range(3):
+        state, _ = decide(state, clipped(world, 1), RULE)
+    certified = replace(state, serving=6, anchor=6, margin=0.0, incumbent=False)
+    outcomes = {}
+    for of in (None, 6):
+        copied, _ = decide(certified, ServedAtOnce(8, copy_of=of), RULE)
+        rolled = []
+        for _ in range(20):
+            ev = clipped(world, copied.serving)
+            copied, actions = decide(copied, replace(ev, utility=ev.utility - 0.3), RULE)
+            rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
+        outcomes[of] = (rolled[:1], copied.anchor, copied.margin)
+    assert outcomes[None] == ([(8, 6)], 6, 0.0)
+    assert outcomes[6] == ([], 8, 0.0)
+    restarted = State.start(2, margin=0.05, epoch=2)
+    copied, _ = decide(restarted, ServedAtOnce(9, copy_of=2), RULE)
+    assert (copied.first, copied.first_margin, copied.anchor, copied.margin) == (9, 0.05, 9, 0.05)

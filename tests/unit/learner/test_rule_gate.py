@@ -140,6 +140,27 @@ def test_a_promoted_manifest_carries_the_guardrails_measure_of_similarity_only()
         assert resume(spoilt, Rule(), epoch=2).baseline is None
 
 
+async def test_a_rollbacks_copy_of_the_anchor_is_the_anchor_and_carries_its_certification() -> None:
+    """A rollback to the anchor republishes its weights under a new version, with what the
+    anchor's promotion recorded (:meth:`RuleGate.certification`): the copy is the rule's anchor,
+    and a learner restarted under it goes on from it as from the anchor."""
+    gate, pub, serving = gate_of()
+    await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
+    for seed in range(10):
+        gate.observe(logged(serving, PER_LOOK, seed))
+        await gate.reconsider()
+        if pub.promoted:
+            break
+    assert gate.state is not None and gate.state.anchor == 2
+    margin = gate.state.margin
+    assert gate.certification(2)["certified_margin"] == margin and gate.certification(1) == {}
+    copy = dataclasses.replace(manifest(5, "rollback"), metrics={"rolled_back_to": 2, "gate": gate.certification(2)})
+    await gate.serve_at_once(copy, tilted(serving, GOOD).tensors())
+    assert (gate.state.serving, gate.state.anchor, gate.state.margin) == (5, 5, margin)
+    restarted = resume(copy, Rule(), epoch=2)
+    assert (restarted.anchor, restarted.margin) == (5, margin)
+
+
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
     gate, pub, serving = gate_of()
     await gate.consider(manifest(2), tilted(serving, BAD).tensors())
