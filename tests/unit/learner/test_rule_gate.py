@@ -60,6 +60,18 @@ def logged(net: PolicyNetwork, n: int, seed: int) -> list[Experience]:
     ]
 
 
+async def with_v2_promoted() -> tuple[RuleGate, Publisher, PolicyNetwork]:
+    """A gate whose better candidate v2 has been promoted on the decisions logged after it."""
+    gate, pub, serving = gate_of()
+    await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
+    for seed in range(10):
+        gate.observe(logged(serving, PER_LOOK, seed))
+        await gate.reconsider()
+        if pub.promoted:
+            break
+    return gate, pub, serving
+
+
 async def test_a_better_candidate_is_promoted_on_the_decisions_after_it() -> None:
     """Also from a client that fills only the required fields (no candidate_probs, no canary):
     the learner computes the logging probabilities the rule needs."""
@@ -94,13 +106,7 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it() ->
     (contract 1.21); a learner restarted on that manifest (a new epoch) has it as the anchor, so
     its candidates are tried against it and not against similarity-only, whose reads a
     near-greedy log of it does not show (there nothing was ever certified after a restart)."""
-    gate, pub, serving = gate_of()
-    await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
-    for seed in range(10):
-        gate.observe(logged(serving, PER_LOOK, seed))
-        await gate.reconsider()
-        if pub.promoted:
-            break
+    gate, pub, serving = await with_v2_promoted()
     assert pub.promoted == [2] and pub.serving is not None and gate.state is not None
     margin = pub.serving.metrics["gate"]["certified_margin"]
     assert margin == gate.state.margin > -GateConfig().epsilon
@@ -144,13 +150,7 @@ async def test_a_rollbacks_copy_of_the_anchor_is_the_anchor_and_carries_its_cert
     """A rollback to the anchor republishes its weights under a new version, with what the
     anchor's promotion recorded (:meth:`RuleGate.certification`): the copy is the rule's anchor,
     and a learner restarted under it goes on from it as from the anchor."""
-    gate, pub, serving = gate_of()
-    await gate.consider(manifest(2), tilted(serving, GOOD).tensors())
-    for seed in range(10):
-        gate.observe(logged(serving, PER_LOOK, seed))
-        await gate.reconsider()
-        if pub.promoted:
-            break
+    gate, _, serving = await with_v2_promoted()
     assert gate.state is not None and gate.state.anchor == 2
     margin = gate.state.margin
     assert gate.certification(2)["certified_margin"] == margin and gate.certification(1) == {}
