@@ -297,13 +297,11 @@ class RuleGate:
 
     def certification(self, version: int) -> dict[str, Any]:
         """What a copy of ``version`` (a rollback to it) carries in ``metrics.gate`` where it is
-        certified, the anchor or a restarted learner's certified first version (:func:`certified`):
-        a learner restarted under the copy goes on from it as from the version itself."""
+        the certified anchor (:func:`certified`; the rule takes such a copy as the anchor): a
+        learner restarted under the copy goes on from it as from the anchor."""
         s = self.state
         if s is not None and version == s.anchor != SIMILARITY:
             return certification(s.margin, s.baseline)
-        if s is not None and version == s.first and s.first_margin is not None:
-            return certification(s.first_margin, s.baseline)
         return {}
 
     def next_is_canary(self) -> bool:

@@ -295,8 +295,8 @@ class ServedAtOnce:
     once while nothing is certified (a rollback to the first policy is republished as a copy of
     it): the guardrail judges it no more than it judges the first policy. ``copy_of``: the
     version whose weights it republishes (a rollback): a copy of the anchor is the anchor, with
-    its margin, and a copy of the first policy the first policy; the guardrail judges neither
-    as a version served without a test.
+    its margin, and a copy of the first policy, while it is the anchor or nothing is certified,
+    the first policy; the guardrail judges neither as a version served without a test.
     """
 
     version: int
@@ -485,8 +485,10 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         # the first policy that a rollback republishes) is the run's first policy from then on.
         fresh = event.incumbent and (event.reanchor or state.anchor == SIMILARITY)
         first, first_margin = (event.version, None) if fresh else (state.first, state.first_margin)
-        if copy_of is not None and copy_of == state.first:
-            first = event.version  # its margin, if certified, stays
+        if copy_of is not None and copy_of == state.first and anchor in (SIMILARITY, event.version):
+            # Nothing else certified, or the first policy is the anchor (its margin stays): under
+            # another anchor a copy of the first policy is judged as any version served at once.
+            first = event.version
         if event.reanchor:  # a drift reset: similarity-only's value is measured again, in the new world
             served = replace(served, baseline=None, incumbents=frozenset())
         if event.incumbent:
@@ -652,7 +654,9 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
             anchor, margin = state.first, state.first_margin
         else:
             anchor, margin = SIMILARITY, 0.0
-        state = replace(state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None)
+        # Back to a first policy that clients served as an incumbent: its copy is served so again.
+        incumbent = to == state.first and state.first in state.incumbents
+        state = replace(state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None, incumbent=incumbent)
     return state
 
 

@@ -137,13 +137,21 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
         gate = learner.gate
         assert isinstance(gate, RuleGate)
         init = PolicyNetwork.from_tensors(learner.trainer.tensors())
+        sent = 0
         for seed in range(3, 12):
             await _send(s, served_by(log_of(init, 600, seed=seed, policy=s.policy, questions=20), 1))
+            sent += 600
             if any(d.decision == "promoted" for d in gate.decisions):
                 break
             await until(lambda: learner.trainer.experiences + len(gate.gathered) > 0, 30, "input read")
             await until(lambda: not learner.dirty, 30, "a checkpoint")
         await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
+        # Everything sent applied and looked at: no later promotion comes in between.
+        await until(
+            lambda: learner.trainer.experiences >= sent and not learner.dirty and not gate.gathered,
+            60,
+            "everything applied and judged",
+        )
         promoted = gate.state
         assert promoted is not None and promoted.anchor == promoted.serving != 1
         # An operator's rollback to it republishes its weights under a new version: the anchor, and

@@ -472,3 +472,42 @@ def test_a_rollbacks_copy_of_the_anchor_is_the_anchor() -> None:
     restarted = State.start(2, margin=0.05, epoch=2)
     copied, _ = decide(restarted, ServedAtOnce(9, copy_of=2), RULE)
     assert (copied.first, copied.first_margin, copied.anchor, copied.margin) == (9, 0.05, 9, 0.05)
+
+
+def test_a_copy_of_a_version_that_is_not_the_anchor_is_judged_as_any_version_served_at_once() -> None:
+    """An operator's rollback to the first policy (or any older version) while another version
+    is the certified anchor: the copy is neither the anchor nor the first policy, and the
+    guardrail rolls it back to the anchor once it is shown below similarity-only."""
+    world = World(11)
+    state = State.start(serving=1, incumbent=True)
+    for _ in range(3):
+        state, _ = decide(state, clipped(world, 1), RULE)
+    world.versions[7] = np.array([0.0, 0.7, 0.0, 0.3, 0.0])  # certified
+    world.versions[8] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])  # the copy, as clients serve it: −0.63
+    certified = replace(state, serving=7, anchor=7, margin=0.05, incumbent=False)
+    for of in (1, 5):
+        copied, _ = decide(certified, ServedAtOnce(8, copy_of=of), RULE)
+        assert (copied.anchor, copied.first) == (7, 1)
+        rolled = []
+        for _ in range(20):
+            copied, actions = decide(copied, clipped(world, copied.serving), RULE)
+            rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
+        assert rolled[:1] == [(8, 7)]
+
+
+def test_a_rollback_to_an_incumbent_first_policy_serves_it_as_an_incumbent_again() -> None:
+    """A version certified within ε of similarity-only, then shown below it: the guardrail
+    rolls back to the first policy, which clients served as an incumbent (their own ranking but
+    on the exploration share); the learner republishes it so, and its copy is the first policy."""
+    world = World(6)
+    world.versions[3] = np.array([0.5, 0.0, 0.5, 0.0, 0.0])  # −0.33 below similarity-only
+    state = replace(State.start(serving=1, incumbent=True), serving=3, anchor=3, margin=-0.01, incumbent=False)
+    rolled = []
+    for _ in range(20):
+        state, actions = decide(state, clipped(world, state.serving), RULE)
+        rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
+        if rolled:
+            break
+    assert rolled == [(3, 1)] and (state.serving, state.anchor, state.incumbent) == (1, SIMILARITY, True)
+    state, _ = decide(state, ServedAtOnce(4, incumbent=True, copy_of=1), RULE)
+    assert (state.serving, state.first, state.incumbent) == (4, 4, True)
