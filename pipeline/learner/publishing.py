@@ -211,7 +211,7 @@ class Publishing:
 
     def gate_record(self, rolled_back_to: object = None) -> dict[str, Any]:
         """``metrics.gate`` for the next manifest (:meth:`ServingClock.record`); empty without a gate.
-        A rollback's copy of a certified version carries its certification (:meth:`RuleGate.certification`)."""
+        A rollback's copy of the anchor carries its certification (:meth:`RuleGate.certification`)."""
         if self.gate is None:
             return {}
         self._observe_serving()
