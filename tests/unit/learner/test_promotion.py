@@ -297,6 +297,29 @@ def clipped(world: World, serving: int, n: int = 400) -> Evidence:
     return replace(ev, fitted=np.zeros(n), direct=zero, low=low, high=high, clip=20.0)
 
 
+def measured(world: World, incumbent: bool = True) -> State:
+    """The first policy v1 served for three looks: similarity-only measured (1,200 decisions),
+    where clients served it as an incumbent."""
+    state = State.start(serving=1, incumbent=incumbent)
+    for _ in range(3):  # clients serve their own ranking but on the exploration share
+        state, _ = decide(state, clipped(world, 1), RULE)
+    return state
+
+
+def watched(state: State, world: World, shift: float = 0.0, *, first_only: bool = False) -> tuple[State, list[tuple]]:
+    """Up to 20 looks at what ``state`` serves (every utility lowered by ``shift``), as the learner
+    builds its evidence: the state after, and each rollback as (version, to, path); with
+    ``first_only``, the looks stop at the first."""
+    rolled: list[tuple] = []
+    for _ in range(20):
+        ev = clipped(world, state.serving)
+        state, actions = decide(state, replace(ev, utility=ev.utility - shift) if shift else ev, RULE)
+        rolled += [(a.version, a.to, a.path) for a in actions if a.kind == "rollback"]
+        if rolled and first_only:
+            break
+    return state, rolled
+
+
 def test_the_guardrail_sees_a_near_greedy_version_far_below_similarity_that_its_log_cannot_compare() -> None:
     """A version served at once (an operator's rollback to it, say) reads set 2 (−0.5) on 90% of
     requests and similarity-only's set on 2%: valued on its own decisions, similarity-only's read
@@ -307,16 +330,10 @@ def test_the_guardrail_sees_a_near_greedy_version_far_below_similarity_that_its_
     for incumbent in (True, False):
         world = World(11)
         world.versions[6] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])
-        state = State.start(serving=1, incumbent=incumbent)
-        for _ in range(3):  # clients serve their own ranking but on the exploration share
-            state, _ = decide(state, clipped(world, 1), RULE)
-        state, _ = decide(state, ServedAtOnce(6), RULE)
-        rolled = []
-        for _ in range(20):
-            state, actions = decide(state, clipped(world, state.serving), RULE)
-            rolled += [a for a in actions if a.kind == "rollback"]
+        state, _ = decide(measured(world, incumbent), ServedAtOnce(6), RULE)
+        state, rolled = watched(state, world)
         if incumbent:
-            assert [(a.version, a.to, a.path) for a in rolled] == [(6, 1, "guardrail")]
+            assert rolled == [(6, 1, "guardrail")]
             assert state.serving == 1
         else:  # no incumbent, no measure of similarity-only as served: the log alone cannot tell
             assert not rolled and state.serving == 6
@@ -330,20 +347,13 @@ def test_a_shift_in_the_utilities_level_does_not_overturn_a_certified_anchor() -
     decisions only: the shift is no evidence against it."""
     world = World(12)
     world.versions[6] = TOPK  # as good as similarity-only: its true gain is 0
-    state = State.start(serving=1, incumbent=True)
-    for _ in range(3):
-        state, _ = decide(state, clipped(world, 1), RULE)
+    state = measured(world)
     assert state.baseline is not None and state.baseline.n == 1200
     before = state.baseline.n
     decide(state, clipped(world, 1), RULE)
     assert state.baseline.n == before  # decide changes a copy
-    for anchor, expected in ((6, []), (SIMILARITY, [(6, 1)])):  # certified; served without a test
-        shifted = replace(state, serving=6, anchor=anchor, margin=0.0)
-        rolled = []
-        for _ in range(20):
-            ev = clipped(world, 6)
-            shifted, actions = decide(shifted, replace(ev, utility=ev.utility - 0.3), RULE)
-            rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
+    for anchor, expected in ((6, []), (SIMILARITY, [(6, 1, "guardrail")])):  # certified; without a test
+        _, rolled = watched(replace(state, serving=6, anchor=anchor, margin=0.0), world, shift=0.3)
         assert rolled[:1] == expected
 
 
@@ -398,13 +408,8 @@ def test_a_rollback_to_a_restarted_learners_certified_first_version_keeps_it_the
     world = World(6)
     world.versions[2] = np.array([0.0, 0.7, 0.0, 0.3, 0.0])
     world.versions[3] = np.array([0.5, 0.0, 0.5, 0.0, 0.0])  # half similarity-only's set, half set 2: −0.33
-    rolled = []
-    for _ in range(20):
-        state, actions = decide(state, clipped(world, state.serving), RULE)
-        rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
-        if rolled:
-            break
-    assert rolled == [(3, 2)]
+    state, rolled = watched(state, world, first_only=True)
+    assert rolled == [(3, 2, "guardrail")]
     assert (state.serving, state.anchor, state.margin) == (2, 2, 0.05)
     # A fresh first policy (a drift reset served as an incumbent) is not certified.
     state, _ = decide(state, ServedAtOnce(4, reanchor=True, incumbent=True), RULE)
@@ -426,20 +431,14 @@ def test_a_restarted_learners_guardrail_keeps_its_measure_of_similarity_only() -
     does not show similarity-only's reads: ``causalmem bench guardrail --restart-at``, 2.1 below
     it for 5,700 decisions on four seeds). With it, the second way sees it at once."""
     world = World(11)
-    state = State.start(serving=1, incumbent=True)
-    for _ in range(3):  # clients serve their own ranking but on the exploration share
-        state, _ = decide(state, clipped(world, 1), RULE)
+    state = measured(world)
     assert state.baseline is not None and state.baseline.n == 1200
     world.versions[2] = np.array([0.0, 0.7, 0.0, 0.3, 0.0])  # certified before the restart
     world.versions[6] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])  # the operator's command: −0.63
     outcomes = {}
     for kept in (False, True):
         restarted = State.start(serving=2, margin=0.05, epoch=2, baseline=state.baseline if kept else None)
-        restarted, _ = decide(restarted, ServedAtOnce(6), RULE)
-        rolled = []
-        for _ in range(20):
-            restarted, actions = decide(restarted, clipped(world, restarted.serving), RULE)
-            rolled += [(a.version, a.to, a.path) for a in actions if a.kind == "rollback"]
+        restarted, rolled = watched(decide(restarted, ServedAtOnce(6), RULE)[0], world)
         outcomes[kept] = (rolled, restarted.serving)
     assert outcomes[False] == ([], 6)
     assert outcomes[True] == ([(6, 2, "guardrail")], 2)
@@ -454,20 +453,12 @@ def test_a_rollbacks_copy_of_the_anchor_is_the_anchor() -> None:
     the first policy."""
     world = World(12)
     world.versions[6] = world.versions[8] = TOPK  # as good as similarity-only: its true gain is 0
-    state = State.start(serving=1, incumbent=True)
-    for _ in range(3):
-        state, _ = decide(state, clipped(world, 1), RULE)
-    certified = replace(state, serving=6, anchor=6, margin=0.0, incumbent=False)
+    certified = replace(measured(world), serving=6, anchor=6, margin=0.0, incumbent=False)
     outcomes = {}
     for of in (None, 6):
-        copied, _ = decide(certified, ServedAtOnce(8, copy_of=of), RULE)
-        rolled = []
-        for _ in range(20):
-            ev = clipped(world, copied.serving)
-            copied, actions = decide(copied, replace(ev, utility=ev.utility - 0.3), RULE)
-            rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
+        copied, rolled = watched(decide(certified, ServedAtOnce(8, copy_of=of), RULE)[0], world, shift=0.3)
         outcomes[of] = (rolled[:1], copied.anchor, copied.margin)
-    assert outcomes[None] == ([(8, 6)], 6, 0.0)
+    assert outcomes[None] == ([(8, 6, "guardrail")], 6, 0.0)
     assert outcomes[6] == ([], 8, 0.0)
     restarted = State.start(2, margin=0.05, epoch=2)
     copied, _ = decide(restarted, ServedAtOnce(9, copy_of=2), RULE)
@@ -479,20 +470,14 @@ def test_a_copy_of_a_version_that_is_not_the_anchor_is_judged_as_any_version_ser
     is the certified anchor: the copy is neither the anchor nor the first policy, and the
     guardrail rolls it back to the anchor once it is shown below similarity-only."""
     world = World(11)
-    state = State.start(serving=1, incumbent=True)
-    for _ in range(3):
-        state, _ = decide(state, clipped(world, 1), RULE)
+    state = measured(world)
     world.versions[7] = np.array([0.0, 0.7, 0.0, 0.3, 0.0])  # certified
     world.versions[8] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])  # the copy, as clients serve it: −0.63
     certified = replace(state, serving=7, anchor=7, margin=0.05, incumbent=False)
     for of in (1, 5):
         copied, _ = decide(certified, ServedAtOnce(8, copy_of=of), RULE)
         assert (copied.anchor, copied.first) == (7, 1)
-        rolled = []
-        for _ in range(20):
-            copied, actions = decide(copied, clipped(world, copied.serving), RULE)
-            rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
-        assert rolled[:1] == [(8, 7)]
+        assert watched(copied, world)[1][:1] == [(8, 7, "guardrail")]
 
 
 def test_a_rollback_to_an_incumbent_first_policy_serves_it_as_an_incumbent_again() -> None:
@@ -502,12 +487,7 @@ def test_a_rollback_to_an_incumbent_first_policy_serves_it_as_an_incumbent_again
     world = World(6)
     world.versions[3] = np.array([0.5, 0.0, 0.5, 0.0, 0.0])  # −0.33 below similarity-only
     state = replace(State.start(serving=1, incumbent=True), serving=3, anchor=3, margin=-0.01, incumbent=False)
-    rolled = []
-    for _ in range(20):
-        state, actions = decide(state, clipped(world, state.serving), RULE)
-        rolled += [(a.version, a.to) for a in actions if a.kind == "rollback"]
-        if rolled:
-            break
-    assert rolled == [(3, 1)] and (state.serving, state.anchor, state.incumbent) == (1, SIMILARITY, True)
+    state, rolled = watched(state, world, first_only=True)
+    assert rolled == [(3, 1, "guardrail")] and (state.serving, state.anchor, state.incumbent) == (1, SIMILARITY, True)
     state, _ = decide(state, ServedAtOnce(4, incumbent=True, copy_of=1), RULE)
     assert (state.serving, state.first, state.incumbent) == (4, 4, True)
