@@ -370,8 +370,9 @@ class SequenceGate:
 
     def restart(self, epoch: int) -> None:
         """As a learner restarted in ``epoch`` (:meth:`RuleGate.set_serving` on the serving
-        manifest): the trials, the guardrail and the baseline start again; the served version
-        is the anchor where its promotion recorded a certified margin. Under a probe the learner
+        manifest): the trials and the guardrail start again; the served version is the anchor
+        where its promotion recorded a certified margin, and the guardrail goes on with the
+        measure of similarity-only it recorded beside it. Under a probe the learner
         also holds the incumbent before it (the rule values what that one logged); here the probe
         is restarted from as an incumbent of its own."""
         self.state = resume(self.nets[self.state.serving].manifest, self.rule, epoch)

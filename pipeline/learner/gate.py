@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
+from models.offpolicy.confidence import MIN_DECISIONS, GainSequence, spend
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
@@ -52,6 +52,7 @@ from pipeline.learner.promotion import (
     ServedAtOnce,
     State,
     Withdrawn,
+    baseline_rate,
     canary,
     decide,
     opens_trial,
@@ -155,9 +156,9 @@ def resume(manifest: Manifest, rule: Rule, epoch: int) -> State:
     gate = manifest.metrics.get("gate")
     recorded = gate.get(BASELINE) if isinstance(gate, dict) and not incumbent else None
     baseline = GainSequence.restore(recorded)
-    # A first epoch's baseline spends at most δ/32 (the guardrail's eighth of the epoch's half, its
-    # first sequence): one that spent more was measured under a looser promise than this learner's.
-    if baseline is not None and baseline.alpha > rule.delta / 32:
+    # No run's measure spends more than a first run's first: one that did was measured under a
+    # looser promise than this learner's.
+    if baseline is not None and baseline.alpha > baseline_rate(spend(1, 1.0), 1, rule):
         baseline = None
     if recorded is not None and baseline is None:
         log.warning("gate: v%d's %s is not a sequence within δ: measured afresh", manifest.version, BASELINE)

@@ -669,9 +669,19 @@ def _baseline(state: State, ev: Evidence, rule: Rule) -> State:
     baseline, baselines = state.baseline, state.baselines
     if baseline is None:
         baselines += 1
-        baseline = GainSequence(spend(baselines, state.share * rule.delta / 8))
+        baseline = GainSequence(baseline_rate(state.share, baselines, rule))
     baseline.update(*ev.subset(rows).bounds(SIMILARITY))
     return replace(state, baseline=baseline, baselines=baselines)
+
+
+def baseline_rate(share: float, index: int, rule: Rule) -> float:
+    """The error rate of a run's ``index``-th measure of similarity-only: an eighth of the run's
+    ``share`` of δ, spent over its measures (a drift reset starts one).
+
+    >>> baseline_rate(State.start(1).share, 1, Rule()) == Rule().delta / 32  # a first run's first
+    True
+    """
+    return spend(index, share * rule.delta / 8)
 
 
 def canary(state: State, rate: float, full: Callable[[int], bool] = lambda version: True) -> int | None:

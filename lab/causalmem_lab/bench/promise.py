@@ -188,10 +188,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [c for c in clients if c not in CLIENTS] + [r for r in rules if r not in RULES]
     if unknown:
         raise ValueError(f"unknown clients or rules {unknown}; clients {list(CLIENTS)}, rules {list(RULES)}")
+    drop = args.drop or PRODUCT.serve_drop
     report: dict[str, Any] = {
         "data": data_name,
         "epsilon": args.epsilon,
-        "drop": args.drop or PRODUCT.serve_drop,
+        "drop": drop,
         "restart_at": args.restart_at,
         "seeds": seeds,
         "rows": {},
@@ -202,7 +203,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rule in rules:
             runs = []
             for seed in seeds:
-                drop = args.drop or PRODUCT.serve_drop
                 r = run_one(data, u, client, rule, seed, events, args.epsilon, drop, args.restart_at)
                 runs.append(r)
                 print(f"{cname}/{rule} seed {seed}: {json.dumps(r)}", flush=True)
