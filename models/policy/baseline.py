@@ -19,7 +19,9 @@ baseline's ``state()``, so it is checkpointed and restored with it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,24 @@ from river import cluster, stats
 # At most this many slots are kept in a saved state (the most read ones): the state rides
 # in the checkpoint manifest's metrics.
 MAX_SAVED_SLOTS = 2048
+# The queries whose own residual mean is kept (the least recently seen go first).
+MAX_QUERIES = 50_000
+
+
+def query_key(embedding: np.ndarray) -> bytes:
+    """A query's identity: a hash of its embedding (the same question, the same key).
+
+    >>> query_key(np.ones(4)) == query_key(np.ones(4, np.float32)), query_key(np.ones(4)) == query_key(np.zeros(4))
+    (True, False)
+    """
+    emb = np.ascontiguousarray(np.asarray(embedding, np.float32))
+    return hashlib.blake2b(emb.tobytes(), digest_size=8).digest()
+
+
+def _running_then_fading(mean: float, n: int, x: float, weight: float, fading_factor: float) -> tuple[float, int]:
+    """One step of a running-then-fading mean: ``b ← b + w·max(f, 1/n)·(x − b)`` (n counts this x)."""
+    n += 1
+    return mean + min(1.0, weight) * max(fading_factor, 1.0 / n) * (float(x) - mean), n
 
 
 class SlotBaseline:
@@ -62,9 +82,11 @@ class SlotBaseline:
         self._mean: dict[int, float] = {}
         self._n: dict[int, int] = {}
         # The moving mean of the residual u − Σ b̂(σ_j) of imputed credit (models/policy/reinforce.py
-        # impute_effects), with the same running-then-fading rule as a slot's mean.
+        # impute_effects), with the same running-then-fading rule as a slot's mean: over all
+        # steps, and per query (by its key) for the queries seen before, not saved in states.
         self.residual = 0.0
         self.residual_n = 0
+        self._query_residual: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
 
     def get(self, slot: int) -> float:
         return self._mean.get(slot, 0.0)
@@ -75,10 +97,9 @@ class SlotBaseline:
     def update(self, slot: int, effect: float, weight: float = 1.0) -> None:
         if weight <= 0.0:
             return
-        n = self._n.get(slot, 0) + 1
-        b = self._mean.get(slot, 0.0)
-        self._mean[slot] = b + min(1.0, weight) * max(self.fading_factor, 1.0 / n) * (float(effect) - b)
-        self._n[slot] = n
+        self._mean[slot], self._n[slot] = _running_then_fading(
+            self._mean.get(slot, 0.0), self._n.get(slot, 0), effect, weight, self.fading_factor
+        )
 
     def forget(self, slots: Iterable[int]) -> None:
         """Drop what was learnt about ``slots`` (a slot given to a new memory starts at b = 0)."""
@@ -86,12 +107,31 @@ class SlotBaseline:
             self._mean.pop(int(s), None)
             self._n.pop(int(s), None)
 
-    def update_residual(self, r: float, weight: float = 1.0) -> None:
+    def update_residual(self, r: float, weight: float = 1.0, query: bytes | None = None) -> None:
+        """Take a step's residual ``r`` into the overall mean and into ``query``'s own."""
         if weight <= 0.0:
             return
-        self.residual_n += 1
-        step = min(1.0, weight) * max(self.fading_factor, 1.0 / self.residual_n)
-        self.residual += step * (float(r) - self.residual)
+        self.residual, self.residual_n = _running_then_fading(
+            self.residual, self.residual_n, r, weight, self.fading_factor
+        )
+        if query is not None:
+            own = self._query_residual.pop(query, (0.0, 0))
+            self._query_residual[query] = _running_then_fading(*own, r, weight, self.fading_factor)
+            if len(self._query_residual) > MAX_QUERIES:
+                self._query_residual.popitem(last=False)
+
+    def residuals(self, queries: Sequence[bytes]) -> np.ndarray:
+        """The residual's baseline ``c`` for each query: its own mean where its residuals were seen,
+        else the overall one. Real LM utilities differ most by question (an easy one is easy
+        whatever is read); shared out as imputed credit, a question's level would be noise.
+
+        >>> b = SlotBaseline(fading_factor=0.5)
+        >>> b.update_residual(2.0, query=b"easy"); b.update_residual(0.0, query=b"hard")
+        >>> b.residuals([b"easy", b"hard", b"new"]).tolist()  # overall: 2 → (2 + 0)/2
+        [2.0, 0.0, 1.0]
+        """
+        get = self._query_residual.get
+        return np.array([get(q, (self.residual, 0))[0] for q in queries], np.float64)
 
     def means(self, slots: np.ndarray) -> np.ndarray:
         """The current means of an array of slots (0 for slots never credited)."""
@@ -133,8 +173,11 @@ class NoSlotBaseline(SlotBaseline):
     def means(self, slots: np.ndarray) -> np.ndarray:
         return np.zeros(slots.shape, np.float32)
 
-    def update_residual(self, r: float, weight: float = 1.0) -> None:
+    def update_residual(self, r: float, weight: float = 1.0, query: bytes | None = None) -> None:
         self.residual_n += weight > 0.0  # b = 0 here: the residual's baseline stays 0 too
+
+    def residuals(self, queries: Sequence[bytes]) -> np.ndarray:
+        return np.zeros(len(queries), np.float64)
 
 
 class MovingBaseline:

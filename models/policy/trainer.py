@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from models.memory.stats import MemoryStats
-from models.policy.baseline import make_baseline
+from models.policy.baseline import make_baseline, query_key
 from models.policy.batch import Batch, make_batch
 from models.policy.network import PolicyNetwork, init_policy, neutral_rows
 from models.policy.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
@@ -151,7 +151,7 @@ class PolicyTrainer:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
         if batch.has_effect.any() or self.imputes():
-            loss = self._credit_loss(batch, terms, dists, step_adv, w, sample_weights)
+            loss = self._credit_loss(batch, experiences, terms, dists, step_adv, w, sample_weights)
             stats.credited = int(batch.has_effect.sum())
         else:
             loss = reinforce_loss(logp, step_adv, w)
@@ -179,6 +179,7 @@ class PolicyTrainer:
     def _credit_loss(
         self,
         batch: Batch,
+        experiences: Sequence[Experience],
         terms: torch.Tensor,
         dists: torch.Tensor,
         step_adv: torch.Tensor,
@@ -196,9 +197,11 @@ class PolicyTrainer:
             # Doubly robust: the positions without a measured effect get an imputed one.
             base = self.baseline.slots
             chosen = np.take_along_axis(slot_base, selected, axis=1).astype(np.float64)
-            imputed = impute_effects(batch.utility, chosen, sel_valid, base.residual)
-            for r, wi in zip(batch.utility - (chosen * sel_valid).sum(axis=1), weight, strict=True):
-                base.update_residual(float(r), float(wi))
+            queries = [query_key(e.event.features.query_embedding) for e in experiences]
+            imputed = impute_effects(batch.utility, chosen, sel_valid, base.residuals(queries))
+            residuals = batch.utility - (chosen * sel_valid).sum(axis=1)
+            for r, wi, q in zip(residuals, weight, queries, strict=True):
+                base.update_residual(float(r), float(wi), q)
             effect, has = np.where(has, effect, imputed), has | sel_valid
         loss = credit_loss(
             terms,

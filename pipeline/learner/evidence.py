@@ -27,7 +27,6 @@ bounds hold.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import threading
@@ -40,6 +39,7 @@ import numpy as np
 
 from models.offpolicy.logged import TOPK, LoggedDecisions, Served
 from models.offpolicy.setlevel import set_probability, target_set_probability
+from models.policy.baseline import query_key as baseline_query_key
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
 from pipeline.byid import keep_by_id
@@ -58,9 +58,8 @@ MAX_SETS_PER_DECISION = 2_048  # sets enumerated per decision (C choose k); beyo
 
 
 def query_key(e: Experience) -> bytes:
-    """A query's identity for the table: a hash of its embedding (the same question, the same key)."""
-    emb = np.ascontiguousarray(np.asarray(e.event.features.query_embedding, np.float32))
-    return hashlib.blake2b(emb.tobytes(), digest_size=8).digest()
+    """A query's identity for the table (:func:`models.policy.baseline.query_key`, as the learner's baselines)."""
+    return baseline_query_key(e.event.features.query_embedding)
 
 
 class RewardTable:
