@@ -82,11 +82,10 @@ class SlotBaseline:
         self._mean: dict[int, float] = {}
         self._n: dict[int, int] = {}
         # The moving mean of the residual u − Σ b̂(σ_j) of imputed credit (models/policy/reinforce.py
-        # impute_effects), with the same running-then-fading rule as a slot's mean: over all
-        # steps, and per query (by its key) for the queries seen before, not saved in states.
+        # impute_effects) over all steps, with the same running-then-fading rule as a slot's
+        # mean: what a query without a mean of its own (QueryResiduals) is imputed with.
         self.residual = 0.0
         self.residual_n = 0
-        self._query_residual: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
 
     def get(self, slot: int) -> float:
         return self._mean.get(slot, 0.0)
@@ -107,31 +106,12 @@ class SlotBaseline:
             self._mean.pop(int(s), None)
             self._n.pop(int(s), None)
 
-    def update_residual(self, r: float, weight: float = 1.0, query: bytes | None = None) -> None:
-        """Take a step's residual ``r`` into the overall mean and into ``query``'s own."""
+    def update_residual(self, r: float, weight: float = 1.0) -> None:
         if weight <= 0.0:
             return
         self.residual, self.residual_n = _running_then_fading(
             self.residual, self.residual_n, r, weight, self.fading_factor
         )
-        if query is not None:
-            own = self._query_residual.pop(query, (0.0, 0))
-            self._query_residual[query] = _running_then_fading(*own, r, weight, self.fading_factor)
-            if len(self._query_residual) > MAX_QUERIES:
-                self._query_residual.popitem(last=False)
-
-    def residuals(self, queries: Sequence[bytes]) -> np.ndarray:
-        """The residual's baseline ``c`` for each query: its own mean where its residuals were seen,
-        else the overall one. Real LM utilities differ most by question (an easy one is easy
-        whatever is read); shared out as imputed credit, a question's level would be noise.
-
-        >>> b = SlotBaseline(fading_factor=0.5)
-        >>> b.update_residual(2.0, query=b"easy"); b.update_residual(0.0, query=b"hard")
-        >>> b.residuals([b"easy", b"hard", b"new"]).tolist()  # overall: 2 → (2 + 0)/2
-        [2.0, 0.0, 1.0]
-        """
-        get = self._query_residual.get
-        return np.array([get(q, (self.residual, 0))[0] for q in queries], np.float64)
 
     def means(self, slots: np.ndarray) -> np.ndarray:
         """The current means of an array of slots (0 for slots never credited)."""
@@ -173,11 +153,48 @@ class NoSlotBaseline(SlotBaseline):
     def means(self, slots: np.ndarray) -> np.ndarray:
         return np.zeros(slots.shape, np.float32)
 
-    def update_residual(self, r: float, weight: float = 1.0, query: bytes | None = None) -> None:
+    def update_residual(self, r: float, weight: float = 1.0) -> None:
         self.residual_n += weight > 0.0  # b = 0 here: the residual's baseline stays 0 too
 
-    def residuals(self, queries: Sequence[bytes]) -> np.ndarray:
-        return np.zeros(len(queries), np.float64)
+
+class QueryResiduals:
+    """Each query's own moving mean of imputed credit's residual ``u − Σ b̂`` (docs/learning.md,
+    "Steps without measured effects"), by :func:`query_key`, with a slot mean's
+    running-then-fading rule; a query's first residual moves it from ``start`` (the mean over
+    all queries). At most ``max_queries``, the least recently seen go first. Not saved: a
+    restarted learner relearns them. Real LM utilities differ most by question (an easy one
+    scores high whatever it reads): shared out as imputed credit, a question's own level would
+    be taken for the memories' doing.
+
+    >>> q = QueryResiduals(fading_factor=0.01)
+    >>> q.of([b"easy"], fallback=1.0).tolist()  # never seen: the mean over all queries
+    [1.0]
+    >>> q.update(b"easy", 2.0, start=1.0); q.update(b"easy", 4.0, start=1.0)
+    >>> q.of([b"easy", b"new"], fallback=1.0).tolist()  # 2, then the running mean of 2 and 4
+    [3.0, 1.0]
+    >>> q.update(b"half", 3.0, weight=0.5, start=1.0); q.of([b"half"], 0.0).tolist()  # half way from 1
+    [2.0]
+    """
+
+    def __init__(self, fading_factor: float = 0.01, max_queries: int = MAX_QUERIES) -> None:
+        self.fading_factor, self.max_queries = fading_factor, max_queries
+        self._mean: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._mean)
+
+    def of(self, queries: Sequence[bytes], fallback: float) -> np.ndarray:
+        """Each query's mean, ``fallback`` for a query without one."""
+        get = self._mean.get
+        return np.array([get(q, (fallback, 0))[0] for q in queries], np.float64)
+
+    def update(self, query: bytes, r: float, weight: float = 1.0, start: float = 0.0) -> None:
+        if weight <= 0.0:
+            return
+        mean, n = self._mean.pop(query, (start, 0))
+        self._mean[query] = _running_then_fading(mean, n, r, weight, self.fading_factor)  # the most recent last
+        if len(self._mean) > self.max_queries:
+            self._mean.popitem(last=False)
 
 
 class MovingBaseline:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from models.memory.stats import MemoryStats
-from models.policy.baseline import make_baseline, query_key
+from models.policy.baseline import QueryResiduals, make_baseline, query_key
 from models.policy.batch import Batch, make_batch
 from models.policy.network import PolicyNetwork, init_policy, neutral_rows
 from models.policy.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
@@ -91,6 +91,7 @@ class PolicyTrainer:
         self.device = c.device
         self.net = (net or init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed)).to(c.device)
         self.baseline = make_baseline(c.baseline, c.baseline_fading)
+        self.query_residuals = QueryResiduals(c.baseline_fading)
         self._new_optimizers()
         self._row_generator = torch.Generator().manual_seed(c.seed + 2000)  # neutral rows of init_rows
         self.updates = 0
@@ -150,8 +151,9 @@ class PolicyTrainer:
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
+        residuals: list[tuple[bytes, float, float, float]] = []  # each query's, taken once the step is
         if batch.has_effect.any() or self.imputes():
-            loss = self._credit_loss(batch, experiences, terms, dists, step_adv, w, sample_weights)
+            loss = self._credit_loss(batch, experiences, terms, dists, step_adv, w, sample_weights, residuals)
             stats.credited = int(batch.has_effect.sum())
         else:
             loss = reinforce_loss(logp, step_adv, w)
@@ -166,6 +168,8 @@ class PolicyTrainer:
 
         stats.applied = len(experiences)
         self.updates += 1
+        for query, r, weight, start in residuals:
+            self.query_residuals.update(query, r, weight, start)
         for e in experiences:
             self.memory_stats.update(e.event.selected, e.slot_effects)
         return stats
@@ -184,11 +188,14 @@ class PolicyTrainer:
         dists: torch.Tensor,
         step_adv: torch.Tensor,
         w: torch.Tensor,
-        sample_weights: np.ndarray | None = None,
+        sample_weights: np.ndarray | None,
+        residuals: list[tuple[bytes, float, float, float]],
     ) -> torch.Tensor:
         """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated, each
         experience by its sample weight: the per-slot means impute other steps' credit, so a
-        principal held to a share of the updates must be held to it there too."""
+        principal held to a share of the updates must be held to it there too. Each query's own
+        residual mean is read here, its update appended to ``residuals`` (query, residual,
+        weight, the mean it starts from): taken only once the step is."""
         weight = np.ones(len(batch.utility)) if sample_weights is None else np.asarray(sample_weights, np.float64)
         slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
         selected, sel_valid = batch.selected.cpu().numpy(), batch.selected_valid.cpu().numpy()
@@ -198,10 +205,12 @@ class PolicyTrainer:
             base = self.baseline.slots
             chosen = np.take_along_axis(slot_base, selected, axis=1).astype(np.float64)
             queries = [query_key(e.event.features.query_embedding) for e in experiences]
-            imputed = impute_effects(batch.utility, chosen, sel_valid, base.residuals(queries))
-            residuals = batch.utility - (chosen * sel_valid).sum(axis=1)
-            for r, wi, q in zip(residuals, weight, queries, strict=True):
-                base.update_residual(float(r), float(wi), q)
+            own = self.query_residuals.of(queries, base.residual)
+            imputed = impute_effects(batch.utility, chosen, sel_valid, own)
+            unexplained = batch.utility - (chosen * sel_valid).sum(axis=1)
+            for q, r, wi, c in zip(queries, unexplained, weight, own, strict=True):
+                base.update_residual(float(r), float(wi))
+                residuals.append((q, float(r), float(wi), float(c)))
             effect, has = np.where(has, effect, imputed), has | sel_valid
         loss = credit_loss(
             terms,
@@ -354,6 +363,7 @@ class PolicyTrainer:
             # advantage is measured against the utilities of its own time: a baseline from
             # after the change would make every old success look like a great one.
             self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading)
+            self.query_residuals = QueryResiduals(self.config.baseline_fading)
             for i in range(0, len(feedback), batch_size):
                 part = slice(i, i + batch_size)
                 s = self.update(feedback[part], weights[part], baseline_weights=principal_weights[part])

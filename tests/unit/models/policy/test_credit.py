@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.policy.baseline import MAX_QUERIES, SlotBaseline, make_baseline, query_key
+from models.policy.baseline import QueryResiduals, SlotBaseline, make_baseline, query_key
 from models.policy.batch import make_batch
 from models.policy.reinforce import credit_loss, impute_effects, reinforce_loss
 from models.policy.trainer import PolicyTrainer
@@ -302,31 +302,53 @@ def test_the_residual_baseline_follows_the_unexplained_utility_and_is_saved() ->
     assert (restored.residual_n, restored.residual) == (1, pytest.approx(0.4))
 
 
+def _easy_and_hard(t: PolicyTrainer) -> list[bytes]:
+    """Credit arrives (b̂ = 0), then a question that scores 2 whatever it reads and one that scores 0."""
+    t.update([Experience("c", "feedback", event(9, selected=[7, 3]), 0.0, slot_effects={7: 0.0, 3: 0.0})])
+    easy, hard = event(0, selected=[7, 3]), event(1, selected=[7, 3])
+    for i in range(4):
+        t.update([Experience(f"a{i}", "feedback", easy, 2.0), Experience(f"b{i}", "feedback", hard, 0.0)])
+    return [query_key(easy.features.query_embedding), query_key(hard.features.query_embedding), b"unseen"]
+
+
 def test_the_residual_baseline_is_each_querys_own() -> None:
     """Real LM utilities differ most by question: one that scores 2 whatever it reads has a
     residual mean of 2 of its own, so its steps at 2 are no credit for what they read, where the
     mean over all questions (between 0 and 2) would call them better than usual."""
     t = trainer()
-    t.update([Experience("c", "feedback", event(9, selected=[7, 3]), 0.0, slot_effects={7: 0.0, 3: 0.0})])
-    easy, hard = event(0, selected=[7, 3]), event(1, selected=[7, 3])
-    for i in range(4):
-        t.update([Experience(f"a{i}", "feedback", easy, 2.0), Experience(f"b{i}", "feedback", hard, 0.0)])
-    slots = t.baseline.slots
-    keys = [query_key(easy.features.query_embedding), query_key(hard.features.query_embedding), b"unseen"]
-    assert slots.residuals(keys).tolist() == pytest.approx([2.0, 0.0, slots.residual])
-    assert 0.0 < slots.residual < 2.0
-    # Not saved: a restored baseline starts every query from the mean over all of them.
-    restored = make_baseline("moving", 0.01, t.baseline.state()).slots
-    assert restored.residuals(keys).tolist() == pytest.approx([slots.residual] * 3)
+    keys = _easy_and_hard(t)
+    overall = t.baseline.slots.residual
+    assert t.query_residuals.of(keys, overall).tolist() == pytest.approx([2.0, 0.0, overall])
+    assert 0.0 < overall < 2.0
+    # A rollback or a cut-over loads other weights: the queries' levels stay.
+    t.load(t.tensors(), t.baseline.state())
+    assert t.query_residuals.of(keys, overall).tolist() == pytest.approx([2.0, 0.0, overall])
+    # Not saved: a learner restarted from the state imputes every query with the mean over all.
+    restarted = trainer()
+    restarted.load(t.tensors(), t.baseline.state())
+    assert restarted.query_residuals.of(keys, 9.0).tolist() == [9.0] * 3
 
 
-def test_the_per_query_residuals_are_bounded() -> None:
-    b = SlotBaseline(fading_factor=0.5)
-    for q in range(MAX_QUERIES + 1):
-        b.update_residual(1.0, query=q.to_bytes(8, "big"))
-    b.update_residual(5.0, query=(1).to_bytes(8, "big"))  # seen again: the most recent
-    assert b.residuals([(0).to_bytes(8, "big")]).tolist() == [b.residual]  # the least recently seen went
-    assert b.residuals([(1).to_bytes(8, "big")]).tolist() == pytest.approx([3.0])
+def test_a_skipped_or_weightless_step_leaves_the_query_residuals_as_they_were() -> None:
+    t = trainer()
+    keys = _easy_and_hard(t)
+    before = t.query_residuals.of(keys, -1.0).tolist()
+    new = event(5, selected=[7, 3], logprob=float("nan"))  # a non-finite weight: the step is skipped
+    stats = t.update(
+        [Experience("n", "feedback", new, 5.0), Experience("a", "feedback", event(0, selected=[7, 3]), 9.0)]
+    )
+    assert stats.skipped_non_finite == 1
+    quarantined = Experience("q", "feedback", event(6, selected=[7, 3]), 7.0)
+    t.update([quarantined, Experience("h", "feedback", event(1, selected=[7, 3]), 0.0)], np.array([0.0, 1.0]))
+    assert t.query_residuals.of(keys, -1.0).tolist() == pytest.approx(before)
+    assert t.query_residuals.of([query_key(quarantined.event.features.query_embedding)], -1.0).tolist() == [-1.0]
+
+
+def test_the_query_residuals_are_bounded() -> None:
+    q = QueryResiduals(fading_factor=0.5, max_queries=3)
+    for k in (b"a", b"b", b"c", b"a", b"d"):  # "a" seen again: "b" is the least recently seen
+        q.update(k, 1.0)
+    assert len(q) == 3 and q.of([b"b", b"a"], fallback=-1.0).tolist() == [-1.0, 1.0]
 
 
 def test_the_per_slot_means_take_each_experience_at_its_sample_weight() -> None:
