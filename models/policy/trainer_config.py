@@ -19,7 +19,7 @@ class TrainerConfig:
     embedding_dim: int
     slots: int
     hidden: int = 512
-    lr: float = 1e-3
+    lr: float = 3e-4
     grad_clip: float = 1.0
     importance_clip: float = 5.0
     baseline: str = "moving"  # moving | cluster | none

@@ -56,7 +56,7 @@ ROWS: dict[str, LMRow] = {
     "step": LMRow(RunSpec("step reward, no gate", labels=False, pipeline_env=NO_GATE)),
     "credit": LMRow(RunSpec("per-memory credit (100%), no gate", labels=False, pipeline_env=NO_GATE), 1.0),
     "credit25": LMRow(RunSpec("per-memory credit (25%), no gate", labels=False, pipeline_env=NO_GATE), 0.25),
-    # The learning rate found better for real utilities (docs/learning.md), beside the default 1e-3.
+    # 3e-4 explicitly: the default since 2026-12-07 (1e-3 before), pinned for runs comparable with earlier ones.
     "step_lr3e4": LMRow(
         RunSpec("step reward, lr 3e-4, no gate", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_LR": "3e-4"})
     ),
