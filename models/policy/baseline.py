@@ -161,7 +161,8 @@ class QueryResiduals:
     """Each query's own moving mean of imputed credit's residual ``u − Σ b̂`` (docs/learning.md,
     "Steps without measured effects"), by :func:`query_key`, with a slot mean's
     running-then-fading rule; a query's first residual moves it from ``start`` (the mean over
-    all queries). At most ``max_queries``, the least recently seen go first. Not saved: a
+    all queries). At most ``max_queries``, the least recently seen go first (0: none, every
+    query gets the mean over all, as with ``--baseline none``, whose residual is 0). Not saved: a
     restarted learner relearns them. Real LM utilities differ most by question (an easy one
     scores high whatever it reads): shared out as imputed credit, a question's own level would
     be taken for the memories' doing.
@@ -189,7 +190,7 @@ class QueryResiduals:
         return np.array([get(q, (fallback, 0))[0] for q in queries], np.float64)
 
     def update(self, query: bytes, r: float, weight: float = 1.0, start: float = 0.0) -> None:
-        if weight <= 0.0:
+        if weight <= 0.0 or self.max_queries <= 0:
             return
         mean, n = self._mean.pop(query, (start, 0))
         self._mean[query] = _running_then_fading(mean, n, r, weight, self.fading_factor)  # the most recent last

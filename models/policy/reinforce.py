@@ -94,7 +94,7 @@ def impute_effects(
     ``ê_j = b̂(σ_j) + (u − c − Σ_j' b̂(σ_j')) / K``: each read memory gets its own mean
     effect so far (the direct model) plus an equal share of what the model does not
     explain, ``K`` the row's number of read memories and ``c`` the residual's moving mean,
-    one for all rows or one per row (the query's own: ``SlotBaseline.residuals``).
+    one for all rows or one per row (the query's own: ``models.policy.baseline.QueryResiduals``).
     In :func:`credit_loss` the advantage becomes ``ê_j − b̂(σ_j) = r / K`` and the analytic
     term ``Σ_i π_j(i)·b̂_i`` carries what is known about every candidate, on every step.
     With every b̂ = 0 it is the step reward, shared out: ``(u − c) / K``.

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from models.memory.stats import MemoryStats
-from models.policy.baseline import QueryResiduals, make_baseline, query_key
+from models.policy.baseline import MAX_QUERIES, QueryResiduals, make_baseline, query_key
 from models.policy.batch import Batch, make_batch
 from models.policy.network import PolicyNetwork, init_policy, neutral_rows
 from models.policy.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
@@ -91,7 +91,7 @@ class PolicyTrainer:
         self.device = c.device
         self.net = (net or init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed)).to(c.device)
         self.baseline = make_baseline(c.baseline, c.baseline_fading)
-        self.query_residuals = QueryResiduals(c.baseline_fading)
+        self.query_residuals = self._new_query_residuals()
         self._new_optimizers()
         self._row_generator = torch.Generator().manual_seed(c.seed + 2000)  # neutral rows of init_rows
         self.updates = 0
@@ -226,6 +226,11 @@ class PolicyTrainer:
         for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
             self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]), float(weight[i]))
         return loss
+
+    def _new_query_residuals(self) -> QueryResiduals:
+        """Each query's residual mean for imputed credit (none kept without a baseline: b = 0)."""
+        c = self.config
+        return QueryResiduals(c.baseline_fading, max_queries=0 if c.baseline == "none" else MAX_QUERIES)
 
     def _new_optimizers(self) -> None:
         """Fresh optimizers: the backbone dense, the output layer row-sparse (models/policy/row_adam.py)."""
@@ -363,7 +368,7 @@ class PolicyTrainer:
             # advantage is measured against the utilities of its own time: a baseline from
             # after the change would make every old success look like a great one.
             self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading)
-            self.query_residuals = QueryResiduals(self.config.baseline_fading)
+            self.query_residuals = self._new_query_residuals()
             for i in range(0, len(feedback), batch_size):
                 part = slice(i, i + batch_size)
                 s = self.update(feedback[part], weights[part], baseline_weights=principal_weights[part])

@@ -329,6 +329,12 @@ def test_the_residual_baseline_is_each_querys_own() -> None:
     assert restarted.query_residuals.of(keys, 9.0).tolist() == [9.0] * 3
 
 
+def test_without_a_baseline_no_query_has_a_residual_mean_of_its_own() -> None:
+    t = trainer(baseline="none")
+    keys = _easy_and_hard(t)
+    assert len(t.query_residuals) == 0 and t.query_residuals.of(keys, 0.0).tolist() == [0.0] * 3
+
+
 def test_a_skipped_or_weightless_step_leaves_the_query_residuals_as_they_were() -> None:
     t = trainer()
     keys = _easy_and_hard(t)
