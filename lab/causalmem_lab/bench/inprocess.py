@@ -125,10 +125,19 @@ ROWS: dict[str, InProcessRow] = {
     ),
     # The freshness bench's traffic in process: step reward, a candidate every 200 steps (its
     # 2 s cadence at 100 pairs/s), 15 days (docs/benchmarks.md, "Freshness").
-    "fresh_step": InProcessRow("step reward, a candidate every 200 steps", 0.0, **_FRESH),
-    "fresh_step_gated": InProcessRow("step reward, gated, a candidate every 200 steps", 0.0, gate=True, **_FRESH),
+    # At lr 1e-3 (the default until 2026-12-07), against the same rows at 3e-4 below: a step-reward
+    # learner at 1e-3 wanders once it has learnt (docs/learning.md, the lr row).
+    "fresh_step": InProcessRow("step reward, lr 1e-3, a candidate every 200 steps", 0.0, lr=1e-3, **_FRESH),
+    "fresh_step_gated": InProcessRow(
+        "step reward, gated, lr 1e-3, a candidate every 200 steps", 0.0, gate=True, lr=1e-3, **_FRESH
+    ),
     "fresh_step_gated_eps05": InProcessRow(
-        "step reward, gated (ε = 0.05), a candidate every 200 steps", 0.0, gate=True, gate_epsilon=0.05, **_FRESH
+        "step reward, gated (ε = 0.05), lr 1e-3, a candidate every 200 steps",
+        0.0,
+        gate=True,
+        gate_epsilon=0.05,
+        lr=1e-3,
+        **_FRESH,
     ),
     # The same traffic with per-memory credit on 25% of steps (the LM evaluator's default share).
     "fresh_credit25": InProcessRow("per-memory credit on 25%, a candidate every 200 steps", 0.25, **_FRESH),

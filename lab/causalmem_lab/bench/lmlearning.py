@@ -56,7 +56,8 @@ ROWS: dict[str, LMRow] = {
     "step": LMRow(RunSpec("step reward, no gate", labels=False, pipeline_env=NO_GATE)),
     "credit": LMRow(RunSpec("per-memory credit (100%), no gate", labels=False, pipeline_env=NO_GATE), 1.0),
     "credit25": LMRow(RunSpec("per-memory credit (25%), no gate", labels=False, pipeline_env=NO_GATE), 0.25),
-    # 3e-4 explicitly: the default since 2026-12-07 (1e-3 before), pinned for runs comparable with earlier ones.
+    # 3e-4 named: equal to `step` and `credit25` since it became the default (2026-12-07; 1e-3 before),
+    # kept so that the earlier comparisons (docs/changelog.md) can be run again by name.
     "step_lr3e4": LMRow(
         RunSpec("step reward, lr 3e-4, no gate", labels=False, pipeline_env={**NO_GATE, "CAUSALMEM_LR": "3e-4"})
     ),
