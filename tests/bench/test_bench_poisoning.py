@@ -27,7 +27,7 @@ def test_a_run_measures_the_honest_clients_and_the_liar_has_its_share() -> None:
 def test_another_initialisation_is_the_same_traffic_with_another_network() -> None:
     base, again = (
         poisoning.run_one(
-            0, 0.0, "spread", "none", queries=600, refresh_every=60, world=SMALL, hidden=16, trainer_seed=t
+            0, 0.0, "spread", "none", queries=1200, refresh_every=60, world=SMALL, hidden=16, trainer_seed=t
         )
         for t in (None, 1000)
     )
@@ -37,7 +37,8 @@ def test_another_initialisation_is_the_same_traffic_with_another_network() -> No
 
 
 def test_a_seed_is_the_mean_over_initialisations_and_the_report_states_their_noise() -> None:
-    one = poisoning.run_seed(0, 0.0, "spread", "none", inits=2, queries=600, refresh_every=60, world=SMALL, hidden=16)
+    # 1,200 queries: at lr 3e-4 two initialisations of this small world still serve alike after 600.
+    one = poisoning.run_seed(0, 0.0, "spread", "none", inits=2, queries=1200, refresh_every=60, world=SMALL, hidden=16)
     rates = [r["harmful_read_rate"] for r in one["runs"]]
     assert [r["trainer_seed"] for r in one["runs"]] == [0, poisoning.NOISE_SEED]
     assert one["harmful_read_rate"] == sum(rates) / 2 and one["sd_between_inits"] > 0
