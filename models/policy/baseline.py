@@ -30,7 +30,8 @@ from river import cluster, stats
 # At most this many slots are kept in a saved state (the most read ones): the state rides
 # in the checkpoint manifest's metrics.
 MAX_SAVED_SLOTS = 2048
-# The queries whose own residual mean is kept (the least recently seen go first).
+# The queries a learner keeps something of its own for (a residual mean here, the promotion rule's
+# reward table): the least recently seen go first.
 MAX_QUERIES = 50_000
 
 

@@ -153,7 +153,7 @@ class PolicyTrainer:
         step_adv = torch.from_numpy(adv).to(self.device)
         residuals: list[tuple[bytes, float, float, float]] = []  # each query's, taken once the step is
         if batch.has_effect.any() or self.imputes():
-            loss = self._credit_loss(batch, experiences, terms, dists, step_adv, w, sample_weights, residuals)
+            loss, residuals = self._credit_loss(batch, experiences, terms, dists, step_adv, w, sample_weights)
             stats.credited = int(batch.has_effect.sum())
         else:
             loss = reinforce_loss(logp, step_adv, w)
@@ -189,17 +189,17 @@ class PolicyTrainer:
         step_adv: torch.Tensor,
         w: torch.Tensor,
         sample_weights: np.ndarray | None,
-        residuals: list[tuple[bytes, float, float, float]],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[tuple[bytes, float, float, float]]]:
         """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated, each
         experience by its sample weight: the per-slot means impute other steps' credit, so a
         principal held to a share of the updates must be held to it there too. Each query's own
-        residual mean is read here, its update appended to ``residuals`` (query, residual,
-        weight, the mean it starts from): taken only once the step is."""
+        residual mean is read here; its updates are returned with the loss (query, residual,
+        weight, the mean it starts from), taken only once the step is."""
         weight = np.ones(len(batch.utility)) if sample_weights is None else np.asarray(sample_weights, np.float64)
         slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
         selected, sel_valid = batch.selected.cpu().numpy(), batch.selected_valid.cpu().numpy()
         effect, has = batch.effect, batch.has_effect
+        residuals: list[tuple[bytes, float, float, float]] = []
         if self.imputes():
             # Doubly robust: the positions without a measured effect get an imputed one.
             base = self.baseline.slots
@@ -225,7 +225,7 @@ class PolicyTrainer:
         sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), selected, axis=1)
         for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
             self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]), float(weight[i]))
-        return loss
+        return loss, residuals
 
     def _new_query_residuals(self) -> QueryResiduals:
         """Each query's residual mean for imputed credit (none kept without a baseline: b = 0)."""

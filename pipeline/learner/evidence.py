@@ -39,6 +39,7 @@ import numpy as np
 
 from models.offpolicy.logged import TOPK, LoggedDecisions, Served
 from models.offpolicy.setlevel import set_probability, target_set_probability
+from models.policy.baseline import MAX_QUERIES
 from models.policy.baseline import query_key as baseline_query_key
 from models.policy.network import PolicyNetwork
 from models.serving.params import ServingParams
@@ -51,7 +52,6 @@ Version = tuple[PolicyNetwork, ServingParams]  # a version's network and how cli
 
 
 MAX_SETS = 32  # the sets the table holds per query (the most often read)
-MAX_QUERIES = 50_000  # the queries it holds (the least recently seen go)
 CLIP = 20.0  # importance weights are clipped here; the mass above goes to the bounds' extremes
 PER_LOOK = 256  # decisions a look values at most: each costs milliseconds (every set is valued)
 MAX_SETS_PER_DECISION = 2_048  # sets enumerated per decision (C choose k); beyond, no bound is made
