@@ -30,9 +30,12 @@ from river import cluster, stats
 # At most this many slots are kept in a saved state (the most read ones): the state rides
 # in the checkpoint manifest's metrics.
 MAX_SAVED_SLOTS = 2048
-# The queries a learner keeps something of its own for (a residual mean here, the promotion rule's
-# reward table): the least recently seen go first.
+# The queries a learner keeps something of its own for (their means for per-memory credit here, the
+# promotion rule's reward table): the least recently seen go first.
 MAX_QUERIES = 50_000
+# The slots a query keeps its own mean effect of (the least recently credited go first): a query's
+# candidates, bounded whatever the index's churn.
+MAX_SLOTS_PER_QUERY = 64
 
 
 def query_key(embedding: np.ndarray) -> bytes:
@@ -84,7 +87,7 @@ class SlotBaseline:
         self._n: dict[int, int] = {}
         # The moving mean of the residual u − Σ b̂(σ_j) of imputed credit (models/policy/reinforce.py
         # impute_effects) over all steps, with the same running-then-fading rule as a slot's
-        # mean: what a query without a mean of its own (QueryResiduals) is imputed with.
+        # mean: what a query without a mean of its own (QueryMeans) is imputed with.
         self.residual = 0.0
         self.residual_n = 0
 
@@ -158,45 +161,113 @@ class NoSlotBaseline(SlotBaseline):
         self.residual_n += weight > 0.0  # b = 0 here: the residual's baseline stays 0 too
 
 
-class QueryResiduals:
-    """Each query's own moving mean of imputed credit's residual ``u − Σ b̂`` (docs/learning.md,
-    "Steps without measured effects"), by :func:`query_key`, with a slot mean's
-    running-then-fading rule; a query's first residual moves it from ``start`` (the mean over
-    all queries). At most ``max_queries``, the least recently seen go first (0: none, every
-    query gets the mean over all, as with ``--baseline none``, whose residual is 0). Not saved: a
-    restarted learner relearns them. Real LM utilities differ most by question (an easy one
-    scores high whatever it reads): shared out as imputed credit, a question's own level would
-    be taken for the memories' doing.
+class QueryMeans:
+    """What a learner knows of each query by :func:`query_key` (docs/learning.md, "Per-memory
+    credit"): its own moving mean of imputed credit's residual ``u − Σ b̂``, and its own mean
+    effect of each slot it was credited with. Both follow a slot mean's running-then-fading rule
+    and start from the mean over all queries (a query's first residual, or a slot's first effect
+    for it, moves from ``start``). At most ``max_queries`` queries, the least recently seen go
+    first (0: none, every query gets the means over all, as with ``--baseline none``), and
+    :data:`MAX_SLOTS_PER_QUERY` slots each, the least recently credited go first. Not saved: a restarted
+    learner relearns them. Real LM utilities differ most by question (an easy one scores high
+    whatever it reads), and a memory's effect does too (a fact helps its own question and
+    misleads its look-alikes): taken over all queries, a question's level would be shared out as
+    the memories' doing, and a look-alike's read credited with its fact's help elsewhere.
 
-    >>> q = QueryResiduals(fading_factor=0.01)
-    >>> q.of([b"easy"], fallback=1.0).tolist()  # never seen: the mean over all queries
+    >>> q = QueryMeans(fading_factor=0.01)
+    >>> q.residuals([b"easy"], fallback=1.0).tolist()  # never seen: the mean over all queries
     [1.0]
     >>> q.update(b"easy", 2.0, start=1.0); q.update(b"easy", 4.0, start=1.0)
-    >>> q.of([b"easy", b"new"], fallback=1.0).tolist()  # 2, then the running mean of 2 and 4
+    >>> q.residuals([b"easy", b"new"], fallback=1.0).tolist()  # 2, then the running mean of 2 and 4
     [3.0, 1.0]
-    >>> q.update(b"half", 3.0, weight=0.5, start=1.0); q.of([b"half"], 0.0).tolist()  # half way from 1
+    >>> q.update(b"half", 3.0, weight=0.5, start=1.0); q.residuals([b"half"], 0.0).tolist()  # half way from 1
     [2.0]
+
+    A slot's effect for a query, where it was credited for that query; the mean over all elsewhere
+    (a query credited but without a residual yet has no residual mean of its own either):
+
+    >>> q.update_effect(b"easy", slot=7, effect=0.5, start=0.1)
+    >>> q.update_effect(b"lone", slot=7, effect=1.0, weight=0.5, start=0.2)  # half way from 0.2
+    >>> q.effects([b"easy", b"lone", b"new"], np.full((3, 1), 7), np.full((3, 1), 0.1)).round(6).tolist()
+    [[0.5], [0.6], [0.1]]
+    >>> q.residuals([b"lone"], fallback=-1.0).tolist()
+    [-1.0]
+
+    A slot given to a new memory is forgotten by every query (at once, whatever their number):
+
+    >>> q.forget([7]); q.effects([b"easy"], np.array([[7]]), np.zeros((1, 1))).tolist()
+    [[0.0]]
     """
 
     def __init__(self, fading_factor: float = 0.01, max_queries: int = MAX_QUERIES) -> None:
         self.fading_factor, self.max_queries = fading_factor, max_queries
-        self._mean: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+        # per query: [residual mean, its count, {slot: (effect mean, count, generation)}], the most recent last
+        self._of: OrderedDict[bytes, list[Any]] = OrderedDict()
+        # How often each slot was given to a new memory: an effect of an older generation is of
+        # the memory before (forgetting is then one increment, not a pass over every query).
+        self._generation: dict[int, int] = {}
 
     def __len__(self) -> int:
-        return len(self._mean)
+        return len(self._of)
 
-    def of(self, queries: Sequence[bytes], fallback: float) -> np.ndarray:
-        """Each query's mean, ``fallback`` for a query without one."""
-        get = self._mean.get
-        return np.array([get(q, (fallback, 0))[0] for q in queries], np.float64)
+    def residuals(self, queries: Sequence[bytes], fallback: float) -> np.ndarray:
+        """Each query's residual mean, ``fallback`` for a query without one."""
+        out = np.full(len(queries), fallback, np.float64)
+        for i, q in enumerate(queries):
+            held = self._of.get(q)
+            if held is not None and held[1]:
+                out[i] = held[0]
+        return out
+
+    def effects(self, queries: Sequence[bytes], slots: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+        """``fallback`` [B, C] with each query's own effect mean where it has one for the slot."""
+        out = np.array(fallback, np.float64, copy=True)
+        generation = self._generation.get
+        for i, q in enumerate(queries):
+            held = self._of.get(q)
+            if held is None or not held[2]:
+                continue
+            own = held[2]
+            for j, s in enumerate(slots[i].tolist()):
+                m = own.get(s)
+                if m is not None and m[2] == generation(s, 0):
+                    out[i, j] = m[0]
+        return out
+
+    def _held(self, query: bytes) -> list[Any]:
+        held = self._of.pop(query, None)
+        if held is None:
+            held = [0.0, 0, {}]
+        self._of[query] = held
+        if len(self._of) > self.max_queries:
+            self._of.popitem(last=False)
+        return held
 
     def update(self, query: bytes, r: float, weight: float = 1.0, start: float = 0.0) -> None:
+        """One residual of ``query``."""
         if weight <= 0.0 or self.max_queries <= 0:
             return
-        mean, n = self._mean.pop(query, (start, 0))
-        self._mean[query] = _running_then_fading(mean, n, r, weight, self.fading_factor)  # the most recent last
-        if len(self._mean) > self.max_queries:
-            self._mean.popitem(last=False)
+        held = self._held(query)
+        mean = held[0] if held[1] else start
+        held[0], held[1] = _running_then_fading(mean, held[1], r, weight, self.fading_factor)
+
+    def update_effect(self, query: bytes, slot: int, effect: float, weight: float = 1.0, start: float = 0.0) -> None:
+        """One measured effect of ``slot`` for ``query``."""
+        if weight <= 0.0 or self.max_queries <= 0:
+            return
+        own, slot = self._held(query)[2], int(slot)
+        generation = self._generation.get(slot, 0)
+        mean, n, of = own.pop(slot, (start, 0, generation))
+        if of != generation:
+            mean, n = start, 0
+        own[slot] = (*_running_then_fading(mean, n, effect, weight, self.fading_factor), generation)
+        if len(own) > MAX_SLOTS_PER_QUERY:
+            del own[next(iter(own))]
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Drop every query's effect of ``slots`` (a slot given to a new memory)."""
+        for s in slots:
+            self._generation[int(s)] = self._generation.get(int(s), 0) + 1
 
 
 class MovingBaseline:

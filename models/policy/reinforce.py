@@ -56,9 +56,10 @@ def credit_loss(
     π_j of each draw (:func:`models.serving.rule.plackett_luce_terms_torch`), ``selected``
     [B, K] the drawn positions into C;
     ``step_advantages`` [B] the step's u − b; ``effects`` [B, K] each selected memory's
-    measured effect where ``has_effect`` [B, K]; ``slot_baselines`` [B, C] the per-slot
-    mean effect b̂ of every candidate. A position with an effect gets
-    ``A_j = e_j − b̂(σ_j)`` and the analytic term; one without uses the step's advantage.
+    measured effect where ``has_effect`` [B, K]; ``slot_baselines`` [B, C] the mean
+    effect b̂ of every candidate (the row's query's own where the trainer has one). A
+    position with an effect gets ``A_j = e_j − b̂(σ_j)`` and the analytic term; one without
+    uses the step's advantage.
     A row without any effect is exactly :func:`reinforce_loss`'s ``−w·A·log π``.
 
     Hand-computed (one row, two candidates, one draw, b̂ = [0.5, −0.5]): z = [0, 0] gives
@@ -94,7 +95,7 @@ def impute_effects(
     ``ê_j = b̂(σ_j) + (u − c − Σ_j' b̂(σ_j')) / K``: each read memory gets its own mean
     effect so far (the direct model) plus an equal share of what the model does not
     explain, ``K`` the row's number of read memories and ``c`` the residual's moving mean,
-    one for all rows or one per row (the query's own: ``models.policy.baseline.QueryResiduals``).
+    one for all rows or one per row (the query's own: ``models.policy.baseline.QueryMeans``).
     In :func:`credit_loss` the advantage becomes ``ê_j − b̂(σ_j) = r / K`` and the analytic
     term ``Σ_i π_j(i)·b̂_i`` carries what is known about every candidate, on every step.
     With every b̂ = 0 it is the step reward, shared out: ``(u − c) / K``.

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from models.memory.stats import MemoryStats
-from models.policy.baseline import MAX_QUERIES, QueryResiduals, make_baseline, query_key
+from models.policy.baseline import MAX_QUERIES, QueryMeans, make_baseline, query_key
 from models.policy.batch import Batch, make_batch
 from models.policy.network import PolicyNetwork, init_policy, neutral_rows
 from models.policy.reinforce import credit_loss, importance_weights, impute_effects, label_loss, reinforce_loss
@@ -51,6 +51,21 @@ class UpdateStats:
     weights: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     credited: int = 0  # selected memories that had their own effect (per-memory credit)
+
+
+@dataclass
+class _QueryUpdates:
+    """A step's updates of each query's means (:class:`QueryMeans`), taken once the step is: a
+    skipped batch leaves no trace."""
+
+    residuals: list[tuple[bytes, float, float, float]] = field(default_factory=list)  # query, r, weight, start
+    effects: list[tuple[bytes, int, float, float, float]] = field(default_factory=list)  # query, slot, e, weight, start
+
+    def apply(self, means: QueryMeans) -> None:
+        for query, r, weight, start in self.residuals:
+            means.update(query, r, weight, start)
+        for query, slot, e, weight, start in self.effects:
+            means.update_effect(query, slot, e, weight, start)
 
 
 @contextlib.contextmanager
@@ -91,7 +106,7 @@ class PolicyTrainer:
         self.device = c.device
         self.net = (net or init_policy(c.embedding_dim, c.slots, c.hidden, seed=c.seed)).to(c.device)
         self.baseline = make_baseline(c.baseline, c.baseline_fading)
-        self.query_residuals = self._new_query_residuals()
+        self.query_means = self._new_query_means()
         self._new_optimizers()
         self._row_generator = torch.Generator().manual_seed(c.seed + 2000)  # neutral rows of init_rows
         self.updates = 0
@@ -151,9 +166,9 @@ class PolicyTrainer:
         if sample_weights is not None:
             w = w * torch.as_tensor(sample_weights, dtype=w.dtype, device=w.device)
         step_adv = torch.from_numpy(adv).to(self.device)
-        residuals: list[tuple[bytes, float, float, float]] = []  # each query's, taken once the step is
+        taken = _QueryUpdates()  # each query's means, taken once the step is
         if batch.has_effect.any() or self.imputes():
-            loss, residuals = self._credit_loss(batch, experiences, terms, dists, step_adv, w, sample_weights)
+            loss, taken = self._credit_loss(batch, experiences, terms, dists, step_adv, w, sample_weights)
             stats.credited = int(batch.has_effect.sum())
         else:
             loss = reinforce_loss(logp, step_adv, w)
@@ -168,8 +183,7 @@ class PolicyTrainer:
 
         stats.applied = len(experiences)
         self.updates += 1
-        for query, r, weight, start in residuals:
-            self.query_residuals.update(query, r, weight, start)
+        taken.apply(self.query_means)
         for e in experiences:
             self.memory_stats.update(e.event.selected, e.slot_effects)
         return stats
@@ -189,28 +203,31 @@ class PolicyTrainer:
         step_adv: torch.Tensor,
         w: torch.Tensor,
         sample_weights: np.ndarray | None,
-    ) -> tuple[torch.Tensor, list[tuple[bytes, float, float, float]]]:
+    ) -> tuple[torch.Tensor, _QueryUpdates]:
         """Per-memory credit (docs/learning.md): b̂ read for the whole batch, then updated, each
         experience by its sample weight: the per-slot means impute other steps' credit, so a
-        principal held to a share of the updates must be held to it there too. Each query's own
-        residual mean is read here; its updates are returned with the loss (query, residual,
-        weight, the mean it starts from), taken only once the step is."""
+        principal held to a share of the updates must be held to it there too. b̂ is each query's
+        own mean effect of a slot where it has one, the slot's over all queries elsewhere; each
+        query's residual mean is read here too. The updates of each query's means are returned
+        with the loss, taken only once the step is."""
         weight = np.ones(len(batch.utility)) if sample_weights is None else np.asarray(sample_weights, np.float64)
-        slot_base = self.baseline.slots.means(batch.slots.cpu().numpy()) * batch.valid.cpu().numpy()
+        slots, valid = batch.slots.cpu().numpy(), batch.valid.cpu().numpy()
+        overall = self.baseline.slots.means(slots)
+        queries = [query_key(e.event.features.query_embedding) for e in experiences]
+        slot_base = self.query_means.effects(queries, slots, overall) * valid
         selected, sel_valid = batch.selected.cpu().numpy(), batch.selected_valid.cpu().numpy()
         effect, has = batch.effect, batch.has_effect
-        residuals: list[tuple[bytes, float, float, float]] = []
+        taken = _QueryUpdates()
         if self.imputes():
             # Doubly robust: the positions without a measured effect get an imputed one.
             base = self.baseline.slots
-            chosen = np.take_along_axis(slot_base, selected, axis=1).astype(np.float64)
-            queries = [query_key(e.event.features.query_embedding) for e in experiences]
-            own = self.query_residuals.of(queries, base.residual)
+            chosen = np.take_along_axis(slot_base, selected, axis=1)
+            own = self.query_means.residuals(queries, base.residual)
             imputed = impute_effects(batch.utility, chosen, sel_valid, own)
             unexplained = batch.utility - (chosen * sel_valid).sum(axis=1)
             for q, r, wi, c in zip(queries, unexplained, weight, own, strict=True):
                 base.update_residual(float(r), float(wi))
-                residuals.append((q, float(r), float(wi), float(c)))
+                taken.residuals.append((q, float(r), float(wi), float(c)))
             effect, has = np.where(has, effect, imputed), has | sel_valid
         loss = credit_loss(
             terms,
@@ -222,15 +239,19 @@ class PolicyTrainer:
             torch.from_numpy(slot_base.astype(np.float32)).to(self.device),
             w,
         )
-        sel_slots = np.take_along_axis(batch.slots.cpu().numpy(), selected, axis=1)
+        sel_slots = np.take_along_axis(slots, selected, axis=1)
+        sel_overall = np.take_along_axis(overall, selected, axis=1)
         for i, j in zip(*np.nonzero(batch.has_effect), strict=True):
-            self.baseline.slots.update(int(sel_slots[i, j]), float(batch.effect[i, j]), float(weight[i]))
-        return loss, residuals
+            slot, e = int(sel_slots[i, j]), float(batch.effect[i, j])
+            self.baseline.slots.update(slot, e, float(weight[i]))
+            taken.effects.append((queries[i], slot, e, float(weight[i]), float(sel_overall[i, j])))
+        return loss, taken
 
-    def _new_query_residuals(self) -> QueryResiduals:
-        """Each query's residual mean for imputed credit (none kept without a baseline: b = 0)."""
+    def _new_query_means(self) -> QueryMeans:
+        """Each query's residual and effect means for per-memory credit (none kept without a
+        baseline: b = 0)."""
         c = self.config
-        return QueryResiduals(c.baseline_fading, max_queries=0 if c.baseline == "none" else MAX_QUERIES)
+        return QueryMeans(c.baseline_fading, max_queries=0 if c.baseline == "none" else MAX_QUERIES)
 
     def _new_optimizers(self) -> None:
         """Fresh optimizers: the backbone dense, the output layer row-sparse (models/policy/row_adam.py)."""
@@ -368,7 +389,7 @@ class PolicyTrainer:
             # advantage is measured against the utilities of its own time: a baseline from
             # after the change would make every old success look like a great one.
             self.baseline = make_baseline(self.config.baseline, self.config.baseline_fading)
-            self.query_residuals = self._new_query_residuals()
+            self.query_means = self._new_query_means()
             for i in range(0, len(feedback), batch_size):
                 part = slice(i, i + batch_size)
                 s = self.update(feedback[part], weights[part], baseline_weights=principal_weights[part])
@@ -441,6 +462,7 @@ class PolicyTrainer:
         # A reused slot holds a new memory: its predecessor's reads, effects and baseline go too.
         self.memory_stats.forget(idx)
         self.baseline.slots.forget(idx)
+        self.query_means.forget(idx)
 
     def unsuppress(self, slots: Sequence[int]) -> None:
         """Undo :meth:`PolicyNetwork.suppress <models.policy.network.PolicyNetwork.suppress>` for ``slots``:

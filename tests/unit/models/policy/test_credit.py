@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.policy.baseline import QueryResiduals, SlotBaseline, make_baseline, query_key
+from models.policy.baseline import QueryMeans, SlotBaseline, make_baseline, query_key
 from models.policy.batch import make_batch
 from models.policy.reinforce import credit_loss, impute_effects, reinforce_loss
 from models.policy.trainer import PolicyTrainer
@@ -187,7 +187,7 @@ def test_a_reset_restarts_the_slot_baselines() -> None:
     t = trainer()
     t.update([Experience("e0", "feedback", event(0, selected=[7]), 0.3, slot_effects={7: 1.0})])
     t.reset_last_layer([])
-    assert len(t.baseline.slots) == 0
+    assert len(t.baseline.slots) == 0 and len(t.query_means) == 0
 
 
 def test_slot_baseline_state_is_bounded() -> None:
@@ -318,43 +318,78 @@ def test_the_residual_baseline_is_each_querys_own() -> None:
     t = trainer()
     keys = _easy_and_hard(t)
     overall = t.baseline.slots.residual
-    assert t.query_residuals.of(keys, overall).tolist() == pytest.approx([2.0, 0.0, overall])
+    assert t.query_means.residuals(keys, overall).tolist() == pytest.approx([2.0, 0.0, overall])
     assert 0.0 < overall < 2.0
     # A rollback or a cut-over loads other weights: the queries' levels stay.
     t.load(t.tensors(), t.baseline.state())
-    assert t.query_residuals.of(keys, overall).tolist() == pytest.approx([2.0, 0.0, overall])
+    assert t.query_means.residuals(keys, overall).tolist() == pytest.approx([2.0, 0.0, overall])
     # Not saved: a learner restarted from the state imputes every query with the mean over all.
     restarted = trainer()
     restarted.load(t.tensors(), t.baseline.state())
-    assert restarted.query_residuals.of(keys, 9.0).tolist() == [9.0] * 3
+    assert restarted.query_means.residuals(keys, 9.0).tolist() == [9.0] * 3
+
+
+def test_a_memorys_mean_effect_is_each_querys_own() -> None:
+    """A fact helps its own question and misleads its look-alike: over all queries its mean
+    effect is about 0, so reading it for the look-alike would look harmless; each query's own
+    mean says +1 and −1. A query never credited with the slot gets the mean over all; a slot given
+    to a new memory (``init_rows``) is forgotten by every query, as by the mean over all."""
+    t = trainer()
+    own, lookalike = event(0, selected=[7, 3]), event(1, selected=[7, 3])
+    t.update(
+        [
+            Experience("o", "feedback", own, 1.0, slot_effects={7: 1.0, 3: 0.0}),
+            Experience("l", "feedback", lookalike, -1.0, slot_effects={7: -1.0, 3: 0.0}),
+        ]
+    )
+    keys = [query_key(e.features.query_embedding) for e in (own, lookalike)] + [b"unseen"]
+    slot7 = np.full((3, 1), 7)
+    overall = float(t.baseline.slots.means(slot7[:1])[0, 0])
+    assert overall == pytest.approx(0.0, abs=1e-6)
+    assert t.query_means.effects(keys, slot7, np.full((3, 1), overall)).ravel().tolist() == pytest.approx(
+        [1.0, -1.0, overall]
+    )
+    # Imputed credit reads them: the look-alike at −1 after reading 7 (−1) and 3 (0) is what its
+    # own means expect, a residual of 0 (the means over all, ≈ 0 each, would leave −1).
+    t.update([Experience("l2", "feedback", lookalike, -1.0)])
+    assert t.query_means.residuals(keys[1:2], fallback=9.0).tolist() == pytest.approx([0.0], abs=1e-6)
+    t.init_rows([7])
+    assert t.query_means.effects(keys, slot7, np.full((3, 1), 0.5)).ravel().tolist() == [0.5] * 3
 
 
 def test_without_a_baseline_no_query_has_a_residual_mean_of_its_own() -> None:
     t = trainer(baseline="none")
     keys = _easy_and_hard(t)
-    assert len(t.query_residuals) == 0 and t.query_residuals.of(keys, 0.0).tolist() == [0.0] * 3
+    assert len(t.query_means) == 0 and t.query_means.residuals(keys, 0.0).tolist() == [0.0] * 3
 
 
-def test_a_skipped_or_weightless_step_leaves_the_query_residuals_as_they_were() -> None:
+def test_a_skipped_or_weightless_step_leaves_the_query_means_as_they_were() -> None:
     t = trainer()
     keys = _easy_and_hard(t)
-    before = t.query_residuals.of(keys, -1.0).tolist()
+    before = t.query_means.residuals(keys, -1.0).tolist()
+    effects_before = t.query_means.effects(keys, np.array([[7, 3]] * 3), np.full((3, 2), -1.0)).tolist()
     new = event(5, selected=[7, 3], logprob=float("nan"))  # a non-finite weight: the step is skipped
     stats = t.update(
-        [Experience("n", "feedback", new, 5.0), Experience("a", "feedback", event(0, selected=[7, 3]), 9.0)]
+        [
+            Experience("n", "feedback", new, 5.0),
+            Experience("a", "feedback", event(0, selected=[7, 3]), 9.0, slot_effects={7: 9.0}),
+        ]
     )
     assert stats.skipped_non_finite == 1
-    quarantined = Experience("q", "feedback", event(6, selected=[7, 3]), 7.0)
+    quarantined = Experience("q", "feedback", event(6, selected=[7, 3]), 7.0, slot_effects={3: 7.0})
     t.update([quarantined, Experience("h", "feedback", event(1, selected=[7, 3]), 0.0)], np.array([0.0, 1.0]))
-    assert t.query_residuals.of(keys, -1.0).tolist() == pytest.approx(before)
-    assert t.query_residuals.of([query_key(quarantined.event.features.query_embedding)], -1.0).tolist() == [-1.0]
+    assert t.query_means.residuals(keys, -1.0).tolist() == pytest.approx(before)
+    assert t.query_means.effects(keys, np.array([[7, 3]] * 3), np.full((3, 2), -1.0)).tolist() == effects_before
+    q = [query_key(quarantined.event.features.query_embedding)]
+    assert t.query_means.residuals(q, -1.0).tolist() == [-1.0]
+    assert t.query_means.effects(q, np.array([[3]]), np.full((1, 1), -1.0)).tolist() == [[-1.0]]
 
 
-def test_the_query_residuals_are_bounded() -> None:
-    q = QueryResiduals(fading_factor=0.5, max_queries=3)
+def test_the_query_means_are_bounded() -> None:
+    q = QueryMeans(fading_factor=0.5, max_queries=3)
     for k in (b"a", b"b", b"c", b"a", b"d"):  # "a" seen again: "b" is the least recently seen
         q.update(k, 1.0)
-    assert len(q) == 3 and q.of([b"b", b"a"], fallback=-1.0).tolist() == [-1.0, 1.0]
+    assert len(q) == 3 and q.residuals([b"b", b"a"], fallback=-1.0).tolist() == [-1.0, 1.0]
 
 
 def test_the_per_slot_means_take_each_experience_at_its_sample_weight() -> None:
