@@ -34,8 +34,8 @@ MAX_SAVED_SLOTS = 2048
 # promotion rule's reward table): the least recently seen go first.
 MAX_QUERIES = 50_000
 # The slots a query keeps its own mean effect of (the least recently credited go first): a query's
-# candidates, bounded whatever the index's churn.
-MAX_SLOTS_PER_QUERY = 64
+# candidates, bounded whatever the index's churn (at both bounds ~165 MB, measured).
+MAX_SLOTS_PER_QUERY = 16
 
 
 def query_key(embedding: np.ndarray) -> bytes:
@@ -164,12 +164,13 @@ class NoSlotBaseline(SlotBaseline):
 class QueryMeans:
     """What a learner knows of each query by :func:`query_key` (docs/learning.md, "Per-memory
     credit"): its own moving mean of imputed credit's residual ``u − Σ b̂``, and its own mean
-    effect of each slot it was credited with. Both follow a slot mean's running-then-fading rule
-    and start from the mean over all queries (a query's first residual, or a slot's first effect
-    for it, moves from ``start``). At most ``max_queries`` queries, the least recently seen go
-    first (0: none, every query gets the means over all, as with ``--baseline none``), and
-    :data:`MAX_SLOTS_PER_QUERY` slots each, the least recently credited go first. Not saved: a restarted
-    learner relearns them. Real LM utilities differ most by question (an easy one scores high
+    effect of each slot it was credited with. Both follow a slot mean's running-then-fading rule,
+    whose first value is the first observation's (a query's first residual, or a slot's first
+    effect for it, taken at a weight below 1 moves part of the way from ``start``, the mean over
+    all queries). At most ``max_queries`` queries, the least recently seen go first (0: none,
+    every query gets the means over all, as with ``--baseline none``), and
+    :data:`MAX_SLOTS_PER_QUERY` slots each, the least recently credited go first. Not saved: a
+    restarted learner relearns them. Real LM utilities differ most by question (an easy one scores high
     whatever it reads), and a memory's effect does too (a fact helps its own question and
     misleads its look-alikes): taken over all queries, a question's level would be shared out as
     the memories' doing, and a look-alike's read credited with its fact's help elsewhere.
@@ -193,18 +194,23 @@ class QueryMeans:
     >>> q.residuals([b"lone"], fallback=-1.0).tolist()
     [-1.0]
 
-    A slot given to a new memory is forgotten by every query (at once, whatever their number):
+    A slot given to a new memory is forgotten by every query (at once, whatever their number), and
+    its next effect starts from ``start`` again:
 
     >>> q.forget([7]); q.effects([b"easy"], np.array([[7]]), np.zeros((1, 1))).tolist()
     [[0.0]]
+    >>> q.update_effect(b"easy", slot=7, effect=1.0, weight=0.5, start=0.0)
+    >>> q.effects([b"easy"], np.array([[7]]), np.zeros((1, 1))).tolist()
+    [[0.5]]
     """
 
     def __init__(self, fading_factor: float = 0.01, max_queries: int = MAX_QUERIES) -> None:
         self.fading_factor, self.max_queries = fading_factor, max_queries
         # per query: [residual mean, its count, {slot: (effect mean, count, generation)}], the most recent last
         self._of: OrderedDict[bytes, list[Any]] = OrderedDict()
-        # How often each slot was given to a new memory: an effect of an older generation is of
-        # the memory before (forgetting is then one increment, not a pass over every query).
+        # How often each slot credited so far was given to a new memory: an effect of an older
+        # generation is of the memory before (forgetting is one increment, not a pass over every
+        # query). Only credited slots have one: no more entries than the slots' own means.
         self._generation: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -256,7 +262,7 @@ class QueryMeans:
         if weight <= 0.0 or self.max_queries <= 0:
             return
         own, slot = self._held(query)[2], int(slot)
-        generation = self._generation.get(slot, 0)
+        generation = self._generation.setdefault(slot, 0)
         mean, n, of = own.pop(slot, (start, 0, generation))
         if of != generation:
             mean, n = start, 0
@@ -267,7 +273,8 @@ class QueryMeans:
     def forget(self, slots: Iterable[int]) -> None:
         """Drop every query's effect of ``slots`` (a slot given to a new memory)."""
         for s in slots:
-            self._generation[int(s)] = self._generation.get(int(s), 0) + 1
+            if int(s) in self._generation:  # a slot never credited has nothing to forget
+                self._generation[int(s)] += 1
 
 
 class MovingBaseline:

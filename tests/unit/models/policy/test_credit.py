@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.policy.baseline import QueryMeans, SlotBaseline, make_baseline, query_key
+from models.policy.baseline import MAX_SLOTS_PER_QUERY, QueryMeans, SlotBaseline, make_baseline, query_key
 from models.policy.batch import make_batch
 from models.policy.reinforce import credit_loss, impute_effects, reinforce_loss
 from models.policy.trainer import PolicyTrainer
@@ -390,6 +390,12 @@ def test_the_query_means_are_bounded() -> None:
     for k in (b"a", b"b", b"c", b"a", b"d"):  # "a" seen again: "b" is the least recently seen
         q.update(k, 1.0)
     assert len(q) == 3 and q.residuals([b"b", b"a"], fallback=-1.0).tolist() == [-1.0, 1.0]
+    # A query's slots too: credited again, slot 0 is the most recent; slot 1 goes first.
+    n = MAX_SLOTS_PER_QUERY
+    for s in [*range(n), 0, n]:
+        q.update_effect(b"a", s, 1.0)
+    own = q.effects([b"a"], np.arange(n + 1)[None, :], np.full((1, n + 1), -1.0))[0]
+    assert own[1] == -1.0 and (own[[0, *range(2, n + 1)]] == 1.0).all()
 
 
 def test_the_per_slot_means_take_each_experience_at_its_sample_weight() -> None:
