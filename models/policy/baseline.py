@@ -170,10 +170,10 @@ class QueryMeans:
     all queries). At most ``max_queries`` queries, the least recently seen go first (0: none,
     every query gets the means over all, as with ``--baseline none``), and
     :data:`MAX_SLOTS_PER_QUERY` slots each, the least recently credited go first. Not saved: a
-    restarted learner relearns them. Real LM utilities differ most by question (an easy one scores high
-    whatever it reads), and a memory's effect does too (a fact helps its own question and
-    misleads its look-alikes): taken over all queries, a question's level would be shared out as
-    the memories' doing, and a look-alike's read credited with its fact's help elsewhere.
+    restarted learner relearns them. Real LM utilities differ most by question (an easy one
+    scores high whatever it reads), and a memory's effect does too (a fact helps its own question
+    and misleads its look-alikes): taken over all queries, a question's level would be shared out
+    as the memories' doing, and a look-alike's read credited with its fact's help elsewhere.
 
     >>> q = QueryMeans(fading_factor=0.01)
     >>> q.residuals([b"easy"], fallback=1.0).tolist()  # never seen: the mean over all queries
@@ -210,7 +210,7 @@ class QueryMeans:
         self._of: OrderedDict[bytes, list[Any]] = OrderedDict()
         # How often each slot credited so far was given to a new memory: an effect of an older
         # generation is of the memory before (forgetting is one increment, not a pass over every
-        # query). Only credited slots have one: no more entries than the slots' own means.
+        # query). One entry per slot ever credited, never more than the index's slots.
         self._generation: dict[int, int] = {}
 
     def __len__(self) -> int:
