@@ -99,6 +99,7 @@ class RetrievalEvent(WireValue):
         "alternative_version",
         "principal",
         "incumbent",
+        "base",
     )
     NESTED = ("features", "memory_texts")
 
@@ -148,6 +149,10 @@ class RetrievalEvent(WireValue):
     # because the manifest of ``policy_version`` says ``incumbent`` (a policy not yet certified):
     # no draw chose them (``logprob`` 0, ``selected`` the first k of ``candidates``).
     incumbent: bool | None = None
+    # Contract 1.23: true when the client drew this request under the policy of the version that
+    # ``serving.base`` of ``policy_version``'s manifest names (a probe over a certified version),
+    # not under ``policy_version``'s own weights: ``logprob`` and the probabilities are that draw's.
+    base: bool | None = None
 
 
 CANARY_ARMS = ("tie", "canary", "serving")
@@ -230,6 +235,9 @@ def _fast_retrieval_event(
         incumbent = obj.get("incumbent")  # contract 1.17: every request but the explored under a first policy
         if incumbent is not None and (type(incumbent) is not bool or (incumbent and canary)):
             return None
+        base = obj.get("base")  # contract 1.23: every request but the explored under a probe over a certified version
+        if base is not None and (type(base) is not bool or (base and (canary or incumbent))):
+            return None
         qid, eid = obj["query_id"], obj["event_id"]
         if type(qid) is not str or type(eid) is not str or not (0 < len(qid) <= n_max and 0 < len(eid) <= n_max):
             return None
@@ -262,6 +270,8 @@ def _fast_retrieval_event(
         if scores is None or (not fallback and (not n or not set(selected) <= set(candidates))):
             return None
         if incumbent and (fallback or logprob != 0 or selected != candidates[: len(selected)]):
+            return None
+        if base and fallback:
             return None
         policy = obj.get("policy")
         version = obj.get("policy_version")
@@ -315,6 +325,7 @@ def _fast_retrieval_event(
         alternative_version=alternative,
         principal=principal,
         incumbent=True if incumbent else None,
+        base=True if base else None,
     )
 
 
@@ -383,6 +394,7 @@ def _validated_retrieval_event(
     read_canary_arm(f, event)
     read_canary_mixture(f, event)
     read_incumbent(f, event)
+    read_base(f, event)
     principal = f.get("principal", required=False)
     event.principal = None if principal is None else check_principal(principal)
     for name, lo in (("candidate_masks", 0.0), ("candidate_probs", 0.0)):
@@ -485,6 +497,32 @@ def read_incumbent(f: Fields, event: RetrievalEvent) -> None:
     if event.selected != event.candidates[: len(event.selected)]:
         raise Rejected("inconsistent", f"incumbent: selected is not the first {len(event.selected)} candidates")
     event.incumbent = True
+
+
+def read_base(f: Fields, event: RetrievalEvent) -> None:
+    """Contract 1.23's ``base``: drawn under the certified version a probe's manifest names; not
+    with ``incumbent``, on a fallback step or on the canary's request.
+
+    >>> e = RetrievalEvent("e", "q", 0, 0.0, Features(np.zeros(1, np.float32), 0.0, 0.0), [4, 2, 9], np.zeros(3),
+    ...                    [2, 4], 0.05, -1.5, False)
+    >>> read_base(Fields({"base": True}, Limits()), e)
+    >>> e.base
+    True
+    >>> e.canary = True
+    >>> read_base(Fields({"base": True}, Limits()), e)
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: inconsistent: base on the canary's request
+    """
+    if not f.bool_("base", required=False):
+        return
+    if event.incumbent:  # the client's own first k, or the base's draw: one request is not both
+        raise Rejected("inconsistent", "base with incumbent")
+    if event.fallback:
+        raise Rejected("inconsistent", "base on a fallback step")
+    if event.canary:
+        raise Rejected("inconsistent", "base on the canary's request")
+    event.base = True
 
 
 def read_canary_mixture(f: Fields, event: RetrievalEvent) -> None:

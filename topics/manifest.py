@@ -326,15 +326,15 @@ def manifest_fields(f: Fields) -> dict[str, Any]:
             raise Rejected("wrong_type", f"input_offsets[{k}] must be a non-negative integer")
         clean_offsets[str(k)] = v
     serving = decode_serving(f.obj_("serving", required=False))
-    if reason == PROBE and not (serving or {}).get("incumbent"):
-        raise Rejected("inconsistent", "a probe is served as an incumbent: serving.incumbent must be true (1.19)")
+    version = f.int_("version", 0, MAX_VERSION)
+    check_probe(reason, serving, version)
     size = f.int_("size", 1, max_blob_bytes(arch_d))
     chunks = f.int_("chunks", 1, max_chunks(size))
     if chunks < -(-size // MAX_CHUNK_BYTES):
         raise Rejected("inconsistent", f"{chunks} chunks cannot hold {size} bytes")
     return {
         "policy": f.str_("policy"),
-        "version": f.int_("version", 0, MAX_VERSION),
+        "version": version,
         "created_ts": f.float_("created_ts", 0.0, 1e11),
         "reason": reason,
         "arch": arch_d,
@@ -350,6 +350,32 @@ def manifest_fields(f: Fields) -> dict[str, Any]:
         "serving": serving,
         "role": _role(f),
     }
+
+
+def check_probe(reason: str, serving: dict[str, Any] | None, version: int) -> None:
+    """A probe is served either as an incumbent (1.19) or over the certified version ``serving.base``
+    names (1.23), exactly one of the two; ``base`` only on a probe, and below the probe's own version.
+
+    >>> check_probe("probe", {"base": 4}, 9)
+    >>> check_probe("probe", {}, 9)
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: inconsistent: a probe says serving.incumbent: true (1.19) or names serving.base (1.23)
+    >>> check_probe("periodic", {"base": 4}, 9)
+    Traceback (most recent call last):
+    ...
+    topics.fields.Rejected: inconsistent: serving.base on a manifest of reason 'periodic' (only a probe has one)
+    """
+    serving = serving or {}
+    base = serving.get("base")
+    if reason == PROBE and not serving.get("incumbent") and base is None:
+        raise Rejected("inconsistent", "a probe says serving.incumbent: true (1.19) or names serving.base (1.23)")
+    if base is None:
+        return
+    if reason != PROBE:
+        raise Rejected("inconsistent", f"serving.base on a manifest of reason {reason!r} (only a probe has one)")
+    if base >= version:  # the version served before the probe, as a delta's base_version
+        raise Rejected("inconsistent", f"serving.base {base} is not below version {version}")
 
 
 def _role(f: Fields) -> str | None:
@@ -382,6 +408,8 @@ def decode_serving(f: Fields | None) -> dict[str, Any] | None:
     Traceback (most recent call last):
     ...
     topics.fields.Rejected: out_of_range: serving.temperature must be > 0
+    >>> decode_serving(Fields({"temperature": 0.05, "base": 4}, Limits()))
+    {'temperature': 0.05, 'base': 4}
     """
     if f is None:
         return None
@@ -408,4 +436,9 @@ def decode_serving(f: Fields | None) -> dict[str, Any] | None:
         out["canary_coupled"] = True
     if f.bool_("incumbent", required=False):  # contract 1.17
         out["incumbent"] = True
+    base = f.int_("base", 1, MAX_VERSION, required=False)  # contract 1.23: a probe over a certified version
+    if base is not None:
+        if out.get("incumbent"):  # an incumbent serves the client's own ranking, never a version's
+            raise Rejected("inconsistent", "serving.base with serving.incumbent: true")
+        out["base"] = base
     return out

@@ -21,7 +21,9 @@ def required_only(event: RetrievalEvent) -> RetrievalEvent:
     ``policy`` and ``policy_version`` kept (the contract asks for them), every other optional
     field left out — no ``candidate_probs``, ``candidate_masks``, ``dropped``, ``mask_max``,
     texts or canary fields. ``incumbent`` stays (contract 1.17): a client that serves its own
-    ranking because the manifest says so must say it did, or its ``logprob`` 0 would be false."""
+    ranking because the manifest says so must say it did, or its ``logprob`` 0 would be false.
+    So does ``base`` (contract 1.23): a client that draws under the certified version a probe's
+    manifest names must say so, or its ``logprob`` would claim a draw under the probe's weights."""
     return replace(
         event,
         mask_max=None,

@@ -154,6 +154,10 @@ def valid_events(draw: st.DrawFn) -> dict[str, Any]:
         d["alternative_version"] = draw(st.integers(0, 2**40))
     if not d["fallback"] and not d.get("canary") and draw(st.booleans()):  # contract 1.17: the own first k
         d.update(incumbent=True, logprob=0.0, selected=candidates[: len(selected)])
+    elif not d["fallback"] and not d.get("canary") and draw(st.booleans()):  # contract 1.23: the base's draw
+        d["base"] = True
+    elif draw(st.booleans()):
+        d["base"] = False  # says "not", as absent does
     return d
 
 
@@ -174,6 +178,7 @@ def test_generated_valid_events_decode_and_round_trip(d: dict[str, Any]) -> None
     )
     assert (ev.canary_rate, ev.alternative_version) == (d.get("canary_rate"), d.get("alternative_version"))
     assert ev.incumbent is d.get("incumbent")
+    assert ev.base is (True if d.get("base") else None)
     again = decode_retrieval_event(encode(ev.to_dict()), LIMITS_PROP, key=ev.query_id)
     assert_same(ev, again)
 
@@ -412,6 +417,7 @@ _PATHS = [
     "alternative_version",
     "principal",  # contract 1.15
     "incumbent",  # contract 1.17: with logprob 0 and the first k of the candidates
+    "base",  # contract 1.23: never with incumbent, on a fallback step or the canary's request
 ]
 
 
@@ -423,13 +429,16 @@ _PATHS = [
     coupled=st.booleans(),
     mixed=st.booleans(),
     incumbent=st.booleans(),
+    base=st.booleans(),
 )
 def test_fast_path_never_accepts_what_the_full_validator_rejects(
-    path: str, value: Any, drop: bool, coupled: bool, mixed: bool, incumbent: bool
+    path: str, value: Any, drop: bool, coupled: bool, mixed: bool, incumbent: bool, base: bool
 ) -> None:
     obj = retrieval_dict()
     if incumbent:  # contract 1.17: the client's own first k under an incumbent manifest
         obj.update(incumbent=True, logprob=0.0, selected=[0, 1])
+    elif base:  # contract 1.23: drawn under the certified version a probe's manifest names
+        obj.update(base=True)
     if coupled:  # contract 1.5: a coupled request that served the serving policy's slate
         obj.update(canary_arm="serving", canary_version=3, canary_other=[1, 0])
     elif mixed:  # contract 1.9: a request drawn from the serving policy and the canary's mixture
@@ -461,6 +470,42 @@ def test_fast_path_takes_the_common_case() -> None:
     obj.update(incumbent=True, logprob=0.0, selected=[0, 1])
     fast = events._fast_retrieval_event(obj, LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
     assert fast is not None and fast.incumbent
+    # Under a probe over a certified version most requests are the base's draws (contract 1.23).
+    obj = retrieval_dict(base=True)
+    obj.pop("memory_texts")
+    obj.pop("answer_text")
+    fast = events._fast_retrieval_event(obj, LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
+    assert fast is not None and fast.base and fast.logprob == -1.25
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"base": True},
+        {"base": False},
+        {"base": True, "incumbent": True, "logprob": 0.0, "selected": [0, 1]},
+        {"base": True, "fallback": True},
+        {"base": True, "canary": True},
+        {"base": 1},
+        {"base": "true"},
+    ],
+    ids=["base", "not-base", "with-incumbent", "fallback", "canary", "int", "string"],
+)
+def test_both_decode_paths_agree_on_base(changes: dict[str, Any]) -> None:
+    """Contract 1.23's ``base``: the fast path takes a valid one as the validator does, and leaves
+    every invalid one to it, which rejects it."""
+    obj = retrieval_dict(**changes)
+    obj.pop("memory_texts")
+    obj.pop("answer_text")
+    fast = events._fast_retrieval_event(copy.deepcopy(obj), LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
+    try:
+        full = events._validated_retrieval_event(copy.deepcopy(obj), LIMITS, NO_KEY_CHECK, SCHEMA_RETRIEVAL, None)
+    except Rejected:
+        full = None
+    assert (fast is None) == (full is None), changes
+    if fast is not None:
+        assert full is not None and _events_equal(fast, full)
+        assert fast.base is (True if changes["base"] else None)
 
 
 def test_the_contracts_feedback_examples_decode_with_the_effects_it_states() -> None:

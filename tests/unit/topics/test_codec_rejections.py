@@ -37,7 +37,7 @@ from tests.codec_examples import (
 )
 from topics.events import decode_retrieval_event
 from topics.feedback import decode_llm_feedback
-from topics.fields import NO_KEY_CHECK, REASONS, Limits, Rejected
+from topics.fields import NO_KEY_CHECK, REASONS, Limits, Rejected, encode
 from topics.manifest import MAX_CHUNK_BYTES
 
 # --------------------------------------------------------------------------- rejections
@@ -46,6 +46,12 @@ from topics.manifest import MAX_CHUNK_BYTES
 VALID_RAW = raw_of(retrieval_dict())
 MISSING_KEY = object()  # table marker: the message arrived without a key (key=None)
 _fb_no_utility = drop_field(drop_field(feedback_dict(), "nll_with"), "nll_without")
+
+
+def _probe_over(base: Any) -> dict[str, Any]:
+    """Contract 1.23: a probe (version 7) over the certified version ``base``."""
+    return manifest_dict(reason="probe", serving={"base": base, "temperature": 0.05})
+
 
 # (reason, id, decoder, raw bytes, key)
 REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
@@ -221,6 +227,22 @@ REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
     ("out_of_range", "manifest-reason", dec_manifest, raw_of(manifest_dict(reason="whim")), None),
     # 1.19: a probe is served as an incumbent; one that does not say so is rejected.
     ("inconsistent", "manifest-probe-not-incumbent", dec_manifest, raw_of(manifest_dict(reason="probe")), None),
+    # 1.23: or over the certified version serving.base names: a version ≥ 1, below the probe's own.
+    ("out_of_range", "manifest-base-0", dec_manifest, raw_of(_probe_over(0)), None),
+    ("out_of_range", "manifest-base<0", dec_manifest, raw_of(_probe_over(-3)), None),
+    ("wrong_type", "manifest-base-bool", dec_manifest, raw_of(_probe_over(True)), None),
+    ("wrong_type", "manifest-base-str", dec_manifest, raw_of(_probe_over("6")), None),
+    ("wrong_type", "manifest-base-fraction", dec_manifest, raw_of(_probe_over(6.5)), None),
+    ("inconsistent", "manifest-base=version", dec_manifest, raw_of(_probe_over(7)), None),
+    ("inconsistent", "manifest-base>version", dec_manifest, raw_of(_probe_over(8)), None),
+    (
+        "inconsistent",
+        "manifest-base-and-incumbent",
+        dec_manifest,
+        raw_of(manifest_dict(reason="probe", serving={"base": 6, "incumbent": True})),
+        None,
+    ),
+    ("inconsistent", "manifest-base-not-probe", dec_manifest, raw_of(manifest_dict(serving={"base": 6})), None),
     ("out_of_range", "manifest-version", dec_manifest, raw_of(manifest_dict(version=-1)), None),
     # embedding_length
     (
@@ -250,6 +272,17 @@ REJECTIONS: list[tuple[str, str, Any, Any, Any]] = [
         None,
     ),
     ("inconsistent", "masks-length", dec_retrieval, raw_of(retrieval_dict(candidate_masks=[1.0])), None),
+    # 1.23: the base's draw is not the client's own first k, a fallback or the canary's request.
+    (
+        "inconsistent",
+        "base-and-incumbent",
+        dec_retrieval,
+        raw_of(retrieval_dict(base=True, incumbent=True, logprob=0.0, selected=[0, 1])),
+        None,
+    ),
+    ("inconsistent", "base-fallback", dec_retrieval, raw_of(retrieval_dict(base=True, fallback=True)), None),
+    ("inconsistent", "base-canary", dec_retrieval, raw_of(retrieval_dict(base=True, canary=True)), None),
+    ("wrong_type", "base-not-bool", dec_retrieval, raw_of(retrieval_dict(base=1)), None),
     ("inconsistent", "utility-vs-nll", dec_feedback, raw_of(feedback_dict(utility=0.5)), None),
     ("inconsistent", "al-scores-length", dec_al, raw_of(al_dict(scores=[0.9])), None),
     (
@@ -318,3 +351,27 @@ def test_a_probe_served_as_an_incumbent_decodes() -> None:
     """Contract 1.19: the probe the rejection table refuses without ``incumbent`` is valid with it."""
     m = dec_manifest(raw_of(manifest_dict(reason="probe", serving={"incumbent": True, "temperature": 0.001})), None)
     assert m.reason == "probe" and m.serving == {"incumbent": True, "temperature": 0.001}
+
+
+def test_a_probe_over_a_certified_version_decodes() -> None:
+    """Contract 1.23: a probe that is not an incumbent names ``serving.base``, kept in ``serving``;
+    the lowest version there is, and the one just below the probe's own, are both a base."""
+    for base in (1, 6, 6.0):  # an integral float is an integer on the wire
+        m = dec_manifest(raw_of(_probe_over(base)), None)
+        assert m.reason == "probe" and m.serving == {"temperature": 0.05, "base": int(base)}
+        assert type(m.serving["base"]) is int
+    # null counts as absent: a probe without incumbent and without base is still refused
+    expect_reason("inconsistent", dec_manifest, raw_of(_probe_over(None)))
+    m = dec_manifest(raw_of(manifest_dict(reason="probe", serving={"incumbent": True, "base": None})), None)
+    assert m.serving == {"incumbent": True}
+
+
+def test_an_event_drawn_under_the_base_decodes_and_round_trips() -> None:
+    """Contract 1.23: ``base: true`` with the base's own draw (a logprob that is not 0, any order);
+    ``false`` reads as absent, and only ``true`` is written."""
+    raw = raw_of(retrieval_dict(base=True, selected=[5, 0], logprob=-2.5))
+    ev = dec_retrieval(raw)
+    assert ev.base is True and ev.logprob == -2.5
+    assert ev.to_dict()["base"] is True and dec_retrieval(encode(ev.to_dict())).base is True
+    plain = dec_retrieval(raw_of(retrieval_dict(base=False)))
+    assert plain.base is None and "base" not in plain.to_dict()
