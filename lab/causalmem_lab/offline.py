@@ -292,9 +292,11 @@ def run_offline(
                 if sequences is not None:
                     sequences.look(steps)  # what was logged so far is evidence on the trials already open
                 if sequences is not None and sequences.wants_probe():
-                    # As the learner (contract 1.19): the weights first served as a probe, under a lower version.
+                    # As the learner (contract 1.19): the weights first served as a probe, under a lower
+                    # version (1.23: over the certified version, which clients serve on the rest).
                     version += 1
-                    sequences.probe(snapshot(first_serving(serving_params, True, PROBE, 1), PROBE), steps)
+                    params = first_serving(serving_params, True, PROBE, 1, base=promotion.probe_base(sequences.state))
+                    sequences.probe(snapshot(params, PROBE), steps)
                 version += 1
                 candidate = snapshot(serving_params)
                 result.refreshes.append((steps, version, retriever.policy.version if retriever.policy else 0))
@@ -374,8 +376,14 @@ class SequenceGate:
         where its promotion recorded a certified margin, and the guardrail goes on with the
         measure of similarity-only it recorded beside it. Under a probe the learner
         also holds the incumbent before it (the rule values what that one logged); here the probe
-        is restarted from as an incumbent of its own."""
-        self.state = resume(self.nets[self.state.serving].manifest, self.rule, epoch)
+        is restarted from as an incumbent of its own. Under a probe over a certified version
+        (1.23) it reads that version first, then the probe, as the learner's restore does."""
+        base, serving = self.state.base, self.state.serving
+        if base is None:
+            self.state = resume(self.nets[serving].manifest, self.rule, epoch)
+        else:
+            self.state = resume(self.nets[base].manifest, self.rule, epoch)
+            self.state, _ = promotion.decide(self.state, promotion.Probe(serving), self.rule)
         self.table = gate_evidence.RewardTable()  # the learner's is in its memory: learnt again
 
     def wants_probe(self) -> bool:

@@ -220,7 +220,9 @@ TargetPolicy = PolicyNetwork | str | Tempered
 @dataclass(frozen=True)
 class Served:
     """A target policy as clients serve it: the mixture of :meth:`ServingParams.components`
-    (each at its own T) with the serving parameters' hard drop.
+    (each at its own T) with the serving parameters' hard drop. ``base``: the network of the
+    version a probe over a certified version names (``params.base``, contract 1.23), which
+    clients serve on the share not explored.
 
     >>> [t.temperature for _, t in Served("similarity", ServingParams(explore_temperature=0.25)).components()]
     [0.05, 0.25]
@@ -228,6 +230,7 @@ class Served:
 
     policy: PolicyNetwork | str
     params: ServingParams
+    base: PolicyNetwork | None = None
 
     def components(self) -> list[tuple[float, Tempered]]:
         return [(w, Tempered(self.policy, t)) for w, t in self.params.components()]
@@ -241,33 +244,48 @@ def component_logits(
     The network's mask is computed once; each component rescales it to its own T. A network
     served as an *incumbent* (contract 1.17: not yet certified) is the mixture of plain top-k,
     the client's own ranking, on the share not explored and the network's draw at
-    ``explore_temperature`` on the explored one.
+    ``explore_temperature`` on the explored one; a probe over a certified version (1.23) the
+    mixture of that version's draw at ``temperature`` on the share not explored and the
+    network's at ``explore_temperature`` on the explored one.
     """
     base, params = target.policy, target.params
     uniform = isinstance(base, str) and base == "uniform"
     if isinstance(base, str) and base == TOPK:
         return [(1.0, *topk_logits(decisions), False)]
-    if isinstance(base, PolicyNetwork):
-        masks = candidate_masks(base, decisions, batch_size)
+    adjusted, kept = _adjusted(base, params, decisions, batch_size)
+    explored = params.explore_rate
+    if isinstance(base, PolicyNetwork) and (params.incumbent or params.base is not None):
+        if params.incumbent:
+            rest = topk_logits(decisions)
+        elif target.base is not None:
+            base_adjusted, base_kept = _adjusted(target.base, params, decisions, batch_size)
+            rest = (base_adjusted / params.temperature, base_kept)
+        else:
+            raise ValueError(f"a probe over v{params.base} is valued with that version's network (Served.base)")
+        parts = [(round(1.0 - explored, 12), *rest, False)] if explored < 1.0 else []
+        return parts + ([(explored, adjusted / params.explore_temperature, kept, False)] if explored > 0 else [])
+    return [(w, adjusted / t, kept, uniform) for w, t in params.components()]
+
+
+def _adjusted(
+    policy: PolicyNetwork | str, params: ServingParams, decisions: LoggedDecisions, batch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(adjusted scores, kept) of ``policy`` over the logged candidates, before its temperature."""
+    if isinstance(policy, PolicyNetwork):
+        masks = candidate_masks(policy, decisions, batch_size)
         if params.drop == "dynamic":
             kept = keep_dynamic_rows(masks, decisions.valid, params.drop_ratio)
         elif params.drop == "fixed":
             kept = decisions.valid & np.isfinite(masks) & (masks >= params.drop_ratio)
         else:
             kept = decisions.valid & np.isfinite(masks)
-        alpha = float(base.alpha.detach().reshape(-1)[0])
+        alpha = float(policy.alpha.detach().reshape(-1)[0])
         with np.errstate(invalid="ignore", over="ignore"):
-            adjusted = np.where(kept, decisions.scores * (1.0 + alpha * masks), 0.0)
-    elif base in ("similarity", "uniform"):
+            return np.where(kept, decisions.scores * (1.0 + alpha * masks), 0.0), kept
+    if policy in ("similarity", "uniform"):
         kept = decisions.valid.copy()
-        adjusted = np.where(kept, decisions.scores, 0.0) if base == "similarity" else np.zeros(kept.shape)
-    else:
-        raise ValueError(f"unknown policy {base!r}: expected a PolicyNetwork, 'similarity', 'topk' or 'uniform'")
-    if params.incumbent and isinstance(base, PolicyNetwork):
-        explored = params.explore_rate
-        parts = [(round(1.0 - explored, 12), *topk_logits(decisions), False)] if explored < 1.0 else []
-        return parts + ([(explored, adjusted / params.explore_temperature, kept, False)] if explored > 0 else [])
-    return [(w, adjusted / t, kept, uniform) for w, t in params.components()]
+        return (np.where(kept, decisions.scores, 0.0) if policy == "similarity" else np.zeros(kept.shape)), kept
+    raise ValueError(f"unknown policy {policy!r}: expected a PolicyNetwork, 'similarity', 'topk' or 'uniform'")
 
 
 def topk_logits(decisions: LoggedDecisions) -> tuple[np.ndarray, np.ndarray]:

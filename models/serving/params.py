@@ -24,6 +24,8 @@ True
 True
 >>> ServingParams.from_wire(ServingParams(incumbent=True).to_wire()).incumbent
 True
+>>> ServingParams.from_wire(ServingParams(base=4).to_wire()).base
+4
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ class ServingParams:
     # (models.offpolicy.logged.component_logits). ``temperature`` stays what clients before 1.17
     # draw at.
     incumbent: bool = False
+    # Contract 1.23: a probe over a certified version: clients serve this version on every
+    # request but the exploration share (at ``temperature``, with this ``drop``), and draw the
+    # exploration share under the probe's own weights at ``explore_temperature``. The promotion
+    # rule values the probe as that mixture (models.offpolicy.logged.component_logits).
+    base: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "explore_temperature"):
@@ -97,6 +104,8 @@ class ServingParams:
             raise ValueError(f"drop must be one of {DROP_MODES}, not {self.drop!r}")
         if not (math.isfinite(self.drop_ratio) and self.drop_ratio >= 0):
             raise ValueError(f"drop_ratio must be finite and >= 0, not {self.drop_ratio!r}")
+        if self.base is not None and (self.incumbent or self.base < 1):
+            raise ValueError(f"base must be a version >= 1 on a policy that is not an incumbent, not {self.base!r}")
 
     def components(self) -> tuple[tuple[float, float], ...]:
         """The served mixture as (weight, temperature) pairs (weights sum to 1; zero weights left out).
@@ -123,6 +132,7 @@ class ServingParams:
             **({"canary_rate": self.canary_rate} if self.canary_rate > 0 else {}),
             **({"canary_coupled": True} if self.canary_coupled and self.canary_rate > 0 else {}),
             **({"incumbent": True} if self.incumbent else {}),
+            **({"base": self.base} if self.base is not None else {}),
         }
 
     @classmethod
@@ -156,4 +166,7 @@ class ServingParams:
             values["canary_coupled"] = True
         if obj.get("incumbent") is True:  # contract 1.17
             values["incumbent"] = True
+        base = obj.get("base")  # contract 1.23
+        if isinstance(base, int) and not isinstance(base, bool):
+            values["base"] = base
         return cls(**values)

@@ -67,6 +67,9 @@ class Arm:
     # Contract 1.9: while a (not coupled) canary is held, the request was drawn from a mixture:
     # the other policy's version and the canary's share.
     mixture: tuple[int, float] | None = None
+    # Contract 1.23: the probe whose manifest names ``policy`` as its base: this request, on the
+    # share not explored, is drawn under the base and logged under the probe with ``base: true``.
+    probe: LoadedPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -164,13 +167,26 @@ class ServingCore:
         self.policy: LoadedPolicy | None = None
         self.canary: LoadedPolicy | None = None  # contract 1.4: served on canary_rate of the requests
         self.canary_values: ServingValues | None = None  # how the canary is served (its own manifest's)
+        # Contract 1.23: the certified version a probe's manifest names, served on the share not explored.
+        self.base: LoadedPolicy | None = None
         self.rng = np.random.default_rng(seed)
 
     def set_policy(self, policy: LoadedPolicy | None) -> None:
-        """Serve ``policy``, by its manifest's ``serving`` except where the client fixed a value."""
+        """Serve ``policy``, by its manifest's ``serving`` except where the client fixed a value.
+
+        A probe over a certified version (contract 1.23) names the version served before it as its
+        base: the core keeps that one and serves it on the share not explored. A client that does
+        not hold it (it started while the probe serves) serves the probe as an incumbent (§6 step 2c).
+        """
+        params = policy.serving if policy is not None else None
+        wanted = params.base if params is not None else None
+        held = [p for p in (self.policy, self.base) if p is not None and p.version == wanted]
+        self.base = held[0] if held else None
         self.policy = policy
-        if policy is not None and policy.serving is not None:
-            self.follow(policy.serving)
+        if params is not None:
+            if wanted is not None and self.base is None:
+                params = dataclasses.replace(params, base=None, incumbent=True)
+            self.follow(params)
 
     def follow(self, params: ServingParams) -> None:
         """Serve by ``params`` except where the client fixed a value."""
@@ -186,16 +202,26 @@ class ServingCore:
         while a canary is held and the rate is above 0)."""
         canary, values, own, policy = self.canary, self.canary_values, self.values, self.policy
         if canary is None or values is None or own.canary_rate <= 0:
-            return Arm(policy, own, "serving")
+            return self._own(Arm(policy, own, "serving"))
         split = policy is not None and canary is not policy and not own.canary_coupled
         if self.rng.random() < own.canary_rate:
             if canary is policy:
                 return Arm(canary, values, "serving")
             if own.canary_coupled:
-                return Arm(policy, own, "coupled", canary, values)
+                return self._own(Arm(policy, own, "coupled", canary, values))
             mixture = (policy.version, own.canary_rate) if split and policy is not None else None
             return Arm(canary, values, "canary", mixture=mixture)
-        return Arm(policy, own, "serving", mixture=(canary.version, own.canary_rate) if split else None)
+        return self._own(Arm(policy, own, "serving", mixture=(canary.version, own.canary_rate) if split else None))
+
+    def _own(self, arm: Arm) -> Arm:
+        """The serving policy's arm; under a probe over a certified version (contract 1.23), the
+        exploration coin tossed here: the explored share draws under the probe, the rest under its base."""
+        if self.base is None or arm.policy is None:
+            return arm
+        if arm.values.explore_rate > 0 and self.rng.random() < arm.values.explore_rate:
+            return dataclasses.replace(arm, values=dataclasses.replace(arm.values, explore_rate=1.0))
+        values = dataclasses.replace(arm.values, explore_rate=0.0)
+        return dataclasses.replace(arm, policy=self.base, values=values, probe=arm.policy)
 
     def serve(self, arm: Arm, found: Found, drop_scale: float = 1.0, k: int | None = None) -> Slate:
         """Serve one request from ``found`` under ``arm`` (``drop_scale``: the hard drop's threshold times
@@ -264,7 +290,7 @@ class ServingCore:
             logprob=float(c.logprob),
             fallback=c.fallback,
             policy=policy_name,
-            policy_version=c.version,
+            policy_version=slate.arm.probe.version if slate.arm.probe is not None else c.version,
             mask_max=float(c.masks.max()) if len(c.masks) and np.isfinite(c.masks).all() else None,
             query_text=query_text,
             memory_texts=memory_texts,
@@ -279,4 +305,5 @@ class ServingCore:
             canary_rate=slate.canary_rate,
             alternative_version=slate.alternative_version,
             incumbent=True if c.incumbent else None,
+            base=True if slate.arm.probe is not None and not c.fallback else None,
         )

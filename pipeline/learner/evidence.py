@@ -241,7 +241,15 @@ def build(
     decisions = LoggedDecisions.from_experiences(list(experiences))
     n = len(decisions)
     targets: dict[int, Served] = {SIMILARITY: Served(TOPK, params)}
-    targets.update({v: Served(net, p) for v, (net, p) in versions.items() if v != SIMILARITY})
+    for v, (net, served) in versions.items():
+        if v == SIMILARITY:
+            continue
+        if served.base is None:
+            targets[v] = Served(net, served)
+        elif served.base in versions:  # a probe over a certified version (1.23), valued with that version's network
+            targets[v] = Served(net, served, versions[served.base][0])
+        # else a probe replaced since whose base is no longer held: the rule values it no more, and its
+        # late decisions keep their own draw's probability (drawn_from)
     rows, members = np.arange(n), decisions.selected
     probs = {v: target_set_probability(decisions, t, rows, members) for v, t in targets.items()}
     logged_by = np.array([e.event.policy_version for e in experiences], np.int64)
@@ -332,8 +340,18 @@ def drawn_from(experiences: Sequence[Experience], versions: Mapping[int, Version
         params, temperature = versions[drew][1], e.event.temperature
         if e.event.incumbent and not params.incumbent:
             continue
-        explored = np.isclose(params.explore_temperature, temperature, rtol=1e-6) and params.explore_rate > 0
+        explored = (
+            np.isclose(params.explore_temperature, temperature, rtol=1e-6)
+            and params.explore_rate > 0
+            and not e.event.base
+        )
         if params.incumbent and not (e.event.incumbent or explored):
+            continue
+        # Contract 1.23: under a probe over a certified version the share not explored is that
+        # version's draw, and says so (``base``); the rule values it only where it holds that version.
+        if bool(e.event.base) != (params.base is not None and not explored) or (
+            params.base is not None and params.base not in versions
+        ):
             continue
         if not e.event.incumbent and not any(np.isclose(t, temperature, rtol=1e-6) for _, t in params.components()):
             continue

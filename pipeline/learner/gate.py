@@ -272,7 +272,10 @@ class RuleGate:
             self.state, actions = decide(self.state, Probe(manifest.version), self.rule)
             await self._carry(actions)
             self._serving_metrics(manifest)
-            log.info("gate: v%d is a probe: clients explore with the next candidate's weights", manifest.version)
+            over = f" over the certified v{self.state.base}" if self.state.base is not None else ""
+            log.info(
+                "gate: v%d is a probe%s: clients explore with the next candidate's weights", manifest.version, over
+            )
             return True
 
     async def consider(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> Look | None:
@@ -389,7 +392,11 @@ class RuleGate:
         # rebuilds the rule's state from (the first policy, the probe a probe replaced). The
         # serving one too: a probe published next replaces it before the next pin is set.
         s = self.state
-        restart = {s.first, s.before, s.serving} if s.incumbent else set()
+        restart: set[int | None] = set()
+        if s.incumbent:
+            restart = {s.first, s.before, s.serving}
+        elif s.base is not None:  # a probe over a certified version (1.23): that version, the probe it replaced
+            restart = {s.anchor, s.before, s.serving}
         self.publisher.pinned = {t.version for t in self.state.trials} | {v for v in restart if v is not None}
         return record
 

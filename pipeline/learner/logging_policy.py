@@ -113,6 +113,10 @@ class LoggingPolicies:
         nets[version] = LoadedPolicy(manifest, net)  # as a client holds it
         # The most recently served, not the highest versions: a rollback serves an older one.
         kept = dict(list(nets.items())[-(CANARIES_HELD if canary else self.held) :])
+        # A probe over a certified version (contract 1.23) logs most of its requests as drawn by that
+        # version: it stays held while the probe is.
+        bases = {p.serving.base for p in kept.values() if p.serving is not None and p.serving.base is not None}
+        kept = {**{b: nets[b] for b in sorted(bases) if b in nets and b not in kept}, **kept}
         if canary:
             self._canaries = kept
         else:
@@ -126,7 +130,7 @@ class LoggingPolicies:
         todo: dict[int, list[Experience]] = {}
         for e in window:
             if e.kind == "feedback" and not e.event.fallback and e.id not in self._verdicts:
-                todo.setdefault(e.event.policy_version, []).append(e)
+                todo.setdefault(drew(e, nets), []).append(e)
         for version, exps in todo.items():
             self._judge(version, exps, nets)
         out: list[Experience] = []
@@ -144,7 +148,9 @@ class LoggingPolicies:
     def _judge(self, version: int, exps: list[Experience], nets: dict[int, LoadedPolicy]) -> None:
         """Verdicts for the not yet seen events of one version."""
         count = self.metrics.gate_logging_probs
-        if version != 0 and version not in nets:  # version 0: no policy, m = 0 (contract §6 step 2)
+        # version 0: no policy, m = 0 (contract §6 step 2); a request drawn under a probe's base is
+        # judged under the base (drew)
+        if version != 0 and version not in nets:
             self._set(exps, Verdict("version_not_held"))
             count.labels(source="version_not_held").inc(len(exps))
             return
@@ -235,6 +241,18 @@ class LoggingPolicies:
             more,
         )
         self._last_warning, self._unwarned = now, 0
+
+
+def drew(e: Experience, nets: dict[int, LoadedPolicy]) -> int:
+    """The version whose weights drew ``e``: its ``policy_version``, or, for a request drawn under
+    the certified version a probe names (contract 1.23, ``base``), that version (−1: not known
+    here, so not recomputable)."""
+    version = e.event.policy_version
+    if not e.event.base:
+        return version
+    policy = nets.get(version)
+    base = policy.serving.base if policy is not None and policy.serving is not None else None
+    return base if base is not None else -1
 
 
 def masks_of(policy: LoadedPolicy | None, exps: list[Experience], shape: tuple[int, ...]) -> np.ndarray:

@@ -221,6 +221,9 @@ class State:
     # The incumbent a probe replaced: decisions logged under it (a canary mixed with it among
     # them) are still arriving, and are valued only while its probabilities are.
     before: int | None = None
+    # The served version is a probe over this certified anchor (contract 1.23): clients serve the
+    # anchor on the share not explored, the probe's weights on the exploration share.
+    base: int | None = None
     # This learner run's share of δ: the learner's epoch e (each start of a learner is one) spends
     # 1/(e(e+1)) of it, so the tests of all runs of a deployment add up to δ as well (State.start;
     # the default, the whole δ, is for a state built by hand).
@@ -493,10 +496,13 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
             served = replace(served, baseline=None, incumbents=frozenset())
         if event.incumbent:
             served = replace(served, incumbents=served.incumbents | {event.version})
-        return replace(served, incumbent=event.incumbent, before=None, first=first, first_margin=first_margin), ended
+        served = replace(served, incumbent=event.incumbent, before=None, base=None)
+        return replace(served, first=first, first_margin=first_margin), ended
     if isinstance(event, Probe):
         if not probes(state, rule) or event.version <= state.serving:
-            return state, [Action("superseded", event.version, f"not a probe of the incumbent v{state.serving}")]
+            return state, [Action("superseded", event.version, f"not a probe of the served v{state.serving}")]
+        if state.anchor != SIMILARITY:  # over the certified anchor (1.23): not an incumbent
+            return replace(state, serving=event.version, before=state.serving, guard=None, base=state.anchor), []
         incumbents = state.incumbents | {event.version}
         return replace(state, serving=event.version, before=state.serving, guard=None, incumbents=incumbents), []
     return _evidence(state, event, rule)
@@ -504,17 +510,32 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
 
 def probes(state: State, rule: Rule) -> bool:
     """Whether the next candidate is preceded by a :class:`Probe`: while clients serve an
-    incumbent and nothing is certified, when its trial opens after decisions were gathered
-    (no trial yet, or the newest has had its ``trial_decisions``). One that takes the place of
-    a trial that saw no decision is not: in a quiet deployment clients would load a probe per
-    checkpoint.
+    incumbent and nothing is certified, or while they serve the certified anchor (or a probe over
+    it, contract 1.23), when its trial opens after decisions were gathered (no trial yet, or the
+    newest has had its ``trial_decisions``). One that takes the place of a trial that saw no
+    decision is not: in a quiet deployment clients would load a probe per checkpoint. Nor is one
+    while a version served without a test (an operator's command) serves over a certified anchor.
 
     >>> probes(State.start(1, incumbent=True), Rule()), probes(State.start(1), Rule())
     (True, False)
+    >>> probes(State.start(4, margin=0.01), Rule())  # a certified version serves: a probe over it
+    True
     """
     newest = state.trials[-1] if state.trials else None
     gathered = newest is None or newest.bounds.n >= rule.trial_decisions
-    return state.incumbent and state.anchor == SIMILARITY and gathered
+    if state.anchor == SIMILARITY:
+        return state.incumbent and gathered
+    return gathered and (state.serving == state.anchor or state.base is not None)
+
+
+def probe_base(state: State) -> int | None:
+    """The version a probe published now names as its base (contract 1.23): the certified anchor;
+    None while nothing is certified (the probe is an incumbent).
+
+    >>> probe_base(State.start(1, incumbent=True)), probe_base(State.start(4, margin=0.01))
+    (None, 4)
+    """
+    return state.anchor if state.anchor != SIMILARITY else None
 
 
 def opens_trial(state: State, rule: Rule) -> bool:
@@ -592,7 +613,9 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     ]
     newer = tuple(t for t in kept if t.version > promoted.version)
     margin = (state.margin if promoted.anchor == state.anchor else 0.0) + promoted.bounds.low
-    state = replace(state, serving=promoted.version, anchor=promoted.version, margin=margin, trials=newer, guard=None)
+    state = replace(
+        state, serving=promoted.version, anchor=promoted.version, margin=margin, trials=newer, guard=None, base=None
+    )
     return _new_anchor(replace(state, incumbent=False), rule, actions), actions
 
 
@@ -656,7 +679,9 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
             anchor, margin = SIMILARITY, 0.0
         # Back to a first policy that clients served as an incumbent: its copy is served so again.
         incumbent = to == state.first and state.first in state.incumbents
-        state = replace(state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None, incumbent=incumbent)
+        state = replace(
+            state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None, incumbent=incumbent, base=None
+        )
     return state
 
 

@@ -39,7 +39,7 @@ from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.freeze import ServingClock
 from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Key
-from pipeline.learner.promotion import is_candidate
+from pipeline.learner.promotion import is_candidate, probe_base
 from pipeline.learner.store import LocalStore
 from pipeline.learner.suppression import read_audit
 from pipeline.metrics import Metrics
@@ -61,13 +61,14 @@ FRESH_TEMPERATURE = 0.001
 
 
 def first_serving(
-    serving: ServingParams, gated: bool, reason: str, updates: int, incumbent: bool = False
+    serving: ServingParams, gated: bool, reason: str, updates: int, incumbent: bool = False, base: int | None = None
 ) -> ServingParams:
     """The serving parameters a checkpoint is published with. An incumbent (contract 1.17): a
-    fresh first policy, a probe (1.19), a drift reset (1.20: what was certified described the world
-    before the change, and the reset's warm-up is not certified either), and a rollback while
-    the rule serves an incumbent (``incumbent``: nothing is certified, so what is rolled back to
-    is not either).
+    fresh first policy, a probe while nothing is certified (1.19), a drift reset (1.20: what was
+    certified described the world before the change, and the reset's warm-up is not certified
+    either), and a rollback while the rule serves an incumbent (``incumbent``: nothing is
+    certified, so what is rolled back to is not either). A probe over a certified version
+    (``base``, 1.23) is served as configured, that version on the share not explored.
 
     >>> fresh = first_serving(ServingParams(), True, "init", 0)
     >>> fresh.incumbent, fresh.temperature, fresh.explore_rate
@@ -81,7 +82,12 @@ def first_serving(
     (True, True, True)
     >>> first_serving(ServingParams(), False, "init", 0).temperature  # no gate: as configured
     0.05
+    >>> over = first_serving(ServingParams(), True, PROBE, 40, base=7)
+    >>> over.base, over.incumbent, over.temperature
+    (7, False, 0.05)
     """
+    if gated and reason == PROBE and base is not None:
+        return replace(serving, base=base)
     fresh = reason == "init" and updates == 0
     if gated and (fresh or reason in (PROBE, "reset") or (incumbent and reason == "rollback")):
         return replace(serving, temperature=min(serving.temperature, FRESH_TEMPERATURE), incumbent=True)
@@ -240,9 +246,10 @@ class Publishing:
         """
         candidate = self.is_candidate(reason)
         if candidate and self.gate is not None:
-            # Contract 1.19: while nothing is certified, the weights of a candidate that starts a
-            # trial are first served as a probe, an incumbent under a version of its own below
-            # the candidate's: clients' exploration share then draws from them.
+            # Contract 1.19: the weights of a candidate that starts a trial are first served as a
+            # probe under a version of its own below the candidate's: clients' exploration share
+            # then draws from them (an incumbent while nothing is certified; 1.23: over the
+            # certified version, which clients serve on the rest).
             async def probe() -> tuple[Manifest, dict[str, torch.Tensor]]:
                 p = await self.publish(
                     trainer, reason=PROBE, metrics=metrics, input_offsets=input_offsets, changed_rows=changed_rows
@@ -285,7 +292,7 @@ class Publishing:
                 candidate=candidate,
                 prepare=save_locally,
                 serving=first_serving(
-                    self.serving, self.gate is not None, reason, trainer.updates, self._incumbent()
+                    self.serving, self.gate is not None, reason, trainer.updates, self._incumbent(), self._base()
                 ).to_wire(),
                 delta=delta,
             )
@@ -316,6 +323,11 @@ class Publishing:
         """The rule serves an incumbent now (nothing certified)."""
         state = self.gate.state if self.gate is not None else None
         return state is not None and state.incumbent
+
+    def _base(self) -> int | None:
+        """What a probe published now names as its base (contract 1.23): the certified anchor, if any."""
+        state = self.gate.state if self.gate is not None else None
+        return probe_base(state) if state is not None else None
 
     async def settle(self, published: Published) -> None:
         """The gate judges a candidate now; a checkpoint served at once becomes its reference."""

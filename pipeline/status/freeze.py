@@ -70,7 +70,9 @@ def freeze_view(
     if serving is None:
         return out
     since = record.get("serving_since")
-    probe = serving.reason == PROBE  # contract 1.19: clients serve their own ranking still; the clock did not restart
+    # Contract 1.19 (1.23): under a probe clients still serve their own ranking (the certified
+    # version) but on the exploration share: the clock did not restart.
+    probe = serving.reason == PROBE
     if not isinstance(since, int | float) or (record.get("serving_version") != serving.version and not probe):
         since = serving.created_ts  # promoted no earlier than it was created
     waiting = sum(1 for m in index.links(policy) if m.version > serving.version)

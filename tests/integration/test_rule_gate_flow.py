@@ -13,6 +13,7 @@ from models.policy.network import PolicyNetwork
 from pipeline.cli.rollback import rollback
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.learner.gate import RuleGate
+from pipeline.learner.promotion import SIMILARITY
 from tests.helpers import until
 from tests.integration.test_gate import BAD, _send, learner_running, log_of, tilted
 from topics.fields import PROBE
@@ -27,13 +28,19 @@ def served_by(exps: list[Experience], version: int) -> list[Experience]:
 async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidate(topics_ready) -> None:
     s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     loaded: list[int] = []
-    probes: set[int] = set()  # contract 1.19: incumbents whose exploration draws from the next candidate
+    # Contract 1.19: incumbents whose exploration draws from the next candidate; 1.23: after a
+    # promotion, probes over the certified version, which clients serve on the rest.
+    probes: set[int] = set()
 
     def on_update(p: Any) -> None:
         loaded.append(p.version)
         if p.manifest.reason == PROBE:
-            assert p.serving is not None and p.serving.incumbent
+            assert p.serving is not None and p.serving.incumbent != (p.serving.base is not None)
+            assert p.serving.base is None or p.serving.base in promoted_so_far()
             probes.add(p.version)
+
+    def promoted_so_far() -> set[int]:
+        return {d.candidate_version for d in learner.gate.decisions if d.decision == "promoted"}
 
     sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=on_update)
     async with learner_running(s) as learner, sub:
@@ -83,7 +90,8 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
         await until(lambda: any(d.decision == "refused" for d in gate.decisions), 60, "a refusal")
         assert refusals() > refused_before
         refused = [d for d in gate.decisions if d.decision == "refused"]
-        assert refused[-1].path == "worse" and refused[-1].candidate_version > serving.version
+        # A candidate after the promotion (probes over the promoted version, 1.23, may follow it).
+        assert refused[-1].path == "worse" and refused[-1].candidate_version > max(promoted)
         assert gate.serving_manifest is not None
         assert gate.serving_manifest.version not in {d.candidate_version for d in refused}  # nothing worse served
 
@@ -153,10 +161,12 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
             "everything applied and judged",
         )
         promoted = gate.state
-        assert promoted is not None and promoted.anchor == promoted.serving != 1
+        assert promoted is not None and promoted.anchor not in (SIMILARITY, 1)
+        # Served, or a probe over it (contract 1.23) whose exploration share draws from the next candidate.
+        assert promoted.serving == promoted.anchor or promoted.base == promoted.anchor
         # An operator's rollback to it republishes its weights under a new version: the anchor, and
         # what a restart goes on from, as the version itself.
-        assert await rollback(s.bootstrap, s, promoted.serving, "test", timeout=30) == 0
+        assert await rollback(s.bootstrap, s, promoted.anchor, "test", timeout=30) == 0
         await until(lambda: gate.state is not None and gate.state.serving > promoted.serving, 30, "the copy served")
         copy = gate.serving_manifest
         assert copy is not None and copy.reason == "rollback"
@@ -168,7 +178,10 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
         assert isinstance(gate, RuleGate) and gate.state is not None and gate.serving_manifest is not None
         state, serving = gate.state, gate.serving_manifest
         assert serving.version >= promoted.serving and serving.reason != "init"
-        assert (state.serving, state.anchor) == (serving.version, serving.version)
+        # Stopping may have published a probe over the copy (contract 1.23): the anchor is the copy.
+        assert state.serving == serving.version and state.anchor >= copy.version
+        assert state.serving == state.anchor or (serving.reason == PROBE and state.base == state.anchor)
+        serving = gate.versions[state.anchor][0]
         assert state.margin == serving.metrics["gate"]["certified_margin"] > -s.gate_epsilon
         assert state.share == pytest.approx(1 / 6)  # epoch 2
         # Similarity-only as measured under the incumbent v1 (contract 1.22): the guardrail goes on

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from causalmem_lab.bench import finish, lmlearning
-from causalmem_lab.bench.promise import CLIENTS, bank, config, wilson, world_of, world_options
+from causalmem_lab.bench.promise import CLIENTS, bank, base_of, config, wilson, world_of, world_options
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from models.policy.network import NEUTRAL_BIAS, PolicyNetwork
 
@@ -120,7 +120,8 @@ def run_one(
     replaced = None
     if replaced_by is not None:  # what clients were served instead: the certified version, as served
         instead = res.served_versions[replaced_by]
-        replaced = lmlearning.measure(u, data, test, instead, draws=4, seed=seed, explore=True)["value"] - similarity
+        base = res.served_versions.get(base_of(instead))  # a probe over the certified version (1.23)
+        replaced = lmlearning.measure(u, data, test, instead, 4, seed, True, base)["value"] - similarity
     return {
         "seed": seed,
         "seconds": round(time.monotonic() - t0, 1),

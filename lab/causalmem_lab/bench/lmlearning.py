@@ -118,6 +118,7 @@ def measure(
     draws: int = 16,
     seed: int = 0,
     explore: bool | tuple[float, float] = False,
+    base: Any = None,
 ) -> dict[str, float]:
     """Mean utility, gold-fact read rate and harmful leak of a policy as clients serve it.
 
@@ -131,14 +132,21 @@ def measure(
     exploration + rate · the value of exploratory draws alone, each ``draws`` per question. A
     coin per request adds its own noise: at 4 draws the first policy's cost read 0.009 to 0.035
     where it is 0.016.
+
+    A probe over a certified version (contract 1.23) is served as that version (``base``, which
+    its manifest names) on the share not explored and as itself on the explored share.
     """
+    params = ServingParams.from_wire(policy.manifest.serving) if policy is not None else None
+    if params is not None and params.base is not None and (base is None or base.version != params.base):
+        raise ValueError(f"v{policy.version} is a probe over v{params.base}: measure it with that version (base)")
+    rest = base if params is not None and params.base is not None else policy
     if policy is None or explore is False:
-        return _served(u, data, questions, policy, draws, seed, 0.0, None)
+        return _served(u, data, questions, rest, draws, seed, 0.0, None)
     if isinstance(explore, tuple):
         rate, temperature = explore
     else:  # the manifest's share, at the manifest's temperature
         rate, temperature = ServingParams.from_wire(policy.manifest.serving).explore_rate, None
-    plain = _served(u, data, questions, policy, draws, seed, 0.0, None)
+    plain = _served(u, data, questions, rest, draws, seed, 0.0, None)
     if rate == 0:
         return plain
     explored = _served(u, data, questions, policy, draws, seed, 1.0, temperature)

@@ -41,6 +41,7 @@ from causalmem_lab.bench import finish, lmlearning
 from causalmem_lab.lmdata import lm_utilities
 from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
+from models.serving.params import ServingParams
 
 
 @dataclass(frozen=True)
@@ -142,12 +143,19 @@ def run_one(
     policies = {v: res.served_versions[v] for v in served if v in res.served_versions}
     assert res.served is not None
     explore = as_asked(client)
-    values = {v: lmlearning.measure(u, data, test, p, DRAWS, seed, explore)["value"] for v, p in policies.items()}
+    values = {
+        v: lmlearning.measure(u, data, test, p, DRAWS, seed, explore, base=res.served_versions.get(base_of(p)))["value"]
+        for v, p in policies.items()
+    }
     final = values.get(res.served.version)
+    end_base = res.served_versions.get(base_of(res.served))
     if final is None:  # published too late to serve a request: the end, not a version served
-        final = lmlearning.measure(u, data, test, res.served, DRAWS, seed, explore)["value"]
-    unexplored = lmlearning.measure(u, data, test, res.served, DRAWS, seed)["value"]
+        final = lmlearning.measure(u, data, test, res.served, DRAWS, seed, explore, base=end_base)["value"]
+    unexplored = lmlearning.measure(u, data, test, res.served, DRAWS, seed, base=end_base)["value"]
     worst = min(values.values()) - similarity if values else 0.0
+    # The promise's other half for a probe over a certified version (contract 1.23): as served,
+    # not worse than the version it names by more than ε.
+    over_base = [values[v] - values[b] for v, p in policies.items() if (b := base_of(p)) in values]
     return {
         "seed": seed,
         "seconds": round(seconds, 1),
@@ -157,11 +165,19 @@ def run_one(
         "final_gap_closed_unexplored": lmlearning.gap_closed(unexplored, similarity, best),
         "worst_vs_similarity": worst,
         "unsafe": worst < -epsilon,
+        "probes_over_certified": len(over_base),
+        "worst_probe_vs_base": min(over_base) if over_base else None,
         "actions": {k: sum(1 for _, kind, _, _ in res.actions if kind == k) for k in {a[1] for a in res.actions}},
         # The steps of the promotions (and rollbacks) and of a learner restart: what came after it.
         "promotions": [(step, v) for step, kind, v, _ in res.actions if kind == "promote"],
         "restarted": res.restarted,
     }
+
+
+def base_of(policy: Any) -> int:
+    """The version a probe over a certified version names (contract 1.23); −1 for any other."""
+    base = ServingParams.from_wire(policy.manifest.serving).base
+    return base if base is not None else -1
 
 
 def bank(args: argparse.Namespace, default: str) -> tuple[str, Any, Any]:
@@ -216,6 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "unsafe": unsafe,
                 "unsafe_interval": wilson(unsafe, len(runs)),
                 "worst_vs_similarity": min(r["worst_vs_similarity"] for r in runs),
+                "worst_probe_vs_base": min(
+                    (r["worst_probe_vs_base"] for r in runs if r["worst_probe_vs_base"] is not None), default=None
+                ),
                 "gap_closed_mean": float(gaps.mean()),
                 "gap_closed_worst": float(gaps.min()),
                 "gap_closed_unexplored_mean": float(unexplored.mean()),
@@ -225,14 +244,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| client / rule | runs | unsafe (95% interval) | worst served − similarity "
+        "| client / rule | runs | unsafe (95% interval) | worst served − similarity | worst probe − its base "
         "| gap closed at the end (mean, worst) | without exploration (mean) |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, row in report["rows"].items():
         lo, hi = row["unsafe_interval"]
+        probe = row["worst_probe_vs_base"]
         lines.append(
             f"| {name} | {len(row['runs'])} | {row['unsafe']} ({lo:.0%}–{hi:.0%}) | {row['worst_vs_similarity']:+.3f} "
+            f"| {'none' if probe is None else f'{probe:+.3f}'} "
             f"| {row['gap_closed_mean']:.0%}, {row['gap_closed_worst']:.0%} | {row['gap_closed_unexplored_mean']:.0%} |"
         )
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from pipeline.learner.promotion import (
     Summary,
     canary,
     decide,
+    probe_base,
     probes,
 )
 
@@ -184,10 +185,44 @@ def test_a_probe_serves_a_candidates_weights_as_the_incumbent_while_the_trials_g
     assert acts == [] and [t.version for t in state.trials] == [3] and state.trials[0].bounds.n == 250
     # The first policy (what a client before 1.19 serves) and the probe replaced are still valued.
     assert {1, 2, 3, 4} <= state.versions()
-    # Not an incumbent: no probe, nothing changes.
-    certified = State(serving=5, anchor=5, first=1)
-    after, acts = decide(certified, Probe(6), RULE)
-    assert after == certified and [a.kind for a in acts] == ["superseded"] and not probes(certified, RULE)
+    # A version served without a test over a certified anchor (an operator's command): no probe.
+    commanded = State(serving=6, anchor=5, first=1, margin=0.03)
+    after, acts = decide(commanded, Probe(7), RULE)
+    assert after == commanded and [a.kind for a in acts] == ["superseded"] and not probes(commanded, RULE)
+
+
+def test_a_probe_over_a_certified_version_is_guarded_and_ends_at_a_promotion() -> None:
+    """Contract 1.23: clients serving a certified version near-greedily never read a candidate's
+    sets, so a probe over it draws the exploration share from the candidate while the certified
+    version serves the rest. It is not an incumbent (similarity-only is not measured under it);
+    the guardrail rolls a harmful one back to the certified version, and a promotion ends it."""
+    world = World(3)
+    world.versions[5] = np.array([0.0, 0.6, 0.0, 0.0, 0.4])  # certified: +0.14 over similarity-only
+    certified = State(serving=5, anchor=5, first=1, margin=0.03)
+    assert probes(certified, RULE) and probe_base(certified) == 5
+    state, acts = decide(certified, Probe(6), RULE)
+    assert acts == [] and (state.serving, state.anchor, state.base, state.before) == (6, 5, 5, 5)
+    assert not state.incumbent and 6 not in state.incumbents and {5, 6} <= state.versions()
+    assert probe_base(state) == 5 and probes(state, RULE)  # the next candidate's probe is over v5 too
+    # A harmful probe (as served it reads set 2, −0.5): rolled back to the certified version.
+    world.versions[6] = np.array([0.0, 0.0, 1.0, 0.0, 0.0])
+    harmful, rolled = state, None
+    for _ in range(20):
+        harmful, actions = decide(harmful, world.evidence(harmful.serving, n=100), RULE)
+        rolled = next((a for a in actions if a.kind == "rollback"), rolled)
+        if rolled is not None:
+            break
+    assert rolled is not None and (rolled.version, rolled.to, rolled.path) == (6, 5, "guardrail")
+    assert (harmful.serving, harmful.anchor, harmful.base, harmful.margin) == (5, 5, None, 0.03)
+    # A better candidate promoted while a probe serves: served as any version, the probe ended.
+    world.versions[6] = np.array([0.0, 0.5, 0.0, 0.0, 0.5])  # near the certified version, as served
+    world.versions[7] = np.array([0.0, 1.0, 0.0, 0.0, 0.0])  # reads set 1: better than v5
+    state, _ = decide(state, Candidate(7), RULE)
+    for _ in range(60):
+        state, actions = decide(state, world.evidence(state.serving, n=200), RULE)
+        if any(a.kind == "promote" for a in actions):
+            break
+    assert (state.serving, state.anchor, state.base) == (7, 7, None) and state.margin > 0.03
 
 
 def test_a_candidate_refused_under_a_probe_ends_its_trial_and_changes_nothing_else() -> None:
