@@ -365,6 +365,7 @@ class SequenceGate:
         self.set_canary = set_canary
         self.gathered: list[Experience] = []
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
+        self.rolled_back = False  # the last look rolled back: as the learner's gate, no probe then
 
     def observe(self, experiences: list[Experience]) -> None:
         """Decisions about to be trained on: evidence for the trials open now (:meth:`RuleGate.observe`)."""
@@ -388,7 +389,7 @@ class SequenceGate:
 
     def wants_probe(self) -> bool:
         """As the check at the start of :meth:`RuleGate.probe`: the next candidate is preceded by a probe."""
-        return promotion.probes(self.state, self.rule)
+        return not self.rolled_back and promotion.probes(self.state, self.rule)
 
     def probe(self, policy: LoadedPolicy, step: int) -> None:
         """As :meth:`RuleGate.probe` once published: the probe is served, the trials go on."""
@@ -423,6 +424,7 @@ class SequenceGate:
         ev = gate_evidence.of_look(gathered, versions, self.params, self.table, self.logging_policies.complete)
         anchors = {t.version: t.anchor for t in self.state.trials}
         self.state, actions = promotion.decide(self.state, ev, self.rule)
+        self.rolled_back = any(a.kind == "rollback" for a in actions)
         for a in actions:
             if a.interval is not None:
                 self.result.looks.append((step, a.version, anchors[a.version], *a.interval))

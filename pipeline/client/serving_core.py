@@ -30,6 +30,7 @@ candidates found, then :meth:`ServingCore.event` for the event to publish.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -43,6 +44,8 @@ from pipeline.client.choice import Choice, Noise, choose, coupled
 from pipeline.client.serving import ServingValues, follow
 from pipeline.client.subscriber import LoadedPolicy
 from topics.events import Features, RetrievalEvent
+
+log = logging.getLogger(__name__)
 
 # The chance an exploratory request gives each dropped candidate back (docs/contract.md §6, step 3b);
 # CausalRetriever's ``explore_revive`` defaults to the same value.
@@ -176,16 +179,20 @@ class ServingCore:
 
         A probe over a certified version (contract 1.23) names the version served before it as its
         base: the core keeps that one and serves it on the share not explored. A client that does
-        not hold it (it started while the probe serves) serves the probe as an incumbent (§6 step 2c).
+        not hold it (it started while the probe serves) cannot serve the probe as the learner
+        values it: it keeps serving what it serves, as a reader before 1.23 does, and says so.
         """
         params = policy.serving if policy is not None else None
         wanted = params.base if params is not None else None
         held = [p for p in (self.policy, self.base) if p is not None and p.version == wanted]
+        if wanted is not None and not held and policy is not None:
+            now = f"v{self.policy.version}" if self.policy is not None else "no policy (the index's own ranking)"
+            log.warning("client: v%d is a probe over v%d, which this client does not hold: it keeps serving %s",
+                        policy.version, wanted, now)  # fmt: skip
+            return
         self.base = held[0] if held else None
         self.policy = policy
         if params is not None:
-            if wanted is not None and self.base is None:
-                params = dataclasses.replace(params, base=None, incumbent=True)
             self.follow(params)
 
     def follow(self, params: ServingParams) -> None:
@@ -272,6 +279,9 @@ class ServingCore:
         at ``text_limit`` characters.
         """
         c = slate.choice
+        # Contract 1.23: drawn under a probe's base (a coupled canary's slate is the canary's own).
+        probe = slate.arm.probe if c.policy is slate.arm.policy else None
+        drawn_by_base = probe is not None
         memory_texts: dict[int, str] | None = None
         if text_of is not None:
             shown = dict.fromkeys([*c.selected, *c.candidates[:SHOWN_CANDIDATES]])
@@ -290,7 +300,7 @@ class ServingCore:
             logprob=float(c.logprob),
             fallback=c.fallback,
             policy=policy_name,
-            policy_version=slate.arm.probe.version if slate.arm.probe is not None else c.version,
+            policy_version=probe.version if probe is not None else c.version,
             mask_max=float(c.masks.max()) if len(c.masks) and np.isfinite(c.masks).all() else None,
             query_text=query_text,
             memory_texts=memory_texts,
@@ -305,5 +315,5 @@ class ServingCore:
             canary_rate=slate.canary_rate,
             alternative_version=slate.alternative_version,
             incumbent=True if c.incumbent else None,
-            base=True if slate.arm.probe is not None and not c.fallback else None,
+            base=True if drawn_by_base and not c.fallback else None,
         )

@@ -253,7 +253,8 @@ def build(
     rows, members = np.arange(n), decisions.selected
     probs = {v: target_set_probability(decisions, t, rows, members) for v, t in targets.items()}
     logged_by = np.array([e.event.policy_version for e in experiences], np.int64)
-    mixtures = drawn_from(experiences, versions)
+    # A mixture is valued where both its versions are (a probe replaced since, whose base is no longer held, is not).
+    mixtures = {i: m for i, m in drawn_from(experiences, versions).items() if m[0] in targets and m[1] in targets}
     logging = _mixed(logging_probability(decisions, rows, members), probs, mixtures)
     mixed_with, mix_share = _mix_arrays(logged_by, mixtures)
     if table is None:

@@ -239,7 +239,10 @@ class RuleGate:
         if self.state is None:
             self.state = self._resume(manifest)
         elif manifest.reason == PROBE:
-            self.state, _ = decide(self.state, Probe(manifest.version), self.rule)
+            self.state, actions = decide(self.state, Probe(manifest.version), self.rule)
+            if any(a.kind == "superseded" for a in actions):  # e.g. its base no longer certified: judged as served
+                event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest))
+                self.state, _ = decide(self.state, event, self.rule)
         else:
             event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest), copy_of=copy_of(manifest))
             self.state, _ = decide(self.state, event, self.rule)
@@ -264,7 +267,10 @@ class RuleGate:
         it is still served); all of it under one judgement, so no promotion comes in between.
         Returns whether a probe was published."""
         async with self._deciding:
-            await self._look()
+            look = await self._look()
+            # Not while a rollback is carried out: clients must hold what a probe over the anchor names.
+            if (look is not None and look.path == "guardrail") or self._tasks:
+                return False
             if self.state is None or not probes(self.state, self.rule):
                 return False
             manifest, tensors = await publish()

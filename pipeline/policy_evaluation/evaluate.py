@@ -14,6 +14,7 @@ logged (on-policy) mean utility is shown for reference.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -74,6 +75,9 @@ async def evaluate_window(
     serving_manifest = index.serving_head(conn.policy)
     if params is None:
         params = ServingParams.from_wire(serving_manifest.serving if serving_manifest is not None else None)
+        # Each network below is valued as served with these parameters; a probe over a certified
+        # version (contract 1.23) names a version it serves on the rest, not one of them.
+        params = dataclasses.replace(params, base=None)
     for role, manifest in (
         ("serving", serving_manifest),
         ("candidate", index.candidate_head(conn.policy)),

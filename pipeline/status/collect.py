@@ -100,6 +100,8 @@ def manifest_view(m: Manifest, now: float) -> dict[str, Any]:
         "metrics": _scalars(m.metrics),
         # Contract 1.17: not certified yet; clients serve their own ranking but the explored share.
         "incumbent": bool((m.serving or {}).get("incumbent")),
+        # Contract 1.23: a probe over this certified version, which clients serve but on the explored share.
+        "base": (m.serving or {}).get("base"),
     }
 
 

@@ -184,8 +184,13 @@ def _checkpoints(ck: dict[str, Any]) -> Table:
             tbl.add_row(
                 role,
                 str(m["version"]),
-                # an incumbent (contract 1.17): clients serve their own ranking until a candidate is promoted
-                f"{m['reason']}, incumbent" if m.get("incumbent") else m["reason"],
+                # an incumbent (contract 1.17): clients serve their own ranking until a candidate is promoted;
+                # a probe over a certified version (1.23): clients serve that version but on the explored share
+                f"{m['reason']}, incumbent"
+                if m.get("incumbent")
+                else f"{m['reason']} over v{m['base']}"
+                if m.get("base") is not None
+                else m["reason"],
                 fmt_age(m["age_s"]),
                 _num(m["baseline"], "{:+.4f}"),
                 _num(m["alpha"], "{:.3f}"),

@@ -218,6 +218,12 @@ def test_status_says_when_the_first_policy_is_the_incumbent() -> None:
     head = {"bootstrap": "127.0.0.1:1", "prefix": "", "policy": "default", "ts": time.time()}
     console.print(render({**head, "checkpoints": {"serving": views[0]}}))
     assert "init, incumbent" in console.export_text()
+    # Contract 1.23: a probe over a certified version says which version clients serve but on the explored share.
+    probe = dataclasses.replace(m, version=5, reason="probe", serving=ServingParams(base=4).to_wire())
+    view = manifest_view(probe, time.time())
+    assert view["base"] == 4 and not view["incumbent"]
+    console.print(render({**head, "checkpoints": {"serving": view}}))
+    assert "probe over v4" in console.export_text()
 
 
 def test_manifest_rate_and_age_format() -> None:

@@ -15,9 +15,10 @@ from pipeline.client.retriever import CausalRetriever
 from pipeline.learner import evidence
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.metrics import Metrics
-from tests.adapter_fakes import DIM, SLOTS, policy
+from tests.adapter_fakes import CONN, DIM, SLOTS, policy
 from tests.unit.client.test_cold_start import _check_share
-from topics.events import RetrievalEvent
+from topics.events import RetrievalEvent, decode_retrieval_event
+from topics.fields import encode
 from topics.internal import Experience
 
 K = 3
@@ -70,21 +71,41 @@ def test_a_client_serves_the_certified_version_but_on_the_exploration_share() ->
     assert not any(ev.base for _, ev in _served(r, 50, seed=3))
 
 
-def test_a_client_without_the_certified_version_serves_the_probe_as_an_incumbent() -> None:
-    """One started while the probe serves never held the version it names: its own ranking on
-    the share not explored (contract §6 step 2c), which the learner trains on but does not value."""
+def test_a_client_without_the_certified_version_keeps_serving_what_it_holds() -> None:
+    """One started while the probe serves never held the version it names, and cannot serve the
+    probe as the learner values it: it keeps what it serves, as a reader before 1.23 does (with
+    nothing yet, the index's own ranking, contract §6 step 2b), until a version it can serve."""
     r = _retriever(4)
     r.set_policy(PROBE)
-    served = _served(r, 400, seed=5)
-    assert all(not ev.base for _, ev in served)
-    explored = [not ev.incumbent for _, ev in served]
-    _check_share(explored, SERVING.explore_rate)
-    versions = {4: (CERTIFIED.net, SERVING), 6: (PROBE.net, ServingParams.from_wire(PROBE.manifest.serving))}
-    experiences = [Experience(ev.event_id, "feedback", ev, 0.0) for _, ev in served]
-    # Only the explored draws are of the probe's mixture; the incumbent steps are not.
-    assert set(evidence.drawn_from(experiences, versions)) == {
-        i for i, (_, ev) in enumerate(served) if not ev.incumbent
-    }
+    assert r.policy is None
+    served = _served(r, 200, seed=5)
+    assert all(ev.policy_version == 0 and not ev.base for _, ev in served)
+    other = policy(version=3, bias=ODD, serving=SERVING.to_wire())  # an older version, not the probe's base
+    r.set_policy(other)
+    r.set_policy(PROBE)
+    assert r.policy is other and all(ev.policy_version == 3 for _, ev in _served(r, 50, seed=6))
+    r.set_policy(CERTIFIED)  # the next version it can serve
+    assert r.policy is CERTIFIED
+
+
+def test_a_coupled_canary_over_a_probe_names_the_version_that_drew_each_slate() -> None:
+    """Contract 1.5 over a probe: where the canary's slate is served, the event is the canary's
+    (no ``base``); where the serving side's is, the probe's (with ``base`` on the share not explored)."""
+    r = _retriever(9)
+    r.set_policy(CERTIFIED)
+    coupled = replace(SERVING, base=4, canary_rate=0.5, canary_coupled=True)
+    r.set_policy(policy(version=6, reason="probe", bias=ODD, serving=coupled.to_wire()))
+    canary = policy(version=7, bias={s: 8.0 for s in range(0, SLOTS, 3)}, serving=SERVING.to_wire())
+    r.set_canary(canary)
+    served = _served(r, 400, seed=10)
+    arms = {ev.canary_arm for _, ev in served}
+    assert "canary" in arms
+    for _, ev in served:
+        decode_retrieval_event(encode(ev.to_dict()), CONN.limits)  # what the pipeline accepts
+        if ev.canary:
+            assert ev.policy_version == canary.version and not ev.base
+        else:
+            assert ev.policy_version == 6
 
 
 def test_the_learner_recomputes_each_request_under_the_weights_that_drew_it() -> None:
@@ -120,3 +141,10 @@ def test_the_learner_recomputes_each_request_under_the_weights_that_drew_it() ->
     assert evidence.drawn_from(usable, {6: versions[6]}) == {}
     alone = evidence.build(usable, {6: versions[6]}, SERVING)
     assert 6 not in alone.probs and not np.allclose(alone.logging, ev.logging)
+    # Nor is a canary mixed with it (a later canary's requests still naming it as the other version).
+    mixed = [
+        replace(e, event=replace(e.event, policy_version=7, canary=True, canary_rate=0.2, alternative_version=6))
+        for e in usable[:50]
+    ]
+    beside = evidence.build(mixed, {6: versions[6], 7: (CERTIFIED.net, SERVING)}, SERVING)
+    assert 6 not in beside.probs and beside.mixed_with is not None and (beside.mixed_with == -1).all()
