@@ -79,6 +79,11 @@ CACHE_FLUSH_S = 10.0  # stop waits this long at most for the cache write under w
 fetch_checkpoint = fetch_state
 
 
+def _probe_base(manifest: Manifest) -> int | None:
+    """The certified version a probe's manifest names (contract 1.23), else None."""
+    return ServingParams.from_wire(manifest.serving).base if manifest.serving is not None else None
+
+
 @dataclass
 class LoadedPolicy:
     """A verified policy, ready for serving."""
@@ -376,6 +381,11 @@ class PolicySubscriber(Service):
         self._catching_up = False
         deferred, self._deferred = self._deferred, {}
         for version in sorted(deferred, reverse=True):
+            base = _probe_base(deferred[version][1])
+            if base is not None and base in deferred:
+                # Contract 1.23: a probe over a certified version is served with that version, which
+                # a client must hold: load it first, as a client that followed the topic did.
+                await self._serve(*deferred[base])
             if await self._serve(*deferred[version]):
                 break
         canary, self._deferred_canary = self._deferred_canary, None
@@ -433,8 +443,11 @@ class PolicySubscriber(Service):
             return
         if self._catching_up:
             self._deferred[manifest.version] = (offset, manifest, value)
+            kept = sorted(self._deferred)[-KEEP_DEFERRED:]
+            bases = {_probe_base(self._deferred[v][1]) for v in kept}  # what a kept probe is served with
             for old in sorted(self._deferred)[:-KEEP_DEFERRED]:
-                del self._deferred[old]
+                if old not in bases:
+                    del self._deferred[old]
             return
         await self._serve(offset, manifest, value)
 
