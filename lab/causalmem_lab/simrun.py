@@ -78,6 +78,9 @@ class RunResult:
     label_effect: dict[str, float]
     wall_s: float
     policy: Any = None  # the LoadedPolicy the agent's retriever served at the end (None: never one)
+    # Where that is a probe over a certified version (contract 1.23): the version it names, which
+    # the retriever served on the share not explored.
+    base: Any = None
 
 
 def pipeline_env(scenario: Scenario, spec: RunSpec, prefix: str, state_dir: Path) -> dict[str, str]:
@@ -424,6 +427,7 @@ async def run_scenario(
             effect,
             time.monotonic() - t_start,
             retriever.policy,
+            retriever.core.base,
         )
     finally:
         for child in (worker, learner):

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from causalmem_lab.bench import finish, lmlearning
-from causalmem_lab.bench.promise import CLIENTS, bank, base_of, config, wilson, world_of, world_options
+from causalmem_lab.bench.lmlearning import base_of
+from causalmem_lab.bench.promise import CLIENTS, bank, config, wilson, world_of, world_options
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from models.policy.network import NEUTRAL_BIAS, PolicyNetwork
 

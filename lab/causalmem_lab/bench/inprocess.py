@@ -345,7 +345,8 @@ class LMRunner:
 
         scenario = LMScenario(seed=cfg.seed, events=self.events, attribution_rate=row.attribution_rate)
         res = run_offline(scenario, cfg, env=LMWorld(scenario, self.data, self.u))
-        m = lmlearning.measure(self.u, self.data, self.test, res.served, seed=cfg.seed)
+        base = res.served_versions.get(lmlearning.base_of(res.served))  # a probe over a certified version
+        m = lmlearning.measure(self.u, self.data, self.test, res.served, seed=cfg.seed, base=base)
         return {
             **m,
             "gap_closed": lmlearning.gap_closed(m["value"], self.similarity, self.oracle),

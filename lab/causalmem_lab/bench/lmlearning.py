@@ -153,6 +153,12 @@ def measure(
     return {k: (1 - rate) * plain[k] + rate * explored[k] for k in plain}
 
 
+def base_of(policy: Any) -> int:
+    """The version a probe over a certified version names (contract 1.23); −1 for any other."""
+    base = ServingParams.from_wire(policy.manifest.serving).base if policy is not None else None
+    return base if base is not None else -1
+
+
 def _served(
     u: LMUtilities,
     data: LMDataset,
@@ -311,8 +317,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     label=key,
                     env=LMWorld(scenario, data, u),
                 )
-                test = measure(u, data, world.test, res.policy, seed=seed)
-                train = measure(u, data, world.train, res.policy, seed=seed)
+                test = measure(u, data, world.test, res.policy, seed=seed, base=res.base)
+                train = measure(u, data, world.train, res.policy, seed=seed, base=res.base)
                 t = res.tally
                 per_seed.append(
                     {

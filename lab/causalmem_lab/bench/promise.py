@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 
 from causalmem_lab.bench import finish, lmlearning
+from causalmem_lab.bench.lmlearning import base_of
 from causalmem_lab.lmdata import lm_utilities
 from causalmem_lab.lmworld import LMScenario, LMWorld, policy_slots
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
-from models.serving.params import ServingParams
 
 
 @dataclass(frozen=True)
@@ -172,12 +172,6 @@ def run_one(
         "promotions": [(step, v) for step, kind, v, _ in res.actions if kind == "promote"],
         "restarted": res.restarted,
     }
-
-
-def base_of(policy: Any) -> int:
-    """The version a probe over a certified version names (contract 1.23); −1 for any other."""
-    base = ServingParams.from_wire(policy.manifest.serving).base
-    return base if base is not None else -1
 
 
 def bank(args: argparse.Namespace, default: str) -> tuple[str, Any, Any]:
