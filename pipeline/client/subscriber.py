@@ -380,17 +380,32 @@ class PolicySubscriber(Service):
         """The history is read: load the newest serving version that verifies, then the open canary."""
         self._catching_up = False
         deferred, self._deferred = self._deferred, {}
+        failed: set[int] = set()
         for version in sorted(deferred, reverse=True):
+            if version in failed:
+                continue
             base = _probe_base(deferred[version][1])
-            if base is not None and base in deferred:
-                # Contract 1.23: a probe over a certified version is served with that version, which
-                # a client must hold: load it first, as a client that followed the topic did.
-                await self._serve(*deferred[base])
-            if await self._serve(*deferred[version]):
-                break
+            if base is not None and not await self._hold_base(base, deferred, failed):
+                continue  # a probe whose version does not load is passed over, as a reader before 1.23 does
+            if await self._serve(*deferred[version]) or base is not None:
+                break  # the probe serves, or else the version it names does
+            failed.add(version)
         canary, self._deferred_canary = self._deferred_canary, None
         if canary is not None:
             await self._canary(*canary)
+
+    async def _hold_base(
+        self, base: int, deferred: dict[int, tuple[int, Manifest, bytes | None]], failed: set[int]
+    ) -> bool:
+        """Contract 1.23: a probe over a certified version is served with that version, which a
+        client must hold: load it first from the history, as a client that followed the topic did.
+        Whether the client holds it now (``failed`` gets it where it does not load)."""
+        if self.current is not None and self.current.version == base:
+            return True
+        if base in deferred and base not in failed and await self._serve(*deferred[base]):
+            return True
+        failed.add(base)
+        return False
 
     async def _handle_safely(self, offset: int, key: bytes | None, value: bytes | None, headers: Any = None) -> None:
         """:meth:`handle`, with anything it raises a rejection of that message: the subscriber keeps
@@ -478,7 +493,10 @@ class PolicySubscriber(Service):
             return False
         self.current = loaded
         self.from_cache = None
-        self._cache_later(loaded, raw)
+        if _probe_base(manifest) is None:
+            # A probe (1.23) is served with the version it names: the cache keeps that one, which a
+            # client restarted without the broker can serve on its own.
+            self._cache_later(loaded, raw)
         if self.canary is not None and self.canary.version <= loaded.version:
             await self._set_canary(None)  # served now, or older than what is served
         self._after_reset = False  # after a cluster reset, the first verified policy is the new base

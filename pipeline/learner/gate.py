@@ -337,9 +337,11 @@ class RuleGate:
         if self.state is None or not self.gathered:
             return None
         gathered, self.gathered = self.gathered, []
+        wanted = self.state.versions()
+        wanted |= self._bases(wanted)  # a probe is valued with the version it names (1.23)
         versions = {
             v: (net, ServingParams.from_wire(m.serving))
-            for v in self.state.versions()
+            for v in wanted
             if v != SIMILARITY and (held_v := self.versions.get(v)) is not None
             for m, net in [held_v]
         }
@@ -393,6 +395,7 @@ class RuleGate:
         await self._withdraw_stale_deltas()
         await self._update_canary()
         keep = self.state.versions() | {self.state.first} | ({self.canary} if self.canary else set())
+        keep |= self._bases(keep)
         self.versions = {v: held for v, held in self.versions.items() if v in keep}
         # On the topic too, while an incumbent serves: what a learner restarted under a probe
         # rebuilds the rule's state from (the first policy, the probe a probe replaced). The
@@ -403,8 +406,21 @@ class RuleGate:
             restart = {s.first, s.before, s.serving}
         elif s.base is not None:  # a probe over a certified version (1.23): that version, the probe it replaced
             restart = {s.anchor, s.before, s.serving}
+        # And the version any held probe is served with (1.23), whichever way the rule took it.
+        restart |= self._bases({v for v in (s.serving, s.before) if v is not None})
         self.publisher.pinned = {t.version for t in self.state.trials} | {v for v in restart if v is not None}
         return record
+
+    def _bases(self, versions: set[int]) -> set[int]:
+        """The versions that the held ones among ``versions`` are served with (contract 1.23: a
+        probe over a certified version names it in ``serving.base``)."""
+        out: set[int] = set()
+        for v in versions:
+            held = self.versions.get(v)
+            base = ServingParams.from_wire(held[0].serving).base if held is not None else None
+            if base is not None:
+                out.add(base)
+        return out
 
     async def _withdraw_stale_deltas(self) -> None:
         """A delta candidate is promotable only on the base it was published on: once another

@@ -648,6 +648,8 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     state = _baseline(state, ev, rule)
     if state.serving == state.first:
         return state  # nothing to fall back to (a probe falls back to the first policy)
+    if state.serving not in ev.probs:
+        return state  # not valued in this batch (a probe whose base the learner no longer holds)
     rows, low, high = ev.served_values(state.serving)
     if not len(rows):
         return state  # nothing served that way in this batch

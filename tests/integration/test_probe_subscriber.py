@@ -18,12 +18,14 @@ from pipeline.modeltopic import CheckpointPublisher
 from tests.helpers import publish_tensors
 
 
-async def _publish(s: Settings) -> None:
-    """v1 the first policy, v2 certified, v3 and v4 probes over v2 (what the learner publishes)."""
+async def _publish(s: Settings, keep_versions: int = 3) -> None:
+    """v1 the first policy, v2 certified, v3 and v4 probes over v2 (what the learner publishes);
+    chunks of all but the newest ``keep_versions`` tombstoned."""
     producer = kafka.producer(s.bootstrap or "", s)
     await producer.start()
     try:
-        pub = CheckpointPublisher(producer, s.connection().topics.policy_checkpoints.name, s.policy)
+        topic = s.connection().topics.policy_checkpoints.name
+        pub = CheckpointPublisher(producer, topic, s.policy, keep_versions=keep_versions)
         arch = Arch(s.embedding_dim, s.slots, s.hidden)
         served, probe = ServingParams(), ServingParams(base=2)
         for seed, reason, params in (
@@ -64,3 +66,18 @@ async def test_a_client_started_under_a_probe_loads_the_certified_version_it_nam
     assert all(ev.policy_version == 4 for ev in events)
     drawn_by_base = sum(bool(ev.base) for ev in events) / len(events)
     assert 0.8 < drawn_by_base < 0.97  # every request but the exploration share (0.1)
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(120)
+async def test_a_probe_whose_version_does_not_load_is_passed_over(topics_ready: Settings) -> None:
+    """The chunks of v2 are gone (here: tombstoned as old, which the learner never does to a
+    version a probe names): neither probe over it can be served, and no earlier version loads
+    either. The subscriber says it serves nothing, where it used to claim the probe."""
+    s = topics_ready.replace(policy="probed-gone")
+    await _publish(s, keep_versions=2)  # v3, v4 kept; v1, v2 tombstoned
+    loaded: list[int] = []
+    async with PolicySubscriber(s.bootstrap or "", s.policy, s, on_update=lambda p: loaded.append(p.version)) as sub:
+        with pytest.raises(TimeoutError):
+            await sub.wait_for_policy(1, timeout=8)
+        assert sub.current is None and loaded == []

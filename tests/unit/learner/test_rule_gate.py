@@ -210,3 +210,24 @@ def test_a_look_values_a_uniform_sample_of_at_most_its_budget() -> None:
     assert len(kept) == 500 and kept == sorted(kept)  # in their logged order
     assert 3_000 < sum(kept) / 500 < 7_000  # spread over the whole batch, not its head
     assert evidence.sample(items[:10], 500) == items[:10]
+
+
+async def test_a_learner_restarted_under_a_probe_it_cannot_take_as_one_judges_it_with_its_base() -> None:
+    """Contract 1.23: a learner restarted while a probe over v4 serves, v4 not certified for this
+    learner (no certified margin recorded): the probe is judged as a version served at once, valued
+    with the version it names, which the gate keeps and pins. Its first look raised KeyError."""
+    from tests.unit.client.test_probe_over_certified import CERTIFIED, PROBE, _retriever, _served
+
+    pub = Publisher(epoch=2)
+    gate = RuleGate(GateConfig(), pub, Metrics())  # type: ignore[arg-type]
+    gate.set_serving(CERTIFIED.manifest, CERTIFIED.net.tensors())
+    gate.set_serving(PROBE.manifest, PROBE.net.tensors())
+    assert gate.state is not None and (gate.state.serving, gate.state.base) == (PROBE.version, None)
+    r = _retriever(6)
+    r.set_policy(CERTIFIED)
+    r.set_policy(PROBE)
+    rng = np.random.default_rng(8)
+    gate.observe([Experience(ev.event_id, "feedback", ev, float(rng.normal())) for _, ev in _served(r, 300, seed=7)])
+    await gate.reconsider()
+    assert gate.state.guard is not None and gate.state.guard.gain.n > 0  # the guardrail valued what was served
+    assert CERTIFIED.version in gate.versions and CERTIFIED.version in pub.pinned
