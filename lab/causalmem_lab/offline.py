@@ -141,6 +141,9 @@ class OfflineResult:
     # (step, version) of the version an operator's cut-over served (run_offline's ``operator``).
     operator: tuple[int, int] | None = None
     restarted: int | None = None  # the step of the learner restart (``OfflineConfig.restart_at``)
+    # (step, version) of each promotion clients refused: older than a version they were served
+    # since (a probe published after its trial began), as a client's subscriber refuses it (§7).
+    refused_older: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _snapshot(
@@ -366,6 +369,7 @@ class SequenceGate:
         self.gathered: list[Experience] = []
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
         self.rolled_back = False  # the last look rolled back: as the learner's gate, no probe then
+        self.clients_serve = first.version  # the newest version published under the serving key
 
     def observe(self, experiences: list[Experience]) -> None:
         """Decisions about to be trained on: evidence for the trials open now (:meth:`RuleGate.observe`)."""
@@ -396,6 +400,7 @@ class SequenceGate:
         self.nets[policy.version] = policy
         self.state, actions = promotion.decide(self.state, promotion.Probe(policy.version), self.rule)
         self.serve(policy)
+        self.clients_serve = policy.version
         self._carry(actions, step)
 
     def refresh(self, candidate: LoadedPolicy, step: int) -> None:
@@ -411,6 +416,7 @@ class SequenceGate:
             event = promotion.ServedAtOnce(v, reanchor=candidate.manifest.reason == "reset", incumbent=incumbent)
             self.state, actions = promotion.decide(self.state, event, self.rule)
             self.serve(candidate)
+            self.clients_serve = v
         self._carry(actions, step)
 
     def look(self, step: int) -> None:
@@ -440,7 +446,10 @@ class SequenceGate:
             if a.kind == "promote":  # published with its certified margin, as the learner's gate does
                 promoted = self.nets[a.version]
                 self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state))
-                self.serve(self.nets[a.version])
+                if a.version < self.clients_serve:  # versions only grow on the serving key (contract §7)
+                    self.result.refused_older.append((step, a.version))
+                else:
+                    self.serve(self.nets[a.version])
             elif a.kind == "rollback" and a.to is not None:
                 self.serve(self.nets[a.to])
         canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full

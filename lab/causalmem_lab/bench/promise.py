@@ -166,6 +166,8 @@ def run_one(
         "worst_vs_similarity": worst,
         "unsafe": worst < -epsilon,
         "probes_over_certified": len(over_base),
+        # Promotions clients refused, older than a probe published since (they kept the probe).
+        "promotions_refused_as_older": len(res.refused_older),
         "worst_probe_vs_base": min(over_base) if over_base else None,
         "actions": {k: sum(1 for _, kind, _, _ in res.actions if kind == k) for k in {a[1] for a in res.actions}},
         # The steps of the promotions (and rollbacks) and of a learner restart: what came after it.
