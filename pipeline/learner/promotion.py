@@ -501,13 +501,10 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
     if isinstance(event, Probe):
         if not probes(state, rule) or event.version <= state.serving:
             return state, [Action("superseded", event.version, f"not a probe of the served v{state.serving}")]
-        # Versions only grow on the serving key (contract §7): once the probe is published, clients
-        # refuse every older candidate, so their trials end (each had its trial_decisions).
-        ended = [Action("superseded", t.version, f"older than the probe v{event.version}") for t in state.trials]
-        probed = replace(state, serving=event.version, before=state.serving, guard=None, trials=())
         if state.anchor != SIMILARITY:  # over the certified anchor (1.23): not an incumbent
-            return replace(probed, base=state.anchor), ended
-        return replace(probed, incumbents=state.incumbents | {event.version}), ended
+            return replace(state, serving=event.version, before=state.serving, guard=None, base=state.anchor), []
+        incumbents = state.incumbents | {event.version}
+        return replace(state, serving=event.version, before=state.serving, guard=None, incumbents=incumbents), []
     return _evidence(state, event, rule)
 
 
