@@ -133,23 +133,25 @@ def measure(
     coin per request adds its own noise: at 4 draws the first policy's cost read 0.009 to 0.035
     where it is 0.016.
 
-    A probe over a certified version (contract 1.23) is served as that version (``base``, which
-    its manifest names) on the share not explored and as itself on the explored share.
+    A probe over a certified version (contract 1.23) is served by a retriever that held ``base``,
+    the version its manifest names, first: as that version on the share not explored and as
+    itself on the explored share.
     """
     params = ServingParams.from_wire(policy.manifest.serving) if policy is not None else None
     if params is not None and params.base is not None and (base is None or base.version != params.base):
         raise ValueError(f"v{policy.version} is a probe over v{params.base}: measure it with that version (base)")
-    rest = base if params is not None and params.base is not None else policy
+    if params is None or params.base is None:
+        base = None
     if policy is None or explore is False:
-        return _served(u, data, questions, rest, draws, seed, 0.0, None)
+        return _served(u, data, questions, policy, draws, seed, 0.0, None, base)
     if isinstance(explore, tuple):
         rate, temperature = explore
     else:  # the manifest's share, at the manifest's temperature
         rate, temperature = ServingParams.from_wire(policy.manifest.serving).explore_rate, None
-    plain = _served(u, data, questions, rest, draws, seed, 0.0, None)
+    plain = _served(u, data, questions, policy, draws, seed, 0.0, None, base)
     if rate == 0:
         return plain
-    explored = _served(u, data, questions, policy, draws, seed, 1.0, temperature)
+    explored = _served(u, data, questions, policy, draws, seed, 1.0, temperature, base)
     return {k: (1 - rate) * plain[k] + rate * explored[k] for k in plain}
 
 
@@ -168,6 +170,7 @@ def _served(
     seed: int,
     explore_rate: float,
     explore_temperature: float | None,
+    base: Any = None,
 ) -> dict[str, float]:
     from pipeline.client.retriever import CausalRetriever
 
@@ -184,6 +187,8 @@ def _served(
         explore_temperature=explore_temperature,  # None: the manifest's
         seed=seed,
     )
+    if base is not None:
+        retriever.set_policy(base)  # held first, as a client that served it holds it (contract 1.23)
     retriever.set_policy(policy)
     value, gold, leak, n = 0.0, 0, 0, 0
     for q in questions:
