@@ -154,8 +154,16 @@ def run_one(
     unexplored = lmlearning.measure(u, data, test, res.served, DRAWS, seed, base=end_base)["value"]
     worst = min(values.values()) - similarity if values else 0.0
     # The promise's other half for a probe over a certified version (contract 1.23): as served,
-    # not worse than the version it names by more than ε.
-    over_base = [values[v] - values[b] for v, p in policies.items() if (b := base_of(p)) in values]
+    # not worse than the version it names by more than ε (measured too where a probe replaced it
+    # before it served a request).
+    bases = {b for p in policies.values() if (b := base_of(p)) in res.served_versions}
+    named = {
+        b: values[b]
+        if b in values
+        else lmlearning.measure(u, data, test, res.served_versions[b], DRAWS, seed, explore)["value"]
+        for b in bases
+    }
+    over_base = [values[v] - named[b] for v, p in policies.items() if (b := base_of(p)) in named]
     return {
         "seed": seed,
         "seconds": round(seconds, 1),
