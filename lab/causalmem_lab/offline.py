@@ -35,7 +35,7 @@ from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner import evidence as gate_evidence
 from pipeline.learner import promotion
-from pipeline.learner.gate import certified, resume
+from pipeline.learner.gate import certified, copy_of, resume
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion import is_candidate
 from pipeline.learner.publishing import first_serving
@@ -241,6 +241,18 @@ def run_offline(
         result.served_versions[policy.version] = policy
         logging_policies.hold(policy.manifest, policy.net)  # as the learner's gate on promote / set_serving
 
+    def republish(policy: LoadedPolicy, reason: str) -> LoadedPolicy:
+        """As the learner publishes a promoted version again (``Action.republish``): its weights
+        and manifest under the next version, reason ``rollback``, ``rolled_back_to`` it."""
+        nonlocal version
+        version += 1
+        metrics = {**policy.manifest.metrics, "rolled_back_to": policy.version, "rollback_reason": reason}
+        result.created[version] = result.created[policy.version]
+        if policy.version in result.values:
+            result.values[version] = result.values[policy.version]
+        manifest = replace(policy.manifest, version=version, reason="rollback", metrics=metrics)
+        return LoadedPolicy(manifest=manifest, net=policy.net)
+
     sequences: SequenceGate | None = None
     if gate is not None:
         sequences = SequenceGate(
@@ -254,6 +266,7 @@ def run_offline(
             result,
             serve_as_published,
             retriever.set_canary,
+            republish,
         )
 
     def refresh(candidate: LoadedPolicy) -> None:
@@ -355,6 +368,7 @@ class SequenceGate:
         result: OfflineResult,
         serve: Callable[[LoadedPolicy], None],
         set_canary: Callable[[LoadedPolicy | None], None],
+        republish: Callable[[LoadedPolicy, str], LoadedPolicy],
     ) -> None:
         self.rule = rule
         self.state = resume(first.manifest, rule, epoch=1)  # as the learner's gate starts
@@ -366,6 +380,7 @@ class SequenceGate:
         self.result = result
         self.serve = serve
         self.set_canary = set_canary
+        self.republish = republish
         self.gathered: list[Experience] = []
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
         self.rolled_back = False  # the last look rolled back: as the learner's gate, no probe then
@@ -413,7 +428,8 @@ class SequenceGate:
             self.state, actions = promotion.decide(self.state, promotion.Candidate(v), self.rule)
         else:
             incumbent = ServingParams.from_wire(candidate.manifest.serving).incumbent
-            event = promotion.ServedAtOnce(v, reanchor=candidate.manifest.reason == "reset", incumbent=incumbent)
+            reanchor = candidate.manifest.reason == "reset"
+            event = promotion.ServedAtOnce(v, reanchor, incumbent, copy_of(candidate.manifest))
             self.state, actions = promotion.decide(self.state, event, self.rule)
             self.serve(candidate)
             self.clients_serve = v
@@ -437,6 +453,7 @@ class SequenceGate:
         self._carry(actions, step)
 
     def _carry(self, actions: list[promotion.Action], step: int) -> None:
+        copies: list[promotion.Action] = []
         for a in actions:
             self.result.actions.append((step, a.kind, a.version, a.path))
             if a.kind == "trial":
@@ -446,10 +463,13 @@ class SequenceGate:
             if a.kind == "promote":  # published with its certified margin, as the learner's gate does
                 promoted = self.nets[a.version]
                 self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state))
-                if a.version < self.clients_serve:  # versions only grow on the serving key (contract §7)
+                if a.republish:  # as the learner: its weights again under a new version, served at once
+                    copies.append(a)
+                elif a.version < self.clients_serve:  # versions only grow on the serving key (contract §7)
                     self.result.refused_older.append((step, a.version))
                 else:
                     self.serve(self.nets[a.version])
+                    self.clients_serve = a.version
             elif a.kind == "rollback" and a.to is not None:
                 self.serve(self.nets[a.to])
         canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full
@@ -460,3 +480,5 @@ class SequenceGate:
                 self.logging_policies.hold(self.nets[canary].manifest, self.nets[canary].net, canary=True)
         keep = self.state.versions() | {self.state.first}
         self.nets = {v: p for v, p in self.nets.items() if v in keep}
+        for a in copies:
+            self.refresh(self.republish(self.nets[a.version], f"promoted v{a.version}: {a.reason}"), step)

@@ -12,7 +12,9 @@ gathers its evidence and carries its actions out. It
   (:class:`pipeline.learner.logging_policy.LoggingPolicies`, which also dead-letters the events
   whose logged probabilities disagree with the serving rule), and turns them into the rule's
   evidence (:mod:`pipeline.learner.evidence`) in a worker thread;
-- carries the actions out: ``promote`` republishes the candidate under the serving key;
+- carries the actions out: ``promote`` republishes the candidate under the serving key (or,
+  where clients hold a newer version since, asks the learner to publish its weights again under
+  a new one: ``Action.republish``);
   ``refuse`` (the candidate shown worse than the anchor) ends its trial; ``rollback`` (the
   guardrail) asks the learner to roll back; while a full candidate's trial waits and the
   serving parameters give clients a ``canary_rate``, the newest such candidate is the canary
@@ -195,9 +197,11 @@ class RuleGate:
         self._canary_cleared = False  # a canary left on the topic by an earlier learner run is ended once
         self._deciding = asyncio.Lock()
         # Set by the learner: where events with disagreeing logging probabilities go (dead-letter);
-        # how it rolls back to a version.
+        # how it rolls back to a version; how it publishes a promoted version's weights again
+        # under a new one (Action.republish).
         self.on_mismatch: Callable[[Experience, str], None] | None = None
         self.on_rollback: Callable[[int, str], Coroutine[Any, Any, bool]] | None = None
+        self.on_republish: Callable[[int, str], Coroutine[Any, Any, bool]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ what the learner reads
@@ -367,8 +371,13 @@ class RuleGate:
                 manifest, net = self.versions[a.version]
                 manifest = certified(manifest, self.state)  # a.version is the new anchor
                 self._hold(manifest, net)
-                await self.publisher.promote(manifest)
-                self._serving_metrics(manifest)  # holds its logging policy too
+                if a.republish and self.on_republish is not None:
+                    # Clients hold a newer version (a probe): a copy under a new version, outside
+                    # this judgement (it publishes, and its checkpoint comes back here).
+                    self._spawn(self.on_republish(a.version, f"promoted v{a.version}: {a.reason}"))
+                else:
+                    await self.publisher.promote(manifest)
+                    self._serving_metrics(manifest)  # holds its logging policy too
                 if a.interval is not None:
                     m.gate_promoted_gain.observe(a.interval[0])
                 log.info("gate: promoted v%d (%s): %s", a.version, a.path, a.reason)
@@ -378,9 +387,7 @@ class RuleGate:
                 log.warning("gate: guardrail: %s; rolling back to v%d", a.reason, a.to)
                 if self.on_rollback is not None:
                     # Outside this judgement: the rollback publishes a checkpoint, which comes back here.
-                    task: asyncio.Task[bool] = asyncio.get_running_loop().create_task(self.on_rollback(a.to, a.reason))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._spawn(self.on_rollback(a.to, a.reason))
             elif a.kind == "wait":
                 log.debug("gate: v%d waits: %s", a.version, a.reason)
             if a.kind in DECISION_OF:
@@ -410,6 +417,13 @@ class RuleGate:
         restart |= self._bases({v for v in (s.serving, s.before) if v is not None})
         self.publisher.pinned = {t.version for t in self.state.trials} | {v for v in restart if v is not None}
         return record
+
+    def _spawn(self, work: Coroutine[Any, Any, bool]) -> None:
+        """Run ``work`` (a checkpoint the learner publishes for the rule) as a task; while it runs
+        no probe is published (clients must hold what a probe names)."""
+        task: asyncio.Task[bool] = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _bases(self, versions: set[int]) -> set[int]:
         """The versions that the held ones among ``versions`` are served with (contract 1.23: a

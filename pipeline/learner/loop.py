@@ -170,6 +170,7 @@ class Learner(Service):
         if gate is not None:
             gate.on_mismatch = self._dead_letter_copy
             gate.on_rollback = self._guardrail_rollback
+            gate.on_republish = self._republish
         self._election = Election(self.bootstrap, conn, on_lost=self.become_standby)
         await self._election.start()
         self.fence = Fence(self.bootstrap, conn, self._election, self.config.signing_key)
@@ -410,6 +411,23 @@ class Learner(Service):
         """The promotion rule's guardrail showed the served version below similarity-only: roll back
         (a task of its own: the rollback publishes, and its checkpoint comes back to the gate)."""
         return await self.control.rollback(version, f"guardrail: {reason}")
+
+    async def _republish(self, version: int, reason: str) -> bool:
+        """The promotion rule promoted ``version`` after clients were told to serve a newer one (a
+        probe): publish its weights again under a new version, served at once (a task of its own:
+        its checkpoint comes back to the gate, which takes it as the anchor). The trainer goes on
+        from where it is."""
+        assert self.publishing is not None
+        async with self._publish_lock:
+            # Memories given a slot after `version`, whose records the copy's version will follow.
+            fresh = self.memories.given_between(version, self.publishing.publisher.last_version)
+            published = await self.publishing.republish(version, reason, fresh)
+            if published is None:
+                log.warning("learner: v%d was promoted but the gate no longer holds it: not served", version)
+                return False
+            self.version = published.manifest.version
+            await self.publishing.settle(published)
+            return True
 
     def apply(self, chunk: list[Experience]) -> None:
         """Apply one micro-batch (feedback → REINFORCE, labels → last-layer fine-tune).

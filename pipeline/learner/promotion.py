@@ -47,6 +47,10 @@ anchor.
 the exploration share), each candidate whose trial opens after decisions were gathered is first
 served as a :class:`Probe`: an incumbent carrying its weights, so that the exploration share
 draws from the candidate, which is the evidence its trial needs where clients serve no canary.
+Once a version is certified, a probe is served over it (contract 1.23: the anchor on the share not
+explored). A probe takes a version above every open trial's candidate, and clients refuse a
+serving version older than one they hold: a candidate promoted after a probe is published again,
+its weights under a new version (``Action.republish``), which the rule takes as the anchor.
 
 **The guardrail.** What clients served as the serving manifest asks, on the decisions logged
 while it served, is compared with similarity-only by the same kind of sequence, two ways
@@ -463,6 +467,10 @@ class Action:
     to: int | None = None  # rollback: the version served instead
     # promote, refuse, wait: the trial's gain interval over its anchor at this look (None: no bound yet)
     interval: tuple[float, float] | None = None
+    # promote: clients were told to serve a newer version since the candidate was published (a
+    # probe), and versions only grow on the serving key: its weights are published again under a
+    # new version (a copy, ``rolled_back_to`` it), which the rule then takes as the anchor.
+    republish: bool = False
 
 
 # --------------------------------------------------------------------------- decide
@@ -606,6 +614,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
             promoted.describe(),
             "improved" if improved else "within-epsilon",
             interval=promoted.interval(),
+            republish=promoted.version < state.serving,
         )
     )
     actions += [

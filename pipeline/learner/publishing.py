@@ -23,6 +23,7 @@ every version is its full state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from models.policy.delta import encode_delta
-from models.policy.network import Arch
+from models.policy.network import Arch, neutral_rows
 from models.policy.trainer import PolicyTrainer
 from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
@@ -318,6 +319,54 @@ class Publishing:
             trainer.updates,
         )
         return Published(manifest, tensors, candidate)
+
+    async def republish(self, version: int, reason: str, fresh_rows: Sequence[int] = ()) -> Published | None:
+        """Publish the weights of ``version``, which the gate holds, again under a new version,
+        served at once: a copy (reason ``rollback``, ``metrics.rolled_back_to``), for a promotion of
+        a version older than one clients were told to serve since (a probe): versions only grow
+        on the serving key (docs/contract.md §7). The trainer goes on untouched. The copy carries
+        ``version``'s progress and input offsets, and its local state (with its Adam moments where
+        no row changed), so a learner restored from it goes on as from ``version``.
+        ``fresh_rows``: slots given to a memory after ``version`` whose records the copy's version
+        follows; ``version``'s weights hold an earlier owner's rows there: neutral in the copy.
+        Returns None where the gate no longer holds ``version``."""
+        held = self.gate.versions.get(version) if self.gate is not None else None
+        if held is None:
+            return None
+        source, net = held
+        tensors = {k: t.clone() for k, t in net.tensors().items()}  # the gate's network stays as it is
+        rows = sorted({int(r) for r in fresh_rows})
+        if rows:
+            hidden = tensors["out.weight"].shape[1]
+            weight, bias = neutral_rows(len(rows), hidden, torch.Generator().manual_seed(version))
+            tensors["out.weight"][rows], tensors["out.bias"][rows] = weight, bias
+        full = to_safetensors(tensors)
+        sha = source.state_sha256 if isinstance(source, DeltaManifest) else source.sha256  # its local copy's
+        optimizer = {} if rows else self.store.optimizer_of(version, sha)
+        baseline_state = source.metrics.get("baseline_state")
+        metrics = {k: v for k, v in source.metrics.items() if k not in ("writer", "gate")}
+        metrics.update(rolled_back_to=version, rollback_reason=reason, **self.gate_record(version))
+
+        def save_locally(manifest: Manifest) -> None:
+            state = baseline_state if isinstance(baseline_state, dict) else {}
+            self.store.save(manifest, tensors, optimizer, state, full)
+
+        manifest = await self.publisher.publish(
+            full,
+            alpha=source.alpha,
+            reason="rollback",
+            arch=source.arch,
+            baseline=source.baseline,
+            metrics=metrics,
+            input_offsets=source.input_offsets,
+            prepare=save_locally,
+            serving=source.serving,
+        )
+        # Not recorded as the planner's own: the trainer's weights differ from it, so the next
+        # checkpoint is a full snapshot.
+        self.metrics.checkpoint_publishes.labels(reason="rollback").inc()
+        log.info("learner: published v%d, a copy of the promoted v%d (%s)", manifest.version, version, reason)
+        return Published(manifest, tensors, candidate=False)
 
     def _incumbent(self) -> bool:
         """The rule serves an incumbent now (nothing certified)."""

@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from aiokafka import AIOKafkaProducer
 
 from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
-from models.policy.network import PolicyNetwork
+from models.policy.network import NEUTRAL_BIAS, PolicyNetwork
 from pipeline.cli.rollback import rollback
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.learner.gate import RuleGate
@@ -18,6 +21,7 @@ from tests.helpers import until
 from tests.integration.test_gate import BAD, _send, learner_running, log_of, tilted
 from topics.fields import PROBE
 from topics.internal import Experience
+from topics.lifecycle import MemoryRecord
 
 
 def served_by(exps: list[Experience], version: int) -> list[Experience]:
@@ -188,3 +192,50 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
         # with it, where nothing would measure it again.
         measured = GainSequence.restore(serving.metrics["gate"]["similarity_value"])
         assert measured is not None and measured.n >= MIN_DECISIONS and state.baseline == measured
+
+
+@pytest.mark.broker
+async def test_a_promotion_clients_would_refuse_is_served_as_a_copy_and_the_trainer_goes_on(topics_ready) -> None:
+    """A candidate promoted after a probe (a newer version) is published again under a new
+    version (``Action.republish``), through the learner's own hook: clients load it; it holds the
+    candidate's weights, but a neutral row for a memory given a slot since (the candidate's row
+    there is an earlier owner's); its input offsets and local state are the candidate's, so a
+    restore from it goes on as from the candidate; the trainer is not touched."""
+    s = topics_ready.replace(gate=True, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
+    t = s.topics()
+    loaded: list[Any] = []
+    sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=loaded.append)
+    producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap)
+    await producer.start()
+    try:
+        async with learner_running(s) as learner, sub:
+            gate = learner.gate
+            assert isinstance(gate, RuleGate) and gate.on_republish is not None
+            await sub.wait_for_policy(1, timeout=30)
+            first, first_net = gate.versions[1]
+            record = MemoryRecord("add", "m-new", 1_767_225_600.0, text="new", embedding=np.ones(s.embedding_dim))
+            await producer.send_and_wait(t.memory_lifecycle.name, record.to_bytes(), key=record.key, partition=0)
+            await until(lambda: learner.memories.allocator.slot_of("m-new") is not None, 20, "the slot")
+            slot = learner.memories.allocator.slot_of("m-new")
+            await _send(s, served_by(log_of(first_net, 200, seed=3, policy=s.policy, questions=20), 1))
+            await until(lambda: learner.version >= 2 and not learner.dirty, 30, "a checkpoint after the slot")
+            await until(lambda: sub.current is not None and sub.current.slot_of("m-new") is not None, 20, "the map")
+            head = learner.version
+            trained = learner.trainer.tensors()
+
+            assert await gate.on_republish(1, "test") is True
+            await until(lambda: sub.current is not None and sub.current.version > head, 30, "the copy loaded")
+            copy = sub.current
+            assert copy.manifest.reason == "rollback" and copy.manifest.metrics["rolled_back_to"] == 1
+            assert copy.manifest.input_offsets == first.input_offsets and copy.slot_of("m-new") == slot
+            weights, held = copy.net.tensors(), first_net.tensors()
+            others = [r for r in range(held["out.weight"].shape[0]) if r != slot]
+            assert torch.equal(weights["hidden.weight"], held["hidden.weight"])
+            assert torch.equal(weights["out.weight"][others], held["out.weight"][others])
+            assert float(weights["out.bias"][slot]) == pytest.approx(NEUTRAL_BIAS)
+            assert all(torch.equal(v, learner.trainer.tensors()[k]) for k, v in trained.items())  # untouched
+            assert gate.state is not None and gate.state.serving == copy.version
+            local = learner.store.manifest_of(copy.version)
+            assert local is not None and local["manifest"]["input_offsets"] == first.input_offsets
+    finally:
+        await producer.stop()

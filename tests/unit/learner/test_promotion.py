@@ -223,6 +223,36 @@ def test_a_probe_over_a_certified_version_is_guarded_and_ends_at_a_promotion() -
         if any(a.kind == "promote" for a in actions):
             break
     assert (state.serving, state.anchor, state.base) == (7, 7, None) and state.margin > 0.03
+    assert not next(a for a in actions if a.kind == "promote").republish  # v7 is newer than the probe
+
+
+def test_a_candidate_promoted_after_a_newer_probe_is_served_as_a_copy_that_stays_the_anchor() -> None:
+    """A probe takes a version above the open trials' candidates, and clients refuse a serving
+    version older than one they hold: through the pipeline each run had a promotion refused so,
+    and two ended on the probe it was refused for. Its weights go out again under a new version
+    (a copy of it), which the rule takes as the anchor with the margin its promotion certified."""
+    world = World(4)
+    world.versions[5] = np.array([0.0, 0.6, 0.0, 0.0, 0.4])  # certified
+    world.versions[6] = world.versions[7] = np.array([0.0, 1.0, 0.0, 0.0, 0.0])  # probe v6, candidate v7: better
+    state, _ = decide(State(serving=5, anchor=5, first=1, margin=0.03), Probe(6), RULE)
+    state, _ = decide(state, Candidate(7), RULE)
+    state, _ = decide(state, world.evidence(6, n=RULE.trial_decisions), RULE)
+    assert probes(state, RULE) and [t.version for t in state.trials] == [7]
+    world.versions[8] = world.versions[9] = world.versions[7]  # the next probe and its candidate
+    state, _ = decide(state, Probe(8), RULE)
+    state, _ = decide(state, Candidate(9), RULE)
+    promoted = None
+    for _ in range(60):
+        state, actions = decide(state, world.evidence(state.serving, n=200), RULE)
+        promoted = next((a for a in actions if a.kind == "promote"), None)
+        if promoted is not None:
+            break
+    assert promoted is not None and promoted.version == 7 and promoted.republish
+    assert (state.serving, state.anchor, state.base) == (7, 7, None)
+    margin = state.margin
+    state, _ = decide(state, ServedAtOnce(10, copy_of=7), RULE)  # the copy, under the next version
+    assert (state.serving, state.anchor, state.margin, state.base) == (10, 10, margin, None)
+    assert probes(state, RULE) and probe_base(state) == 10  # clients hold it: the next probe is over it
 
 
 def test_a_candidate_refused_under_a_probe_ends_its_trial_and_changes_nothing_else() -> None:

@@ -3,22 +3,25 @@ the decisions it observes go through the promotion rule, and its actions are car
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
-from models.offpolicy.confidence import GainSequence
+from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
 from models.policy.network import PolicyNetwork, init_policy
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner import evidence
 from pipeline.learner.evidence import PER_LOOK
 from pipeline.learner.gate import BASELINE, RuleGate, certified, resume
-from pipeline.learner.promotion import Rule, State
+from pipeline.learner.promotion import Rule, State, probe_base
 from pipeline.metrics import Metrics
 from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
 from tests.unit.learner.test_evidence import recurring
+from topics.fields import PROBE
 from topics.internal import Experience
 from topics.manifest import Manifest
 
@@ -159,6 +162,62 @@ async def test_a_rollbacks_copy_of_the_anchor_is_the_anchor_and_carries_its_cert
     assert (gate.state.serving, gate.state.anchor, gate.state.margin) == (5, 5, margin)
     restarted = resume(copy, Rule(), epoch=2)
     assert (restarted.anchor, restarted.margin) == (5, margin)
+
+
+async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_its_copy_is_the_anchor() -> None:
+    """A probe takes a version above the open trials' candidates; clients refuse a serving version
+    older than one they hold, so a trial that decides after the probe was promoted in vain: through
+    the pipeline each run had one, and two ended on the probe it was refused for. The gate asks
+    the learner to publish the candidate's weights again (no probe meanwhile: clients must hold
+    what a probe names), and takes the copy as the anchor."""
+    pub = Publisher()
+    gate = RuleGate(GateConfig(trial_decisions=MIN_DECISIONS), pub, Metrics())  # type: ignore[arg-type]
+    serving = init_policy(D, S, H, seed=1)
+    gate.set_serving(certified(manifest(1, "init"), State(serving=1, anchor=1)), serving.tensors())
+    good = tilted(serving, GOOD).tensors()
+    asked: list[int] = []
+    release = asyncio.Event()
+
+    async def republish(version: int, reason: str) -> bool:
+        asked.append(version)
+        await release.wait()
+        return True
+
+    gate.on_republish = republish
+
+    def probe(version: int) -> Manifest:
+        return dataclasses.replace(manifest(version, PROBE), serving=ServingParams(base=1).to_wire())
+
+    gate.set_serving(probe(2), good)
+    await gate.consider(manifest(3), good)
+    gate.observe(logged(serving, MIN_DECISIONS + 50, seed=0))  # logged under v1, the probes' base
+    await gate.reconsider()
+    assert gate.state is not None and [(t.version, t.bounds.n) for t in gate.state.trials] == [(3, 250)]
+    gate.set_serving(probe(4), good)  # the trial had its decisions: the next candidate's probe
+    await gate.consider(manifest(5), serving.tensors())  # no better than v1: v3 decides first
+    for seed in range(1, 10):
+        gate.observe(logged(serving, PER_LOOK, seed))
+        await gate.reconsider()
+        if asked:
+            break
+    await asyncio.sleep(0)  # the task starts
+    assert asked == [3] and pub.promoted == []  # not promoted under v3: clients hold v4
+    assert (gate.state.serving, gate.state.anchor) == (3, 3)
+    published: list[int] = []
+
+    async def publish() -> tuple[Manifest, dict[str, torch.Tensor]]:
+        published.append(6)
+        return probe(6), good
+
+    assert not await gate.probe(publish) and published == []  # the copy is not out yet
+    release.set()
+    await asyncio.sleep(0)
+    margin = gate.state.margin
+    copy = dataclasses.replace(manifest(6, "rollback"), metrics={"rolled_back_to": 3, "gate": gate.certification(3)})
+    assert copy.metrics["gate"]["certified_margin"] == margin
+    await gate.serve_at_once(copy, good)
+    assert (gate.state.serving, gate.state.anchor, gate.state.margin) == (6, 6, margin)
+    assert probe_base(gate.state) == 6
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
