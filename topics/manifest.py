@@ -53,6 +53,7 @@ MAX_EPOCH_JUMP = 1_000  # an epoch further above the newest one seen is ignored
 CANDIDATE_SUFFIX = "/candidate"
 EPOCH_SUFFIX = "/epoch"
 CANARY_SUFFIX = "/canary"  # contract 1.4
+BASE_SUFFIX = "/base"  # contract 1.25: the certified version probes name, kept from compaction
 SCHEMA_EPOCH_CLAIM = "writer_epoch/v1"
 DELTA = "delta"  # contract 1.3: the key segment of delta checkpoints ("{policy}/delta", ...)
 # A key's version or chunk index: ASCII digits only, at most 16 (2^53 has 16). ``str.isdigit``
@@ -94,6 +95,10 @@ def canary_key(policy: str) -> str:
     return policy + CANARY_SUFFIX
 
 
+def base_key(policy: str) -> str:
+    return policy + BASE_SUFFIX
+
+
 def epoch_key(policy: str) -> str:
     return policy + EPOCH_SUFFIX
 
@@ -102,8 +107,8 @@ def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
     """Classify a model-topic key: ``(kind, policy, version, index)``.
 
     ``kind`` is ``'chunk'``, ``'serving'``, ``'candidate'``, ``'epoch'``, (contract 1.3)
-    ``'delta'``, ``'delta_candidate'``, ``'delta_chunk'``, (contract 1.4) ``'canary'``, or
-    ``'unknown'``.
+    ``'delta'``, ``'delta_candidate'``, ``'delta_chunk'``, (contract 1.4) ``'canary'``,
+    (contract 1.25) ``'base'``, or ``'unknown'``.
 
     >>> parse_key("default/delta"), parse_key("default/delta/9/0")
     (('delta', 'default', None, None), ('delta_chunk', 'default', 9, 0))
@@ -117,6 +122,8 @@ def parse_key(key: str) -> tuple[str, str, int | None, int | None]:
         return ("epoch", parts[0], None, None)
     if len(parts) == 2 and parts[1] == "canary":
         return ("canary", parts[0], None, None)
+    if len(parts) == 2 and parts[1] == "base":
+        return ("base", parts[0], None, None)
     numbers = [key_number(p) for p in parts[1:]]
     if len(parts) == 3 and numbers[0] is not None and numbers[1] is not None:
         return ("chunk", parts[0], numbers[0], numbers[1])
@@ -277,7 +284,7 @@ class Manifest(WireValue):
 
 
 # Contract 1.11: the keys a manifest may be published under, as ``parse_key`` names them.
-ROLES = ("serving", "candidate", "canary", "delta", "delta_candidate")
+ROLES = ("serving", "candidate", "canary", "delta", "delta_candidate", "base")
 
 
 def decode_manifest(raw: bytes, limits: Limits | None = None, signing_key: Key | None = None) -> Manifest:

@@ -384,6 +384,8 @@ class SequenceGate:
         self.gathered: list[Experience] = []
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
         self.rolled_back = False  # the last look rolled back: as the learner's gate, no probe then
+        # Promotions whose copy the learner publishes after the checkpoint being judged (Action.republish).
+        self.copies: list[promotion.Action] = []
         self.clients_serve = first.version  # the newest version published under the serving key
 
     def observe(self, experiences: list[Experience]) -> None:
@@ -408,7 +410,7 @@ class SequenceGate:
 
     def wants_probe(self) -> bool:
         """As the check at the start of :meth:`RuleGate.probe`: the next candidate is preceded by a probe."""
-        return not self.rolled_back and promotion.probes(self.state, self.rule)
+        return not self.rolled_back and not self.copies and promotion.probes(self.state, self.rule)
 
     def probe(self, policy: LoadedPolicy, step: int) -> None:
         """As :meth:`RuleGate.probe` once published: the probe is served, the trials go on."""
@@ -423,10 +425,16 @@ class SequenceGate:
         (anything else is served at once)."""
         v = candidate.version
         self.look(step)  # the decisions logged before it are evidence on the trials already open
-        self.nets[v] = candidate
-        if is_candidate(candidate.manifest.reason, True):
+        if is_candidate(candidate.manifest.reason, True) and (self.rolled_back or self.copies):
+            # As the learner's gate: a checkpoint the rule asked for (a rollback, a copy) is being
+            # published; served at once, it would end this candidate's trial unjudged.
+            self.result.actions.append((step, "superseded", v, "passed over"))
+            actions: list[promotion.Action] = []
+        elif is_candidate(candidate.manifest.reason, True):
+            self.nets[v] = candidate
             self.state, actions = promotion.decide(self.state, promotion.Candidate(v), self.rule)
         else:
+            self.nets[v] = candidate
             incumbent = ServingParams.from_wire(candidate.manifest.serving).incumbent
             reanchor = candidate.manifest.reason == "reset"
             event = promotion.ServedAtOnce(v, reanchor, incumbent, copy_of(candidate.manifest))
@@ -434,10 +442,15 @@ class SequenceGate:
             self.serve(candidate)
             self.clients_serve = v
         self._carry(actions, step)
+        copies, self.copies = self.copies, []  # published once the checkpoint was judged, as the learner's
+        for a in copies:
+            self.refresh(self.republish(self.nets[a.version], f"promoted v{a.version}: {a.reason}"), step)
 
     def look(self, step: int) -> None:
-        """The decisions since the last look, as evidence."""
+        """The decisions since the last look, as evidence (none: nothing to look at, as the learner's)."""
         gathered, self.gathered = self.gathered, []
+        if not gathered:
+            return
         versions = {
             v: (self.nets[v].net, ServingParams.from_wire(self.nets[v].manifest.serving))
             for v in self.state.versions()
@@ -453,7 +466,6 @@ class SequenceGate:
         self._carry(actions, step)
 
     def _carry(self, actions: list[promotion.Action], step: int) -> None:
-        copies: list[promotion.Action] = []
         for a in actions:
             self.result.actions.append((step, a.kind, a.version, a.path))
             if a.kind == "trial":
@@ -464,7 +476,7 @@ class SequenceGate:
                 promoted = self.nets[a.version]
                 self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state))
                 if a.republish:  # as the learner: its weights again under a new version, served at once
-                    copies.append(a)
+                    self.copies.append(a)
                 elif a.version < self.clients_serve:  # versions only grow on the serving key (contract §7)
                     self.result.refused_older.append((step, a.version))
                 else:
@@ -480,5 +492,3 @@ class SequenceGate:
                 self.logging_policies.hold(self.nets[canary].manifest, self.nets[canary].net, canary=True)
         keep = self.state.versions() | {self.state.first}
         self.nets = {v: p for v, p in self.nets.items() if v in keep}
-        for a in copies:
-            self.refresh(self.republish(self.nets[a.version], f"promoted v{a.version}: {a.reason}"), step)

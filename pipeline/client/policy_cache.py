@@ -20,10 +20,11 @@ files are removed.
 
 Reading re-verifies the pair as a checkpoint from the topic is verified: the manifest is
 decoded with the subscriber's signing key (an unsigned or wrongly signed one is refused),
-must name this policy, the role of the key it was read under (contract 1.11) when
-signatures are checked, the version of its file name and the expected architecture; the
-tensors pass ``models.policy.weights.verify_and_load`` against the manifest's digest (size,
-sha256, names, shapes, dtype, finiteness). Anything else raises :class:`CheckpointError`.
+must name this policy, the role of the key it was read under (contract 1.11: serving, or
+*1.25* the base key, for a full snapshot; delta for a delta) when signatures are checked,
+the version of its file name and the expected architecture; the tensors pass
+``models.policy.weights.verify_and_load`` against the manifest's digest (size, sha256, names,
+shapes, dtype, finiteness). Anything else raises :class:`CheckpointError`.
 
 >>> import tempfile
 >>> from models.policy.network import init_policy
@@ -203,8 +204,10 @@ class PolicyCache:
             raise CheckpointError("cache_manifest", repr(exc)[:200]) from None
         if manifest.policy != self.policy:
             raise CheckpointError("cache_policy", f"the manifest names policy {manifest.policy!r}")
-        role = "delta" if delta else "serving"
-        if self.signing_key is not None and manifest.role != role:
+        # Contract 1.25: a served version read under the base key (a probe's base) is cached as read.
+        roles = ("delta",) if delta else ("serving", "base")
+        if self.signing_key is not None and manifest.role not in roles:
+            role = roles[0]
             raise CheckpointError("cache_role", f"signed for the {manifest.role or 'unnamed'} key, cached as {role}")
         if manifest.version != version:
             raise CheckpointError("cache_version", f"the manifest says v{manifest.version}, its file v{version}")

@@ -216,6 +216,8 @@ class PolicySubscriber(Service):
         self._catching_up = False
         self._deferred: dict[int, tuple[int, Manifest, bytes | None]] = {}
         self._deferred_canary: tuple[int, Manifest | None] | None = None
+        # Contract 1.25: manifests read under the base key, only ever loaded as a probe's base.
+        self._deferred_bases: dict[int, tuple[int, Manifest, bytes | None]] = {}
         self._buffer = bytearray()  # delta chunks are assembled here (see _assemble)
         self._digests: dict[int, tuple[int, Any]] = {}  # delta version -> (chunks hashed, running sha256)
         self.cache = (
@@ -380,12 +382,13 @@ class PolicySubscriber(Service):
         """The history is read: load the newest serving version that verifies, then the open canary."""
         self._catching_up = False
         deferred, self._deferred = self._deferred, {}
+        bases, self._deferred_bases = self._deferred_bases, {}
         failed: set[int] = set()
         for version in sorted(deferred, reverse=True):
             if version in failed:
                 continue
             base = _probe_base(deferred[version][1])
-            if base is not None and not await self._hold_base(base, deferred, failed):
+            if base is not None and not await self._hold_base(base, {**bases, **deferred}, failed):
                 continue  # a probe whose version does not load is passed over, as a reader before 1.23 does
             if await self._serve(*deferred[version]) or base is not None:
                 break  # the probe serves, or else the version it names does
@@ -453,6 +456,13 @@ class PolicySubscriber(Service):
                 self._deferred_canary = (offset, manifest)
             else:
                 await self._canary(offset, manifest)
+            return
+        if kind == "base" and self._catching_up and manifest is not None and manifest.policy == self.policy:
+            # Contract 1.25: the version a probe names, where compaction removed its serving
+            # manifest: loaded only as what a probe is served with, never as the newest version.
+            self._deferred_bases[manifest.version] = (offset, manifest, value)
+            for old in sorted(self._deferred_bases)[:-KEEP_DEFERRED]:
+                del self._deferred_bases[old]
             return
         if kind not in ("serving", "delta") or manifest is None or manifest.policy != self.policy:
             return

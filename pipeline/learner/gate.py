@@ -299,6 +299,12 @@ class RuleGate:
                 self._serving_metrics(manifest)
                 return None
             look = await self._look()
+            if self._tasks:
+                # A checkpoint the rule asked for (a rollback, a promoted version's copy) is on its
+                # way; served at once, it ends every trial: this candidate's would end unjudged.
+                log.info("gate: v%d passed over: a checkpoint the rule asked for is being published", manifest.version)
+                self.metrics.gate_actions.labels(kind="superseded", path="-").inc()
+                return look
             self._hold(manifest, network(tensors))
             self.state, actions = decide(self.state, Candidate(manifest.version), self.rule)
             await self._carry(actions)
@@ -318,11 +324,12 @@ class RuleGate:
             return certification(s.margin, s.baseline)
         return {}
 
-    def next_is_canary(self) -> bool:
-        """Whether a candidate published now would start a trial and, where clients serve
-        canaries, be the canary: it must then be a full snapshot (a client loads no delta as its
-        canary), or the trial would go without the canary's draws for all its decisions."""
-        return self.state is not None and self.params.canary_rate > 0.0 and opens_trial(self.state, self.rule)
+    def next_opens_trial(self) -> bool:
+        """Whether a candidate published now would start a trial: it is then a full snapshot. It
+        may be the canary, which a client loads as no delta (the trial would go without the
+        canary's draws), and once certified it is the version probes name, which a client
+        started under a probe loads alone (contract 1.25: its chain's first snapshot is not kept)."""
+        return self.state is not None and opens_trial(self.state, self.rule)
 
     async def reconsider(self) -> Look | None:
         """Look at the evidence that arrived since the last look (at the checkpoint cadence)."""
@@ -423,7 +430,13 @@ class RuleGate:
         no probe is published (clients must hold what a probe names)."""
         task: asyncio.Task[bool] = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[bool]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Clients keep what they hold; the rule goes on from its state (a new learner, from the topic).
+            log.error("gate: a checkpoint the rule asked for was not published: %r", task.exception())
 
     def _bases(self, versions: set[int]) -> set[int]:
         """The versions that the held ones among ``versions`` are served with (contract 1.23: a

@@ -419,9 +419,19 @@ class Learner(Service):
         from where it is."""
         assert self.publishing is not None
         async with self._publish_lock:
+            gate = self.publishing.gate
+            if gate is None or gate.state is None or gate.state.anchor != version:
+                log.warning("learner: v%d was promoted, but the rule has moved on since: no copy", version)
+                return False
             # Memories given a slot after `version`, whose records the copy's version will follow.
             fresh = self.memories.given_between(version, self.publishing.publisher.last_version)
-            published = await self.publishing.republish(version, reason, fresh)
+            published = await self.publishing.republish(
+                version,
+                reason=reason,
+                metrics=self._manifest_metrics(),
+                input_offsets=self.input_offsets(),
+                fresh_rows=fresh,
+            )
             if published is None:
                 log.warning("learner: v%d was promoted but the gate no longer holds it: not served", version)
                 return False
@@ -518,14 +528,7 @@ class Learner(Service):
         async with self._publish_lock:
             if reason in ("periodic", "label") and not self.dirty:
                 return None  # published meanwhile (e.g. by the shutdown checkpoint)
-            metrics = manifest_metrics(
-                self.trainer,
-                self.progress,
-                self.inbox.applied_key,
-                self.config.batch_size,
-                extra,
-                principals=self.principals.view(self.progress.quarantined),
-            )
+            metrics = self._manifest_metrics(extra)
             # The map's changes go just before the manifest that holds them.
             await self.memories.publish(self.publishing.publisher)
             rows = self.trainer.take_changed_rows()  # what a delta checkpoint ships
@@ -538,6 +541,12 @@ class Learner(Service):
             self.last_publish = time.monotonic()
             await self.publishing.settle(published)
             return published.manifest
+
+    def _manifest_metrics(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The next manifest's ``metrics``: the learner's progress now (:func:`manifest_metrics`)."""
+        principals = self.principals.view(self.progress.quarantined)
+        applied = self.inbox.applied_key
+        return manifest_metrics(self.trainer, self.progress, applied, self.config.batch_size, extra, principals)
 
     async def publish_change(self, reason: str, extra: dict[str, Any]) -> int:
         """A command changed the policy: publish a checkpoint of ``reason`` now, whatever the

@@ -169,6 +169,20 @@ def manifest_metrics(
     }
 
 
+PROMOTION_COPY = "promotion_copy"  # in the metrics of a promoted version's copy (Publishing.republish)
+
+
+def is_promotion_copy(metrics: dict[str, Any]) -> bool:
+    """Whether a checkpoint with these ``metrics`` is a copy of a promoted version
+    (:meth:`Publishing.republish`): its weights are not the trainer's, and a learner never
+    restores its trainer from it.
+
+    >>> is_promotion_copy({PROMOTION_COPY: True}), is_promotion_copy({"rolled_back_to": 3})
+    (True, False)
+    """
+    return metrics.get(PROMOTION_COPY) is True
+
+
 def applied_through(metrics: dict[str, Any]) -> Key | None:
     """Reorder mode: the (event time, id) of the last experience a checkpoint applied.
 
@@ -252,6 +266,7 @@ class Publishing:
             # then draws from them (an incumbent while nothing is certified; 1.23: over the
             # certified version, which clients serve on the rest).
             async def probe() -> tuple[Manifest, dict[str, torch.Tensor]]:
+                await self._keep_base()
                 p = await self.publish(
                     trainer, reason=PROBE, metrics=metrics, input_offsets=input_offsets, changed_rows=changed_rows
                 )
@@ -261,8 +276,8 @@ class Publishing:
                 changed_rows = np.zeros(0, np.int64)  # the probe carried them
         tensors = trainer.tensors()
         full = to_safetensors(tensors)
-        canary = candidate and self.gate is not None and self.gate.next_is_canary()
-        rows = None if canary else self.deltas.plan(reason, changed_rows)
+        trial = candidate and self.gate is not None and self.gate.next_opens_trial()
+        rows = None if trial else self.deltas.plan(reason, changed_rows)
         delta: dict[str, Any] | None = None
         blob = full
         if rows is not None and self.publisher.head is not None:
@@ -320,16 +335,25 @@ class Publishing:
         )
         return Published(manifest, tensors, candidate)
 
-    async def republish(self, version: int, reason: str, fresh_rows: Sequence[int] = ()) -> Published | None:
+    async def republish(
+        self,
+        version: int,
+        *,
+        reason: str,
+        metrics: dict[str, Any],
+        input_offsets: dict[str, int],
+        fresh_rows: Sequence[int] = (),
+    ) -> Published | None:
         """Publish the weights of ``version``, which the gate holds, again under a new version,
-        served at once: a copy (reason ``rollback``, ``metrics.rolled_back_to``), for a promotion of
-        a version older than one clients were told to serve since (a probe): versions only grow
-        on the serving key (docs/contract.md §7). The trainer goes on untouched. The copy carries
-        ``version``'s progress and input offsets, and its local state (with its Adam moments where
-        no row changed), so a learner restored from it goes on as from ``version``.
-        ``fresh_rows``: slots given to a memory after ``version`` whose records the copy's version
-        follows; ``version``'s weights hold an earlier owner's rows there: neutral in the copy.
-        Returns None where the gate no longer holds ``version``."""
+        served at once: a copy (reason ``rollback``, ``metrics.rolled_back_to``, and
+        ``metrics.promotion_copy``), for a promotion of a version older than one clients were
+        told to serve since (a probe): versions only grow on the serving key (docs/contract.md
+        §7). The trainer goes on untouched and is never restored from the copy
+        (:func:`is_promotion_copy`): ``metrics`` and ``input_offsets`` are the learner's now, as
+        any checkpoint's. It is served as ``version`` was published, and carries its
+        certification. ``fresh_rows``: slots given to a memory after ``version`` whose records
+        the copy's version follows; ``version``'s weights hold an earlier owner's rows there:
+        neutral in the copy. Returns None where the gate no longer holds ``version``."""
         held = self.gate.versions.get(version) if self.gate is not None else None
         if held is None:
             return None
@@ -341,25 +365,17 @@ class Publishing:
             weight, bias = neutral_rows(len(rows), hidden, torch.Generator().manual_seed(version))
             tensors["out.weight"][rows], tensors["out.bias"][rows] = weight, bias
         full = to_safetensors(tensors)
-        sha = source.state_sha256 if isinstance(source, DeltaManifest) else source.sha256  # its local copy's
-        optimizer = {} if rows else self.store.optimizer_of(version, sha)
-        baseline_state = source.metrics.get("baseline_state")
-        metrics = {k: v for k, v in source.metrics.items() if k not in ("writer", "gate")}
-        metrics.update(rolled_back_to=version, rollback_reason=reason, **self.gate_record(version))
-
-        def save_locally(manifest: Manifest) -> None:
-            state = baseline_state if isinstance(baseline_state, dict) else {}
-            self.store.save(manifest, tensors, optimizer, state, full)
-
+        marks = {"rolled_back_to": version, "rollback_reason": reason, PROMOTION_COPY: True}
         manifest = await self.publisher.publish(
             full,
             alpha=source.alpha,
             reason="rollback",
             arch=source.arch,
             baseline=source.baseline,
-            metrics=metrics,
-            input_offsets=source.input_offsets,
-            prepare=save_locally,
+            metrics={**metrics, **marks, **self.gate_record(version)},
+            input_offsets=input_offsets,
+            # Its weights on disk as every published version's (an operator may roll back to it).
+            prepare=lambda m: self.store.save(m, tensors, {}, {}, full),
             serving=source.serving,
         )
         # Not recorded as the planner's own: the trainer's weights differ from it, so the next
@@ -377,6 +393,16 @@ class Publishing:
         """What a probe published now names as its base (contract 1.23): the certified anchor, if any."""
         state = self.gate.state if self.gate is not None else None
         return probe_base(state) if state is not None else None
+
+    async def _keep_base(self) -> None:
+        """Before a probe over a certified version (contract 1.23), that version's manifest under
+        the base key (1.25), which compaction keeps: a client started while a probe serves loads
+        it from there once its own serving manifest is compacted away. A delta is not (a client
+        rebuilds it from its chain; a candidate that starts a trial is a full snapshot)."""
+        base = self._base()
+        held = self.gate.versions.get(base) if self.gate is not None and base is not None else None
+        if held is not None and not isinstance(held[0], DeltaManifest):
+            await self.publisher.set_base(held[0])
 
     async def settle(self, published: Published) -> None:
         """The gate judges a candidate now; a checkpoint served at once becomes its reference."""

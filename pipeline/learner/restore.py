@@ -40,7 +40,7 @@ from models.policy.trainer import PolicyTrainer
 from pipeline.client.subscriber import fetch_checkpoint
 from pipeline.config import Connection
 from pipeline.learner.inbox import Key
-from pipeline.learner.publishing import Progress, applied_through
+from pipeline.learner.publishing import Progress, applied_through, is_promotion_copy
 from pipeline.learner.store import LocalCheckpoint, LocalStore
 from pipeline.modeltopic import ModelTopicIndex, read_range, scan_model_topic
 from topics.delta import DeltaManifest
@@ -115,11 +115,14 @@ async def from_topic(
     """The newest checkpoint of the policy on the model topic that verifies, loaded; None if none does.
 
     Each version's bytes come from the topic, else from the local directory when its copy
-    has the manifest's sha256 (the topic may have tombstoned or lost them).
+    has the manifest's sha256 (the topic may have tombstoned or lost them). A copy of a promoted
+    version is not the trainer's state: passed over.
     """
     for version in policy_versions(index, conn.policy):
         manifest = manifest_of(index, conn.policy, version)
         assert manifest is not None
+        if is_promotion_copy(manifest.metrics):
+            continue
         source = f"topic v{version}"
         try:
             tensors = await fetch_checkpoint(bootstrap, conn, index, manifest)
@@ -139,10 +142,11 @@ async def from_topic(
 
 
 def newest_local(store: LocalStore, arch: Arch) -> LocalCheckpoint | None:
-    """The newest local version that verifies against its saved manifest."""
+    """The newest local version that verifies against its saved manifest (not a promoted
+    version's copy: not the trainer's state)."""
     for version in reversed(store.versions()):
         local = store.verified(version, arch)
-        if local is not None:
+        if local is not None and not is_promotion_copy(local[0]["manifest"].get("metrics") or {}):
             return local
     return None
 
@@ -171,7 +175,10 @@ async def serving_checkpoints(
         return []
     chain = [head]
     if head.reason == PROBE:
-        served = [m for m in index.links(conn.policy) if m.version < head.version and m.role in ("serving", "delta")]
+        # 1.25: a version probes name may be left only under the base key (compaction).
+        served = [
+            m for m in index.links(conn.policy) if m.version < head.version and m.role in ("serving", "delta", "base")
+        ]
         firsts = [i for i, m in enumerate(served) if m.reason != PROBE]
         if firsts:
             chain = [served[firsts[-1]], *served[firsts[-1] + 1 :][-1:], head]

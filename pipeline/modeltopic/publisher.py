@@ -19,6 +19,7 @@ from topics.fields import encode
 from topics.manifest import (
     EpochClaim,
     Manifest,
+    base_key,
     canary_key,
     candidate_key,
     chunk_key,
@@ -68,6 +69,7 @@ class CheckpointPublisher:
         self.before_send = before_send
         self.live: dict[int, int] = {}  # version -> chunk count, not yet tombstoned
         self.canary_version: int | None = None  # contract 1.4: the canary's chunks stay while it runs
+        self.base_version: int | None = None  # contract 1.25: the version last written under the base key
         self.pinned: set[int] = set()  # candidates the promotion gate is still testing: their chunks stay
         self.protected: set[int] = set()  # versions that must stay (the serving one)
         self.delta_live: dict[int, int] = {}  # delta version -> chunk count, not yet tombstoned
@@ -239,6 +241,24 @@ class CheckpointPublisher:
         self.canary_version = manifest.version if manifest is not None else None
         await self._tombstone_old()
 
+    async def set_base(self, manifest: Manifest) -> None:
+        """Contract 1.25: republish the manifest of the version probes name (``serving.base``)
+        under ``"{policy}/base"``, once per version: compaction keeps the newest record of each
+        key, so a client that starts while a probe serves finds it after the version's own
+        serving manifest was compacted away (its chunks stay while a probe over it serves)."""
+        if isinstance(manifest, DeltaManifest):
+            raise ValueError("a base is a full snapshot: a client loads it alone")
+        if manifest.version == self.base_version:
+            return
+        await self._fence()
+        key = base_key(self.policy)
+        # This writer's epoch and name: readers fence off a manifest of an older epoch.
+        metrics = {**manifest.metrics, "writer": self.writer} if self.writer else manifest.metrics
+        base = dataclasses.replace(manifest, epoch=self.epoch, metrics=metrics).signed(self.signing_key, role="base")
+        fut = await self.producer.send(self.topic, encode(base.to_dict()), key=key.encode(), partition=0)
+        await fut
+        self.base_version = manifest.version
+
     async def _tombstone_old(self) -> None:
         keep = set(sorted(self.live)[-self.keep_versions :]) | self.protected | self.pinned
         if self.canary_version is not None:
@@ -250,7 +270,7 @@ class CheckpointPublisher:
         futures = []
         for version, part_key in doomed:
             table = self.live if part_key is chunk_key else self.delta_live
-            for i in range(table.pop(version)):
+            for i in range(table.pop(version, 0)):  # another call may have tombstoned it meanwhile
                 key = part_key(self.policy, version, i).encode()
                 signed = self._tombstone_headers(key)
                 futures.append(await self.producer.send(self.topic, None, key=key, partition=0, **signed))

@@ -98,6 +98,8 @@ class ModelTopicIndex:
     delta_chunk_offsets: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
     # contract 1.4: the canary per policy (a full candidate's manifest; None once a tombstone ended it)
     canary: dict[str, Manifest | None] = field(default_factory=dict)
+    # contract 1.25: the newest manifest under the base key per policy (the version probes name)
+    base: dict[str, Manifest] = field(default_factory=dict)
 
     def _reject(self, offset: int, why: str) -> tuple[str, None]:
         self.rejected_total += 1
@@ -164,6 +166,13 @@ class ModelTopicIndex:
             return self._observe_claim(offset, policy, value)
         if kind == "canary":
             return self._observe_canary(offset, policy, value)
+        if kind == "base" and value is not None:  # contract 1.25: a version probes name, kept from compaction
+            manifest = self._followable(policy, value, delta=False, what="base manifest", role="base")
+            if isinstance(manifest, str):
+                return self._reject(offset, manifest)
+            self.manifests.setdefault((policy, manifest.version), manifest)
+            self.base[policy] = manifest
+            return kind, manifest
         if kind in ("serving", "candidate", "delta", "delta_candidate") and value is not None:
             manifest = self._followable(policy, value, delta=kind.startswith("delta"), role=kind)
             if isinstance(manifest, str):

@@ -63,13 +63,15 @@ from aiokafka.admin import AIOKafkaAdminClient
 from causalmem_lab.procs import Child
 
 from models.memory.write_gate import memory_id_for
+from models.policy.network import Arch, init_policy
+from models.serving.params import ServingParams
 from pipeline import kafka
 from pipeline.client.publisher import EventPublisher
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.config import Settings
-from pipeline.modeltopic import scan_model_topic
+from pipeline.modeltopic import CheckpointPublisher, scan_model_topic
 from pipeline.promtext import metric
-from tests.helpers import feedback, form_field, retrieval_event, until, wait_metric
+from tests.helpers import feedback, form_field, publish_tensors, retrieval_event, until, wait_metric
 from tests.kafka_cluster import KafkaCluster
 from topics.feedback import decode_llm_feedback
 from topics.fields import encode
@@ -293,16 +295,9 @@ async def test_a_late_subscriber_loads_the_serving_policy_and_follows_the_operat
         assert not sub.current.manifest.metrics.get("suppressed")
 
 
-async def test_compaction_drops_old_chunks_and_a_late_reader_still_loads_the_policy(
-    deployment: Deployment, learnt: int
-) -> None:
-    """The model topic relies on compaction (docs/contract.md §7): the learner tombstones the chunks
-    of old versions, Apache Kafka's cleaner drops their values, and a reader that starts afterwards
-    still loads the serving policy. The topic's segments roll after 1 s here (instead of 7 days), so
-    that the cleaner (every 15 s) gets to them."""
-    dep = deployment
-    operator = dep.settings("operator")
-    topic = operator.topics().policy_checkpoints.name
+def _segments_roll_fast(dep: Deployment, topic: str) -> None:
+    """``topic``'s segments roll after 1 s (instead of 7 days), so that the cleaner (every 15 s)
+    compacts what was written more than a second before the newest record."""
     tool = subprocess.run(
         [
             str(dep.cluster.bin / "kafka-configs.sh"),
@@ -324,6 +319,19 @@ async def test_compaction_drops_old_chunks_and_a_late_reader_still_loads_the_pol
         stdin=subprocess.DEVNULL,
     )
     assert tool.returncode == 0, tool.stdout + tool.stderr
+
+
+async def test_compaction_drops_old_chunks_and_a_late_reader_still_loads_the_policy(
+    deployment: Deployment, learnt: int
+) -> None:
+    """The model topic relies on compaction (docs/contract.md §7): the learner tombstones the chunks
+    of old versions, Apache Kafka's cleaner drops their values, and a reader that starts afterwards
+    still loads the serving policy. The topic's segments roll after 1 s here (instead of 7 days), so
+    that the cleaner (every 15 s) gets to them."""
+    dep = deployment
+    operator = dep.settings("operator")
+    topic = operator.topics().policy_checkpoints.name
+    _segments_roll_fast(dep, topic)
 
     def chunks(records: list[Any]) -> tuple[set[str], set[str]]:
         """The chunk keys of ``records`` that have a value, and those that have a tombstone."""
@@ -358,6 +366,48 @@ async def test_compaction_drops_old_chunks_and_a_late_reader_still_loads_the_pol
         loaded = await sub.wait_for_policy(min_version=newest, timeout=60)
         assert loaded.manifest.metrics["suppressed"] == [5]
         assert sub.health() == "ok"
+
+
+async def test_compaction_keeps_the_version_probes_name_under_the_base_key(deployment: Deployment) -> None:
+    """Contract 1.25, against Apache Kafka's cleaner: once probes over a certified version follow
+    it on the serving key, compaction drops that version's own serving manifest, and a client
+    started then served nothing (it could not load the version a probe is served with). The
+    version's copy under ``"{policy}/base"`` stays, and a late client loads it, then the probe.
+    (A policy of its own on the deployment's model topic, written as the learner's user.)"""
+    dep = deployment
+    writer = dep.settings("learner").replace(policy="probed")
+    topic = writer.topics().policy_checkpoints.name
+    _segments_roll_fast(dep, topic)
+    producer = kafka.producer(dep.cluster.bootstrap, writer)
+    await producer.start()
+    try:
+        pub = CheckpointPublisher(producer, topic, writer.policy, signing_key=writer.signing_key())
+        arch = Arch(writer.embedding_dim, writer.slots, writer.hidden)
+        for version, reason, params in [(1, "init", None), (2, "periodic", None), (3, "probe", 2), (4, "probe", 2)]:
+            tensors = init_policy(writer.embedding_dim, writer.slots, writer.hidden, seed=version).tensors()
+            serving = ServingParams(base=params).to_wire()
+            published = await publish_tensors(pub, tensors, arch=arch, reason=reason, baseline=0.0, serving=serving)
+            if version == 2:
+                await pub.set_base(published)  # before the first probe over it, as the learner does
+            await asyncio.sleep(1.5)  # each in a segment of its own: the cleaner may take those before
+    finally:
+        await producer.stop()
+
+    def serving_versions(records: list[Any]) -> list[int]:
+        mine = [r for r in records if r.key is not None and r.key.decode() == writer.policy and r.value is not None]
+        return [int(json.loads(r.value)["version"]) for r in mine]
+
+    deadline = time.monotonic() + 90
+    while 2 in (left := serving_versions(await kafka.read_all(dep.cluster.bootstrap, writer, topic))):
+        assert time.monotonic() < deadline, f"the cleaner kept the serving manifests of {left}"
+        await asyncio.sleep(2.0)
+    service = dep.settings("service").replace(policy="probed")
+    loaded: list[int] = []
+    async with PolicySubscriber(
+        dep.cluster.bootstrap, service.policy, service, on_update=lambda p: loaded.append(p.version)
+    ) as sub:
+        await sub.wait_for_policy(min_version=4, timeout=60)
+    assert loaded == [2, 4]  # the version the probe names, from the base key, then the probe
 
 
 async def test_a_proposed_memory_passes_the_write_gate_and_reaches_the_clients_slot_map(

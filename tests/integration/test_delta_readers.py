@@ -76,7 +76,7 @@ async def test_evaluate_reads_the_serving_delta_and_a_delta_candidate(
         return False  # nothing served yet: no incumbent to probe
 
     p.gate = SimpleNamespace(
-        serving_manifest=None, decisions=[], state=None, probe=no_probe, next_is_canary=lambda: False
+        serving_manifest=None, decisions=[], state=None, probe=no_probe, next_opens_trial=lambda: False
     )
     monkeypatch.setattr(type(p), "is_candidate", lambda self, reason: True)
     train(t, [4])

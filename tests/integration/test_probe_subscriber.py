@@ -18,9 +18,11 @@ from pipeline.modeltopic import CheckpointPublisher
 from tests.helpers import publish_tensors
 
 
-async def _publish(s: Settings, keep_versions: int = 3) -> None:
+async def _publish(s: Settings, keep_versions: int = 3, compacted: bool = False) -> None:
     """v1 the first policy, v2 certified, v3 and v4 probes over v2 (what the learner publishes);
-    chunks of all but the newest ``keep_versions`` tombstoned."""
+    chunks of all but the newest ``keep_versions`` tombstoned. ``compacted``: v2's serving
+    manifest is not on the topic (as after the topic's compaction: its key's newest record is
+    the probe), only its copy under the base key (contract 1.25) and its chunks (pinned)."""
     producer = kafka.producer(s.bootstrap or "", s)
     await producer.start()
     try:
@@ -35,7 +37,12 @@ async def _publish(s: Settings, keep_versions: int = 3) -> None:
             (4, "probe", probe),
         ):
             tensors = init_policy(s.embedding_dim, s.slots, s.hidden, seed=seed).tensors()
-            await publish_tensors(pub, tensors, arch=arch, reason=reason, baseline=0.0, serving=params.to_wire())
+            hidden = compacted and seed == 2
+            published = await publish_tensors(
+                pub, tensors, arch=arch, reason=reason, baseline=0.0, serving=params.to_wire(), candidate=hidden
+            )
+            if seed == 2:
+                await pub.set_base(published)  # before the first probe over it, as the learner does
     finally:
         await producer.stop()
 
@@ -81,3 +88,19 @@ async def test_a_probe_whose_version_does_not_load_is_passed_over(topics_ready: 
         with pytest.raises(TimeoutError):
             await sub.wait_for_policy(1, timeout=8)
         assert sub.current is None and loaded == []
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(120)
+async def test_a_client_started_under_a_probe_loads_its_base_from_the_base_key_after_compaction(
+    topics_ready: Settings,
+) -> None:
+    """Compaction keeps the newest record of each key: once probes follow it on the serving key,
+    the certified version's own manifest goes, and a client started then found no version to
+    serve the probe with (it served nothing). The copy under the base key (contract 1.25) stays."""
+    s = topics_ready.replace(policy="probed-compacted")
+    await _publish(s, compacted=True)
+    loaded: list[int] = []
+    async with PolicySubscriber(s.bootstrap or "", s.policy, s, on_update=lambda p: loaded.append(p.version)) as sub:
+        await sub.wait_for_policy(4, timeout=60)
+    assert loaded == [2, 4]  # the version the probe names, then the probe

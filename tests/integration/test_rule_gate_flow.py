@@ -17,6 +17,7 @@ from pipeline.cli.rollback import rollback
 from pipeline.client.subscriber import PolicySubscriber
 from pipeline.learner.gate import RuleGate
 from pipeline.learner.promotion import SIMILARITY
+from pipeline.modeltopic import scan_model_topic
 from tests.helpers import until
 from tests.integration.test_gate import BAD, _send, learner_running, log_of, tilted
 from topics.fields import PROBE
@@ -35,6 +36,7 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
     # Contract 1.19: incumbents whose exploration draws from the next candidate; 1.23: after a
     # promotion, probes over the certified version, which clients serve on the rest.
     probes: set[int] = set()
+    bases: set[int] = set()
 
     def on_update(p: Any) -> None:
         loaded.append(p.version)
@@ -42,6 +44,8 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
             assert p.serving is not None and p.serving.incumbent != (p.serving.base is not None)
             assert p.serving.base is None or p.serving.base in promoted_so_far()
             probes.add(p.version)
+            if p.serving.base is not None:
+                bases.add(p.serving.base)
 
     def promoted_so_far() -> set[int]:
         return {d.candidate_version for d in learner.gate.decisions if d.decision == "promoted"}
@@ -98,6 +102,9 @@ async def test_the_rule_promotes_on_later_decisions_and_refuses_a_worse_candidat
         assert refused[-1].path == "worse" and refused[-1].candidate_version > max(promoted)
         assert gate.serving_manifest is not None
         assert gate.serving_manifest.version not in {d.candidate_version for d in refused}  # nothing worse served
+        # The probes over the promoted version: it is under the base key too (contract 1.25).
+        index = await scan_model_topic(s.bootstrap, s)
+        assert bases and index.base[s.policy].version in bases
 
 
 @pytest.mark.broker
@@ -197,11 +204,12 @@ async def test_a_learner_restarted_under_a_promoted_version_goes_on_from_it(topi
 @pytest.mark.broker
 async def test_a_promotion_clients_would_refuse_is_served_as_a_copy_and_the_trainer_goes_on(topics_ready) -> None:
     """A candidate promoted after a probe (a newer version) is published again under a new
-    version (``Action.republish``), through the learner's own hook: clients load it; it holds the
-    candidate's weights, but a neutral row for a memory given a slot since (the candidate's row
-    there is an earlier owner's); its input offsets and local state are the candidate's, so a
-    restore from it goes on as from the candidate; the trainer is not touched."""
-    s = topics_ready.replace(gate=True, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
+    version (``Action.republish``), through the learner's own hook (here for the anchor it has
+    promoted): clients load it; it holds the candidate's weights, but a neutral row for a memory
+    given a slot since (the candidate's row there is an earlier owner's), and its certification;
+    the rule takes it as the anchor; the trainer is not touched, and a restarted learner does
+    not restore its trainer from it (it is not the trainer's state) but serves it as the anchor."""
+    s = topics_ready.replace(gate=True, lr=1e-2, batch_size=16, checkpoint_interval_s=0.3, serve_canary_rate=0.0)
     t = s.topics()
     loaded: list[Any] = []
     sub = PolicySubscriber(s.bootstrap, s.policy, s, on_update=loaded.append)
@@ -212,30 +220,45 @@ async def test_a_promotion_clients_would_refuse_is_served_as_a_copy_and_the_trai
             gate = learner.gate
             assert isinstance(gate, RuleGate) and gate.on_republish is not None
             await sub.wait_for_policy(1, timeout=30)
-            first, first_net = gate.versions[1]
+            init = PolicyNetwork.from_tensors(learner.trainer.tensors())
+            for seed in range(3, 12):  # traffic logged by the first policy, until a promotion
+                await _send(s, served_by(log_of(init, 600, seed=seed, policy=s.policy, questions=20), 1))
+                if any(d.decision == "promoted" for d in gate.decisions):
+                    break
+                await until(lambda: not learner.dirty, 30, "a checkpoint")
+            await until(lambda: any(d.decision == "promoted" for d in gate.decisions), 60, "a promotion")
             record = MemoryRecord("add", "m-new", 1_767_225_600.0, text="new", embedding=np.ones(s.embedding_dim))
             await producer.send_and_wait(t.memory_lifecycle.name, record.to_bytes(), key=record.key, partition=0)
-            await until(lambda: learner.memories.allocator.slot_of("m-new") is not None, 20, "the slot")
+            await until(lambda: learner.memories.allocator.slot_of("m-new") is not None, 30, "the slot")
+            # More training: the next checkpoint publishes the slot's record.
+            await _send(s, served_by(log_of(init, 100, seed=20, policy=s.policy, questions=20), 1))
             slot = learner.memories.allocator.slot_of("m-new")
-            await _send(s, served_by(log_of(first_net, 200, seed=3, policy=s.policy, questions=20), 1))
-            await until(lambda: learner.version >= 2 and not learner.dirty, 30, "a checkpoint after the slot")
-            await until(lambda: sub.current is not None and sub.current.slot_of("m-new") is not None, 20, "the map")
-            head = learner.version
+            await until(
+                lambda: not learner.memories.pending and not learner.dirty and not gate.gathered,
+                30,
+                "the slot's record published, everything judged",
+            )
+            assert gate.state is not None
+            anchor, margin, head = gate.state.anchor, gate.state.margin, learner.version
+            source = gate.versions[anchor][1].tensors()
             trained = learner.trainer.tensors()
 
-            assert await gate.on_republish(1, "test") is True
+            assert await gate.on_republish(anchor, "test") is True
             await until(lambda: sub.current is not None and sub.current.version > head, 30, "the copy loaded")
             copy = sub.current
-            assert copy.manifest.reason == "rollback" and copy.manifest.metrics["rolled_back_to"] == 1
-            assert copy.manifest.input_offsets == first.input_offsets and copy.slot_of("m-new") == slot
-            weights, held = copy.net.tensors(), first_net.tensors()
-            others = [r for r in range(held["out.weight"].shape[0]) if r != slot]
-            assert torch.equal(weights["hidden.weight"], held["hidden.weight"])
-            assert torch.equal(weights["out.weight"][others], held["out.weight"][others])
-            assert float(weights["out.bias"][slot]) == pytest.approx(NEUTRAL_BIAS)
+            metrics = copy.manifest.metrics
+            assert copy.manifest.reason == "rollback" and metrics["rolled_back_to"] == anchor
+            assert metrics["promotion_copy"] is True and metrics["gate"]["certified_margin"] == margin
+            weights = copy.net.tensors()
+            others = [r for r in range(source["out.weight"].shape[0]) if r != slot]
+            assert torch.equal(weights["hidden.weight"], source["hidden.weight"])
+            assert torch.equal(weights["out.weight"][others], source["out.weight"][others])
+            assert float(weights["out.bias"][slot]) == pytest.approx(NEUTRAL_BIAS) and copy.slot_of("m-new") == slot
             assert all(torch.equal(v, learner.trainer.tensors()[k]) for k, v in trained.items())  # untouched
-            assert gate.state is not None and gate.state.serving == copy.version
-            local = learner.store.manifest_of(copy.version)
-            assert local is not None and local["manifest"]["input_offsets"] == first.input_offsets
+            assert (gate.state.serving, gate.state.anchor, gate.state.margin) == (copy.version, copy.version, margin)
+        async with learner_running(s) as restarted:
+            assert restarted.restored_from != f"topic v{copy.version}"
+            assert restarted.gate is not None and restarted.gate.state is not None
+            assert restarted.gate.state.anchor >= copy.version  # the copy, or a later promotion
     finally:
         await producer.stop()

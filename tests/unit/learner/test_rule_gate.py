@@ -169,7 +169,7 @@ async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_i
     older than one they hold, so a trial that decides after the probe was promoted in vain: through
     the pipeline each run had one, and two ended on the probe it was refused for. The gate asks
     the learner to publish the candidate's weights again (no probe meanwhile: clients must hold
-    what a probe names), and takes the copy as the anchor."""
+    what a probe names; no trial either: the copy ends them), and takes the copy as the anchor."""
     pub = Publisher()
     gate = RuleGate(GateConfig(trial_decisions=MIN_DECISIONS), pub, Metrics())  # type: ignore[arg-type]
     serving = init_policy(D, S, H, seed=1)
@@ -210,14 +210,16 @@ async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_i
         return probe(6), good
 
     assert not await gate.probe(publish) and published == []  # the copy is not out yet
+    await gate.consider(manifest(7), good)  # its trial would end at the copy, unjudged: passed over
+    assert 7 not in {t.version for t in gate.state.trials} and 7 not in gate.versions
     release.set()
     await asyncio.sleep(0)
     margin = gate.state.margin
-    copy = dataclasses.replace(manifest(6, "rollback"), metrics={"rolled_back_to": 3, "gate": gate.certification(3)})
+    copy = dataclasses.replace(manifest(8, "rollback"), metrics={"rolled_back_to": 3, "gate": gate.certification(3)})
     assert copy.metrics["gate"]["certified_margin"] == margin
     await gate.serve_at_once(copy, good)
-    assert (gate.state.serving, gate.state.anchor, gate.state.margin) == (6, 6, margin)
-    assert probe_base(gate.state) == 6
+    assert (gate.state.serving, gate.state.anchor, gate.state.margin) == (8, 8, margin)
+    assert probe_base(gate.state) == 8
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:

@@ -37,3 +37,24 @@ def test_a_flood_of_rejections_is_counted_but_not_all_kept() -> None:
         index.observe(offset, b"default", b"{not a manifest")
     assert index.rejected_total == 5 * KEEP_REJECTIONS
     assert len(index.rejected) <= 2 * KEEP_REJECTIONS and index.rejected[-1][0] == 5 * KEEP_REJECTIONS - 1
+
+
+def test_a_base_record_is_a_served_version_signed_for_the_base_key_only() -> None:
+    """Contract 1.25: the manifest of the version probes name, under ``"{policy}/base"``, signed
+    for that key: the index holds it as that version's manifest (compaction may have removed the
+    serving one); a candidate's signed manifest replayed there is rejected, as under any key."""
+    from models.policy.network import Arch
+    from topics.fields import encode
+    from topics.manifest import Manifest, base_key
+
+    def signed(role: str) -> bytes:
+        arch = Arch(8, 6, 4).to_dict()
+        m = Manifest("default", 2, 0.0, "periodic", arch, 0.5, 0.0, "0" * 64, 1, 1).signed(KEY, role=role)
+        return encode(m.to_dict())
+
+    index = ModelTopicIndex(signing_key=KEY)
+    assert index.observe(0, base_key("default").encode(), signed("candidate"))[0] == "rejected"
+    kind, manifest = index.observe(1, base_key("default").encode(), signed("base"))
+    assert kind == "base" and manifest is not None and index.version("default", 2) == manifest
+    assert index.serving_head("default") is None  # not a serving manifest
+    assert index.observe(2, b"default", signed("base"))[0] == "rejected"  # nor replayable as one

@@ -49,6 +49,7 @@ from topics.labels import ActiveLearningSample, HumanLabel
 from topics.manifest import (
     MAX_CHUNK_BYTES,
     Manifest,
+    base_key,
     canary_key,
     candidate_key,
     chunk_key,
@@ -180,6 +181,7 @@ def test_manifest_fields_and_keys() -> None:
     assert parse_key(candidate_key("p")) == ("candidate", "p", None, None)
     assert parse_key("p") == ("serving", "p", None, None)
     assert parse_key(canary_key("p")) == ("canary", "p", None, None)  # contract 1.4
+    assert parse_key(base_key("p")) == ("base", "p", None, None)  # contract 1.25
     assert parse_key("p/x/1")[0] == "unknown" and parse_key("a/b/c/d")[0] == "unknown"
     assert validate_policy_name("default") == "default"
     for bad in ("", "a/b", "x" * 129):
