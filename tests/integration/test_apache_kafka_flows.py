@@ -378,8 +378,7 @@ async def test_compaction_keeps_the_version_probes_name_under_the_base_key(deplo
     writer = dep.settings("learner").replace(policy="probed")
     topic = writer.topics().policy_checkpoints.name
     _segments_roll_fast(dep, topic)
-    producer = kafka.producer(dep.cluster.bootstrap, writer)
-    await producer.start()
+    producer = await kafka.start_producer(dep.cluster.bootstrap, writer)  # idempotent, as the learner's
     try:
         pub = CheckpointPublisher(producer, topic, writer.policy, signing_key=writer.signing_key())
         arch = Arch(writer.embedding_dim, writer.slots, writer.hidden)

@@ -457,9 +457,11 @@ async def test_broker_learner_publishes_full_and_deltas_and_a_subscriber_follows
             assert same(loaded.net.tensors(), t.tensors())
 
 
-async def test_a_candidate_that_starts_a_trial_is_full_where_clients_serve_canaries(tmp_path: Path) -> None:
+async def test_a_candidate_that_starts_a_trial_is_a_full_snapshot(tmp_path: Path) -> None:
     """The newest trial's candidate is the canary, and a client loads no delta as its canary: a
-    delta that started a trial went without the canary's draws for all its decisions."""
+    delta that started a trial went without the canary's draws for all its decisions. Without
+    canaries too (contract 1.25): once certified it is the version probes name, which a client
+    started under a probe loads alone (the first snapshot of a delta's chain is not kept)."""
     kinds = {}
     for rate in (0.0, 0.2):
         p, t = learner(tmp_path / str(rate), gate=GateConfig(), serving=ServingParams(canary_rate=rate))
@@ -469,7 +471,7 @@ async def test_a_candidate_that_starts_a_trial_is_full_where_clients_serve_canar
         )
         train(t, [1, 2])
         kinds[rate] = type(await publish(p, t)).__name__  # the first candidate: it starts a trial
-    assert kinds == {0.0: "DeltaManifest", 0.2: "Manifest"}
+    assert kinds == {0.0: "Manifest", 0.2: "Manifest"}
 
 
 async def test_a_delta_candidate_is_promoted_under_the_delta_key_while_its_base_serves() -> None:
