@@ -353,9 +353,10 @@ class SequenceGate:
     """The promotion rule (:func:`pipeline.learner.promotion.decide`) as the learner carries it
     out, on the decisions applied after each trial started (:mod:`pipeline.learner.evidence`).
 
-    Carries each action out on the loop's retriever: ``promote`` and ``rollback`` serve a
-    version, ``refuse`` (the candidate shown worse) ends its trial; while a full candidate's
-    trial waits and clients serve canaries, it is the canary.
+    Carries each action out on the loop's retriever: ``promote`` serves a version, or, where
+    clients hold a newer one, a copy of it under a new version, as does ``rollback``; ``refuse``
+    (the candidate shown worse) ends its trial; while a full candidate's trial waits and clients
+    serve canaries, it is the canary.
     """
 
     def __init__(
@@ -383,9 +384,9 @@ class SequenceGate:
         self.republish = republish
         self.gathered: list[Experience] = []
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
-        self.rolled_back = False  # the last look rolled back: as the learner's gate, no probe then
-        # Promotions whose copy the learner publishes after the checkpoint being judged (Action.republish).
-        self.copies: list[promotion.Action] = []
+        # The versions whose weights the learner publishes again, after the checkpoint being judged
+        # (a rollback's target, a promotion after a newer probe: promotion.State.awaiting).
+        self.copies: list[tuple[int, str]] = []
         self.clients_serve = first.version  # the newest version published under the serving key
 
     def observe(self, experiences: list[Experience]) -> None:
@@ -410,7 +411,7 @@ class SequenceGate:
 
     def wants_probe(self) -> bool:
         """As the check at the start of :meth:`RuleGate.probe`: the next candidate is preceded by a probe."""
-        return not self.rolled_back and not self.copies and promotion.probes(self.state, self.rule)
+        return promotion.probes(self.state, self.rule)
 
     def probe(self, policy: LoadedPolicy, step: int) -> None:
         """As :meth:`RuleGate.probe` once published: the probe is served, the trials go on."""
@@ -425,12 +426,7 @@ class SequenceGate:
         (anything else is served at once)."""
         v = candidate.version
         self.look(step)  # the decisions logged before it are evidence on the trials already open
-        if is_candidate(candidate.manifest.reason, True) and (self.rolled_back or self.copies):
-            # As the learner's gate: a checkpoint the rule asked for (a rollback, a copy) is being
-            # published; served at once, it would end this candidate's trial unjudged.
-            self.result.actions.append((step, "superseded", v, "passed over"))
-            actions: list[promotion.Action] = []
-        elif is_candidate(candidate.manifest.reason, True):
+        if is_candidate(candidate.manifest.reason, True):
             self.nets[v] = candidate
             self.state, actions = promotion.decide(self.state, promotion.Candidate(v), self.rule)
         else:
@@ -442,9 +438,12 @@ class SequenceGate:
             self.serve(candidate)
             self.clients_serve = v
         self._carry(actions, step)
-        copies, self.copies = self.copies, []  # published once the checkpoint was judged, as the learner's
-        for a in copies:
-            self.refresh(self.republish(self.nets[a.version], f"promoted v{a.version}: {a.reason}"), step)
+        # Published once the checkpoint was judged, as the learner's; only while the rule still waits
+        # for it (a drift reset served meanwhile ends the wait, and the learner publishes no copy).
+        copies, self.copies = self.copies, []
+        for version, reason in copies:
+            if version == self.state.awaiting:
+                self.refresh(self.republish(self.nets[version], reason), step)
 
     def look(self, step: int) -> None:
         """The decisions since the last look, as evidence (none: nothing to look at, as the learner's)."""
@@ -459,7 +458,6 @@ class SequenceGate:
         ev = gate_evidence.of_look(gathered, versions, self.params, self.table, self.logging_policies.complete)
         anchors = {t.version: t.anchor for t in self.state.trials}
         self.state, actions = promotion.decide(self.state, ev, self.rule)
-        self.rolled_back = any(a.kind == "rollback" for a in actions)
         for a in actions:
             if a.interval is not None:
                 self.result.looks.append((step, a.version, anchors[a.version], *a.interval))
@@ -476,14 +474,14 @@ class SequenceGate:
                 promoted = self.nets[a.version]
                 self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state))
                 if a.republish:  # as the learner: its weights again under a new version, served at once
-                    self.copies.append(a)
+                    self.copies.append((a.version, f"promoted v{a.version}: {a.reason}"))
                 elif a.version < self.clients_serve:  # versions only grow on the serving key (contract §7)
                     self.result.refused_older.append((step, a.version))
                 else:
                     self.serve(self.nets[a.version])
                     self.clients_serve = a.version
-            elif a.kind == "rollback" and a.to is not None:
-                self.serve(self.nets[a.to])
+            elif a.kind == "rollback" and a.to is not None:  # as the learner: a copy under a new version
+                self.copies.append((a.to, f"guardrail: {a.reason}"))
         canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full
         if canary != self.canary:
             self.canary = canary

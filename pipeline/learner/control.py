@@ -389,7 +389,14 @@ class ControlHandler:
         if self.progress.suppressed:
             self.trainer.net.suppress(self.progress.suppressed)
 
-    async def rollback(self, version: int, reason: str = "", entry: dict[str, Any] | None = None) -> bool:
+    async def rollback(
+        self,
+        version: int,
+        reason: str = "",
+        entry: dict[str, Any] | None = None,
+        *,
+        wanted: Callable[[], bool] | None = None,
+    ) -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
 
         The weights come from the model topic when its chunks are still there, else from
@@ -398,6 +405,8 @@ class ControlHandler:
         Memories given a slot after ``version`` get fresh rows (they would otherwise serve
         the rows of the slot's earlier owner). ``entry``: the command's audit entry (None: the
         promotion rule's guardrail asked), carried in the checkpoint's metrics (``control``).
+        ``wanted``: asked again once the weights are found, before they are loaded (the
+        guardrail's rollback is not carried out once something else was served meanwhile).
         """
         tensors = await self.find_version(version)
         if tensors is None:
@@ -406,6 +415,9 @@ class ControlHandler:
             )
             return False
         await self.apply_pending()
+        if wanted is not None and not wanted():
+            log.info("learner: rollback to v%d no longer wanted: another checkpoint was served meanwhile", version)
+            return False
         self.trainer.load(tensors, self.trainer.baseline.state())
         self.memories.rows_from(version, self.trainer)
         self._keep_suppressed()

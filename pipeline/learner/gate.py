@@ -271,10 +271,7 @@ class RuleGate:
         it is still served); all of it under one judgement, so no promotion comes in between.
         Returns whether a probe was published."""
         async with self._deciding:
-            look = await self._look()
-            # Not while a rollback is carried out: clients must hold what a probe over the anchor names.
-            if (look is not None and look.path == "guardrail") or self._tasks:
-                return False
+            await self._look()
             if self.state is None or not probes(self.state, self.rule):
                 return False
             manifest, tensors = await publish()
@@ -299,12 +296,6 @@ class RuleGate:
                 self._serving_metrics(manifest)
                 return None
             look = await self._look()
-            if self._tasks:
-                # A checkpoint the rule asked for (a rollback, a promoted version's copy) is on its
-                # way; served at once, it ends every trial: this candidate's would end unjudged.
-                log.info("gate: v%d passed over: a checkpoint the rule asked for is being published", manifest.version)
-                self.metrics.gate_actions.labels(kind="superseded", path="-").inc()
-                return look
             self._hold(manifest, network(tensors))
             self.state, actions = decide(self.state, Candidate(manifest.version), self.rule)
             await self._carry(actions)
@@ -378,10 +369,8 @@ class RuleGate:
                 manifest, net = self.versions[a.version]
                 manifest = certified(manifest, self.state)  # a.version is the new anchor
                 self._hold(manifest, net)
-                if a.republish and self.on_republish is not None:
-                    # Clients hold a newer version (a probe): a copy under a new version, outside
-                    # this judgement (it publishes, and its checkpoint comes back here).
-                    self._spawn(self.on_republish(a.version, f"promoted v{a.version}: {a.reason}"))
+                if a.republish:  # clients hold a newer version (a probe): a copy under a new one
+                    self._ask(a.version, self.on_republish, f"promoted v{a.version}: {a.reason}")
                 else:
                     await self.publisher.promote(manifest)
                     self._serving_metrics(manifest)  # holds its logging policy too
@@ -392,9 +381,7 @@ class RuleGate:
                 log.warning("gate: refused v%d, shown worse than the anchor: %s", a.version, a.reason)
             elif a.kind == "rollback" and a.to is not None:
                 log.warning("gate: guardrail: %s; rolling back to v%d", a.reason, a.to)
-                if self.on_rollback is not None:
-                    # Outside this judgement: the rollback publishes a checkpoint, which comes back here.
-                    self._spawn(self.on_rollback(a.to, a.reason))
+                self._ask(a.to, self.on_rollback, a.reason)
             elif a.kind == "wait":
                 log.debug("gate: v%d waits: %s", a.version, a.reason)
             if a.kind in DECISION_OF:
@@ -425,18 +412,33 @@ class RuleGate:
         self.publisher.pinned = {t.version for t in self.state.trials} | {v for v in restart if v is not None}
         return record
 
-    def _spawn(self, work: Coroutine[Any, Any, bool]) -> None:
-        """Run ``work`` (a checkpoint the learner publishes for the rule) as a task; while it runs
-        no probe is published (clients must hold what a probe names)."""
-        task: asyncio.Task[bool] = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
+    def _ask(self, version: int, publish: Callable[[int, str], Coroutine[Any, Any, bool]] | None, reason: str) -> None:
+        """Have the learner publish ``version``'s weights again (``publish``: a rollback, a promoted
+        version's copy), as a task outside this judgement: its checkpoint comes back here, served at
+        once, and ends the rule's wait (:attr:`~pipeline.learner.promotion.State.awaiting`). Where
+        it is not published, the wait ends without it (``Withdrawn``): trials and probes go on,
+        and clients keep what they hold."""
+        assert self.state is not None
+        if publish is None:  # a gate without a learner behind it (tests)
+            log.warning("gate: nothing publishes v%d's weights again: %s", version, reason)
+            self.state, _ = decide(self.state, Withdrawn(version), self.rule)
+            return
+        work = publish(version, reason)
 
-    def _done(self, task: asyncio.Task[bool]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # Clients keep what they hold; the rule goes on from its state (a new learner, from the topic).
-            log.error("gate: a checkpoint the rule asked for was not published: %r", task.exception())
+        async def run() -> None:
+            try:
+                published = await work
+            except Exception:
+                log.exception("gate: v%d's weights, asked for by the rule, were not published", version)
+                published = False
+            if not published:
+                async with self._deciding:
+                    if self.state is not None:
+                        self.state, _ = decide(self.state, Withdrawn(version), self.rule)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)  # a reference, so the task is not collected while it runs
+        task.add_done_callback(self._tasks.discard)
 
     def _bases(self, versions: set[int]) -> set[int]:
         """The versions that the held ones among ``versions`` are served with (contract 1.23: a

@@ -409,8 +409,15 @@ class Learner(Service):
 
     async def _guardrail_rollback(self, version: int, reason: str) -> bool:
         """The promotion rule's guardrail showed the served version below similarity-only: roll back
-        (a task of its own: the rollback publishes, and its checkpoint comes back to the gate)."""
-        return await self.control.rollback(version, f"guardrail: {reason}")
+        (a task of its own: the rollback publishes, and its checkpoint comes back to the gate).
+        Not once anything else was served at once meanwhile (a drift reset, an operator's command):
+        the rule no longer waits for it."""
+        return await self.control.rollback(version, f"guardrail: {reason}", wanted=lambda: self._awaited(version))
+
+    def _awaited(self, version: int) -> bool:
+        """Whether the promotion rule still waits for ``version``'s weights to go out again."""
+        gate = self.gate
+        return gate is not None and gate.state is not None and gate.state.awaiting == version
 
     async def _republish(self, version: int, reason: str) -> bool:
         """The promotion rule promoted ``version`` after clients were told to serve a newer one (a
@@ -419,8 +426,7 @@ class Learner(Service):
         from where it is."""
         assert self.publishing is not None
         async with self._publish_lock:
-            gate = self.publishing.gate
-            if gate is None or gate.state is None or gate.state.anchor != version:
+            if not self._awaited(version):
                 log.warning("learner: v%d was promoted, but the rule has moved on since: no copy", version)
                 return False
             # Memories given a slot after `version`, whose records the copy's version will follow.

@@ -228,6 +228,11 @@ class State:
     # The served version is a probe over this certified anchor (contract 1.23): clients serve the
     # anchor on the share not explored, the probe's weights on the exploration share.
     base: int | None = None
+    # The version the rule asked to be published again under a new version (a rollback's target, a
+    # promotion after a newer probe: Action.republish), until that copy is served (ServedAtOnce) or
+    # the learner gives up on it (Withdrawn). Served at once, the copy ends every trial, so none
+    # opens meanwhile; nor is a probe published (clients must hold the version a probe names).
+    awaiting: int | None = None
     # This learner run's share of δ: the learner's epoch e (each start of a learner is one) spends
     # 1/(e(e+1)) of it, so the tests of all runs of a deployment add up to δ as well (State.start;
     # the default, the whole δ, is for a state built by hand).
@@ -447,8 +452,9 @@ class Evidence:
 
 @dataclass(frozen=True)
 class Withdrawn:
-    """The learner can no longer serve candidate ``version`` as published (a delta whose base is no
-    longer served): its trial ends."""
+    """The learner can no longer serve ``version`` as published: a candidate's trial ends (a delta
+    whose base is no longer served), or the copy the rule asked for (:attr:`State.awaiting`) was not
+    published, and trials and probes go on."""
 
     version: int
 
@@ -482,9 +488,12 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         return _candidate(state, event, rule)
     if isinstance(event, Withdrawn):
         trials = tuple(t for t in state.trials if t.version != event.version)
+        awaiting = None if event.version == state.awaiting else state.awaiting
         if len(trials) == len(state.trials):
-            return state, []
-        return replace(state, trials=trials), [Action("superseded", event.version, "withdrawn by the learner")]
+            return replace(state, awaiting=awaiting), []
+        return replace(state, trials=trials, awaiting=awaiting), [
+            Action("superseded", event.version, "withdrawn by the learner")
+        ]
     if isinstance(event, ServedAtOnce):
         anchor, margin = (SIMILARITY, 0.0) if event.reanchor else (state.anchor, state.margin)
         copy_of = None if event.reanchor else event.copy_of
@@ -504,7 +513,7 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
             served = replace(served, baseline=None, incumbents=frozenset())
         if event.incumbent:
             served = replace(served, incumbents=served.incumbents | {event.version})
-        served = replace(served, incumbent=event.incumbent, before=None, base=None)
+        served = replace(served, incumbent=event.incumbent, before=None, base=None, awaiting=None)
         return replace(served, first=first, first_margin=first_margin), ended
     if isinstance(event, Probe):
         if not probes(state, rule) or event.version <= state.serving:
@@ -529,6 +538,8 @@ def probes(state: State, rule: Rule) -> bool:
     >>> probes(State.start(4, margin=0.01), Rule())  # a certified version serves: a probe over it
     True
     """
+    if state.awaiting is not None:
+        return False
     newest = state.trials[-1] if state.trials else None
     gathered = newest is None or newest.bounds.n >= rule.trial_decisions
     if state.anchor == SIMILARITY:
@@ -549,9 +560,11 @@ def probe_base(state: State) -> int | None:
 def opens_trial(state: State, rule: Rule) -> bool:
     """Whether a candidate published now would start a trial (else it is passed over, :func:`decide`).
 
-    >>> opens_trial(State.start(1), Rule())
-    True
+    >>> opens_trial(State.start(1), Rule()), opens_trial(replace(State.start(1), awaiting=1), Rule())
+    (True, False)
     """
+    if state.awaiting is not None:
+        return False
     newest = state.trials[-1] if state.trials else None
     return newest is None or newest.bounds.n == 0 or newest.bounds.n >= rule.trial_decisions
 
@@ -565,6 +578,9 @@ def _trial(state: State, version: int, rule: Rule) -> tuple[State, Trial]:
 def _candidate(state: State, event: Candidate, rule: Rule) -> tuple[State, list[Action]]:
     if event.version <= state.serving or any(t.version == event.version for t in state.trials):
         return state, [Action("superseded", event.version, f"not newer than the serving v{state.serving}")]
+    if state.awaiting is not None:
+        # Served at once, the copy the rule asked for would end this trial unjudged.
+        return state, [Action("superseded", event.version, f"v{state.awaiting} is being published again")]
     newest = state.trials[-1] if state.trials else None
     actions: list[Action] = []
     if newest is not None and newest.bounds.n == 0:
@@ -607,6 +623,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
         actions += [Action("wait", t.version, t.describe(), interval=t.interval()) for t in kept]
         return replace(state, trials=tuple(kept)), actions
     improved = promoted.bounds.low > 0.0
+    republish = promoted.version < state.serving
     actions.append(
         Action(
             "promote",
@@ -614,7 +631,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
             promoted.describe(),
             "improved" if improved else "within-epsilon",
             interval=promoted.interval(),
-            republish=promoted.version < state.serving,
+            republish=republish,
         )
     )
     actions += [
@@ -625,7 +642,8 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     state = replace(
         state, serving=promoted.version, anchor=promoted.version, margin=margin, trials=newer, guard=None, base=None
     )
-    return _new_anchor(replace(state, incumbent=False), rule, actions), actions
+    state = replace(state, incumbent=False, before=None, awaiting=promoted.version if republish else None)
+    return _new_anchor(state, rule, actions), actions
 
 
 def _promotable(state: State, t: Trial, rule: Rule) -> bool:
@@ -693,6 +711,7 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
         state = replace(
             state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None, incumbent=incumbent, base=None
         )
+        state = replace(state, before=None, awaiting=to)  # the learner publishes its weights again
     return state
 
 

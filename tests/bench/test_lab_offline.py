@@ -3,15 +3,22 @@ resets and gates with the learner's own rules."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from causalmem_lab import offline
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
-from causalmem_lab.simulator import Scenario
+from causalmem_lab.simulator import Scenario, Tally
 
+from models.policy.network import init_policy
+from models.serving.params import ServingParams
+from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import Settings
 from pipeline.learner import promotion
+from pipeline.learner.logging_policy import LoggingPolicies
+from pipeline.metrics import Metrics
 from topics.fields import PROBE
+from topics.manifest import Manifest
 
 TINY = Scenario(
     embedding_dim=8, slots=64, intents=3, background=20, days=2, queries_per_day=120, drift_day=1.0, n_candidates=8
@@ -123,3 +130,35 @@ def test_the_loop_decides_with_the_promotion_rule() -> None:
     # Every candidate that started a trial is kept, and every bound looked at names a trial's.
     assert {v for _, k, v, _ in result.actions if k == "trial"} <= set(result.trialled)
     assert all(v in result.trialled and low <= high for _, v, _, low, high in result.looks)
+
+
+def test_a_drift_reset_served_while_a_copy_is_due_ends_the_wait_as_in_the_learner() -> None:
+    """A look that rolls back (or promotes after a newer probe) has the learner publish a copy
+    after the checkpoint being judged; a drift reset served at that checkpoint ends the rule's wait,
+    and the learner then publishes no copy (it would undo the reset): neither does the loop."""
+    net = init_policy(8, 64, 16, seed=0)
+    first = LoadedPolicy(Manifest("default", 1, 0.0, "init", {}, 0.5, 0.0, "0" * 64, 1, 1), net)
+    served: list[int] = []
+    copied: list[int] = []
+
+    def republish(policy: LoadedPolicy, reason: str) -> LoadedPolicy:
+        copied.append(policy.version)
+        return policy
+
+    gate = offline.SequenceGate(
+        promotion.Rule(),
+        first,
+        ServingParams(),
+        0.0,
+        LoggingPolicies(Metrics()),
+        offline.OfflineResult(Tally()),
+        lambda p: served.append(p.version),
+        lambda p: None,
+        republish,
+    )
+    # The guardrail has just rolled v2 back to v1: its copy is due after this checkpoint.
+    gate.state = replace(gate.state, serving=1, awaiting=1)
+    gate.copies.append((1, "guardrail: v2 below similarity-only"))
+    reset = LoadedPolicy(Manifest("default", 3, 0.0, "reset", {}, 0.5, 0.0, "0" * 64, 1, 1), net)
+    gate.refresh(reset, step=600)
+    assert served == [3] and copied == [] and gate.state.awaiting is None

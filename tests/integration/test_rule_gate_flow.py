@@ -243,6 +243,10 @@ async def test_a_promotion_clients_would_refuse_is_served_as_a_copy_and_the_trai
             source = gate.versions[anchor][1].tensors()
             trained = learner.trainer.tensors()
 
+            assert await gate.on_republish(anchor, "test") is False  # the rule did not ask for it
+            gate.state = dataclasses.replace(
+                gate.state, awaiting=anchor
+            )  # as a promotion after a newer probe leaves it
             assert await gate.on_republish(anchor, "test") is True
             await until(lambda: sub.current is not None and sub.current.version > head, 30, "the copy loaded")
             copy = sub.current

@@ -42,6 +42,7 @@ from causalmem_lab.bench.lmlearning import base_of
 from causalmem_lab.bench.promise import CLIENTS, bank, config, wilson, world_of, world_options
 from causalmem_lab.offline import PRODUCT, OfflineConfig, run_offline
 from models.policy.network import NEUTRAL_BIAS, PolicyNetwork
+from pipeline.learner.gate import copy_of
 
 AT, WATCH = 6_000, 12_000
 
@@ -120,7 +121,10 @@ def run_one(
     decisions, replaced_after, replaced_by, others = served_until(res.actions, res.operator)
     replaced = None
     if replaced_by is not None:  # what clients were served instead: the certified version, as served
-        instead = res.served_versions[replaced_by]
+        # Served itself, or (promoted after a newer probe) as the copy that carries its weights.
+        instead = res.served_versions.get(replaced_by) or next(
+            p for p in res.served_versions.values() if copy_of(p.manifest) == replaced_by
+        )
         base = res.served_versions.get(base_of(instead))  # a probe over the certified version (1.23)
         replaced = lmlearning.measure(u, data, test, instead, 4, seed, True, base)["value"] - similarity
     return {

@@ -22,8 +22,10 @@ from pipeline.learner.promotion import (
     ServedAtOnce,
     State,
     Summary,
+    Withdrawn,
     canary,
     decide,
+    opens_trial,
     probe_base,
     probes,
 )
@@ -248,7 +250,12 @@ def test_a_candidate_promoted_after_a_newer_probe_is_served_as_a_copy_that_stays
         if promoted is not None:
             break
     assert promoted is not None and promoted.version == 7 and promoted.republish
-    assert (state.serving, state.anchor, state.base) == (7, 7, None)
+    assert (state.serving, state.anchor, state.base, state.awaiting) == (7, 7, None, 7)
+    # Until the copy is served: a trial would end at it unjudged, and a probe would name v7,
+    # which clients do not hold yet.
+    assert not probes(state, RULE) and not opens_trial(state, RULE)
+    waited, actions = decide(state, Candidate(11), RULE)
+    assert waited.trials == state.trials and [(a.kind, a.version) for a in actions] == [("superseded", 11)]
     margin = state.margin
     state, _ = decide(state, ServedAtOnce(10, copy_of=7), RULE)  # the copy, under the next version
     assert (state.serving, state.anchor, state.margin, state.base) == (10, 10, margin, None)
@@ -287,7 +294,13 @@ def test_the_guardrail_rolls_back_a_served_version_shown_below_similarity() -> N
         if rolled:
             break
     assert rolled is not None and rolled.to == 2 and rolled.path == "guardrail"
-    assert state.serving == 2
+    assert (state.serving, state.awaiting) == (2, 2)  # the learner publishes v2's weights again
+    assert not probes(state, RULE) and not opens_trial(state, RULE)
+    # Where it cannot, the wait ends without the copy: trials go on (they would otherwise wait for good).
+    state, actions = decide(state, Withdrawn(2), RULE)
+    assert state.awaiting is None and actions == [] and opens_trial(state, RULE)
+    state, _ = decide(state, Candidate(7), RULE)
+    assert [t.version for t in state.trials] == [7]
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,30 +166,21 @@ async def test_a_rollbacks_copy_of_the_anchor_is_the_anchor_and_carries_its_cert
     assert (restarted.anchor, restarted.margin) == (5, margin)
 
 
-async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_its_copy_is_the_anchor() -> None:
-    """A probe takes a version above the open trials' candidates; clients refuse a serving version
-    older than one they hold, so a trial that decides after the probe was promoted in vain: through
-    the pipeline each run had one, and two ended on the probe it was refused for. The gate asks
-    the learner to publish the candidate's weights again (no probe meanwhile: clients must hold
-    what a probe names; no trial either: the copy ends them), and takes the copy as the anchor."""
+def probe(version: int) -> Manifest:
+    """A probe over the certified v1 (contract 1.23)."""
+    return dataclasses.replace(manifest(version, PROBE), serving=ServingParams(base=1).to_wire())
+
+
+async def promoted_after_a_probe(
+    republish: Callable[[int, str], Coroutine[Any, Any, bool]],
+) -> tuple[RuleGate, Publisher, dict[str, torch.Tensor], PolicyNetwork]:
+    """A gate over the certified v1 whose candidate v3 is promoted after the newer probe v4."""
     pub = Publisher()
     gate = RuleGate(GateConfig(trial_decisions=MIN_DECISIONS), pub, Metrics())  # type: ignore[arg-type]
     serving = init_policy(D, S, H, seed=1)
     gate.set_serving(certified(manifest(1, "init"), State(serving=1, anchor=1)), serving.tensors())
     good = tilted(serving, GOOD).tensors()
-    asked: list[int] = []
-    release = asyncio.Event()
-
-    async def republish(version: int, reason: str) -> bool:
-        asked.append(version)
-        await release.wait()
-        return True
-
     gate.on_republish = republish
-
-    def probe(version: int) -> Manifest:
-        return dataclasses.replace(manifest(version, PROBE), serving=ServingParams(base=1).to_wire())
-
     gate.set_serving(probe(2), good)
     await gate.consider(manifest(3), good)
     gate.observe(logged(serving, MIN_DECISIONS + 50, seed=0))  # logged under v1, the probes' base
@@ -198,9 +191,28 @@ async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_i
     for seed in range(1, 10):
         gate.observe(logged(serving, PER_LOOK, seed))
         await gate.reconsider()
-        if asked:
+        if gate.state.anchor == 3:
             break
-    await asyncio.sleep(0)  # the task starts
+    await asyncio.sleep(0)  # the learner's task starts
+    return gate, pub, good, serving
+
+
+async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_its_copy_is_the_anchor() -> None:
+    """A probe takes a version above the open trials' candidates; clients refuse a serving version
+    older than one they hold, so a trial that decides after the probe was promoted in vain: through
+    the pipeline each run had one, and two ended on the probe it was refused for. The gate asks
+    the learner to publish the candidate's weights again (no probe meanwhile: clients must hold
+    what a probe names; no trial either: the copy ends them), and takes the copy as the anchor."""
+    asked: list[int] = []
+    release = asyncio.Event()
+
+    async def republish(version: int, reason: str) -> bool:
+        asked.append(version)
+        await release.wait()
+        return True
+
+    gate, pub, good, _ = await promoted_after_a_probe(republish)
+    assert gate.state is not None
     assert asked == [3] and pub.promoted == []  # not promoted under v3: clients hold v4
     assert (gate.state.serving, gate.state.anchor) == (3, 3)
     published: list[int] = []
@@ -219,7 +231,25 @@ async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_i
     assert copy.metrics["gate"]["certified_margin"] == margin
     await gate.serve_at_once(copy, good)
     assert (gate.state.serving, gate.state.anchor, gate.state.margin) == (8, 8, margin)
-    assert probe_base(gate.state) == 8
+    assert probe_base(gate.state) == 8 and gate.state.awaiting is None  # probes and trials go on
+
+
+@pytest.mark.parametrize("failure", ["raises", "declines"])
+async def test_a_copy_the_learner_could_not_publish_does_not_hold_the_trials_up(failure: str) -> None:
+    """While the copy is on its way every candidate is passed over: one that never comes (the
+    publication failed, or the learner found the rule had moved on) must not leave the rule
+    waiting for good."""
+
+    async def republish(version: int, reason: str) -> bool:
+        if failure == "raises":
+            raise ConnectionError("the model topic is away")
+        return False
+
+    gate, _, good, _ = await promoted_after_a_probe(republish)
+    await asyncio.sleep(0)  # the task fails, and the rule stops waiting
+    assert gate.state is not None and gate.state.anchor == 3 and gate.state.awaiting is None
+    await gate.consider(manifest(7), good)
+    assert [t.version for t in gate.state.trials] == [7]
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
