@@ -753,17 +753,3 @@ def canary(state: State, rate: float, full: Callable[[int], bool] = lambda versi
         return None
     loadable = [t.version for t in state.trials if full(t.version)]
     return loadable[-1] if loadable else None
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What ``status``, the metrics and the UI show of the rule's state."""
-
-    serving: int
-    anchor: int
-    tests: int
-    waiting: tuple[str, ...] = field(default_factory=tuple)
-
-    @classmethod
-    def of(cls, state: State) -> Summary:
-        return cls(state.serving, state.anchor, state.tests, tuple(t.describe() for t in state.trials))
