@@ -636,7 +636,7 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     )
     # Older trials end; newer ones start again against the new anchor, unless the promotion goes out
     # as a copy, which, served at once, would end them: they spend nothing of δ on a fresh start.
-    ended = [t for t in kept if t.version < promoted.version or republish]
+    ended = [t for t in kept if t.version < promoted.version or (republish and t.version > promoted.version)]
     actions += [Action("superseded", t.version, f"v{promoted.version} promoted") for t in ended]
     newer = tuple(t for t in kept if t.version > promoted.version and not republish)
     margin = (state.margin if promoted.anchor == state.anchor else 0.0) + promoted.bounds.low
