@@ -41,7 +41,7 @@ candidates start trials of their own (sending training back to the serving weigh
 what it learnt, docs/promotion.md). A trial neither promoted nor refused
 **waits**, and its bounds say what it waits for; it is never evidence against the candidate.
 Older trials than one promoted end (``superseded``); newer ones start again against the new
-anchor.
+anchor (or end too, where the promotion goes out as a copy: **Probes**, below).
 
 **Probes.** While nothing is certified (clients serve an *incumbent*: their own ranking but on
 the exploration share), each candidate whose trial opens after decisions were gathered is first
@@ -658,7 +658,8 @@ def _promotable(state: State, t: Trial, rule: Rule) -> bool:
 
 
 def _new_anchor(state: State, rule: Rule, actions: list[Action]) -> State:
-    """The open trials were against the old anchor: each starts again against the new one."""
+    """The open trials were against the old anchor: each starts again against the new one (none
+    is left open where the promotion goes out as a copy, :func:`_evidence`)."""
     trials: list[Trial] = []
     for t in state.trials:
         state, restarted = _trial(state, t.version, rule)
