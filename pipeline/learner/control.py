@@ -158,6 +158,9 @@ class ControlHandler:
         # The rollbacks, resets and cut-overs carried out in the last hour (their audit entries,
         # which their checkpoints carry as ``control``): what control_checkpoints_per_hour counts.
         self.recent: list[dict[str, Any]] = []
+        # One change of the trainer's weights at a time, checkpoint included: an operator's command
+        # or the worker's reset, and the promotion rule's guardrail rollback (a task of its own).
+        self._changing = asyncio.Lock()
 
     def recall(self, metrics: Iterable[Any], now: float | None = None) -> None:
         """After a restore: the commands the model topic's checkpoints carry (each manifest's
@@ -181,12 +184,13 @@ class ControlHandler:
         if ctl.id:
             self.inbox.mark_seen(ctl.id)
         try:
-            if ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
-                await self.change_suppression(ctl, msg, verified)
-            elif ctl.command in (QUARANTINE_COMMAND, UNQUARANTINE_COMMAND):
-                await self.change_quarantine(ctl, msg, verified)
-            else:
-                await self.bypass_gate(ctl, msg, verified)
+            async with self._changing:
+                if ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
+                    await self.change_suppression(ctl, msg, verified)
+                elif ctl.command in (QUARANTINE_COMMAND, UNQUARANTINE_COMMAND):
+                    await self.change_quarantine(ctl, msg, verified)
+                else:
+                    await self.bypass_gate(ctl, msg, verified)
         except (ValueError, TypeError, KeyError) as exc:
             # The codec checks details; a command it let through and that still cannot be
             # carried out is dead-lettered, and its offset passed like any other.
@@ -388,6 +392,16 @@ class ControlHandler:
         """Other weights were loaded: the memories operators suppressed stay suppressed."""
         if self.progress.suppressed:
             self.trainer.net.suppress(self.progress.suppressed)
+
+    async def guardrail_rollback(self, version: int, reason: str, *, wanted: Callable[[], bool]) -> bool:
+        """The promotion rule's guardrail asks for a rollback to ``version``: carried out (True) once
+        no other change of the weights is under way, and only while ``wanted()`` (the rule still
+        waits for it: a drift reset or an operator's command served meanwhile ends the wait)."""
+        async with self._changing:
+            if not wanted():
+                log.info("learner: rollback to v%d no longer wanted: another checkpoint was served meanwhile", version)
+                return False
+            return await self.rollback(version, f"guardrail: {reason}", wanted=wanted)
 
     async def rollback(
         self,

@@ -412,7 +412,7 @@ class Learner(Service):
         (a task of its own: the rollback publishes, and its checkpoint comes back to the gate).
         Not once anything else was served at once meanwhile (a drift reset, an operator's command):
         the rule no longer waits for it."""
-        return await self.control.rollback(version, f"guardrail: {reason}", wanted=lambda: self._awaited(version))
+        return await self.control.guardrail_rollback(version, reason, wanted=lambda: self._awaited(version))
 
     def _awaited(self, version: int) -> bool:
         """Whether the promotion rule still waits for ``version``'s weights to go out again."""
