@@ -398,9 +398,6 @@ class ControlHandler:
         no other change of the weights is under way, and only while ``wanted()`` (the rule still
         waits for it: a drift reset or an operator's command served meanwhile ends the wait)."""
         async with self._changing:
-            if not wanted():
-                log.info("learner: rollback to v%d no longer wanted: another checkpoint was served meanwhile", version)
-                return False
             return await self.rollback(version, f"guardrail: {reason}", wanted=wanted)
 
     async def rollback(

