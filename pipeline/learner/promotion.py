@@ -50,7 +50,8 @@ draws from the candidate, which is the evidence its trial needs where clients se
 Once a version is certified, a probe is served over it (contract 1.23: the anchor on the share not
 explored). A probe takes a version above every open trial's candidate, and clients refuse a
 serving version older than one they hold: a candidate promoted after a probe is published again,
-its weights under a new version (``Action.republish``), which the rule takes as the anchor.
+its weights under a new version (``Action.republish``): the candidate is the anchor at once, and
+its copy, once served, the served version and the anchor (:attr:`State.awaiting`).
 
 **The guardrail.** What clients served as the serving manifest asks, on the decisions logged
 while it served, is compared with similarity-only by the same kind of sequence, two ways
@@ -59,8 +60,9 @@ of its own (a probe, an operator's command), its value there (on-policy) against
 similarity-only's measured while clients served an incumbent (:attr:`State.baseline`: valid
 while queries and utilities come as they came then). Where either shows it worse by more than
 ε, it is **rolled back** to the anchor (or to the first policy, when the served version is the
-anchor). This is a check on what is actually served, under whatever the estimators' inputs got
-wrong.
+anchor): the learner publishes that version's weights again, and the guardrail watches what
+clients serve until the copy comes. This is a check on what is actually served, under whatever
+the estimators' inputs got wrong.
 
 **Restarts.** Each start of a learner (its epoch e) spends δ/(e(e+1)) of δ (:attr:`State.share`),
 so the tests of all runs add up to δ; a learner restarted while a certified version serves
@@ -232,6 +234,9 @@ class State:
     # promotion after a newer probe: Action.republish), until that copy is served (ServedAtOnce) or
     # the learner gives up on it (Withdrawn). Served at once, the copy ends every trial, so none
     # opens meanwhile; nor is a probe published (clients must hold the version a probe names).
+    # Until the copy is served, clients serve what they held: ``serving`` (and ``incumbent``,
+    # ``base``, ``before``, the guardrail's view) still describe it, so a copy that never comes
+    # leaves the guardrail watching what is actually served.
     awaiting: int | None = None
     # This learner run's share of δ: the learner's epoch e (each start of a learner is one) spends
     # 1/(e(e+1)) of it, so the tests of all runs of a deployment add up to δ as well (State.start;
@@ -277,8 +282,7 @@ class State:
     def versions(self) -> set[int]:
         """The versions whose probabilities the next evidence must carry."""
         out = {SIMILARITY, self.serving, self.anchor}
-        if self.before is not None:
-            out.add(self.before)
+        out.update(v for v in (self.before, self.base, self.awaiting) if v is not None)
         if self.incumbent:
             out.add(self.first)  # a client before 1.19 rejects the probes and serves the first policy
         for t in self.trials:
@@ -544,7 +548,7 @@ def probes(state: State, rule: Rule) -> bool:
     gathered = newest is None or newest.bounds.n >= rule.trial_decisions
     if state.anchor == SIMILARITY:
         return state.incumbent and gathered
-    return gathered and (state.serving == state.anchor or state.base is not None)
+    return gathered and state.anchor in (state.serving, state.base)
 
 
 def probe_base(state: State) -> int | None:
@@ -640,10 +644,10 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     actions += [Action("superseded", t.version, f"v{promoted.version} promoted") for t in ended]
     newer = tuple(t for t in kept if t.version > promoted.version and not republish)
     margin = (state.margin if promoted.anchor == state.anchor else 0.0) + promoted.bounds.low
-    state = replace(
-        state, serving=promoted.version, anchor=promoted.version, margin=margin, trials=newer, guard=None, base=None
-    )
-    state = replace(state, incumbent=False, before=None, awaiting=promoted.version if republish else None)
+    state = replace(state, anchor=promoted.version, margin=margin, trials=newer)
+    if republish:  # clients serve the probe until the copy comes (State.awaiting)
+        return replace(state, awaiting=promoted.version), actions
+    state = replace(state, serving=promoted.version, guard=None, base=None, incumbent=False, before=None, awaiting=None)
     return _new_anchor(state, rule, actions), actions
 
 
@@ -695,7 +699,8 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
     # it judges what was served without a test of its own (a probe, an operator's command), never a
     # certified anchor, whose own test a shift in the utilities' level must not overturn.
     baseline = state.baseline if state.serving != state.anchor else None
-    if guard.high(baseline) < -rule.epsilon:
+    # A copy already on its way ends what is served (a rollback asked for again, once it is withdrawn).
+    if guard.high(baseline) < -rule.epsilon and state.awaiting is None:
         to = state.anchor if state.anchor not in (SIMILARITY, state.serving) else state.first
         bounds = f"[{guard.low(baseline):+.4f}, {guard.high(baseline):+.4f}]"
         reason = f"v{state.serving} below similarity-only: gain in {bounds} < −ε"
@@ -708,12 +713,9 @@ def _guard(state: State, ev: Evidence, rule: Rule, actions: list[Action]) -> Sta
             anchor, margin = state.first, state.first_margin
         else:
             anchor, margin = SIMILARITY, 0.0
-        # Back to a first policy that clients served as an incumbent: its copy is served so again.
-        incumbent = to == state.first and state.first in state.incumbents
-        state = replace(
-            state, serving=to, anchor=anchor, margin=margin, trials=(), guard=None, incumbent=incumbent, base=None
-        )
-        state = replace(state, before=None, awaiting=to)  # the learner publishes its weights again
+        # The learner publishes ``to``'s weights again: clients serve this version until that copy
+        # comes, and the guardrail goes on watching it (State.awaiting).
+        state = replace(state, anchor=anchor, margin=margin, trials=(), awaiting=to)
     return state
 
 

@@ -214,7 +214,10 @@ def test_a_probe_over_a_certified_version_is_guarded_and_ends_at_a_promotion() -
         if rolled is not None:
             break
     assert rolled is not None and (rolled.version, rolled.to, rolled.path) == (6, 5, "guardrail")
-    assert (harmful.serving, harmful.anchor, harmful.base, harmful.margin) == (5, 5, None, 0.03)
+    # Clients serve v6 until the learner's copy of v5 comes; then the copy is the anchor.
+    assert (harmful.serving, harmful.anchor, harmful.base, harmful.awaiting) == (6, 5, 5, 5)
+    harmful, _ = decide(harmful, ServedAtOnce(9, copy_of=5), RULE)
+    assert (harmful.serving, harmful.anchor, harmful.base, harmful.margin) == (9, 9, None, 0.03)
     # A better candidate promoted while a probe serves: served as any version, the probe ended.
     world.versions[6] = np.array([0.0, 0.5, 0.0, 0.0, 0.5])  # near the certified version, as served
     world.versions[7] = np.array([0.0, 1.0, 0.0, 0.0, 0.0])  # reads set 1: better than v5
@@ -249,7 +252,8 @@ def test_a_candidate_promoted_after_a_newer_probe_is_served_as_a_copy_that_stays
         if promoted is not None:
             break
     assert promoted is not None and promoted.version == 7 and promoted.republish
-    assert (state.serving, state.anchor, state.base, state.awaiting) == (7, 7, None, 7)
+    # Clients serve the probe v8 (over v5) until the copy comes: the rule says so.
+    assert (state.serving, state.anchor, state.base, state.awaiting) == (8, 7, 5, 7)
     # v9's trial ends with the promotion: the copy would end it, so it spends nothing on a restart.
     assert state.trials == () and [(a.kind, a.version) for a in actions if a.kind != "wait"] == [
         ("promote", 7),
@@ -260,6 +264,18 @@ def test_a_candidate_promoted_after_a_newer_probe_is_served_as_a_copy_that_stays
     assert not probes(state, RULE) and not opens_trial(state, RULE)
     waited, actions = decide(state, Candidate(11), RULE)
     assert waited.trials == state.trials and [(a.kind, a.version) for a in actions] == [("superseded", 11)]
+    # Where the copy is not published, clients keep the probe: the guardrail goes on watching it
+    # (a harmful one is rolled back to v7), and no probe names v7, which they do not hold.
+    failed, _ = decide(state, Withdrawn(7), RULE)
+    assert (failed.serving, failed.anchor, failed.base, failed.awaiting) == (8, 7, 5, None)
+    assert not probes(failed, RULE) and opens_trial(failed, RULE) and failed.guard is not None
+    harmful = World(5)
+    harmful.versions.update({7: world.versions[7], 8: np.array([0.0, 0.0, 1.0, 0.0, 0.0])})
+    for _ in range(20):
+        failed, actions = decide(failed, harmful.evidence(8, n=100), RULE)
+        if any(a.kind == "rollback" for a in actions):
+            break
+    assert [(a.version, a.to) for a in actions if a.kind == "rollback"] == [(8, 7)] and failed.awaiting == 7
     margin = state.margin
     state, _ = decide(state, ServedAtOnce(10, copy_of=7), RULE)  # the copy, under the next version
     assert (state.serving, state.anchor, state.margin, state.base) == (10, 10, margin, None)
@@ -298,13 +314,21 @@ def test_the_guardrail_rolls_back_a_served_version_shown_below_similarity() -> N
         if rolled:
             break
     assert rolled is not None and rolled.to == 2 and rolled.path == "guardrail"
-    assert (state.serving, state.awaiting) == (2, 2)  # the learner publishes v2's weights again
+    # The learner publishes v2's weights again; clients serve v6 until that copy comes.
+    assert (state.serving, state.anchor, state.awaiting) == (6, 2, 2)
     assert not probes(state, RULE) and not opens_trial(state, RULE)
+    waiting, actions = decide(state, world.evidence(6), RULE)  # the copy is on its way: no second rollback
+    assert waiting.awaiting == 2 and not [a for a in actions if a.kind == "rollback"]
     # Where it cannot, the wait ends without the copy: trials go on (they would otherwise wait for good).
     state, actions = decide(state, Withdrawn(2), RULE)
     assert state.awaiting is None and actions == [] and opens_trial(state, RULE)
+    world.versions[7] = TOPK
     state, _ = decide(state, Candidate(7), RULE)
     assert [t.version for t in state.trials] == [7]
+    # v6 is still what clients serve, and the guardrail still watches it: the rollback is asked again.
+    state, actions = decide(state, world.evidence(6), RULE)
+    assert [(a.kind, a.version, a.to) for a in actions] == [("rollback", 6, 2), ("superseded", 7, None)]
+    assert (state.serving, state.awaiting, state.trials) == (6, 2, ())
 
 
 @pytest.mark.slow
@@ -416,7 +440,7 @@ def test_the_guardrail_sees_a_near_greedy_version_far_below_similarity_that_its_
         state, rolled = watched(state, world)
         if incumbent:
             assert rolled == [(6, 1, "guardrail")]
-            assert state.serving == 1
+            assert (state.serving, state.awaiting) == (6, 1)  # until the learner's copy of v1 comes
         else:  # no incumbent, no measure of similarity-only as served: the log alone cannot tell
             assert not rolled and state.serving == 6
             assert state.guard is not None and state.guard.gain.high > 0.0 and state.baseline is None
@@ -492,7 +516,7 @@ def test_a_rollback_to_a_restarted_learners_certified_first_version_keeps_it_the
     world.versions[3] = np.array([0.5, 0.0, 0.5, 0.0, 0.0])  # half similarity-only's set, half set 2: −0.33
     state, rolled = watched(state, world, first_only=True)
     assert rolled == [(3, 2, "guardrail")]
-    assert (state.serving, state.anchor, state.margin) == (2, 2, 0.05)
+    assert (state.awaiting, state.anchor, state.margin) == (2, 2, 0.05)
     # A fresh first policy (a drift reset served as an incumbent) is not certified.
     state, _ = decide(state, ServedAtOnce(4, reanchor=True, incumbent=True), RULE)
     assert (state.first, state.first_margin, state.anchor) == (4, None, SIMILARITY)
@@ -521,8 +545,8 @@ def test_a_restarted_learners_guardrail_keeps_its_measure_of_similarity_only() -
     for kept in (False, True):
         restarted = State.start(serving=2, margin=0.05, epoch=2, baseline=state.baseline if kept else None)
         restarted, rolled = watched(decide(restarted, ServedAtOnce(6), RULE)[0], world)
-        outcomes[kept] = (rolled, restarted.serving)
-    assert outcomes[False] == ([], 6)
+        outcomes[kept] = (rolled, restarted.awaiting)
+    assert outcomes[False] == ([], None)
     assert outcomes[True] == ([(6, 2, "guardrail")], 2)
 
 
@@ -570,6 +594,6 @@ def test_a_rollback_to_an_incumbent_first_policy_serves_it_as_an_incumbent_again
     world.versions[3] = np.array([0.5, 0.0, 0.5, 0.0, 0.0])  # −0.33 below similarity-only
     state = replace(State.start(serving=1, incumbent=True), serving=3, anchor=3, margin=-0.01, incumbent=False)
     state, rolled = watched(state, world, first_only=True)
-    assert rolled == [(3, 1, "guardrail")] and (state.serving, state.anchor, state.incumbent) == (1, SIMILARITY, True)
+    assert rolled == [(3, 1, "guardrail")] and (state.awaiting, state.anchor) == (1, SIMILARITY)
     state, _ = decide(state, ServedAtOnce(4, incumbent=True, copy_of=1), RULE)
     assert (state.serving, state.first, state.incumbent) == (4, 4, True)

@@ -214,7 +214,8 @@ async def test_a_candidate_promoted_after_a_newer_probe_is_published_again_and_i
     gate, pub, good, _ = await promoted_after_a_probe(republish)
     assert gate.state is not None
     assert asked == [3] and pub.promoted == []  # not promoted under v3: clients hold v4
-    assert (gate.state.serving, gate.state.anchor) == (3, 3)
+    assert (gate.state.serving, gate.state.anchor) == (4, 3)  # clients serve the probe until the copy
+    assert gate.serving_manifest is not None and gate.serving_manifest.version == 4
     published: list[int] = []
 
     async def publish() -> tuple[Manifest, dict[str, torch.Tensor]]:
@@ -248,6 +249,8 @@ async def test_a_copy_the_learner_could_not_publish_does_not_hold_the_trials_up(
     gate, _, good, _ = await promoted_after_a_probe(republish)
     await asyncio.sleep(0)  # the task fails, and the rule stops waiting
     assert gate.state is not None and gate.state.anchor == 3 and gate.state.awaiting is None
+    # Clients keep the probe v4: the rule still says so (the guardrail watches it), and holds v3.
+    assert gate.state.serving == 4 and {3, 4} <= set(gate.versions)
     await gate.consider(manifest(7), good)
     assert [t.version for t in gate.state.trials] == [7]
 
