@@ -243,10 +243,7 @@ class RuleGate:
         if self.state is None:
             self.state = self._resume(manifest)
         elif manifest.reason == PROBE:
-            self.state, actions = decide(self.state, Probe(manifest.version), self.rule)
-            if any(a.kind == "superseded" for a in actions):  # e.g. its base no longer certified: judged as served
-                event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest))
-                self.state, _ = decide(self.state, event, self.rule)
+            self.state, _ = decide(self.state, Probe(manifest.version, _incumbent(manifest)), self.rule)
         else:
             event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest), copy_of=copy_of(manifest))
             self.state, _ = decide(self.state, event, self.rule)
@@ -276,7 +273,7 @@ class RuleGate:
                 return False
             manifest, tensors = await publish()
             self._hold(manifest, network(tensors))
-            self.state, actions = decide(self.state, Probe(manifest.version), self.rule)
+            self.state, actions = decide(self.state, Probe(manifest.version, _incumbent(manifest)), self.rule)
             await self._carry(actions)
             self._serving_metrics(manifest)
             over = f" over the certified v{self.state.base}" if self.state.base is not None else ""

@@ -328,9 +328,12 @@ class Probe:
     explored, as under the first policy, and draw the exploration share from the candidate's
     weights, which is the evidence a trial needs where clients serve no canary. Served at once
     (as served it differs from the incumbent before it only on the exploration share, which the
-    guardrail watches); the trials go on."""
+    guardrail watches); the trials go on. One the rule did not ask for (:func:`probes`: a learner
+    restarted under a probe over a version it does not take as certified) is served all the same,
+    and judged as any version served at once (``incumbent``: its manifest says so)."""
 
     version: int
+    incumbent: bool = True
 
 
 @dataclass(frozen=True)
@@ -520,8 +523,10 @@ def decide(state: State, event: Event, rule: Rule) -> tuple[State, list[Action]]
         served = replace(served, incumbent=event.incumbent, before=None, base=None, awaiting=None)
         return replace(served, first=first, first_margin=first_margin), ended
     if isinstance(event, Probe):
-        if not probes(state, rule) or event.version <= state.serving:
-            return state, [Action("superseded", event.version, f"not a probe of the served v{state.serving}")]
+        if event.version <= state.serving:
+            return state, [Action("superseded", event.version, f"not newer than the served v{state.serving}")]
+        if not probes(state, rule):  # clients serve it all the same
+            return decide(state, ServedAtOnce(event.version, incumbent=event.incumbent), rule)
         if state.anchor != SIMILARITY:  # over the certified anchor (1.23): not an incumbent
             return replace(state, serving=event.version, before=state.serving, guard=None, base=state.anchor), []
         incumbents = state.incumbents | {event.version}

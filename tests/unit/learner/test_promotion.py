@@ -187,9 +187,15 @@ def test_a_probe_serves_a_candidates_weights_as_the_incumbent_while_the_trials_g
     # The first policy (what a client before 1.19 serves) and the probe replaced are still valued.
     assert {1, 2, 3, 4} <= state.versions()
     # A version served without a test over a certified anchor (an operator's command): no probe.
-    commanded = State(serving=6, anchor=5, first=1, margin=0.03)
-    after, acts = decide(commanded, Probe(7), RULE)
-    assert after == commanded and [a.kind for a in acts] == ["superseded"] and not probes(commanded, RULE)
+    # One published all the same (a learner restarted under it) is what clients serve: judged as
+    # any version served at once, it ends the trials.
+    commanded = replace(State(serving=6, anchor=5, first=1, margin=0.03), trials=state.trials)
+    assert not probes(commanded, RULE)
+    after, acts = decide(commanded, Probe(7, incumbent=False), RULE)
+    assert (after.serving, after.anchor, after.base, after.incumbent, after.trials) == (7, 5, None, False, ())
+    assert [(a.kind, a.version) for a in acts] == [("superseded", 3)]
+    older, acts = decide(commanded, Probe(6), RULE)
+    assert older == commanded and [a.kind for a in acts] == ["superseded"]
 
 
 def test_a_probe_over_a_certified_version_is_guarded_and_ends_at_a_promotion() -> None:
