@@ -246,7 +246,8 @@ def run_offline(
         guardrail's rollback: its weights and manifest under the next version, reason
         ``rollback``, ``rolled_back_to`` it. A rollback is evidence against what was learnt
         since: training goes on from its weights, with a fresh optimizer, as the learner's
-        (``ControlHandler.rollback``); a promotion's copy leaves the trainer as it is."""
+        (``ControlHandler.rollback``, which first applies the decisions pending; the loop trains
+        them on the weights loaded); a promotion's copy leaves the trainer as it is."""
         nonlocal version
         if rollback:
             trainer.load(policy.net.tensors(), trainer.baseline.state())

@@ -237,7 +237,9 @@ class RuleGate:
     def set_serving(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         """Serve ``manifest`` without a trial (the learner's start): the rule starts from it, with it
         as the anchor where its promotion certified it (:func:`certified_margin`).
-        A probe (contract 1.19) after its incumbent is that incumbent's probe, as it was published."""
+        A probe (contract 1.19) after its incumbent is that incumbent's probe, as it was published
+        (one the rule would not have published, e.g. over a version this learner does not take as
+        certified, is served at once all the same)."""
         self._hold(manifest, network(tensors))
         self.logging_policies.hold(manifest, self.versions[manifest.version][1])
         if self.state is None:
@@ -413,8 +415,8 @@ class RuleGate:
         """Have the learner publish ``version``'s weights again (``publish``: a rollback, a promoted
         version's copy), as a task outside this judgement: its checkpoint comes back here, served at
         once, and ends the rule's wait (:attr:`~pipeline.learner.promotion.State.awaiting`). Where
-        it is not published, the wait ends without it (``Withdrawn``): trials and probes go on,
-        and clients keep what they hold."""
+        it is not published, the wait ends without it (``Withdrawn``): trials go on, and clients
+        keep what they hold."""
         assert self.state is not None
         if publish is None:  # a gate without a learner behind it (tests)
             log.warning("gate: nothing publishes v%d's weights again: %s", version, reason)

@@ -461,7 +461,8 @@ class Evidence:
 class Withdrawn:
     """The learner can no longer serve ``version`` as published: a candidate's trial ends (a delta
     whose base is no longer served), or the copy the rule asked for (:attr:`State.awaiting`) was not
-    published, and trials and probes go on."""
+    published: trials go on, and clients keep what they hold (the guardrail asks for a rollback
+    again where it still shows harm; no probe is published over a version they do not hold)."""
 
     version: int
 
@@ -564,6 +565,21 @@ def probe_base(state: State) -> int | None:
     (None, 4)
     """
     return state.anchor if state.anchor != SIMILARITY else None
+
+
+def rollback_incumbent(state: State) -> bool:
+    """Whether a rollback published now is served as an incumbent (contract 1.17): the guardrail's
+    (the rule waits for its copy) where it goes back to a first policy that clients served as one;
+    an operator's while clients serve an incumbent (nothing is certified, so what is rolled back to
+    is not either).
+
+    >>> s = replace(State.start(1, incumbent=True), serving=3, incumbent=False, awaiting=1)
+    >>> rollback_incumbent(s), rollback_incumbent(replace(s, awaiting=2)), rollback_incumbent(State.start(1, True))
+    (True, False, True)
+    """
+    if state.awaiting is not None:
+        return state.awaiting == state.first and state.first in state.incumbents
+    return state.incumbent
 
 
 def opens_trial(state: State, rule: Rule) -> bool:

@@ -40,7 +40,7 @@ from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.freeze import ServingClock
 from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Key
-from pipeline.learner.promotion import is_candidate, probe_base
+from pipeline.learner.promotion import is_candidate, probe_base, rollback_incumbent
 from pipeline.learner.store import LocalStore
 from pipeline.learner.suppression import read_audit
 from pipeline.metrics import Metrics
@@ -67,8 +67,8 @@ def first_serving(
     """The serving parameters a checkpoint is published with. An incumbent (contract 1.17): a
     fresh first policy, a probe while nothing is certified (1.19), a drift reset (1.20: what was
     certified described the world before the change, and the reset's warm-up is not certified
-    either), and a rollback while the rule serves an incumbent (``incumbent``: nothing is
-    certified, so what is rolled back to is not either). A probe over a certified version
+    either), and a rollback to a version served as one (``incumbent``:
+    :func:`pipeline.learner.promotion.rollback_incumbent`). A probe over a certified version
     (``base``, 1.23) is served as configured, that version on the share not explored.
 
     >>> fresh = first_serving(ServingParams(), True, "init", 0)
@@ -385,9 +385,9 @@ class Publishing:
         return Published(manifest, tensors, candidate=False)
 
     def _incumbent(self) -> bool:
-        """The rule serves an incumbent now (nothing certified)."""
+        """A rollback published now is served as an incumbent (:func:`rollback_incumbent`)."""
         state = self.gate.state if self.gate is not None else None
-        return state is not None and state.incumbent
+        return state is not None and rollback_incumbent(state)
 
     def _base(self) -> int | None:
         """What a probe published now names as its base (contract 1.23): the certified anchor, if any."""

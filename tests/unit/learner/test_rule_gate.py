@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,13 +15,17 @@ import torch
 
 from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
 from models.policy.network import PolicyNetwork, init_policy
+from models.policy.trainer import PolicyTrainer
 from models.serving.params import ServingParams
-from pipeline.config import GateConfig
+from pipeline.config import GateConfig, Settings
 from pipeline.learner import evidence
 from pipeline.learner.evidence import PER_LOOK
 from pipeline.learner.gate import BASELINE, RuleGate, certified, resume
-from pipeline.learner.promotion import Rule, State, probe_base
+from pipeline.learner.promotion import SIMILARITY, Rule, State, probe_base
+from pipeline.learner.publishing import Publishing
+from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
+from tests.integration.test_delta_checkpoints import RecordingProducer
 from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
 from tests.unit.learner.test_evidence import recurring
 from topics.fields import PROBE
@@ -325,3 +330,20 @@ async def test_a_learner_restarted_under_a_probe_it_cannot_take_as_one_judges_it
     await gate.reconsider()
     assert gate.state.guard is not None and gate.state.guard.gain.n > 0  # the guardrail valued what was served
     assert CERTIFIED.version in gate.versions and CERTIFIED.version in pub.pinned
+
+
+async def test_a_guardrail_rollback_to_an_incumbent_first_policy_is_published_as_an_incumbent(tmp_path: Path) -> None:
+    """The guardrail rolled v3 back to the first policy, which clients served as an incumbent:
+    clients serve v3 until the copy comes, and the copy is published as an incumbent again (it went
+    out near-greedy, and no probe followed it, while the rule's state took the served v3's way)."""
+    config = Settings(embedding_dim=4, slots=8, hidden=8, device="cpu").learner()
+    trainer = PolicyTrainer(config.trainer)
+    pub = Publishing(RecordingProducer(), config, LocalStore(tmp_path), trainer.net.arch, Metrics())
+    first = await pub.publish(trainer, reason="init", metrics={}, input_offsets={}, changed_rows=np.zeros(0))
+    await pub.settle(first)
+    assert pub.gate is not None and pub.gate.state is not None and pub.gate.state.incumbent
+    # v3, certified within ε of similarity-only and served near-greedily, then shown below it.
+    pub.gate.state = dataclasses.replace(pub.gate.state, serving=3, anchor=SIMILARITY, incumbent=False, awaiting=1)
+    copy = await pub.publish(trainer, reason="rollback", metrics={}, input_offsets={}, changed_rows=np.zeros(0))
+    assert ServingParams.from_wire(copy.manifest.serving).incumbent
+    assert ServingParams.from_wire(copy.manifest.serving) == ServingParams.from_wire(first.manifest.serving)
