@@ -462,7 +462,8 @@ class Withdrawn:
     """The learner can no longer serve ``version`` as published: a candidate's trial ends (a delta
     whose base is no longer served), or the copy the rule asked for (:attr:`State.awaiting`) was not
     published: trials go on, and clients keep what they hold (the guardrail asks for a rollback
-    again where it still shows harm; no probe is published over a version they do not hold)."""
+    again where it still shows harm, the next look for a promotion's copy; no probe is published
+    over a version they do not hold)."""
 
     version: int
 
@@ -477,7 +478,8 @@ class Action:
     kind: ActionKind
     version: int
     reason: str
-    path: str = ""  # promote: "improved" | "within-epsilon"; refuse: "worse"; rollback: "guardrail"
+    # promote: "improved" | "within-epsilon" | "again" (a withdrawn copy); refuse: "worse"; rollback: "guardrail"
+    path: str = ""
     to: int | None = None  # rollback: the version served instead
     # promote, refuse, wait: the trial's gain interval over its anchor at this look (None: no bound yet)
     interval: tuple[float, float] | None = None
@@ -637,6 +639,11 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     state = _guard(state, ev, rule, actions)
     if any(a.kind == "rollback" for a in actions):
         return state, actions
+    if state.awaiting is None and state.before is not None and state.anchor not in (SIMILARITY, state.base):
+        # Clients serve a probe over another version than the anchor: the anchor's copy, asked for
+        # at its promotion, was withdrawn (not published). A promotion is carried out until it is.
+        again = Action("promote", state.anchor, f"v{state.anchor}'s copy, asked for again", "again", republish=True)
+        return replace(state, awaiting=state.anchor), [*actions, again]
     kept: list[Trial] = []
     for t in state.trials:
         if t.bounds.high < 0.0:

@@ -273,17 +273,23 @@ def test_a_candidate_promoted_after_a_newer_probe_is_served_as_a_copy_that_stays
     assert not probes(state, RULE) and not opens_trial(state, RULE)
     waited, actions = decide(state, Candidate(11), RULE)
     assert waited.trials == state.trials and [(a.kind, a.version) for a in actions] == [("superseded", 11)]
-    # Where the copy is not published, clients keep the probe: the guardrail goes on watching it
-    # (a harmful one is rolled back to v7), and no probe names v7, which they do not hold.
+    # Where the copy is not published, clients keep the probe: no probe names v7, which they do not
+    # hold; the next look asks for the copy again (a promotion is carried out until it is served),
+    # and the guardrail goes on watching the probe meanwhile (a harmful one is rolled back to v7).
     failed, _ = decide(state, Withdrawn(7), RULE)
     assert (failed.serving, failed.anchor, failed.base, failed.awaiting) == (8, 7, 5, None)
-    assert not probes(failed, RULE) and opens_trial(failed, RULE) and failed.guard is not None
+    assert not probes(failed, RULE) and failed.guard is not None
     harmful = World(5)
     harmful.versions.update({7: world.versions[7], 8: np.array([0.0, 0.0, 1.0, 0.0, 0.0])})
+    asked = []
     for _ in range(20):
         failed, actions = decide(failed, harmful.evidence(8, n=100), RULE)
+        asked += [(a.version, a.path, a.republish) for a in actions if a.kind == "promote"]
         if any(a.kind == "rollback" for a in actions):
             break
+        assert failed.awaiting == 7 and not probes(failed, RULE) and not opens_trial(failed, RULE)
+        failed, _ = decide(failed, Withdrawn(7), RULE)  # and not published again
+    assert asked and set(asked) == {(7, "again", True)}
     assert [(a.version, a.to) for a in actions if a.kind == "rollback"] == [(8, 7)] and failed.awaiting == 7
     margin = state.margin
     state, _ = decide(state, ServedAtOnce(10, copy_of=7), RULE)  # the copy, under the next version

@@ -246,18 +246,26 @@ async def test_a_copy_the_learner_could_not_publish_does_not_hold_the_trials_up(
     publication failed, or the learner found the rule had moved on) must not leave the rule
     waiting for good."""
 
+    asked: list[str] = []
+
     async def republish(version: int, reason: str) -> bool:
+        asked.append(reason)
         if failure == "raises":
             raise ConnectionError("the model topic is away")
         return False
 
-    gate, _, good, _ = await promoted_after_a_probe(republish)
+    gate, _, good, serving = await promoted_after_a_probe(republish)
     await asyncio.sleep(0)  # the task fails, and the rule stops waiting
     assert gate.state is not None and gate.state.anchor == 3 and gate.state.awaiting is None
     # Clients keep the probe v4: the rule still says so (the guardrail watches it), and holds v3.
     assert gate.state.serving == 4 and {3, 4} <= set(gate.versions)
     await gate.consider(manifest(7), good)
     assert [t.version for t in gate.state.trials] == [7]
+    # The next look asks for v3's copy again: the promotion is carried out until it is served.
+    gate.observe(logged(serving, 50, seed=11))
+    await gate.reconsider()
+    await asyncio.sleep(0)
+    assert len(asked) == 2 and asked[1] == "promoted v3: v3's copy, asked for again"
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
