@@ -490,6 +490,8 @@ class SequenceGate:
                     self.clients_serve = a.version
             elif a.kind == "rollback" and a.to is not None:  # as the learner: a copy under a new version
                 self.copies.append((a.to, f"guardrail: {a.reason}", True))
+            elif a.kind == "copy":  # a promotion's copy asked for again (never here: every copy is published)
+                self.copies.append((a.version, a.reason, False))
         canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full
         if canary != self.canary:
             self.canary = canary

@@ -381,6 +381,9 @@ class RuleGate:
             elif a.kind == "rollback" and a.to is not None:
                 log.warning("gate: guardrail: %s; rolling back to v%d", a.reason, a.to)
                 self._ask(a.to, self.on_rollback, a.reason)
+            elif a.kind == "copy":
+                log.warning("gate: %s", a.reason)
+                self._ask(a.version, self.on_republish, a.reason)
             elif a.kind == "wait":
                 log.debug("gate: v%d waits: %s", a.version, a.reason)
             if a.kind in DECISION_OF:

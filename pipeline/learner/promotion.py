@@ -97,7 +97,7 @@ SIMILARITY = 0  # the version number of similarity-only retrieval (plain top-k):
 # mode's cut-over, a "do not use" (pipeline/learner/control.py) and a probe (below, :class:`Probe`).
 SERVED_AT_ONCE = ("init", "rollback", "reset", "cutover", "suppress", PROBE)
 
-ActionKind = Literal["trial", "promote", "refuse", "wait", "rollback", "superseded"]
+ActionKind = Literal["trial", "promote", "refuse", "wait", "rollback", "superseded", "copy"]
 
 
 def is_candidate(reason: str, gated: bool) -> bool:
@@ -462,8 +462,8 @@ class Withdrawn:
     """The learner can no longer serve ``version`` as published: a candidate's trial ends (a delta
     whose base is no longer served), or the copy the rule asked for (:attr:`State.awaiting`) was not
     published: trials go on, and clients keep what they hold (the guardrail asks for a rollback
-    again where it still shows harm, the next look for a promotion's copy; no probe is published
-    over a version they do not hold)."""
+    again where it still shows harm, and a look that promotes nothing for a promotion's copy
+    (``copy``); no probe is published over a version they do not hold)."""
 
     version: int
 
@@ -478,8 +478,7 @@ class Action:
     kind: ActionKind
     version: int
     reason: str
-    # promote: "improved" | "within-epsilon" | "again" (a withdrawn copy); refuse: "worse"; rollback: "guardrail"
-    path: str = ""
+    path: str = ""  # promote: "improved" | "within-epsilon"; refuse: "worse"; rollback: "guardrail"
     to: int | None = None  # rollback: the version served instead
     # promote, refuse, wait: the trial's gain interval over its anchor at this look (None: no bound yet)
     interval: tuple[float, float] | None = None
@@ -569,18 +568,18 @@ def probe_base(state: State) -> int | None:
     return state.anchor if state.anchor != SIMILARITY else None
 
 
-def rollback_incumbent(state: State) -> bool:
-    """Whether a rollback published now is served as an incumbent (contract 1.17): the guardrail's
-    (the rule waits for its copy) where it goes back to a first policy that clients served as one;
-    an operator's while clients serve an incumbent (nothing is certified, so what is rolled back to
-    is not either).
+def rollback_incumbent(state: State, to: object) -> bool:
+    """Whether a rollback to ``to`` published now is served as an incumbent (contract 1.17): the
+    guardrail's (the rule waits for that version's copy) where it goes back to a first policy that
+    clients served as one; an operator's while clients serve an incumbent (nothing is certified,
+    so what is rolled back to is not either).
 
     >>> s = replace(State.start(1, incumbent=True), serving=3, incumbent=False, awaiting=1)
-    >>> rollback_incumbent(s), rollback_incumbent(replace(s, awaiting=2)), rollback_incumbent(State.start(1, True))
+    >>> rollback_incumbent(s, 1), rollback_incumbent(s, 5), rollback_incumbent(State.start(1, True), 1)
     (True, False, True)
     """
-    if state.awaiting is not None:
-        return state.awaiting == state.first and state.first in state.incumbents
+    if to is not None and to == state.awaiting:
+        return to == state.first and state.first in state.incumbents
     return state.incumbent
 
 
@@ -639,11 +638,6 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     state = _guard(state, ev, rule, actions)
     if any(a.kind == "rollback" for a in actions):
         return state, actions
-    if state.awaiting is None and state.before is not None and state.anchor not in (SIMILARITY, state.base):
-        # Clients serve a probe over another version than the anchor: the anchor's copy, asked for
-        # at its promotion, was withdrawn (not published). A promotion is carried out until it is.
-        again = Action("promote", state.anchor, f"v{state.anchor}'s copy, asked for again", "again", republish=True)
-        return replace(state, awaiting=state.anchor), [*actions, again]
     kept: list[Trial] = []
     for t in state.trials:
         if t.bounds.high < 0.0:
@@ -653,7 +647,13 @@ def _evidence(state: State, ev: Evidence, rule: Rule) -> tuple[State, list[Actio
     promoted = next((t for t in reversed(kept) if _promotable(state, t, rule)), None)
     if promoted is None:
         actions += [Action("wait", t.version, t.describe(), interval=t.interval()) for t in kept]
-        return replace(state, trials=tuple(kept)), actions
+        state = replace(state, trials=tuple(kept))
+        if state.awaiting is None and state.before is not None and state.anchor not in (SIMILARITY, state.base):
+            # Clients serve a probe over another version than the anchor: the anchor's copy, asked
+            # for at its promotion, was not published. A promotion is carried out until it is.
+            actions.append(Action("copy", state.anchor, f"v{state.anchor}'s copy was not published: asked for again"))
+            state = replace(state, awaiting=state.anchor)
+        return state, actions
     improved = promoted.bounds.low > 0.0
     republish = promoted.version < state.serving
     actions.append(

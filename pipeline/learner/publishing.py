@@ -308,7 +308,12 @@ class Publishing:
                 candidate=candidate,
                 prepare=save_locally,
                 serving=first_serving(
-                    self.serving, self.gate is not None, reason, trainer.updates, self._incumbent(), self._base()
+                    self.serving,
+                    self.gate is not None,
+                    reason,
+                    trainer.updates,
+                    self._incumbent(metrics.get("rolled_back_to") if reason == "rollback" else None),
+                    self._base(),
                 ).to_wire(),
                 delta=delta,
             )
@@ -384,10 +389,10 @@ class Publishing:
         log.info("learner: published v%d, a copy of the promoted v%d (%s)", manifest.version, version, reason)
         return Published(manifest, tensors, candidate=False)
 
-    def _incumbent(self) -> bool:
-        """A rollback published now is served as an incumbent (:func:`rollback_incumbent`)."""
+    def _incumbent(self, to: object) -> bool:
+        """A rollback to ``to`` published now is served as an incumbent (:func:`rollback_incumbent`)."""
         state = self.gate.state if self.gate is not None else None
-        return state is not None and rollback_incumbent(state)
+        return state is not None and rollback_incumbent(state, to)
 
     def _base(self) -> int | None:
         """What a probe published now names as its base (contract 1.23): the certified anchor, if any."""

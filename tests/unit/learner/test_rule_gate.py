@@ -265,7 +265,8 @@ async def test_a_copy_the_learner_could_not_publish_does_not_hold_the_trials_up(
     gate.observe(logged(serving, 50, seed=11))
     await gate.reconsider()
     await asyncio.sleep(0)
-    assert len(asked) == 2 and asked[1] == "promoted v3: v3's copy, asked for again"
+    assert asked[1:] == ["v3's copy was not published: asked for again"]
+    assert [look.decision for look in gate.decisions].count("promoted") == 1  # the copy is no promotion
 
 
 async def test_a_worse_candidate_is_refused_and_serving_stays() -> None:
@@ -352,6 +353,7 @@ async def test_a_guardrail_rollback_to_an_incumbent_first_policy_is_published_as
     assert pub.gate is not None and pub.gate.state is not None and pub.gate.state.incumbent
     # v3, certified within ε of similarity-only and served near-greedily, then shown below it.
     pub.gate.state = dataclasses.replace(pub.gate.state, serving=3, anchor=SIMILARITY, incumbent=False, awaiting=1)
-    copy = await pub.publish(trainer, reason="rollback", metrics={}, input_offsets={}, changed_rows=np.zeros(0))
+    back = {"rolled_back_to": 1}
+    copy = await pub.publish(trainer, reason="rollback", metrics=back, input_offsets={}, changed_rows=np.zeros(0))
     assert ServingParams.from_wire(copy.manifest.serving).incumbent
     assert ServingParams.from_wire(copy.manifest.serving) == ServingParams.from_wire(first.manifest.serving)
