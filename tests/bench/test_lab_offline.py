@@ -3,6 +3,7 @@ resets and gates with the learner's own rules."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -132,19 +133,14 @@ def test_the_loop_decides_with_the_promotion_rule() -> None:
     assert all(v in result.trialled and low <= high for _, v, _, low, high in result.looks)
 
 
-def test_a_drift_reset_served_while_a_copy_is_due_ends_the_wait_as_in_the_learner() -> None:
-    """A look that rolls back (or promotes after a newer probe) has the learner publish a copy
-    after the checkpoint being judged; a drift reset served at that checkpoint ends the rule's wait,
-    and the learner then publishes no copy (it would undo the reset): neither does the loop."""
-    net = init_policy(8, 64, 16, seed=0)
-    first = LoadedPolicy(Manifest("default", 1, 0.0, "init", {}, 0.5, 0.0, "0" * 64, 1, 1), net)
+def rolled_back(
+    republish: Callable[[LoadedPolicy, str, bool], LoadedPolicy],
+) -> tuple[offline.SequenceGate, list[int], LoadedPolicy]:
+    """The loop's gate just after the guardrail rolled v2 back to v1 (its copy is due after the
+    checkpoint being judged), the versions it serves, and v1."""
+    manifest = Manifest("default", 1, 0.0, "init", {}, 0.5, 0.0, "0" * 64, 1, 1)
+    first = LoadedPolicy(manifest, init_policy(8, 64, 16, seed=0))
     served: list[int] = []
-    copied: list[int] = []
-
-    def republish(policy: LoadedPolicy, reason: str, rollback: bool) -> LoadedPolicy:
-        copied.append(policy.version)
-        return policy
-
     gate = offline.SequenceGate(
         promotion.Rule(),
         first,
@@ -156,19 +152,29 @@ def test_a_drift_reset_served_while_a_copy_is_due_ends_the_wait_as_in_the_learne
         lambda p: None,
         republish,
     )
-    # The guardrail has just rolled v2 back to v1: its copy is due after this checkpoint.
-    gate.state = replace(gate.state, serving=1, awaiting=1)
+    gate.state = replace(gate.state, serving=2, awaiting=1)  # clients serve v2 until the copy comes
     gate.copies.append((1, "guardrail: v2 below similarity-only", True))
-    reset = LoadedPolicy(Manifest("default", 3, 0.0, "reset", {}, 0.5, 0.0, "0" * 64, 1, 1), net)
-    gate.refresh(reset, step=600)
+    return gate, served, first
+
+
+def test_a_drift_reset_served_while_a_copy_is_due_ends_the_wait_as_in_the_learner() -> None:
+    """A look that rolls back (or promotes after a newer probe) has the learner publish a copy
+    after the checkpoint being judged; a drift reset served at that checkpoint ends the rule's wait,
+    and the learner then publishes no copy (it would undo the reset): neither does the loop."""
+    copied: list[int] = []
+
+    def republish(policy: LoadedPolicy, reason: str, rollback: bool) -> LoadedPolicy:
+        copied.append(policy.version)
+        return policy
+
+    gate, served, first = rolled_back(republish)
+    gate.refresh(LoadedPolicy(replace(first.manifest, version=3, reason="reset"), first.net), step=600)
     assert served == [3] and copied == [] and gate.state.awaiting is None
 
 
 def test_the_loop_carries_a_rollback_out_as_the_learner_and_a_promotions_copy_leaves_training_alone() -> None:
     """The learner trains on from a guardrail rollback's weights (evidence against what it learnt
     since) and not from a promotion's copy: the loop's copies say which they are."""
-    net = init_policy(8, 64, 16, seed=0)
-    first = LoadedPolicy(Manifest("default", 1, 0.0, "init", {}, 0.5, 0.0, "0" * 64, 1, 1), net)
     copied: list[tuple[int, bool]] = []
 
     def republish(policy: LoadedPolicy, reason: str, rollback: bool) -> LoadedPolicy:
@@ -176,20 +182,7 @@ def test_the_loop_carries_a_rollback_out_as_the_learner_and_a_promotions_copy_le
         manifest = replace(policy.manifest, version=9, reason="rollback", metrics={"rolled_back_to": policy.version})
         return LoadedPolicy(manifest, policy.net)
 
-    served: list[int] = []
-    gate = offline.SequenceGate(
-        promotion.Rule(),
-        first,
-        ServingParams(),
-        0.0,
-        LoggingPolicies(Metrics()),
-        offline.OfflineResult(Tally()),
-        lambda p: served.append(p.version),
-        lambda p: None,
-        republish,
-    )
-    gate.state = replace(gate.state, serving=2, awaiting=1)  # the guardrail has just rolled v2 back to v1
-    gate.copies.append((1, "guardrail: v2 below similarity-only", True))
-    gate.refresh(LoadedPolicy(replace(first.manifest, version=3, reason="periodic"), net), step=600)
+    gate, served, first = rolled_back(republish)
+    gate.refresh(LoadedPolicy(replace(first.manifest, version=3, reason="periodic"), first.net), step=600)
     assert copied == [(1, True)] and served == [9]
     assert (gate.state.serving, gate.state.awaiting) == (9, None)
