@@ -241,16 +241,12 @@ def run_offline(
         result.served_versions[policy.version] = policy
         logging_policies.hold(policy.manifest, policy.net)  # as the learner's gate on promote / set_serving
 
-    def republish(policy: LoadedPolicy, reason: str, rollback: bool) -> LoadedPolicy:
+    def republish(policy: LoadedPolicy, reason: str) -> LoadedPolicy:
         """As the learner publishes a promoted version again (``Action.republish``), or a
         guardrail's rollback: its weights and manifest under the next version, reason
-        ``rollback``, ``rolled_back_to`` it. A rollback is evidence against what was learnt
-        since: training goes on from its weights, with a fresh optimizer, as the learner's
-        (``ControlHandler.rollback``, which first applies the decisions pending; the loop trains
-        them on the weights loaded); a promotion's copy leaves the trainer as it is."""
+        ``rollback``, ``rolled_back_to`` it. The trainer goes on as it is (the learner's rollback
+        also loads the weights into its trainer: not mirrored here, docs/promotion.md)."""
         nonlocal version
-        if rollback:
-            trainer.load(policy.net.tensors(), trainer.baseline.state())
         version += 1
         metrics = {**policy.manifest.metrics, "rolled_back_to": policy.version, "rollback_reason": reason}
         result.created[version] = result.created[policy.version]
@@ -375,7 +371,7 @@ class SequenceGate:
         result: OfflineResult,
         serve: Callable[[LoadedPolicy], None],
         set_canary: Callable[[LoadedPolicy | None], None],
-        republish: Callable[[LoadedPolicy, str, bool], LoadedPolicy],
+        republish: Callable[[LoadedPolicy, str], LoadedPolicy],
     ) -> None:
         self.rule = rule
         self.state = resume(first.manifest, rule, epoch=1)  # as the learner's gate starts
@@ -392,7 +388,7 @@ class SequenceGate:
         self.table = gate_evidence.RewardTable()  # as the learner's gate: the gain terms' direct model
         # The versions whose weights the learner publishes again, after the checkpoint being judged
         # (a rollback's target, a promotion after a newer probe: promotion.State.awaiting).
-        self.copies: list[tuple[int, str, bool]] = []  # (version, reason, a guardrail's rollback)
+        self.copies: list[tuple[int, str]] = []
         self.clients_serve = first.version  # the newest version published under the serving key
 
     def observe(self, experiences: list[Experience]) -> None:
@@ -449,9 +445,9 @@ class SequenceGate:
         # Published once the checkpoint was judged, as the learner's; only while the rule still waits
         # for it (a drift reset served meanwhile ends the wait, and the learner publishes no copy).
         copies, self.copies = self.copies, []
-        for version, reason, rollback in copies:
+        for version, reason in copies:
             if version == self.state.awaiting:
-                self.refresh(self.republish(self.nets[version], reason, rollback), step)
+                self.refresh(self.republish(self.nets[version], reason), step)
 
     def look(self, step: int) -> None:
         """The decisions since the last look, as evidence (none: nothing to look at, as the learner's)."""
@@ -482,16 +478,16 @@ class SequenceGate:
                 promoted = self.nets[a.version]
                 self.nets[a.version] = replace(promoted, manifest=certified(promoted.manifest, self.state))
                 if a.republish:  # as the learner: its weights again under a new version, served at once
-                    self.copies.append((a.version, f"promoted v{a.version}: {a.reason}", False))
+                    self.copies.append((a.version, f"promoted v{a.version}: {a.reason}"))
                 elif a.version < self.clients_serve:  # versions only grow on the serving key (contract §7)
                     self.result.refused_older.append((step, a.version))
                 else:
                     self.serve(self.nets[a.version])
                     self.clients_serve = a.version
             elif a.kind == "rollback" and a.to is not None:  # as the learner: a copy under a new version
-                self.copies.append((a.to, f"guardrail: {a.reason}", True))
+                self.copies.append((a.to, f"guardrail: {a.reason}"))
             elif a.kind == "copy":  # a promotion's copy asked for again (never here: every copy is published)
-                self.copies.append((a.version, a.reason, False))
+                self.copies.append((a.version, a.reason))
         canary = promotion.canary(self.state, self.canary_rate)  # every snapshot here is full
         if canary != self.canary:
             self.canary = canary

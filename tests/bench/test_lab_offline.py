@@ -134,7 +134,7 @@ def test_the_loop_decides_with_the_promotion_rule() -> None:
 
 
 def rolled_back(
-    republish: Callable[[LoadedPolicy, str, bool], LoadedPolicy],
+    republish: Callable[[LoadedPolicy, str], LoadedPolicy],
 ) -> tuple[offline.SequenceGate, list[int], LoadedPolicy]:
     """The loop's gate just after the guardrail rolled v2 back to v1 (its copy is due after the
     checkpoint being judged), the versions it serves, and v1."""
@@ -153,7 +153,7 @@ def rolled_back(
         republish,
     )
     gate.state = replace(gate.state, serving=2, awaiting=1)  # clients serve v2 until the copy comes
-    gate.copies.append((1, "guardrail: v2 below similarity-only", True))
+    gate.copies.append((1, "guardrail: v2 below similarity-only"))
     return gate, served, first
 
 
@@ -163,7 +163,7 @@ def test_a_drift_reset_served_while_a_copy_is_due_ends_the_wait_as_in_the_learne
     and the learner then publishes no copy (it would undo the reset): neither does the loop."""
     copied: list[int] = []
 
-    def republish(policy: LoadedPolicy, reason: str, rollback: bool) -> LoadedPolicy:
+    def republish(policy: LoadedPolicy, reason: str) -> LoadedPolicy:
         copied.append(policy.version)
         return policy
 
@@ -172,17 +172,17 @@ def test_a_drift_reset_served_while_a_copy_is_due_ends_the_wait_as_in_the_learne
     assert served == [3] and copied == [] and gate.state.awaiting is None
 
 
-def test_the_loop_carries_a_rollback_out_as_the_learner_and_a_promotions_copy_leaves_training_alone() -> None:
-    """The learner trains on from a guardrail rollback's weights (evidence against what it learnt
-    since) and not from a promotion's copy: the loop's copies say which they are."""
-    copied: list[tuple[int, bool]] = []
+def test_the_loop_serves_a_rollbacks_copy_after_the_checkpoint_judged() -> None:
+    """As the learner: the copy the rule waits for goes out after the checkpoint being judged, is
+    served at once, and ends the wait."""
+    copied: list[int] = []
 
-    def republish(policy: LoadedPolicy, reason: str, rollback: bool) -> LoadedPolicy:
-        copied.append((policy.version, rollback))
+    def republish(policy: LoadedPolicy, reason: str) -> LoadedPolicy:
+        copied.append(policy.version)
         manifest = replace(policy.manifest, version=9, reason="rollback", metrics={"rolled_back_to": policy.version})
         return LoadedPolicy(manifest, policy.net)
 
     gate, served, first = rolled_back(republish)
     gate.refresh(LoadedPolicy(replace(first.manifest, version=3, reason="periodic"), first.net), step=600)
-    assert copied == [(1, True)] and served == [9]
+    assert copied == [1] and served == [9]
     assert (gate.state.serving, gate.state.awaiting) == (9, None)
