@@ -158,9 +158,6 @@ class ControlHandler:
         # The rollbacks, resets and cut-overs carried out in the last hour (their audit entries,
         # which their checkpoints carry as ``control``): what control_checkpoints_per_hour counts.
         self.recent: list[dict[str, Any]] = []
-        # One change of the trainer's weights at a time, checkpoint included: an operator's command
-        # or the worker's reset, and the promotion rule's guardrail rollback (a task of its own).
-        self._changing = asyncio.Lock()
 
     def recall(self, metrics: Iterable[Any], now: float | None = None) -> None:
         """After a restore: the commands the model topic's checkpoints carry (each manifest's
@@ -184,13 +181,12 @@ class ControlHandler:
         if ctl.id:
             self.inbox.mark_seen(ctl.id)
         try:
-            async with self._changing:
-                if ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
-                    await self.change_suppression(ctl, msg, verified)
-                elif ctl.command in (QUARANTINE_COMMAND, UNQUARANTINE_COMMAND):
-                    await self.change_quarantine(ctl, msg, verified)
-                else:
-                    await self.bypass_gate(ctl, msg, verified)
+            if ctl.command in (SUPPRESS_COMMAND, UNSUPPRESS_COMMAND):
+                await self.change_suppression(ctl, msg, verified)
+            elif ctl.command in (QUARANTINE_COMMAND, UNQUARANTINE_COMMAND):
+                await self.change_quarantine(ctl, msg, verified)
+            else:
+                await self.bypass_gate(ctl, msg, verified)
         except (ValueError, TypeError, KeyError) as exc:
             # The codec checks details; a command it let through and that still cannot be
             # carried out is dead-lettered, and its offset passed like any other.
@@ -393,31 +389,15 @@ class ControlHandler:
         if self.progress.suppressed:
             self.trainer.net.suppress(self.progress.suppressed)
 
-    async def guardrail_rollback(self, version: int, reason: str, *, wanted: Callable[[], bool]) -> bool:
-        """The promotion rule's guardrail asks for a rollback to ``version``: carried out (True) once
-        no other change of the weights is under way, and only while ``wanted()`` (the rule still
-        waits for it: a drift reset or an operator's command served meanwhile ends the wait)."""
-        async with self._changing:
-            return await self.rollback(version, f"guardrail: {reason}", wanted=wanted)
-
-    async def rollback(
-        self,
-        version: int,
-        reason: str = "",
-        entry: dict[str, Any] | None = None,
-        *,
-        wanted: Callable[[], bool] | None = None,
-    ) -> bool:
+    async def rollback(self, version: int, reason: str = "", entry: dict[str, Any] | None = None) -> bool:
         """Serve (and continue from) an earlier checkpoint, republished under a new version.
 
         The weights come from the model topic when its chunks are still there, else from
         the local directory (which keeps more versions than the topic). Training goes on
         from them with a fresh optimizer: the policy that was rolled back is abandoned.
         Memories given a slot after ``version`` get fresh rows (they would otherwise serve
-        the rows of the slot's earlier owner). ``entry``: the command's audit entry (None: the
-        promotion rule's guardrail asked), carried in the checkpoint's metrics (``control``).
-        ``wanted``: asked again once the weights are found, before they are loaded (the
-        guardrail's rollback is not carried out once something else was served meanwhile).
+        the rows of the slot's earlier owner). ``entry``: the command's audit entry, carried in
+        the checkpoint's metrics (``control``).
         """
         tensors = await self.find_version(version)
         if tensors is None:
@@ -426,9 +406,6 @@ class ControlHandler:
             )
             return False
         await self.apply_pending()
-        if wanted is not None and not wanted():
-            log.info("learner: rollback to v%d no longer wanted: another checkpoint was served meanwhile", version)
-            return False
         self.trainer.load(tensors, self.trainer.baseline.state())
         self.memories.rows_from(version, self.trainer)
         self._keep_suppressed()

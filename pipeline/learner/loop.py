@@ -408,11 +408,13 @@ class Learner(Service):
             self.apply(chunk)
 
     async def _guardrail_rollback(self, version: int, reason: str) -> bool:
-        """The promotion rule's guardrail showed the served version below similarity-only: roll back
-        (a task of its own: the rollback publishes, and its checkpoint comes back to the gate).
-        Not once anything else was served at once meanwhile (a drift reset, an operator's command):
-        the rule no longer waits for it."""
-        return await self.control.guardrail_rollback(version, reason, wanted=lambda: self._awaited(version))
+        """The promotion rule's guardrail showed the served version below similarity-only: publish
+        ``version``'s weights (the anchor's, or the first policy's) again, as a promotion's copy
+        (:meth:`_republish`). The trainer goes on from where it is: the rollback is evidence against
+        the version served, not against what was learnt since, whose candidates are tested before
+        they are served (loading the rollback's weights into the trainer sent a T = 1 client's
+        training back to the first policy at every probe's rollback: docs/promotion.md)."""
+        return await self._republish(version, f"guardrail: {reason}")
 
     def _awaited(self, version: int) -> bool:
         """Whether the promotion rule still waits for ``version``'s weights to go out again."""
@@ -420,14 +422,15 @@ class Learner(Service):
         return gate is not None and gate.state is not None and gate.state.awaiting == version
 
     async def _republish(self, version: int, reason: str) -> bool:
-        """The promotion rule promoted ``version`` after clients were told to serve a newer one (a
-        probe): publish its weights again under a new version, served at once (a task of its own:
-        its checkpoint comes back to the gate, which takes it as the anchor). The trainer goes on
-        from where it is."""
+        """The promotion rule asked for ``version``'s weights again under a new version, served at
+        once (``Action.republish``: it promoted ``version`` after clients were told to serve a newer
+        one, a probe; or its guardrail rolled back to it): a task of its own, whose checkpoint comes
+        back to the gate. Only while the rule still waits for it (a drift reset or an operator's
+        command served meanwhile ends the wait). The trainer goes on from where it is."""
         assert self.publishing is not None
         async with self._publish_lock:
             if not self._awaited(version):
-                log.warning("learner: v%d was promoted, but the rule has moved on since: no copy", version)
+                log.warning("learner: v%d's copy is no longer wanted (something else was served): none", version)
                 return False
             # Memories given a slot after `version`, whose records the copy's version will follow.
             fresh = self.memories.given_between(version, self.publishing.publisher.last_version)
@@ -439,7 +442,7 @@ class Learner(Service):
                 fresh_rows=fresh,
             )
             if published is None:
-                log.warning("learner: v%d was promoted but the gate no longer holds it: not served", version)
+                log.warning("learner: the gate no longer holds v%d: its copy is not served", version)
                 return False
             self.version = published.manifest.version
             await self.publishing.settle(published)

@@ -568,21 +568,6 @@ def probe_base(state: State) -> int | None:
     return state.anchor if state.anchor != SIMILARITY else None
 
 
-def rollback_incumbent(state: State, to: object) -> bool:
-    """Whether a rollback to ``to`` published now is served as an incumbent (contract 1.17): the
-    guardrail's (the rule waits for that version's copy) where it goes back to a first policy that
-    clients served as one; an operator's while clients serve an incumbent (nothing is certified,
-    so what is rolled back to is not either).
-
-    >>> s = replace(State.start(1, incumbent=True), serving=3, incumbent=False, awaiting=1)
-    >>> rollback_incumbent(s, 1), rollback_incumbent(s, 5), rollback_incumbent(State.start(1, True), 1)
-    (True, False, True)
-    """
-    if to is not None and to == state.awaiting:
-        return to == state.first and state.first in state.incumbents
-    return state.incumbent
-
-
 def opens_trial(state: State, rule: Rule) -> bool:
     """Whether a candidate published now would start a trial (else it is passed over, :func:`decide`).
 

@@ -40,7 +40,7 @@ from pipeline.learner.deltas import DeltaPlanner
 from pipeline.learner.freeze import ServingClock
 from pipeline.learner.gate import RuleGate
 from pipeline.learner.inbox import Key
-from pipeline.learner.promotion import is_candidate, probe_base, rollback_incumbent
+from pipeline.learner.promotion import is_candidate, probe_base
 from pipeline.learner.store import LocalStore
 from pipeline.learner.suppression import read_audit
 from pipeline.metrics import Metrics
@@ -67,8 +67,9 @@ def first_serving(
     """The serving parameters a checkpoint is published with. An incumbent (contract 1.17): a
     fresh first policy, a probe while nothing is certified (1.19), a drift reset (1.20: what was
     certified described the world before the change, and the reset's warm-up is not certified
-    either), and a rollback to a version served as one (``incumbent``:
-    :func:`pipeline.learner.promotion.rollback_incumbent`). A probe over a certified version
+    either), and an operator's rollback while the rule serves an incumbent (``incumbent``:
+    nothing is certified, so what is rolled back to is not either; the guardrail's rollbacks are
+    copies, served as the version they copy was: :meth:`Publishing.republish`). A probe over a certified version
     (``base``, 1.23) is served as configured, that version on the share not explored.
 
     >>> fresh = first_serving(ServingParams(), True, "init", 0)
@@ -169,13 +170,13 @@ def manifest_metrics(
     }
 
 
-PROMOTION_COPY = "promotion_copy"  # in the metrics of a promoted version's copy (Publishing.republish)
+PROMOTION_COPY = "promotion_copy"  # in the metrics of a copy the promotion rule asked for (Publishing.republish)
 
 
 def is_promotion_copy(metrics: dict[str, Any]) -> bool:
-    """Whether a checkpoint with these ``metrics`` is a copy of a promoted version
-    (:meth:`Publishing.republish`): its weights are not the trainer's, and a learner never
-    restores its trainer from it.
+    """Whether a checkpoint with these ``metrics`` is a copy the promotion rule asked for (a
+    promoted version's, a guardrail rollback's: :meth:`Publishing.republish`): its weights are
+    not the trainer's, and a learner never restores its trainer from it.
 
     >>> is_promotion_copy({PROMOTION_COPY: True}), is_promotion_copy({"rolled_back_to": 3})
     (True, False)
@@ -308,12 +309,7 @@ class Publishing:
                 candidate=candidate,
                 prepare=save_locally,
                 serving=first_serving(
-                    self.serving,
-                    self.gate is not None,
-                    reason,
-                    trainer.updates,
-                    self._incumbent(metrics.get("rolled_back_to") if reason == "rollback" else None),
-                    self._base(),
+                    self.serving, self.gate is not None, reason, trainer.updates, self._incumbent(), self._base()
                 ).to_wire(),
                 delta=delta,
             )
@@ -351,9 +347,10 @@ class Publishing:
     ) -> Published | None:
         """Publish the weights of ``version``, which the gate holds, again under a new version,
         served at once: a copy (reason ``rollback``, ``metrics.rolled_back_to``, and
-        ``metrics.promotion_copy``), for a promotion of a version older than one clients were
-        told to serve since (a probe): versions only grow on the serving key (docs/contract.md
-        §7). The trainer goes on untouched and is never restored from the copy
+        ``metrics.promotion_copy``) of a version the promotion rule serves again: a promotion of a
+        version older than one clients were told to serve since (a probe; versions only grow on
+        the serving key, docs/contract.md §7), or the guardrail's rollback to the anchor or the
+        first policy (contract 1.26). The trainer goes on untouched and is never restored from the copy
         (:func:`is_promotion_copy`): ``metrics`` and ``input_offsets`` are the learner's now, as
         any checkpoint's. It is served as ``version`` was published, and carries its
         certification. ``fresh_rows``: slots given to a memory after ``version`` whose records
@@ -386,13 +383,13 @@ class Publishing:
         # Not recorded as the planner's own: the trainer's weights differ from it, so the next
         # checkpoint is a full snapshot.
         self.metrics.checkpoint_publishes.labels(reason="rollback").inc()
-        log.info("learner: published v%d, a copy of the promoted v%d (%s)", manifest.version, version, reason)
+        log.info("learner: published v%d, a copy of v%d (%s)", manifest.version, version, reason)
         return Published(manifest, tensors, candidate=False)
 
-    def _incumbent(self, to: object) -> bool:
-        """A rollback to ``to`` published now is served as an incumbent (:func:`rollback_incumbent`)."""
+    def _incumbent(self) -> bool:
+        """The rule serves an incumbent now (nothing certified)."""
         state = self.gate.state if self.gate is not None else None
-        return state is not None and rollback_incumbent(state, to)
+        return state is not None and state.incumbent
 
     def _base(self) -> int | None:
         """What a probe published now names as its base (contract 1.23): the certified anchor, if any."""

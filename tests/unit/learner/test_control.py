@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import asyncio
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -307,34 +306,3 @@ async def test_a_rollback_is_audited_with_who_claims_to_ask_and_the_command_id()
     assert h.published[-1][1]["suppression"]["by_verified"] is False  # a claim, not a proven principal
     await h.send("reset", offset=2, details={"by": 7})  # who asked is text, on every command
     assert [(offset, reason) for offset, reason, _ in h.dead] == [(2, "wrong_type")]
-
-
-async def test_a_guardrail_rollback_waits_for_a_reset_under_way_and_is_dropped_once_it_is_served() -> None:
-    """The guardrail's rollback is a task of its own: a drift reset under way when it came went out
-    first, and the rollback after it served the weights the reset replaced (undoing the reset).
-    Now it waits for the reset's checkpoint, and the rule no longer wants it once that is served."""
-    h = Harness(gated=True, versions={3: weights(2.0)})
-    h.replay.extend([experience(S, i, ts=BASE_TS + i) for i in range(10)])
-    release = asyncio.Event()
-    awaited = {"v3": True}  # the rule waits for the rollback to v3 until the reset is served
-    publish = h.publish_change
-
-    async def slow_publish(reason: str, extra: dict[str, Any]) -> int:
-        await release.wait()
-        if reason == "reset":
-            awaited["v3"] = False  # served at once: the rule's wait ends
-        return await publish(reason, extra)
-
-    h.handler.publish_change = slow_publish
-    reset = asyncio.create_task(h.send("reset", details={"since_ts": BASE_TS}, reason="drift"))
-    await asyncio.sleep(0.05)  # the reset is publishing
-    rollback = asyncio.create_task(
-        h.handler.guardrail_rollback(3, "v5 below similarity-only", wanted=lambda: awaited["v3"])
-    )
-    await asyncio.sleep(0.05)
-    assert not rollback.done() and h.looked_up == []  # it waits for the reset
-    release.set()
-    await reset
-    assert await rollback is False
-    assert [reason for reason, _ in h.published] == ["reset"]  # v3's weights were found, not served
-    assert float(h.trainer.net.out.bias.detach().max()) < 2.0  # the reset's weights, not v3's

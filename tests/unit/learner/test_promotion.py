@@ -12,7 +12,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from models.serving.params import ServingParams
 from pipeline.config import GateConfig
 from pipeline.learner.promotion import (
     SIMILARITY,
@@ -28,9 +27,7 @@ from pipeline.learner.promotion import (
     opens_trial,
     probe_base,
     probes,
-    rollback_incumbent,
 )
-from pipeline.learner.publishing import first_serving
 
 MEANS = np.array([0.2, 0.5, -0.5, 0.1, 0.0])  # set 0 is similarity-only's top-k set
 TOPK = np.array([1.0, 0.0, 0.0, 0.0, 0.0])
@@ -610,8 +607,5 @@ def test_a_rollback_to_an_incumbent_first_policy_serves_it_as_an_incumbent_again
     state = replace(State.start(serving=1, incumbent=True), serving=3, anchor=3, margin=-0.01, incumbent=False)
     state, rolled = watched(state, world, first_only=True)
     assert rolled == [(3, 1, "guardrail")] and (state.awaiting, state.anchor) == (1, SIMILARITY)
-    # Clients still serve v3 (not an incumbent) until the copy: the copy itself is published as one.
-    assert not state.incumbent and rollback_incumbent(state, 1) and not rollback_incumbent(state, 5)
-    assert first_serving(ServingParams(), True, "rollback", 9, incumbent=rollback_incumbent(state, 1)).incumbent
     state, _ = decide(state, ServedAtOnce(4, incumbent=True, copy_of=1), RULE)
     assert (state.serving, state.first, state.incumbent) == (4, 4, True)

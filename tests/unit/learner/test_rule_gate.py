@@ -342,9 +342,10 @@ async def test_a_learner_restarted_under_a_probe_it_cannot_take_as_one_judges_it
 
 
 async def test_a_guardrail_rollback_to_an_incumbent_first_policy_is_published_as_an_incumbent(tmp_path: Path) -> None:
-    """The guardrail rolled v3 back to the first policy, which clients served as an incumbent:
-    clients serve v3 until the copy comes, and the copy is published as an incumbent again (it went
-    out near-greedy, and no probe followed it, while the rule's state took the served v3's way)."""
+    """The guardrail rolled v3 back to the first policy, which clients served as an incumbent: the
+    learner's copy is served as the first policy was (an incumbent again; with the served v3's way
+    it went out near-greedy, and no probe followed it), and its trainer goes on untouched (loading
+    the first policy's weights sent a T = 1 client's training back to them at every rollback)."""
     config = Settings(embedding_dim=4, slots=8, hidden=8, device="cpu").learner()
     trainer = PolicyTrainer(config.trainer)
     pub = Publishing(RecordingProducer(), config, LocalStore(tmp_path), trainer.net.arch, Metrics())
@@ -353,7 +354,18 @@ async def test_a_guardrail_rollback_to_an_incumbent_first_policy_is_published_as
     assert pub.gate is not None and pub.gate.state is not None and pub.gate.state.incumbent
     # v3, certified within ε of similarity-only and served near-greedily, then shown below it.
     pub.gate.state = dataclasses.replace(pub.gate.state, serving=3, anchor=SIMILARITY, incumbent=False, awaiting=1)
-    back = {"rolled_back_to": 1}
-    copy = await pub.publish(trainer, reason="rollback", metrics=back, input_offsets={}, changed_rows=np.zeros(0))
-    assert ServingParams.from_wire(copy.manifest.serving).incumbent
+    with torch.no_grad():
+        trainer.net.out.bias.add_(1.0)  # what the learner learnt since
+    learnt = trainer.net.tensors()
+    copy = await pub.republish(1, reason="guardrail: v3 below similarity-only", metrics={}, input_offsets={})
+    assert copy is not None and copy.manifest.reason == "rollback" and copy.manifest.metrics["rolled_back_to"] == 1
     assert ServingParams.from_wire(copy.manifest.serving) == ServingParams.from_wire(first.manifest.serving)
+    assert ServingParams.from_wire(copy.manifest.serving).incumbent
+    assert all(torch.equal(t, learnt[k]) for k, t in trainer.net.tensors().items())  # the trainer goes on
+    assert not torch.equal(copy.tensors["out.bias"], learnt["out.bias"])  # the copy is the first policy's
+    await pub.settle(copy)
+    assert (pub.gate.state.serving, pub.gate.state.awaiting, pub.gate.state.incumbent) == (
+        copy.manifest.version,
+        None,
+        True,
+    )
