@@ -244,8 +244,7 @@ def run_offline(
     def republish(policy: LoadedPolicy, reason: str) -> LoadedPolicy:
         """As the learner publishes a promoted version again (``Action.republish``), or a
         guardrail's rollback: its weights and manifest under the next version, reason
-        ``rollback``, ``rolled_back_to`` it. The trainer goes on as it is (the learner's rollback
-        also loads the weights into its trainer: not mirrored here, docs/promotion.md)."""
+        ``rollback``, ``rolled_back_to`` it. The trainer goes on as it is, as the learner's."""
         nonlocal version
         version += 1
         metrics = {**policy.manifest.metrics, "rolled_back_to": policy.version, "rollback_reason": reason}

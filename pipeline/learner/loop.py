@@ -440,6 +440,7 @@ class Learner(Service):
                 metrics=self._manifest_metrics(),
                 input_offsets=self.input_offsets(),
                 fresh_rows=fresh,
+                suppressed=self.progress.suppressed,
             )
             if published is None:
                 log.warning("learner: the gate no longer holds v%d: its copy is not served", version)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from models.policy.delta import encode_delta
-from models.policy.network import Arch, neutral_rows
+from models.policy.network import Arch, PolicyNetwork, neutral_rows
 from models.policy.trainer import PolicyTrainer
 from models.policy.weights import to_safetensors
 from models.serving.params import ServingParams
@@ -344,6 +344,7 @@ class Publishing:
         metrics: dict[str, Any],
         input_offsets: dict[str, int],
         fresh_rows: Sequence[int] = (),
+        suppressed: Sequence[int] = (),
     ) -> Published | None:
         """Publish the weights of ``version``, which the gate holds, again under a new version,
         served at once: a copy (reason ``rollback``, ``metrics.rolled_back_to``, and
@@ -355,7 +356,9 @@ class Publishing:
         any checkpoint's. It is served as ``version`` was published, and carries its
         certification. ``fresh_rows``: slots given to a memory after ``version`` whose records
         the copy's version follows; ``version``'s weights hold an earlier owner's rows there:
-        neutral in the copy. Returns None where the gate no longer holds ``version``."""
+        neutral in the copy. ``suppressed``: the slots an operator suppresses now ("do not use"),
+        suppressed in the copy too (a rollback's copy of an older version would serve them again).
+        Returns None where the gate no longer holds ``version``."""
         held = self.gate.versions.get(version) if self.gate is not None else None
         if held is None:
             return None
@@ -366,6 +369,10 @@ class Publishing:
             hidden = tensors["out.weight"].shape[1]
             weight, bias = neutral_rows(len(rows), hidden, torch.Generator().manual_seed(version))
             tensors["out.weight"][rows], tensors["out.bias"][rows] = weight, bias
+        if len(suppressed):
+            kept = PolicyNetwork.from_tensors(tensors)
+            kept.suppress(list(suppressed))
+            tensors = kept.tensors()
         full = to_safetensors(tensors)
         marks = {"rolled_back_to": version, "rollback_reason": reason, PROMOTION_COPY: True}
         manifest = await self.publisher.publish(

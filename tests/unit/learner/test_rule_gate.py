@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models.offpolicy.confidence import MIN_DECISIONS, GainSequence
-from models.policy.network import PolicyNetwork, init_policy
+from models.policy.network import SUPPRESSED_BIAS, PolicyNetwork, init_policy
 from models.policy.trainer import PolicyTrainer
 from models.serving.params import ServingParams
 from pipeline.config import GateConfig, Settings
@@ -354,11 +354,17 @@ async def test_a_guardrail_rollback_to_an_incumbent_first_policy_is_published_as
     assert pub.gate is not None and pub.gate.state is not None and pub.gate.state.incumbent
     # v3, certified within ε of similarity-only and served near-greedily, then shown below it.
     pub.gate.state = dataclasses.replace(pub.gate.state, serving=3, anchor=SIMILARITY, incumbent=False, awaiting=1)
+    v1_bias = first.tensors["out.bias"].clone()
     with torch.no_grad():
         trainer.net.out.bias.add_(1.0)  # what the learner learnt since
     learnt = trainer.net.tensors()
-    copy = await pub.republish(1, reason="guardrail: v3 below similarity-only", metrics={}, input_offsets={})
+    # An operator suppressed slot 3 since v1 ("do not use"): the copy of v1 must not serve it again.
+    copy = await pub.republish(
+        1, reason="guardrail: v3 below similarity-only", metrics={}, input_offsets={}, suppressed=[3]
+    )
     assert copy is not None and copy.manifest.reason == "rollback" and copy.manifest.metrics["rolled_back_to"] == 1
+    assert float(copy.tensors["out.bias"][3]) == SUPPRESSED_BIAS and not copy.tensors["out.weight"][3].any()
+    assert torch.equal(copy.tensors["out.bias"][:3], v1_bias[:3])  # the others are v1's
     assert ServingParams.from_wire(copy.manifest.serving) == ServingParams.from_wire(first.manifest.serving)
     assert ServingParams.from_wire(copy.manifest.serving).incumbent
     assert all(torch.equal(t, learnt[k]) for k, t in trainer.net.tensors().items())  # the trainer goes on
