@@ -35,7 +35,7 @@ from pipeline.client.subscriber import LoadedPolicy
 from pipeline.config import GateConfig, Settings
 from pipeline.learner import evidence as gate_evidence
 from pipeline.learner import promotion
-from pipeline.learner.gate import certified, copy_of, resume
+from pipeline.learner.gate import certified, copy_of, incumbent_of, resume
 from pipeline.learner.logging_policy import LoggingPolicies
 from pipeline.learner.promotion import is_candidate
 from pipeline.learner.publishing import first_serving
@@ -407,8 +407,8 @@ class SequenceGate:
             self.state = resume(self.nets[serving].manifest, self.rule, epoch)
         else:
             self.state = resume(self.nets[base].manifest, self.rule, epoch)
-            incumbent = ServingParams.from_wire(self.nets[serving].manifest.serving).incumbent
-            self.state, _ = promotion.decide(self.state, promotion.Probe(serving, incumbent), self.rule)
+            probe = promotion.Probe(serving, incumbent_of(self.nets[serving].manifest))
+            self.state, _ = promotion.decide(self.state, probe, self.rule)
         self.table = gate_evidence.RewardTable()  # the learner's is in its memory: learnt again
 
     def wants_probe(self) -> bool:
@@ -418,8 +418,8 @@ class SequenceGate:
     def probe(self, policy: LoadedPolicy, step: int) -> None:
         """As :meth:`RuleGate.probe` once published: the probe is served, the trials go on."""
         self.nets[policy.version] = policy
-        incumbent = ServingParams.from_wire(policy.manifest.serving).incumbent
-        self.state, actions = promotion.decide(self.state, promotion.Probe(policy.version, incumbent), self.rule)
+        probe = promotion.Probe(policy.version, incumbent_of(policy.manifest))
+        self.state, actions = promotion.decide(self.state, probe, self.rule)
         self.serve(policy)
         self.clients_serve = policy.version
         self._carry(actions, step)
@@ -434,9 +434,8 @@ class SequenceGate:
             self.state, actions = promotion.decide(self.state, promotion.Candidate(v), self.rule)
         else:
             self.nets[v] = candidate
-            incumbent = ServingParams.from_wire(candidate.manifest.serving).incumbent
             reanchor = candidate.manifest.reason == "reset"
-            event = promotion.ServedAtOnce(v, reanchor, incumbent, copy_of(candidate.manifest))
+            event = promotion.ServedAtOnce(v, reanchor, incumbent_of(candidate.manifest), copy_of(candidate.manifest))
             self.state, actions = promotion.decide(self.state, event, self.rule)
             self.serve(candidate)
             self.clients_serve = v

@@ -88,7 +88,7 @@ class Look:
 Probed = tuple[Manifest, dict[str, torch.Tensor]]  # a probe as published: its manifest and weights
 
 
-def _incumbent(manifest: Manifest) -> bool:
+def incumbent_of(manifest: Manifest) -> bool:
     """Whether ``manifest`` says clients serve it as an incumbent (contract 1.17)."""
     return ServingParams.from_wire(manifest.serving).incumbent
 
@@ -148,7 +148,7 @@ def resume(manifest: Manifest, rule: Rule, epoch: int) -> State:
     >>> s.anchor, s.margin, s.baseline, resume(m, Rule(), epoch=1).anchor
     (3, 0.01, None, 0)
     """
-    incumbent = _incumbent(manifest)
+    incumbent = incumbent_of(manifest)
     margin = None if incumbent else certified_margin(manifest)
     if margin is not None and margin <= -rule.epsilon:
         log.warning("gate: v%d certified at %+.4f, not within ε: not the anchor", manifest.version, margin)
@@ -245,9 +245,9 @@ class RuleGate:
         if self.state is None:
             self.state = self._resume(manifest)
         elif manifest.reason == PROBE:
-            self.state, _ = decide(self.state, Probe(manifest.version, _incumbent(manifest)), self.rule)
+            self.state, _ = decide(self.state, Probe(manifest.version, incumbent_of(manifest)), self.rule)
         else:
-            event = ServedAtOnce(manifest.version, incumbent=_incumbent(manifest), copy_of=copy_of(manifest))
+            event = ServedAtOnce(manifest.version, incumbent=incumbent_of(manifest), copy_of=copy_of(manifest))
             self.state, _ = decide(self.state, event, self.rule)
 
     async def serve_at_once(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
@@ -257,7 +257,7 @@ class RuleGate:
             if self.state is None:
                 self.state = self._resume(manifest)
             else:
-                reset, incumbent = manifest.reason == "reset", _incumbent(manifest)
+                reset, incumbent = manifest.reason == "reset", incumbent_of(manifest)
                 event = ServedAtOnce(manifest.version, reset, incumbent, copy_of(manifest))
                 self.state, actions = decide(self.state, event, self.rule)
                 await self._carry(actions)
@@ -275,7 +275,7 @@ class RuleGate:
                 return False
             manifest, tensors = await publish()
             self._hold(manifest, network(tensors))
-            self.state, actions = decide(self.state, Probe(manifest.version, _incumbent(manifest)), self.rule)
+            self.state, actions = decide(self.state, Probe(manifest.version, incumbent_of(manifest)), self.rule)
             await self._carry(actions)
             self._serving_metrics(manifest)
             over = f" over the certified v{self.state.base}" if self.state.base is not None else ""
