@@ -25,6 +25,7 @@ from pipeline import kafka
 from pipeline.cli.answers import carries, send_and_wait, silent, who_asks
 from pipeline.cli.common import resolve_bootstrap, settings_from
 from pipeline.config import Connection, Settings
+from pipeline.learner.publishing import is_promotion_copy
 from pipeline.learner.store import LOCAL_VERSIONS, LocalStore, local_dir
 from pipeline.modeltopic import scan_model_topic
 from topics.internal import Control
@@ -127,6 +128,26 @@ async def list_versions(bootstrap: str, settings: Settings) -> int:
     return 0
 
 
+def answers(m: Manifest, *, control_id: str, version: int, after: int) -> bool:
+    """Whether ``m`` is the learner's answer to the rollback command ``control_id`` (to
+    ``version``, sent when ``after`` was the newest version): it carries the command's id in
+    its audit entry, or, from a learner before that entry, it is a rollback to ``version``
+    published since. Never a copy the promotion rule asked for (contract 1.26), which may
+    republish the same version's weights at any time.
+
+    >>> def v9(**metrics):
+    ...     return Manifest("p", 9, 0.0, "rollback", {}, 0.5, 0.0, "a" * 64, 1, 1, metrics=metrics)
+    >>> answers(v9(rolled_back_to=4), control_id="c", version=4, after=8)
+    True
+    >>> answers(v9(rolled_back_to=4, promotion_copy=True), control_id="c", version=4, after=8)
+    False
+    """
+    if carries(m, "control", control_id):
+        return True
+    older = m.reason == "rollback" and m.metrics.get("rolled_back_to") == version and "control" not in m.metrics
+    return older and m.version > after and not is_promotion_copy(m.metrics)
+
+
 async def rollback(
     bootstrap: str,
     conn: Connection | Settings,
@@ -158,9 +179,7 @@ async def rollback(
     ctl = Control(command="rollback", ts=time.time(), reason=reason, details=details, id=f"rollback-{uuid.uuid4().hex}")
 
     def done(m: Manifest) -> bool:
-        # A learner before the command's audit entry: the newest rollback to that version.
-        older = m.reason == "rollback" and m.metrics.get("rolled_back_to") == version and "control" not in m.metrics
-        return carries(m, "control", ctl.id) or (older and m.version > newest.version)
+        return answers(m, control_id=ctl.id, version=version, after=newest.version)
 
     answer = await send_and_wait(bootstrap, conn, ctl, index, done, timeout, key)
     if answer.manifest is not None:

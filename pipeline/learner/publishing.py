@@ -374,6 +374,13 @@ class Publishing:
             kept.suppress(list(suppressed))
             tensors = kept.tensors()
         full = to_safetensors(tensors)
+        serving, params = source.serving, ServingParams.from_wire(source.serving)
+        if params.base is not None:
+            # A probe over a certified version this learner did not take as one (it could not read
+            # it): only a probe names a base (contract 1.23). Its copy is served as an incumbent,
+            # the client's own ranking but on the exploration share: what the promise is about.
+            log.warning("learner: v%d's copy cannot name v%d: served as an incumbent", version, params.base)
+            serving = replace(params, base=None, incumbent=True).to_wire()
         marks = {"rolled_back_to": version, "rollback_reason": reason, PROMOTION_COPY: True}
         manifest = await self.publisher.publish(
             full,
@@ -385,7 +392,7 @@ class Publishing:
             input_offsets=input_offsets,
             # Its weights on disk as every published version's (an operator may roll back to it).
             prepare=lambda m: self.store.save(m, tensors, {}, {}, full),
-            serving=source.serving,
+            serving=serving,
         )
         # Not recorded as the planner's own: the trainer's weights differ from it, so the next
         # checkpoint is a full snapshot.

@@ -30,7 +30,7 @@ from tests.integration.test_gate import BAD, GOOD, D, H, S, tilted
 from tests.unit.learner.test_evidence import recurring
 from topics.fields import PROBE
 from topics.internal import Experience
-from topics.manifest import Manifest
+from topics.manifest import Manifest, check_probe
 
 
 def manifest(version: int, reason: str = "periodic") -> Manifest:
@@ -375,3 +375,27 @@ async def test_a_guardrail_rollback_to_an_incumbent_first_policy_is_published_as
         None,
         True,
     )
+
+
+async def test_a_copy_of_a_probe_whose_base_the_learner_could_not_read_is_served_as_an_incumbent(
+    tmp_path: Path,
+) -> None:
+    """A learner restarted under a probe over v1 that it could not read takes the probe as its
+    first policy; the guardrail's rollback to it asks for a copy. Only a probe may name
+    ``serving.base`` (contract 1.23), so a copy naming it was rejected by every reader and never
+    served: the copy is served as an incumbent, the client's own ranking but on the exploration
+    share."""
+    config = Settings(embedding_dim=4, slots=8, hidden=8, device="cpu").learner()
+    trainer = PolicyTrainer(config.trainer)
+    pub = Publishing(RecordingProducer(), config, LocalStore(tmp_path), trainer.net.arch, Metrics())
+    assert pub.gate is not None
+    over_v1 = dataclasses.replace(
+        manifest(2, PROBE), serving=ServingParams(temperature=0.05, explore_rate=0.1, base=1).to_wire()
+    )
+    pub.gate.set_serving(over_v1, trainer.net.tensors())
+    assert pub.gate.state is not None and pub.gate.state.first == 2
+    copy = await pub.republish(2, reason="guardrail: v2 below similarity-only", metrics={}, input_offsets={})
+    assert copy is not None and copy.manifest.reason == "rollback"
+    check_probe(copy.manifest.reason, copy.manifest.serving, copy.manifest.version)  # what readers check
+    served = ServingParams.from_wire(copy.manifest.serving)
+    assert (served.base, served.incumbent, served.temperature, served.explore_rate) == (None, True, 0.05, 0.1)
