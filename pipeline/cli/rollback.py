@@ -128,12 +128,16 @@ async def list_versions(bootstrap: str, settings: Settings) -> int:
     return 0
 
 
+RULES_COPIES = ("guardrail:", "promoted v")  # how a learner before 1.26 names the copies its rule asked for
+
+
 def answers(m: Manifest, *, control_id: str, version: int, after: int) -> bool:
     """Whether ``m`` is the learner's answer to the rollback command ``control_id`` (to
     ``version``, sent when ``after`` was the newest version): it carries the command's id in
     its audit entry, or, from a learner before that entry, it is a rollback to ``version``
-    published since. Never a copy the promotion rule asked for (contract 1.26), which may
-    republish the same version's weights at any time.
+    published since. Never a copy the promotion rule asked for, which may republish the same
+    version's weights at any time: marked since contract 1.26, and by its reason before
+    (``guardrail: …``, ``promoted vN: …``).
 
     >>> def v9(**metrics):
     ...     return Manifest("p", 9, 0.0, "rollback", {}, 0.5, 0.0, "a" * 64, 1, 1, metrics=metrics)
@@ -141,11 +145,15 @@ def answers(m: Manifest, *, control_id: str, version: int, after: int) -> bool:
     True
     >>> answers(v9(rolled_back_to=4, promotion_copy=True), control_id="c", version=4, after=8)
     False
+    >>> answers(v9(rolled_back_to=4, rollback_reason="guardrail: v8 below"), control_id="c", version=4, after=8)
+    False
     """
     if carries(m, "control", control_id):
         return True
     older = m.reason == "rollback" and m.metrics.get("rolled_back_to") == version and "control" not in m.metrics
-    return older and m.version > after and not is_promotion_copy(m.metrics)
+    reason = m.metrics.get("rollback_reason")
+    rules = is_promotion_copy(m.metrics) or (isinstance(reason, str) and reason.startswith(RULES_COPIES))
+    return older and m.version > after and not rules
 
 
 async def rollback(

@@ -380,7 +380,7 @@ class Publishing:
             # it): only a probe names a base (contract 1.23). Its copy is served as an incumbent,
             # the client's own ranking but on the exploration share: what the promise is about.
             log.warning("learner: v%d's copy cannot name v%d: served as an incumbent", version, params.base)
-            serving = replace(params, base=None, incumbent=True).to_wire()
+            serving = first_serving(replace(params, base=None), True, "rollback", 0, incumbent=True).to_wire()
         marks = {"rolled_back_to": version, "rollback_reason": reason, PROMOTION_COPY: True}
         manifest = await self.publisher.publish(
             full,

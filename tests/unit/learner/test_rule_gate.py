@@ -22,7 +22,7 @@ from pipeline.learner import evidence
 from pipeline.learner.evidence import PER_LOOK
 from pipeline.learner.gate import BASELINE, RuleGate, certified, resume
 from pipeline.learner.promotion import SIMILARITY, Rule, State, probe_base
-from pipeline.learner.publishing import Publishing
+from pipeline.learner.publishing import FRESH_TEMPERATURE, Publishing
 from pipeline.learner.store import LocalStore
 from pipeline.metrics import Metrics
 from tests.integration.test_delta_checkpoints import RecordingProducer
@@ -398,4 +398,5 @@ async def test_a_copy_of_a_probe_whose_base_the_learner_could_not_read_is_served
     assert copy is not None and copy.manifest.reason == "rollback"
     check_probe(copy.manifest.reason, copy.manifest.serving, copy.manifest.version)  # what readers check
     served = ServingParams.from_wire(copy.manifest.serving)
-    assert (served.base, served.incumbent, served.temperature, served.explore_rate) == (None, True, 0.05, 0.1)
+    assert (served.base, served.incumbent, served.explore_rate) == (None, True, 0.1)
+    assert served.temperature == FRESH_TEMPERATURE  # as every incumbent's (clients before 1.17 serve it)
