@@ -169,7 +169,7 @@ class Settings:
     gate: bool = setting(True, "publish candidates; serve only what the promotion rule promotes (docs/promotion.md)")
     gate_delta: float = setting(0.05, "the error rate of the whole run's promise (docs/promotion.md)")
     gate_epsilon: float = setting(0.02, "the margin: how much worse than similarity-only a served version may be")
-    gate_trial_decisions: int = setting(2000, "decisions the newest trial (and canary) gets before a newer candidate")
+    gate_trial_decisions: int = setting(1000, "decisions the newest trial (and canary) gets before a newer candidate")
     # -- serving: how clients serve the policy, recorded in each manifest (models/serving/params.py) --
     serve_temperature: float = setting(ServingParams.temperature, "T of the Plackett–Luce draw")
     serve_explore_rate: float = setting(ServingParams.explore_rate, "share of requests at serve_explore_temperature")

@@ -135,7 +135,7 @@ class Rule:
     delta: float = 0.05
     epsilon: float = 0.02
     max_trials: int = 3
-    trial_decisions: int = 2000
+    trial_decisions: int = 1000
 
     def __post_init__(self) -> None:
         if not 0.0 < self.delta < 1.0:
