@@ -139,7 +139,7 @@ def test_the_newest_trial_keeps_the_canary_until_it_has_had_its_decisions() -> N
     """The newest trial's candidate is the canary, whose draws are what a near-greedy log lacks.
     A newer candidate opened a trial as soon as the newest had the 200 decisions a bound needs,
     and took the canary: no trial kept its draws for longer, and on the demo's world the bounds
-    stayed ±1.5 after 600 decisions. At the defaults it now waits for 2,000."""
+    stayed ±1.5 after 600 decisions. At the defaults it now waits for 1,000 (2,000 until 2026-12-08)."""
     world = World(5)
     world.versions[2] = world.versions[3] = world.versions[4] = TOPK
     rule = Rule()
