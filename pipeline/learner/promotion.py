@@ -129,7 +129,8 @@ class Rule:
     trial_decisions
         The decisions the newest trial is fed before a newer candidate may start one (and take
         the canary). A trial passed over after ~200 decisions kept the canary's draws for only
-        that long, and its bounds stayed ±1 where they needed a few thousand (docs/promotion.md).
+        that long, and its bounds stayed ±1 on the demo's world; at 2,000 the served version lagged
+        the learner on the real-data world (docs/promotion.md, rule 2).
     """
 
     delta: float = 0.05
