@@ -353,8 +353,9 @@ class Publishing:
         the serving key, docs/contract.md §7), or the guardrail's rollback to the anchor or the
         first policy (contract 1.26). The trainer goes on untouched and is never restored from the copy
         (:func:`is_promotion_copy`): ``metrics`` and ``input_offsets`` are the learner's now, as
-        any checkpoint's. It is served as ``version`` was published, and carries its
-        certification. ``fresh_rows``: slots given to a memory after ``version`` whose records
+        any checkpoint's. It is served as ``version`` was published (a probe naming a base, which
+        only a probe may, as an incumbent), and carries its certification. ``fresh_rows``: slots
+        given to a memory after ``version`` whose records
         the copy's version follows; ``version``'s weights hold an earlier owner's rows there:
         neutral in the copy. ``suppressed``: the slots an operator suppresses now ("do not use"),
         suppressed in the copy too (a rollback's copy of an older version would serve them again).
